@@ -1,0 +1,1 @@
+"""The command line: one thin Typer file per stage, mounted from the flat list in main.py."""

@@ -1,0 +1,60 @@
+"""Entry point: mounts each stage's Typer app or command from one flat list.
+
+A stage module exposes either `app` (a group of subcommands, e.g. `model init`) or `command`
+(one command, e.g. `convert`). Stages import torch lazily so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import typer
+
+from sparse_rl import __version__
+
+# (name, module, help). Only stages that exist are listed: nothing here is a stub.
+STAGES: list[tuple[str, str, str]] = [
+    ("model", "sparse_rl.cli.model", "Create small offline models (random init + local tokenizer)."),
+    ("convert", "sparse_rl.cli.convert", "Add a sparse-attention selector to a dense HF checkpoint."),
+    ("demo", "sparse_rl.cli.demo", "Run the whole chain on a tiny model, offline, on a CPU."),
+]
+
+app = typer.Typer(
+    name="sparse-rl",
+    help="LLM post-training with trainable sparse attention (DSA) and sparse-rollout GRPO.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"sparse-rl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True,
+                                           help="Print the version and exit."),
+) -> None:
+    """sparse-rl: each stage reads and writes files, so stages chain in shell scripts."""
+
+
+for _name, _module, _help in STAGES:
+    _mod = importlib.import_module(_module)
+    if hasattr(_mod, "app"):
+        app.add_typer(_mod.app, name=_name, help=_help)
+    else:
+        app.command(_name, help=_help)(_mod.command)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""File helpers shared by every stage: JSONL with line-numbered errors, `-` for stdin/stdout,
+and atomic writes (temp file or temp directory, then rename) so a killed run never leaves a
+half-written output behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Iterable, Iterator
+
+from sparse_rl.errors import SparseRLError, UsageError
+
+
+def _name(path: str | Path) -> str:
+    return "<stdin>" if str(path) == "-" else str(path)
+
+
+def iter_jsonl(path: str | Path, required: Iterable[str] = (), any_of: Iterable[str] = ()) -> Iterator[dict]:
+    """Yield records of a JSONL file (or stdin for `-`), checking them as they stream.
+
+    Raises SparseRLError naming the file and line on bad JSON, a non-object line, a missing
+    `required` field, or none of `any_of` present. Blank lines are skipped.
+    """
+    required, any_of = tuple(required), tuple(any_of)
+    name = _name(path)
+    if str(path) == "-":
+        fh: IO[str] = sys.stdin
+        close = False
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise SparseRLError(f"{name}: file not found")
+        fh = p.open("r", encoding="utf-8")
+        close = True
+    try:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SparseRLError(f"{name} line {lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(rec, dict):
+                raise SparseRLError(f"{name} line {lineno}: expected a JSON object, got {type(rec).__name__}")
+            for key in required:
+                if key not in rec:
+                    raise SparseRLError(f"{name} line {lineno}: missing field '{key}'")
+            if any_of and not any(k in rec for k in any_of):
+                raise SparseRLError(f"{name} line {lineno}: needs one of the fields {', '.join(repr(k) for k in any_of)}")
+            yield rec
+    finally:
+        if close:
+            fh.close()
+
+
+def read_jsonl(path: str | Path, required: Iterable[str] = (), any_of: Iterable[str] = ()) -> list[dict]:
+    return list(iter_jsonl(path, required, any_of))
+
+
+def dumps(rec: Any) -> str:
+    return json.dumps(rec, ensure_ascii=False)
+
+
+@contextlib.contextmanager
+def open_output(path: str | Path | None, force: bool = True):
+    """Open an output for writing: stdout for `-`/None, else a temp file renamed into place on
+    success (removed on failure), so the target is either complete or absent."""
+    if path is None or str(path) == "-":
+        yield sys.stdout
+        sys.stdout.flush()
+        return
+    p = Path(path)
+    if p.exists() and not force:
+        raise UsageError(f"{p}: exists already (pass --force to overwrite)")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            yield fh
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_jsonl(path: str | Path | None, records: Iterable[dict]) -> int:
+    n = 0
+    with open_output(path) as fh:
+        for rec in records:
+            fh.write(dumps(rec) + "\n")
+            n += 1
+    return n
+
+
+def append_jsonl(path: str | Path, rec: dict) -> None:
+    """Append one record and flush it to disk (metrics logs: a crash loses at most the current line)."""
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(dumps(rec) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    with open_output(path) as fh:
+        fh.write(text)
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, force: bool = False, flag: str = "OUT"):
+    """Build a directory under a temporary name beside `path` and rename it into place at the end.
+
+    On any failure the temporary directory is removed and `path` is untouched. An existing `path`
+    is an error unless `force`, in which case it is replaced only once the new one is complete.
+    """
+    p = Path(path)
+    if p.exists() and not force:
+        raise UsageError(f"{flag} {p}: exists already (pass --force to overwrite)")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent))
+    try:
+        yield tmp
+        if p.exists():
+            old = p.with_name(f".{p.name}.old-{os.getpid()}")
+            os.replace(p, old)
+            os.replace(tmp, p)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, p)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
