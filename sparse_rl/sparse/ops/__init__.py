@@ -1,0 +1,79 @@
+"""Public sparse-attention ops. Each lives in `ops/<op>/` with the PyTorch reference in `naive.py`
+and, where written, a Triton kernel in `triton.py` exposing a function of the same name and
+signature. `backend="auto"` picks Triton for CUDA tensors, the reference elsewhere
+(`SPARSE_RL_BACKEND=torch|triton` forces either)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+from sparse_rl.sparse.ops._backend import resolve_backend
+from sparse_rl.sparse.ops.block_select.naive import block_select_naive
+from sparse_rl.sparse.ops.indexer_topk.naive import indexer_scores_naive, indexer_topk_naive, visible_mask
+from sparse_rl.sparse.ops.sparse_attention.naive import dense_attention_naive, sparse_attention_naive
+
+__all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_scores", "block_select",
+           "visible_mask", "dense_attention_naive", "kernel"]
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(op: str, name: str | None = None):
+    """The Triton implementation `ops/<op>/triton.py:<name>`, or None when it does not exist."""
+    try:
+        mod = importlib.import_module(f"sparse_rl.sparse.ops.{op}.triton")
+    except ImportError:
+        return None
+    return getattr(mod, name or op, None)
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
+                     scale: float | None = None, *, backend: str = "auto"):
+    """Attention over selected keys. q `[B, T, H, D]`, k/v `[B, S, H_kv, D]`, indices `[B, T, K]`
+    int32 (-1 = none) -> (out `[B, T, H, D]`, lse `[B, T, H]` float32). Differentiable in q, k, v."""
+    fn = kernel("sparse_attention")
+    if resolve_backend(backend, q, fn is not None) == "triton":
+        return fn(q, k, v, indices, scale)
+    return sparse_attention_naive(q, k, v, indices, scale)
+
+
+def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor,
+                  scale: float | None = None, *, backend: str = "auto"):
+    """One decode step. q `[B, H, D]`, caches `[B, S_max, H_kv, D]`, indices `[B, K]` (-1 = none;
+    each row names only filled cache slots) -> (out `[B, H, D]`, lse `[B, H]`)."""
+    fn = kernel("sparse_attention", "sparse_decode")
+    if resolve_backend(backend, q, fn is not None) == "triton":
+        return fn(q, k_cache, v_cache, indices, scale)
+    out, lse = sparse_attention_naive(q[:, None], k_cache, v_cache, indices[:, None], scale)
+    return out[:, 0], lse[:, 0]
+
+
+def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk: int, *, q_offset: int = 0,
+                 sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None, backend: str = "auto"):
+    """Lightning-indexer scores + causal top-k. q_idx `[B, T, H_I, D_I]`, w `[B, T, H_I]`,
+    k_idx `[B, S, D_I]` -> `[B, T, topk]` int32 key positions (ascending, -1 padded)."""
+    fn = kernel("indexer_topk")
+    if resolve_backend(backend, q_idx, fn is not None) == "triton":
+        return fn(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window, kv_start=kv_start)
+    return indexer_topk_naive(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
+                              kv_start=kv_start)
+
+
+def indexer_scores(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, *, q_offset: int = 0,
+                   kv_start: torch.Tensor | None = None, t0: int = 0) -> torch.Tensor:
+    """Differentiable indexer scores `[B, T, S]` float32 (-inf where not visible), for training."""
+    return indexer_scores_naive(q_idx, w, k_idx, q_offset=q_offset, kv_start=kv_start, t0=t0)
+
+
+def block_select(q: torch.Tensor, k: torch.Tensor, block_size: int, topk_blocks: int, *, q_offset: int = 0,
+                 sink_blocks: int = 1, recent_blocks: int = 2, kv_start: torch.Tensor | None = None,
+                 backend: str = "auto"):
+    """Block selector. q `[B, T, H, D]`, k `[B, S, H_kv, D]` -> `[B, T, topk_blocks*block_size]` int32."""
+    fn = kernel("block_select")
+    if resolve_backend(backend, q, fn is not None) == "triton":
+        return fn(q, k, block_size, topk_blocks, q_offset=q_offset, sink_blocks=sink_blocks,
+                  recent_blocks=recent_blocks, kv_start=kv_start)
+    return block_select_naive(q, k, block_size, topk_blocks, q_offset=q_offset, sink_blocks=sink_blocks,
+                              recent_blocks=recent_blocks, kv_start=kv_start)

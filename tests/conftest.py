@@ -1,0 +1,18 @@
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny llama model dir built once per session by the real CLI (`sparse-rl model init`)."""
+    from typer.testing import CliRunner
+
+    from sparse_rl.cli.main import app
+
+    out = tmp_path_factory.mktemp("models") / "tiny-llama"
+    res = CliRunner().invoke(app, ["model", "init", str(out), "--arch", "llama", "--size", "tiny", "--seed", "0"])
+    assert res.exit_code == 0, res.output
+    return out
