@@ -1,0 +1,243 @@
+"""Rewards: shaping penalties, the built-in math verifier, and loading a user's reward function.
+
+A reward function has the signature `(completions: list[dict], tasks: list[dict]) -> list[float | None]`
+(completion and task records as in DESIGN.md; completions[i] answers tasks[i]). None means "no
+verdict": the trainer skips that task. `load_reward_fn(spec)` returns a `RewardFn` that calls the
+function and turns every way it can misbehave into a one-line SparseRLError naming the function
+and the task id.
+
+Shaping registry `SHAPING`: `fn(lengths [N], *, max_len, cache_len, coef) -> penalties [N]` (<= 0,
+added to the verifier's reward), lengths = completion lengths in tokens.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+import re
+import sys
+import threading
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from sparse_rl.errors import SparseRLError, UsageError
+from sparse_rl.rl.algos.registry import Registry
+
+SHAPING = Registry("reward shaping")
+
+
+def _lengths(lengths) -> torch.Tensor:
+    return (lengths if isinstance(lengths, torch.Tensor) else torch.tensor(list(lengths))).float()
+
+
+@SHAPING.register("overlong")
+def overlong_penalty(lengths: torch.Tensor | Sequence[int], *, max_len: int, cache_len: int, coef: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), times `coef`.
+
+    0 for |y| <= max_len - cache_len; ((max_len - cache_len) - |y|) / cache_len, falling linearly
+    from 0 to -1, inside the last `cache_len` tokens; -1 beyond max_len. Punishing truncation softly
+    keeps a reasonable answer that ran slightly long from getting the same signal as garbage.
+    lengths `[N]` -> penalties `[N]` float32.
+    """
+    if not 0 < cache_len <= max_len:
+        raise ValueError(f"overlong penalty needs 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
+    n = _lengths(lengths)
+    soft = max_len - cache_len
+    pen = ((soft - n) / cache_len).clamp(-1.0, 0.0)
+    return coef * torch.where(n > max_len, torch.full_like(pen, -1.0), pen)
+
+
+@SHAPING.register("length")
+def length_penalty(lengths: torch.Tensor | Sequence[int], *, max_len: int, cache_len: int = 0, coef: float = 1.0) -> torch.Tensor:
+    """Linear length penalty -coef * |y| / max_len: every token costs the same (cache_len unused).
+
+    lengths `[N]` -> penalties `[N]` float32.
+    """
+    return -coef * _lengths(lengths) / float(max_len)
+
+
+# ----------------------------------------------------------------------------- built-in math reward
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def _last_number(text: str) -> str | None:
+    found = _NUMBER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def _timeouts() -> dict:
+    # math-verify's timeouts use SIGALRM, which only the main thread may set; elsewhere run without.
+    main = threading.current_thread() is threading.main_thread()
+    return {"parsing_timeout": 5 if main else None}
+
+
+def _parse(text: str) -> list:
+    from math_verify import parse
+
+    parsed = parse(text, **_timeouts())
+    if not parsed:
+        num = _last_number(text)
+        if num is not None:
+            parsed = parse(num, **_timeouts())
+    return parsed
+
+
+def math_verdict(completion_text: str, answer) -> float | None:
+    """1.0 if the completion's final answer equals `answer` under math-verify, else 0.0; None if the gold cannot be parsed.
+
+    The gold is parsed as LaTeX (wrapped in \\boxed{} unless it already has $ or \\boxed), the
+    completion with math-verify's default extraction (boxed answers first); when either finds
+    nothing, the last number in the text is used. `verify(gold, pred)` takes the gold first.
+    """
+    from math_verify import verify
+
+    gold_text = str(answer).strip()
+    gold = _parse(gold_text if ("$" in gold_text or "\\boxed" in gold_text) else "\\boxed{" + gold_text + "}")
+    if not gold:
+        return None
+    pred = _parse(completion_text)
+    if not pred:
+        return 0.0
+    main = threading.current_thread() is threading.main_thread()
+    return 1.0 if verify(gold, pred, timeout_seconds=5 if main else None) else 0.0
+
+
+def math_reward(completions: list[dict], tasks: list[dict]) -> list[float | None]:
+    """Built-in reward for tasks with an `answer`: `math_verdict(completion["completion"], task["answer"])`."""
+    out: list[float | None] = []
+    for comp, task in zip(completions, tasks):
+        if task.get("answer") is None:
+            raise SparseRLError("the task has no 'answer' field; the math reward compares the completion against it")
+        out.append(math_verdict(str(comp.get("completion", "")), task["answer"]))
+    return out
+
+
+BUILTIN_REWARDS: dict[str, Callable] = {"math": math_reward}
+
+
+# ----------------------------------------------------------------------------- loading user functions
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+class RewardFn:
+    """A reward function wrapped with validation. Call as `fn(completions, tasks) -> list[float | None]`.
+
+    Raises SparseRLError (one line, naming `name` and the task id) when the function raises, returns
+    the wrong number of values, or returns NaN/inf or a non-number. When a batch call raises, the
+    tasks are retried one at a time to name the first one that fails.
+    """
+
+    def __init__(self, fn: Callable, name: str):
+        self.fn = fn
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"RewardFn({self.name})"
+
+    def __call__(self, completions: list[dict], tasks: list[dict]) -> list[float | None]:
+        if len(completions) != len(tasks):
+            raise ValueError(f"{len(completions)} completions for {len(tasks)} tasks")
+        ids = [t.get("id", c.get("id")) for c, t in zip(completions, tasks)]
+        try:
+            out = self.fn(completions, tasks)
+        except Exception as batch_err:  # noqa: BLE001 - any failure of user code becomes one clear line
+            self._raise_for_first_failure(completions, tasks, ids, batch_err)
+        try:
+            values = list(out)
+        except TypeError:
+            raise SparseRLError(
+                f"reward function {self.name} returned {type(out).__name__}, expected a list of floats or None "
+                f"(batch starting at task id {ids[0] if ids else '-'})"
+            ) from None
+        if len(values) != len(completions):
+            raise SparseRLError(
+                f"reward function {self.name} returned {len(values)} rewards for {len(completions)} completions "
+                f"(batch starting at task id {ids[0] if ids else '-'}); return one value per completion"
+            )
+        return [self._check(v, tid) for v, tid in zip(values, ids)]
+
+    def _check(self, v, tid) -> float | None:
+        if v is None:
+            return None
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise SparseRLError(f"reward function {self.name} returned {v!r} for task id {tid}; expected a float or None")
+        f = float(v)
+        if not math.isfinite(f):
+            raise SparseRLError(f"reward function {self.name} returned {f} for task id {tid}; rewards must be finite (None skips a task)")
+        return f
+
+    def _raise_for_first_failure(self, completions, tasks, ids, batch_err: Exception):
+        for c, t, tid in zip(completions, tasks, ids):
+            try:
+                self.fn([c], [t])
+            except Exception as e:  # noqa: BLE001
+                raise SparseRLError(
+                    f"reward function {self.name} raised {type(e).__name__} on task id {tid}: {_one_line(e)}"
+                ) from e
+        span = f"{ids[0]}..{ids[-1]}" if ids else "-"
+        raise SparseRLError(
+            f"reward function {self.name} raised {type(batch_err).__name__} on the batch of task ids {span} "
+            f"(each task alone succeeds): {_one_line(batch_err)}"
+        ) from batch_err
+
+
+def _import_file(path: Path, spec: str, key: str):
+    if not path.is_file():
+        raise UsageError(f"{key}: {spec!r}: file {path} does not exist")
+    mod_name = f"sparse_rl_user_reward_{abs(hash(str(path.resolve())))}"
+    mspec = importlib.util.spec_from_file_location(mod_name, path)
+    if mspec is None or mspec.loader is None:
+        raise UsageError(f"{key}: {spec!r}: cannot import {path} as a Python module")
+    module = importlib.util.module_from_spec(mspec)
+    sys.modules[mod_name] = module
+    try:
+        mspec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001
+        del sys.modules[mod_name]
+        raise SparseRLError(f"{key}: importing {path} failed: {type(e).__name__}: {_one_line(e)}") from e
+    return module
+
+
+def load_reward_fn(spec: str, *, key: str = "reward_fn") -> RewardFn:
+    """Resolve a reward function: a built-in name (`math`), `package.module:function`, or `path/to/file.py:function`.
+
+    `key` is the config key or flag the spec came from, named in errors. Unknown names, missing
+    modules/files/attributes and non-callables are UsageErrors; a module that fails while importing
+    is a SparseRLError. Returns a validating `RewardFn`.
+    """
+    spec = str(spec).strip()
+    if ":" not in spec:
+        if spec in BUILTIN_REWARDS:
+            return RewardFn(BUILTIN_REWARDS[spec], spec)
+        raise UsageError(
+            f"{key}: unknown reward {spec!r}; use a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) "
+            f"or 'module:function' / 'path/to/file.py:function'"
+        )
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise UsageError(f"{key}: {spec!r} must look like 'module:function' or 'path/to/file.py:function'")
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        module = _import_file(Path(target).expanduser(), spec, key)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as e:
+            raise UsageError(f"{key}: {spec!r}: cannot import module {target!r} ({_one_line(e)}); check the name or PYTHONPATH") from e
+        except Exception as e:  # noqa: BLE001
+            raise SparseRLError(f"{key}: importing module {target!r} failed: {type(e).__name__}: {_one_line(e)}") from e
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise UsageError(f"{key}: {spec!r}: {target} has no attribute {attr!r}")
+    if not callable(fn):
+        raise UsageError(f"{key}: {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
+    return RewardFn(fn, spec)
