@@ -1,0 +1,302 @@
+"""Run untrusted Python in a subprocess with hard limits.
+
+What is enforced, and where (`run_python(...).enforced` reports the platform-dependent ones):
+
+  kernel, always (POSIX rlimits set in the child before exec, inherited by everything it spawns):
+    - RLIMIT_CPU     CPU seconds; SIGXCPU then SIGKILL               -> status "cpu_limit"
+    - RLIMIT_AS      address space; allocations fail (MemoryError)   -> status "memory_limit"
+    - RLIMIT_FSIZE   largest file the child may write, incl. its captured stdout/stderr, so an
+                     output flood or a disk-filling loop stops at the cap -> "output_limit"
+    - RLIMIT_NPROC   processes+threads of the child's uid (fork bombs)
+    - RLIMIT_NOFILE, RLIMIT_CORE=0
+  parent, always:
+    - wall clock: after `wall_s` the child's whole process group (its own session) is SIGKILLed
+      -> "timeout"; the group is also killed after a normal exit, so no background child survives.
+    - clean environment (only PATH, LANG, HOME=cwd), private temporary working directory that is
+      deleted afterwards, `python -I` (no user site, no PYTHON* variables); stdout truncated to
+      `output_bytes` when read back.
+  kernel, where the platform allows:
+    - network: a new, empty network namespace (unshare(CLONE_NEWNET); as root directly, otherwise
+      with a user namespace). `enforced["network_namespace"]` says whether it took.
+    - uid: as root the child drops to uid/gid 65534 (nobody), because Linux never applies
+      RLIMIT_NPROC to uid 0; it then needs an interpreter that user can execute (we probe
+      sys.executable, then python3 on PATH). `enforced["uid_drop"]` says whether it did.
+  in-process guard (a `sys.addaudithook` installed before the user code; hooks cannot be removed):
+    - writes, renames, deletes, symlinks and chmods outside the working directory raise
+      PermissionError (symlinks and `..` are resolved first) -> status "blocked";
+    - sockets (connect/bind/sendto/getaddrinfo) raise, for platforms without a network namespace;
+    - subprocess/exec/spawn/os.system and importing ctypes raise, so the guard cannot be bypassed by
+      a child program;
+    - os.fork is also blocked when RLIMIT_NPROC cannot bind (root without a uid to drop to).
+  The guard is a second layer, not a security boundary on its own; the kernel limits are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from functools import lru_cache
+from pathlib import Path
+
+NOBODY = 65534
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+
+
+@dataclasses.dataclass
+class Limits:
+    cpu_s: int = 2
+    wall_s: float = 5.0
+    memory_mb: int = 512
+    nproc: int = 32
+    output_bytes: int = 16_000
+    file_bytes: int = 2_000_000
+    nofile: int = 64
+
+
+@dataclasses.dataclass
+class ExecResult:
+    status: str  # ok | error | timeout | cpu_limit | memory_limit | output_limit | blocked
+    returncode: int | None
+    stdout: str
+    stderr: str
+    wall_s: float
+    truncated: bool
+    enforced: dict
+
+    def summary(self, max_chars: int = 2000) -> str:
+        """What a tool call shows the model: status line, then stdout and stderr (clipped)."""
+        parts = [] if self.status == "ok" else [f"[sandbox: {self.status}, exit code {self.returncode}]"]
+        if self.stdout:
+            parts.append(self.stdout[:max_chars] + ("\n[... output truncated]" if self.truncated or len(self.stdout) > max_chars else ""))
+        if self.stderr and self.status != "ok":
+            parts.append("stderr:\n" + self.stderr[-max_chars:])
+        return "\n".join(parts) if parts else "(no output)"
+
+
+_GUARD = r'''
+import os, sys
+_root = os.path.realpath(os.getcwd())
+_src_path = sys.argv[1]
+with open(_src_path) as _f:
+    _src = _f.read()
+_block_fork = sys.argv[2] == "1"
+_W = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+def _inside(p, dir_fd=None):
+    if isinstance(p, int):
+        return True
+    try:
+        p = os.fsdecode(p)
+    except Exception:
+        return False
+    rp = os.path.realpath(p)
+    return rp == _root or rp.startswith(_root + os.sep)
+def _deny(msg):
+    raise PermissionError("sandbox: " + msg)
+_PATH_EVENTS = {"os.remove": 1, "os.rename": 2, "os.mkdir": 1, "os.rmdir": 1, "os.symlink": 2,
+                "os.link": 2, "os.truncate": 1, "os.chmod": 1, "os.chown": 1, "os.utime": 1,
+                "shutil.rmtree": 1, "shutil.copyfile": 2, "os.mkfifo": 1, "os.mknod": 1}
+def _hook(event, args):
+    if event == "open":
+        path, mode, flags = args
+        if path is None or isinstance(path, int):
+            return
+        wr = (isinstance(flags, int) and flags & _W) or (isinstance(mode, str) and any(c in mode for c in "wax+"))
+        if wr and not _inside(path):
+            _deny(f"write outside the working directory: {os.fsdecode(path)}")
+    elif event in _PATH_EVENTS:
+        n = _PATH_EVENTS[event]
+        paths = list(args[:n])
+        if event == "os.symlink":  # the link must live inside and point inside
+            paths = [os.path.join(os.path.dirname(os.fsdecode(args[1])), os.fsdecode(args[0])), args[1]]
+        for p in paths:
+            if p is not None and not _inside(p):
+                _deny(f"{event} outside the working directory: {p}")
+    elif event.startswith("socket.") and event in ("socket.connect", "socket.bind", "socket.sendto",
+                                                   "socket.sendmsg", "socket.getaddrinfo", "socket.gethostbyname"):
+        _deny("network access is disabled")
+    elif event in ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.startfile", "pty.spawn"):
+        _deny("starting programs is disabled")
+    elif event == "import" and args[0] in ("ctypes", "_ctypes"):
+        _deny("ctypes is disabled")
+    elif event in ("ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata"):
+        _deny("ctypes is disabled")
+    elif _block_fork and event == "os.fork":
+        _deny("fork is disabled on this platform (RLIMIT_NPROC cannot bind)")
+sys.addaudithook(_hook)
+del _f
+sys.argv = ["main.py"]
+_g = {"__name__": "__main__", "__builtins__": __builtins__}
+exec(compile(_src, "main.py", "exec"), _g)
+'''
+
+
+@lru_cache(maxsize=1)
+def _libc():
+    # Loaded in the parent: importing or dlopen-ing between fork and exec could deadlock.
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _preexec(limits: Limits, drop_uid: bool, want_netns: bool):
+    """Runs in the child between fork and exec: namespaces first (needs privileges), then rlimits,
+    then the uid drop. It must not allocate much or take locks; it only makes syscalls."""
+    mem = limits.memory_mb * 1024 * 1024
+    unshare = _libc().unshare
+
+    def fn():
+        if want_netns:
+            try:
+                unshare(CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWUSER | CLONE_NEWNET)
+            except Exception:
+                pass
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.nofile, limits.nofile))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits.nproc, limits.nproc))
+        if drop_uid:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+
+    return fn
+
+
+@lru_cache(maxsize=1)
+def platform_support() -> dict:
+    """Probe once what this machine lets us enforce: which interpreter, uid drop, net namespace."""
+    root = os.geteuid() == 0
+    candidates = [sys.executable] + [p for p in (shutil.which("python3"), "/usr/bin/python3") if p]
+    python, drop = sys.executable, False
+    if root:
+        for cand in dict.fromkeys(candidates):
+            try:
+                r = subprocess.run([cand, "-I", "-c", "print(1)"], capture_output=True, timeout=10,
+                                   preexec_fn=_preexec(Limits(), True, False), env={"PATH": "/usr/bin:/bin"})
+            except Exception:
+                continue
+            if r.returncode == 0 and r.stdout.strip() == b"1":
+                python, drop = cand, True
+                break
+    netns = False
+    try:
+        mine = os.readlink("/proc/self/ns/net")
+        r = subprocess.run([python, "-I", "-c", "import os; print(os.readlink('/proc/self/ns/net'))"],
+                           capture_output=True, timeout=10, preexec_fn=_preexec(Limits(), drop, True),
+                           env={"PATH": "/usr/bin:/bin"})
+        netns = r.returncode == 0 and r.stdout.strip().decode() not in ("", mine)
+    except Exception:
+        pass
+    return {"python": python, "uid_drop": drop, "network_namespace": netns,
+            "nproc_limit": (not root) or drop}
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the child's whole process group (its session) and reap the leader; repeat while
+    members remain (a forking group may need a few rounds; orphans are reaped by init)."""
+    pgid = proc.pid
+    deadline = time.monotonic() + 10.0  # zombies linger until init reaps them; some inits are slow
+    i = 0
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            break
+        except PermissionError:
+            pass
+        if i == 0:
+            proc.wait()
+        if not _group_alive(pgid):
+            break
+        i += 1
+        time.sleep(0.01)
+    proc.wait()
+
+
+def run_python(code: str, limits: Limits | None = None, workdir: str | Path | None = None,
+               guard: bool = True) -> ExecResult:
+    """Run `code` as `main.py` in `workdir` (a fresh private temp dir if None) under `limits`.
+
+    A given `workdir` is reused (a stateful tool keeps files between calls) and must be private to
+    the caller; it is made writable for the sandbox uid.
+    """
+    limits = limits or Limits()
+    sup = platform_support()
+    own_dir = workdir is None
+    wd = Path(tempfile.mkdtemp(prefix="sparse-rl-sbx-")) if own_dir else Path(workdir)
+    cap = Path(tempfile.mkdtemp(prefix="sparse-rl-cap-"))
+    try:
+        src = cap / "main.py"
+        src.write_text(code)
+        os.chmod(cap, 0o755)
+        os.chmod(src, 0o644)
+        if sup["uid_drop"]:
+            for p in [wd, *wd.rglob("*")]:
+                os.lchown(p, NOBODY, NOBODY)
+        with open(cap / "stdout", "wb") as out, open(cap / "stderr", "wb") as err:
+            env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(wd)}
+            block_fork = "0" if sup["nproc_limit"] else "1"
+            argv = [sup["python"], "-I", "-X", "utf8"]
+            argv += ["-c", _GUARD, str(src), block_fork] if guard else [str(src)]
+            t0 = time.monotonic()
+            proc = subprocess.Popen(argv, cwd=wd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    start_new_session=True, close_fds=True,
+                                    preexec_fn=_preexec(limits, sup["uid_drop"], True))
+            timed_out = False
+            try:
+                proc.wait(timeout=limits.wall_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            _kill_group(proc)  # also kills stragglers left behind by a normal exit
+            wall = time.monotonic() - t0
+        out_size = (cap / "stdout").stat().st_size
+        with open(cap / "stdout", "rb") as fh:
+            stdout = fh.read(limits.output_bytes).decode("utf-8", "replace")
+        with open(cap / "stderr", "rb") as fh:
+            fh.seek(max(0, (cap / "stderr").stat().st_size - limits.output_bytes))
+            stderr = fh.read().decode("utf-8", "replace")
+        rc = proc.returncode
+        truncated = out_size > limits.output_bytes
+        if timed_out:
+            status = "timeout"
+        elif rc in (-signal.SIGXCPU, -signal.SIGKILL) and not timed_out:
+            status = "cpu_limit"
+        elif "MemoryError" in stderr:
+            status = "memory_limit"
+        elif out_size >= limits.file_bytes or "File too large" in stderr:
+            status = "output_limit"
+        elif "PermissionError: sandbox:" in stderr:
+            status = "blocked"
+        elif rc != 0:
+            status = "error"
+        else:
+            status = "ok"
+        if truncated and status == "ok":
+            status = "output_limit"
+        enforced = {k: sup[k] for k in ("uid_drop", "network_namespace", "nproc_limit")}
+        enforced["guard"] = guard
+        return ExecResult(status, rc, stdout, stderr, round(wall, 3), truncated, enforced)
+    finally:
+        shutil.rmtree(cap, ignore_errors=True)
+        if own_dir:
+            shutil.rmtree(wd, ignore_errors=True)
