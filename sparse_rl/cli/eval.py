@@ -1,0 +1,200 @@
+"""`sparse-rl eval math|niah`: math accuracy and pass@k; RULER-style needle-in-a-haystack grids.
+
+Thin layer: parse flags into the stage config dataclasses, call `sparse_rl.eval.*`, print the
+summary as a rich table on stderr and JSON on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from sparse_rl.cli.common import cli_errors, console
+from sparse_rl.errors import UsageError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Evaluate: math accuracy/pass@k from completions; NIAH prompt grids and their scores.")
+
+_CONFIG = typer.Option(None, "--config", help="YAML recipe; flags given here override it.")
+
+
+def _ints(flag: str, value: Optional[str]) -> Optional[list[int]]:
+    """'1k,4096,8K' -> [1024, 4096, 8192]."""
+    if value is None:
+        return None
+    out = []
+    for part in value.split(","):
+        p = part.strip().lower()
+        mult = 1024 if p.endswith("k") else 1
+        try:
+            out.append(int(p[:-1] if mult > 1 else p) * mult)
+        except ValueError:
+            raise UsageError(f"{flag} {value}: expected comma-separated integers (e.g. 1,4,8 or 1k,4k)") from None
+    return out
+
+
+def _floats(flag: str, value: Optional[str]) -> Optional[list[float]]:
+    if value is None:
+        return None
+    try:
+        return [float(p) for p in value.split(",")]
+    except ValueError:
+        raise UsageError(f"{flag} {value}: expected comma-separated numbers (e.g. 0,0.5,1)") from None
+
+
+def _strs(value: Optional[str]) -> Optional[list[str]]:
+    return None if value is None else [p.strip() for p in value.split(",") if p.strip()]
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+@app.command("math")
+def math_cmd(
+    score: Optional[str] = typer.Option(None, "--score", help="Completions JSONL to score ('-' = stdin)."),
+    problems: Optional[str] = typer.Option(None, "--problems",
+                                           help="Problems JSONL with gold answers, joined on id (not needed when "
+                                                "completions carry 'answer')."),
+    out: Optional[str] = typer.Option(None, "--out", help="Write per-problem results JSONL here."),
+    summary: Optional[str] = typer.Option(None, "--summary", help="Also write the summary JSON here."),
+    k: Optional[str] = typer.Option(None, "--k", help="pass@k values, e.g. 1,4,8 (default: 1,2,4,... up to n)."),
+    config: Optional[Path] = _CONFIG,
+) -> None:
+    """Score completions: answer extraction, math-verify equivalence, accuracy, pass@1, pass@k."""
+    with cli_errors():
+        from sparse_rl.config import load_config
+        from sparse_rl.eval.math_eval import MathEvalConfig, run
+
+        cfg = load_config(MathEvalConfig, config, {"score": score, "problems": problems, "out": out,
+                                                   "summary": summary, "k": _ints("--k", k)})
+        result, _ = run(cfg)
+        from rich.markup import escape
+        from rich.table import Table
+
+        table = Table(title="eval math")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for key in ("problems", "samples", "accuracy"):
+            table.add_row(key, _fmt(result[key]))
+        for kk, v in {"1": result["pass@1"], **result["pass@k"]}.items():
+            table.add_row(f"pass@{kk}", _fmt(v))
+        for task, t in result["by_task"].items():
+            table.add_row(escape(f"accuracy [{task}]"), _fmt(t["accuracy"]))
+        table.add_row("extraction", ", ".join(f"{m}={c}" for m, c in result["extraction"].items()))
+        if result.get("unscored_problems"):
+            table.add_row("problems without completions", str(result["unscored_problems"]))
+        console.print(table)
+        sys.stdout.write(json.dumps(result) + "\n")
+
+
+@app.command("niah")
+def niah_cmd(
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Local tokenizer or model dir (for building)."),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="single,multikey,multivalue,multiquery,vt"),
+    lengths: Optional[str] = typer.Option(None, "--lengths", help="Prompt lengths in tokens, e.g. 1k,4k,16k."),
+    depths: Optional[str] = typer.Option(None, "--depths", help="Needle depths in [0,1], e.g. 0,0.25,0.5,0.75,1."),
+    samples: Optional[int] = typer.Option(None, "--samples", help="Prompts per (task, length, depth) cell."),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    haystack: Optional[str] = typer.Option(None, "--haystack", help="Filler text file (default: repeated sentences)."),
+    prompts_out: Optional[str] = typer.Option(None, "--prompts-out", help="Build the grid: write prompts JSONL ('-' = stdout)."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="Prompts JSONL (from --prompts-out) to score."),
+    score: Optional[list[str]] = typer.Option(None, "--score", help="MODE=completions.jsonl, repeatable "
+                                                                    "(dense=..., sparse=...)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Results dir: cells.jsonl, summary.json, heatmaps."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out dir."),
+    config: Optional[Path] = _CONFIG,
+) -> None:
+    """Build RULER-style NIAH prompts at exact token lengths, or score completions into heatmaps.
+
+    Build: --tokenizer DIR --prompts-out FILE|-. Score: --prompts FILE --score dense=FILE
+    [--score sparse=FILE] --out DIR (cells.jsonl, summary.json, heatmap_<mode>.png, difference map).
+    """
+    with cli_errors():
+        from sparse_rl.config import load_config
+        from sparse_rl.eval.niah import NiahConfig
+
+        cfg = load_config(NiahConfig, config, {
+            "tokenizer": tokenizer, "tasks": _strs(tasks), "lengths": _ints("--lengths", lengths),
+            "depths": _floats("--depths", depths), "samples": samples, "seed": seed, "haystack": haystack,
+            "prompts_out": prompts_out, "prompts": prompts, "score": score or None, "out": out})
+        # Integration point: once `sparse_rl.rl.rollout` exists, `--model DIR` builds a greedy
+        # generate_fn per attention mode from the engine and calls niah_run.run_niah(prompts,
+        # {"dense": ..., "sparse": ...}, out), which resumes from the cells already in out/cells.jsonl.
+        if bool(cfg.prompts_out) == bool(cfg.score):
+            raise UsageError("give either --prompts-out FILE (build prompts) or --prompts FILE --score MODE=FILE "
+                             "--out DIR (score completions)")
+        if cfg.prompts_out:
+            _niah_build(cfg)
+        else:
+            _niah_score(cfg, force)
+
+
+def _niah_build(cfg) -> None:
+    from rich.progress import Progress
+
+    from sparse_rl.eval.niah import build_niah_prompts, load_tokenizer
+    from sparse_rl.io import write_jsonl
+
+    cfg.check()
+    if not cfg.tokenizer:
+        raise UsageError("--tokenizer DIR is required to build prompts at exact token lengths")
+    tok = load_tokenizer(cfg.tokenizer)
+    total = len(cfg.tasks) * len(cfg.lengths) * len(cfg.depths) * cfg.samples
+    with Progress(console=console, transient=True) as bar:
+        job = bar.add_task("building NIAH prompts", total=total)
+        recs = build_niah_prompts(tok, cfg, progress=lambda: bar.advance(job))
+    n = write_jsonl(cfg.prompts_out, recs)
+    console.print(f"wrote {n} NIAH prompts ({', '.join(cfg.tasks)}; lengths {cfg.lengths}; depths {cfg.depths})"
+                  f" to {'stdout' if cfg.prompts_out == '-' else cfg.prompts_out}")
+
+
+def _niah_score(cfg, force: bool) -> None:
+    from sparse_rl.eval.niah_run import score_niah_completions
+    from sparse_rl.io import atomic_dir, read_jsonl
+
+    if not cfg.prompts or not cfg.out:
+        raise UsageError("--score needs --prompts FILE (the prompts the completions answer) and --out DIR")
+    runs: dict[str, str] = {}
+    for item in cfg.score:
+        mode, sep, path = item.partition("=")
+        if not sep or not mode or not path:
+            raise UsageError(f"--score {item}: expected MODE=FILE, e.g. dense=dense.jsonl")
+        if mode in runs:
+            raise UsageError(f"--score {item}: mode '{mode}' given twice")
+        runs[mode] = path
+    if sum(p == "-" for p in [cfg.prompts, *runs.values()]) > 1:
+        raise UsageError("--prompts/--score: only one input can be stdin ('-')")
+    recs = read_jsonl(cfg.prompts, required=("id", "prompt", "answer", "task", "meta"))
+    for i, r in enumerate(recs, 1):
+        if not isinstance(r["answer"], list) or not all(isinstance(a, str) for a in r["answer"]) \
+                or not all(k in r["meta"] for k in ("length", "depth", "max_new_tokens")):
+            raise UsageError(f"--prompts {cfg.prompts} record {i}: not a NIAH prompt (build it with --prompts-out)")
+    completions = {m: read_jsonl(p) for m, p in runs.items()}
+    # Scoring is cheap, so it starts fresh in a temp dir renamed into place: a bad input writes nothing.
+    with atomic_dir(cfg.out, force=force, flag="--out") as tmp:
+        summary = score_niah_completions(recs, completions, tmp)
+    _niah_table(summary)
+    sys.stdout.write(json.dumps(summary) + "\n")
+
+
+def _niah_table(summary: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title="eval niah (string_match_all)")
+    table.add_column("mode")
+    table.add_column("mean", justify="right")
+    for t in summary["tasks"]:
+        table.add_column(t, justify="right")
+    for n in summary["lengths"]:
+        table.add_column(f"L={n}", justify="right")
+    for mode, m in summary["modes"].items():
+        table.add_row(mode, _fmt(m["mean"]), *[_fmt(m["by_task"][t]) for t in summary["tasks"]],
+                      *[_fmt(m["by_length"][str(n)]) for n in summary["lengths"]])
+    console.print(table)
+    if "difference" in summary:
+        console.print(f"sparse - dense: mean {_fmt(summary['difference']['sparse-dense']['mean'])}")

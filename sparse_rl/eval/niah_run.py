@@ -1,0 +1,198 @@
+"""Run a NIAH grid for one or more modes (e.g. dense and sparse), resumably, and draw it.
+
+A *cell* is (mode, task, length, depth): its prompts (one per sample) are answered together and
+scored with `string_match_all`; the cell's mean score is one line of `cells.jsonl`, appended as
+soon as the cell is done. Re-running with the same out dir skips the cells already there, after
+checking that they were built from the same prompts (a hash of the cell's prompt texts). At the
+end `summary.json` and the heatmaps are rewritten from all cells of the grid.
+
+Answers come from a *responder* per mode: either a `generate_fn(prompts: list[str],
+max_new_tokens: int) -> list[str]` (greedy decoding; the model-backed one is built from the
+rollout engine by the CLI) or the completions of an earlier `sparse-rl generate` run, joined on id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable, Mapping
+
+from sparse_rl.errors import SparseRLError
+from sparse_rl.eval.niah import string_match_all
+from sparse_rl.io import append_jsonl, atomic_write_json, iter_jsonl
+
+GenerateFn = Callable[[list[str], int], list[str]]
+Responder = Callable[[list[dict]], list[str]]
+
+CELLS_FILE = "cells.jsonl"
+SUMMARY_FILE = "summary.json"
+
+
+def _cell_of(rec: dict) -> tuple[str, int, float]:
+    m = rec["meta"]
+    return rec["task"], int(m["length"]), float(m["depth"])
+
+
+def _prompt_sha(records: list[dict]) -> str:
+    h = hashlib.sha256()
+    for r in records:
+        h.update(r["prompt"].encode())
+        h.update(b"\x00")
+    return h.hexdigest()[:16]
+
+
+def generate_fn_responder(fn: GenerateFn) -> Responder:
+    """Adapt a `generate_fn(prompts, max_new_tokens)` to records (one call per max_new_tokens value)."""
+
+    def respond(records: list[dict]) -> list[str]:
+        outs: list[str | None] = [None] * len(records)
+        by_budget: dict[int, list[int]] = defaultdict(list)
+        for i, r in enumerate(records):
+            by_budget[int(r["meta"]["max_new_tokens"])].append(i)
+        for budget, idx in sorted(by_budget.items()):
+            got = fn([records[i]["prompt"] for i in idx], budget)
+            if len(got) != len(idx):
+                raise SparseRLError(f"generate_fn returned {len(got)} outputs for {len(idx)} prompts")
+            for i, text in zip(idx, got):
+                outs[i] = text
+        return outs  # type: ignore[return-value]
+
+    return respond
+
+
+def completions_responder(completions: list[dict], prompts: list[dict], source: str) -> Responder:
+    """Answer prompts from completion records joined on `id` (`prompt_id` if present); checks up
+    front that every prompt has a completion so nothing is written for a mismatched file."""
+    by_id: dict[str, str] = {}
+    for i, rec in enumerate(completions, 1):
+        if "id" not in rec or not isinstance(rec.get("completion"), str):
+            raise SparseRLError(f"{source} record {i}: needs 'id' and a string 'completion'")
+        by_id[str(rec.get("prompt_id", rec["id"]))] = rec["completion"]
+    missing = [r["id"] for r in prompts if r["id"] not in by_id]
+    if missing:
+        raise SparseRLError(f"{source}: no completion for prompt '{missing[0]}' ({len(missing)} missing); "
+                            f"generate completions for the same prompts file")
+    return lambda records: [by_id[r["id"]] for r in records]
+
+
+def load_cells(out_dir: str | Path) -> dict[tuple, dict]:
+    path = Path(out_dir) / CELLS_FILE
+    if not path.exists():
+        return {}
+    return {(c["mode"], c["task"], int(c["length"]), float(c["depth"])): c for c in iter_jsonl(path)}
+
+
+def run_niah(prompts: list[dict], generate_fns: Mapping[str, GenerateFn], out_dir: str | Path,
+             *, progress: bool = True) -> dict:
+    """Answer and score every cell of the grid in `prompts` for every mode; resumable; returns the summary.
+
+    `generate_fns` maps a mode name ("dense", "sparse", ...) to a greedy
+    `generate_fn(prompts: list[str], max_new_tokens: int) -> list[str]`.
+    """
+    return run_cells(prompts, {m: generate_fn_responder(f) for m, f in generate_fns.items()}, out_dir,
+                     progress=progress)
+
+
+def score_niah_completions(prompts: list[dict], completions: Mapping[str, list[dict]], out_dir: str | Path,
+                           *, progress: bool = True) -> dict:
+    """Like `run_niah`, with the answers taken from completion records per mode (joined on id)."""
+    responders = {m: completions_responder(c, prompts, f"{m} completions") for m, c in completions.items()}
+    return run_cells(prompts, responders, out_dir, progress=progress)
+
+
+def run_cells(prompts: list[dict], responders: Mapping[str, Responder], out_dir: str | Path,
+              *, progress: bool = True) -> dict:
+    """The grid loop behind `run_niah` and `score_niah_completions` (see the module docstring)."""
+    if not prompts:
+        raise SparseRLError("no NIAH prompts to run")
+    if not responders:
+        raise SparseRLError("no modes to run (give at least one generate_fn or completions file)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    wrapped = dict(responders)
+
+    cells: dict[tuple, list[dict]] = defaultdict(list)
+    for r in prompts:
+        cells[_cell_of(r)].append(r)
+    done = load_cells(out)
+    todo = []
+    for mode in wrapped:
+        for key, recs in cells.items():
+            prev = done.get((mode, *key))
+            if prev is None:
+                todo.append((mode, key, recs))
+            elif prev.get("prompt_sha") != _prompt_sha(recs):
+                raise SparseRLError(f"{out / CELLS_FILE}: cell {mode}/{key[0]}/L{key[1]}/d{key[2]:g} was scored on "
+                                    f"different prompts (other seed, tokenizer, haystack or samples); use a new --out")
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("niah {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), disable=not progress or not todo) as bar:
+        job = bar.add_task("cells", total=len(todo))
+        for mode, (task, length, depth), recs in todo:
+            bar.update(job, description=f"{mode} {task} L={length} d={depth:g}")
+            outputs = wrapped[mode](recs)
+            scores = [string_match_all(o, r["answer"]) for o, r in zip(outputs, recs)]
+            cell = {"id": f"{mode}/{task}/L{length}/d{depth:g}", "mode": mode, "task": task, "length": length,
+                    "depth": depth, "score": sum(scores) / len(scores), "n": len(recs),
+                    "prompt_sha": _prompt_sha(recs),
+                    "samples": [{"id": r["id"], "expected": r["answer"], "output": o, "score": s,
+                                 "needle_depths": r["meta"].get("needle_depths")}
+                                for r, o, s in zip(recs, outputs, scores)]}
+            append_jsonl(out / CELLS_FILE, cell)
+            done[(mode, task, length, depth)] = cell
+            bar.advance(job)
+    return write_summary(done, cells.keys(), list(wrapped), out)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def write_summary(done: Mapping[tuple, dict], grid_keys, modes: list[str], out: Path) -> dict:
+    """summary.json plus heatmap_<mode>.png (depth x length, mean over tasks) and, with both
+    dense and sparse, diff_sparse_minus_dense.png."""
+    from sparse_rl.eval.plots import difference_map, heatmap
+
+    keys = list(grid_keys)
+    tasks = sorted({k[0] for k in keys})
+    lengths = sorted({k[1] for k in keys})
+    depths = sorted({k[2] for k in keys})
+
+    def grid(mode: str, task_list: list[str]) -> list[list[float | None]]:
+        # rows = depths, columns = lengths (the usual NIAH picture: context length along x)
+        return [[_mean([done[(mode, t, n, d)]["score"] for t in task_list if (mode, t, n, d) in done])
+                 for n in lengths] for d in depths]
+
+    summary: dict = {"tasks": tasks, "lengths": lengths, "depths": depths, "modes": {}, "files": {"cells": CELLS_FILE}}
+    for mode in modes:
+        scores = [done[(mode, *k)]["score"] for k in keys if (mode, *k) in done]
+        summary["modes"][mode] = {
+            "mean": _mean(scores),
+            "by_task": {t: _mean([done[(mode, *k)]["score"] for k in keys if k[0] == t and (mode, *k) in done])
+                        for t in tasks},
+            "by_length": {str(n): _mean([done[(mode, *k)]["score"] for k in keys if k[1] == n and (mode, *k) in done])
+                          for n in lengths},
+            "by_depth": {f"{d:g}": _mean([done[(mode, *k)]["score"] for k in keys if k[2] == d and (mode, *k) in done])
+                         for d in depths},
+            "grid": grid(mode, tasks),
+        }
+        name = f"heatmap_{mode}.png"
+        heatmap(summary["modes"][mode]["grid"], [f"{d:g}" for d in depths], lengths, out / name,
+                title=f"NIAH {mode} ({', '.join(tasks)}): string_match_all", xlabel="context length (tokens)",
+                ylabel="needle depth", colorbar_label="score")
+        summary["files"][f"heatmap_{mode}"] = name
+    if "dense" in modes and "sparse" in modes:
+        a, b = summary["modes"]["dense"]["grid"], summary["modes"]["sparse"]["grid"]
+        diff = [[None if x is None or y is None else y - x for x, y in zip(ra, rb)] for ra, rb in zip(a, b)]
+        summary["difference"] = {"sparse-dense": {"mean": _mean([v for row in diff for v in row if v is not None]),
+                                                  "grid": diff}}
+        difference_map(a, b, [f"{d:g}" for d in depths], lengths, out / "diff_sparse_minus_dense.png",
+                       title="NIAH sparse - dense", xlabel="context length (tokens)", ylabel="needle depth",
+                       name_a="dense", name_b="sparse")
+        summary["files"]["difference"] = "diff_sparse_minus_dense.png"
+    atomic_write_json(out / SUMMARY_FILE, summary)
+    return summary
