@@ -51,12 +51,16 @@ def indexer_scores_naive(q_idx, w, k_idx, *, q_offset: int = 0, kv_start=None, t
 
 
 def select_topk(scores: torch.Tensor, visible: torch.Tensor, forced: torch.Tensor, topk: int) -> torch.Tensor:
-    """Top-k of `scores [B, T, S]` among `visible`, `forced` keys first; `[B, T, topk]` int32 sorted
-    ascending with -1 padding at the end."""
+    """Top-k of `scores [B, T, S]` among `visible`, `forced` keys first, ties to the later key;
+    `[B, T, topk]` int32 sorted ascending with -1 padding at the end."""
     B, T, S = scores.shape
     s = scores.float().masked_fill(forced, float("inf")).masked_fill(~visible, float("-inf"))
     kk = min(topk, S)
-    vals, idx = torch.topk(s, kk, dim=-1)
+    # Ties are common (ReLU scores are often exactly 0): among equal scores the most recent key wins,
+    # which keeps the choice independent of left padding and of how the sequence was batched.
+    # Kernels must follow the same rule.
+    vals, order = torch.sort(s.flip(-1), dim=-1, descending=True, stable=True)
+    vals, idx = vals[..., :kk], (S - 1) - order[..., :kk]
     big = torch.iinfo(torch.int32).max
     idx = torch.where(vals == float("-inf"), torch.full_like(idx, big), idx)
     idx = torch.sort(idx, dim=-1).values

@@ -1,0 +1,81 @@
+"""`sparse_config.json`: what a sparse model dir adds to a dense checkpoint (one dataclass)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from sparse_rl.errors import SparseRLError, UsageError
+
+SPARSE_CONFIG = "sparse_config.json"
+INDEXER_WEIGHTS = "indexer.safetensors"
+SELECTORS = ("indexer", "block")
+
+
+@dataclass
+class SparseConfig:
+    """Selector settings shared by convert, the loader and training.
+
+    selector: "indexer" (DSA lightning indexer, trainable) or "block" (training-free mean-key blocks).
+    topk: keys each query attends to (sinks and window included), indexer selector.
+    index_heads / index_dim / rope_dim: indexer shape (H_I, d_I, RoPE'd leading dims of d_I).
+    sink / window: tokens always kept: the first `sink` and the last `window` (own position included).
+    dense_layers: layer indices that always run dense attention (DistillSparse keeps the first two).
+    block_size / topk_blocks / sink_blocks / recent_blocks: block selector (topk_blocks counts all kept blocks).
+    """
+
+    selector: str = "indexer"
+    topk: int = 2048
+    index_heads: int = 4
+    index_dim: int = 64
+    rope_dim: int = 32
+    sink: int = 4
+    window: int = 64
+    dense_layers: list[int] = field(default_factory=lambda: [0, 1])
+    block_size: int = 64
+    topk_blocks: int = 32
+    sink_blocks: int = 1
+    recent_blocks: int = 2
+
+    def __post_init__(self):
+        if self.selector not in SELECTORS:
+            raise UsageError(f"--selector {self.selector}: expected one of {', '.join(SELECTORS)}")
+        for name in ("topk", "index_heads", "index_dim", "block_size", "topk_blocks", "recent_blocks"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
+        for name in ("sink", "window", "rope_dim", "sink_blocks"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
+        if self.sink + self.window > self.topk:
+            raise UsageError(f"--sink ({self.sink}) + --window ({self.window}) must not exceed --topk ({self.topk})")
+        if self.sink_blocks + self.recent_blocks > self.topk_blocks:
+            raise UsageError(f"--sink-blocks + --recent-blocks must not exceed --topk-blocks ({self.topk_blocks})")
+        if self.rope_dim > self.index_dim or self.rope_dim % 2:
+            raise UsageError(f"--rope-dim ({self.rope_dim}) must be even and <= --index-dim ({self.index_dim})")
+
+    @property
+    def budget(self) -> int:
+        """Keys per query: the width of the index rows."""
+        return self.topk if self.selector == "indexer" else self.topk_blocks * self.block_size
+
+    def save(self, model_dir: str | Path) -> None:
+        from sparse_rl.io import atomic_write_json
+
+        atomic_write_json(Path(model_dir) / SPARSE_CONFIG, asdict(self))
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "SparseConfig | None":
+        p = Path(model_dir) / SPARSE_CONFIG
+        if not p.exists():
+            return None
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise SparseRLError(f"{p} line {e.lineno}: invalid JSON ({e.msg})") from None
+        from sparse_rl.config import from_dict
+
+        try:
+            return from_dict(cls, data, str(p))
+        except UsageError as e:
+            raise SparseRLError(str(e)) from None

@@ -1,0 +1,29 @@
+"""Helpers shared by the Triton kernels of every op."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def dot_precision(dtype: torch.dtype) -> int:
+    """`PREC` constexpr for `dot`: 2 under TRITON_INTERPRET=1 (its numpy dot returns garbage for
+    bf16/fp16 operands, seen with triton 3.9, so operands are upcast), 1 for fp32 inputs on the GPU
+    (full fp32, not tf32, so fp32 results match the reference to ~1e-6), 0 otherwise."""
+    if os.environ.get("TRITON_INTERPRET", "") == "1":
+        return 2
+    return 1 if dtype == torch.float32 else 0
+
+
+@triton.jit
+def dot(a, b, PREC: tl.constexpr):
+    if PREC == 2:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif PREC == 1:
+        r = tl.dot(a, b, input_precision="ieee")
+    else:
+        r = tl.dot(a, b)
+    return r

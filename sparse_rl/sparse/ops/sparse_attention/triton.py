@@ -1,0 +1,295 @@
+"""Triton sparse attention over per-query index lists: prefill forward/backward and decode.
+
+Layout: q `[B, T, H, D]`, k/v `[B, S, H_kv, D]`, indices `[B, T, K]` int32 (-1 = none). Any strides
+are accepted (the model passes transposes of `[B, H, T, D]`), so nothing is copied.
+
+Design (why):
+- One program per (query, kv head): the G = H / H_kv query heads of the group are the M dimension
+  of the tile, so every gathered K/V row is read once per group and used by all G heads (DSA's
+  "every head attends to the same set"). M is padded to 16 for `tl.dot`; with G = 4 the tensor
+  cores idle 3/4 of the time, which does not matter because the kernel is bound by the gather: each
+  selected key costs 4*D bytes of K+V for 4*G*D FLOPs (G FLOP/byte), far below the ~200 FLOP/byte
+  at which an H200 becomes compute bound. The grid runs every query of one kv head before the next
+  head, so the working set in L2 is one head's K/V (S*D*4 bytes: 16 MB at 32K).
+- Online softmax in the exp2 domain; out is normalised at the end, lse is natural-log.
+- Backward: one program per (query, kv head) recomputes P from lse, writes dq directly and
+  scatters dk/dv with fp32 atomics into `[B, S, H_kv, D]` scratch. The alternative, a transposed
+  pass over an inverse index (sort the (query, slot) pairs by key), would need the sort plus a
+  gather of q and dO (4*G*D bytes per pair) instead of 8*D bytes of atomics per pair; atomics also
+  need no extra memory of size T*K. Cost: summation order is not deterministic (fp32, ~1e-7 rel).
+- Decode (T = 1) splits the index list over several programs when B * H_kv alone would not fill
+  the GPU, then merges the partial (out, lse) pairs in a second small kernel.
+
+Unsupported shapes (head dim > 128, G > 64, float64) fall back to the PyTorch reference: that is
+the documented behaviour of every entry point here, never a silent wrong answer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
+from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
+
+LOG2E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Shapes/dtypes the kernels handle; everything else takes the reference."""
+    D, H, H_kv = q.shape[-1], q.shape[-2], k.shape[-2]
+    return (q.dtype in _DTYPES and k.dtype == q.dtype and D <= 128 and H % H_kv == 0
+            and H // H_kv <= 64)
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, IDX, O, LSE,
+                sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+                sib, sit, sik, sob, sot, soh, sod, slb, slt, slh,
+                T, NK, G, D, KPS, qk_scale,
+                NSPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+    """O/LSE: `[B, T, H, D]`/`[B, T, H]` when NSPLIT == 1, else fp32 partials
+    `[B, T*NSPLIT, H, D]`/`[B, T*NSPLIT, H]` (split index fastest) merged by `_merge_kernel`."""
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    t = pid // NSPLIT
+    split = pid % NSPLIT
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    hmask = offs_h < G
+    dmask = offs_d < D
+    heads = kvh * G + offs_h
+    q = tl.load(Q + b * sqb + t * sqt + heads[:, None] * sqh + offs_d[None, :] * sqd,
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    k_lo = split * KPS
+    k_hi = tl.minimum(k_lo + KPS, NK)
+    kbase = K + b * skb + kvh * skh
+    vbase = V + b * svb + kvh * svh
+    ibase = IDX + b * sib + t * sit
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(ibase + offs_k * sik, mask=offs_k < k_hi, other=-1).to(tl.int64)
+        valid = idx >= 0
+        kt = tl.load(kbase + idx[None, :] * sks + offs_d[:, None] * skd,
+                     mask=valid[None, :] & dmask[:, None], other=0.0)  # [BLOCK_D, BLOCK_K]
+        s = dot(q, kt, PREC)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vbase + idx[:, None] * svs + offs_d[None, :] * svd,
+                    mask=valid[:, None] & dmask[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PREC)
+        m_i = m_new
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+    row = t * NSPLIT + split
+    tl.store(O + b * sob + row * sot + heads[:, None] * soh + offs_d[None, :] * sod,
+             out.to(O.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+    tl.store(LSE + b * slb + row * slt + heads * slh, lse, mask=hmask)
+
+
+@triton.jit
+def _merge_kernel(PO, PL, O, LSE, H, D, sob, soh, slb, slh,
+                  NSPLIT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merge split partials `PO [B, NSPLIT, H, D]`, `PL [B, NSPLIT, H]` (contiguous fp32) into
+    O `[B, H, D]`, LSE `[B, H]`. One program per (head, batch row)."""
+    h = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < NSPLIT
+    lse_s = tl.load(PL + (b * NSPLIT + offs_s) * H + h, mask=smask, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    wgt = tl.exp(lse_s - m_safe)
+    tot = tl.sum(wgt, 0)
+    o_s = tl.load(PO + ((b * NSPLIT + offs_s[:, None]) * H + h) * D + offs_d[None, :],
+                  mask=smask[:, None] & (offs_d[None, :] < D), other=0.0)
+    out = tl.sum(o_s * wgt[:, None], 0) / tl.where(tot == 0.0, 1.0, tot)
+    lse = tl.where(tot == 0.0, float("-inf"), m_safe + tl.log(tl.where(tot == 0.0, 1.0, tot)))
+    tl.store(O + b * sob + h * soh + offs_d, out.to(O.dtype.element_ty), mask=offs_d < D)
+    tl.store(LSE + b * slb + h * slh, lse)
+
+
+@triton.jit
+def _bwd_kernel(Q, K, V, IDX, O, DO, LSE, DLSE, DQ, DK, DV,
+                sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+                sib, sit, sik, sob, sot, soh, sod, sdob, sdot, sdoh, sdod, slb, slt, slh,
+                sdqb, sdqt, sdqh, sdqd, sab, sas, sah,
+                NK, G, D, scale, qk_scale,
+                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+    """dq (stored) and dk/dv (fp32 atomics into DK/DV `[B, S, H_kv, D]`, last dim contiguous,
+    strides sab/sas/sah) for one (query, kv head). DLSE is the upstream grad of lse (zeros if none)."""
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    hmask = offs_h < G
+    dmask = offs_d < D
+    heads = kvh * G + offs_h
+    hd = hmask[:, None] & dmask[None, :]
+    q = tl.load(Q + b * sqb + t * sqt + heads[:, None] * sqh + offs_d[None, :] * sqd, mask=hd, other=0.0)
+    do = tl.load(DO + b * sdob + t * sdot + heads[:, None] * sdoh + offs_d[None, :] * sdod, mask=hd, other=0.0)
+    o = tl.load(O + b * sob + t * sot + heads[:, None] * soh + offs_d[None, :] * sod, mask=hd, other=0.0)
+    lse = tl.load(LSE + b * slb + t * slt + heads * slh, mask=hmask, other=float("-inf"))
+    dlse = tl.load(DLSE + b * slb + t * slt + heads * slh, mask=hmask, other=0.0)
+    # d lse / d s = P, so an upstream lse grad enters exactly like -delta.
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1) - dlse
+    row_ok = lse != float("-inf")
+    lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    kbase = K + b * skb + kvh * skh
+    vbase = V + b * svb + kvh * svh
+    ibase = IDX + b * sib + t * sit
+    for k0 in range(0, NK, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(ibase + offs_k * sik, mask=offs_k < NK, other=-1).to(tl.int64)
+        valid = idx >= 0
+        kk = tl.load(kbase + idx[:, None] * sks + offs_d[None, :] * skd,
+                     mask=valid[:, None] & dmask[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
+        vv = tl.load(vbase + idx[:, None] * svs + offs_d[None, :] * svd,
+                     mask=valid[:, None] & dmask[None, :], other=0.0)
+        s = dot(q, tl.trans(kk), PREC)
+        dp = dot(do, tl.trans(vv), PREC)
+        p = tl.exp2(s * qk_scale - lse2[:, None])
+        p = tl.where(valid[None, :] & row_ok[:, None], p, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += dot(ds.to(kk.dtype), kk, PREC)
+        dv_c = dot(tl.trans(p.to(do.dtype)), do, PREC)
+        dk_c = dot(tl.trans(ds.to(q.dtype)), q, PREC)
+        amask = valid[:, None] & dmask[None, :]
+        aoff = b * sab + idx[:, None] * sas + kvh * sah + offs_d[None, :]
+        tl.atomic_add(DV + aoff, dv_c, mask=amask, sem="relaxed")
+        tl.atomic_add(DK + aoff, dk_c * scale, mask=amask, sem="relaxed")
+    tl.store(DQ + b * sdqb + t * sdqt + heads[:, None] * sdqh + offs_d[None, :] * sdqd,
+             (dq * scale).to(DQ.dtype.element_ty), mask=hd)
+
+
+def _meta(q, k):
+    G = q.shape[-2] // k.shape[-2]
+    D = q.shape[-1]
+    return G, D, max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))
+
+
+def _fwd(q, k, v, indices, scale, nsplit: int = 1):
+    """q `[B, T, H, D]` -> out `[B, T, H, D]` (q.dtype), lse `[B, T, H]` fp32."""
+    B, T, H, D = q.shape
+    H_kv = k.shape[2]
+    NK = indices.shape[-1]
+    G, D, BH, BD = _meta(q, k)
+    BK = 64 if BD <= 64 else 32 if BH > 16 else 64
+    kps = triton.cdiv(triton.cdiv(NK, nsplit), BK) * BK  # keys per split, a multiple of BLOCK_K
+    nsplit = max(1, triton.cdiv(NK, kps)) if NK else 1
+    if nsplit == 1:
+        o = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
+        lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
+    else:
+        o = torch.empty(B, T * nsplit, H, D, device=q.device, dtype=torch.float32)
+        lse = torch.empty(B, T * nsplit, H, device=q.device, dtype=torch.float32)
+    grid = (T * nsplit, H_kv, B)
+    _fwd_kernel[grid](q, k, v, indices, o, lse, *q.stride(), *k.stride(), *v.stride(), *indices.stride(),
+                      *o.stride(), *lse.stride(), T, NK, G, D, kps, scale * LOG2E,
+                      NSPLIT=nsplit, BLOCK_H=BH, BLOCK_K=BK, BLOCK_D=BD, PREC=dot_precision(q.dtype),
+                      num_warps=4, num_stages=3 if q.is_cuda else 1)
+    return o, lse, nsplit
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, indices, scale):
+        o, lse, _ = _fwd(q, k, v, indices, scale)
+        ctx.save_for_backward(q, k, v, indices, o, lse)
+        ctx.scale = scale
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, indices, o, lse = ctx.saved_tensors
+        B, T, H, D = q.shape
+        S, H_kv = k.shape[1], k.shape[2]
+        G, D, BH, BD = _meta(q, k)
+        do = do if do is not None else torch.zeros_like(o)
+        dlse = torch.zeros_like(lse) if dlse is None else dlse.float().contiguous()
+        lse = lse.contiguous()
+        dq = torch.empty_like(q)
+        dk = torch.zeros(B, S, H_kv, D, device=q.device, dtype=torch.float32)
+        dv = torch.zeros_like(dk)
+        BK = 32 if BD > 64 else 64
+        _bwd_kernel[(T, H_kv, B)](q, k, v, indices, o, do, lse, dlse, dq, dk, dv,
+                                  *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *o.stride(),
+                                  *do.stride(), *lse.stride(), *dq.stride(), *dk.stride()[:3],
+                                  indices.shape[-1], G, D, ctx.scale, ctx.scale * LOG2E,
+                                  BLOCK_H=BH, BLOCK_K=BK, BLOCK_D=BD, PREC=dot_precision(q.dtype),
+                                  num_warps=4, num_stages=2 if q.is_cuda else 1)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _check(q, k, v, indices):
+    B, T, H, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[-1] != D or H % k.shape[2]:
+        raise ValueError(f"sparse_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} "
+                         "must be [B, T, H, D] and [B, S, H_kv, D] with H a multiple of H_kv")
+    if indices.shape[:2] != (B, T):
+        raise ValueError(f"indices shape {tuple(indices.shape)} does not match q {tuple(q.shape)}")
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
+                     scale: float | None = None):
+    """Sparse attention, Triton. q `[B, T, H, D]`, k/v `[B, S, H_kv, D]`, indices `[B, T, K]` int
+    (-1 = none) -> (out `[B, T, H, D]`, lse `[B, T, H]` fp32). Differentiable in q, k, v.
+    Falls back to the reference for unsupported shapes/dtypes (see `supported`)."""
+    _check(q, k, v, indices)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not supported(q, k) or indices.shape[-1] == 0 or q.shape[1] == 0 or v.dtype != q.dtype:
+        return sparse_attention_naive(q, k, v, indices, scale)
+    if indices.dtype != torch.int32:
+        indices = indices.to(torch.int32)
+    return _SparseAttention.apply(q, k, v, indices, scale)
+
+
+def _decode_splits(B: int, H_kv: int, NK: int, device) -> int:
+    """Split the index list until the grid has ~2 programs per SM, keeping >= 256 keys a split."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(triton.cdiv(NK, 256), triton.cdiv(2 * sms, max(1, B * H_kv))))
+
+
+def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor,
+                  scale: float | None = None, nsplit: int | None = None):
+    """One decode step, Triton. q `[B, H, D]`, caches `[B, S_max, H_kv, D]`, indices `[B, K]`
+    (-1 = none) -> (out `[B, H, D]`, lse `[B, H]` fp32). Reads only the selected cache rows.
+    `nsplit` overrides the split-K heuristic (benchmarks)."""
+    B, H, D = q.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    q4, idx3 = q[:, None], indices[:, None]
+    _check(q4, k_cache, v_cache, idx3)
+    if (not supported(q, k_cache) or indices.shape[-1] == 0 or v_cache.dtype != q.dtype
+            or torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)):
+        out, lse = sparse_attention_naive(q4, k_cache, v_cache, idx3, scale)
+        return out[:, 0], lse[:, 0]
+    if idx3.dtype != torch.int32:
+        idx3 = idx3.to(torch.int32)
+    H_kv, NK = k_cache.shape[2], indices.shape[-1]
+    ns = nsplit or _decode_splits(B, H_kv, NK, q.device)
+    po, pl, ns = _fwd(q4, k_cache, v_cache, idx3, scale, ns)
+    if ns == 1:
+        return po[:, 0], pl[:, 0]
+    out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, H, device=q.device, dtype=torch.float32)
+    _merge_kernel[(H, B)](po, pl, out, lse, H, D, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+                          NSPLIT=ns, BLOCK_S=max(2, triton.next_power_of_2(ns)),
+                          BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+    return out, lse

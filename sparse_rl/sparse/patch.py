@@ -1,0 +1,233 @@
+"""Sparse attention inside stock Hugging Face models, through transformers' attention registry.
+
+Every supported family (llama, qwen2, qwen3, mistral) computes q/k/v, applies RoPE, updates the
+KV cache and then calls `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`. We register one
+function, "sparse_rl", under that name. A forward pre-hook on each attention module stashes what
+the registry call does not receive (the layer's input hidden state, the rotary tables and the
+cache) so the function can run the selector. In dense mode, and in layers kept dense, it simply
+delegates to PyTorch SDPA, so a sparse model dir in dense mode is the dense model.
+
+Per layer, sparse mode: selector -> `[B, T, K]` int32 indices (causal, sinks + window kept,
+left padding skipped) -> `sparse_attention` over the selected keys. In incremental decoding the
+indexer keys are cached beside the KV cache (attribute on the cache object, or the cache's own
+`srl_index_keys(layer_idx, k_new)` method if it defines one, as the rollout engine's cache does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from sparse_rl.errors import SparseRLError
+from sparse_rl.sparse.config import SparseConfig
+from sparse_rl.sparse.indexer import LightningIndexer
+from sparse_rl.sparse.ops import block_select, indexer_topk, sparse_attention
+
+ATTN_NAME = "sparse_rl"
+MODES = ("dense", "sparse")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass
+class LayerState:
+    """Per-attention-module sparse settings, stored as `module.srl`."""
+
+    cfg: SparseConfig
+    dense_layer: bool
+    mode: str = "dense"
+    backend: str = "auto"
+    # Optional callback(module, **tensors) invoked on every sparse forward (indexer training).
+    recorder: Callable | None = field(default=None, repr=False)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register the "sparse_rl" attention and mask functions with transformers (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, sparse_rl_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    _registered = True
+
+
+def decoder_layers(model) -> list:
+    """The decoder layers of a (possibly peft-wrapped) HF causal LM."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return list(base.get_decoder().layers)
+
+
+def _stash_inputs(module, args, kwargs):
+    h = kwargs.get("hidden_states", args[0] if args else None)
+    pe = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+    cache = kwargs.get("cache", kwargs.get("past_key_values", kwargs.get("past_key_value")))
+    module._srl_ctx = (h, pe, cache)
+
+
+def attach_sparse(model, cfg: SparseConfig) -> None:
+    """Give every attention module its LayerState (and, for the indexer selector, a freshly
+    initialised LightningIndexer in non-dense layers). Switches the model to the "sparse_rl"
+    attention implementation; it starts in dense mode."""
+    register()
+    config = model.config
+    if config.model_type not in SUPPORTED:
+        raise SparseRLError(f"unsupported architecture '{config.model_type}' (supported: {', '.join(SUPPORTED)})")
+    layers = decoder_layers(model)
+    bad = [i for i in cfg.dense_layers if not 0 <= i < len(layers)]
+    if bad:
+        raise SparseRLError(f"dense_layers {bad}: the model has layers 0..{len(layers) - 1}")
+    ref = next(model.parameters())
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        dense = i in cfg.dense_layers
+        attn.srl = LayerState(cfg=cfg, dense_layer=dense)
+        if not dense and cfg.selector == "indexer" and not hasattr(attn, "indexer"):
+            attn.indexer = LightningIndexer(config.hidden_size, cfg.index_heads, cfg.index_dim, cfg.rope_dim).to(
+                device=ref.device, dtype=ref.dtype)
+        if not dense and not getattr(attn, "_srl_hooked", False):
+            attn.register_forward_pre_hook(_stash_inputs, with_kwargs=True)
+            attn._srl_hooked = True
+    config._attn_implementation = ATTN_NAME
+    for module in model.modules():  # sub-configs (peft wrappers share the same config object)
+        if hasattr(module, "config") and hasattr(module.config, "_attn_implementation"):
+            module.config._attn_implementation = ATTN_NAME
+
+
+def set_attention(model, mode: str, backend: str | None = None) -> None:
+    """Switch a loaded model between "dense" and "sparse" attention in place."""
+    if mode not in MODES:
+        raise SparseRLError(f"attention mode {mode!r}: expected dense or sparse")
+    states = [getattr(layer.self_attn, "srl", None) for layer in decoder_layers(model)]
+    if mode == "sparse" and not any(s is not None for s in states):
+        raise SparseRLError("this model has no sparse selector: convert it with `sparse-rl convert` first")
+    for s in states:
+        if s is not None:
+            s.mode = mode
+            if backend is not None:
+                s.backend = backend
+
+
+def cache_kwarg(model) -> str:
+    """Name of the KV-cache argument of `model.forward`: transformers >= 5.2x says `cache`, earlier
+    releases `past_key_values`."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(type(base).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def get_attention(model) -> str:
+    for layer in decoder_layers(model):
+        s = getattr(layer.self_attn, "srl", None)
+        if s is not None:
+            return s.mode
+    return "dense"
+
+
+def indexer_state_dict(model) -> dict[str, torch.Tensor]:
+    """Indexer weights keyed `layers.{i}.{param}` (independent of wrappers such as peft)."""
+    out = {}
+    for i, layer in enumerate(decoder_layers(model)):
+        idx = getattr(layer.self_attn, "indexer", None)
+        if idx is not None:
+            for k, v in idx.state_dict().items():
+                out[f"layers.{i}.{k}"] = v
+    return out
+
+
+def load_indexer_state_dict(model, state: dict[str, torch.Tensor], source: str = "indexer weights") -> None:
+    layers = decoder_layers(model)
+    expected = set(indexer_state_dict(model))
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        what = f"missing {sorted(missing)[:3]}" if missing else f"unexpected {sorted(unexpected)[:3]}"
+        raise SparseRLError(f"{source}: do not match the sparse config ({what})")
+    for i, layer in enumerate(layers):
+        idx = getattr(layer.self_attn, "indexer", None)
+        if idx is not None:
+            sub = {k.split(".", 2)[2]: v for k, v in state.items() if k.startswith(f"layers.{i}.")}
+            try:
+                idx.load_state_dict(sub)
+            except RuntimeError as e:
+                raise SparseRLError(f"{source}: layer {i}: {str(e).splitlines()[0]}") from None
+
+
+def _kv_start(mask: torch.Tensor | None, S: int) -> torch.Tensor | None:
+    """First valid key per row `[B]` from a 4D mask `[B, 1, T, S']` (left padding), None without mask."""
+    if mask is None:
+        return None
+    last = mask[:, 0, -1, :S]
+    valid = last if last.dtype == torch.bool else last == 0
+    first = valid.to(torch.int32).argmax(-1)
+    return torch.where(valid.any(-1), first, torch.full_like(first, S))
+
+
+def _index_keys(cache, layer_idx: int, k_new: torch.Tensor, S: int) -> torch.Tensor:
+    """Append the new indexer keys `[B, T, d_I]` to the cache's store; return all `[B, S, d_I]`."""
+    if cache is None:
+        k_all = k_new
+    elif hasattr(cache, "srl_index_keys"):
+        k_all = cache.srl_index_keys(layer_idx, k_new)
+    else:
+        store = cache.__dict__.setdefault("_srl_index_keys", {})
+        prev = store.get(layer_idx)
+        k_all = k_new if prev is None else torch.cat([prev, k_new], 1)
+        store[layer_idx] = k_all
+    if k_all.shape[1] != S:
+        raise SparseRLError(f"layer {layer_idx}: indexer key cache holds {k_all.shape[1]} tokens but the KV cache "
+                            f"{S} (a cache filled outside sparse_rl, or a sliding-window cache, is not supported)")
+    return k_all
+
+
+def select_indices(module, query, key, attention_mask, ctx):
+    """Run the layer's selector. query `[B, H, T, D]`, key `[B, H_kv, S, D]` -> `[B, T, K]` int32."""
+    st: LayerState = module.srl
+    cfg = st.cfg
+    h, pe, cache = ctx
+    T, S = query.shape[2], key.shape[2]
+    kv_start = _kv_start(attention_mask, S)
+    if cfg.selector == "indexer":
+        cos, sin = pe
+        with torch.no_grad():
+            q_i, w, k_i = module.indexer(h.detach(), cos, sin)
+        k_all = _index_keys(cache, module.layer_idx, k_i, S)
+        idx = indexer_topk(q_i, w, k_all, cfg.topk, q_offset=S - T, sink=cfg.sink, window=cfg.window,
+                           kv_start=kv_start, backend=st.backend)
+    else:
+        idx = block_select(query.detach().transpose(1, 2), key.detach().transpose(1, 2), cfg.block_size,
+                           cfg.topk_blocks, q_offset=S - T, sink_blocks=cfg.sink_blocks,
+                           recent_blocks=cfg.recent_blocks, kv_start=kv_start, backend=st.backend)
+    return idx, kv_start
+
+
+def sparse_rl_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """The registered attention function. query `[B, H, T, D]`, key/value `[B, H_kv, S, D]`;
+    returns (out `[B, T, H, D]`, None) like transformers' SDPA integration."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    st: LayerState | None = getattr(module, "srl", None)
+    ctx = module.__dict__.pop("_srl_ctx", None)
+    if st is None or st.dense_layer or st.mode == "dense":
+        if ctx is not None and getattr(module, "indexer", None) is not None and ctx[2] is not None:
+            # keep the indexer key cache in step, so a dense prefill can be followed by sparse decoding
+            with torch.no_grad():
+                _index_keys(ctx[2], module.layer_idx, module.indexer(ctx[0].detach(), *ctx[1])[2], key.shape[2])
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if ctx is None:
+        raise SparseRLError("sparse attention called without the layer's inputs (model not prepared by sparse_rl)")
+    idx, kv_start = select_indices(module, query, key, attention_mask, ctx)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    out, lse = sparse_attention(q, k, v, idx, scale=scaling, backend=st.backend)
+    if st.recorder is not None:
+        st.recorder(module, hidden=ctx[0], position_embeddings=ctx[1], query=query, key=key, indices=idx,
+                    kv_start=kv_start, lse=lse)
+    return out, None

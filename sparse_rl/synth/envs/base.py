@@ -1,0 +1,155 @@
+"""The tool-environment contract shared by every sandbox, and the task verifier over it.
+
+An environment is built from a JSON-serialisable `state` (stored in the task record's `meta`), so
+any stage can rebuild it from the task file alone. It exposes OpenAI tool schemas, executes calls
+(`call(name, args) -> observation text`, raising `ToolError` for a refused call, which the agent
+loop turns into an error observation the model can correct), and evaluates declarative `checks`
+over its final state. A task is `{"id","messages","answer","task":"tool/<env>","difficulty","meta":
+{"env","state","tools","solution":[{"name","arguments"}...],"checks":[...],"answer_kind",...}}`.
+
+Scoring (`score_state`): 1.0 iff every check holds on the final state AND the final answer matches
+(`answer_matches`); otherwise 0.0. "Hard to solve, easy to verify": `self_check` proves at
+generation that the solution scores 1, that a corrupted answer scores 0, and (for tasks that
+change state) that the solution without its last state-changing call scores 0.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from sparse_rl.synth.schema import tool_index, validate
+
+
+class ToolError(Exception):
+    """A refused tool call (bad path, rule violation, bad SQL): shown to the model as an error."""
+
+
+class Env:
+    name = "base"
+    mutating: frozenset[str] = frozenset()  # tools that change state
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def tools(self) -> list[dict]:
+        raise NotImplementedError
+
+    def call(self, name: str, args: dict) -> str:
+        """Validate `args` against the tool's schema, then run `tool_<name>`."""
+        schemas = tool_index(self.tools())
+        if name not in schemas:
+            raise ToolError(f"unknown tool '{name}' (available: {', '.join(schemas)})")
+        errs = validate(args, schemas[name])
+        if errs:
+            raise ToolError("invalid arguments: " + "; ".join(errs))
+        return getattr(self, f"tool_{name}")(**args)
+
+    def check(self, spec: dict) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+SYSTEM_PROMPT = ("You are an agent working in a sandboxed environment through the tools provided. "
+                 "Think about what to do, call tools, read their results and correct course if a call "
+                 "fails. When you are done, reply without a tool call, giving the final answer as \\boxed{...}.")
+
+
+def _norm_text(s: str) -> str:
+    s = s.strip().strip("`'\".").strip()
+    return re.sub(r"\s+", " ", s).casefold()
+
+
+def extract_final(text: str) -> str:
+    """The last \\boxed{...} (brace-balanced) in `text`, else its last non-empty line."""
+    i = text.rfind("\\boxed{")
+    if i >= 0:
+        j, depth = i + len("\\boxed{"), 1
+        k = j
+        while k < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[k], 0)
+            k += 1
+        if depth == 0:
+            return text[j:k - 1].strip()
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def answer_matches(gold: str, text: str | None, kind: str) -> bool:
+    if not text:
+        return False
+    got = extract_final(text)
+    if kind == "number":
+        from sparse_rl.synth.math_tasks import verify_math
+
+        return verify_math(gold, f"\\boxed{{{got}}}") == 1.0
+    if kind == "time":
+        m = re.fullmatch(r"\s*(\d{1,2}):(\d{2})\s*", got)
+        g = re.fullmatch(r"(\d{1,2}):(\d{2})", gold)
+        return bool(m and g) and (int(m[1]), int(m[2])) == (int(g[1]), int(g[2]))
+    return _norm_text(got) == _norm_text(gold)
+
+
+def corrupt(gold: str, kind: str) -> str:
+    if kind == "number":
+        return str(int(gold) + 1) if re.fullmatch(r"-?\d+", gold) else gold + "1"
+    if kind == "time":
+        h, m = map(int, gold.split(":"))
+        return f"{(h + 1) % 24:02d}:{m:02d}"
+    return gold + "_x"
+
+
+def run_calls(env: Env, calls: list[dict]) -> list[str]:
+    """Execute `[{"name", "arguments"}]` in order; refused calls become 'error: ...' strings."""
+    out = []
+    for c in calls:
+        try:
+            out.append(env.call(c["name"], c["arguments"]))
+        except ToolError as e:
+            out.append(f"error: {e}")
+    return out
+
+
+def score_state(task: dict, env: Env, final_text: str | None) -> tuple[float, dict]:
+    """Verifier over final state + answer: (1.0 or 0.0, {"checks": [bool...], "answer": bool})."""
+    meta = task["meta"]
+    checks = [bool(env.check(spec)) for spec in meta.get("checks", [])]
+    ans = answer_matches(str(task["answer"]), final_text, meta.get("answer_kind", "text"))
+    return (1.0 if ans and all(checks) else 0.0), {"checks": checks, "answer": ans}
+
+
+def calls_from_messages(messages: list[dict]) -> tuple[list[dict], str | None]:
+    """Tool calls (arguments parsed; unparsable ones kept as the raw string) and the final answer."""
+    calls, final = [], None
+    for m in messages:
+        if m.get("role") != "assistant":
+            continue
+        for tc in m.get("tool_calls") or []:
+            fn = tc.get("function") or {}
+            raw = fn.get("arguments", "{}")
+            try:
+                args: Any = json.loads(raw) if isinstance(raw, str) else raw
+            except json.JSONDecodeError:
+                args = raw
+            calls.append({"name": fn.get("name"), "arguments": args})
+        final = None if m.get("tool_calls") else m.get("content")
+    return calls, final
+
+
+def replay_calls(env: Env, calls: list[dict]) -> None:
+    for c in calls:
+        if not isinstance(c.get("arguments"), dict):
+            continue  # unparsable arguments: the call never ran
+        try:
+            env.call(c["name"], c["arguments"])
+        except ToolError:
+            pass
