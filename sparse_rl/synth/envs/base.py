@@ -33,7 +33,8 @@ class Env:
     def __init__(self, state: dict):
         self.state = state
 
-    def tools(self) -> list[dict]:
+    @classmethod
+    def tools(cls) -> list[dict]:
         raise NotImplementedError
 
     def call(self, name: str, args: dict) -> str:

@@ -42,7 +42,8 @@ class CalendarEnv(Env):
         self.max_minutes = state.get("max_minutes", 120)
         self.next_id = max([e["id"] for e in self.events], default=0) + 1
 
-    def tools(self) -> list[dict]:
+    @classmethod
+    def tools(cls) -> list[dict]:
         day = {"type": "string", "enum": DAYS}
         hhmm = {"type": "string", "description": "HH:MM, 24-hour"}
         return [

@@ -28,7 +28,8 @@ class CodeEnv(Env):
             (self.workdir / rel).write_text(content)
         self.last = None
 
-    def tools(self) -> list[dict]:
+    @classmethod
+    def tools(cls) -> list[dict]:
         return [tool("run_python", "Run a Python 3 program in a sandbox (no network, limited CPU time and "
                      "memory; files in the working directory persist between calls). Returns what it "
                      "printed; print the values you need.", {"code": {"type": "string"}})]

@@ -35,7 +35,8 @@ class FsEnv(Env):
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(content)
 
-    def tools(self) -> list[dict]:
+    @classmethod
+    def tools(cls) -> list[dict]:
         return [
             tool("list_dir", "List a directory of the workspace (directories end with '/').",
                  {"path": {"type": "string", "description": "relative path, '.' for the root"}}),

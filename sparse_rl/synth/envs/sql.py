@@ -19,8 +19,9 @@ FIRST = ["Ana", "Bo", "Cy", "Di", "Ed", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kai",
 STATUSES = ["pending", "shipped", "cancelled"]
 MAX_ROWS = 50
 
-_READ_OK = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION}
-_WRITE_OK = _READ_OK | {sqlite3.SQLITE_INSERT, sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_DELETE}
+_READ_OK = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+# TRANSACTION: the sqlite3 module opens one implicitly before a data change.
+_WRITE_OK = _READ_OK | {sqlite3.SQLITE_INSERT, sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_DELETE, sqlite3.SQLITE_TRANSACTION}
 
 
 class SqlEnv(Env):
@@ -59,7 +60,8 @@ class SqlEnv(Env):
         finally:
             self.db.set_authorizer(None)
 
-    def tools(self) -> list[dict]:
+    @classmethod
+    def tools(cls) -> list[dict]:
         return [
             tool("list_tables", "List the tables of the database.", {}),
             tool("describe_table", "Show a table's columns and types.", {"table": {"type": "string"}}),
@@ -151,9 +153,10 @@ def _gen_update(rng: random.Random, level: int) -> dict:
     customers, orders = _make_db(rng, level)
     # Pick a customer with at least one pending order so the task changes state.
     cands = sorted({o[1] for o in orders if o[3] == "pending"})
+    if level >= 3:  # the composed task also deletes cancelled orders: both must exist
+        cands = [c for c in cands if any(o[1] == c and o[3] == "cancelled" for o in orders)]
     if not cands:
-        orders[0][3] = "pending"
-        cands = [orders[0][1]]
+        return {}
     cid = rng.choice(cands)
     name = customers[cid - 1][1]
     stmts = [f"UPDATE orders SET status = 'shipped' WHERE status = 'pending' AND customer_id = "
