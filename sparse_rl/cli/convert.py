@@ -30,7 +30,7 @@ def command(
     topk: Optional[int] = typer.Option(None, help="Keys per query, sinks and window included [default: 2048]"),
     index_heads: Optional[int] = typer.Option(None, help="Indexer heads H_I [default: 4]"),
     index_dim: Optional[int] = typer.Option(None, help="Indexer dim d_I [default: 64]"),
-    rope_dim: Optional[int] = typer.Option(None, help="RoPE'd dims of d_I [default: 32]"),
+    rope_dim: Optional[int] = typer.Option(None, help="RoPE'd dims of d_I [default: min(32, index dim, head dim)]"),
     sink: Optional[int] = typer.Option(None, help="First tokens always kept [default: 4]"),
     window: Optional[int] = typer.Option(None, help="Most recent tokens always kept [default: 64]"),
     dense_layers: Optional[str] = typer.Option(None, help="Layers kept dense, e.g. 0,1 or none [default: 0,1]"),

@@ -29,7 +29,7 @@ class SparseConfig:
     topk: int = 2048
     index_heads: int = 4
     index_dim: int = 64
-    rope_dim: int = 32
+    rope_dim: int | None = None  # default: min(32, index_dim, the model's head dim)
     sink: int = 4
     window: int = 64
     dense_layers: list[int] = field(default_factory=lambda: [0, 1])
@@ -45,14 +45,23 @@ class SparseConfig:
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
         for name in ("sink", "window", "rope_dim", "sink_blocks"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
         if self.sink + self.window > self.topk:
             raise UsageError(f"--sink ({self.sink}) + --window ({self.window}) must not exceed --topk ({self.topk})")
         if self.sink_blocks + self.recent_blocks > self.topk_blocks:
             raise UsageError(f"--sink-blocks + --recent-blocks must not exceed --topk-blocks ({self.topk_blocks})")
-        if self.rope_dim > self.index_dim or self.rope_dim % 2:
+        if self.rope_dim is not None and (self.rope_dim > self.index_dim or self.rope_dim % 2):
             raise UsageError(f"--rope-dim ({self.rope_dim}) must be even and <= --index-dim ({self.index_dim})")
+
+    def resolved(self, head_dim: int) -> "SparseConfig":
+        """A copy with defaults that depend on the model filled in (rope_dim)."""
+        from dataclasses import replace
+
+        if self.rope_dim is not None:
+            return self
+        rope = min(32, self.index_dim, head_dim)
+        return replace(self, rope_dim=rope - rope % 2)
 
     @property
     def budget(self) -> int:

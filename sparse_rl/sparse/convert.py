@@ -72,12 +72,12 @@ def convert(src: str | Path, out: str | Path, cfg: ConvertConfig, force: bool = 
     if src.resolve() == out.resolve():
         raise SparseRLError(f"OUT {out}: must differ from IN (the dense checkpoint is never modified)")
     _check_weights(src)
-    sc = cfg.sparse
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
+    sc = cfg.sparse.resolved(head_dim)
     n_layers = model_config["num_hidden_layers"]
     bad = [i for i in sc.dense_layers if not 0 <= i < n_layers]
     if bad:
         raise SparseRLError(f"--dense-layers {bad}: the model has layers 0..{n_layers - 1}")
-    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
     if sc.selector == "indexer" and sc.rope_dim > head_dim:
         raise SparseRLError(f"--rope-dim {sc.rope_dim}: must not exceed the model's head dim {head_dim}")
     with atomic_dir(out, force=force, flag="OUT") as tmp:

@@ -83,6 +83,7 @@ def attach_sparse(model, cfg: SparseConfig) -> None:
     bad = [i for i in cfg.dense_layers if not 0 <= i < len(layers)]
     if bad:
         raise SparseRLError(f"dense_layers {bad}: the model has layers 0..{len(layers) - 1}")
+    cfg = cfg.resolved(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     ref = next(model.parameters())
     for i, layer in enumerate(layers):
         attn = layer.self_attn
