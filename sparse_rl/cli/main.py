@@ -17,6 +17,7 @@ from sparse_rl import __version__
 STAGES: list[tuple[str, str, str]] = [
     ("model", "sparse_rl.cli.model", "Create small offline models (random init + local tokenizer)."),
     ("convert", "sparse_rl.cli.convert", "Add a sparse-attention selector to a dense HF checkpoint."),
+    ("demo", "sparse_rl.cli.demo", "Run the whole chain on a tiny model, offline, on a CPU."),
     ("eval", "sparse_rl.cli.eval", "Evaluate: math accuracy and pass@k, RULER-style needle-in-a-haystack grids."),
 ]
 
