@@ -134,7 +134,8 @@ def _gen_total(rng: random.Random, level: int) -> dict:
     extra = " Ignore other file types and everything under data/archive." if level >= 2 else ""
     prompt = ("Add up every cost= value in the .txt files under data/ (including subdirectories)." + extra +
               " Write the total to report.txt as a single line `total=<N>`, then reply with the total.")
-    solution = [{"name": "list_dir", "arguments": {"path": d}} for d in subdirs]
+    used = sorted({p.rsplit("/", 1)[0] for p in files} - {"data/archive"})
+    solution = [{"name": "list_dir", "arguments": {"path": d}} for d in used]
     solution += [{"name": "read_file", "arguments": {"path": p}} for p in sorted(files)
                  if p.endswith(".txt") and not p.startswith("data/archive/")]
     solution.append({"name": "write_file", "arguments": {"path": "report.txt", "content": f"total={total}\n"}})

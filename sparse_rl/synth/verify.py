@@ -1,0 +1,30 @@
+"""The one verifier entry point other stages call: `verify(task, completion) -> float` in [0, 1].
+
+Dispatches on the task record's `task` field:
+  - `math/*` (and any task with a plain `answer` and no tool environment): math-verify of the gold
+    answer against the completion's last \\boxed{} / number;
+  - `tool/*`: replays the completion's tool calls in a fresh environment built from `meta.state`
+    and checks the final state and answer (see tool_tasks.verify_tool for the accepted formats);
+  - `rg/*`: reasoning-gym's own scorer (needs the optional reasoning-gym package).
+"""
+
+from __future__ import annotations
+
+from sparse_rl.errors import SparseRLError
+
+
+def verify(task: dict, completion: str) -> float:
+    kind = str(task.get("task", ""))
+    if kind.startswith("tool/"):
+        from sparse_rl.synth.tool_tasks import verify_tool
+
+        return verify_tool(task, completion)
+    if kind.startswith("rg/"):
+        from sparse_rl.synth.rg_adapter import verify_rg
+
+        return verify_rg(task, completion)
+    if "answer" not in task or task["answer"] is None:
+        raise SparseRLError(f"task {task.get('id')}: no 'answer' to verify against")
+    from sparse_rl.synth.math_tasks import verify_math
+
+    return verify_math(str(task["answer"]), completion)
