@@ -104,7 +104,10 @@ def math_verdict(completion_text: str, answer) -> float | None:
     if not pred:
         return 0.0
     main = threading.current_thread() is threading.main_thread()
-    return 1.0 if verify(gold, pred, timeout_seconds=5 if main else None) else 0.0
+    try:
+        return 1.0 if verify(gold, pred, timeout_seconds=5 if main else None) else 0.0
+    except Exception:  # noqa: BLE001 - math-verify can raise on pathological expressions: a wrong answer
+        return 0.0
 
 
 def math_reward(completions: list[dict], tasks: list[dict]) -> list[float | None]:
@@ -117,7 +120,15 @@ def math_reward(completions: list[dict], tasks: list[dict]) -> list[float | None
     return out
 
 
-BUILTIN_REWARDS: dict[str, Callable] = {"math": math_reward}
+def synth_reward(completions: list[dict], tasks: list[dict]) -> list[float | None]:
+    """Built-in reward dispatching on each task's `task` field through `sparse_rl.synth.verify.verify`
+    (math via math-verify, `tool/*` by replaying tool calls, `rg/*` via reasoning-gym)."""
+    from sparse_rl.synth.verify import verify
+
+    return [verify(task, str(comp.get("completion", ""))) for comp, task in zip(completions, tasks)]
+
+
+BUILTIN_REWARDS: dict[str, Callable] = {"math": math_reward, "synth": synth_reward}
 
 
 # ----------------------------------------------------------------------------- loading user functions

@@ -22,6 +22,7 @@ from sparse_rl.rl.algos import (
     mismatch_metrics,
     ppo_clip_loss,
     token_entropy,
+    token_logprobs,
 )
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -370,3 +371,15 @@ def test_entropy_hand_values(device):
     m = torch.tensor([[1, 1, 0]], device=device)
     assert close(masked_entropy(logits, m, chunk_size=1), (L4 + 0.562335) / 2)
     assert masked_entropy(logits.bfloat16(), m).dtype == torch.float32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_token_logprobs_hand_values(device):
+    # position 0: uniform over 4, token 2 -> ln(1/4) = -1.386294; grad = onehot - p = (-.25, -.25, .75, -.25)
+    # position 1: p = (.75, .25, 0, 0), token 1 -> ln .25 = -1.386294; grad = (-.75, .75, 0, 0)
+    z = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [L3, 0.0, -1e4, -1e4]]], device=device, requires_grad=True)
+    lp = token_logprobs(z, torch.tensor([[2, 1]], device=device), chunk_size=1)
+    assert close(lp, [[-L4, -L4]])
+    lp.sum().backward()
+    assert close(z.grad, [[[-0.25, -0.25, 0.75, -0.25], [-0.75, 0.75, 0.0, 0.0]]])
+    assert token_logprobs(z.detach().bfloat16(), torch.tensor([[2, 1]], device=device)).dtype == torch.float32

@@ -59,6 +59,14 @@ def test_builtin_math_reward_via_loader():
         fn(comps, [{"id": "a", "answer": "2"}, {"id": "b"}])
 
 
+def test_builtin_synth_reward_dispatches_to_the_synth_verifier():
+    pytest.importorskip("sparse_rl.synth.verify")
+    fn = load_reward_fn("synth")
+    comps = [{"completion": "\\boxed{12}"}, {"completion": "\\boxed{13}"}]
+    tasks = [{"id": "m1", "task": "math/arith", "answer": "12"}, {"id": "m2", "task": "math/arith", "answer": "12"}]
+    assert fn(comps, tasks) == [1.0, 0.0]
+
+
 # ----------------------------------------------------------------------------- user functions
 
 USER_CODE = '''

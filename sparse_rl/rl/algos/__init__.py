@@ -20,6 +20,7 @@ from sparse_rl.rl.algos.distill import (
     distill_sampled_k3,
     masked_entropy,
     token_entropy,
+    token_logprobs,
 )
 from sparse_rl.rl.algos.losses import (
     KL_ESTIMATORS,
@@ -52,5 +53,5 @@ __all__ = [
     "agg_token_mean", "distill_full_reverse_kl", "distill_sampled_k2", "distill_sampled_k3",
     "dr_grpo_advantages", "grpo_advantages", "kl_k1", "kl_k2", "kl_k3", "lookup", "masked_entropy",
     "masked_is_sequence", "masked_is_token", "masked_mean", "masked_sum", "mismatch_metrics",
-    "no_correction", "off_policy_sequence_mask", "ppo_clip_loss", "token_entropy", "truncated_is",
+    "no_correction", "off_policy_sequence_mask", "ppo_clip_loss", "token_entropy", "token_logprobs", "truncated_is",
 ]

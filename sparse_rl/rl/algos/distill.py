@@ -110,6 +110,20 @@ def distill_full_reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.
     return loss, {"kl": loss.detach()}
 
 
+def _gather_logprob_chunk(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    z = logits.float()
+    return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, chunk_size: int = 512) -> torch.Tensor:
+    """log softmax(logits)[token] per position, in float32, chunked over T (differentiable).
+
+    logits `[B, T, V]` (position t predicts tokens[:, t], i.e. already shifted), tokens `[B, T]` long
+    -> `[B, T]` float32.
+    """
+    return _chunked_over_t(_gather_logprob_chunk, chunk_size, logits, tokens)
+
+
 def token_entropy(logits: torch.Tensor, *, chunk_size: int = 512) -> torch.Tensor:
     """Entropy of the next-token distribution, -sum_v p_v log p_v, per position. `[B, T, V]` -> `[B, T]` float32."""
     return _chunked_over_t(_entropy_chunk, chunk_size, logits)
