@@ -168,15 +168,16 @@ def _policy_for(cfg: SynthAgentConfig, task: dict, k: int):
     return OpenAIChatPolicy(cfg.endpoint, cfg.model, cfg.temperature, cfg.max_tokens, seed, cfg.request_timeout)
 
 
-def run_agent(cfg: SynthAgentConfig, tasks: list[dict] | None = None,
+def run_agent(cfg: SynthAgentConfig, tasks: list[dict] | None = None, task_drops: Counter | None = None,
               progress: Callable[[int], None] | None = None) -> tuple[list[dict], list[dict], dict]:
     """Generate (or take) tool tasks, sample K trajectories each, filter, calibrate.
 
+    `task_drops` carries counts from an earlier `generate_tool_tasks` call into the stats.
     Returns (kept tasks, kept trajectories, stats).
     """
     from sparse_rl.synth.agent import OpenAIChatPolicy, run_episode
 
-    task_drops: Counter = Counter()
+    task_drops = Counter(task_drops or {})
     if tasks is None:
         tasks, task_drops = generate_tool_tasks(cfg)
     generated = len(tasks) + task_drops["self_check"]

@@ -1,0 +1,170 @@
+"""`sparse-rl synth math|agent`: verifiable tasks, tool environments, trajectories, filtering.
+
+Thin layer: flags -> `SynthMathConfig` / `SynthAgentConfig` (sparse_rl/synth/pipeline.py), run,
+write every output atomically at the end (a failed run writes nothing), stats as JSON (to --stats,
+or stdout when the tasks go to a file) and as a rich table on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from sparse_rl.cli.common import cli_errors, console
+from sparse_rl.errors import UsageError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Synthesise verifiable math tasks and tool-use trajectories.")
+
+_CONFIG = typer.Option(None, "--config", help="YAML recipe; flags given here override it.")
+
+
+def _list(value: Optional[str]) -> Optional[list[str]]:
+    if value is None:
+        return None
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _table(stats: dict) -> None:
+    from rich.table import Table
+
+    t = Table(title=stats["stage"], show_header=True, header_style="bold")
+    t.add_column("what")
+    t.add_column("count", justify="right")
+    for group in ("tasks", "trajectories"):
+        if group not in stats:
+            continue
+        g = stats[group]
+        t.add_row(f"{group} in", str(g.get("generated", g.get("sampled"))))
+        for k, v in g["dropped"].items():
+            t.add_row(f"  dropped: {k}", str(v))
+        t.add_row(f"[green]{group} kept[/]", str(g["kept"]))
+        for k, v in g.get("labels", {}).items():
+            t.add_row(f"  {k}", str(v))
+    for k, v in stats.get("pass_rate_histogram", {}).items():
+        t.add_row(f"pass rate {k}", str(v))
+    console.print(t)
+
+
+def _emit(stats: dict, stats_path: Optional[str], out: str) -> None:
+    from sparse_rl.io import atomic_write_json
+
+    if stats_path:
+        atomic_write_json(stats_path, stats)
+    elif out != "-":
+        typer.echo(json.dumps(stats))
+    _table(stats)
+
+
+def _check_outputs(*paths: Optional[str]) -> None:
+    seen = [p for p in paths if p and p != "-"]
+    if len(set(seen)) != len(seen):
+        raise UsageError("--out, --trajectories and --stats must be different files")
+    for p in seen:
+        parent = Path(p).parent
+        if parent.exists() and not parent.is_dir():
+            raise UsageError(f"{p}: {parent} is not a directory")
+
+
+@app.command("math")
+def math_cmd(
+    config: Optional[Path] = _CONFIG,
+    n: Optional[int] = typer.Option(None, "--n", help="Tasks to write [default: 100]"),
+    seed: Optional[int] = typer.Option(None, help="Seed; same seed, same file [default: 0]"),
+    families: Optional[str] = typer.Option(None, help="Comma list of arith,word,vartrack [default: all]"),
+    reasoning_gym: Optional[str] = typer.Option(None, "--reasoning-gym",
+                                                help="Comma list of reasoning-gym dataset names (needs reasoning-gym)"),
+    min_level: Optional[int] = typer.Option(None, help="Lowest difficulty level [default: 1]"),
+    max_level: Optional[int] = typer.Option(None, help="Highest difficulty level [default: 5]"),
+    length: Optional[int] = typer.Option(None, help="vartrack: filler words in the context [default: 512]"),
+    dedup_threshold: Optional[float] = typer.Option(None, help="Near-duplicate Jaccard threshold [default: 0.85]"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Tasks JSONL, '-' = stdout [default: -]"),
+    stats: Optional[str] = typer.Option(None, help="Stats JSON file [default: stdout if --out is a file]"),
+) -> None:
+    """Math/reasoning tasks with exact answers: prompt/task JSONL for grpo, sft and eval math."""
+    with cli_errors():
+        from sparse_rl.config import load_config
+        from sparse_rl.io import write_jsonl
+        from sparse_rl.synth.pipeline import SynthMathConfig, run_math
+
+        cfg = load_config(SynthMathConfig, config, dict(
+            n=n, seed=seed, families=_list(families), reasoning_gym=_list(reasoning_gym), min_level=min_level,
+            max_level=max_level, length=length, dedup_threshold=dedup_threshold, out=out, stats=stats))
+        _check_outputs(cfg.out, cfg.stats)
+        tasks, st = run_math(cfg)
+        write_jsonl(cfg.out, tasks)
+        _emit(st, cfg.stats, cfg.out)
+
+
+def _read_tool_tasks(path: str) -> list[dict]:
+    from sparse_rl.errors import SparseRLError
+    from sparse_rl.io import iter_jsonl
+    from sparse_rl.synth.envs import ENVS
+
+    tasks = []
+    for i, rec in enumerate(iter_jsonl(path, required=("id", "messages", "answer", "task", "meta")), 1):
+        meta = rec["meta"]
+        if not isinstance(meta, dict) or meta.get("env") not in ENVS or not {"state", "tools", "solution"} <= set(meta):
+            raise SparseRLError(f"{path} record {i} (id {rec['id']}): not a tool task (needs meta.env in "
+                                f"{', '.join(ENVS)}, meta.state, meta.tools, meta.solution); make one with `synth agent`")
+        tasks.append(rec)
+    if not tasks:
+        raise SparseRLError(f"{path}: no tasks")
+    return tasks
+
+
+@app.command("agent")
+def agent_cmd(
+    config: Optional[Path] = _CONFIG,
+    n: Optional[int] = typer.Option(None, "--n", help="Tool tasks to generate [default: 20]"),
+    seed: Optional[int] = typer.Option(None, help="Seed [default: 0]"),
+    envs: Optional[str] = typer.Option(None, help="Comma list of fs,sql,calendar,code [default: all]"),
+    min_level: Optional[int] = typer.Option(None, help="Lowest composition level [default: 1]"),
+    max_level: Optional[int] = typer.Option(None, help="Highest composition level [default: 4]"),
+    tasks_in: Optional[str] = typer.Option(None, "--tasks-in", help="Sample trajectories for these tool tasks instead"),
+    policy: Optional[str] = typer.Option(None, help="scripted (replay each task's solution) | endpoint [default: scripted]"),
+    endpoint: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"),
+    model: Optional[str] = typer.Option(None, help="Model name sent to the endpoint"),
+    temperature: Optional[float] = typer.Option(None, help="Sampling temperature [default: 0.7]"),
+    attempts: Optional[int] = typer.Option(None, "--attempts", "-k", help="Attempts per task (K) [default: 4]"),
+    max_turns: Optional[int] = typer.Option(None, help="Assistant turns per attempt [default: 12]"),
+    keep_failures: Optional[bool] = typer.Option(None, "--keep-failures/--no-keep-failures",
+                                                 help="Keep informative failures, labelled [default: keep]"),
+    min_pass: Optional[float] = typer.Option(None, help="Keep tasks with pass rate >= this [default: 0]"),
+    max_pass: Optional[float] = typer.Option(None, help="Keep tasks with pass rate <= this [default: 1]"),
+    reviewer: Optional[bool] = typer.Option(None, "--reviewer/--no-reviewer", help="Score trajectories with a reviewer model"),
+    reviewer_model: Optional[str] = typer.Option(None, help="Reviewer model name [default: --model]"),
+    min_review: Optional[float] = typer.Option(None, help="Reviewer score (0-1) to keep [default: 0.5]"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Kept tasks JSONL, '-' = stdout [default: -]"),
+    trajectories: Optional[str] = typer.Option(None, help="Kept trajectories JSONL"),
+    stats: Optional[str] = typer.Option(None, help="Stats JSON file [default: stdout if --out is a file]"),
+) -> None:
+    """Tool tasks in sandboxed environments, K trajectories each, filtered and calibrated."""
+    with cli_errors():
+        from rich.progress import Progress
+
+        from sparse_rl.config import load_config
+        from sparse_rl.io import write_jsonl
+        from sparse_rl.synth.pipeline import SynthAgentConfig, generate_tool_tasks, run_agent
+
+        cfg = load_config(SynthAgentConfig, config, dict(
+            n=n, seed=seed, envs=_list(envs), min_level=min_level, max_level=max_level, tasks_in=tasks_in,
+            policy=policy, endpoint=endpoint, model=model, temperature=temperature, attempts=attempts,
+            max_turns=max_turns, keep_failures=keep_failures, min_pass=min_pass, max_pass=max_pass,
+            reviewer=reviewer, reviewer_model=reviewer_model, min_review=min_review, out=out,
+            trajectories=trajectories, stats=stats))
+        _check_outputs(cfg.out, cfg.trajectories, cfg.stats)
+        if cfg.tasks_in:
+            tasks, drops = _read_tool_tasks(cfg.tasks_in), None
+        else:
+            tasks, drops = generate_tool_tasks(cfg)
+        with Progress(console=console, transient=True) as bar:
+            job = bar.add_task("sampling trajectories", total=len(tasks) * cfg.attempts)
+            kept, trajs, st = run_agent(cfg, tasks, drops, progress=lambda k: bar.advance(job, k))
+        if cfg.trajectories:
+            write_jsonl(cfg.trajectories, trajs)
+        write_jsonl(cfg.out, kept)
+        _emit(st, cfg.stats, cfg.out)
