@@ -18,6 +18,7 @@ STAGES: list[tuple[str, str, str]] = [
     ("model", "sparse_rl.cli.model", "Create small offline models (random init + local tokenizer)."),
     ("convert", "sparse_rl.cli.convert", "Add a sparse-attention selector to a dense HF checkpoint."),
     ("demo", "sparse_rl.cli.demo", "Run the whole chain on a tiny model, offline, on a CPU."),
+    ("synth", "sparse_rl.cli.synth", "Synthesise verifiable math tasks and sandboxed tool-use trajectories."),
     ("eval", "sparse_rl.cli.eval", "Evaluate: math accuracy and pass@k, RULER-style needle-in-a-haystack grids."),
 ]
 
