@@ -14,7 +14,9 @@ Construction. The haystack is a token stream of whole sentences (RULER's repeate
 sentences, or a user's text file split into sentences, cycled), each encoded with a leading space
 so that concatenated sentence tokens decode to the joined text. For a filler budget of H tokens a
 needle at depth d (a fraction of the filler tokens before it) goes to the sentence boundary
-nearest d*H; the filler is cut at H tokens (mid-sentence at the very end). The rendered prompt is
+nearest d*H, where the two ends of the filler count as boundaries (so depths 0 and 1 are exact);
+the one partial sentence needed to hit H exactly sits at the end of the filler, or at its start
+when the asked needle is in the second half. The rendered prompt is
 re-tokenised and H adjusted until its length is exactly the requested one, because BPE merges
 across the joins can shift the count by a token or two. The first needle of a task (the one the
 question is about) sits at the requested depth; further needles go to seeded random depths (vt:
@@ -206,13 +208,12 @@ def _join(pieces: list[str]) -> str:
     return out
 
 
-def _nearest_boundary(bounds: list[int], target: float, limit: int) -> int:
+def _nearest(bounds: list[int], target: float) -> int:
     import bisect
 
-    i = bisect.bisect_right(bounds, limit) - 1  # boundaries usable within the first `limit` tokens
-    j = min(max(bisect.bisect_left(bounds, target, 0, i + 1), 0), i)
-    cands = [bounds[j]] + ([bounds[j - 1]] if j > 0 else [])
-    return min(cands, key=lambda b: (abs(b - target), b))
+    j = bisect.bisect_left(bounds, target)
+    cands = bounds[max(j - 1, 0): j + 1]
+    return min(cands, key=lambda x: (abs(x - target), x))
 
 
 def build_niah_sample(tokenizer, task: str, length: int, depth: float, *, seed: int = 0, sample: int = 0,
@@ -231,16 +232,25 @@ def build_niah_sample(tokenizer, task: str, length: int, depth: float, *, seed: 
     def count(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def render(h: int) -> tuple[str, list[int], list[int]]:
+    def render(h: int, tail: str) -> tuple[str, list[int], list[int]]:
+        """Text with `h` filler tokens. The one partial sentence goes at the end of the filler
+        (tail="end") or at its start (tail="start"); needles go to whole-sentence boundaries or
+        to either end of the filler, whichever is nearest their depth."""
         ids, bounds = haystack.stream(tokenizer, h)
-        offs = [_nearest_boundary(bounds, spec.depths[i] * h, h) for i in order]
+        if tail == "end":
+            r, window = 0, [b for b in bounds if b < h] + [h]
+        else:
+            end = next(b for b in bounds if b >= h)
+            r = end - h
+            window = [0] + [b - r for b in bounds if r < b <= end]
+        offs = [_nearest(window, spec.depths[i] * h) for i in order]
         pieces, starts, prev = [], [], 0
         for i, off in zip(order, offs):
-            pieces.append(tokenizer.decode(ids[prev:off], clean_up_tokenization_spaces=False))
+            pieces.append(tokenizer.decode(ids[r + prev:r + off], clean_up_tokenization_spaces=False))
             pieces.append("\x00" + spec.needles[i])  # marks the needle start; removed below
             prev = off
-        pieces.append(tokenizer.decode(ids[prev:h], clean_up_tokenization_spaces=False))
-        context = _join(pieces).lstrip()  # keep a trailing space: stripping it would make some lengths unreachable
+        pieces.append(tokenizer.decode(ids[r + prev:r + h], clean_up_tokenization_spaces=False))
+        context = _join(pieces)  # not stripped: that would merge two lengths into one, leaving a gap
         text = spec.prefix + context + spec.suffix
         pos = 0
         for _ in order:
@@ -254,29 +264,33 @@ def build_niah_sample(tokenizer, task: str, length: int, depth: float, *, seed: 
         raise UsageError(f"--lengths {length}: too short for task '{task}', whose question and needles "
                          f"alone take {overhead} tokens")
     h0 = length - overhead
-    h, seen, found = h0, set(), None
-    for _ in range(32):  # follow the error; BPE joins make it converge in a step or two
-        if h < 0 or h in seen:
-            break
-        seen.add(h)
-        text, offs, starts = render(h)
-        n = count(text)
-        if n == length:
-            found = (h, text, offs, starts)
-            break
-        h += length - n
-    if found is None:  # the correction cycled: scan around the estimate
-        for delta in (d for k in range(1, 65) for d in (k, -k)):
-            h = h0 + delta
+
+    def fit(tail: str):
+        h, seen = h0, set()
+        for _ in range(32):  # follow the error; BPE joins make it converge in a step or two
             if h < 0 or h in seen:
-                continue
-            text, offs, starts = render(h)
-            if count(text) == length:
-                found = (h, text, offs, starts)
                 break
+            seen.add(h)
+            text, offs, starts = render(h, tail)
+            n = count(text)
+            if n == length:
+                return h, text, offs, starts
+            h += length - n
+        for delta in (d for k in range(1, 65) for d in (k, -k)):  # it cycled: scan around the estimate
+            h = h0 + delta
+            if h >= 0 and h not in seen:
+                text, offs, starts = render(h, tail)
+                if count(text) == length:
+                    return h, text, offs, starts
+        return None
+
+    # Put the partial sentence away from the asked needle first; the other side if that cannot fit
+    # (a token that merges across the join can make a length unreachable from one side).
+    tails = ("start", "end") if depth > 0.5 else ("end", "start")
+    found = fit(tails[0]) or fit(tails[1])
     if found is None:
         raise SparseRLError(f"could not build a {task} prompt of exactly {length} tokens with this tokenizer "
-                            f"(try another --haystack text)")
+                            f"(question and needles take ~{overhead}; try another length or --haystack text)")
     h, text, offs, starts = found
     first = order.index(0)
     token_pos = None
