@@ -55,7 +55,33 @@ for _name, _module, _help in STAGES:
 
 
 def main() -> None:
-    app()
+    """Run the app; click's usage errors become one line (`error: ...`) with exit code 2."""
+    import sys
+
+    try:  # typer >= 0.20 vendors click as typer._click
+        from typer._click import exceptions as click_exc
+    except ImportError:
+        from click import exceptions as click_exc
+
+    try:
+        rv = app(standalone_mode=False)
+    except getattr(click_exc, "NoArgsIsHelpError", ()) as e:
+        print(e.ctx.get_help() if e.ctx else "", file=sys.stderr)
+        sys.exit(2)
+    except click_exc.UsageError as e:
+        path = e.ctx.command_path if e.ctx else "sparse-rl"
+        msg = " ".join(e.format_message().split())
+        print(f"error: {msg} (see '{path} --help')", file=sys.stderr)
+        sys.exit(2)
+    except getattr(click_exc, "Abort", ()):
+        print("error: aborted", file=sys.stderr)
+        sys.exit(130)
+    except click_exc.Exit as e:
+        sys.exit(e.exit_code)
+    except click_exc.ClickException as e:
+        print(f"error: {' '.join(e.format_message().split())}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":

@@ -142,3 +142,11 @@ def test_console_script_debug_traceback(tmp_path):
     assert res.returncode == 1 and res.stderr.strip().count("\n") == 0
     res = subprocess.run(cmd, capture_output=True, text=True, env={**__import__("os").environ, "SPARSE_RL_DEBUG": "1"})
     assert res.returncode != 0 and "Traceback" in res.stderr
+
+
+def test_usage_errors_are_one_line_through_the_entry_point():
+    res = subprocess.run([sys.executable, "-m", "sparse_rl.cli.main", "convert", "--bogus"], capture_output=True,
+                         text=True)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == ["error: No such option: --bogus (see 'sparse-rl convert --help')"] or \
+        (len(res.stderr.strip().splitlines()) == 1 and "--bogus" in res.stderr)
