@@ -10,6 +10,11 @@ Resolve a config name with `lookup(REGISTRY, name, "config.key")` (UsageError on
 | MISMATCH | none, tis, mis_token, mis_seq, opsm | (logp_pi, logp_mu, mask, adv, *, cap, lo, hi, delta) -> (weights [B,T], stats) |
 | KL_ESTIMATORS | k1, k2, k3 | (logp, logp_ref) -> [B,T] |
 | DISTILL_LOSSES | k3, k2, full | (student, teacher, mask, *, chunk_size) -> (loss, stats); fn.needs_logits |
+
+Also: `mismatch_metrics` (mean token KL(mu || pi), 5th percentile of min(1, pi/mu)), `KLController` /
+`adaptive_kl_coef`, `token_logprobs`, `token_entropy` / `masked_entropy` (chunked over T), and the
+`masked_mean` / `masked_sum` reductions. Reward shaping (`SHAPING`) and reward functions live in
+`sparse_rl.rl.rewards`, oversampling in `sparse_rl.rl.oversample`.
 """
 
 from sparse_rl.rl.algos.advantages import ADVANTAGES, dr_grpo_advantages, grpo_advantages
