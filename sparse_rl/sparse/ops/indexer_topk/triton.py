@@ -72,7 +72,8 @@ def indexer_scores_chunk(q_idx, w, k_idx, kv_start, t0: int, t1: int, S_c: int, 
     B, T, HI, DI = q_idx.shape
     if out is None:
         out = torch.empty(B, t1 - t0, S_c, device=q_idx.device, dtype=torch.float32)
-    BM, BN = 64, 128
+    # Decode (one query per row) must not pay for 64 rows of MMA: shrink the query tile.
+    BM, BN = (16 if t1 - t0 <= 16 else 64), 128
     BD = max(16, triton.next_power_of_2(DI))
     grid = (triton.cdiv(t1 - t0, BM), triton.cdiv(S_c, BN), B)
     _score_kernel[grid](q_idx, w, k_idx, kv_start, out, *q_idx.stride(), *w.stride(), *k_idx.stride(),

@@ -185,8 +185,9 @@ def _meta(q, k):
     return G, D, max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))
 
 
-def _fwd(q, k, v, indices, scale, nsplit: int = 1):
-    """q `[B, T, H, D]` -> out `[B, T, H, D]` (q.dtype), lse `[B, T, H]` fp32."""
+def _fwd(q, k, v, indices, scale, nsplit: int = 1, out=None):
+    """q `[B, T, H, D]` -> out `[B, T, H, D]` (q.dtype), lse `[B, T, H]` fp32, nsplit used.
+    `out=(o, lse)` writes into given buffers (nsplit 1 only; the benchmark poisons them)."""
     B, T, H, D = q.shape
     H_kv = k.shape[2]
     NK = indices.shape[-1]
@@ -194,7 +195,10 @@ def _fwd(q, k, v, indices, scale, nsplit: int = 1):
     BK = 64 if BD <= 64 else 32 if BH > 16 else 64
     kps = triton.cdiv(triton.cdiv(NK, nsplit), BK) * BK  # keys per split, a multiple of BLOCK_K
     nsplit = max(1, triton.cdiv(NK, kps)) if NK else 1
-    if nsplit == 1:
+    if out is not None:
+        o, lse = out
+        nsplit = 1
+    elif nsplit == 1:
         o = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
         lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     else:

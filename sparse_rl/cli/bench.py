@@ -1,0 +1,113 @@
+"""`sparse-rl bench attention|decode`: kernel speed against dense SDPA (and FlexAttention) in one run.
+
+Prints a markdown table to stdout, writes the full results as JSON with `--out`. Thin: the work is
+in `sparse_rl.eval.bench_attention` / `bench_decode`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from sparse_rl.cli.common import cli_errors, console
+from sparse_rl.errors import UsageError
+
+app = typer.Typer(no_args_is_help=True, help="Speed benchmarks (markdown table to stdout, JSON with --out).")
+
+
+def _ints(value: Optional[str], flag: str) -> Optional[list[int]]:
+    """`8192,32K` -> [8192, 32768] (K = 1024)."""
+    if value is None:
+        return None
+    out = []
+    for item in value.split(","):
+        item = item.strip().upper()
+        if not item:
+            continue
+        mult = 1024 if item.endswith("K") else 1
+        try:
+            out.append(int(item.removesuffix("K")) * mult)
+        except ValueError:
+            raise UsageError(f"{flag} {value!r}: expected comma-separated integers, e.g. 8192,32K") from None
+    if not out or any(x <= 0 for x in out):
+        raise UsageError(f"{flag} {value!r}: expected positive integers, e.g. 8192,32K")
+    return out
+
+
+def _finish(res: dict, table: str, out: Optional[Path]) -> None:
+    from sparse_rl.io import atomic_write_json
+
+    res["markdown"] = table
+    if out is not None:
+        atomic_write_json(out, res)
+        console.print(f"[green]wrote[/] {out}")
+    typer.echo(table)
+
+
+_common = dict(
+    heads=typer.Option(None, help="Query heads [default: 32]"),
+    kv_heads=typer.Option(None, help="KV heads [default: 8]"),
+    head_dim=typer.Option(None, help="Head dim [default: 128]"),
+    topk=typer.Option(None, help="Selected keys per query [default: 2048]"),
+    index_heads=typer.Option(None, help="Indexer heads [default: 4]"),
+    index_dim=typer.Option(None, help="Indexer dim [default: 64]"),
+)
+
+
+@app.command("attention")
+def attention(
+    seqlens: Optional[str] = typer.Option(None, help="Sequence lengths, e.g. 8K,32K [default: 8K,16K,32K,64K,128K]"),
+    backward_seqlens: Optional[str] = typer.Option(None, help="Lengths also timed forward+backward [default: 32K]"),
+    heads: Optional[int] = _common["heads"], kv_heads: Optional[int] = _common["kv_heads"],
+    head_dim: Optional[int] = _common["head_dim"], topk: Optional[int] = _common["topk"],
+    index_heads: Optional[int] = _common["index_heads"], index_dim: Optional[int] = _common["index_dim"],
+    batch: Optional[int] = typer.Option(None, help="Batch [default: 1]"),
+    flex: Optional[bool] = typer.Option(None, "--flex/--no-flex", help="Time FlexAttention block-sparse [default: on]"),
+    check: Optional[bool] = typer.Option(None, "--check/--no-check", help="Compare with the fp32 reference [default: on]"),
+    dtype: Optional[str] = typer.Option(None, help="bfloat16 | float16 | float32 [default: bfloat16]"),
+    rep_ms: Optional[int] = typer.Option(None, help="Timing budget per measurement, ms [default: 100]"),
+    device: Optional[str] = typer.Option(None, help="auto | cuda | cpu (cpu needs TRITON_INTERPRET=1) [default: auto]"),
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML recipe with BenchAttentionConfig keys."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
+) -> None:
+    """Sparse prefill (indexer + top-k + attention), fwd+bwd, FlexAttention block-sparse vs dense SDPA."""
+    with cli_errors():
+        from sparse_rl.config import load_config
+        from sparse_rl.eval.bench_attention import BenchAttentionConfig, markdown_attention, run_attention_bench
+
+        cfg = load_config(BenchAttentionConfig, config, dict(
+            seqlens=_ints(seqlens, "--seqlens"), backward_seqlens=_ints(backward_seqlens, "--backward-seqlens"),
+            heads=heads, kv_heads=kv_heads, head_dim=head_dim, topk=topk, index_heads=index_heads,
+            index_dim=index_dim, batch=batch, flex=flex, check=check, dtype=dtype, rep_ms=rep_ms, device=device))
+        res = run_attention_bench(cfg, log=lambda m: console.print(f"[dim]{m}[/]"))
+        _finish(res, markdown_attention(res), out)
+
+
+@app.command("decode")
+def decode(
+    contexts: Optional[str] = typer.Option(None, help="Context lengths, e.g. 32K,128K [default: 32K,128K]"),
+    batch: Optional[int] = typer.Option(None, help="Sequences decoded together [default: 32]"),
+    heads: Optional[int] = _common["heads"], kv_heads: Optional[int] = _common["kv_heads"],
+    head_dim: Optional[int] = _common["head_dim"], topk: Optional[int] = _common["topk"],
+    index_heads: Optional[int] = _common["index_heads"], index_dim: Optional[int] = _common["index_dim"],
+    splits: Optional[str] = typer.Option(None, help="Also time these split-K counts, e.g. 1,2,4,8"),
+    check: Optional[bool] = typer.Option(None, "--check/--no-check", help="Compare with the fp32 reference [default: on]"),
+    dtype: Optional[str] = typer.Option(None, help="bfloat16 | float16 | float32 [default: bfloat16]"),
+    rep_ms: Optional[int] = typer.Option(None, help="Timing budget per measurement, ms [default: 100]"),
+    device: Optional[str] = typer.Option(None, help="auto | cuda | cpu (cpu needs TRITON_INTERPRET=1) [default: auto]"),
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML recipe with BenchDecodeConfig keys."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
+) -> None:
+    """One sparse decode step (indexer + top-k + sparse attention) vs one dense SDPA decode step."""
+    with cli_errors():
+        from sparse_rl.config import load_config
+        from sparse_rl.eval.bench_decode import BenchDecodeConfig, markdown_decode, run_decode_bench
+
+        cfg = load_config(BenchDecodeConfig, config, dict(
+            contexts=_ints(contexts, "--contexts"), batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+            topk=topk, index_heads=index_heads, index_dim=index_dim, splits=_ints(splits, "--splits"), check=check,
+            dtype=dtype, rep_ms=rep_ms, device=device))
+        res = run_decode_bench(cfg, log=lambda m: console.print(f"[dim]{m}[/]"))
+        _finish(res, markdown_decode(res), out)

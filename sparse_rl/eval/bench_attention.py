@@ -1,0 +1,418 @@
+"""`sparse-rl bench attention`: sparse prefill (indexer + top-k + sparse attention) against dense SDPA
+and FlexAttention block-sparse, in one run, with correctness checks against the float32 reference.
+
+Shapes follow BENCHMARKS.md: batch 1, 32 query heads, 8 KV heads, head dim 128, k = 2048, 4 index
+heads of 64 dims, bf16. Two index patterns are timed for the sparse attention kernel:
+- `indexer`: the Triton indexer's top-k on random inputs, i.e. independent random keys per query
+  (the worst case for locality: every query gathers its own 2048 rows per KV head);
+- `block`: the FlexAttention selection written as token indices (16 blocks of 128 keys per query
+  block, causal diagonal), so the token-level kernel and FlexAttention compute the same attention.
+Times are medians of `triton.testing.do_bench` (CUDA events, L2 flushed between repeats).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from sparse_rl.errors import UsageError
+
+
+@dataclass
+class BenchAttentionConfig:
+    seqlens: list[int] = field(default_factory=lambda: [8192, 16384, 32768, 65536, 131072])
+    batch: int = 1
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    topk: int = 2048
+    index_heads: int = 4
+    index_dim: int = 64
+    block_size: int = 128  # FlexAttention block (and the `block` index pattern)
+    backward_seqlens: list[int] = field(default_factory=lambda: [32768])
+    flex: bool = True
+    flex_min_seqlen: int = 32768  # each sequence length costs one FlexAttention compile
+    check: bool = True
+    check_queries: int = 256  # rows compared with the float32 reference at each length
+    dtype: str = "bfloat16"
+    warmup_ms: int = 25
+    rep_ms: int = 100
+    seed: int = 0
+    device: str = "auto"
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+def torch_dtype(name: str):
+    import torch
+
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+             "float32": torch.float32, "fp32": torch.float32}
+    if name not in table:
+        raise UsageError(f"--dtype {name}: expected bfloat16, float16 or float32")
+    return table[name]
+
+
+def bench_ms(fn, device, warmup_ms: int = 25, rep_ms: int = 100, grad_to_none=None) -> float:
+    """Median milliseconds of `fn()`: CUDA events through triton's do_bench on a GPU, a few
+    wall-clock repeats on a CPU (only useful as a smoke test there)."""
+    import torch
+
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(3):
+        if grad_to_none:
+            for t in grad_to_none:
+                t.grad = None
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.manual_seed(torch.initial_seed())  # keep RNG use independent of repeats
+    return statistics.median(times)
+
+
+def rel_err(a, ref) -> float:
+    a, ref = a.double(), ref.double()
+    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def dense_sdpa(q, k, v, causal: bool = True):
+    """SDPA in `[B, H, L, D]` layout with the flash backend on CUDA; GQA through `enable_gqa`
+    when the backend takes it, else K/V repeated beforehand (outside the timed region).
+    Returns (fn(q,k,v)->out, k, v, label)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = SDPBackend.FLASH_ATTENTION if q.is_cuda else SDPBackend.MATH
+    G = q.shape[1] // k.shape[1]
+
+    def run(q_, k_, v_, gqa):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, enable_gqa=gqa)
+
+    try:
+        run(q[:, :, :16], k[:, :, :16], v[:, :, :16], G > 1)
+        return (lambda a, b, c: run(a, b, c, G > 1)), k, v, f"sdpa-{backend.name.lower()}"
+    except RuntimeError:
+        k2 = k.repeat_interleave(G, 1).detach().requires_grad_(k.requires_grad)
+        v2 = v.repeat_interleave(G, 1).detach().requires_grad_(v.requires_grad)
+        return (lambda a, b, c: run(a, b, c, False)), k2, v2, f"sdpa-{backend.name.lower()}(kv repeated)"
+
+
+def block_pattern(L: int, block: int, nsel: int, device, generator=None):
+    """Random block-sparse causal selection: each query block keeps its diagonal block plus up to
+    nsel-1 random earlier blocks. Returns (full `[nqb, nsel-1]` sorted earlier blocks, counts `[nqb]`)."""
+    import torch
+
+    nqb = L // block
+    r = torch.rand(nqb, nqb, device=device, generator=generator)
+    earlier = torch.ones(nqb, nqb, dtype=torch.bool, device=device).tril(-1)
+    r = torch.where(earlier, r, -1.0)
+    m = max(1, min(nsel - 1, nqb))
+    vals, idx = r.topk(m, dim=-1)
+    cnt = earlier.sum(-1).clamp(max=nsel - 1)
+    big = nqb + 1
+    idx = torch.where(vals >= 0, idx, big).sort(-1).values
+    return idx, cnt
+
+
+def block_pattern_indices(full_blocks, cnt, L: int, block: int, topk: int):
+    """The block selection as token indices `[1, L, topk]` int32 (ascending, -1 padded)."""
+    import torch
+
+    nqb, m = full_blocks.shape
+    dev = full_blocks.device
+    ar = torch.arange(block, device=dev)
+    valid = full_blocks < nqb
+    tok = torch.where(valid[..., None], full_blocks[..., None] * block + ar, -1).flatten(1)  # [nqb, m*block]
+    diag = torch.arange(nqb, device=dev)[:, None] * block + ar  # [nqb, block]
+    t = torch.arange(L, device=dev)
+    rows = torch.cat([tok, diag], 1)  # earlier blocks ascending, then the diagonal block
+    rows = rows.repeat_interleave(block, 0)[:L]  # [L, (m+1)*block]
+    rows = torch.where(rows <= t[:, None], rows, -1)
+    # push -1 to the end, keep ascending order
+    big = torch.iinfo(torch.int32).max
+    rows = torch.where(rows < 0, big, rows).sort(-1).values
+    rows = torch.where(rows == big, -1, rows).to(torch.int32)
+    if rows.shape[1] < topk:
+        rows = torch.cat([rows, rows.new_full((L, topk - rows.shape[1]), -1)], 1)
+    return rows[None, :, :topk].contiguous()
+
+
+def flex_block_mask(full_blocks, cnt, L: int, block: int):
+    import torch
+    from torch.nn.attention.flex_attention import BlockMask
+
+    nqb, m = full_blocks.shape
+    dev = full_blocks.device
+    full_idx = torch.zeros(1, 1, nqb, nqb, dtype=torch.int32, device=dev)
+    full_idx[0, 0, :, :m] = torch.where(full_blocks < nqb, full_blocks, 0).to(torch.int32)
+    diag_idx = torch.zeros(1, 1, nqb, nqb, dtype=torch.int32, device=dev)
+    diag_idx[0, 0, :, 0] = torch.arange(nqb, dtype=torch.int32, device=dev)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    return BlockMask.from_kv_blocks(
+        torch.ones(1, 1, nqb, dtype=torch.int32, device=dev), diag_idx,
+        cnt.to(torch.int32).view(1, 1, nqb), full_idx, BLOCK_SIZE=block, mask_mod=causal, seq_lengths=(L, L))
+
+
+def pairs(indices) -> int:
+    return int((indices >= 0).sum())
+
+
+# ----------------------------------------------------------------------------------------- checks
+
+def check_attention(q, k, v, idx, n: int, out=None, lse=None) -> dict:
+    """Triton sparse attention vs the float32 reference on the last n queries, outputs poisoned."""
+    import torch
+
+    from sparse_rl.sparse.ops.sparse_attention import triton as sa
+    from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
+
+    B, L, H, D = q.shape
+    scale = 1.0 / math.sqrt(D)
+    o = torch.full((B, L, H, D), float("nan"), device=q.device, dtype=q.dtype)
+    ls = torch.full((B, L, H), float("nan"), device=q.device, dtype=torch.float32)
+    sa._fwd(q, k, v, idx, scale, out=(o, ls))
+    sl = slice(L - n, L)
+    ro, rl = sparse_attention_naive(q[:, sl].float(), k.float(), v.float(), idx[:, sl], scale)
+    fin = torch.isfinite(rl)
+    return {"out_rel_err": rel_err(o[:, sl], ro), "lse_max_abs_err": float((ls[:, sl][fin] - rl[fin]).abs().max()),
+            "nan_free": bool(torch.isfinite(o).all() and not torch.isnan(ls).any())}
+
+
+def check_indexer(q_idx, w, k_idx, sel, topk: int, n: int) -> dict:
+    """Selected sets vs the float32 reference scores on the last n queries: the sorted scores of the
+    kernel's choice must equal the reference top-k scores (ties may pick different keys)."""
+    import torch
+
+    from sparse_rl.sparse.ops.indexer_topk.naive import indexer_scores_naive
+
+    B, L = q_idx.shape[:2]
+    t0 = L - n
+    ref = indexer_scores_naive(q_idx[:, t0:].float(), w[:, t0:].float(), k_idx.float(), t0=t0)  # [B, n, L]
+    top = ref.topk(min(topk, L), -1).values
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    got = torch.gather(ref, 2, sel[:, t0:].clamp(min=0).long())
+    got = torch.where(sel[:, t0:] >= 0, got, torch.zeros_like(got)).sort(-1, descending=True).values
+    ok_range = bool(((sel >= -1) & (sel < L)).all())
+    counts = (sel[:, t0:] >= 0).sum(-1)
+    want = torch.clamp(torch.arange(t0, L, device=sel.device) + 1, max=topk)
+    return {"score_rel_err": rel_err(got, top[..., :got.shape[-1]]), "in_range": ok_range,
+            "counts_ok": bool((counts == want).all())}
+
+
+def check_backward(device, dtype, heads: int, kv_heads: int, head_dim: int, L: int = 4096, topk: int = 512,
+                   seed: int = 0) -> dict:
+    """dq/dk/dv of the Triton kernel vs autograd through the float32 reference (random indices)."""
+    import torch
+
+    from sparse_rl.sparse.ops import indexer_topk, sparse_attention
+    from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(1, L, heads, head_dim, device=device, dtype=dtype, generator=g)
+    k = torch.randn(1, L, kv_heads, head_dim, device=device, dtype=dtype, generator=g)
+    v = torch.randn(1, L, kv_heads, head_dim, device=device, dtype=dtype, generator=g)
+    idx = indexer_topk(torch.randn(1, L, 4, 64, device=device, dtype=dtype, generator=g),
+                       torch.rand(1, L, 4, device=device, dtype=dtype, generator=g),
+                       torch.randn(1, L, 64, device=device, dtype=dtype, generator=g), topk, sink=4, window=64,
+                       backend="triton")
+    go = torch.randn(1, L, heads, head_dim, device=device, dtype=dtype, generator=g)
+    qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
+    out, _ = sparse_attention(qs, ks, vs, idx, backend="triton")
+    out.backward(go)
+    qr, kr, vr = (x.float().requires_grad_() for x in (q, k, v))
+    ro, _ = sparse_attention_naive(qr, kr, vr, idx)
+    ro.backward(go.float())
+    res = {f"{n}_rel_err": rel_err(a.grad, b.grad) for n, a, b in (("dq", qs, qr), ("dk", ks, kr), ("dv", vs, vr))}
+    res["nan_free"] = all(bool(torch.isfinite(t.grad).all()) for t in (qs, ks, vs))
+    res["shape"] = f"L={L} k={topk} H={heads} H_kv={kv_heads} D={head_dim}"
+    return res
+
+
+# ----------------------------------------------------------------------------------------- bench
+
+def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
+    """Time and check every kernel at each sequence length; returns {"config", "device", "rows", ...}."""
+    import torch
+
+    from sparse_rl.cli.common import resolve_device
+    from sparse_rl.sparse.ops import indexer_topk, sparse_attention
+    from sparse_rl.sparse.ops.indexer_topk import triton as it
+
+    dev = torch.device(resolve_device(cfg.device))
+    dtype = torch_dtype(cfg.dtype)
+    if cfg.heads % cfg.kv_heads:
+        raise UsageError(f"--heads {cfg.heads} must be a multiple of --kv-heads {cfg.kv_heads}")
+    if dev.type == "cpu":
+        import os
+
+        if os.environ.get("TRITON_INTERPRET", "") != "1":
+            raise UsageError("bench on a CPU needs TRITON_INTERPRET=1 (Triton kernels run in the interpreter)")
+    B, H, Hkv, D, K = cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.topk
+    HI, DI = cfg.index_heads, cfg.index_dim
+    W = dict(warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms)
+    rows, checks = [], []
+    flex = None
+    if cfg.flex and dev.type == "cuda":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+    gen = torch.Generator(device=dev).manual_seed(cfg.seed)
+    for L in cfg.seqlens:
+        log(f"L={L}: inputs")
+        rnd = lambda *s: torch.randn(*s, device=dev, dtype=dtype, generator=gen)  # noqa: E731
+        q, k, v = rnd(B, L, H, D), rnd(B, L, Hkv, D), rnd(B, L, Hkv, D)
+        qi, ki = rnd(B, L, HI, DI), rnd(B, L, DI)
+        wi = torch.rand(B, L, HI, device=dev, dtype=dtype, generator=gen)
+        row: dict = {"seqlen": L}
+        # dense
+        qd, kg0, vg0 = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        dense, kd, vd, label = dense_sdpa(qd, kg0, vg0)
+        row["dense_label"] = label
+        row["dense_ms"] = bench_ms(lambda: dense(qd, kd, vd), dev, **W)
+        dense_flops = 2.0 * B * H * D * L * L  # causal: half of 4*L^2*H*D
+        row["dense_tflops"] = dense_flops / row["dense_ms"] / 1e9
+        # indexer: scores alone, top-k alone (on real score chunks), and both
+        idx = indexer_topk(qi, wi, ki, K, backend="triton")
+        row["indexer_topk_ms"] = bench_ms(lambda: indexer_topk(qi, wi, ki, K, backend="triton"), dev, **W)
+        kvs = torch.zeros(B, dtype=torch.int32, device=dev)
+        chunk = max(1, min(L, it.SCORE_BUDGET_BYTES // (4 * B * L))) if dev.type == "cuda" else L
+        bounds = [(t0, min(L, t0 + chunk)) for t0 in range(0, L, chunk)]
+        buf = torch.empty(B, chunk, L, device=dev, dtype=torch.float32)
+
+        def scores_only():
+            for t0, t1 in bounds:
+                it.indexer_scores_chunk(qi, wi, ki, kvs, t0, t1, t1, 0, 0, 0, out=buf[:, :t1 - t0, :t1])
+
+        row["indexer_scores_ms"] = bench_ms(scores_only, dev, **W)
+        t0l, t1l = bounds[-1]
+        it.indexer_scores_chunk(qi, wi, ki, kvs, t0l, t1l, t1l, 0, 0, 0, out=buf[:, :t1l - t0l, :t1l])
+
+        def topk_only():
+            for t0, t1 in bounds:  # real scores of the last chunk, viewed at each chunk's shape
+                it.topk_from_scores(buf[:, :t1 - t0, :t1], K)
+
+        row["topk_ms"] = bench_ms(topk_only, dev, **W)
+        del buf
+        row["indexer_tflops"] = 2.0 * B * L * L / 2 * HI * DI / row["indexer_scores_ms"] / 1e9
+        # sparse attention, indexer pattern
+        n_pairs = pairs(idx)
+        row["avg_keys"] = n_pairs / (B * L)
+        row["sparse_attn_ms"] = bench_ms(lambda: sparse_attention(q, k, v, idx, backend="triton"), dev, **W)
+        row["sparse_attn_tflops"] = 4.0 * n_pairs * H * D / row["sparse_attn_ms"] / 1e9
+        row["sparse_prefill_ms"] = bench_ms(
+            lambda: sparse_attention(q, k, v, indexer_topk(qi, wi, ki, K, backend="triton"), backend="triton"),
+            dev, **W)
+        row["prefill_speedup"] = row["dense_ms"] / row["sparse_prefill_ms"]
+        row["attn_speedup"] = row["dense_ms"] / row["sparse_attn_ms"]
+        if cfg.check and dev.type == "cuda":
+            c = check_attention(q, k, v, idx, min(cfg.check_queries, L))
+            c.update({f"indexer_{a}": b for a, b in check_indexer(qi, wi, ki, idx, K, min(64, L)).items()})
+            checks.append({"seqlen": L, "pattern": "indexer", **c})
+        # block pattern: token kernel and FlexAttention on the same selection
+        nsel = max(1, K // cfg.block_size)
+        if L % cfg.block_size == 0:
+            fb, cnt = block_pattern(L, cfg.block_size, nsel, dev, gen)
+            bidx = block_pattern_indices(fb, cnt, L, cfg.block_size, K)
+            bp = pairs(bidx)
+            row["block_attn_ms"] = bench_ms(lambda: sparse_attention(q, k, v, bidx, backend="triton"), dev, **W)
+            row["block_attn_tflops"] = 4.0 * bp * H * D / row["block_attn_ms"] / 1e9
+            if flex is not None and L >= cfg.flex_min_seqlen:
+                log(f"L={L}: FlexAttention (compiling)")
+                bm = flex_block_mask(fb, cnt, L, cfg.block_size)
+                fo = flex(qd, kg0, vg0, block_mask=bm, enable_gqa=Hkv != H)
+                row["flex_ms"] = bench_ms(lambda: flex(qd, kg0, vg0, block_mask=bm, enable_gqa=Hkv != H), dev, **W)
+                row["flex_tflops"] = 4.0 * bp * H * D / row["flex_ms"] / 1e9
+                row["block_attn_vs_flex"] = row["flex_ms"] / row["block_attn_ms"]
+                if cfg.check:
+                    o_tok, _ = sparse_attention(q, k, v, bidx, backend="triton")
+                    checks.append({"seqlen": L, "pattern": "block",
+                                   "token_kernel_vs_flex_rel_err": rel_err(o_tok, fo.transpose(1, 2)),
+                                   **check_attention(q, k, v, bidx, min(cfg.check_queries, L))})
+                del fo, bm
+            del bidx
+        # forward + backward
+        if L in cfg.backward_seqlens:
+            log(f"L={L}: forward+backward")
+            g = torch.randn_like(q)
+            gd = g.transpose(1, 2).contiguous()
+            qd.requires_grad_(True)
+            kd.requires_grad_(True)
+            vd.requires_grad_(True)
+            row["dense_fwdbwd_ms"] = bench_ms(lambda: dense(qd, kd, vd).backward(gd), dev, grad_to_none=[qd, kd, vd],
+                                              **W)
+            qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+            row["sparse_fwdbwd_ms"] = bench_ms(
+                lambda: sparse_attention(qg, kg, vg, idx, backend="triton")[0].backward(g), dev,
+                grad_to_none=[qg, kg, vg], **W)
+            row["fwdbwd_speedup"] = row["dense_fwdbwd_ms"] / row["sparse_fwdbwd_ms"]
+            del qg, kg, vg, g, gd
+        rows.append(row)
+        log(f"L={L}: " + ", ".join(f"{a}={b:.3g}" for a, b in row.items() if isinstance(b, float)))
+        del q, k, v, qd, kd, vd, kg0, vg0, qi, ki, wi, idx
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if cfg.check and dev.type == "cuda":
+        log("backward check")
+        checks.append({"pattern": "backward", **check_backward(dev, dtype, H, Hkv, D, seed=cfg.seed)})
+    return {"bench": "attention", "config": dataclasses.asdict(cfg), "device": device_name(dev), "rows": rows,
+            "checks": checks}
+
+
+def device_name(dev) -> str:
+    import torch
+
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def fmt(x, nd=2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if abs(x) >= 100:
+            return f"{x:.0f}"
+        return f"{x:.{nd}f}" if abs(x) >= 0.01 else f"{x:.2e}"
+    return str(x)
+
+
+def markdown_attention(res: dict) -> str:
+    cfg = res["config"]
+    lines = [f"### Sparse prefill vs dense — {res['device']}, B={cfg['batch']}, H={cfg['heads']}, "
+             f"H_kv={cfg['kv_heads']}, D={cfg['head_dim']}, k={cfg['topk']}, indexer {cfg['index_heads']}x"
+             f"{cfg['index_dim']}, {cfg['dtype']}", "",
+             "| L | dense ms | dense TF/s | idx scores ms | top-k ms | idx+top-k ms | attn ms (indexer idx) "
+             "| attn TF/s | prefill ms | prefill speedup | attn ms (block idx) | flex ms | token/flex |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        g = r.get
+        lines.append("| " + " | ".join(fmt(x) for x in (
+            r["seqlen"], g("dense_ms"), g("dense_tflops"), g("indexer_scores_ms"), g("topk_ms"),
+            g("indexer_topk_ms"), g("sparse_attn_ms"), g("sparse_attn_tflops"), g("sparse_prefill_ms"),
+            g("prefill_speedup"), g("block_attn_ms"), g("flex_ms"), g("block_attn_vs_flex"))) + " |")
+    bw = [r for r in res["rows"] if "sparse_fwdbwd_ms" in r]
+    if bw:
+        lines += ["", "| L | dense fwd+bwd ms | sparse fwd+bwd ms (given indices) | speedup |", "|---|---|---|---|"]
+        for r in bw:
+            lines.append(f"| {r['seqlen']} | {fmt(r['dense_fwdbwd_ms'])} | {fmt(r['sparse_fwdbwd_ms'])} | "
+                         f"{fmt(r['fwdbwd_speedup'])} |")
+    if res.get("checks"):
+        lines += ["", "Checks (float32 reference; rel err = ||a-ref||/||ref||):", ""]
+        for c in res["checks"]:
+            lines.append("- " + ", ".join(f"{a}={fmt(b, 4) if isinstance(b, float) else b}" for a, b in c.items()))
+    return "\n".join(lines) + "\n"
