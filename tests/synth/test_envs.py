@@ -1,0 +1,120 @@
+"""Tool environments: solutions pass, corruptions fail, the agent loop replays them to reward 1,
+confinement and rules hold."""
+
+import json
+import os
+
+import pytest
+
+from sparse_rl.synth import verify
+from sparse_rl.synth.agent import ReplayPolicy, ScriptedPolicy, run_episode, tool_call
+from sparse_rl.synth.envs import CalendarEnv, FsEnv, SqlEnv, ToolError
+from sparse_rl.synth.envs.base import corrupt
+from sparse_rl.synth.tool_tasks import TEMPLATES, make_tool_task, self_check, solution_score
+
+CASES = [(env, t) for env in sorted(TEMPLATES) for t in sorted(TEMPLATES[env])]
+SEEDS = {"code": 4}  # each code-env run starts an interpreter; other envs are cheap
+
+
+@pytest.mark.parametrize("env,template", CASES)
+def test_solution_passes_corruption_fails_and_loop_scores_one(env, template):
+    made = 0
+    for i in range(SEEDS.get(env, 15)):
+        task = make_tool_task(env, seed=i % 3, index=i, level=1 + i % 5, template=template)
+        if task is None:  # discarded by its own self-check: allowed, but must be rare
+            continue
+        made += 1
+        meta = task["meta"]
+        assert self_check(task) == (True, "")
+        gold, kind = task["answer"], meta["answer_kind"]
+        assert solution_score(task, meta["solution"], f"\\boxed{{{gold}}}") == 1.0
+        assert solution_score(task, meta["solution"], f"\\boxed{{{corrupt(gold, kind)}}}") == 0.0
+        # The scripted solution through the agent loop scores 1 ...
+        traj = run_episode(task, ScriptedPolicy(task))
+        assert traj["reward"] == 1.0 and traj["checks"]["verifier"], traj["messages"][-3:]
+        # ... and so does verify() on the trajectory's turns, while a wrong answer does not.
+        turns = traj["messages"][len(task["messages"]):]
+        assert verify(task, json.dumps(turns)) == 1.0
+        assert run_episode(task, ScriptedPolicy(task, answer=corrupt(gold, kind)))["reward"] == 0.0
+        # Hermes-style text completions verify too.
+        text = "".join(f"<tool_call>{json.dumps(c)}</tool_call>" for c in meta["solution"]) + f" \\boxed{{{gold}}}"
+        assert verify(task, text) == 1.0
+        assert verify(task, f"\\boxed{{{gold}}}") == (1.0 if not meta["checks"] or meta["env"] == "sql" and
+                                                       task["meta"]["template"] == "aggregate" else 0.0)
+    assert made >= SEEDS.get(env, 15) * 0.7
+
+
+def test_fs_confinement(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host data")
+    env = FsEnv({"files": {"a/b.txt": "hello"}})
+    try:
+        os.symlink(tmp_path, env.root / "link")
+        os.symlink(secret, env.root / "leaf")
+        for bad in ["../x", "a/../../x", "/etc/passwd", str(secret), "link/secret.txt", "leaf", "a/\x00"]:
+            with pytest.raises(ToolError):
+                env.call("read_file", {"path": bad})
+            with pytest.raises(ToolError):
+                env.call("write_file", {"path": bad, "content": "pwned"})
+        with pytest.raises(ToolError):
+            env.call("list_dir", {"path": "link"})
+        assert "secret" not in env.call("search", {"pattern": "host"})  # walks do not follow links
+        assert env.call("read_file", {"path": "a/./b.txt"}) == "hello"
+        env.call("write_file", {"path": "a/c/new.txt", "content": "x"})
+        assert (env.root / "a/c/new.txt").read_text() == "x"
+    finally:
+        env.close()
+    assert secret.read_text() == "host data" and sorted(p.name for p in tmp_path.iterdir()) == ["secret.txt"]
+    assert not env.root.exists()
+
+
+def test_sql_authorizer_and_one_statement():
+    task = make_tool_task("sql", 0, 1, 2, template="update")
+    env = SqlEnv(task["meta"]["state"])
+    for sql in ["DELETE FROM orders", "DROP TABLE orders", "ATTACH DATABASE 'x.db' AS x", "PRAGMA writable_schema=1"]:
+        with pytest.raises(ToolError):
+            env.call("query", {"sql": sql})
+    for sql in ["DROP TABLE orders", "CREATE TABLE t(a)", "ATTACH DATABASE 'x.db' AS x", "SELECT 1; DELETE FROM orders",
+                "SELECT load_extension('x')"]:
+        with pytest.raises(ToolError):
+            env.call("execute", {"sql": sql})
+    assert not os.path.exists("x.db")
+    n = int(env.call("query", {"sql": "SELECT COUNT(*) FROM orders"}).split("\n")[1])
+    assert env.call("execute", {"sql": "DELETE FROM orders WHERE id = 1"}) == "1 rows changed"
+    assert int(env.call("query", {"sql": "SELECT COUNT(*) FROM orders"}).split("\n")[1]) == n - 1
+    with pytest.raises(ToolError, match="invalid arguments"):
+        env.call("query", {"sql": 3})
+    with pytest.raises(ToolError, match="unknown tool"):
+        env.call("drop_everything", {})
+
+
+def test_calendar_rules():
+    env = CalendarEnv({"events": [{"id": 1, "title": "A", "day": "Mon", "start": "10:00", "end": "11:00",
+                                   "attendees": ["ana", "ben"]}]})
+    ok = {"title": "B", "day": "Mon", "start": "11:00", "end": "11:30", "attendees": ["ana"]}
+    for bad, why in [({"start": "10:30"}, "conflict"), ({"start": "08:00", "end": "09:00"}, "office hours"),
+                     ({"start": "11:15", "end": "11:45"}, "half hour"), ({"end": "14:00"}, "at most"),
+                     ({"attendees": ["zed"]}, "unknown attendee"), ({"attendees": []}, "at least one")]:
+        with pytest.raises(ToolError, match=why):
+            env.call("create_event", {**ok, **bad})
+    with pytest.raises(ToolError, match="invalid arguments"):
+        env.call("create_event", {**ok, "day": "Sun"})
+    assert env.call("create_event", ok) == "created event 2"
+    with pytest.raises(ToolError, match="conflict"):
+        env.call("move_event", {"event_id": 2, "day": "Mon", "start": "10:00"})
+    assert env.check({"kind": "valid"})
+
+
+def test_agent_loop_feeds_back_errors_and_recovers():
+    task = make_tool_task("calendar", 0, 2, 2, template="schedule")
+    sol = task["meta"]["solution"]
+    bad_start = dict(sol[-1]["arguments"], start="07:00")
+    turns = [{"role": "assistant", "content": "try", "tool_calls": [tool_call(0, "create_event", bad_start)]},
+             {"role": "assistant", "content": "oops", "tool_calls": [tool_call(1, "create_event", "{not json")]},
+             {"role": "assistant", "content": "fix", "tool_calls": [tool_call(2, "create_event", sol[-1]["arguments"])]},
+             {"role": "assistant", "content": f"\\boxed{{{task['answer']}}}"}]
+    traj = run_episode(task, ReplayPolicy(turns))
+    obs = [m["content"] for m in traj["messages"] if m["role"] == "tool"]
+    assert obs[0].startswith("error: events must lie within office hours")
+    assert obs[1].startswith("error: arguments are not valid JSON")
+    assert traj["reward"] == 1.0 and traj["meta"]["tool_errors"] == 2
