@@ -1,0 +1,128 @@
+"""The Python sandbox stops an infinite loop, a memory hog, a fork bomb, an output flood and writes
+outside its directory; each is reported and the host is left untouched.
+
+Limits are tight so the whole file runs in a few seconds. The fork bomb is safe by construction:
+RLIMIT_NPROC is set in the child before exec (and the child runs as an unprivileged uid when we are
+root, since Linux never applies RLIMIT_NPROC to uid 0); where that cannot bind, the in-process
+guard refuses os.fork; and the whole process group is SIGKILLed at the wall-clock limit.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+
+from sparse_rl.synth.sandbox import Limits, platform_support, run_python
+
+LIM = Limits(cpu_s=1, wall_s=2.0, memory_mb=256, nproc=16, output_bytes=4000, file_bytes=200_000)
+
+
+def _pgid_members(pgid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if os.getpgid(int(d)) == pgid:
+                    out.append(int(d))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return out
+
+
+def test_ok_and_private_cwd():
+    r = run_python("import os\nprint(sorted(os.environ))\nopen('f.txt','w').write('x')\nprint(os.getcwd())", LIM)
+    assert r.status == "ok" and r.returncode == 0
+    env_keys = eval(r.stdout.splitlines()[0])
+    assert set(env_keys) <= {"PATH", "LANG", "HOME", "LC_CTYPE"}
+    cwd = r.stdout.splitlines()[1]
+    assert "sparse-rl-sbx-" in cwd and not os.path.exists(cwd)  # private and removed afterwards
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_infinite_loop_stopped(guard):
+    t = time.monotonic()
+    r = run_python("while True:\n    pass\n", LIM, guard=guard)
+    assert r.status in ("cpu_limit", "timeout") and r.returncode < 0
+    assert time.monotonic() - t < LIM.wall_s + 2
+
+
+def test_sleeping_child_is_killed_at_wall_clock():
+    r = run_python("import time\ntime.sleep(60)\n", Limits(wall_s=0.5))
+    assert r.status == "timeout" and r.returncode == -signal.SIGKILL and r.wall_s < 2
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_memory_hog_stopped(guard):
+    r = run_python("x = bytearray(2 * 1024 ** 3)\nprint('allocated')", LIM, guard=guard)
+    assert r.status == "memory_limit" and "allocated" not in r.stdout
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_output_flood_capped(guard):
+    r = run_python("while True:\n    print('y' * 1000)\n", LIM, guard=guard)
+    assert r.status == "output_limit" and r.truncated
+    assert len(r.stdout) == LIM.output_bytes
+
+
+def test_fork_bomb_contained_and_nothing_survives():
+    """Kernel limit alone where RLIMIT_NPROC binds (the guard off), the guard where it cannot; then
+    the child's process group must be empty."""
+    import subprocess
+
+    import sparse_rl.synth.sandbox as sb
+
+    seen = {}
+    real_popen = subprocess.Popen
+
+    class Spy(real_popen):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            seen["pgid"] = self.pid
+
+    sb.subprocess.Popen = Spy
+    try:
+        r = run_python("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+                       LIM, guard=not platform_support()["nproc_limit"])
+    finally:
+        sb.subprocess.Popen = real_popen
+    assert r.status in ("timeout", "cpu_limit", "blocked")
+    assert r.wall_s < LIM.wall_s + 12
+    assert _pgid_members(seen["pgid"]) == []
+    if r.enforced["nproc_limit"]:
+        assert r.enforced["guard"] is False  # it was the kernel limit that held
+
+
+def test_background_child_does_not_outlive_the_run():
+    r = run_python("import os, time\nif os.fork() == 0:\n    time.sleep(60)\nprint(os.getpgid(0))", LIM)
+    assert r.status == "ok"
+    assert _pgid_members(int(r.stdout.strip())) == []
+
+
+@pytest.mark.parametrize("code", [
+    "open({target!r}, 'w').write('pwned')",
+    "import os\nos.symlink({tdir!r}, 'out')\nopen('out/victim.txt', 'w').write('pwned')",
+    "open('../../../../../..' + {target!r}, 'w').write('pwned')",
+    "import os\nos.rename({target!r}, 'stolen')",
+    "import shutil\nshutil.rmtree({tdir!r})",
+    "import subprocess\nsubprocess.run(['sh', '-c', 'echo pwned > {target}'])",
+    "import ctypes",
+])
+def test_write_outside_blocked(tmp_path, code):
+    tmp_path.chmod(0o777)  # writable even for the dropped uid: only the sandbox may stop the write
+    victim = tmp_path / "victim.txt"
+    victim.write_text("original")
+    victim.chmod(0o666)
+    r = run_python(code.format(target=str(victim), tdir=str(tmp_path)), LIM)
+    assert r.status == "blocked", (r.status, r.stderr)
+    assert "PermissionError: sandbox:" in r.stderr
+    assert victim.read_text() == "original" and sorted(p.name for p in tmp_path.iterdir()) == ["victim.txt"]
+
+
+def test_network_cut():
+    code = "import socket\ns = socket.socket()\ns.settimeout(1)\ns.connect(('10.255.255.1', 80))\n"
+    r = run_python(code, LIM)
+    assert r.status == "blocked" and "network access is disabled" in r.stderr
+    if platform_support()["network_namespace"]:  # the kernel layer alone, where the platform has it
+        r = run_python(code, LIM, guard=False)
+        assert r.status == "error" and ("unreachable" in r.stderr or "Errno 101" in r.stderr)
