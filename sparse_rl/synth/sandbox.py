@@ -7,7 +7,8 @@ What is enforced, and where (`run_python(...).enforced` reports the platform-dep
     - RLIMIT_AS      address space; allocations fail (MemoryError)   -> status "memory_limit"
     - RLIMIT_FSIZE   largest file the child may write, incl. its captured stdout/stderr, so an
                      output flood or a disk-filling loop stops at the cap -> "output_limit"
-    - RLIMIT_NPROC   processes+threads of the child's uid (fork bombs)
+    - RLIMIT_NPROC   processes+threads of the child's uid (fork bombs): `nproc` more than the uid
+                     runs at launch (the kernel counts per uid, not per process tree)
     - RLIMIT_NOFILE, RLIMIT_CORE=0
   parent, always:
     - wall clock: after `wall_s` the child's whole process group (its own session) is SIGKILLed
@@ -55,7 +56,7 @@ class Limits:
     cpu_s: int = 2
     wall_s: float = 5.0
     memory_mb: int = 512
-    nproc: int = 32
+    nproc: int = 32              # processes+threads the child may add to what its uid already runs
     output_bytes: int = 16_000
     file_bytes: int = 2_000_000
     nofile: int = 64
@@ -146,7 +147,23 @@ def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _preexec(limits: Limits, drop_uid: bool, want_netns: bool):
+def _count_tasks(uid: int) -> int:
+    """Processes+threads whose real uid is `uid` (what RLIMIT_NPROC counts against)."""
+    n = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/status") as fh:
+                fields = dict(line.split(":", 1) for line in fh if ":" in line)
+            if int(fields["Uid"].split()[0]) == uid:
+                n += int(fields.get("Threads", "1"))
+        except (OSError, KeyError, ValueError):
+            continue
+    return n
+
+
+def _preexec(limits: Limits, drop_uid: bool, want_netns: bool, nproc: int | None = None):
     """Runs in the child between fork and exec: namespaces first (needs privileges), then rlimits,
     then the uid drop. It must not allocate much or take locks; it only makes syscalls."""
     mem = limits.memory_mb * 1024 * 1024
@@ -163,7 +180,8 @@ def _preexec(limits: Limits, drop_uid: bool, want_netns: bool):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
         resource.setrlimit(resource.RLIMIT_NOFILE, (limits.nofile, limits.nofile))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.nproc, limits.nproc))
+        n = limits.nproc if nproc is None else nproc
+        resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
         if drop_uid:
             os.setgroups([])
             os.setgid(NOBODY)
@@ -258,10 +276,12 @@ def run_python(code: str, limits: Limits | None = None, workdir: str | Path | No
             block_fork = "0" if sup["nproc_limit"] else "1"
             argv = [sup["python"], "-I", "-X", "utf8"]
             argv += ["-c", _GUARD, str(src), block_fork] if guard else [str(src)]
+            # RLIMIT_NPROC counts every task of the uid, so the budget is on top of what it runs now.
+            nproc = limits.nproc + _count_tasks(NOBODY if sup["uid_drop"] else os.getuid())
             t0 = time.monotonic()
             proc = subprocess.Popen(argv, cwd=wd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                     start_new_session=True, close_fds=True,
-                                    preexec_fn=_preexec(limits, sup["uid_drop"], True))
+                                    preexec_fn=_preexec(limits, sup["uid_drop"], True, nproc))
             timed_out = False
             try:
                 proc.wait(timeout=limits.wall_s)
