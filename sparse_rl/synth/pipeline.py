@@ -210,7 +210,9 @@ def run_agent(cfg: SynthAgentConfig, tasks: list[dict] | None = None, task_drops
                 progress(1)
         passes = 0
         survivors = []
-        dedup_traj = F.Deduper(cfg.dedup_threshold)  # duplicates are judged among one task's attempts
+        # Duplicates are judged among one task's attempts with the same label: a success and a
+        # failure that share their calls are a contrastive pair, not duplicates.
+        dedup_traj: dict[str, F.Deduper] = {}
         for traj in attempts:
             rules = F.rule_checks(traj, task["meta"]["tools"])
             execution = F.execution_check(task, traj)
@@ -236,7 +238,7 @@ def run_agent(cfg: SynthAgentConfig, tasks: list[dict] | None = None, task_drops
                 if score is None or score < cfg.min_review:
                     traj_drops["reviewer"] += 1
                     continue
-            why = dedup_traj.add(F.trajectory_text(traj))
+            why = dedup_traj.setdefault(traj["label"], F.Deduper(cfg.dedup_threshold)).add(F.trajectory_text(traj))
             if why:
                 traj_drops["duplicate"] += 1
                 continue
