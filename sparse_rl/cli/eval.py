@@ -1,4 +1,5 @@
-"""`sparse-rl eval math|niah`: math accuracy and pass@k; RULER-style needle-in-a-haystack grids.
+"""`sparse-rl eval math|niah|fidelity`: math accuracy and pass@k; RULER-style needle-in-a-haystack
+grids; sparse-vs-dense token fidelity.
 
 Thin layer: parse flags into the stage config dataclasses, call `sparse_rl.eval.*`, print the
 summary as a rich table on stderr and JSON on stdout.
@@ -198,3 +199,35 @@ def _niah_table(summary: dict) -> None:
     console.print(table)
     if "difference" in summary:
         console.print(f"sparse - dense: mean {_fmt(summary['difference']['sparse-dense']['mean'])}")
+
+
+@app.command("fidelity")
+def fidelity_cmd(
+    model: Optional[str] = typer.Argument(None, help="Sparse model dir (from `sparse-rl convert` / `indexer train`)."),
+    data: Optional[str] = typer.Option(None, "--data", help="JSONL of {'text'} or completion records ('-' = stdin)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Results dir: records.jsonl, summary.json, plots."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Truncate each sequence to this many tokens."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Score at most this many records (0 = all)."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out dir."),
+    config: Optional[Path] = _CONFIG,
+) -> None:
+    """Sparse vs dense on the same tokens: KL by position, top-1 agreement, acceptance min(1, p/q)."""
+    with cli_errors():
+        from sparse_rl.config import load_config
+        from sparse_rl.eval.fidelity import FidelityConfig, run
+
+        cfg = load_config(FidelityConfig, config, {"model": model, "data": data, "out": out, "max_tokens": max_tokens,
+                                                   "limit": limit, "device": device, "dtype": dtype})
+        summary = run(cfg, force=force)
+        from rich.table import Table
+
+        table = Table(title=f"eval fidelity: {summary['records']} records, {summary['tokens']} tokens")
+        for col in ("positions", "tokens", "KL(dense||sparse)", "top-1 agree", "accept mean", "accept p5"):
+            table.add_column(col, justify="right")
+        for b in summary["by_position"] + [{"from": "all", "to": "", **summary}]:
+            table.add_row(f"{b['from']}-{b['to']}" if b["to"] != "" else "all", str(b["tokens"]), f"{b['kl']:.4g}",
+                          _fmt(b["top1_agreement"]), _fmt(b["acceptance_mean"]), _fmt(b["acceptance_p5"]))
+        console.print(table)
+        sys.stdout.write(json.dumps(summary) + "\n")
