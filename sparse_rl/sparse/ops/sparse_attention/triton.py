@@ -185,14 +185,15 @@ def _meta(q, k):
     return G, D, max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))
 
 
-def _fwd(q, k, v, indices, scale, nsplit: int = 1, out=None):
+def _fwd(q, k, v, indices, scale, nsplit: int = 1, out=None, tune: tuple[int, int, int] | None = None):
     """q `[B, T, H, D]` -> out `[B, T, H, D]` (q.dtype), lse `[B, T, H]` fp32, nsplit used.
-    `out=(o, lse)` writes into given buffers (nsplit 1 only; the benchmark poisons them)."""
+    `out=(o, lse)` writes into given buffers (nsplit 1 only; the benchmark poisons them);
+    `tune=(BLOCK_K, num_warps, num_stages)` overrides the launch config (benchmark sweeps)."""
     B, T, H, D = q.shape
     H_kv = k.shape[2]
     NK = indices.shape[-1]
     G, D, BH, BD = _meta(q, k)
-    BK = 64 if BD <= 64 else 32 if BH > 16 else 64
+    BK, warps, stages = tune or (64 if BD <= 64 or BH <= 16 else 32, 4, 3 if q.is_cuda else 1)
     kps = triton.cdiv(triton.cdiv(NK, nsplit), BK) * BK  # keys per split, a multiple of BLOCK_K
     nsplit = max(1, triton.cdiv(NK, kps)) if NK else 1
     if out is not None:
@@ -208,7 +209,7 @@ def _fwd(q, k, v, indices, scale, nsplit: int = 1, out=None):
     _fwd_kernel[grid](q, k, v, indices, o, lse, *q.stride(), *k.stride(), *v.stride(), *indices.stride(),
                       *o.stride(), *lse.stride(), T, NK, G, D, kps, scale * LOG2E,
                       NSPLIT=nsplit, BLOCK_H=BH, BLOCK_K=BK, BLOCK_D=BD, PREC=dot_precision(q.dtype),
-                      num_warps=4, num_stages=3 if q.is_cuda else 1)
+                      num_warps=warps, num_stages=stages)
     return o, lse, nsplit
 
 
