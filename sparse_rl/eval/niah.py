@@ -104,7 +104,8 @@ class Haystack:
     """Filler sentences and, per tokenizer, their token stream with sentence boundaries."""
 
     def __init__(self, sentences: list[str], name: str = "noise"):
-        sentences = [s.strip() for s in sentences if s.strip()]
+        # "\x00" marks needle positions while a prompt is assembled, so it may not occur in the filler.
+        sentences = [s.replace("\x00", "").strip() for s in sentences if s.replace("\x00", "").strip()]
         if not sentences:
             raise SparseRLError(f"{name}: the haystack text has no sentences")
         self.sentences = sentences
