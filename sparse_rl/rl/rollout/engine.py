@@ -1,0 +1,392 @@
+"""The rollout engine: batched prefill + decode over a slot KV cache, continuous batching, log-probs.
+
+    engine = RolloutEngine(model, tokenizer, max_batch=64, max_seq_len=4096)
+    outs = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=512))
+
+Scheduling: `max_batch` slots. A prompt is admitted when `n` slots are free; its prompt is
+prefilled once (batched with the other prompts admitted in the same round, right-padded) and the
+filled cache rows are copied to the other n-1 slots. Every step decodes one token for all live
+slots; a finished sequence frees its slot at once and the next waiting prompt takes it, so long and
+short generations share the batch.
+
+Finish reasons (OpenAI's): "stop" for an EOS id or a stop string, "length" for max_new_tokens or a
+full cache row. Tokens include the EOS token / the token that completed a stop string; the text is
+decoded without special tokens and cut before the first stop string.
+
+Weights: the engine runs the model's own modules (see forward.py), so in-place parameter updates
+(optimizer steps, `load_state_dict`) are live at the next step, CUDA graphs included (they hold
+the parameters' addresses). `refresh()` drops captured graphs; call it if parameters were replaced
+by new tensors rather than updated in place.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from sparse_rl.errors import SparseRLError, UsageError
+from sparse_rl.rl.rollout.cache import KVCache
+from sparse_rl.rl.rollout.forward import ModelRunner, _base
+from sparse_rl.rl.rollout.sampler import Sampler, SamplingParams
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    sample_index: int
+    tokens: list[int]
+    text: str
+    logprobs: list[float] | None
+    finish_reason: str
+    prompt_tokens: list[int]
+
+
+@dataclass
+class _Seq:
+    prompt_index: int
+    sample_index: int
+    rid: int
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    gc = getattr(_base(model), "generation_config", None)
+    for src in (getattr(gc, "eos_token_id", None), getattr(_base(model).config, "eos_token_id", None),
+                getattr(tokenizer, "eos_token_id", None)):
+        if src is None:
+            continue
+        ids.update(src if isinstance(src, (list, tuple)) else [src])
+    return {int(i) for i in ids}
+
+
+class RolloutEngine:
+    """Fast sampling from a loaded HF causal LM (dense or sparse attention).
+
+    model: an HF causal LM from `sparse_rl.sparse.loader.load_model` (or any llama/qwen2/qwen3/
+    mistral model); tokenizer: needed for str prompts, texts and stop strings.
+    max_batch: decode slots. max_seq_len: cache rows per slot (prompt + completion); None grows the
+    cache to each call's need, up to the model's max_position_embeddings.
+    device: where the model lives (default: its parameters' device). use_cuda_graphs: default on CUDA.
+    """
+
+    def __init__(self, model, tokenizer=None, max_batch: int = 32, max_seq_len: int | None = None,
+                 device=None, use_cuda_graphs: bool | None = None, eos_token_ids: Sequence[int] | None = None,
+                 bucket: int = 256, max_prefill_tokens: int = 32768):
+        if max_batch < 1:
+            raise UsageError(f"max_batch must be >= 1 (got {max_batch})")
+        self.model = model
+        self.tokenizer = tokenizer
+        dev = torch.device(device) if device is not None else next(model.parameters()).device
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        self.runner = ModelRunner(model, dev, use_cuda_graphs)
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len
+        self.bucket = bucket
+        self.max_prefill_tokens = max_prefill_tokens
+        self.eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
+        self.sampler = Sampler(self.runner.vocab, dev)
+        from sparse_rl.sparse.patch import get_attention
+
+        self.mode = get_attention(model)
+        self.cache: KVCache | None = None
+        self._lora_base: dict[str, torch.Tensor] | None = None
+        self.stats = {"prefill_tokens": 0, "decode_steps": 0, "generated_tokens": 0}
+
+    # ------------------------------------------------------------------ config
+    def set_attention(self, mode: str) -> None:
+        """Switch this engine between "dense" and "sparse" attention (the model's own HF mode is untouched)."""
+        if mode not in ("dense", "sparse"):
+            raise UsageError(f"attention mode {mode!r}: expected dense or sparse")
+        if mode == "sparse" and not any(s is not None for s in self.runner.states):
+            raise SparseRLError("this model has no sparse selector: convert it with `sparse-rl convert` first")
+        self.mode = mode
+
+    def refresh(self) -> None:
+        """Forget captured CUDA graphs (recaptured lazily). Needed only when parameters were replaced by
+        new tensors; in-place updates are seen without it."""
+        self.runner.drop_graphs()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy `state` (full or partial, HF parameter names; a peft model's `base_model.model.` prefix and
+        `.base_layer.` are accepted) into the engine's model in place. Unknown keys are an error."""
+        own = _base(self.model).state_dict(keep_vars=True)
+        norm = {}
+        for k, v in state.items():
+            key = k.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            if key not in own:
+                raise SparseRLError(f"load_state_dict: unknown parameter '{k}' (LoRA weights go through load_lora)")
+            norm[key] = v
+        with torch.no_grad():
+            for k, v in norm.items():
+                own[k].copy_(v)
+        self._lora_base = None
+
+    def load_lora(self, src, scaling: float | None = None, adapter_name: str = "default") -> int:
+        """Merge a LoRA adapter into the engine's weights: W = W_base + scaling * B @ A.
+
+        src: a peft model (its base weights and `get_delta_weight` are used, so the engine gets exactly
+        the peft model's current policy), or an adapter state dict (peft key names, `lora_A`/`lora_B`)
+        with `scaling` (= lora_alpha / r); W_base is then the engine's weights at the first such call
+        (reset by `load_state_dict`). The engine must hold its own copy of the base model: a model
+        wrapped by peft itself already runs its LoRA layers live. Returns the number of merged modules.
+        """
+        base = _base(self.model)
+        with torch.no_grad():
+            if isinstance(src, torch.nn.Module):
+                n = 0
+                for name, mod in src.named_modules():
+                    if not (hasattr(mod, "get_delta_weight") and hasattr(mod, "base_layer")):
+                        continue
+                    if adapter_name not in getattr(mod, "lora_A", {}):
+                        continue
+                    target = self._target(base, name)
+                    target.weight.copy_(mod.base_layer.weight + mod.get_delta_weight(adapter_name))
+                    n += 1
+                return n
+            if scaling is None:
+                raise UsageError("load_lora(state_dict): pass scaling = lora_alpha / r")
+            pairs: dict[str, dict[str, torch.Tensor]] = {}
+            for k, v in src.items():
+                for part in ("lora_A", "lora_B"):
+                    if f".{part}." in k:
+                        mod_name = k.split(f".{part}.")[0]
+                        pairs.setdefault(mod_name, {})[part] = v
+                        break
+                else:
+                    raise SparseRLError(f"load_lora: unexpected adapter key '{k}' (only lora_A/lora_B of Linear layers)")
+            if self._lora_base is None:
+                self._lora_base = {}
+            for mod_name, ab in pairs.items():
+                if set(ab) != {"lora_A", "lora_B"}:
+                    raise SparseRLError(f"load_lora: '{mod_name}' lacks {({'lora_A', 'lora_B'} - set(ab)).pop()}")
+                target = self._target(base, mod_name)
+                key = mod_name.removeprefix("base_model.model.")
+                if key not in self._lora_base:
+                    self._lora_base[key] = target.weight.detach().clone()
+                w0 = self._lora_base[key]
+                delta = (ab["lora_B"].to(torch.float32) @ ab["lora_A"].to(torch.float32)) * scaling
+                target.weight.copy_((w0.float() + delta.to(w0.device)).to(w0.dtype))
+            return len(pairs)
+
+    @staticmethod
+    def _target(base, name: str):
+        key = name.removeprefix("base_model.model.")
+        try:
+            mod = base.get_submodule(key)
+        except AttributeError:
+            raise SparseRLError(f"load_lora: the engine's model has no module '{key}'") from None
+        if hasattr(mod, "base_layer"):
+            raise SparseRLError(f"load_lora: '{key}' is itself a LoRA layer (the engine wraps the peft model, whose "
+                                "adapters already run live); give the engine its own copy of the base model")
+        return mod
+
+    # ------------------------------------------------------------------ cache
+    def _cap(self) -> int:
+        return self.max_seq_len or int(getattr(self.runner.config, "max_position_embeddings", 1 << 30))
+
+    def _ensure_cache(self, need: int) -> KVCache:
+        need = min(self._cap(), need)
+        if self.max_seq_len is not None:
+            need = self.max_seq_len
+        if self.cache is None or self.cache.s_max < need:
+            self.cache = None
+            self.runner.drop_graphs()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            s_max = need if self.max_seq_len else min(self._cap(), -(-need // self.bucket) * self.bucket)
+            self.runner.check_supported(s_max)
+            self.cache = KVCache.allocate(self.runner.n_layers, self.max_batch, s_max, self.runner.H_kv,
+                                          self.runner.D, self.runner.index_dim if self.mode == "sparse" else None,
+                                          self.runner.dtype, self.device)
+        if self.mode == "sparse" and self.runner.index_dim and self.cache.idx is None:
+            self.cache.idx = torch.zeros(*self.cache.k.shape[:3], self.runner.index_dim, dtype=self.runner.dtype,
+                                         device=self.device)
+            self.runner.drop_graphs()
+        return self.cache
+
+    # ------------------------------------------------------------------ generate
+    def _encode(self, prompts) -> list[list[int]]:
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise UsageError("string prompts need a tokenizer (RolloutEngine(model, tokenizer))")
+                p = self.tokenizer(p, add_special_tokens=True)["input_ids"]
+            p = [int(t) for t in p]
+            if not p:
+                raise SparseRLError(f"prompt {i}: empty (no tokens)")
+            if max(p) >= self.runner.vocab or min(p) < 0:
+                raise SparseRLError(f"prompt {i}: token id out of range for a vocabulary of {self.runner.vocab}")
+            out.append(p)
+        return out
+
+    def _text(self, tokens: list[int], stop: list[str]) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        cut = min((text.find(s) for s in stop if s in text), default=-1)
+        return text[:cut] if cut >= 0 else text
+
+    def _hit_stop(self, tokens: list[int], stop: list[str]) -> bool:
+        if not stop or self.tokenizer is None:
+            return False
+        window = 4 * max(len(s) for s in stop) + 4  # a stop string spans at most this many tokens
+        tail = self.tokenizer.decode(tokens[-window:], skip_special_tokens=True)
+        return any(s in tail for s in stop)
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str], params: SamplingParams | None = None,
+                 on_complete: Callable[[Completion], None] | None = None) -> list[Completion]:
+        """Sample `params.n` completions per prompt. Returns them ordered by (prompt, sample);
+        `on_complete` is called as each one finishes."""
+        p = params or SamplingParams()
+        if p.n > self.max_batch:
+            raise UsageError(f"--n {p.n} exceeds the batch of {self.max_batch} slots (raise --batch-size)")
+        if p.stop and self.tokenizer is None:
+            raise UsageError("stop strings need a tokenizer")
+        toks = self._encode(prompts)
+        if not toks:
+            return []
+        cap = self._cap()
+        for i, t in enumerate(toks):
+            if len(t) >= cap:
+                raise SparseRLError(f"prompt {i}: {len(t)} tokens leave no room to generate within max_seq_len {cap}")
+        cache = self._ensure_cache(max(len(t) for t in toks) + p.max_new_tokens)
+        s_max, B, n = cache.s_max, self.max_batch, p.n
+        queue = deque(range(len(toks)))
+        free = deque(range(B))
+        live: dict[int, _Seq] = {}
+        results: list[Completion | None] = [None] * (len(toks) * n)
+
+        def finish(slot: int, reason: str) -> None:
+            s = live.pop(slot)
+            free.append(slot)
+            c = Completion(s.prompt_index, s.sample_index, s.tokens, self._text(s.tokens, p.stop),
+                           s.logprobs if p.logprobs else None, reason, s.prompt)
+            results[s.rid] = c
+            if on_complete is not None:
+                on_complete(c)
+
+        def push(slot: int, tok: int, lp: float) -> None:
+            s = live[slot]
+            s.tokens.append(tok)
+            s.logprobs.append(lp)
+            self.stats["generated_tokens"] += 1
+            if not p.ignore_eos and tok in self.eos:
+                finish(slot, "stop")
+            elif self._hit_stop(s.tokens, p.stop):
+                finish(slot, "stop")
+            elif len(s.tokens) >= p.max_new_tokens or len(s.prompt) + len(s.tokens) >= s_max:
+                finish(slot, "length")
+
+        while queue or live:
+            # admit waiting prompts into free slots: one batched prefill per round
+            admit: list[tuple[int, list[int]]] = []
+            longest = 0
+            while queue and len(free) >= n:
+                L = len(toks[queue[0]])
+                if admit and max(longest, L) * (len(admit) + 1) > self.max_prefill_tokens:
+                    break
+                longest = max(longest, L)
+                pi = queue.popleft()
+                admit.append((pi, [free.popleft() for _ in range(n)]))
+            if admit:
+                self._prefill(cache, toks, admit, longest, p, live, push)
+            if not live:
+                continue
+            # one decode step for every slot (free slots compute on dummies)
+            slots = sorted(live)
+            tok_host, pos_host = [0] * B, [0] * B
+            for sl in slots:
+                s = live[sl]
+                tok_host[sl] = s.tokens[-1]
+                pos_host[sl] = len(s.prompt) + len(s.tokens) - 1
+            S = min(s_max, -(-(max(pos_host) + 1) // self.bucket) * self.bucket)
+            tok_t = torch.tensor(tok_host, dtype=torch.long).to(self.device, non_blocking=True)
+            pos_t = torch.tensor(pos_host, dtype=torch.long).to(self.device, non_blocking=True)
+            logits = self.runner.decode(cache, tok_t, pos_t, S, self.mode)
+            rows = torch.tensor(slots, device=self.device) if len(slots) < B else None
+            sel = logits if rows is None else logits[rows]
+            new, lps = self.sampler.sample(sel, p, [live[sl].rid for sl in slots],
+                                           [len(live[sl].tokens) for sl in slots])
+            self.stats["decode_steps"] += 1
+            for sl, t, lp in zip(slots, new.tolist(), lps.tolist()):
+                push(sl, t, lp)
+        return results  # type: ignore[return-value]
+
+    def _prefill(self, cache, toks, admit, longest, p, live, push) -> None:
+        P = len(admit)
+        batch = torch.zeros(P, longest, dtype=torch.long)
+        lengths = []
+        for r, (pi, _) in enumerate(admit):
+            t = toks[pi]
+            batch[r, :len(t)] = torch.tensor(t)
+            lengths.append(len(t))
+        logits = self.runner.prefill(cache, batch.to(self.device), lengths, [sl[0] for _, sl in admit], self.mode)
+        self.stats["prefill_tokens"] += sum(lengths)
+        n = p.n
+        rids, rows, slots = [], [], []
+        for r, (pi, sls) in enumerate(admit):
+            cache.copy_prefix(sls[0], sls[1:], lengths[r])
+            for j, sl in enumerate(sls):
+                live[sl] = _Seq(pi, j, pi * n + j, toks[pi], [], [])
+                rids.append(pi * n + j)
+                rows.append(r)
+                slots.append(sl)
+        sel = logits[torch.tensor(rows, device=logits.device)]
+        new, lps = self.sampler.sample(sel, p, rids, [0] * len(rids))
+        for sl, t, lp in zip(slots, new.tolist(), lps.tolist()):
+            push(sl, t, lp)
+
+
+def load_engine(model_dir, attention: str = "dense", device: str = "auto", dtype="auto", max_batch: int = 32,
+                max_seq_len: int | None = None, use_cuda_graphs: bool | None = None) -> RolloutEngine:
+    """Open a model dir (dense or sparse) and wrap it in an engine."""
+    from sparse_rl.sparse.loader import load_model, load_tokenizer
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_model(model_dir, attention=attention, device=device, dtype=dtype)
+    tok = load_tokenizer(model_dir)
+    eng = RolloutEngine(model, tok, max_batch=max_batch, max_seq_len=max_seq_len, device=device,
+                        use_cuda_graphs=use_cuda_graphs)
+    eng.set_attention(attention)
+    return eng
+
+
+def make_generate_fn(model_dir, attention: str = "dense", device: str = "auto", dtype="auto", max_batch: int = 32,
+                     chat: bool = False) -> Callable[[list[str], int], list[str]]:
+    """A greedy `generate_fn(prompts, max_new_tokens) -> texts` over one loaded engine (eval niah).
+    chat: wrap each prompt as a user message with the chat template."""
+    eng = load_engine(model_dir, attention, device, dtype, max_batch)
+
+    def generate_fn(prompts: list[str], max_new_tokens: int) -> list[str]:
+        ids = [encode_prompt(eng.tokenizer, {"messages": [{"role": "user", "content": q}]} if chat else {"prompt": q})
+               for q in prompts]
+        outs = eng.generate(ids, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, logprobs=False))
+        return [c.text for c in outs]
+
+    return generate_fn
+
+
+def generate_texts(model_dir, prompts: list[str], max_new_tokens: int = 64, attention: str = "dense",
+                   device: str = "auto", dtype="auto", max_batch: int = 32, chat: bool = False) -> list[str]:
+    """Greedy completions of `prompts` from a model dir (loads the model once for this call)."""
+    return make_generate_fn(model_dir, attention, device, dtype, max_batch, chat)(prompts, max_new_tokens)
+
+
+def encode_prompt(tokenizer, rec: dict) -> list[int]:
+    """Token ids of a prompt record: `messages` through the chat template (with the generation prompt),
+    else `prompt` as plain text."""
+    if "messages" in rec:
+        text = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(rec["prompt"], add_special_tokens=True)["input_ids"]
