@@ -81,6 +81,13 @@ def math_cmd(
     max_level: Optional[int] = typer.Option(None, help="Highest difficulty level [default: 5]"),
     length: Optional[int] = typer.Option(None, help="vartrack: filler words in the context [default: 512]"),
     dedup_threshold: Optional[float] = typer.Option(None, help="Near-duplicate Jaccard threshold [default: 0.85]"),
+    policy: Optional[str] = typer.Option(None, help="none | endpoint: calibrate difficulty by pass rate [default: none]"),
+    endpoint: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"),
+    model: Optional[str] = typer.Option(None, help="Model name sent to the endpoint"),
+    temperature: Optional[float] = typer.Option(None, help="Sampling temperature [default: 0.7]"),
+    attempts: Optional[int] = typer.Option(None, "--attempts", "-k", help="Attempts per task (K) [default: 4]"),
+    min_pass: Optional[float] = typer.Option(None, help="Keep tasks with pass rate >= this [default: 0]"),
+    max_pass: Optional[float] = typer.Option(None, help="Keep tasks with pass rate <= this [default: 1]"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Tasks JSONL, '-' = stdout [default: -]"),
     stats: Optional[str] = typer.Option(None, help="Stats JSON file [default: stdout if --out is a file]"),
 ) -> None:
@@ -92,7 +99,9 @@ def math_cmd(
 
         cfg = load_config(SynthMathConfig, config, dict(
             n=n, seed=seed, families=_list(families), reasoning_gym=_list(reasoning_gym), min_level=min_level,
-            max_level=max_level, length=length, dedup_threshold=dedup_threshold, out=out, stats=stats))
+            max_level=max_level, length=length, dedup_threshold=dedup_threshold, policy=policy, endpoint=endpoint,
+            model=model, temperature=temperature, attempts=attempts, min_pass=min_pass, max_pass=max_pass,
+            out=out, stats=stats))
         _check_outputs(cfg.out, cfg.stats)
         tasks, st = run_math(cfg)
         write_jsonl(cfg.out, tasks)

@@ -38,6 +38,28 @@ class Policy(Protocol):
         ...
 
 
+def message_from_text(text: str) -> dict:
+    """Turn raw model text into an assistant message: Hermes/Qwen-style
+    `<tool_call>{"name": .., "arguments": {..}}</tool_call>` blocks become `tool_calls` (a block that
+    is not valid JSON is kept as a call named "" with the raw text as arguments, so the rule filter
+    sees and drops it); the text outside the blocks is the content. For a local-model policy."""
+    import re
+
+    calls = []
+    for i, blob in enumerate(re.findall(r"<tool_call>(.*?)</tool_call>", text, flags=re.S)):
+        try:
+            c = json.loads(blob)
+            name, args = str(c.get("name", "")), c.get("arguments", {})
+        except (json.JSONDecodeError, AttributeError):
+            name, args = "", blob.strip()
+        calls.append(tool_call(i, name, args))
+    content = re.sub(r"<tool_call>.*?</tool_call>", "", text, flags=re.S).strip()
+    msg = {"role": "assistant", "content": content or None}
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
 def tool_call(i: int, name: str, arguments: dict | str) -> dict:
     args = arguments if isinstance(arguments, str) else json.dumps(arguments)
     return {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}

@@ -19,7 +19,7 @@ from sparse_rl.synth.math_tasks import GENERATORS, corrupt_answer, make_math_tas
 
 @dataclasses.dataclass
 class SynthMathConfig:
-    n: int = 100                     # tasks to keep
+    n: int = 100                     # tasks to keep (before the optional calibration band)
     seed: int = 0
     families: list[str] = dataclasses.field(default_factory=lambda: ["arith", "word", "vartrack"])
     reasoning_gym: list[str] = dataclasses.field(default_factory=list)  # reasoning-gym dataset names (optional dep)
@@ -27,10 +27,27 @@ class SynthMathConfig:
     max_level: int = 5
     length: int = 512                # vartrack: filler words
     dedup_threshold: float = 0.85    # MinHash Jaccard at or above which a prompt is a near-duplicate
+    # Optional calibration: K attempts per task by a model behind an OpenAI-compatible endpoint;
+    # the pass rate becomes `difficulty` (the level stays in meta.level) and a band filters tasks.
+    policy: Literal["none", "endpoint"] = "none"
+    endpoint: Optional[str] = None
+    model: Optional[str] = None
+    temperature: float = 0.7
+    max_tokens: int = 1024
+    request_timeout: float = 120.0
+    attempts: int = 4
+    min_pass: float = 0.0
+    max_pass: float = 1.0
     out: str = "-"                   # tasks JSONL
     stats: Optional[str] = None      # stats JSON (default: stdout when --out is a file)
 
     def __post_init__(self):
+        if self.policy == "endpoint" and not (self.endpoint and self.model):
+            raise UsageError("--endpoint and --model are required with --policy endpoint")
+        if self.attempts < 1:
+            raise UsageError(f"attempts: must be at least 1, got {self.attempts}")
+        if not 0.0 <= self.min_pass <= self.max_pass <= 1.0:
+            raise UsageError(f"min_pass/max_pass: need 0 <= min_pass <= max_pass <= 1, got {self.min_pass}, {self.max_pass}")
         if self.n < 1:
             raise UsageError(f"n: must be at least 1, got {self.n}")
         if not 1 <= self.min_level <= self.max_level:
@@ -76,14 +93,40 @@ def run_math(cfg: SynthMathConfig, progress: Callable[[int], None] | None = None
             got += 1
             if progress:
                 progress(1)
+    hist = None
+    if cfg.policy == "endpoint":
+        kept, hist = _calibrate_math(cfg, kept, dropped)
     by_task = Counter(t["task"] for t in kept)
     by_level = Counter(str(t["meta"].get("level")) for t in kept if "level" in t["meta"])
     stats = {"stage": "synth math", "seed": cfg.seed, "tasks": {"generated": generated, "kept": len(kept),
              "dropped": dict(sorted(dropped.items()))}, "by_task": dict(sorted(by_task.items())),
              "by_level": dict(sorted(by_level.items()))}
-    if len(kept) < cfg.n:
-        stats["tasks"]["short_by"] = cfg.n - len(kept)
+    if hist is not None:
+        stats["pass_rate_histogram"] = hist
     return kept, stats
+
+
+def _calibrate_math(cfg: SynthMathConfig, tasks: list[dict], dropped: Counter) -> tuple[list[dict], dict]:
+    """K single-turn attempts per task through the endpoint; keep tasks whose pass rate is in band."""
+    from sparse_rl.synth.agent import OpenAIChatPolicy
+    from sparse_rl.synth.verify import verify
+
+    hist: Counter = Counter()
+    out = []
+    for task in tasks:
+        passes = 0
+        for k in range(cfg.attempts):
+            seed = int.from_bytes(random.Random(f"{cfg.seed}:{task['id']}:{k}").randbytes(4), "little")
+            pol = OpenAIChatPolicy(cfg.endpoint, cfg.model, cfg.temperature, cfg.max_tokens, seed, cfg.request_timeout)
+            reply = pol.chat([{"role": "user", "content": task["prompt"]}], [])
+            passes += verify(task, reply.get("content") or "") == 1.0
+        hist[f"{passes}/{cfg.attempts}"] += 1
+        rate = passes / cfg.attempts
+        if not F.in_band(rate, cfg.min_pass, cfg.max_pass):
+            dropped["pass_band"] += 1
+            continue
+        out.append({**task, "difficulty": rate, "meta": {**task["meta"], "pass_rate": rate, "attempts": cfg.attempts}})
+    return out, {f"{i}/{cfg.attempts}": hist.get(f"{i}/{cfg.attempts}", 0) for i in range(cfg.attempts + 1)}
 
 
 def _math_candidates(cfg: SynthMathConfig, family: str, want: int):

@@ -30,6 +30,11 @@ What is enforced, and where (`run_python(...).enforced` reports the platform-dep
       a child program;
     - os.fork is also blocked when RLIMIT_NPROC cannot bind (root without a uid to drop to).
   The guard is a second layer, not a security boundary on its own; the kernel limits are.
+  Not confined: reads (the child may read whatever its uid may read), CPU/memory of other
+  processes (no cgroups), and, without a network namespace, raw syscalls that bypass Python's
+  socket module. As root the interpreter is the first one uid 65534 can run (often the system
+  python3, which lacks the project's packages): tasks for this tool need only the standard library.
+  `preexec_fn` is used, so call `run_python` from one thread at a time.
 """
 
 from __future__ import annotations
@@ -260,6 +265,8 @@ def run_python(code: str, limits: Limits | None = None, workdir: str | Path | No
     """
     limits = limits or Limits()
     sup = platform_support()
+    if not sup["nproc_limit"]:
+        guard = True  # nothing else would stop a fork bomb here: never run without the guard
     own_dir = workdir is None
     wd = Path(tempfile.mkdtemp(prefix="sparse-rl-sbx-")) if own_dir else Path(workdir)
     cap = Path(tempfile.mkdtemp(prefix="sparse-rl-cap-"))

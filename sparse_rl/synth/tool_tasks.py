@@ -95,15 +95,10 @@ def _parse_completion(text: str) -> tuple[list[dict], str | None]:
             msgs = None
         if isinstance(msgs, list) and all(isinstance(m, dict) for m in msgs):
             return calls_from_messages(msgs)
-    import re
+    from sparse_rl.synth.agent import message_from_text
 
-    calls = []
-    for blob in re.findall(r"<tool_call>(.*?)</tool_call>", text, flags=re.S):
-        try:
-            c = json.loads(blob)
-            calls.append({"name": c.get("name"), "arguments": c.get("arguments", {})})
-        except (json.JSONDecodeError, AttributeError):
-            continue
+    msg = message_from_text(text)
+    calls, _ = calls_from_messages([msg])
     tail = text.rsplit("</tool_call>", 1)[-1]
     return calls, (tail if tail.strip() else None)
 

@@ -152,3 +152,61 @@ def test_recipes_run_small(tmp_path, stub_endpoint):
                    "--model", "stub", "-o", tmp_path / "t.jsonl")
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["tasks"]["kept"] == 2  # pass rate 4/8 lies inside the recipe's band
+
+
+def test_math_calibration_through_endpoint(tmp_path, stub_endpoint):
+    """K=4 attempts per task by a stub model that is right on every other request."""
+    StubServer, _ = stub_endpoint
+    calls = {"n": 0}
+    golds = {}
+    for line in _run("synth", "math", "--n", 3, "--families", "arith").stdout.splitlines():
+        r = json.loads(line)
+        golds[r["prompt"]] = r["answer"]
+
+    def behave(body):
+        calls["n"] += 1
+        gold = golds[body["messages"][-1]["content"]]
+        ans = gold if calls["n"] % 2 else str(int(gold) + 1)
+        return {"role": "assistant", "content": f"\\boxed{{{ans}}}"}
+
+    with StubServer(behave) as srv:
+        res = _run("synth", "math", "--n", 3, "--families", "arith", "--policy", "endpoint", "--endpoint", srv.url,
+                   "--model", "stub", "-k", 4, "--min-pass", 0.25, "--max-pass", 0.75, "-o", tmp_path / "m.jsonl")
+    assert res.exit_code == 0, res.output
+    stats = json.loads(res.stdout)
+    assert stats["pass_rate_histogram"] == {"0/4": 0, "1/4": 0, "2/4": 3, "3/4": 0, "4/4": 0}
+    recs = _jsonl(tmp_path / "m.jsonl")
+    assert [r["difficulty"] for r in recs] == [0.5] * 3 and all(r["meta"]["level"] >= 1 for r in recs)
+    assert calls["n"] == 12
+
+
+def test_reasoning_gym_adapter_plumbing(monkeypatch):
+    """The adapter against a stand-in module with reasoning-gym's documented API (create_dataset,
+    indexing, score_answer): it checks our plumbing, not the real library (not installed here)."""
+    import sys
+    import types
+
+    class DS:
+        def __init__(self, size, seed):
+            self.items = [{"question": f"q{seed}-{i}: 2+{i}?", "answer": str(2 + i), "metadata": {}} for i in range(size)]
+
+        def __getitem__(self, i):
+            return self.items[i]
+
+        def score_answer(self, answer, entry):
+            return 1.0 if answer == entry["answer"] else 0.0
+
+    fake = types.ModuleType("reasoning_gym")
+    fake.create_dataset = lambda name, size, seed: DS(size, seed)
+    monkeypatch.setitem(sys.modules, "reasoning_gym", fake)
+    from sparse_rl.synth import rg_adapter
+
+    rg_adapter._dataset.cache_clear()
+    res = _run("synth", "math", "--n", 4, "--families", "arith", "--reasoning-gym", "toy")
+    rg_adapter._dataset.cache_clear()
+    assert res.exit_code == 0, res.output
+    recs = [json.loads(x) for x in res.stdout.splitlines()]
+    rg = [r for r in recs if r["task"] == "rg/toy"]
+    assert len(rg) == 2 and "<answer>" in rg[0]["prompt"]
+    assert all(verify(r, f"so <answer>{r['answer']}</answer>") == 1.0 for r in rg)
+    assert verify(rg[0], "<answer>99</answer>") == 0.0

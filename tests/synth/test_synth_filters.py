@@ -136,3 +136,16 @@ def test_scripted_policy_roundtrip_is_deterministic():
     a = P.run_agent(P.SynthAgentConfig(n=6, seed=5, envs=["fs", "sql", "calendar"], attempts=1))
     b = P.run_agent(P.SynthAgentConfig(n=6, seed=5, envs=["fs", "sql", "calendar"], attempts=1))
     assert json.dumps(a) == json.dumps(b)
+
+
+def test_message_from_text_for_local_models():
+    from sparse_rl.synth.agent import message_from_text
+
+    task = make_tool_task("sql", 0, 3, 2, template="aggregate")
+    text = "Let me look.\n" + "".join(f'<tool_call>{json.dumps(c)}</tool_call>' for c in task["meta"]["solution"])
+    msg = message_from_text(text)
+    assert msg["content"] == "Let me look." and [c["function"]["name"] for c in msg["tool_calls"]] == ["list_tables", "query"]
+    bad = message_from_text("<tool_call>{oops</tool_call>")
+    assert F.rule_checks({"messages": [bad, {"role": "tool", "tool_call_id": "call_0", "content": "x"},
+                                       {"role": "assistant", "content": "1"}]}, task["meta"]["tools"])["tool_names"] is False
+    assert message_from_text("\\boxed{3}") == {"role": "assistant", "content": "\\boxed{3}"}
