@@ -19,6 +19,9 @@ What is enforced, and where (`run_python(...).enforced` reports the platform-dep
   kernel, where the platform allows:
     - network: a new, empty network namespace (unshare(CLONE_NEWNET); as root directly, otherwise
       with a user namespace). `enforced["network_namespace"]` says whether it took.
+    - writes: a private mount namespace in which every mount but the working directory (and /dev,
+      /proc, /sys) is read-only, so writes elsewhere fail with EROFS even in world-writable /tmp or
+      /dev/shm. `enforced["readonly_mounts"]` says whether it took.
     - uid: as root the child drops to uid/gid 65534 (nobody), because Linux never applies
       RLIMIT_NPROC to uid 0; it then needs an interpreter that user can execute (we probe
       sys.executable, then python3 on PATH). `enforced["uid_drop"]` says whether it did.
@@ -52,8 +55,16 @@ from functools import lru_cache
 from pathlib import Path
 
 NOBODY = 65534
+CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+_MOUNT_OPTS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024, "nodiratime": 2048,
+               "relatime": 1 << 21}
+# Left writable: device nodes (/dev/null must stay writable) and kernel interfaces, whose writes
+# the dropped uid's permissions already govern.
+_KEEP_RW = (b"/dev", b"/dev/pts", b"/proc", b"/sys")
 
 
 @dataclasses.dataclass
@@ -69,7 +80,7 @@ class Limits:
 
 @dataclasses.dataclass
 class ExecResult:
-    status: str  # ok | error | timeout | cpu_limit | memory_limit | output_limit | blocked
+    status: str  # ok | error | timeout | cpu_limit | memory_limit | output_limit | blocked (guard or EROFS)
     returncode: int | None
     stdout: str
     stderr: str
@@ -149,7 +160,26 @@ def _libc():
     # Loaded in the parent: importing or dlopen-ing between fork and exec could deadlock.
     import ctypes
 
-    return ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+    libc.unshare.argtypes = [ctypes.c_int]
+    return libc
+
+
+def _mounts() -> list[tuple[bytes, int]]:
+    """(mount point, per-mount flags to keep) for every mount, read in the parent."""
+    import re
+
+    out = []
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            for line in fh:
+                f = line.split()
+                mp = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), f[4])
+                out.append((os.fsencode(mp), sum(_MOUNT_OPTS.get(o, 0) for o in f[5].split(","))))
+    except OSError:
+        pass
+    return out
 
 
 def _count_tasks(uid: int) -> int:
@@ -168,18 +198,35 @@ def _count_tasks(uid: int) -> int:
     return n
 
 
-def _preexec(limits: Limits, drop_uid: bool, want_netns: bool, nproc: int | None = None):
+def _preexec(limits: Limits, drop_uid: bool, want_netns: bool, nproc: int | None = None,
+             rw_dir: str | Path | None = None):
     """Runs in the child between fork and exec: namespaces first (needs privileges), then rlimits,
-    then the uid drop. It must not allocate much or take locks; it only makes syscalls."""
+    then the uid drop. It must not allocate much or take locks; it only makes syscalls.
+
+    With `rw_dir`, the child also gets a private mount namespace in which every mount except
+    `rw_dir` (bind-mounted onto itself) and _KEEP_RW is remounted read-only. Mount calls are made
+    only after checking that the namespace really is new and that propagation to the host is cut
+    (MS_PRIVATE), so they can never touch the host's mounts.
+    """
     mem = limits.memory_mb * 1024 * 1024
-    unshare = _libc().unshare
+    libc = _libc()
+    mounts = _mounts() if rw_dir is not None else []
+    wd = os.fsencode(str(rw_dir)) if rw_dir is not None else b""
 
     def fn():
         if want_netns:
-            try:
-                unshare(CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWUSER | CLONE_NEWNET)
-            except Exception:
-                pass
+            user = 0 if os.geteuid() == 0 else CLONE_NEWUSER
+            mnt_before = os.readlink("/proc/self/ns/mnt")
+            if rw_dir is not None and libc.unshare(user | CLONE_NEWNET | CLONE_NEWNS) == 0:
+                if (os.readlink("/proc/self/ns/mnt") != mnt_before
+                        and libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0
+                        and libc.mount(wd, wd, None, MS_BIND | MS_REC, None) == 0):
+                    for mp, keep in mounts:
+                        if mp != wd and mp not in _KEEP_RW and not mp.startswith((b"/proc/", b"/sys/")):
+                            libc.mount(None, mp, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep, None)
+                    os.chdir(wd)  # the cwd set before us is the directory under the new bind mount
+            else:
+                libc.unshare(user | CLONE_NEWNET)
         resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
@@ -211,16 +258,26 @@ def platform_support() -> dict:
             if r.returncode == 0 and r.stdout.strip() == b"1":
                 python, drop = cand, True
                 break
-    netns = False
+    netns = ro = False
+    wd, outside = tempfile.mkdtemp(prefix="sparse-rl-probe-"), tempfile.mkdtemp(prefix="sparse-rl-probe-")
     try:
+        os.chmod(wd, 0o777)
+        os.chmod(outside, 0o777)  # writable for any uid: only the mount namespace can refuse
+        code = ("import os\nprint(os.readlink('/proc/self/ns/net'))\nopen('in', 'w').write('x')\n"
+                f"try:\n    open({os.path.join(outside, 'out')!r}, 'w').write('x')\nexcept OSError:\n    print('ro')\n")
         mine = os.readlink("/proc/self/ns/net")
-        r = subprocess.run([python, "-I", "-c", "import os; print(os.readlink('/proc/self/ns/net'))"],
-                           capture_output=True, timeout=10, preexec_fn=_preexec(Limits(), drop, True),
-                           env={"PATH": "/usr/bin:/bin"})
-        netns = r.returncode == 0 and r.stdout.strip().decode() not in ("", mine)
+        r = subprocess.run([python, "-I", "-c", code], capture_output=True, timeout=10, cwd=wd,
+                           preexec_fn=_preexec(Limits(), drop, True, rw_dir=wd), env={"PATH": "/usr/bin:/bin"})
+        lines = r.stdout.decode().split()
+        netns = r.returncode == 0 and bool(lines) and lines[0] != mine
+        ro = (r.returncode == 0 and lines[-1:] == ["ro"] and os.path.exists(os.path.join(wd, "in"))
+              and not os.path.exists(os.path.join(outside, "out")))
     except Exception:
         pass
-    return {"python": python, "uid_drop": drop, "network_namespace": netns,
+    finally:
+        shutil.rmtree(wd, ignore_errors=True)
+        shutil.rmtree(outside, ignore_errors=True)
+    return {"python": python, "uid_drop": drop, "network_namespace": netns, "readonly_mounts": ro,
             "nproc_limit": (not root) or drop}
 
 
@@ -288,7 +345,8 @@ def run_python(code: str, limits: Limits | None = None, workdir: str | Path | No
             t0 = time.monotonic()
             proc = subprocess.Popen(argv, cwd=wd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                     start_new_session=True, close_fds=True,
-                                    preexec_fn=_preexec(limits, sup["uid_drop"], True, nproc))
+                                    preexec_fn=_preexec(limits, sup["uid_drop"], True, nproc,
+                                                        wd if sup["readonly_mounts"] else None))
             timed_out = False
             try:
                 proc.wait(timeout=limits.wall_s)
@@ -312,7 +370,7 @@ def run_python(code: str, limits: Limits | None = None, workdir: str | Path | No
             status = "memory_limit"
         elif out_size >= limits.file_bytes or "File too large" in stderr:
             status = "output_limit"
-        elif "PermissionError: sandbox:" in stderr:
+        elif "PermissionError: sandbox:" in stderr or "Read-only file system" in stderr:
             status = "blocked"
         elif rc != 0:
             status = "error"
@@ -320,7 +378,7 @@ def run_python(code: str, limits: Limits | None = None, workdir: str | Path | No
             status = "ok"
         if truncated and status == "ok":
             status = "output_limit"
-        enforced = {k: sup[k] for k in ("uid_drop", "network_namespace", "nproc_limit")}
+        enforced = {k: sup[k] for k in ("uid_drop", "network_namespace", "readonly_mounts", "nproc_limit")}
         enforced["guard"] = guard
         return ExecResult(status, rc, stdout, stderr, round(wall, 3), truncated, enforced)
     finally:

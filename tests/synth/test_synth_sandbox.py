@@ -99,6 +99,20 @@ def test_background_child_does_not_outlive_the_run():
     assert _pgid_members(int(r.stdout.strip())) == []
 
 
+@pytest.fixture
+def world_writable_dir():
+    """A 0777 directory every uid can reach (pytest's tmp_path is inside a 0700 directory), so only
+    the sandbox can stop a write into it."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    d = Path(tempfile.mkdtemp(prefix="sparse-rl-victim-"))
+    d.chmod(0o777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.mark.parametrize("code", [
     "open({target!r}, 'w').write('pwned')",
     "import os\nos.symlink({tdir!r}, 'out')\nopen('out/victim.txt', 'w').write('pwned')",
@@ -108,14 +122,22 @@ def test_background_child_does_not_outlive_the_run():
     "import subprocess\nsubprocess.run(['sh', '-c', 'echo pwned > {target}'])",
     "import ctypes",
 ])
-def test_write_outside_blocked(tmp_path, code):
-    tmp_path.chmod(0o777)  # writable even for the dropped uid: only the sandbox may stop the write
+@pytest.mark.parametrize("layer", ["guard", "kernel"])
+def test_write_outside_blocked(world_writable_dir, code, layer):
+    """Both layers on their own: the in-process guard, and (guard off) the read-only mount namespace."""
+    tmp_path = world_writable_dir
+    if layer == "kernel" and not platform_support()["readonly_mounts"]:
+        pytest.skip("this platform allows no private mount namespace; only the guard confines writes here")
+    if layer == "kernel" and "ctypes" in code:
+        pytest.skip("importing ctypes is harmless without the guard; the write tests cover the kernel layer")
     victim = tmp_path / "victim.txt"
     victim.write_text("original")
     victim.chmod(0o666)
-    r = run_python(code.format(target=str(victim), tdir=str(tmp_path)), LIM)
-    assert r.status == "blocked", (r.status, r.stderr)
-    assert "PermissionError: sandbox:" in r.stderr
+    r = run_python(code.format(target=str(victim), tdir=str(tmp_path)), LIM, guard=layer == "guard")
+    if layer == "guard":
+        assert r.status == "blocked" and "PermissionError: sandbox:" in r.stderr, (r.status, r.stderr)
+    else:
+        assert r.status in ("blocked", "error") and ("Read-only file system" in r.stderr or "cross-device" in r.stderr), r.stderr
     assert victim.read_text() == "original" and sorted(p.name for p in tmp_path.iterdir()) == ["victim.txt"]
 
 
