@@ -1,0 +1,176 @@
+"""Atomic GRPO checkpoints: `run_dir/checkpoints/step-N/`.
+
+    policy/        a loadable model dir (HF weights of theta, tokenizer, sparse_config.json + indexer
+                   weights for sparse models): `sparse-rl eval`/`generate` open it directly
+    adapter/       the LoRA adapter phi (peft `save_pretrained`), sparse+distill mode only
+    optimizer.pt   {"policy": ..., "distill": ...} optimizer states
+    rng.pt         per-rank RNG states: python, numpy, torch CPU, every CUDA device
+    meta.json      step, data cursor, KL coefficient, dynamic-sampling keep rate, world size, config
+
+The directory is built under a temporary name and renamed into place (`sparse_rl.io.atomic_dir`),
+so a killed run leaves either the whole checkpoint or none; `latest()` only trusts directories
+with a meta.json. Only rank 0 writes; the other ranks' RNG states reach it by all_gather.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from sparse_rl.errors import SparseRLError
+from sparse_rl.io import atomic_dir, atomic_write_json
+
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def ckpt_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    root = ckpt_root(run_dir)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP.match(p.name)
+        if m and (p / "meta.json").is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def latest(run_dir: str | Path) -> tuple[int, Path] | None:
+    ck = list_checkpoints(run_dir)
+    return ck[-1] if ck else None
+
+
+def rng_state() -> dict:
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _clean_key(k: str) -> str:
+    """peft-wrapped parameter name -> the plain HF name."""
+    return k.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def policy_state_dict(model) -> dict[str, torch.Tensor]:
+    """theta (and the frozen indexers) under plain HF names, without LoRA tensors."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {_clean_key(k): v for k, v in base.state_dict().items() if "lora_" not in k}
+
+
+def save_policy(model, tokenizer, out: Path) -> None:
+    """Write theta as a model dir into the existing directory `out` (see module doc)."""
+    from safetensors.torch import save_file
+
+    from sparse_rl.sparse.config import INDEXER_WEIGHTS
+    from sparse_rl.sparse.patch import decoder_layers, indexer_state_dict
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    state = {k: v for k, v in policy_state_dict(model).items() if ".indexer." not in k}
+    base.save_pretrained(out, state_dict=state)
+    tokenizer.save_pretrained(out)
+    states = [getattr(layer.self_attn, "srl", None) for layer in decoder_layers(model)]
+    cfg = next((s.cfg for s in states if s is not None), None)
+    if cfg is not None:
+        cfg.save(out)
+        idx = indexer_state_dict(model)
+        if idx:
+            save_file({k: v.detach().contiguous().cpu() for k, v in idx.items()}, str(out / INDEXER_WEIGHTS))
+    import json
+
+    cfg_file = out / "config.json"
+    data = json.loads(cfg_file.read_text())
+    if data.pop("_attn_implementation", None) is not None or data.pop("attn_implementation", None) is not None:
+        cfg_file.write_text(json.dumps(data, indent=2))
+
+
+def load_policy(model, policy_dir: Path) -> None:
+    """Copy the weights of a checkpoint's `policy/` dir into `model` (peft-wrapped or not) in place."""
+    from safetensors.torch import load_file
+
+    from sparse_rl.sparse.config import INDEXER_WEIGHTS
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    own = {_clean_key(k): v for k, v in base.state_dict(keep_vars=True).items() if "lora_" not in k}
+    files = [f for f in sorted(policy_dir.glob("*.safetensors")) if f.name != INDEXER_WEIGHTS]
+    if not files:
+        raise SparseRLError(f"{policy_dir}: no weights in the checkpoint (it may be damaged; remove it to resume "
+                            "from the one before)")
+    loaded = 0
+    with torch.no_grad():
+        for f in files:
+            for k, v in load_file(str(f)).items():
+                if k not in own:
+                    raise SparseRLError(f"{f}: parameter {k!r} does not belong to the model; resume with the same MODEL")
+                own[k].copy_(v)
+                loaded += 1
+    if loaded == 0:
+        raise SparseRLError(f"{policy_dir}: the checkpoint holds no parameters")
+
+
+def save(run_dir: str | Path, step: int, *, model, tokenizer, optimizers: dict, rng_states: list[dict], meta: dict,
+         keep: int = 0) -> Path:
+    """Write checkpoints/step-`step` atomically and prune to the newest `keep` (0 = keep all). Rank 0 only."""
+    root = ckpt_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step}"
+    with atomic_dir(final, force=True, flag="checkpoint") as tmp:
+        (tmp / "policy").mkdir()
+        save_policy(model, tokenizer, tmp / "policy")
+        if hasattr(model, "peft_config"):
+            model.save_pretrained(str(tmp / "adapter"))
+        torch.save({k: o.state_dict() for k, o in optimizers.items() if o is not None}, tmp / "optimizer.pt")
+        torch.save(rng_states, tmp / "rng.pt")
+        atomic_write_json(tmp / "meta.json", {"step": step, **meta})
+    if keep > 0:
+        for _, old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load(path: Path, *, model, optimizers: dict, rank: int, world: int) -> tuple[dict, dict]:
+    """Restore weights, adapter and optimizer states in place; return (meta, this rank's RNG state)."""
+    import json
+
+    meta = json.loads((path / "meta.json").read_text())
+    if int(meta.get("world_size", 1)) != world:
+        raise SparseRLError(f"{path}: saved by {meta.get('world_size')} processes, resumed with {world}; "
+                            "resume with the same number of processes")
+    load_policy(model, path / "policy")
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        afile = path / "adapter" / "adapter_model.safetensors"
+        if not afile.is_file():
+            raise SparseRLError(f"{afile}: missing; this checkpoint has no LoRA adapter (was the run in sparse+distill mode?)")
+        set_peft_model_state_dict(model, load_file(str(afile)))
+    states = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+    for k, opt in optimizers.items():
+        if opt is None:
+            continue
+        if k not in states:
+            raise SparseRLError(f"{path}/optimizer.pt: no {k} optimizer state (the run's mode changed?)")
+        opt.load_state_dict(states[k])
+    rngs = torch.load(path / "rng.pt", map_location="cpu", weights_only=False)
+    return meta, rngs[rank]
