@@ -64,15 +64,31 @@ def math_cmd(
     out: Optional[str] = typer.Option(None, "--out", help="Write per-problem results JSONL here."),
     summary: Optional[str] = typer.Option(None, "--summary", help="Also write the summary JSON here."),
     k: Optional[str] = typer.Option(None, "--k", help="pass@k values, e.g. 1,4,8 (default: 1,2,4,... up to n)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Sample answers from this model dir instead of --score."),
+    attention: Optional[str] = typer.Option(None, "--attention", help="With --model: dense or sparse."),
+    n: Optional[int] = typer.Option(None, "--n", help="With --model: samples per problem."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="With --model: 0 = greedy."),
+    top_p: Optional[float] = typer.Option(None, "--top-p"),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Send plain prompts through the chat template."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Decode slots of the rollout engine."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16."),
+    completions_out: Optional[str] = typer.Option(None, "--completions-out", help="With --model: save the samples."),
     config: Optional[Path] = _CONFIG,
 ) -> None:
-    """Score completions: answer extraction, math-verify equivalence, accuracy, pass@1, pass@k."""
+    """Score completions (--score FILE|-) or sample them (--model DIR): answer extraction,
+    math-verify equivalence, accuracy, pass@1, pass@k."""
     with cli_errors():
         from sparse_rl.config import load_config
         from sparse_rl.eval.math_eval import MathEvalConfig, run
 
-        cfg = load_config(MathEvalConfig, config, {"score": score, "problems": problems, "out": out,
-                                                   "summary": summary, "k": _ints("--k", k)})
+        cfg = load_config(MathEvalConfig, config, {
+            "score": score, "problems": problems, "out": out, "summary": summary, "k": _ints("--k", k),
+            "model": model, "attention": attention, "n": n, "temperature": temperature, "top_p": top_p,
+            "max_new_tokens": max_new_tokens, "seed": seed, "chat": chat, "batch_size": batch_size,
+            "device": device, "dtype": dtype, "completions_out": completions_out})
         result, _ = run(cfg)
         from rich.markup import escape
         from rich.table import Table
@@ -107,13 +123,22 @@ def niah_cmd(
     score: Optional[list[str]] = typer.Option(None, "--score", help="MODE=completions.jsonl, repeatable "
                                                                     "(dense=..., sparse=...)."),
     out: Optional[str] = typer.Option(None, "--out", help="Results dir: cells.jsonl, summary.json, heatmaps."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing --out dir."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out dir (with --score)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Run the grid on this model dir (greedy), resumably."),
+    modes: Optional[str] = typer.Option(None, "--modes", help="With --model: dense,sparse (default: both for a "
+                                                             "sparse dir, else dense)."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Decode slots of the rollout engine."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens",
+                                                 help="Generation budget (default: RULER's, 128; vt 30)."),
     config: Optional[Path] = _CONFIG,
 ) -> None:
     """Build RULER-style NIAH prompts at exact token lengths, or score completions into heatmaps.
 
     Build: --tokenizer DIR --prompts-out FILE|-. Score: --prompts FILE --score dense=FILE
     [--score sparse=FILE] --out DIR (cells.jsonl, summary.json, heatmap_<mode>.png, difference map).
+    Run: --model DIR [--modes dense,sparse] --out DIR (greedy; re-running skips finished cells).
     """
     with cli_errors():
         from sparse_rl.config import load_config
@@ -122,17 +147,22 @@ def niah_cmd(
         cfg = load_config(NiahConfig, config, {
             "tokenizer": tokenizer, "tasks": _strs(tasks), "lengths": _ints("--lengths", lengths),
             "depths": _floats("--depths", depths), "samples": samples, "seed": seed, "haystack": haystack,
-            "prompts_out": prompts_out, "prompts": prompts, "score": score or None, "out": out})
-        # Integration point: once `sparse_rl.rl.rollout` exists, `--model DIR` builds a greedy
-        # generate_fn per attention mode from the engine and calls niah_run.run_niah(prompts,
-        # {"dense": ..., "sparse": ...}, out), which resumes from the cells already in out/cells.jsonl.
-        if bool(cfg.prompts_out) == bool(cfg.score):
-            raise UsageError("give either --prompts-out FILE (build prompts) or --prompts FILE --score MODE=FILE "
-                             "--out DIR (score completions)")
+            "prompts_out": prompts_out, "prompts": prompts, "score": score or None, "out": out, "model": model,
+            "modes": _strs(modes), "device": device, "dtype": dtype, "batch_size": batch_size,
+            "max_new_tokens": max_new_tokens})
+        if sum(map(bool, (cfg.prompts_out, cfg.score, cfg.model))) != 1:
+            raise UsageError("give one of --prompts-out FILE (build prompts), --prompts FILE --score MODE=FILE --out DIR "
+                             "(score completions) or --model DIR --out DIR (run the grid)")
         if cfg.prompts_out:
             _niah_build(cfg)
-        else:
+        elif cfg.score:
             _niah_score(cfg, force)
+        else:
+            from sparse_rl.eval.niah_run import run_model_grid
+
+            summary = run_model_grid(cfg)
+            _niah_table(summary)
+            sys.stdout.write(json.dumps(summary) + "\n")
 
 
 def _niah_build(cfg) -> None:

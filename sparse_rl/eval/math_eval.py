@@ -33,6 +33,19 @@ class MathEvalConfig:
     out: Optional[str] = None  # per-problem results JSONL (not written when unset)
     summary: Optional[str] = None  # summary JSON file (always printed on stdout too)
     k: list[int] = field(default_factory=list)  # pass@k values; empty = 1, 2, 4, ... up to the fewest samples
+    # Sampling from a model instead of --score (through the rollout engine):
+    model: Optional[str] = None  # model dir (dense or sparse)
+    attention: str = "dense"  # dense | sparse
+    n: int = 1  # samples per problem
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 512
+    seed: int = 0
+    chat: bool = False  # wrap a plain `prompt` as a user message through the chat template
+    batch_size: int = 32  # decode slots of the engine
+    device: str = "auto"
+    dtype: str = "auto"
+    completions_out: Optional[str] = None  # also write the sampled completions JSONL here
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -64,7 +77,10 @@ def load_problems(path: str | Path) -> dict[str, dict]:
             raise SparseRLError(f"{name}: problem '{pid}': {e}") from None
         if pid in problems:
             raise SparseRLError(f"{name}: problem id '{pid}' appears twice (ids must be unique)")
-        problems[pid] = {"gold": gold, "task": rec.get("task")}
+        prompt = {k: rec[k] for k in ("messages", "prompt") if k in rec}
+        if not prompt and isinstance(rec.get("question"), str):  # GSM8K's own field name
+            prompt = {"prompt": rec["question"]}
+        problems[pid] = {"gold": gold, "task": rec.get("task"), "input": prompt}
     return problems
 
 
@@ -151,20 +167,74 @@ def summarize(results: list[dict], ks: list[int] | None = None, problems: dict |
     return summary
 
 
+def sample_completions(cfg: MathEvalConfig, problems: dict[str, dict], progress: bool = True) -> list[dict]:
+    """`cfg.n` completions per problem from `cfg.model` through the rollout engine, as completion
+    records `{"id", "prompt", "completion", "tokens", "finish_reason"}` (the problem's id repeated)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from sparse_rl.cli.common import resolve_device
+    from sparse_rl.rl.rollout import SamplingParams, encode_prompt, load_engine
+
+    ids = list(problems)
+    inputs = []
+    for pid in ids:
+        inp = problems[pid]["input"]
+        if not inp:
+            raise SparseRLError(f"--problems: problem '{pid}' has no 'prompt', 'messages' or 'question' to sample from")
+        if cfg.chat and "messages" not in inp:
+            inp = {"messages": [{"role": "user", "content": inp["prompt"]}]}
+        inputs.append(inp)
+    params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                            seed=cfg.seed, logprobs=False)
+    eng = load_engine(cfg.model, attention=cfg.attention, device=resolve_device(cfg.device), dtype=cfg.dtype,
+                      max_batch=max(cfg.batch_size, cfg.n))
+    tokens = [encode_prompt(eng.tokenizer, inp) for inp in inputs]
+    with Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar:
+        job = bar.add_task(f"sampling ({cfg.attention})", total=len(ids) * cfg.n)
+        outs = eng.generate(tokens, params, on_complete=lambda c: bar.advance(job))
+    return [{"id": ids[c.prompt_index], "sample": c.sample_index,
+             "prompt": inputs[c.prompt_index].get("prompt", inputs[c.prompt_index].get("messages")),
+             "completion": c.text, "tokens": c.tokens, "finish_reason": c.finish_reason} for c in outs]
+
+
 def run(cfg: MathEvalConfig) -> tuple[dict, list[dict]]:
-    """`eval math --score`: read everything, score, then write `out`/`summary` (so bad input
-    writes nothing). Returns (summary, per-problem results)."""
-    if cfg.score is None:
-        raise UsageError("--score FILE|- is required: the completions JSONL to score (e.g. from `sparse-rl generate`)")
-    if cfg.problems == "-" and cfg.score == "-":
-        raise UsageError("--problems and --score cannot both read stdin ('-'); give one of them as a file")
-    for flag, value in (("--out", cfg.out), ("--summary", cfg.summary)):
+    """`eval math`: score completions from `--score`, or sample them from `--model`; every input
+    is read and scored before `out`/`summary` are written (so bad input writes nothing).
+    Returns (summary, per-problem results)."""
+    if (cfg.score is None) == (cfg.model is None):
+        raise UsageError("give --score FILE|- (completions to score, e.g. from `sparse-rl generate`) or --model DIR "
+                         "with --problems (sample and score), not both")
+    for flag, value in (("--out", cfg.out), ("--summary", cfg.summary), ("--completions-out", cfg.completions_out)):
         if value == "-":
             raise UsageError(f"{flag} -: stdout carries the summary JSON; give {flag} a file path")
+    if cfg.model is not None:
+        if not cfg.problems:
+            raise UsageError("--model needs --problems FILE: the problems to sample answers for")
+        if cfg.attention not in ("dense", "sparse"):
+            raise UsageError(f"--attention {cfg.attention}: expected dense or sparse")
+        problems = load_problems(cfg.problems)
+        completions = sample_completions(cfg, problems)
+        results = score_completions(completions, problems, source="sampled completions")
+        summary = summarize(results, cfg.k, problems)
+        summary["sampling"] = {"model": cfg.model, "attention": cfg.attention, "n": cfg.n,
+                               "temperature": cfg.temperature, "top_p": cfg.top_p,
+                               "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed}
+        from sparse_rl.io import write_jsonl
+
+        if cfg.completions_out:
+            write_jsonl(cfg.completions_out, completions)
+        return _write(cfg, summary, results)
+    if cfg.problems == "-" and cfg.score == "-":
+        raise UsageError("--problems and --score cannot both read stdin ('-'); give one of them as a file")
     problems = load_problems(cfg.problems) if cfg.problems else None
     source = "<stdin>" if cfg.score == "-" else cfg.score
     results = score_completions(iter_jsonl(cfg.score), problems, source=source)
     summary = summarize(results, cfg.k, problems)
+    return _write(cfg, summary, results)
+
+
+def _write(cfg: MathEvalConfig, summary: dict, results: list[dict]) -> tuple[dict, list[dict]]:
     from sparse_rl.io import atomic_write_json, write_jsonl
 
     if cfg.out:

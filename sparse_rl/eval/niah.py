@@ -77,6 +77,12 @@ class NiahConfig:
     prompts: Optional[str] = None  # prompts JSONL (from --prompts-out) to score against
     score: list[str] = field(default_factory=list)  # MODE=completions.jsonl, e.g. dense=d.jsonl
     out: Optional[str] = None  # results dir: cells.jsonl, summary.json, heatmaps
+    model: Optional[str] = None  # run the grid on this model dir (its tokenizer measures lengths)
+    modes: list[str] = field(default_factory=list)  # attention modes; empty = dense and sparse for a sparse dir
+    device: str = "auto"
+    dtype: str = "auto"
+    batch_size: int = 16  # decode slots of the rollout engine
+    max_new_tokens: int = 0  # 0 = RULER's budget per task (128; vt 30)
 
     def check(self) -> None:
         bad = [t for t in self.tasks if t not in TASKS]
@@ -90,6 +96,8 @@ class NiahConfig:
             raise UsageError("--lengths: every length is a positive number of tokens")
         if self.samples < 1:
             raise UsageError("--samples: needs at least 1 prompt per cell")
+        if self.max_new_tokens < 0:
+            raise UsageError("--max-new-tokens: 0 (the per-task default) or a positive number")
 
 
 def string_match_all(pred: str, refs: list[str]) -> float:
@@ -320,8 +328,11 @@ def build_niah_prompts(tokenizer, cfg: NiahConfig, haystack: Haystack | None = N
     cells = [(t, n, d, s) for t in cfg.tasks for n in cfg.lengths for d in cfg.depths for s in range(cfg.samples)]
     out = []
     for t, n, d, s in cells:
-        out.append(build_niah_sample(tokenizer, t, n, d, seed=cfg.seed, sample=s, haystack=haystack,
-                                     add_special_tokens=cfg.add_special_tokens))
+        rec = build_niah_sample(tokenizer, t, n, d, seed=cfg.seed, sample=s, haystack=haystack,
+                                add_special_tokens=cfg.add_special_tokens)
+        if cfg.max_new_tokens:
+            rec["meta"]["max_new_tokens"] = cfg.max_new_tokens
+        out.append(rec)
         if progress is not None:
             progress()
     return out

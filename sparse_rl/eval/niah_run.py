@@ -196,3 +196,50 @@ def write_summary(done: Mapping[tuple, dict], grid_keys, modes: list[str], out: 
         summary["files"]["difference"] = "diff_sparse_minus_dense.png"
     atomic_write_json(out / SUMMARY_FILE, summary)
     return summary
+
+
+def model_generate_fns(model_dir: str, modes: list[str], device: str = "auto", dtype="auto",
+                       batch_size: int = 16) -> dict[str, GenerateFn]:
+    """Greedy generate_fns, one per attention mode, over ONE loaded rollout engine (switched
+    between modes per call, so the weights are in memory once). Prompts are encoded as plain
+    text with the tokenizer's special tokens, as the NIAH lengths were measured."""
+    from sparse_rl.cli.common import resolve_device
+    from sparse_rl.rl.rollout import SamplingParams, encode_prompt, load_engine
+
+    eng = load_engine(model_dir, attention=modes[0], device=resolve_device(device), dtype=dtype, max_batch=batch_size)
+
+    def make(mode: str) -> GenerateFn:
+        def generate_fn(prompts: list[str], max_new_tokens: int) -> list[str]:
+            eng.set_attention(mode)
+            ids = [encode_prompt(eng.tokenizer, {"prompt": p}) for p in prompts]
+            outs = eng.generate(ids, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, logprobs=False))
+            return [c.text for c in outs]
+
+        return generate_fn
+
+    return {m: make(m) for m in modes}
+
+
+def run_model_grid(cfg) -> dict:
+    """`eval niah --model`: build the grid with the model's tokenizer, run every mode, resume from
+    `cfg.out`. `cfg` is a `NiahConfig`."""
+    from sparse_rl.errors import UsageError
+    from sparse_rl.eval.niah import Haystack, build_niah_prompts, load_tokenizer
+    from sparse_rl.sparse.config import SparseConfig
+    from sparse_rl.sparse.loader import check_model_dir
+
+    cfg.check()
+    if not cfg.out:
+        raise UsageError("--model needs --out DIR (results; re-running with the same DIR resumes)")
+    if cfg.tokenizer:
+        raise UsageError("--tokenizer: with --model the model's own tokenizer measures the prompts; drop --tokenizer")
+    check_model_dir(cfg.model, flag="--model")
+    is_sparse = SparseConfig.load(cfg.model) is not None
+    modes = cfg.modes or (["dense", "sparse"] if is_sparse else ["dense"])
+    bad = [m for m in modes if m not in ("dense", "sparse")]
+    if bad or (not is_sparse and "sparse" in modes):
+        raise UsageError(f"--modes {','.join(modes)}: expected dense and/or sparse (sparse needs a sparse model dir)")
+    tok = load_tokenizer(cfg.model)
+    haystack = Haystack.from_file(cfg.haystack) if cfg.haystack else Haystack.default()
+    prompts = build_niah_prompts(tok, cfg, haystack)
+    return run_niah(prompts, model_generate_fns(cfg.model, modes, cfg.device, cfg.dtype, cfg.batch_size), cfg.out)
