@@ -111,3 +111,36 @@ def decode(
             dtype=dtype, rep_ms=rep_ms, device=device))
         res = run_decode_bench(cfg, log=lambda m: console.print(f"[dim]{m}[/]"))
         _finish(res, markdown_decode(res), out)
+
+
+@app.command("rollout")
+def rollout(
+    shape: Optional[str] = typer.Option(None, help="Model shape, random weights: qwen2-0.5b | tiny [default: qwen2-0.5b]"),
+    batch: Optional[int] = typer.Option(None, help="Engine vs HF generate: sequences [default: 64]"),
+    prompt_len: Optional[int] = typer.Option(None, help="Engine vs HF generate: prompt tokens [default: 128]"),
+    new_tokens: Optional[int] = typer.Option(None, help="Engine vs HF generate: new tokens [default: 512]"),
+    hf: Optional[bool] = typer.Option(None, "--hf/--no-hf", help="Time HF generate [default: on]"),
+    hf_new_tokens: Optional[int] = typer.Option(None, help="New tokens for the HF run, 0 = --new-tokens [default: 0]"),
+    eager: Optional[bool] = typer.Option(None, "--eager/--no-eager", help="Also time the engine without CUDA graphs [default: on]"),
+    long_new_tokens: Optional[str] = typer.Option(None, help="Sparse vs dense: generation lengths, e.g. 8K,16K or none [default: 8K,16K]"),
+    long_batch: Optional[int] = typer.Option(None, help="Sparse vs dense: sequences [default: 16]"),
+    topk: Optional[int] = _common["topk"],
+    index_heads: Optional[int] = _common["index_heads"], index_dim: Optional[int] = _common["index_dim"],
+    dtype: Optional[str] = typer.Option(None, help="bfloat16 | float16 | float32 [default: bfloat16]"),
+    device: Optional[str] = typer.Option(None, help="auto | cuda | cpu [default: auto]"),
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML recipe with BenchRolloutConfig keys."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
+) -> None:
+    """Rollout engine tokens/s vs HF generate (dense), and sparse vs dense mode for long generations."""
+    with cli_errors():
+        from sparse_rl.config import load_config
+        from sparse_rl.eval.bench_rollout import BenchRolloutConfig, markdown_rollout, run_rollout_bench
+
+        longs = [] if long_new_tokens is not None and long_new_tokens.strip().lower() == "none" else \
+            _ints(long_new_tokens, "--long-new-tokens")
+        cfg = load_config(BenchRolloutConfig, config, dict(
+            shape=shape, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, hf=hf, hf_new_tokens=hf_new_tokens,
+            eager=eager, long_new_tokens=longs, long_batch=long_batch, topk=topk, index_heads=index_heads,
+            index_dim=index_dim, dtype=dtype, device=device))
+        res = run_rollout_bench(cfg, log=lambda m: console.print(f"[dim]{m}[/]"))
+        _finish(res, markdown_rollout(res), out)

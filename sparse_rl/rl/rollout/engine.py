@@ -212,6 +212,47 @@ class RolloutEngine:
             self.runner.drop_graphs()
         return self.cache
 
+    # ------------------------------------------------------------------ warm-up / timing
+    def _bucket(self, length: int, s_max: int) -> int:
+        return min(s_max, -(-length // self.bucket) * self.bucket)
+
+    @torch.inference_mode()
+    def warmup(self, max_len: int) -> None:
+        """Compile kernels and capture the decode graph of every cache bucket up to `max_len` tokens,
+        so that a timed `generate` pays none of it (the graphs are kept until `refresh`)."""
+        cache = self._ensure_cache(max_len)
+        self.generate([[0] * 8], SamplingParams(max_new_tokens=2, ignore_eos=True, logprobs=False))
+        if not self.runner.graphable(self.mode):
+            return
+        zeros = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
+        for S in range(self.bucket, self._bucket(max_len, cache.s_max) + self.bucket, self.bucket):
+            self.runner.decode(cache, zeros, zeros, min(S, cache.s_max), self.mode)
+
+    @torch.inference_mode()
+    def time_step(self, pos: int, reps: int = 20) -> float:
+        """Median milliseconds of one decode step with every slot at position `pos` (CUDA events on a GPU)."""
+        cache = self._ensure_cache(pos + 1)
+        tok = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
+        p = torch.full_like(tok, pos)
+        S = self._bucket(pos + 1, cache.s_max)
+        self.runner.decode(cache, tok, p, S, self.mode)
+        times = []
+        for _ in range(reps):
+            if self.device.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                self.runner.decode(cache, tok, p, S, self.mode)
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                import time
+
+                t0 = time.perf_counter()
+                self.runner.decode(cache, tok, p, S, self.mode)
+                times.append(1000 * (time.perf_counter() - t0))
+        return sorted(times)[len(times) // 2]
+
     # ------------------------------------------------------------------ generate
     def _encode(self, prompts) -> list[list[int]]:
         out = []
@@ -309,7 +350,7 @@ class RolloutEngine:
                 s = live[sl]
                 tok_host[sl] = s.tokens[-1]
                 pos_host[sl] = len(s.prompt) + len(s.tokens) - 1
-            S = min(s_max, -(-(max(pos_host) + 1) // self.bucket) * self.bucket)
+            S = self._bucket(max(pos_host) + 1, s_max)
             tok_t = torch.tensor(tok_host, dtype=torch.long).to(self.device, non_blocking=True)
             pos_t = torch.tensor(pos_host, dtype=torch.long).to(self.device, non_blocking=True)
             logits = self.runner.decode(cache, tok_t, pos_t, S, self.mode)

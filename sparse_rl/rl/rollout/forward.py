@@ -73,6 +73,7 @@ class ModelRunner:
         self._graphs: dict = {}
         self._pool = None
         self._static: dict = {}
+        self.graph_error: str | None = None
 
     # ---------------------------------------------------------------- helpers
     def _qkv(self, attn, x, cos, sin):
@@ -218,7 +219,13 @@ class ModelRunner:
         st[1].copy_(pos)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._capture(cache, st[0], st[1], S, mode)
+            try:
+                entry = self._capture(cache, st[0], st[1], S, mode)
+            except Exception as e:  # keep generating, eagerly; the reason stays visible in graph_error
+                self.use_graphs = False
+                self.graph_error = f"{type(e).__name__}: {e}"
+                torch.cuda.synchronize()
+                return self.decode_eager(cache, tokens, pos, S, mode)
             self._graphs[key] = entry
         entry[0].replay()
         return entry[1]
