@@ -11,9 +11,10 @@ Design (why):
 - Queries are processed in chunks so the score buffer is `[B, Tc, Sc]` with
   `B*Tc*Sc*4 <= budget` bytes (default 1 GiB on CUDA), never `[T, S]` at long context; a chunk
   only covers keys up to its last query's position (`Sc = q_offset + t1`), which halves the causal work.
-- Top-k of each chunk is `torch.topk(sorted=False)` followed by a sort of the k indices: PyTorch's
-  radix select is the well-kept implementation of that step, and it is the part to watch at
-  32K-128K keys (the benchmark times it separately).
+- Top-k of each chunk on the GPU is our radix select (`radix_topk.py`): torch.topk at 32K-128K
+  keys per row ran at ~0.2 TB/s effective and dominated the whole prefill (benchmarks/NOTES.md).
+  Under the CPU interpreter torch.topk is used by default (the radix kernel is tested on its own
+  there; `topk_impl` forces either).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import triton
 import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_naive
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -99,10 +101,12 @@ def topk_from_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk: int, *, q_offset: int = 0,
                  sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None,
-                 budget_bytes: int | None = None) -> torch.Tensor:
+                 budget_bytes: int | None = None, topk_impl: str = "auto") -> torch.Tensor:
     """Indexer top-k, Triton scores. q_idx `[B, T, H_I, D_I]`, w `[B, T, H_I]`, k_idx `[B, S, D_I]`
     -> `[B, T, topk]` int32 ascending, -1 padded. Index dims above 128, more than 64 index heads
-    or float64 take the reference."""
+    or float64 take the reference. `topk_impl`: "radix" | "torch" | "auto" (radix on CUDA)."""
+    if topk_impl not in ("auto", "radix", "torch"):
+        raise ValueError(f"topk_impl {topk_impl!r}: expected auto, radix or torch")
     if sink + window > topk:
         raise ValueError(f"sink ({sink}) + window ({window}) must not exceed topk ({topk})")
     B, T, HI, DI = q_idx.shape
@@ -118,10 +122,14 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
     S_max = max(1, min(S, q_offset + T))
     chunk = max(1, min(T, budget // (4 * B * S_max)))
     out = torch.empty(B, T, topk, dtype=torch.int32, device=dev)
+    radix = topk_impl == "radix" or (topk_impl == "auto" and q_idx.is_cuda)
     with torch.no_grad():
         for t0 in range(0, T, chunk):
             t1 = min(T, t0 + chunk)
             S_c = max(1, min(S, q_offset + t1))  # keys past the chunk's last query are never visible
             scores = indexer_scores_chunk(q_idx, w, k_idx, kvs, t0, t1, S_c, q_offset, sink, window)
-            out[:, t0:t1] = topk_from_scores(scores, topk)
+            if radix:
+                radix_topk(scores, topk, q_lim=q_offset + t0, out=out[:, t0:t1])
+            else:
+                out[:, t0:t1] = topk_from_scores(scores, topk)
     return out

@@ -1,0 +1,101 @@
+"""Row-wise top-k of masked fp32 scores by radix select, in Triton.
+
+`torch.topk` on `[rows, 32K-128K]` fp32 with k = 2048 ran at ~0.2 TB/s effective on an H200
+(12 ms for the 32K prefill, 142 ms for 128K: benchmarks/NOTES.md), far below bandwidth. Here one
+program owns one row and reads it five times: four 8-bit histogram passes (`tl.histogram`, 256
+bins, on the order-preserving uint32 image of the float) pin down the exact k-th largest key, and a
+final pass writes the selected column indices in ascending order (a running `cumsum` gives each
+selected element its output slot), so no sort follows. Keys equal to the threshold are taken in
+index order (torch.topk breaks exact ties arbitrarily; the reference contract is "the top-k scores").
+-inf entries are never selected; rows with fewer than k finite entries take all of them and pad
+with -1. Each row only reads its first `n_row` columns (the causal prefix of the query).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _okey(x):
+    """Order-preserving uint32 image of fp32 x (larger float -> larger key)."""
+    u = x.to(tl.uint32, bitcast=True)
+    neg = (u >> 31) == 1
+    return tl.where(neg, ~u, u | 0x80000000)
+
+
+@triton.jit
+def _radix_topk_kernel(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot, K,
+                       BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    b = row // Tc
+    t = row % Tc
+    base = SC + b.to(tl.int64) * srb + t.to(tl.int64) * srt
+    obase = OUT + b.to(tl.int64) * sob + t.to(tl.int64) * sot
+    n = tl.minimum(S_c, q_lim + t + 1)  # columns past the query's position are -inf: skip them
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 256)
+    # pass 1: top byte histogram and the count of finite entries
+    hist = tl.zeros([256], tl.int32)
+    nvalid = 0
+    for c in range(0, n, BLOCK):
+        x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
+        valid = x > float("-inf")
+        d = tl.where(valid, _okey(x) >> 24, 0).to(tl.int32)
+        hist += tl.histogram(d, 256) - tl.where(bins == 0, tl.sum((~valid).to(tl.int32), 0), 0)
+        nvalid += tl.sum(valid.to(tl.int32), 0)
+    tau = tl.zeros([], tl.uint32)  # select key > tau, plus `need` keys == tau (index order)
+    need = 0
+    if nvalid > K:
+        kk = K
+        prefix = tl.zeros([], tl.uint32)
+        for level in tl.static_range(4):
+            shift = 24 - 8 * level
+            if level > 0:
+                hist = tl.zeros([256], tl.int32)
+                for c in range(0, n, BLOCK):
+                    x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
+                    key = _okey(x)
+                    m = (x > float("-inf")) & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+                    d = tl.where(m, (key >> shift) & 0xFF, 0).to(tl.int32)
+                    hist += tl.histogram(d, 256) - tl.where(bins == 0, tl.sum((~m).to(tl.int32), 0), 0)
+            total = tl.sum(hist, 0)
+            suf = total - tl.cumsum(hist, 0) + hist  # entries in bins >= b
+            bstar = tl.sum((suf >= kk).to(tl.int32), 0) - 1
+            kk -= tl.sum(tl.where(bins > bstar, hist, 0), 0)
+            prefix = prefix | (bstar.to(tl.uint32) << shift)
+        tau = prefix
+        need = kk
+    # collect: ascending column order, output slot = running count of selected entries
+    cnt = 0
+    eq_seen = 0
+    for c in range(0, n, BLOCK):
+        x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
+        valid = x > float("-inf")
+        key = _okey(x)
+        eq = valid & (key == tau)
+        eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0) - 1
+        sel = valid & ((key > tau) | (eq & (eq_rank < need)))
+        pos = cnt + tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(obase + pos, (c + offs).to(tl.int32), mask=sel)
+        cnt += tl.sum(sel.to(tl.int32), 0)
+        eq_seen += tl.sum(eq.to(tl.int32), 0)
+    for c in range(cnt, K, BLOCK):
+        tl.store(obase + c + offs, tl.full([BLOCK], -1, tl.int32), mask=c + offs < K)
+
+
+def radix_topk(scores: torch.Tensor, topk: int, q_lim: int | None = None, out: torch.Tensor | None = None):
+    """scores `[B, Tc, Sc]` fp32 (last dim contiguous, -inf = not visible) -> `[B, Tc, topk]` int32
+    column indices, ascending, -1 padded. Row t only reads columns `< q_lim + t + 1` (default: all)."""
+    B, Tc, Sc = scores.shape
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    if out is None:
+        out = torch.empty(B, Tc, topk, device=scores.device, dtype=torch.int32)
+    q_lim = Sc if q_lim is None else q_lim
+    _radix_topk_kernel[(B * Tc,)](scores, out, Tc, Sc, q_lim, scores.stride(0), scores.stride(1),
+                                  out.stride(0), out.stride(1), topk, BLOCK=2048 if scores.is_cuda else 64,
+                                  num_warps=8 if scores.is_cuda else 1)
+    return out

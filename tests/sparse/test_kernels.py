@@ -1,0 +1,268 @@
+"""Triton kernels (run through TRITON_INTERPRET=1 on the CPU, see tests/conftest.py) against the
+PyTorch references on small odd shapes: T and S not multiples of the block sizes, K > visible keys,
+-1 padding, empty rows, GQA ratios 1/4/7, head dims 16/64/128, forward and gradients."""
+
+import json
+import math
+from unittest import mock
+
+import pytest
+import torch
+
+from sparse_rl.sparse.ops import block_select, indexer_topk, sparse_attention, sparse_decode
+from sparse_rl.sparse.ops.block_select.naive import block_select_naive
+from sparse_rl.sparse.ops.indexer_topk import triton as it
+from sparse_rl.sparse.ops.indexer_topk.naive import indexer_scores_naive, indexer_topk_naive
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
+from sparse_rl.sparse.ops.sparse_attention import triton as sa
+from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
+
+
+def _rel(a, b):
+    a, b = a.detach(), b.detach()
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _indices(B, T, S, K, g, drop=0.3):
+    """Distinct random indices, K may exceed S (padded with -1), random -1 holes, one empty row."""
+    idx = torch.rand(B, T, S, generator=g).argsort(-1)[..., :min(K, S)].to(torch.int32)
+    if K > S:
+        idx = torch.cat([idx, idx.new_full((B, T, K - S), -1)], -1)
+    idx[torch.rand(B, T, K, generator=g) < drop] = -1
+    idx[0, 3] = -1
+    return idx
+
+
+CASES = [  # (H, H_kv, D, dtype, tol): GQA 1, 4, 7; head dims 64, 128, 16
+    (3, 3, 64, torch.float32, 1e-5),
+    (8, 2, 128, torch.float32, 1e-5),
+    (7, 1, 64, torch.bfloat16, 1e-2),
+    (4, 1, 16, torch.float16, 2e-3),
+]
+
+
+@pytest.mark.parametrize("H,H_kv,D,dtype,tol", CASES)
+def test_sparse_attention_forward_and_gradients(H, H_kv, D, dtype, tol):
+    g = torch.Generator().manual_seed(H * 100 + D)
+    B, T, S, K = 2, 11, 37, 45  # K > S: trailing -1 everywhere
+    q = torch.randn(B, H, T, D, generator=g).to(dtype).transpose(1, 2).requires_grad_()  # non-contiguous
+    k = torch.randn(B, S, H_kv, D, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(B, S, H_kv, D, generator=g).to(dtype).requires_grad_()
+    idx = _indices(B, T, S, K, g)
+    out, lse = sparse_attention(q, k, v, idx, backend="triton")
+    qr, kr, vr = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ro, rl = sparse_attention_naive(qr, kr, vr, idx)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert _rel(out, ro) < tol
+    fin = torch.isfinite(rl)
+    assert torch.equal(fin, torch.isfinite(lse))
+    torch.testing.assert_close(lse[fin], rl[fin], atol=1e-4, rtol=1e-4)
+    assert torch.all(out[0, 3] == 0) and torch.all(torch.isneginf(lse[0, 3]))  # empty row
+    # gradients, including an upstream gradient on lse
+    go = torch.randn(out.shape, generator=g)
+    gl = torch.randn(lse.shape, generator=g).masked_fill(~fin, 0)
+    ((out.float() * go).sum() + (lse.masked_fill(~fin, 0) * gl).sum()).backward()
+    ((ro * go).sum() + (rl.masked_fill(~fin, 0) * gl).sum()).backward()
+    for a, b in ((q, qr), (k, kr), (v, vr)):
+        assert a.grad.dtype == dtype and a.grad.shape == a.shape
+        assert _rel(a.grad, b.grad) < tol
+
+
+def test_sparse_attention_full_selection_equals_causal_dense_gqa4():
+    from sparse_rl.sparse.ops import dense_attention_naive, visible_mask
+
+    g = torch.Generator().manual_seed(5)
+    B, T, H, H_kv, D = 1, 19, 8, 2, 64
+    q, k, v = (torch.randn(B, T, h, D, generator=g) for h in (H, H_kv, H_kv))
+    idx = torch.arange(T).expand(T, T).clone()
+    idx = torch.where(idx <= torch.arange(T)[:, None], idx, -1)[None].to(torch.int32)
+    out, lse = sparse_attention(q, k, v, idx, backend="triton")
+    ref, ref_lse = dense_attention_naive(q, k, v, visible_mask(B, T, T))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("nsplit", [None, 1, 3])
+def test_sparse_decode_matches_reference(nsplit):
+    g = torch.Generator().manual_seed(7)
+    B, H, H_kv, D, S_max, K = 3, 8, 2, 64, 50, 70
+    q = torch.randn(B, H, D, generator=g)
+    kc, vc = torch.randn(B, S_max, H_kv, D, generator=g), torch.randn(B, S_max, H_kv, D, generator=g)
+    lengths = [50, 17, 1]  # rows of different lengths: indices name only filled slots
+    idx = torch.full((B, K), -1, dtype=torch.int32)
+    for b, n in enumerate(lengths):
+        sel = torch.randperm(n, generator=g)[:40]
+        idx[b, :len(sel)] = sel.to(torch.int32)
+    out, lse = sa.sparse_decode(q, kc, vc, idx, nsplit=nsplit)
+    ro, rl = sparse_attention_naive(q[:, None], kc, vc, idx[:, None])
+    torch.testing.assert_close(out, ro[:, 0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, rl[:, 0], atol=1e-5, rtol=1e-5)
+    # public entry point, forced backend
+    out2, _ = sparse_decode(q, kc, vc, idx, backend="triton")
+    torch.testing.assert_close(out2, ro[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_environment_variable_selects_the_kernel(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, 5, 2, 16, generator=g), torch.randn(1, 9, 1, 16, generator=g), torch.randn(1, 9, 1, 16, generator=g)
+    idx = _indices(1, 5, 9, 4, g, drop=0.0)
+    with mock.patch.object(sa, "_fwd", wraps=sa._fwd) as spy:
+        monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
+        out, _ = sparse_attention(q, k, v, idx)  # backend "auto" defers to the variable
+        assert spy.call_count == 1
+        monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
+        ref, _ = sparse_attention(q, k, v, idx)
+        assert spy.call_count == 1
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.float64, 16), (torch.float32, 256)])
+def test_unsupported_shapes_fall_back_to_the_reference(dtype, D):
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 2, D, generator=g).to(dtype)
+    k, v = (torch.randn(1, 6, 1, D, generator=g).to(dtype) for _ in range(2))
+    idx = _indices(1, 4, 6, 3, g, drop=0.0)
+    with mock.patch.object(sa, "_fwd", wraps=sa._fwd) as spy:
+        out, lse = sparse_attention(q, k, v, idx, backend="triton")
+        assert spy.call_count == 0
+    ref, ref_lse = sparse_attention_naive(q, k, v, idx)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+def _score_values(sc, ix):
+    """Reference scores at the chosen indices, sorted: equal for any two valid top-k choices."""
+    got = torch.gather(sc, 2, ix.clamp(min=0).long())
+    return torch.where(ix >= 0, got, torch.full_like(got, -1e30)).sort(-1).values
+
+
+@pytest.mark.parametrize("sink,window,topk,budget,impl", [
+    (0, 0, 9, None, "torch"), (2, 3, 16, 4 * 2 * 50 * 5, "torch"), (1, 1, 200, None, "torch"),
+    (2, 3, 16, 4 * 2 * 50 * 7, "radix"),
+])
+def test_indexer_topk_matches_reference(sink, window, topk, budget, impl):
+    g = torch.Generator().manual_seed(topk + sink)
+    B, T, S, HI, DI = 2, 21, 50, 3, 16
+    q_off = S - T
+    qi, w, ki = torch.randn(B, T, HI, DI, generator=g), torch.randn(B, T, HI, generator=g), torch.randn(B, S, DI, generator=g)
+    kvs = torch.tensor([0, 13])
+    got = it.indexer_topk(qi, w, ki, topk, q_offset=q_off, sink=sink, window=window, kv_start=kvs,
+                          budget_bytes=budget, topk_impl=impl)
+    ref = indexer_topk_naive(qi, w, ki, topk, q_offset=q_off, sink=sink, window=window, kv_start=kvs)
+    assert got.dtype == torch.int32 and got.shape == ref.shape
+    assert torch.equal(got >= 0, ref >= 0)
+    sc = indexer_scores_naive(qi.double(), w.double(), ki.double(), q_offset=q_off, kv_start=kvs)
+    # forced keys first: mark them +inf as the selection does
+    pos = torch.arange(T)[None, :, None] + q_off
+    s = torch.arange(S)[None, None]
+    st = kvs.view(B, 1, 1)
+    forced = (s >= st) & (s <= pos) & ((s < st + sink) | (s > pos - window))
+    sc = sc.masked_fill(forced, float("inf"))
+    assert torch.equal(_score_values(sc, got), _score_values(sc, ref))  # ReLU ties (score 0) may pick other keys
+    valid = got[got >= 0]
+    rows = got.clone()
+    rows[rows < 0] = torch.iinfo(torch.int32).max
+    assert torch.equal(rows, rows.sort(-1).values) and valid.numel() > 0  # ascending, -1 at the end
+    # public entry point with the kernel forced
+    got2 = indexer_topk(qi, w, ki, topk, q_offset=q_off, sink=sink, window=window, kv_start=kvs, backend="triton")
+    assert torch.equal(_score_values(sc, got2), _score_values(sc, ref))
+
+
+def test_radix_topk_exact_with_ties_infinities_and_short_rows():
+    g = torch.Generator().manual_seed(3)
+    B, Tc, Sc, K = 2, 4, 150, 20
+    s = torch.randn(B, Tc, Sc, generator=g)
+    s[0, 0, :5] = float("inf")  # forced keys
+    s[:, :, 30:40] = 0.25  # exact ties straddling the threshold
+    s[0, 1, 12:] = float("-inf")  # fewer than K visible
+    s[1, 2] = -s[1, 2].abs() * 1e3  # all negative
+    s[1, 3, :] = s[1, 3, :].round()  # many ties
+    got = radix_topk(s, K)
+    vals = torch.topk(s, K, -1).values
+    for b in range(B):
+        for t in range(Tc):
+            row = got[b, t]
+            sel = row[row >= 0]
+            assert torch.equal(sel, sel.sort().values) and torch.all(row[len(sel):] == -1)
+            want = vals[b, t][vals[b, t] > float("-inf")]
+            assert torch.equal(s[b, t, sel.long()].sort(descending=True).values, want)
+    # q_lim: row t reads only columns <= q_lim + t
+    lim = radix_topk(s, K, q_lim=10)
+    for t in range(Tc):
+        assert int(lim[1, t].max()) <= 10 + t
+
+
+@pytest.mark.parametrize("bs,kb,sink_b,recent_b,H,H_kv,D", [
+    (4, 3, 1, 1, 4, 4, 64), (5, 4, 1, 2, 8, 2, 128), (3, 50, 1, 2, 7, 1, 64), (16, 3, 1, 2, 4, 2, 16),
+])
+def test_block_select_matches_reference(bs, kb, sink_b, recent_b, H, H_kv, D):
+    g = torch.Generator().manual_seed(bs * kb)
+    B, T, S = 2, 29, 41
+    q = torch.randn(B, H, T, D, generator=g).transpose(1, 2)
+    k = torch.randn(B, S, H_kv, D, generator=g)
+    kvs = torch.tensor([0, 7])
+    kw = dict(q_offset=S - T, sink_blocks=sink_b, recent_blocks=recent_b, kv_start=kvs)
+    got = block_select(q, k, bs, kb, backend="triton", **kw)
+    ref = block_select_naive(q, k, bs, kb, **kw)
+    assert torch.equal(got, ref)
+
+
+def test_model_sparse_full_topk_equals_dense_with_triton_backend(tmp_path):
+    """The model-level contract with the kernels: a sparse model with k >= L is the dense model."""
+    from sparse_rl.modelinit import ModelInitConfig, init_model
+    from sparse_rl.sparse.config import SparseConfig
+    from sparse_rl.sparse.convert import ConvertConfig, convert
+    from sparse_rl.sparse.loader import load_model, set_attention
+
+    L = 13
+    init_model(tmp_path / "dense", ModelInitConfig(arch="llama", size="tiny", seed=1))
+    sc = SparseConfig(topk=L + 3, index_heads=2, index_dim=16, rope_dim=8, sink=1, window=2, dense_layers=[0])
+    convert(tmp_path / "dense", tmp_path / "sparse", ConvertConfig(sparse=sc, seed=3))
+    model = load_model(tmp_path / "sparse", attention="sparse")
+    set_attention(model, "sparse", backend="triton")
+    ids = torch.randint(5, 500, (2, L), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with mock.patch.object(sa, "_fwd", wraps=sa._fwd) as spy, torch.no_grad():
+        sparse = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        assert spy.call_count > 0  # the kernel ran
+    set_attention(model, "dense")
+    with torch.no_grad():
+        dense = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    valid = mask.bool()
+    torch.testing.assert_close(sparse[valid], dense[valid], atol=1e-4, rtol=1e-4)
+
+
+def test_cli_bench_attention_and_decode_write_json_and_table(tmp_path):
+    from typer.testing import CliRunner
+
+    from sparse_rl.cli.main import app
+
+    small = ["--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--topk", "8", "--index-heads", "1",
+             "--index-dim", "16", "--device", "cpu"]
+    out = tmp_path / "att.json"
+    res = CliRunner().invoke(app, ["bench", "attention", "--seqlens", "24", "--backward-seqlens", "24",
+                                   "--out", str(out), *small])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    row = data["rows"][0]
+    assert row["seqlen"] == 24 and row["sparse_attn_ms"] > 0 and row["sparse_fwdbwd_ms"] > 0
+    assert "| 24 |" in res.stdout and data["markdown"].startswith("### Sparse prefill")
+    out = tmp_path / "dec.json"
+    res = CliRunner().invoke(app, ["bench", "decode", "--contexts", "40", "--batch", "2", "--dtype", "float32", "--out", str(out),
+                                   *small])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["rows"][0]["context"] == 40 and data["checks"][0]["out_rel_err"] < 1e-5
+    res = CliRunner().invoke(app, ["bench", "attention", "--seqlens", "12,x", *small])
+    assert res.exit_code == 2 and "--seqlens" in res.output
+
+
+def test_scale_argument_is_used():
+    g = torch.Generator().manual_seed(9)
+    q, k, v = torch.randn(1, 4, 2, 16, generator=g), torch.randn(1, 6, 2, 16, generator=g), torch.randn(1, 6, 2, 16, generator=g)
+    idx = _indices(1, 4, 6, 6, g, drop=0.0)
+    out, lse = sparse_attention(q, k, v, idx, scale=0.3, backend="triton")
+    ref, rl = sparse_attention_naive(q, k, v, idx, 0.3)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert not math.isclose(0.3, 1 / math.sqrt(16))
