@@ -141,6 +141,43 @@ def test_write_outside_blocked(world_writable_dir, code, layer):
     assert victim.read_text() == "original" and sorted(p.name for p in tmp_path.iterdir()) == ["victim.txt"]
 
 
+@pytest.mark.parametrize("code", [
+    # monkeypatching the path helpers does not fool the guard (it resolves with captured C functions)
+    "import os, os.path\nos.path.realpath = lambda p: os.getcwd()\nos.lstat = None\nopen({target!r}, 'w').write('pwned')",
+    # a directory fd outside would anchor dir_fd calls the open event cannot show
+    "import os\nfd = os.open({tdir!r}, os.O_RDONLY)\nos.open('victim.txt', os.O_WRONLY | os.O_TRUNC, dir_fd=fd)",
+    "import os\nos.makedirs('a/b/c')\nfd = os.open('.', os.O_RDONLY)\nos.chdir('a/b/c')\n"
+    "os.open('../../../../' + {target!r}.rsplit('/', 1)[1], os.O_WRONLY | os.O_TRUNC, dir_fd=fd)",
+    # a relative symlink that is fine where it is created, then moved so that it points out
+    "import os\nos.makedirs('a/b')\nos.symlink('../../x', 'a/b/l')\nos.rename('a/b/l', 'l')",
+    # a path-like object (CPython converts it once, before the audit event)
+    "class P:\n    def __fspath__(self):\n        return {target!r}\nopen(P(), 'w').write('pwned')",
+    # changing a file's mode through an fd opened for reading
+    "import os\nfd = os.open({target!r}, os.O_RDONLY)\nos.chmod(fd, 0o777)",
+    # digging the hook out of the heap
+    "import gc\n[f for f in gc.get_objects() if getattr(f, '__name__', '') == 'hook']",
+    "import os\nos.chdir({tdir!r})\nopen('victim.txt', 'w').write('pwned')",
+])
+def test_guard_resists_bypasses(world_writable_dir, code):
+    victim = world_writable_dir / "victim.txt"
+    victim.write_text("original")
+    victim.chmod(0o644)
+    r = run_python(code.format(target=str(victim), tdir=str(world_writable_dir)), LIM)
+    assert r.status == "blocked" and "PermissionError: sandbox:" in r.stderr, (r.status, r.stderr)
+    assert victim.read_text() == "original" and oct(victim.stat().st_mode & 0o777) == "0o644"
+    assert sorted(p.name for p in world_writable_dir.iterdir()) == ["victim.txt"]
+
+
+def test_guard_allows_ordinary_code():
+    code = ("import os, json, pathlib, shutil, csv\nos.makedirs('a/b')\npathlib.Path('a/b/x.json').write_text(json.dumps([1]))\n"
+            "shutil.copyfile('a/b/x.json', 'y.json')\nos.rename('y.json', 'z.json')\nos.symlink('z.json', 'l')\n"
+            "print(open('l').read(), sorted(os.listdir('.')), len(open('/etc/hostname').read()) >= 0)\n"
+            "shutil.rmtree('a')\nos.remove('l')")
+    r = run_python(code, LIM)
+    assert r.status == "ok", r.stderr
+    assert r.stdout.strip() == "[1] ['a', 'l', 'z.json'] True"
+
+
 def test_network_cut():
     code = "import socket\ns = socket.socket()\ns.settimeout(1)\ns.connect(('10.255.255.1', 80))\n"
     r = run_python(code, LIM)
