@@ -39,6 +39,7 @@ class KLStats:
     kl: torch.Tensor
     recall: torch.Tensor | None
     n: int
+    oracle: torch.Tensor | None = None  # recall of the best possible K keys (top-K of the target itself)
 
 
 def auto_chunk(B: int, width: int, S: int, device: torch.device, budget: int | None = None) -> int:
@@ -131,7 +132,7 @@ class _Leaves:
 def warmup_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, *,
               scale: float, indices: torch.Tensor | None = None, q_offset: int = 0,
               kv_start: torch.Tensor | None = None, chunk: int | None = None,
-              grad_scale: float | None = None) -> KLStats:
+              grad_scale: float | None = None, oracle: bool = False) -> KLStats:
     """Dense warm-up loss of one layer: sum over queries of KL(dense target || softmax(indexer)).
 
     Args:
@@ -141,6 +142,8 @@ def warmup_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Te
         chunk: queries per chunk (default: from a memory budget, see `auto_chunk`).
         grad_scale: if set (and the indexer outputs require grad), back-propagate
             `grad_scale * KL-sum` into the indexer chunk by chunk, before returning.
+        oracle: with `indices`, also sum the recall of the K keys of highest target mass (the
+            ceiling for any selection of K keys).
     Returns:
         KLStats with the KL sum, the recall sum (or None) and the number of queries with a key.
     """
@@ -150,6 +153,7 @@ def warmup_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Te
     qi, wi, ki = lv.leaves
     kl_sum = torch.zeros((), dtype=torch.float64, device=q.device)
     rec_sum = torch.zeros((), dtype=torch.float64, device=q.device) if indices is not None else None
+    orc_sum = torch.zeros((), dtype=torch.float64, device=q.device) if indices is not None and oracle else None
     n = 0
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
@@ -163,12 +167,14 @@ def warmup_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Te
                 idx = indices[:, t0:t1].long()
                 got = p.gather(-1, idx.clamp(0, Sc - 1)) * (idx >= 0)
                 rec_sum += (got.sum(-1) * has).sum().double()
+                if orc_sum is not None:
+                    orc_sum += p.topk(min(indices.shape[-1], Sc), -1).values.sum().double()
         scores = indexer_scores(qi[:, t0:t1], wi[:, t0:t1], ki[:, :Sc], q_offset=q_offset, kv_start=kv_start, t0=t0)
         kl = _kl_rows(p, scores, vis).sum()
         kl_sum += kl.detach().double()
         lv.backward_chunk(kl * grad_scale if grad_scale is not None else kl)
     lv.finish()
-    return KLStats(kl_sum, rec_sum, n)
+    return KLStats(kl_sum, rec_sum, n, orc_sum)
 
 
 def selected_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor,

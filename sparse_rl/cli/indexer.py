@@ -1,0 +1,70 @@
+"""`sparse-rl indexer train`: dense warm-up of the lightning indexers, then optional sparse training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from sparse_rl.cli.common import cli_errors, console
+
+app = typer.Typer(no_args_is_help=True, help="Train the lightning indexers of a sparse model dir.")
+
+
+@app.command("train")
+def train(
+    model: Optional[Path] = typer.Argument(None, metavar="MODEL", help="Sparse model dir (from `sparse-rl convert`)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output sparse model dir."),
+    run_dir: Optional[Path] = typer.Option(None, help="Run dir: config, metrics.jsonl, checkpoints [default: OUT.run]"),
+    data: Optional[str] = typer.Option(None, help=".jsonl (text|messages), .txt, a datasets dir, or 'synthetic' [default: synthetic]"),
+    stage: Optional[str] = typer.Option(None, help="warmup (dense, indexers only) | sparse (LM loss + selected-set KL) [default: warmup]"),
+    seq_len: Optional[int] = typer.Option(None, help="Tokens per packed row [default: 1024]"),
+    batch_size: Optional[int] = typer.Option(None, help="Rows per process per step [default: 1]"),
+    steps: Optional[int] = typer.Option(None, help="Optimizer steps [default: 200]"),
+    lr: Optional[float] = typer.Option(None, help="Indexer learning rate [default: 1e-3]"),
+    model_lr: Optional[float] = typer.Option(None, help="Model / LoRA learning rate, sparse stage [default: 2e-5]"),
+    lr_warmup: Optional[int] = typer.Option(None, help="Linear LR warm-up steps before cosine decay [default: 0]"),
+    finetune: Optional[str] = typer.Option(None, help="Sparse stage: full | lora [default: full]"),
+    lora_r: Optional[int] = typer.Option(None, help="LoRA rank [default: 16]"),
+    topk: Optional[int] = typer.Option(None, help="Override the model's top-k (saved into OUT)"),
+    chunk_size: Optional[int] = typer.Option(None, help="Queries per KL chunk, 0 = from a memory budget [default: 0]"),
+    synthetic_rows: Optional[int] = typer.Option(None, help="Rows generated for --data synthetic [default: 256]"),
+    grad_clip: Optional[float] = typer.Option(None, help="Gradient-norm clip per parameter group, 0 = off [default: 1.0]"),
+    seed: Optional[int] = typer.Option(None, help="Seed for data order and synthetic text [default: 0]"),
+    log_every: Optional[int] = typer.Option(None, help="Metrics line every N steps [default: 1]"),
+    save_every: Optional[int] = typer.Option(None, help="Checkpoint every N steps [default: 100]"),
+    keep_checkpoints: Optional[int] = typer.Option(None, help="Newest checkpoints kept, 0 = all [default: 2]"),
+    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda[:N] [default: auto]"),
+    dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 [default: auto]"),
+    backend: Optional[str] = typer.Option(None, help="Sparse ops: auto | torch | triton [default: auto]"),
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML recipe (flags override it)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the run dir's last checkpoint."),
+    force: bool = typer.Option(False, "--force", help="Overwrite OUT and start the run dir over."),
+) -> None:
+    """Train the indexers: stage warmup (KL to dense attention), or stage sparse (LM loss, sparse model).
+
+    Prints a JSON summary on stdout; progress goes to stderr; metrics to RUN_DIR/metrics.jsonl.
+    Multi-GPU: `accelerate launch --num_processes N -m sparse_rl.cli.main indexer train ...`.
+    """
+    with cli_errors():
+        from sparse_rl.config import load_config
+        from sparse_rl.sparse.train.trainer import IndexerTrainConfig, run
+
+        overrides = dict(model=str(model) if model else None, out=str(out) if out else None,
+                         run_dir=str(run_dir) if run_dir else None, data=data, stage=stage, seq_len=seq_len,
+                         batch_size=batch_size, steps=steps, lr=lr, model_lr=model_lr, lr_warmup=lr_warmup,
+                         finetune=finetune, lora_r=lora_r, topk=topk, chunk_size=chunk_size, seed=seed,
+                         synthetic_rows=synthetic_rows, grad_clip=grad_clip, log_every=log_every,
+                         save_every=save_every, keep_checkpoints=keep_checkpoints, device=device, dtype=dtype, backend=backend)
+        cfg = load_config(IndexerTrainConfig, config, overrides)
+        summary = run(cfg, resume=resume, force=force, console=console)
+        from accelerate import PartialState
+
+        if PartialState().is_main_process:
+            last = summary["last"]
+            recall = last.get("attn_recall")
+            console.print(f"[green]wrote[/] {summary['out']}  ({summary['steps']} steps, kl {last.get('kl', float('nan')):.4f}"
+                          + (f", attn_recall {recall:.3f}" if recall is not None else "") + ")")
+            typer.echo(json.dumps(summary))

@@ -1,0 +1,580 @@
+"""The `sparse-rl indexer train` loop: dense warm-up, then (optionally) sparse-mode training.
+
+Stage `warmup`: the model runs dense under `no_grad` and is frozen; only the indexers train, on
+`warmup_kl` (KL to the head-summed dense attention over all causal keys). The dense queries and
+keys are taken where they already exist: during the step the model's attention implementation is
+switched to "sparse_rl_capture", a thin registered function that hands (q, k) after RoPE/GQA
+projection, plus the layer input the patch's pre-hook stashed, to a callback and then delegates to
+the normal "sparse_rl" function (so the forward itself is unchanged). The callback runs the indexer
+with gradients and back-propagates each layer's loss immediately, chunk by chunk, so nothing of a
+layer outlives its attention call: peak memory is the frozen forward plus one chunk's block.
+The LM head is skipped (the decoder stack alone runs): its logits are not needed.
+
+Stage `sparse`: the model runs sparse and trains on the LM loss (all weights, or a LoRA adapter
+through peft); the patch's `recorder` hook hands each layer's selected indices and sparse
+log-sum-exp to a callback that trains the indexer on `selected_kl` (KL over the selected set),
+again back-propagated on the spot. The indexer's inputs are detached and it selects under
+`no_grad`, so the two losses never share a gradient path.
+
+Data parallel: processes are started by `accelerate launch` (or run alone); every process takes its
+rows of the global batch, and the gradients of the trainable parameters are averaged with one
+all-reduce per step before the optimizer steps (the per-layer backward inside the forward is
+incompatible with the DistributedDataParallel wrapper's reducer, which expects one backward after
+the forward). Rank 0 writes metrics, checkpoints and the output model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sparse_rl.errors import SparseRLError, UsageError
+
+STAGES = ("warmup", "sparse")
+FINETUNE = ("full", "lora")
+CAPTURE = "sparse_rl_capture"
+# Config keys that must not change when a run is resumed.
+FIXED_ON_RESUME = ("model", "data", "stage", "seq_len", "seed", "finetune", "lora_r", "lora_alpha", "lora_targets",
+                   "topk", "synthetic_rows", "dtype")
+
+
+@dataclass
+class IndexerTrainConfig:
+    """`sparse-rl indexer train` options (YAML recipe keys = flag names with underscores).
+
+    model / out / run_dir: input sparse model dir, output sparse model dir, run dir (config.yaml,
+        metrics.jsonl, checkpoints/; default "<out>.run").
+    data: a .jsonl (text | messages), a .txt, a `datasets` save_to_disk directory, or "synthetic".
+    stage: "warmup" (dense, frozen model, indexers only) | "sparse" (sparse model on the LM loss,
+        indexers on the selected-set KL).
+    seq_len / batch_size: packed row length; rows per process per step.
+    lr: indexer learning rate; model_lr: model (or LoRA) learning rate in the sparse stage.
+    lr_warmup / min_lr_ratio: linear LR warm-up steps, then cosine decay to min_lr_ratio * lr.
+    finetune: sparse stage: "full" (all weights) | "lora" (peft adapter on lora_targets, merged at the end).
+    topk: override the model's top-k (saved into the output's sparse_config.json).
+    chunk_size: queries per loss chunk (0 = from a memory budget).
+    synthetic_rows: rows generated for data=synthetic.
+    """
+
+    model: str = ""
+    out: str = ""
+    run_dir: str = ""
+    data: str = "synthetic"
+    stage: str = "warmup"
+    seq_len: int = 1024
+    batch_size: int = 1
+    steps: int = 200
+    lr: float = 1e-3
+    model_lr: float = 2e-5
+    lr_warmup: int = 0
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    finetune: str = "full"
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    topk: int | None = None
+    chunk_size: int = 0
+    synthetic_rows: int = 256
+    seed: int = 0
+    log_every: int = 1
+    save_every: int = 100
+    keep_checkpoints: int = 2
+    device: str = "auto"
+    dtype: str = "auto"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        if self.stage not in STAGES:
+            raise UsageError(f"--stage {self.stage}: expected warmup or sparse")
+        if self.finetune not in FINETUNE:
+            raise UsageError(f"--finetune {self.finetune}: expected full or lora")
+        for name in ("seq_len", "batch_size", "steps", "log_every", "save_every", "synthetic_rows", "lora_r"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
+        for name in ("lr", "model_lr", "weight_decay", "grad_clip", "lr_warmup", "chunk_size", "keep_checkpoints"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise UsageError(f"--min-lr-ratio {self.min_lr_ratio}: must be in [0, 1]")
+        if self.topk is not None and self.topk < 1:
+            raise UsageError(f"--topk must be >= 1 (got {self.topk})")
+
+
+# ---------------------------------------------------------------------------------------------
+# hooks into the attention layers
+
+
+def _capture_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """Registered as "sparse_rl_capture": report (q, k) to the module's callback, then run the
+    normal "sparse_rl" attention. query `[B, H, T, D]`, key `[B, H_kv, S, D]` after RoPE."""
+    from sparse_rl.sparse.patch import sparse_rl_attention
+
+    fn = module.__dict__.get("_srl_capture")
+    stash = module.__dict__.get("_srl_ctx")
+    if fn is not None and stash is not None:
+        fn(module, query, key, stash)
+    return sparse_rl_attention(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+_capture_registered = False
+
+
+def _register_capture() -> None:
+    global _capture_registered
+    if _capture_registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from sparse_rl.sparse.patch import register
+
+    register()
+    AttentionInterface.register(CAPTURE, _capture_attention)
+    AttentionMaskInterface.register(CAPTURE, sdpa_mask)
+    _capture_registered = True
+
+
+@contextlib.contextmanager
+def capture_dense(model, fn):
+    """While active, `fn(module, query, key, (hidden, position_embeddings, cache))` runs in every
+    layer that has an indexer, on each forward (dense mode included)."""
+    _register_capture()
+    configs = {id(m.config): m.config for m in model.modules()
+               if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}
+    old = {k: c._attn_implementation for k, c in configs.items()}
+    mods = [m for m in indexed_attention(model)]
+    try:
+        for c in configs.values():
+            c._attn_implementation = CAPTURE
+        for m in mods:
+            m._srl_capture = fn
+        yield
+    finally:
+        for k, c in configs.items():
+            c._attn_implementation = old[k]
+        for m in mods:
+            m.__dict__.pop("_srl_capture", None)
+
+
+@contextlib.contextmanager
+def recording(model, fn):
+    """Set the patch's sparse-mode `recorder` hook on every indexed layer while active."""
+    mods = indexed_attention(model)
+    try:
+        for m in mods:
+            m.srl.recorder = fn
+        yield
+    finally:
+        for m in mods:
+            m.srl.recorder = None
+
+
+def indexed_attention(model) -> list:
+    """The attention modules that carry a trainable indexer (non-dense layers)."""
+    from sparse_rl.sparse.patch import decoder_layers
+
+    return [layer.self_attn for layer in decoder_layers(model)
+            if getattr(layer.self_attn, "indexer", None) is not None and not layer.self_attn.srl.dense_layer]
+
+
+# ---------------------------------------------------------------------------------------------
+# one training step
+
+
+class StepStats:
+    """Sums of the per-layer KL / recall over one step (divided by query counts at the end)."""
+
+    def __init__(self, device):
+        self.v = torch.zeros(5, dtype=torch.float64, device=device)  # kl, n_kl, recall, n_recall, lm_loss
+
+    def add(self, st) -> None:
+        self.v[0] += st.kl
+        self.v[1] += st.n
+        if st.recall is not None:
+            self.v[2] += st.recall
+            self.v[3] += st.n
+
+
+def warmup_forward(model, ids: torch.Tensor, cfg: IndexerTrainConfig, stats: StepStats, grad_scale: float) -> None:
+    """Dense frozen forward of the decoder stack; each indexed layer trains its indexer on `warmup_kl`."""
+    from sparse_rl.sparse.ops import indexer_topk
+    from sparse_rl.sparse.train.kl import warmup_kl
+
+    def on_layer(module, query, key, stash):
+        h, pe, _ = stash
+        sc = module.srl.cfg
+        with torch.enable_grad():
+            q_i, w, k_i = module.indexer(h.detach(), pe[0].detach(), pe[1].detach())
+        q_offset = key.shape[2] - query.shape[2]
+        with torch.no_grad():
+            idx = indexer_topk(q_i.detach(), w.detach(), k_i.detach(), sc.topk, q_offset=q_offset, sink=sc.sink,
+                               window=sc.window, backend=module.srl.backend)
+        with torch.enable_grad():
+            st = warmup_kl(query.detach(), key.detach(), q_i, w, k_i, scale=module.scaling, indices=idx,
+                           q_offset=q_offset, chunk=cfg.chunk_size or None, grad_scale=grad_scale)
+        stats.add(st)
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with capture_dense(model, on_layer), torch.no_grad():
+        base.get_decoder()(input_ids=ids, use_cache=False)
+
+
+def sparse_forward(model, ids: torch.Tensor, cfg: IndexerTrainConfig, stats: StepStats, grad_scale: float,
+                   measure_recall: bool) -> torch.Tensor:
+    """Sparse forward + LM loss (returned, not yet back-propagated); each indexed layer trains its
+    indexer on `selected_kl` from the recorder hook."""
+    from sparse_rl.sparse.train.kl import dense_lse, selected_kl
+
+    def recorder(module, hidden, position_embeddings, query, key, indices, kv_start, lse):
+        q, k = query.detach(), key.detach()
+        q_offset = k.shape[2] - q.shape[2]
+        with torch.enable_grad():
+            q_i, w, k_i = module.indexer(hidden.detach(), *(x.detach() for x in position_embeddings))
+            lse_d = (dense_lse(q, k, module.scaling, q_offset=q_offset, kv_start=kv_start,
+                               chunk=cfg.chunk_size or None) if measure_recall else None)
+            st = selected_kl(q, k, q_i, w, k_i, indices, lse.detach(), scale=module.scaling, lse_dense=lse_d,
+                             chunk=cfg.chunk_size or None, grad_scale=grad_scale)
+        stats.add(st)
+
+    with recording(model, recorder):
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+    return out.loss
+
+
+@torch.no_grad()
+def evaluate(model, rows: torch.Tensor, *, chunk: int | None = None, lm_loss: bool = True) -> dict:
+    """Indexer quality on token rows `[N, L]` (one row at a time, model left in dense mode).
+
+    Returns mean `kl` (warm-up KL to the dense target), `attn_recall` (dense attention mass inside
+    the indexer's selection: top-k + sinks + window), `oracle_recall` (the best any k keys could
+    reach: the target's own top-k), per layer and averaged over layers and queries; with `lm_loss`,
+    the LM loss of the same rows in dense and in sparse mode.
+    """
+    from sparse_rl.sparse.loader import get_attention, set_attention
+    from sparse_rl.sparse.ops import indexer_topk
+    from sparse_rl.sparse.train.kl import warmup_kl
+
+    was = get_attention(model)
+    set_attention(model, "dense")
+    per_layer: dict[int, torch.Tensor] = {}
+
+    def on_layer(module, query, key, stash):
+        h, pe, _ = stash
+        sc = module.srl.cfg
+        q_i, w, k_i = module.indexer(h, *pe)
+        q_offset = key.shape[2] - query.shape[2]
+        idx = indexer_topk(q_i, w, k_i, sc.topk, q_offset=q_offset, sink=sc.sink, window=sc.window,
+                           backend=module.srl.backend)
+        st = warmup_kl(query, key, q_i, w, k_i, scale=module.scaling, indices=idx, q_offset=q_offset, chunk=chunk,
+                       oracle=True)
+        acc = per_layer.setdefault(module.layer_idx, torch.zeros(4, dtype=torch.float64, device=query.device))
+        acc += torch.stack([st.kl, st.recall, st.oracle, torch.tensor(float(st.n), dtype=torch.float64,
+                                                                         device=query.device)])
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    dense_loss, sparse_loss = [], []
+    for i in range(rows.shape[0]):
+        ids = rows[i:i + 1]
+        with capture_dense(model, on_layer):
+            base.get_decoder()(input_ids=ids, use_cache=False)
+        if lm_loss:
+            set_attention(model, "dense")
+            dense_loss.append(float(model(input_ids=ids, labels=ids, use_cache=False).loss))
+            set_attention(model, "sparse")
+            sparse_loss.append(float(model(input_ids=ids, labels=ids, use_cache=False).loss))
+            set_attention(model, "dense")
+    set_attention(model, was)
+    layers = {i: {"kl": float(v[0] / v[3]), "attn_recall": float(v[1] / v[3]), "oracle_recall": float(v[2] / v[3])}
+              for i, v in sorted(per_layer.items())}
+    out = {k: sum(x[k] for x in layers.values()) / len(layers) for k in ("kl", "attn_recall", "oracle_recall")}
+    out["layers"] = layers
+    if lm_loss:
+        out["lm_loss_dense"] = sum(dense_loss) / len(dense_loss)
+        out["lm_loss_sparse"] = sum(sparse_loss) / len(sparse_loss)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def _lr_lambda(cfg: IndexerTrainConfig):
+    def f(step: int) -> float:
+        if cfg.lr_warmup and step < cfg.lr_warmup:
+            return (step + 1) / cfg.lr_warmup
+        prog = (step - cfg.lr_warmup) / max(1, cfg.steps - cfg.lr_warmup)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, prog)))
+    return f
+
+
+def _all_reduce_grads(params: list[torch.Tensor], world: int) -> None:
+    """Average the gradients of `params` over the processes with one flat all-reduce."""
+    import torch.distributed as dist
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    off = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[off:off + n].view_as(p).to(p.dtype)
+        off += n
+
+
+def _state(cfg: IndexerTrainConfig):
+    """Process state from accelerate (single process when not launched by `accelerate launch`)."""
+    from accelerate import PartialState
+
+    from sparse_rl.cli.common import resolve_device
+
+    if cfg.device == "auto" or cfg.device == "cpu":
+        state = PartialState(cpu=cfg.device == "cpu")
+        dev = str(state.device)
+        return state, "cpu" if dev.startswith("cpu") else dev  # multi-process CPU reports "cpu:0"
+    device = resolve_device(cfg.device)
+    state = PartialState()
+    if state.num_processes > 1:
+        return state, str(state.device)  # one GPU per process, chosen by the launcher
+    return state, device
+
+
+def _prepare_run_dir(cfg: IndexerTrainConfig, run_dir: Path, resume: bool, force: bool):
+    """Validate the run dir against resume/force; returns the checkpoint to resume from (or None)."""
+    from sparse_rl.config import load_config, to_dict
+    from sparse_rl.sparse.train import checkpoint
+
+    ckpt = checkpoint.latest(run_dir) if resume else None
+    if ckpt is not None:
+        saved_file = run_dir / "config.yaml"
+        if saved_file.is_file():
+            saved = to_dict(load_config(IndexerTrainConfig, saved_file))
+            now = to_dict(cfg)
+            for key in FIXED_ON_RESUME:
+                if saved[key] != now[key]:
+                    raise UsageError(f"--resume: {key} is {now[key]!r} but the run in {run_dir} used {saved[key]!r} "
+                                     "(keep it, or start a new run dir)")
+        return ckpt
+    busy = run_dir.exists() and ((run_dir / "metrics.jsonl").exists() or checkpoint.list_checkpoints(run_dir))
+    if busy and not force:
+        raise UsageError(f"--run-dir {run_dir}: holds a run already (pass --resume to continue it or --force to "
+                         "start over)")
+    return None
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines past `step` (written after the checkpoint by an interrupted run)."""
+    import json
+
+    from sparse_rl.io import atomic_write_text
+
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by the interruption
+    atomic_write_text(path, "".join(x + "\n" for x in keep))
+
+
+def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, console=None) -> dict:
+    """Train the indexers (and, in the sparse stage, the model); write `cfg.out`. Returns a summary."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from sparse_rl.config import save_config
+    from sparse_rl.io import append_jsonl, atomic_dir, atomic_write_json
+    from sparse_rl.sparse.loader import check_model_dir, load_model, load_tokenizer, save_model, set_attention
+    from sparse_rl.sparse.config import SparseConfig
+    from sparse_rl.sparse.train import checkpoint
+    from sparse_rl.sparse.train.data import build_data
+
+    if not cfg.model:
+        raise UsageError("MODEL: give the sparse model dir to train (argument or 'model:' in the recipe)")
+    if not cfg.out:
+        raise UsageError("--out: give the output model dir (flag or 'out:' in the recipe)")
+    out = Path(cfg.out)
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else out.with_name(out.name + ".run")
+    check_model_dir(cfg.model, "MODEL")
+    sc = SparseConfig.load(cfg.model)
+    if sc is None:
+        raise SparseRLError(f"MODEL {cfg.model}: not a sparse model dir (run `sparse-rl convert` first)")
+    if sc.selector != "indexer":
+        raise SparseRLError(f"MODEL {cfg.model}: its selector is '{sc.selector}', which has nothing to train "
+                            "(convert with --selector indexer)")
+    if out.exists() and not force:
+        raise UsageError(f"--out {out}: exists already (pass --force to overwrite)")
+    if cfg.topk is not None:
+        sc = dataclasses.replace(sc, topk=cfg.topk)  # re-validated (sink + window <= topk)
+
+    state, device = _state(cfg)
+    world, rank, main = state.num_processes, state.process_index, state.is_main_process
+    ckpt, err = None, None
+    if main:
+        try:
+            ckpt = _prepare_run_dir(cfg, run_dir, resume, force)
+        except SparseRLError as e:
+            err = e
+    if world > 1:  # rank 0 decides; every process stops on its error instead of hanging in a collective
+        import torch.distributed as dist
+
+        box = [(str(ckpt) if ckpt else None, None if err is None else (type(err).__name__, str(err)))]
+        dist.broadcast_object_list(box, src=0)
+        ckpt = Path(box[0][0]) if box[0][0] else None
+        if box[0][1] is not None and err is None:
+            kind, msg = box[0][1]
+            err = (UsageError if kind == "UsageError" else SparseRLError)(msg)
+    if err is not None:
+        raise err
+    if main and ckpt is None and run_dir.exists() and force:
+        shutil.rmtree(run_dir)
+    if device.startswith("cuda"):
+        torch.set_float32_matmul_precision("high")  # the KL target's fp32 matmuls run in tf32
+    torch.manual_seed(cfg.seed)
+
+    tokenizer = load_tokenizer(cfg.model)
+    data = build_data(cfg.data, tokenizer, cfg.seq_len, cfg.seed, cfg.synthetic_rows)
+    model = load_model(cfg.model, attention="dense", device=device, dtype=cfg.dtype, backend=cfg.backend)
+    for m in indexed_attention(model):
+        m.srl.cfg = sc
+    if not indexed_attention(model):
+        raise SparseRLError(f"MODEL {cfg.model}: every layer is dense (dense_layers); no indexer to train")
+    model.requires_grad_(False)
+    if cfg.stage == "sparse":
+        if cfg.finetune == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            try:
+                model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
+                                                         target_modules=list(cfg.lora_targets)))
+            except ValueError as e:
+                raise UsageError(f"--lora-targets {cfg.lora_targets}: {str(e).splitlines()[0][:160]}") from None
+        else:
+            model.requires_grad_(True)
+        set_attention(model, "sparse", cfg.backend)
+        model.train()
+    idx_params = [p for m in indexed_attention(model) for p in m.indexer.parameters()]
+    for p in idx_params:
+        p.requires_grad_(True)
+    idx_ids = {id(p) for p in idx_params}
+    model_params = [p for p in model.parameters() if p.requires_grad and id(p) not in idx_ids]
+    groups = [{"params": idx_params, "lr": cfg.lr}]
+    if model_params:
+        groups.append({"params": model_params, "lr": cfg.model_lr})
+    opt = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+    named_trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+    step, cursor = 0, 0
+    if ckpt is not None:
+        ck = checkpoint.load(ckpt, device)
+        missing = set(named_trainable) - set(ck["trainable"])
+        if missing:
+            raise SparseRLError(f"checkpoint {ckpt}: lacks {sorted(missing)[0]} (it was written by another setup)")
+        with torch.no_grad():
+            for n, p in named_trainable.items():
+                p.copy_(ck["trainable"][n])
+        opt.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
+        checkpoint.set_rng_state(ck["rng"])
+        step, cursor = int(ck["meta"]["step"]), int(ck["meta"]["cursor"])
+        if main:
+            _truncate_metrics(run_dir / "metrics.jsonl", step)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+
+    n_layers = len(indexed_attention(model))
+    B, L = cfg.batch_size, cfg.seq_len
+    grad_scale = 1.0 / (n_layers * B * L)  # the loss is the mean KL over layers and queries
+    metrics_file = run_dir / "metrics.jsonl"
+    last: dict = {}
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console,
+                        disable=not main or console is None, transient=False)
+    with progress:
+        task = progress.add_task(f"indexer {cfg.stage}", total=cfg.steps, completed=step, info="")
+        while step < cfg.steps:
+            t_start = time.perf_counter()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            rows = data.rows(cursor, B * world)[rank::world].to(device)
+            stats = StepStats(device)
+            log_now = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps
+            if cfg.stage == "warmup":
+                warmup_forward(model, rows, cfg, stats, grad_scale)
+            else:
+                loss = sparse_forward(model, rows, cfg, stats, grad_scale, measure_recall=log_now)
+                loss.backward()
+                stats.v[4] += loss.detach().double()
+            params = [p for p in model.parameters() if p.requires_grad]
+            if world > 1:
+                _all_reduce_grads(params, world)
+                import torch.distributed as dist
+
+                dist.all_reduce(stats.v)
+                stats.v[4] /= world
+            gnorm = {}
+            for name, group in (("indexer", idx_params), ("model", model_params)):
+                if group:
+                    gnorm[name] = float(torch.nn.utils.clip_grad_norm_(group, cfg.grad_clip or float("inf")))
+            lrs = [g["lr"] for g in opt.param_groups]
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            cursor += B * world
+            step += 1
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t_start
+            v = stats.v.tolist()
+            kl = v[0] / max(1.0, v[1])
+            rec = {"step": step, "stage": cfg.stage, "loss": kl if cfg.stage == "warmup" else v[4], "kl": kl,
+                   "attn_recall": (v[2] / v[3]) if v[3] else None, "lr": lrs[0], "tokens_per_s": B * world * L / dt,
+                   "step_time_s": dt, "grad_norm": gnorm.get("indexer")}
+            if cfg.stage == "sparse":
+                rec["lm_loss"], rec["model_lr"], rec["model_grad_norm"] = v[4], lrs[-1], gnorm.get("model")
+            if device.startswith("cuda"):
+                rec["max_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            last = rec
+            if main and log_now:
+                append_jsonl(metrics_file, rec)
+                recall = f" recall {rec['attn_recall']:.3f}" if rec["attn_recall"] is not None else ""
+                lm = f" lm {rec['lm_loss']:.3f}" if cfg.stage == "sparse" else ""
+                progress.update(task, info=f"kl {kl:.4f}{recall}{lm}")
+            progress.update(task, completed=step)
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                if main:
+                    checkpoint.save(run_dir, step, {n: p for n, p in named_trainable.items()}, opt, sched,
+                                    {"cursor": cursor, "stage": cfg.stage, "world": world, "time": time.time()},
+                                    keep=cfg.keep_checkpoints)
+                if world > 1:
+                    import torch.distributed as dist
+
+                    dist.barrier()
+
+    summary = {"out": str(out), "run_dir": str(run_dir), "stage": cfg.stage, "steps": step, "processes": world,
+               "topk": sc.topk, "sparse_layers": n_layers, "last": last}
+    if main:
+        if cfg.stage == "sparse" and cfg.finetune == "lora":
+            model = model.merge_and_unload()
+        set_attention(model, "dense")
+        with atomic_dir(out, force=force, flag="--out") as tmp:
+            save_model(model, tmp, tokenizer, sc)
+        atomic_write_json(run_dir / "summary.json", summary)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+    return summary
