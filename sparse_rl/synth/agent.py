@@ -131,10 +131,29 @@ class OpenAIChatPolicy:
             msg = data["choices"][0]["message"]
         except (KeyError, IndexError, TypeError):
             raise SparseRLError(f"--endpoint {self.url}: reply has no choices[0].message") from None
-        out = {"role": "assistant", "content": msg.get("content")}
-        if msg.get("tool_calls"):
-            out["tool_calls"] = msg["tool_calls"]
-        return out
+        return normalize_message(msg)
+
+
+def normalize_message(msg: dict) -> dict:
+    """Servers differ in small ways: content as a list of parts, arguments as an object rather than
+    JSON text, missing call ids or types. Bring a reply to the one form the loop and filters read;
+    anything that is not a tool call at all is left for the rule checks to reject."""
+    content = msg.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    out = {"role": "assistant", "content": content}
+    calls = []
+    for i, tc in enumerate(msg.get("tool_calls") or []):
+        if not isinstance(tc, dict) or not isinstance(tc.get("function"), dict):
+            calls.append(tc)
+            continue
+        fn = dict(tc["function"])
+        if isinstance(fn.get("arguments"), dict):
+            fn["arguments"] = json.dumps(fn["arguments"])
+        calls.append({"id": tc.get("id") or f"call_{i}", "type": tc.get("type") or "function", "function": fn})
+    if calls:
+        out["tool_calls"] = calls
+    return out
 
 
 def _observe(env, tc: dict) -> str:

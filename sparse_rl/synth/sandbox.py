@@ -25,14 +25,20 @@ What is enforced, and where (`run_python(...).enforced` reports the platform-dep
     - uid: as root the child drops to uid/gid 65534 (nobody), because Linux never applies
       RLIMIT_NPROC to uid 0; it then needs an interpreter that user can execute (we probe
       sys.executable, then python3 on PATH). `enforced["uid_drop"]` says whether it did.
-  in-process guard (a `sys.addaudithook` installed before the user code; hooks cannot be removed):
-    - writes, renames, deletes, symlinks and chmods outside the working directory raise
-      PermissionError (symlinks and `..` are resolved first) -> status "blocked";
-    - sockets (connect/bind/sendto/getaddrinfo) raise, for platforms without a network namespace;
-    - subprocess/exec/spawn/os.system and importing ctypes raise, so the guard cannot be bypassed by
-      a child program;
-    - os.fork is also blocked when RLIMIT_NPROC cannot bind (root without a uid to drop to).
-  The guard is a second layer, not a security boundary on its own; the kernel limits are.
+  in-process guard (a `sys.addaudithook` installed before the user code; hooks cannot be removed,
+  and this one lives in a closure, resolving paths with posix functions captured before the user
+  code runs, so monkeypatching os/os.path does not fool it):
+    - writes, renames, deletes, symlinks, chmods outside the working directory raise PermissionError
+      (symlinks resolved; dir_fd and fd arguments resolved through /proc/self/fd) -> "blocked";
+      also refused: '..' in relative paths given to open (the open event hides dir_fd), opening
+      directories outside, moving symlinks, gc heap introspection, sys.settrace/setprofile;
+    - sockets (connect/bind/sendto/getaddrinfo...) raise, for platforms without a network namespace;
+    - subprocess/exec/spawn/os.system and importing ctypes raise, so no child program or foreign
+      call escapes the guard;
+    - os.fork is also blocked when RLIMIT_NPROC cannot bind (root without a uid to drop to), and
+      the guard cannot be turned off there.
+  The guard is a second layer against model-written code, not a security boundary on its own;
+  the kernel mechanisms are.
   Not confined: reads (the child may read whatever its uid may read), CPU/memory of other
   processes (no cgroups), and, without a network namespace, raw syscalls that bypass Python's
   socket module. As root the interpreter is the first one uid 65534 can run (often the system

@@ -149,3 +149,16 @@ def test_message_from_text_for_local_models():
     assert F.rule_checks({"messages": [bad, {"role": "tool", "tool_call_id": "call_0", "content": "x"},
                                        {"role": "assistant", "content": "1"}]}, task["meta"]["tools"])["tool_names"] is False
     assert message_from_text("\\boxed{3}") == {"role": "assistant", "content": "\\boxed{3}"}
+
+
+def test_normalize_message_variants():
+    from sparse_rl.synth.agent import normalize_message
+
+    m = normalize_message({"role": "assistant", "content": [{"type": "text", "text": "hi"}],
+                           "tool_calls": [{"function": {"name": "list_dir", "arguments": {"path": "."}}}]})
+    assert m == {"role": "assistant", "content": "hi", "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": "list_dir", "arguments": '{"path": "."}'}}]}
+    task = _task()
+    traj = {"messages": [m, {"role": "tool", "tool_call_id": "call_0", "content": "x"},
+                         {"role": "assistant", "content": "\\boxed{1}"}]}
+    assert F.rule_checks(traj, task["meta"]["tools"]) == {"format": True, "tool_names": True, "tool_args": True}
