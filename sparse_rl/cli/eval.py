@@ -243,7 +243,8 @@ def fidelity_cmd(
     force: bool = typer.Option(False, "--force", help="Replace an existing --out dir."),
     config: Optional[Path] = _CONFIG,
 ) -> None:
-    """Sparse vs dense on the same tokens: KL by position, top-1 agreement, acceptance min(1, p/q)."""
+    """Sparse vs dense on the same tokens: KL by position, top-1 agreement, acceptance min(1, p/q),
+    per-layer attention recall of the selector."""
     with cli_errors():
         from sparse_rl.config import load_config
         from sparse_rl.eval.fidelity import FidelityConfig, run
@@ -254,10 +255,14 @@ def fidelity_cmd(
         from rich.table import Table
 
         table = Table(title=f"eval fidelity: {summary['records']} records, {summary['tokens']} tokens")
-        for col in ("positions", "tokens", "KL(dense||sparse)", "top-1 agree", "accept mean", "accept p5"):
+        for col in ("positions", "tokens", "KL(dense||sparse)", "top-1 agree", "accept mean", "accept p5",
+                    "attn recall"):
             table.add_column(col, justify="right")
         for b in summary["by_position"] + [{"from": "all", "to": "", **summary}]:
             table.add_row(f"{b['from']}-{b['to']}" if b["to"] != "" else "all", str(b["tokens"]), f"{b['kl']:.4g}",
-                          _fmt(b["top1_agreement"]), _fmt(b["acceptance_mean"]), _fmt(b["acceptance_p5"]))
+                          _fmt(b["top1_agreement"]), _fmt(b["acceptance_mean"]), _fmt(b["acceptance_p5"]),
+                          _fmt(b["attn_recall"]))
         console.print(table)
+        console.print("attention recall by layer: " + ", ".join(
+            f"{i}: {v:.4f}" for i, v in summary["attn_recall_by_layer"].items()))
         sys.stdout.write(json.dumps(summary) + "\n")

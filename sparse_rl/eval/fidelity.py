@@ -9,6 +9,10 @@ log-probs log q over the vocabulary:
   acceptance min(1, p(x_{t+1}) / q(x_{t+1})) of the actual next token: the probability a
              rejection step would keep a token the sparse model proposed; its 5th percentile
              shows the tail that mismatch corrections (TIS, masking) act on.
+  attn_recall per sparse layer and query: the share of the layer's dense attention mass (summed
+             over keys, averaged over heads) inside the keys the selector kept, i.e.
+             exp(lse_selected - lse_dense) from the patch's `recorder` hook; layers kept dense
+             are left out.
 Positions are grouped into power-of-two buckets of absolute position, because sparse attention
 only drops keys once a query has more predecessors than the top-k budget.
 
@@ -21,8 +25,8 @@ taken from `tokens` when it is a list of ids); only completion positions are sco
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 from sparse_rl.errors import SparseRLError, UsageError
@@ -72,10 +76,41 @@ def _sequences(records: list[dict], tokenizer, max_tokens: int, source: str):
         yield rid, ids, start
 
 
-def compare_sequence(model, input_ids, start: int = 0, chunk: int = 512) -> dict:
+@contextlib.contextmanager
+def _recall_hooks(model, start: int, sink: dict):
+    """While active, every sparse layer's forward puts its attention recall per query position
+    into `sink[layer_idx]` (`[T - 1 - start]`: positions start..T-2, as the token metrics; mean
+    over heads): the share of the layer's dense attention
+    mass that falls inside the selected keys, exp(lse_selected - lse_dense), from the log-sum-exps
+    the patch hands its `recorder` hook. Layers kept dense are not sparse and report nothing."""
+    from sparse_rl.sparse.patch import decoder_layers
+    from sparse_rl.sparse.train.kl import dense_lse
+
+    hooked = []
+    for i, layer in enumerate(decoder_layers(model)):
+        st = getattr(layer.self_attn, "srl", None)
+        if st is None or st.dense_layer:
+            continue
+
+        def rec(module, query, key, kv_start, lse, _i=i, **_):
+            # query [B, H, T, D], key [B, H_kv, S, D]; lse and the dense lse are [B, T, H]
+            lse_d = dense_lse(query, key, module.scaling, q_offset=key.shape[2] - query.shape[2], kv_start=kv_start)
+            sink[_i] = (lse.float() - lse_d).exp()[0, start:-1].mean(-1).cpu()
+
+        hooked.append((st, st.recorder))
+        st.recorder = rec
+    try:
+        yield
+    finally:
+        for st, prev in hooked:
+            st.recorder = prev
+
+
+def compare_sequence(model, input_ids, start: int = 0, chunk: int = 512, recall: bool = True) -> dict:
     """Dense-vs-sparse metrics at positions start..T-2 of one sequence `[T]`.
 
-    Returns float32 CPU tensors `pos, kl, top1, acceptance`, each `[T - 1 - start]`.
+    Returns float32 CPU tensors `pos, kl, top1, acceptance`, each `[T - 1 - start]`, and with
+    `recall` a dict `recall` {sparse layer index: `[T - 1 - start]` attention recall per position}.
     """
     import torch
 
@@ -83,11 +118,13 @@ def compare_sequence(model, input_ids, start: int = 0, chunk: int = 512) -> dict
 
     ids = torch.tensor([input_ids], device=model.device)
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    hidden = {}
+    hidden, recalls = {}, {}
     with torch.no_grad():
         for mode in ("dense", "sparse"):
             set_attention(model, mode)
-            hidden[mode] = decoder(input_ids=ids, use_cache=False).last_hidden_state[0]  # [T, D]
+            hooks = _recall_hooks(model, start, recalls) if (recall and mode == "sparse") else contextlib.nullcontext()
+            with hooks:
+                hidden[mode] = decoder(input_ids=ids, use_cache=False).last_hidden_state[0]  # [T, D]
         T = ids.shape[1]
         out = {k: [] for k in ("kl", "top1", "acceptance")}
         for a in range(start, T - 1, chunk):
@@ -101,14 +138,19 @@ def compare_sequence(model, input_ids, start: int = 0, chunk: int = 512) -> dict
             out["acceptance"].append(ratio.clamp(max=0.0).exp())
     res = {k: torch.cat(v).cpu() for k, v in out.items()}
     res["pos"] = torch.arange(start, T - 1, dtype=torch.float32)
+    if recall:
+        res["recall"] = recalls
     return res
 
 
-def _stats(kl, top1, acc) -> dict:
+def _stats(kl, top1, acc, recall=None) -> dict:
     import torch
 
-    return {"tokens": int(kl.numel()), "kl": float(kl.mean()), "top1_agreement": float(top1.mean()),
-            "acceptance_mean": float(acc.mean()), "acceptance_p5": float(torch.quantile(acc.double(), 0.05))}
+    out = {"tokens": int(kl.numel()), "kl": float(kl.mean()), "top1_agreement": float(top1.mean()),
+           "acceptance_mean": float(acc.mean()), "acceptance_p5": float(torch.quantile(acc.double(), 0.05))}
+    if recall is not None:
+        out["attn_recall"] = float(recall.mean())
+    return out
 
 
 def run(cfg: FidelityConfig, force: bool = False, progress: bool = True) -> dict:
@@ -143,14 +185,19 @@ def run(cfg: FidelityConfig, force: bool = False, progress: bool = True) -> dict
     from rich.console import Console
     from rich.progress import Progress
 
-    per, allm = [], {k: [] for k in ("pos", "kl", "top1", "acceptance")}
+    per, allm = [], {k: [] for k in ("pos", "kl", "top1", "acceptance", "recall")}
+    layer_recall: dict[int, list] = {}
     with Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar:
         job = bar.add_task("fidelity", total=len(seqs))
         for rid, ids, start in seqs:
             m = compare_sequence(model, ids, start, cfg.chunk)
+            for i, r in m["recall"].items():
+                layer_recall.setdefault(i, []).append(r)
+            m["recall"] = torch.stack(list(m["recall"].values())).mean(0)  # mean over sparse layers
             for k in allm:
                 allm[k].append(m[k])
-            per.append({"id": rid, "length": len(ids), "scored_from": start, **_stats(m["kl"], m["top1"], m["acceptance"])})
+            per.append({"id": rid, "length": len(ids), "scored_from": start,
+                        **_stats(m["kl"], m["top1"], m["acceptance"], m["recall"])})
             bar.advance(job)
     cat = {k: torch.cat(v) for k, v in allm.items()}
     buckets = sorted({bucket_of(int(p)) for p in cat["pos"].tolist()})
@@ -158,10 +205,12 @@ def run(cfg: FidelityConfig, force: bool = False, progress: bool = True) -> dict
     by_bucket = []
     for b in buckets:
         sel = bidx == b
-        by_bucket.append({"from": b, "to": max(32, 2 * b), **_stats(cat["kl"][sel], cat["top1"][sel], cat["acceptance"][sel])})
-    summary = {"model": str(cfg.model), "records": len(per), **_stats(cat["kl"], cat["top1"], cat["acceptance"]),
+        by_bucket.append({"from": b, "to": max(32, 2 * b),
+                          **_stats(cat["kl"][sel], cat["top1"][sel], cat["acceptance"][sel], cat["recall"][sel])})
+    summary = {"model": str(cfg.model), "records": len(per),
+               **_stats(cat["kl"], cat["top1"], cat["acceptance"], cat["recall"]),
+               "attn_recall_by_layer": {str(i): float(torch.cat(v).mean()) for i, v in sorted(layer_recall.items())},
                "by_position": by_bucket,
-               "not_measured": "per-layer attention recall of the selector (needs a hook from the sparse side)",
                "files": {"records": "records.jsonl", "kl_plot": "fidelity_kl.png",
                          "agreement_plot": "fidelity_agreement.png"}}
     from sparse_rl.eval.plots import line_plot
@@ -175,7 +224,9 @@ def run(cfg: FidelityConfig, force: bool = False, progress: bool = True) -> dict
                   ylabel="mean KL (nats)", logx=len(x) > 1)
         line_plot(x, {"top-1 agreement": [b["top1_agreement"] for b in by_bucket],
                       "acceptance mean": [b["acceptance_mean"] for b in by_bucket],
-                      "acceptance p5": [b["acceptance_p5"] for b in by_bucket]}, tmp / "fidelity_agreement.png",
-                  title="sparse vs dense: agreement by position", xlabel="token position (end of bucket)",
+                      "acceptance p5": [b["acceptance_p5"] for b in by_bucket],
+                      "attention recall": [b["attn_recall"] for b in by_bucket]}, tmp / "fidelity_agreement.png",
+                  title="sparse vs dense: agreement and attention recall by position",
+                  xlabel="token position (end of bucket)",
                   ylabel="fraction", logx=len(x) > 1)
     return summary

@@ -1,4 +1,4 @@
-"""eval fidelity on a tiny random model: k >= length gives KL 0, small k moves every metric away."""
+"""eval fidelity on a tiny random model: k >= length gives KL 0 and recall 1; small k moves every metric away."""
 
 import json
 
@@ -44,6 +44,9 @@ def test_full_topk_is_dense(sparse_dirs):
     assert m["kl"].max() < 1e-5
     assert m["top1"].min() == 1.0
     assert m["acceptance"].min() > 1 - 1e-4
+    assert sorted(m["recall"]) == [1, 2, 3]  # layer 0 is kept dense
+    for r in m["recall"].values():
+        assert r.shape == (T - 1,) and (r - 1).abs().max() < 1e-5
 
 
 def test_small_topk_moves_every_metric(sparse_dirs):
@@ -56,9 +59,13 @@ def test_small_topk_moves_every_metric(sparse_dirs):
         assert m["kl"][early].max() < 1e-5
         assert m["kl"][~early].mean() > 1e-4
         assert m["acceptance"][~early].mean() < 1.0
+        for r in m["recall"].values():
+            assert (r[early] - 1).abs().max() < 1e-5 and r[~early].max() < 1.0 and r.min() > 0.0
     # fewer selected keys -> further from dense
     assert res[4]["kl"][res[4]["pos"] >= 16].mean() > res[16]["kl"][res[16]["pos"] >= 16].mean()
     assert res[4]["acceptance"].mean() < res[16]["acceptance"].mean()
+    for i in (1, 2, 3):
+        assert res[4]["recall"][i].mean() < res[16]["recall"][i].mean()
 
 
 def test_cli_fidelity_end_to_end(sparse_dirs, tmp_path):
@@ -73,6 +80,7 @@ def test_cli_fidelity_end_to_end(sparse_dirs, tmp_path):
     assert res.exit_code == 0, res.output
     s = json.loads(res.stdout)
     assert s["records"] == 2 and s["kl"] > 0 and 0 <= s["acceptance_p5"] <= s["acceptance_mean"] <= 1
+    assert 0 < s["attn_recall"] < 1 and sorted(s["attn_recall_by_layer"]) == ["1", "2", "3"]
     assert sum(b["tokens"] for b in s["by_position"]) == s["tokens"]
     per = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert per[1]["id"] == "c0" and per[1]["tokens"] == 30  # only the completion's tokens are scored
