@@ -89,7 +89,7 @@ def odd_shape_checks() -> list[dict]:
 
 
 def sweep(L: int = 32768) -> list[dict]:
-    """Launch configs of the sparse attention forward at L (indexer-pattern indices)."""
+    """Launch configs of the sparse attention forward and backward at L (indexer-pattern indices)."""
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(1)
     q = torch.randn(1, L, 32, 128, device=dev, dtype=torch.bfloat16, generator=g)
@@ -99,14 +99,59 @@ def sweep(L: int = 32768) -> list[dict]:
                        torch.rand(1, L, 4, device=dev, dtype=torch.bfloat16, generator=g),
                        torch.randn(1, L, 64, device=dev, dtype=torch.bfloat16, generator=g), 2048, backend="triton")
     out = []
-    for tune in ((64, 4, 3), (32, 4, 3), (64, 4, 2), (128, 4, 2), (64, 8, 3), (32, 2, 3), (64, 4, 4)):
+    d = torch.device(dev)
+    for tune in ((128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 8, 2), (64, 4, 2), (128, 2, 2)):
         try:
-            ms = bench_ms(lambda: sa._fwd(q, k, v, idx, 1 / math.sqrt(128), tune=tune), torch.device(dev))
-            out.append({"tune": tune, "ms": ms})
+            ms = bench_ms(lambda: sa._fwd(q, k, v, idx, 1 / math.sqrt(128), tune=tune), d)
+            out.append({"pass": "fwd", "tune": tune, "ms": ms})
         except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
-            out.append({"tune": tune, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            out.append({"pass": "fwd", "tune": tune, "error": f"{type(e).__name__}: {str(e)[:120]}"})
         log(f"sweep {out[-1]}")
+    go = torch.randn_like(q)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    o, _ = sparse_attention(qg, kg, vg, idx, backend="triton")
+    for tune in ((32, 4, 2), (64, 4, 2), (32, 4, 1), (64, 8, 2), (16, 4, 2)):
+        sa.BWD_TUNE = tune
+        try:
+            ms = bench_ms(lambda: torch.autograd.grad(o, (qg, kg, vg), go, retain_graph=True), d)
+            out.append({"pass": "bwd", "tune": tune, "ms": ms})
+        except Exception as e:
+            out.append({"pass": "bwd", "tune": tune, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+        log(f"sweep {out[-1]}")
+    sa.BWD_TUNE = None
     return out
+
+
+def model_level_check() -> dict:
+    """Sparse model with k >= L equals the dense model, Triton backend on the GPU (tiny llama, fp32)."""
+    import tempfile
+    from pathlib import Path
+
+    from sparse_rl.modelinit import ModelInitConfig, init_model
+    from sparse_rl.sparse.config import SparseConfig
+    from sparse_rl.sparse.convert import ConvertConfig, convert
+    from sparse_rl.sparse.loader import load_model, set_attention
+
+    L = 300
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        init_model(tmp / "dense", ModelInitConfig(arch="llama", size="tiny", seed=1))
+        sc = SparseConfig(topk=L + 5, index_heads=2, index_dim=16, rope_dim=8, sink=1, window=2, dense_layers=[0])
+        convert(tmp / "dense", tmp / "sparse", ConvertConfig(sparse=sc, seed=3))
+        model = load_model(tmp / "sparse", attention="sparse").cuda()
+        set_attention(model, "sparse", backend="triton")
+        ids = torch.randint(5, 500, (2, L), generator=torch.Generator().manual_seed(0)).cuda()
+        mask = torch.ones_like(ids)
+        mask[1, :37] = 0
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            sparse = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+            set_attention(model, "dense")
+            dense = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        valid = mask.bool()
+        return {"check": "model k>=L equals dense (triton, cuda, fp32)", "L": L,
+                "max_abs_diff": float((sparse[valid] - dense[valid]).abs().max()),
+                "rel_err": rel_err(sparse[valid], dense[valid])}
 
 
 def main():
@@ -117,6 +162,10 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     checks = odd_shape_checks()
+    try:
+        checks.append(model_level_check())
+    except Exception as e:  # other stages' code; report, do not lose the kernel numbers
+        checks.append({"check": "model-level", "error": f"{type(e).__name__}: {str(e)[:300]}"})
     with open(os.path.join(args.out, "gpu_checks.json"), "w") as f:
         json.dump(checks, f, indent=1)
     for c in checks:

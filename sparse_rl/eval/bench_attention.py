@@ -56,14 +56,25 @@ def torch_dtype(name: str):
     return table[name]
 
 
-def bench_ms(fn, device, warmup_ms: int = 25, rep_ms: int = 100, grad_to_none=None) -> float:
-    """Median milliseconds of `fn()`: CUDA events through triton's do_bench on a GPU, a few
-    wall-clock repeats on a CPU (only useful as a smoke test there)."""
+def bench_ms(fn, device, warmup_ms: int = 25, rep_ms: int = 100, grad_to_none=None, graph: bool = False) -> float:
+    """Median milliseconds of `fn()`: CUDA events through triton's do_bench on a GPU (with
+    `graph=True`, replays of a captured CUDA graph, which removes Python/launch overhead: what a
+    graph-captured decode loop pays), a few wall-clock repeats on a CPU (a smoke test only)."""
     import torch
 
     if device.type == "cuda":
-        from triton.testing import do_bench
+        from triton.testing import do_bench, do_bench_cudagraph
 
+        if graph:
+            fn()  # compile outside the capture
+            torch.cuda.synchronize()
+            try:
+                return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+            except Exception as e:  # not capturable: say so, time it eagerly
+                import sys
+
+                print(f"warning: CUDA-graph timing failed ({type(e).__name__}: {e}); timing eagerly", file=sys.stderr)
+                torch.cuda.synchronize()
         return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median"))
     fn()
     times = []
@@ -83,28 +94,48 @@ def rel_err(a, ref) -> float:
     return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def dense_sdpa(q, k, v, causal: bool = True):
-    """SDPA in `[B, H, L, D]` layout with the flash backend on CUDA; GQA through `enable_gqa`
-    when the backend takes it, else K/V repeated beforehand (outside the timed region).
-    Returns (fn(q,k,v)->out, k, v, label)."""
+def dense_variants(q, k, v, causal: bool = True):
+    """Dense SDPA candidates in `[B, H, L, D]` layout: on CUDA the flash and cuDNN backends, each with
+    GQA through `enable_gqa` and with K/V repeated beforehand (outside the timed region); those that
+    run are yielded as (label, fn(q, k, v) -> out, k, v). The benchmark keeps the fastest."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = SDPBackend.FLASH_ATTENTION if q.is_cuda else SDPBackend.MATH
     G = q.shape[1] // k.shape[1]
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION] if q.is_cuda else [SDPBackend.MATH]
+    rep = None
+    for backend in backends:
+        for gqa in ([True, False] if G > 1 else [False]):
+            if not gqa and G > 1:
+                if rep is None:
+                    rep = (k.repeat_interleave(G, 1).detach(), v.repeat_interleave(G, 1).detach())
+                kk, vv = rep
+            else:
+                kk, vv = k, v
 
-    def run(q_, k_, v_, gqa):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, enable_gqa=gqa)
+            def run(q_, k_, v_, backend=backend, gqa=gqa):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, enable_gqa=gqa)
 
-    try:
-        run(q[:, :, :16], k[:, :, :16], v[:, :, :16], G > 1)
-        return (lambda a, b, c: run(a, b, c, G > 1)), k, v, f"sdpa-{backend.name.lower()}"
-    except RuntimeError:
-        k2 = k.repeat_interleave(G, 1).detach().requires_grad_(k.requires_grad)
-        v2 = v.repeat_interleave(G, 1).detach().requires_grad_(v.requires_grad)
-        return (lambda a, b, c: run(a, b, c, False)), k2, v2, f"sdpa-{backend.name.lower()}(kv repeated)"
+            try:
+                run(q[:, :, :16], kk[:, :, :16], vv[:, :, :16])
+            except RuntimeError:
+                continue
+            label = f"sdpa-{backend.name.lower().replace('_attention', '')}" + ("-gqa" if gqa else "-repkv" if G > 1 else "")
+            yield label, run, kk, vv
+
+
+def best_dense(q, k, v, bench, causal: bool = True):
+    """Time every dense variant with `bench(fn)`; returns (best label, fn, k, v, {label: ms})."""
+    times, best = {}, None
+    for label, fn, kk, vv in dense_variants(q, k, v, causal):
+        times[label] = bench(lambda: fn(q, kk, vv))
+        if best is None or times[label] < times[best[0]]:
+            best = (label, fn, kk, vv)
+    if best is None:
+        raise UsageError("no dense SDPA backend ran on this device")
+    return (*best, times)
 
 
 def block_pattern(L: int, block: int, nsel: int, device, generator=None):
@@ -279,9 +310,10 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
         row: dict = {"seqlen": L}
         # dense
         qd, kg0, vg0 = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-        dense, kd, vd, label = dense_sdpa(qd, kg0, vg0)
+        label, dense, kd, vd, dense_all = best_dense(qd, kg0, vg0, lambda f: bench_ms(f, dev, **W))
         row["dense_label"] = label
-        row["dense_ms"] = bench_ms(lambda: dense(qd, kd, vd), dev, **W)
+        row["dense_all_ms"] = dense_all
+        row["dense_ms"] = dense_all[label]
         dense_flops = 2.0 * B * H * D * L * L  # causal: half of 4*L^2*H*D
         row["dense_tflops"] = dense_flops / row["dense_ms"] / 1e9
         # indexer: scores alone, top-k alone (on real score chunks), and both
@@ -300,11 +332,17 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
         t0l, t1l = bounds[-1]
         it.indexer_scores_chunk(qi, wi, ki, kvs, t0l, t1l, t1l, 0, 0, 0, out=buf[:, :t1l - t0l, :t1l])
 
-        def topk_only():
-            for t0, t1 in bounds:  # real scores of the last chunk, viewed at each chunk's shape
-                it.topk_from_scores(buf[:, :t1 - t0, :t1], K)
+        from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
 
-        row["topk_ms"] = bench_ms(topk_only, dev, **W)
+        def topk_only(impl):
+            for t0, t1 in bounds:  # real scores of the last chunk, viewed at each chunk's shape
+                if impl == "radix":
+                    radix_topk(buf[:, :t1 - t0, :t1], K, q_lim=t0)
+                else:
+                    it.topk_from_scores(buf[:, :t1 - t0, :t1], K)
+
+        row["topk_ms"] = bench_ms(lambda: topk_only("radix"), dev, **W)  # what indexer_topk uses on CUDA
+        row["topk_torch_ms"] = bench_ms(lambda: topk_only("torch"), dev, **W)
         del buf
         row["indexer_tflops"] = 2.0 * B * L * L / 2 * HI * DI / row["indexer_scores_ms"] / 1e9
         # sparse attention, indexer pattern
@@ -348,11 +386,14 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
             log(f"L={L}: forward+backward")
             g = torch.randn_like(q)
             gd = g.transpose(1, 2).contiguous()
-            qd.requires_grad_(True)
-            kd.requires_grad_(True)
-            vd.requires_grad_(True)
-            row["dense_fwdbwd_ms"] = bench_ms(lambda: dense(qd, kd, vd).backward(gd), dev, grad_to_none=[qd, kd, vd],
-                                              **W)
+            fb = {}
+            for lab, fn, kk, vv in dense_variants(qd, kg0, vg0):
+                qq, kk, vv = (x.detach().requires_grad_() for x in (qd, kk, vv))
+                fb[lab] = bench_ms(lambda: fn(qq, kk, vv).backward(gd), dev, grad_to_none=[qq, kk, vv], **W)
+                del qq, kk, vv
+            row["dense_fwdbwd_all_ms"] = fb
+            row["dense_fwdbwd_label"] = min(fb, key=fb.get)
+            row["dense_fwdbwd_ms"] = fb[row["dense_fwdbwd_label"]]
             qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
             row["sparse_fwdbwd_ms"] = bench_ms(
                 lambda: sparse_attention(qg, kg, vg, idx, backend="triton")[0].backward(g), dev,
@@ -396,21 +437,25 @@ def markdown_attention(res: dict) -> str:
     lines = [f"### Sparse prefill vs dense — {res['device']}, B={cfg['batch']}, H={cfg['heads']}, "
              f"H_kv={cfg['kv_heads']}, D={cfg['head_dim']}, k={cfg['topk']}, indexer {cfg['index_heads']}x"
              f"{cfg['index_dim']}, {cfg['dtype']}", "",
-             "| L | dense ms | dense TF/s | idx scores ms | top-k ms | idx+top-k ms | attn ms (indexer idx) "
-             "| attn TF/s | prefill ms | prefill speedup | attn ms (block idx) | flex ms | token/flex |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| L | dense ms | dense TF/s | idx scores ms | top-k ms (radix) | top-k ms (torch) | idx+top-k ms "
+             "| attn ms (indexer idx) | attn TF/s | prefill ms | prefill speedup | attn ms (block idx) | flex ms "
+             "| token/flex |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         g = r.get
         lines.append("| " + " | ".join(fmt(x) for x in (
             r["seqlen"], g("dense_ms"), g("dense_tflops"), g("indexer_scores_ms"), g("topk_ms"),
-            g("indexer_topk_ms"), g("sparse_attn_ms"), g("sparse_attn_tflops"), g("sparse_prefill_ms"),
+            g("topk_torch_ms"), g("indexer_topk_ms"), g("sparse_attn_ms"), g("sparse_attn_tflops"), g("sparse_prefill_ms"),
             g("prefill_speedup"), g("block_attn_ms"), g("flex_ms"), g("block_attn_vs_flex"))) + " |")
     bw = [r for r in res["rows"] if "sparse_fwdbwd_ms" in r]
     if bw:
         lines += ["", "| L | dense fwd+bwd ms | sparse fwd+bwd ms (given indices) | speedup |", "|---|---|---|---|"]
         for r in bw:
-            lines.append(f"| {r['seqlen']} | {fmt(r['dense_fwdbwd_ms'])} | {fmt(r['sparse_fwdbwd_ms'])} | "
-                         f"{fmt(r['fwdbwd_speedup'])} |")
+            lines.append(f"| {r['seqlen']} | {fmt(r['dense_fwdbwd_ms'])} ({r['dense_fwdbwd_label']}) | "
+                         f"{fmt(r['sparse_fwdbwd_ms'])} | {fmt(r['fwdbwd_speedup'])} |")
+    lines += ["", "Dense = the fastest SDPA variant per length: " + "; ".join(
+        f"{r['seqlen']}: " + ", ".join(f"{a} {fmt(b)} ms" for a, b in r.get("dense_all_ms", {}).items())
+        for r in res["rows"])]
     if res.get("checks"):
         lines += ["", "Checks (float32 reference; rel err = ||a-ref||/||ref||):", ""]
         for c in res["checks"]:

@@ -26,6 +26,7 @@ the documented behaviour of every entry point here, never a silent wrong answer.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -36,6 +37,8 @@ from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 LOG2E = 1.4426950408889634
+# (BLOCK_K, num_warps, num_stages) override for the backward; the benchmark sweeps it.
+BWD_TUNE: tuple[int, int, int] | None = None
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -193,7 +196,9 @@ def _fwd(q, k, v, indices, scale, nsplit: int = 1, out=None, tune: tuple[int, in
     H_kv = k.shape[2]
     NK = indices.shape[-1]
     G, D, BH, BD = _meta(q, k)
-    BK, warps, stages = tune or (64 if BD <= 64 or BH <= 16 else 32, 4, 3 if q.is_cuda else 1)
+    # (128, 4 warps, 2 stages) was fastest of 7 configs at 32K, G=4, D=128 on an H200 (NOTES.md);
+    # bigger head groups get smaller key blocks to bound registers.
+    BK, warps, stages = tune or ((128 if BH <= 16 else 64 if BH <= 32 else 32), 4, 2 if q.is_cuda else 1)
     kps = triton.cdiv(triton.cdiv(NK, nsplit), BK) * BK  # keys per split, a multiple of BLOCK_K
     nsplit = max(1, triton.cdiv(NK, kps)) if NK else 1
     if out is not None:
@@ -233,13 +238,13 @@ class _SparseAttention(torch.autograd.Function):
         dq = torch.empty_like(q)
         dk = torch.zeros(B, S, H_kv, D, device=q.device, dtype=torch.float32)
         dv = torch.zeros_like(dk)
-        BK = 32 if BD > 64 else 64
+        BK, warps, stages = BWD_TUNE or ((32 if BD > 64 else 64), 4, 2 if q.is_cuda else 1)
         _bwd_kernel[(T, H_kv, B)](q, k, v, indices, o, do, lse, dlse, dq, dk, dv,
                                   *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *o.stride(),
                                   *do.stride(), *lse.stride(), *dq.stride(), *dk.stride()[:3],
                                   indices.shape[-1], G, D, ctx.scale, ctx.scale * LOG2E,
                                   BLOCK_H=BH, BLOCK_K=BK, BLOCK_D=BD, PREC=dot_precision(q.dtype),
-                                  num_warps=4, num_stages=2 if q.is_cuda else 1)
+                                  num_warps=warps, num_stages=stages)
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -266,9 +271,16 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     return _SparseAttention.apply(q, k, v, indices, scale)
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_type: str, index: int | None) -> int:
+    if device_type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
+
+
 def _decode_splits(B: int, H_kv: int, NK: int, device) -> int:
     """Split the index list until the grid has ~2 programs per SM, keeping >= 256 keys a split."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _num_sms(device.type, device.index)
     return max(1, min(triton.cdiv(NK, 256), triton.cdiv(2 * sms, max(1, B * H_kv))))
 
 
