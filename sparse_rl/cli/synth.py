@@ -130,7 +130,7 @@ def agent_cmd(
     config: Optional[Path] = _CONFIG,
     n: Optional[int] = typer.Option(None, "--n", help="Tool tasks to generate [default: 20]"),
     seed: Optional[int] = typer.Option(None, help="Seed [default: 0]"),
-    envs: Optional[str] = typer.Option(None, help="Comma list of fs,sql,calendar,code [default: all]"),
+    envs: Optional[str] = typer.Option(None, help="Comma list of fs,sql,calendar,code,combo [default: all]"),
     min_level: Optional[int] = typer.Option(None, help="Lowest composition level [default: 1]"),
     max_level: Optional[int] = typer.Option(None, help="Highest composition level [default: 4]"),
     tasks_in: Optional[str] = typer.Option(None, "--tasks-in", help="Sample trajectories for these tool tasks instead"),

@@ -143,7 +143,7 @@ def _math_candidates(cfg: SynthMathConfig, family: str, want: int):
 class SynthAgentConfig:
     n: int = 20                      # tasks to generate (before calibration)
     seed: int = 0
-    envs: list[str] = dataclasses.field(default_factory=lambda: ["fs", "sql", "calendar", "code"])
+    envs: list[str] = dataclasses.field(default_factory=lambda: ["fs", "sql", "calendar", "code", "combo"])
     min_level: int = 1
     max_level: int = 4
     tasks_in: Optional[str] = None   # sample trajectories for these tool tasks instead of generating

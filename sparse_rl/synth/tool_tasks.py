@@ -15,13 +15,14 @@ from sparse_rl.errors import UsageError
 from sparse_rl.synth.envs import ENVS, Env
 from sparse_rl.synth.envs import calendar as cal_mod
 from sparse_rl.synth.envs import code as code_mod
+from sparse_rl.synth.envs import combo as combo_mod
 from sparse_rl.synth.envs import fs as fs_mod
 from sparse_rl.synth.envs import sql as sql_mod
 from sparse_rl.synth.envs.base import (SYSTEM_PROMPT, calls_from_messages, corrupt, extract_final, replay_calls,
                                        run_calls, score_state)
 
 TEMPLATES = {"fs": fs_mod.TEMPLATES, "sql": sql_mod.TEMPLATES, "calendar": cal_mod.TEMPLATES,
-             "code": code_mod.TEMPLATES}
+             "code": code_mod.TEMPLATES, "combo": combo_mod.TEMPLATES}
 
 
 def make_env(task: dict) -> Env:
