@@ -58,6 +58,14 @@ def odd_shape_checks() -> list[dict]:
                  "out": rel_err(out, ro), "lse_abs": float((lse[fin] - rl[fin]).abs().max()),
                  "empty_row_ok": bool((out[0, 7] == 0).all() and torch.isneginf(lse[0, 7]).all()),
                  "dq": rel_err(qs.grad, qr.grad), "dk": rel_err(ks.grad, kr.grad), "dv": rel_err(vs.grad, vr.grad)}
+            for path in ("query", "union"):  # both forward paths, forced, poisoned outputs
+                sa.FWD_PATH = path
+                o = torch.full_like(out, float("nan"))
+                ls = torch.full_like(lse, float("nan"))
+                sa._fwd_auto(q, k, v, idx, 1 / math.sqrt(D), out=(o, ls))
+                r[f"fwd_{path}"] = rel_err(o, ro)
+                r[f"fwd_{path}_nan_free"] = bool(torch.isfinite(o).all() and not torch.isnan(ls).any())
+            sa.FWD_PATH = "auto"
             qd = torch.randn(B, H, D, device=dev, dtype=dtype, generator=g)
             for ns in (None, 1, 3):
                 od, ld = sa.sparse_decode(qd, k, v, idx[:, 11], nsplit=ns)

@@ -203,8 +203,9 @@ def pairs(indices) -> int:
 
 # ----------------------------------------------------------------------------------------- checks
 
-def check_attention(q, k, v, idx, n: int, out=None, lse=None) -> dict:
-    """Triton sparse attention vs the float32 reference on the last n queries, outputs poisoned."""
+def check_attention(q, k, v, idx, n: int) -> dict:
+    """Both forward paths (per-query and query-tile union) vs the float32 reference on the last n
+    queries, outputs poisoned with NaN before each run (every element must be overwritten)."""
     import torch
 
     from sparse_rl.sparse.ops.sparse_attention import triton as sa
@@ -212,14 +213,42 @@ def check_attention(q, k, v, idx, n: int, out=None, lse=None) -> dict:
 
     B, L, H, D = q.shape
     scale = 1.0 / math.sqrt(D)
-    o = torch.full((B, L, H, D), float("nan"), device=q.device, dtype=q.dtype)
-    ls = torch.full((B, L, H), float("nan"), device=q.device, dtype=torch.float32)
-    sa._fwd(q, k, v, idx, scale, out=(o, ls))
     sl = slice(L - n, L)
     ro, rl = sparse_attention_naive(q[:, sl].float(), k.float(), v.float(), idx[:, sl], scale)
     fin = torch.isfinite(rl)
-    return {"out_rel_err": rel_err(o[:, sl], ro), "lse_max_abs_err": float((ls[:, sl][fin] - rl[fin]).abs().max()),
-            "nan_free": bool(torch.isfinite(o).all() and not torch.isnan(ls).any())}
+    res = {}
+    saved = sa.FWD_PATH
+    try:
+        for path in ("query", "union"):
+            o = torch.full((B, L, H, D), float("nan"), device=q.device, dtype=q.dtype)
+            ls = torch.full((B, L, H), float("nan"), device=q.device, dtype=torch.float32)
+            sa.FWD_PATH = path
+            sa._fwd_auto(q, k, v, idx, scale, out=(o, ls))
+            res[f"{path}_out_rel_err"] = rel_err(o[:, sl], ro)
+            res[f"{path}_lse_max_abs_err"] = float((ls[:, sl][fin] - rl[fin]).abs().max())
+            res[f"{path}_nan_free"] = bool(torch.isfinite(o).all() and not torch.isnan(ls).any())
+            del o, ls
+    finally:
+        sa.FWD_PATH = saved
+    return res
+
+
+def time_paths(q, k, v, idx, dev, W, prefix: str) -> dict:
+    """Forward time of each path and of building the union, for one index pattern."""
+    from sparse_rl.sparse.ops.sparse_attention import triton as sa
+    from sparse_rl.sparse.ops.sparse_attention import union
+    from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
+
+    G = q.shape[2] // k.shape[2]
+    BT = union.tile_queries(G)
+    un = union.build_union(idx, k.shape[1], BT)
+    res = {f"{prefix}_union_build_ms": bench_ms(lambda: union.build_union(idx, k.shape[1], BT), dev, **W),
+           f"{prefix}_union_ratio": float(un[2].sum()) / max(1, pairs(idx))}
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    res[f"{prefix}_query_path_ms"] = bench_ms(lambda: sa._fwd(q, k, v, idx, scale), dev, **W)
+    prec = dot_precision(q.dtype)
+    res[f"{prefix}_union_kernel_ms"] = bench_ms(lambda: union.union_fwd(q, k, v, un, scale, prec), dev, **W)
+    return res
 
 
 def check_indexer(q_idx, w, k_idx, sel, topk: int, n: int) -> dict:
@@ -350,6 +379,8 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
         row["avg_keys"] = n_pairs / (B * L)
         row["sparse_attn_ms"] = bench_ms(lambda: sparse_attention(q, k, v, idx, backend="triton"), dev, **W)
         row["sparse_attn_tflops"] = 4.0 * n_pairs * H * D / row["sparse_attn_ms"] / 1e9
+        if dev.type == "cuda":
+            row.update(time_paths(q, k, v, idx, dev, W, "idx"))
         row["sparse_prefill_ms"] = bench_ms(
             lambda: sparse_attention(q, k, v, indexer_topk(qi, wi, ki, K, backend="triton"), backend="triton"),
             dev, **W)
@@ -367,6 +398,8 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
             bp = pairs(bidx)
             row["block_attn_ms"] = bench_ms(lambda: sparse_attention(q, k, v, bidx, backend="triton"), dev, **W)
             row["block_attn_tflops"] = 4.0 * bp * H * D / row["block_attn_ms"] / 1e9
+            if dev.type == "cuda":
+                row.update(time_paths(q, k, v, bidx, dev, W, "blk"))
             if flex is not None and L >= cfg.flex_min_seqlen:
                 log(f"L={L}: FlexAttention (compiling)")
                 bm = flex_block_mask(fb, cnt, L, cfg.block_size)
@@ -379,8 +412,8 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
                     checks.append({"seqlen": L, "pattern": "block",
                                    "token_kernel_vs_flex_rel_err": rel_err(o_tok, fo.transpose(1, 2)),
                                    **check_attention(q, k, v, bidx, min(cfg.check_queries, L))})
+                    del o_tok
                 del fo, bm
-            del bidx
         # forward + backward
         if L in cfg.backward_seqlens:
             log(f"L={L}: forward+backward")
@@ -399,10 +432,15 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
                 lambda: sparse_attention(qg, kg, vg, idx, backend="triton")[0].backward(g), dev,
                 grad_to_none=[qg, kg, vg], **W)
             row["fwdbwd_speedup"] = row["dense_fwdbwd_ms"] / row["sparse_fwdbwd_ms"]
+            if "block_attn_ms" in row:
+                row["block_fwdbwd_ms"] = bench_ms(
+                    lambda: sparse_attention(qg, kg, vg, bidx, backend="triton")[0].backward(g), dev,
+                    grad_to_none=[qg, kg, vg], **W)
             del qg, kg, vg, g, gd
         rows.append(row)
         log(f"L={L}: " + ", ".join(f"{a}={b:.3g}" for a, b in row.items() if isinstance(b, float)))
         del q, k, v, qd, kd, vd, kg0, vg0, qi, ki, wi, idx
+        bidx = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     if cfg.check and dev.type == "cuda":
@@ -447,12 +485,26 @@ def markdown_attention(res: dict) -> str:
             r["seqlen"], g("dense_ms"), g("dense_tflops"), g("indexer_scores_ms"), g("topk_ms"),
             g("topk_torch_ms"), g("indexer_topk_ms"), g("sparse_attn_ms"), g("sparse_attn_tflops"), g("sparse_prefill_ms"),
             g("prefill_speedup"), g("block_attn_ms"), g("flex_ms"), g("block_attn_vs_flex"))) + " |")
+    if any("idx_query_path_ms" in r for r in res["rows"]):
+        lines += ["", "Forward paths (ms): per-query kernel vs query-tile union (build + kernel); `auto` is what "
+                  "sparse_attention ran; |U|/pairs = union size over selected pairs (lower = more sharing)", "",
+                  "| L | pattern | |U|/pairs | per-query | union build | union kernel | auto | flex |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in res["rows"]:
+            for pre, name, auto, flex in (("idx", "indexer", "sparse_attn_ms", None),
+                                          ("blk", "block", "block_attn_ms", "flex_ms")):
+                if f"{pre}_query_path_ms" in r:
+                    lines.append("| " + " | ".join(fmt(x) for x in (
+                        r["seqlen"], name, r[f"{pre}_union_ratio"], r[f"{pre}_query_path_ms"],
+                        r[f"{pre}_union_build_ms"], r[f"{pre}_union_kernel_ms"], r.get(auto),
+                        r.get(flex) if flex else None)) + " |")
     bw = [r for r in res["rows"] if "sparse_fwdbwd_ms" in r]
     if bw:
-        lines += ["", "| L | dense fwd+bwd ms | sparse fwd+bwd ms (given indices) | speedup |", "|---|---|---|---|"]
+        lines += ["", "| L | dense fwd+bwd ms | sparse fwd+bwd ms (indexer idx) | speedup | "
+                  "sparse fwd+bwd ms (block idx) |", "|---|---|---|---|---|"]
         for r in bw:
             lines.append(f"| {r['seqlen']} | {fmt(r['dense_fwdbwd_ms'])} ({r['dense_fwdbwd_label']}) | "
-                         f"{fmt(r['sparse_fwdbwd_ms'])} | {fmt(r['fwdbwd_speedup'])} |")
+                         f"{fmt(r['sparse_fwdbwd_ms'])} | {fmt(r['fwdbwd_speedup'])} | {fmt(r.get('block_fwdbwd_ms'))} |")
     lines += ["", "Dense = the fastest SDPA variant per length: " + "; ".join(
         f"{r['seqlen']}: " + ", ".join(f"{a} {fmt(b)} ms" for a, b in r.get("dense_all_ms", {}).items())
         for r in res["rows"])]

@@ -266,3 +266,34 @@ def test_scale_argument_is_used():
     ref, rl = sparse_attention_naive(q, k, v, idx, 0.3)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert not math.isclose(0.3, 1 / math.sqrt(16))
+
+
+@pytest.mark.parametrize("H,H_kv,D,T", [(8, 2, 64, 37), (7, 1, 32, 19), (3, 3, 16, 70)])
+def test_union_path_builds_the_tile_union_and_matches_reference(monkeypatch, H, H_kv, D, T):
+    from sparse_rl.sparse.ops.sparse_attention import union
+
+    g = torch.Generator().manual_seed(T)
+    B, S, K = 2, 53, 20
+    q = torch.randn(B, T, H, D, generator=g)
+    k, v = torch.randn(B, S, H_kv, D, generator=g), torch.randn(B, S, H_kv, D, generator=g)
+    idx = _indices(B, T, S, K, g)
+    BT = union.tile_queries(H // H_kv)
+    ukey, qmask, ulen = union.build_union(idx, S, BT)
+    for b in range(B):
+        for tile in range(-(-T // BT)):
+            rows = idx[b, tile * BT:(tile + 1) * BT]
+            want = sorted(set(rows[rows >= 0].tolist()))
+            got = ukey[b, tile, :int(ulen[b, tile])].tolist()
+            assert got == want
+            for j, key in enumerate(got):
+                m = int(qmask[b, tile, j]) & 0xFFFFFFFF
+                assert m == sum(1 << i for i in range(rows.shape[0]) if key in rows[i].tolist())
+    monkeypatch.setattr(sa, "FWD_PATH", "union")
+    with mock.patch.object(sa, "_fwd", wraps=sa._fwd) as spy:
+        out, lse = sparse_attention(q, k, v, idx, backend="triton")
+        assert spy.call_count == 0  # the per-query kernel did not run
+    ref, rl = sparse_attention_naive(q, k, v, idx)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    fin = torch.isfinite(rl)
+    assert torch.equal(fin, torch.isfinite(lse))
+    torch.testing.assert_close(lse[fin], rl[fin], atol=1e-5, rtol=1e-5)

@@ -34,11 +34,17 @@ import triton
 import triton.language as tl
 
 from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
+from sparse_rl.sparse.ops.sparse_attention import union
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 LOG2E = 1.4426950408889634
 # (BLOCK_K, num_warps, num_stages) override for the backward; the benchmark sweeps it.
 BWD_TUNE: tuple[int, int, int] | None = None
+# Forward path: "auto" builds the query-tile union (union.py) and takes it when the tiles' unions
+# hold fewer than UNION_RATIO of the selected pairs (i.e. neighbouring queries share keys);
+# "union" / "query" force a path (tests, benchmarks).
+FWD_PATH = "auto"
+UNION_RATIO = 0.5
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -218,10 +224,29 @@ def _fwd(q, k, v, indices, scale, nsplit: int = 1, out=None, tune: tuple[int, in
     return o, lse, nsplit
 
 
+def _fwd_auto(q, k, v, indices, scale, out=None):
+    """The forward through the union path when it pays (see FWD_PATH), else the per-query kernel."""
+    T = q.shape[1]
+    G = q.shape[2] // k.shape[2]
+    BT = union.tile_queries(G)
+    path = FWD_PATH
+    if path == "auto" and (T < 2 * BT or not q.is_cuda):
+        path = "query"  # too few queries to share anything; the interpreter takes the simple path
+    if path != "query":
+        un = union.build_union(indices, k.shape[1], BT)
+        if path == "auto":
+            pairs = int((indices >= 0).sum())
+            path = "union" if int(un[2].sum()) < UNION_RATIO * max(pairs, 1) else "query"
+        if path == "union":
+            return union.union_fwd(q, k, v, un, scale, dot_precision(q.dtype), out=out)
+    o, lse, _ = _fwd(q, k, v, indices, scale, out=out)
+    return o, lse
+
+
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, indices, scale):
-        o, lse, _ = _fwd(q, k, v, indices, scale)
+        o, lse = _fwd_auto(q, k, v, indices, scale)
         ctx.save_for_backward(q, k, v, indices, o, lse)
         ctx.scale = scale
         return o, lse
