@@ -115,8 +115,9 @@ def _norm(text: str) -> str:
 
 
 def shingles(text: str, k: int = 3) -> set[str]:
-    # Word tokens, not whitespace-split, so CSV/JSON state compares by its values.
-    w = re.findall(r"\w+", text.lower()) or [""]
+    # Word and punctuation tokens, not whitespace-split, so CSV/JSON state compares by its values
+    # and expressions by their operators too.
+    w = re.findall(r"\w+|[^\w\s]", text.lower()) or [""]
     return {" ".join(w[i:i + k]) for i in range(max(1, len(w) - k + 1))}
 
 

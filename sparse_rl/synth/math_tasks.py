@@ -8,7 +8,7 @@ the count around it changes, and the same seed always gives the same file.
 
 Families (the `task` field is `math/<family>`):
   - `arith`: nested integer expressions; `level` sets the number of operations (level + 2) and the
-    size of the operands. Division appears only where it is exact.
+    size of the operands. Division appears only where it is exact (then Python's // is exact too).
   - `word`: a story about one running quantity; `level` sets the number of steps (level + 1).
   - `vartrack`: long-context variable tracking (RULER-style): `VAR x = 123` assignments and copies
     scattered through filler text, the question at the end; `level` sets the chain length
@@ -36,19 +36,12 @@ def _expr(rng: random.Random, n_ops: int, hi: int) -> tuple[str, int]:
     left_ops = rng.randint(0, n_ops - 1)
     lt, lv = _expr(rng, left_ops, hi)
     rt, rv = _expr(rng, n_ops - 1 - left_ops, hi)
-    op = rng.choice("+-*/" if lv != 0 else "+-*")
-    if op == "/":
-        # Exact division only: divide the left value by one of its small divisors, written as a
-        # literal so the answer stays an integer.
-        divs = [d for d in range(2, min(abs(lv), 12) + 1) if lv % d == 0]
-        if not divs:
-            op = "+"
-        else:
-            d = rng.choice(divs)
-            return f"({lt} / {d})", lv // d
+    op = rng.choice("+-*/")
+    if op == "/" and (rv in (0, 1, -1) or lv % rv):  # exact division only, so the answer stays an integer
+        op = rng.choice("+-*")
     if op == "*" and abs(lv * rv) > hi ** 3:  # keep the numbers human-sized
-        op = "+"
-    val = {"+": lv + rv, "-": lv - rv, "*": lv * rv}[op]
+        op = rng.choice("+-")
+    val = {"+": lv + rv, "-": lv - rv, "*": lv * rv, "/": lv // rv if op == "/" else 0}[op]
     return f"({lt} {op} {rt})", val
 
 
