@@ -54,9 +54,27 @@ def _gqa_logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     B, H, Tc, D = q.shape
     Hkv = k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
-    qg = q.reshape(B, Hkv, H // Hkv, Tc, D).to(acc)
+    qg = q.reshape(B, Hkv, H // Hkv, Tc, D).to(acc) * scale  # scale the small operand, not the block
     logits = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-1, -2))  # [B, Hkv, G, Tc, S]
-    return logits.reshape(B, H, Tc, -1) * scale
+    return logits.view(B, H, Tc, -1)
+
+
+def _masked_logits(q, k, scale, t0, t1, q_offset, kv_start) -> torch.Tensor:
+    """Logits `[B, H, Tc, S']` of queries t0..t1-1 with invisible keys at -inf, S' = keys up to the
+    chunk's last query. Without left padding only the keys from the chunk's first position on can be
+    invisible, so only that strip is masked (in place: the block is the memory and time hot spot)."""
+    B, H, T, _ = q.shape
+    Sc = min(k.shape[2], q_offset + t1)
+    logits = _gqa_logits(q[:, :, t0:t1], k[:, :, :Sc], scale)
+    if kv_start is None:
+        lo = min(Sc, q_offset + t0)
+        pos = torch.arange(t0, t1, device=q.device)[:, None] + q_offset
+        hide = torch.arange(lo, Sc, device=q.device)[None, :] > pos  # [Tc, Sc - lo]
+        logits[..., lo:].masked_fill_(hide, float("-inf"))
+    else:
+        vis = visible_mask(B, t1 - t0, Sc, q_offset, kv_start, q.device, t0)
+        logits.masked_fill_(~vis[:, None], float("-inf"))
+    return logits
 
 
 def dense_target(q: torch.Tensor, k: torch.Tensor, scale: float, t0: int = 0, t1: int | None = None,
@@ -72,14 +90,12 @@ def dense_target(q: torch.Tensor, k: torch.Tensor, scale: float, t0: int = 0, t1
         `[B, t1 - t0, S']` float32 (float64 for float64 inputs), S' = min(S, q_offset + t1): keys past
         the chunk's last query are invisible and left out. Rows sum to 1 (0 for a query with no key).
     """
-    B, H, T, _ = q.shape
-    t1 = T if t1 is None else t1
-    Sc = min(k.shape[2], q_offset + t1)
-    logits = _gqa_logits(q[:, :, t0:t1], k[:, :, :Sc], scale)
-    vis = visible_mask(B, t1 - t0, Sc, q_offset, kv_start, q.device, t0)
-    logits = logits.masked_fill(~vis[:, None], float("-inf"))
-    p = torch.softmax(logits, -1).nan_to_num_(0.0)  # a query with no visible key gives a zero row
-    return p.sum(1) / H
+    H = q.shape[1]
+    t1 = q.shape[2] if t1 is None else t1
+    p = torch.softmax(_masked_logits(q, k, scale, t0, t1, q_offset, kv_start), -1)
+    if kv_start is not None:
+        p.nan_to_num_(0.0)  # a query with no visible key (all padding) gives a zero row
+    return p.sum(1).div_(H)
 
 
 def dense_lse(q: torch.Tensor, k: torch.Tensor, scale: float, q_offset: int = 0,
@@ -92,10 +108,8 @@ def dense_lse(q: torch.Tensor, k: torch.Tensor, scale: float, q_offset: int = 0,
     with torch.no_grad():
         for t0 in range(0, T, chunk):
             t1 = min(T, t0 + chunk)
-            Sc = min(k.shape[2], q_offset + t1)
-            logits = _gqa_logits(q[:, :, t0:t1], k[:, :, :Sc], scale)
-            vis = visible_mask(B, t1 - t0, Sc, q_offset, kv_start, q.device, t0)
-            out.append(torch.logsumexp(logits.masked_fill(~vis[:, None], float("-inf")), -1).transpose(1, 2))
+            logits = _masked_logits(q, k, scale, t0, t1, q_offset, kv_start)
+            out.append(torch.logsumexp(logits, -1).transpose(1, 2))
     return torch.cat(out, 1)
 
 

@@ -25,7 +25,6 @@ the forward). Rank 0 writes metrics, checkpoints and the output model.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import shutil
@@ -39,7 +38,6 @@ from sparse_rl.errors import SparseRLError, UsageError
 
 STAGES = ("warmup", "sparse")
 FINETUNE = ("full", "lora")
-CAPTURE = "sparse_rl_capture"
 # Config keys that must not change when a run is resumed.
 FIXED_ON_RESUME = ("model", "data", "stage", "seq_len", "seed", "finetune", "lora_r", "lora_alpha", "lora_targets",
                    "topk", "synthetic_rows", "dtype")
@@ -107,200 +105,6 @@ class IndexerTrainConfig:
             raise UsageError(f"--min-lr-ratio {self.min_lr_ratio}: must be in [0, 1]")
         if self.topk is not None and self.topk < 1:
             raise UsageError(f"--topk must be >= 1 (got {self.topk})")
-
-
-# ---------------------------------------------------------------------------------------------
-# hooks into the attention layers
-
-
-def _capture_attention(module, query, key, value, attention_mask, *args, **kwargs):
-    """Registered as "sparse_rl_capture": report (q, k) to the module's callback, then run the
-    normal "sparse_rl" attention. query `[B, H, T, D]`, key `[B, H_kv, S, D]` after RoPE."""
-    from sparse_rl.sparse.patch import sparse_rl_attention
-
-    fn = module.__dict__.get("_srl_capture")
-    stash = module.__dict__.get("_srl_ctx")
-    if fn is not None and stash is not None:
-        fn(module, query, key, stash)
-    return sparse_rl_attention(module, query, key, value, attention_mask, *args, **kwargs)
-
-
-_capture_registered = False
-
-
-def _register_capture() -> None:
-    global _capture_registered
-    if _capture_registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    from sparse_rl.sparse.patch import register
-
-    register()
-    AttentionInterface.register(CAPTURE, _capture_attention)
-    AttentionMaskInterface.register(CAPTURE, sdpa_mask)
-    _capture_registered = True
-
-
-@contextlib.contextmanager
-def capture_dense(model, fn):
-    """While active, `fn(module, query, key, (hidden, position_embeddings, cache))` runs in every
-    layer that has an indexer, on each forward (dense mode included)."""
-    _register_capture()
-    configs = {id(m.config): m.config for m in model.modules()
-               if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}
-    old = {k: c._attn_implementation for k, c in configs.items()}
-    mods = [m for m in indexed_attention(model)]
-    try:
-        for c in configs.values():
-            c._attn_implementation = CAPTURE
-        for m in mods:
-            m._srl_capture = fn
-        yield
-    finally:
-        for k, c in configs.items():
-            c._attn_implementation = old[k]
-        for m in mods:
-            m.__dict__.pop("_srl_capture", None)
-
-
-@contextlib.contextmanager
-def recording(model, fn):
-    """Set the patch's sparse-mode `recorder` hook on every indexed layer while active."""
-    mods = indexed_attention(model)
-    try:
-        for m in mods:
-            m.srl.recorder = fn
-        yield
-    finally:
-        for m in mods:
-            m.srl.recorder = None
-
-
-def indexed_attention(model) -> list:
-    """The attention modules that carry a trainable indexer (non-dense layers)."""
-    from sparse_rl.sparse.patch import decoder_layers
-
-    return [layer.self_attn for layer in decoder_layers(model)
-            if getattr(layer.self_attn, "indexer", None) is not None and not layer.self_attn.srl.dense_layer]
-
-
-# ---------------------------------------------------------------------------------------------
-# one training step
-
-
-class StepStats:
-    """Sums of the per-layer KL / recall over one step (divided by query counts at the end)."""
-
-    def __init__(self, device):
-        self.v = torch.zeros(5, dtype=torch.float64, device=device)  # kl, n_kl, recall, n_recall, lm_loss
-
-    def add(self, st) -> None:
-        self.v[0] += st.kl
-        self.v[1] += st.n
-        if st.recall is not None:
-            self.v[2] += st.recall
-            self.v[3] += st.n
-
-
-def warmup_forward(model, ids: torch.Tensor, cfg: IndexerTrainConfig, stats: StepStats, grad_scale: float) -> None:
-    """Dense frozen forward of the decoder stack; each indexed layer trains its indexer on `warmup_kl`."""
-    from sparse_rl.sparse.ops import indexer_topk
-    from sparse_rl.sparse.train.kl import warmup_kl
-
-    def on_layer(module, query, key, stash):
-        h, pe, _ = stash
-        sc = module.srl.cfg
-        with torch.enable_grad():
-            q_i, w, k_i = module.indexer(h.detach(), pe[0].detach(), pe[1].detach())
-        q_offset = key.shape[2] - query.shape[2]
-        with torch.no_grad():
-            idx = indexer_topk(q_i.detach(), w.detach(), k_i.detach(), sc.topk, q_offset=q_offset, sink=sc.sink,
-                               window=sc.window, backend=module.srl.backend)
-        with torch.enable_grad():
-            st = warmup_kl(query.detach(), key.detach(), q_i, w, k_i, scale=module.scaling, indices=idx,
-                           q_offset=q_offset, chunk=cfg.chunk_size or None, grad_scale=grad_scale)
-        stats.add(st)
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    with capture_dense(model, on_layer), torch.no_grad():
-        base.get_decoder()(input_ids=ids, use_cache=False)
-
-
-def sparse_forward(model, ids: torch.Tensor, cfg: IndexerTrainConfig, stats: StepStats, grad_scale: float,
-                   measure_recall: bool) -> torch.Tensor:
-    """Sparse forward + LM loss (returned, not yet back-propagated); each indexed layer trains its
-    indexer on `selected_kl` from the recorder hook."""
-    from sparse_rl.sparse.train.kl import dense_lse, selected_kl
-
-    def recorder(module, hidden, position_embeddings, query, key, indices, kv_start, lse):
-        q, k = query.detach(), key.detach()
-        q_offset = k.shape[2] - q.shape[2]
-        with torch.enable_grad():
-            q_i, w, k_i = module.indexer(hidden.detach(), *(x.detach() for x in position_embeddings))
-            lse_d = (dense_lse(q, k, module.scaling, q_offset=q_offset, kv_start=kv_start,
-                               chunk=cfg.chunk_size or None) if measure_recall else None)
-            st = selected_kl(q, k, q_i, w, k_i, indices, lse.detach(), scale=module.scaling, lse_dense=lse_d,
-                             chunk=cfg.chunk_size or None, grad_scale=grad_scale)
-        stats.add(st)
-
-    with recording(model, recorder):
-        out = model(input_ids=ids, labels=ids, use_cache=False)
-    return out.loss
-
-
-@torch.no_grad()
-def evaluate(model, rows: torch.Tensor, *, chunk: int | None = None, lm_loss: bool = True) -> dict:
-    """Indexer quality on token rows `[N, L]` (one row at a time, model left in dense mode).
-
-    Returns mean `kl` (warm-up KL to the dense target), `attn_recall` (dense attention mass inside
-    the indexer's selection: top-k + sinks + window), `oracle_recall` (the best any k keys could
-    reach: the target's own top-k), per layer and averaged over layers and queries; with `lm_loss`,
-    the LM loss of the same rows in dense and in sparse mode.
-    """
-    from sparse_rl.sparse.loader import get_attention, set_attention
-    from sparse_rl.sparse.ops import indexer_topk
-    from sparse_rl.sparse.train.kl import warmup_kl
-
-    was = get_attention(model)
-    set_attention(model, "dense")
-    per_layer: dict[int, torch.Tensor] = {}
-
-    def on_layer(module, query, key, stash):
-        h, pe, _ = stash
-        sc = module.srl.cfg
-        q_i, w, k_i = module.indexer(h, *pe)
-        q_offset = key.shape[2] - query.shape[2]
-        idx = indexer_topk(q_i, w, k_i, sc.topk, q_offset=q_offset, sink=sc.sink, window=sc.window,
-                           backend=module.srl.backend)
-        st = warmup_kl(query, key, q_i, w, k_i, scale=module.scaling, indices=idx, q_offset=q_offset, chunk=chunk,
-                       oracle=True)
-        acc = per_layer.setdefault(module.layer_idx, torch.zeros(4, dtype=torch.float64, device=query.device))
-        acc += torch.stack([st.kl, st.recall, st.oracle, torch.tensor(float(st.n), dtype=torch.float64,
-                                                                         device=query.device)])
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    dense_loss, sparse_loss = [], []
-    for i in range(rows.shape[0]):
-        ids = rows[i:i + 1]
-        with capture_dense(model, on_layer):
-            base.get_decoder()(input_ids=ids, use_cache=False)
-        if lm_loss:
-            set_attention(model, "dense")
-            dense_loss.append(float(model(input_ids=ids, labels=ids, use_cache=False).loss))
-            set_attention(model, "sparse")
-            sparse_loss.append(float(model(input_ids=ids, labels=ids, use_cache=False).loss))
-            set_attention(model, "dense")
-    set_attention(model, was)
-    layers = {i: {"kl": float(v[0] / v[3]), "attn_recall": float(v[1] / v[3]), "oracle_recall": float(v[2] / v[3])}
-              for i, v in sorted(per_layer.items())}
-    out = {k: sum(x[k] for x in layers.values()) / len(layers) for k in ("kl", "attn_recall", "oracle_recall")}
-    out["layers"] = layers
-    if lm_loss:
-        out["lm_loss_dense"] = sum(dense_loss) / len(dense_loss)
-        out["lm_loss_sparse"] = sum(sparse_loss) / len(sparse_loss)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,6 +203,7 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.train import checkpoint
     from sparse_rl.sparse.train.data import build_data
+    from sparse_rl.sparse.train.hooks import StepStats, indexed_attention, sparse_forward, warmup_forward
 
     if not cfg.model:
         raise UsageError("MODEL: give the sparse model dir to train (argument or 'model:' in the recipe)")
@@ -513,9 +318,9 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
             stats = StepStats(device)
             log_now = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps
             if cfg.stage == "warmup":
-                warmup_forward(model, rows, cfg, stats, grad_scale)
+                warmup_forward(model, rows, stats, grad_scale, cfg.chunk_size or None)
             else:
-                loss = sparse_forward(model, rows, cfg, stats, grad_scale, measure_recall=log_now)
+                loss = sparse_forward(model, rows, stats, grad_scale, log_now, cfg.chunk_size or None)
                 loss.backward()
                 stats.v[4] += loss.detach().double()
             params = [p for p in model.parameters() if p.requires_grad]

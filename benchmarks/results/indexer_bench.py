@@ -1,0 +1,250 @@
+"""GPU evidence for `sparse-rl indexer train` (issue 5). Run from the repo root:
+
+    PYTHONPATH=. python benchmarks/results/indexer_bench.py --out OUTDIR          # H200
+    PYTHONPATH=. python benchmarks/results/indexer_bench.py --out /tmp/x --quick  # CPU smoke test
+
+Part A: warm-up step time and peak memory on a Qwen2-0.5B-shaped model (random bf16 weights, built
+in code) at 8K and 32K tokens, against a plain dense forward of the same batch (the decoder stack,
+which is what the warm-up runs too; the LM head is not needed by either).
+Part B: a small qwen2 model pretrained (dense) on the synthetic retrieval source for a fixed wall
+time, converted with k = L/8, indexer warm-up, then the sparse stage; attn_recall / KL / oracle
+recall and LM loss dense vs sparse on held-out synthetic rows, before and after each stage.
+Every number is written to OUTDIR/indexer_bench.json as soon as it exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+RESULTS: dict = {}
+
+
+def dump(out: Path) -> None:
+    (out / "indexer_bench.json").write_text(json.dumps(RESULTS, indent=2))
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps: int) -> tuple[float, list[float]]:
+    fn()  # warm-up: Triton compilation, allocator, cuBLAS handles
+    ts = []
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts), ts
+
+
+def peak_gb(fn) -> float:
+    if not torch.cuda.is_available():
+        return float("nan")
+    sync()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    sync()
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def part_a(out: Path, quick: bool, device: str) -> None:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from sparse_rl.sparse.config import SparseConfig
+    from sparse_rl.sparse.patch import attach_sparse
+    from sparse_rl.sparse.train.hooks import StepStats, indexed_attention, warmup_forward
+
+    if quick:
+        shape = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2)
+        lengths, sc = [256, 512], SparseConfig(topk=64, index_heads=2, index_dim=16, rope_dim=8, sink=4, window=16)
+        dtype = torch.float32
+    else:  # Qwen2-0.5B
+        shape = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                     num_attention_heads=14, num_key_value_heads=2)
+        lengths, sc = [8192, 32768], SparseConfig(topk=2048, index_heads=4, index_dim=64, rope_dim=32, sink=4,
+                                                  window=64, dense_layers=[0, 1])
+        dtype = torch.bfloat16
+    cfg = Qwen2Config(**shape, max_position_embeddings=max(lengths), tie_word_embeddings=True,
+                      use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    attach_sparse(model, sc)
+    model.requires_grad_(False)
+    idx_params = [p for m in indexed_attention(model) for p in m.indexer.parameters()]
+    for p in idx_params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(idx_params, lr=1e-3)
+    n_layers = len(indexed_attention(model))
+    weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    RESULTS["A"] = {"model": "Qwen2-0.5B shape" if not quick else "quick", "params_M": sum(
+        p.numel() for p in model.parameters()) / 1e6, "indexer_params_M": sum(p.numel() for p in idx_params) / 1e6,
+        "weights_gb": weights_gb, "sparse": sc.__dict__, "dtype": str(dtype), "rows": []}
+    for L in lengths:
+        ids = torch.randint(0, shape["vocab_size"], (1, L), device=device)
+
+        def dense():
+            with torch.no_grad():
+                model.model(input_ids=ids, use_cache=False)
+
+        def warm():
+            st = StepStats(ids.device)
+            warmup_forward(model, ids, st, 1.0 / (n_layers * L))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return st
+
+        reps = 3 if L <= 8192 else 2
+        t_dense, ts_d = timed(dense, reps + 2)
+        m_dense = peak_gb(dense)
+        t_warm, ts_w = timed(warm, reps)
+        m_warm = peak_gb(warm)
+        row = {"L": L, "dense_forward_s": t_dense, "warmup_step_s": t_warm, "ratio": t_warm / t_dense,
+               "dense_peak_gb": m_dense, "warmup_peak_gb": m_warm, "dense_times": ts_d, "warmup_times": ts_w}
+        RESULTS["A"]["rows"].append(row)
+        dump(out)
+        print(f"[A] L={L}: dense {t_dense * 1e3:.1f} ms, warm-up step {t_warm * 1e3:.1f} ms "
+              f"({t_warm / t_dense:.1f}x), peak {m_dense:.2f} / {m_warm:.2f} GiB", flush=True)
+    del model, opt
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def pretrain(model, data, batch: int, seconds: float, max_steps: int, lr: float, device: str) -> dict:
+    """Plain dense LM training for a fixed wall time (setup for part B, not the stage under test)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    t0, step, losses = time.perf_counter(), 0, []
+    while step < max_steps and time.perf_counter() - t0 < seconds:
+        ids = data.rows(step * batch, batch).to(device)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, (step + 1) / 50)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        step += 1
+    model.eval()
+    return {"steps": step, "seconds": time.perf_counter() - t0, "first_loss": losses[0],
+            "last_loss": statistics.mean(losses[-10:])}
+
+
+def part_b(out: Path, quick: bool, device: str, pre_seconds: float) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from sparse_rl.modelinit import ModelInitConfig, init_model
+    from sparse_rl.sparse.config import SparseConfig
+    from sparse_rl.sparse.convert import ConvertConfig, convert
+    from sparse_rl.sparse.loader import load_model, load_tokenizer
+    from sparse_rl.sparse.train.data import build_data, synthetic_rows
+    from sparse_rl.sparse.train.hooks import evaluate
+    from sparse_rl.sparse.train.trainer import IndexerTrainConfig, run
+
+    root = Path("/tmp/indexer_bench_b")
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+    L = 256 if quick else 2048
+    k = L // 8
+    size = "tiny" if quick else "small"
+    batch = 2 if quick else 16
+    init_model(root / "dense", ModelInitConfig(arch="qwen2", size=size, seed=0, max_position_embeddings=4 * L))
+    tok = load_tokenizer(root / "dense")
+    data = build_data("synthetic", tok, L, seed=0, synthetic_n=64 if quick else 1024)
+    held = synthetic_rows(tok, 2 if quick else 8, L, seed=4242)
+    R = RESULTS["B"] = {"model": size, "L": L, "k": k}
+    model = AutoModelForCausalLM.from_pretrained(root / "dense", dtype=torch.float32).to(device)
+    R["pretrain"] = pretrain(model, data, batch, pre_seconds, 20 if quick else 100000, 1e-3, device)
+    model.save_pretrained(root / "pre")
+    tok.save_pretrained(root / "pre")
+    dump(out)
+    print(f"[B] pretrain: {R['pretrain']}", flush=True)
+    sc = SparseConfig(topk=k, index_heads=4, index_dim=32 if not quick else 16, rope_dim=16 if not quick else 8,
+                      sink=4, window=8 if quick else 32, dense_layers=[0])
+    convert(root / "pre", root / "sparse", ConvertConfig(sparse=sc, seed=0))
+
+    def ev(path, tag):
+        m = load_model(path, device=device, dtype="float32")
+        r = evaluate(m, held.to(device))
+        R[tag] = r
+        dump(out)
+        print(f"[B] {tag}: kl {r['kl']:.4f} recall {r['attn_recall']:.4f} oracle {r['oracle_recall']:.4f} "
+              f"lm dense {r['lm_loss_dense']:.4f} sparse {r['lm_loss_sparse']:.4f}", flush=True)
+        del m
+
+    ev(root / "sparse", "before_warmup")
+    steps_w = 10 if quick else 300
+    t = time.perf_counter()
+    s = run(IndexerTrainConfig(model=str(root / "sparse"), out=str(root / "warm"), data="synthetic", stage="warmup",
+                               seq_len=L, batch_size=batch // 2, steps=steps_w, lr=2e-3, lr_warmup=10,
+                               synthetic_rows=64 if quick else 1024, device=device, dtype="float32",
+                               save_every=10**6, log_every=25))
+    R["warmup_run"] = {"steps": steps_w, "seconds": time.perf_counter() - t, "last": s["last"]}
+    ev(root / "warm", "after_warmup")
+    steps_s = 10 if quick else 150
+    t = time.perf_counter()
+    s = run(IndexerTrainConfig(model=str(root / "warm"), out=str(root / "sparse_ft"), data="synthetic",
+                               stage="sparse", finetune="full", seq_len=L, batch_size=batch // 2, steps=steps_s,
+                               lr=1e-3, model_lr=3e-4, lr_warmup=10, synthetic_rows=64 if quick else 1024,
+                               device=device, dtype="float32", save_every=10**6, log_every=25))
+    R["sparse_run"] = {"steps": steps_s, "seconds": time.perf_counter() - t, "last": s["last"]}
+    ev(root / "sparse_ft", "after_sparse")
+    # control: the same sparse stage (code, data, LR schedule, steps) with k = L, i.e. dense attention
+    t = time.perf_counter()
+    s = run(IndexerTrainConfig(model=str(root / "warm"), out=str(root / "dense_ft"), data="synthetic",
+                               stage="sparse", finetune="full", seq_len=L, batch_size=batch // 2, steps=steps_s,
+                               lr=1e-3, model_lr=3e-4, lr_warmup=10, synthetic_rows=64 if quick else 1024, topk=L,
+                               device=device, dtype="float32", save_every=10**6, log_every=25))
+    R["dense_control_run"] = {"steps": steps_s, "seconds": time.perf_counter() - t, "last": s["last"]}
+    m = load_model(root / "dense_ft", device=device, dtype="float32")
+    with torch.no_grad():
+        hl = held.to(device)
+        R["dense_control_heldout_lm_loss"] = statistics.mean(
+            float(m(input_ids=hl[i:i + 1], labels=hl[i:i + 1], use_cache=False).loss) for i in range(len(hl)))
+    dump(out)
+    print(f"[B] k=L control: held-out LM loss {R['dense_control_heldout_lm_loss']:.4f}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--parts", default="AB")
+    ap.add_argument("--pretrain-seconds", type=float, default=35.0)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    RESULTS["env"] = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    import transformers
+    RESULTS["env"]["transformers"] = transformers.__version__
+    for name, fn in (("A", lambda: part_a(out, args.quick, device)),
+                     ("B", lambda: part_b(out, args.quick, device, args.pretrain_seconds))):
+        if name not in args.parts:
+            continue
+        t = time.perf_counter()
+        try:
+            fn()
+        except Exception:
+            RESULTS[f"{name}_error"] = traceback.format_exc()
+            print(RESULTS[f"{name}_error"], flush=True)
+        RESULTS[f"{name}_seconds"] = time.perf_counter() - t
+        dump(out)
+    print(json.dumps({k: v for k, v in RESULTS.items() if not k.endswith("error")}, indent=1)[:6000])
+
+
+if __name__ == "__main__":
+    main()
