@@ -36,8 +36,11 @@ def odd_shape_checks() -> list[dict]:
     dev = "cuda"
     res = []
     g = torch.Generator(device=dev).manual_seed(0)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for H, Hkv, D in ((8, 8, 64), (32, 8, 128), (28, 4, 128), (7, 1, 64), (4, 2, 16)):
+    # every shape in bf16; fp16/fp32 on two shapes (each config costs Triton compiles of device time)
+    combos = [(torch.bfloat16, s) for s in ((8, 8, 64), (32, 8, 128), (28, 4, 128), (7, 1, 64), (4, 2, 16))]
+    combos += [(torch.float32, (32, 8, 128)), (torch.float32, (7, 1, 64)), (torch.float16, (32, 8, 128))]
+    for dtype, (H, Hkv, D) in combos:
+        if True:
             B, T, S, K = 2, 333, 1111, 517
             q = torch.randn(B, H, T, D, device=dev, dtype=dtype, generator=g).transpose(1, 2)  # non-contiguous
             k = torch.randn(B, S, Hkv, D, device=dev, dtype=dtype, generator=g)
@@ -108,7 +111,7 @@ def sweep(L: int = 32768) -> list[dict]:
                        torch.randn(1, L, 64, device=dev, dtype=torch.bfloat16, generator=g), 2048, backend="triton")
     out = []
     d = torch.device(dev)
-    for tune in ((128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 8, 2), (64, 4, 2), (128, 2, 2)):
+    for tune in ((128, 4, 3), (128, 8, 2)):  # run 1 swept 7 configs; (128, 4, 2) won, the default
         try:
             ms = bench_ms(lambda: sa._fwd(q, k, v, idx, 1 / math.sqrt(128), tune=tune), d)
             out.append({"pass": "fwd", "tune": tune, "ms": ms})
@@ -118,7 +121,7 @@ def sweep(L: int = 32768) -> list[dict]:
     go = torch.randn_like(q)
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     o, _ = sparse_attention(qg, kg, vg, idx, backend="triton")
-    for tune in ((32, 4, 2), (64, 4, 2), (32, 4, 1), (64, 8, 2), (16, 4, 2)):
+    for tune in ((32, 4, 2), (64, 4, 2), (16, 4, 2)):
         sa.BWD_TUNE = tune
         try:
             ms = bench_ms(lambda: torch.autograd.grad(o, (qg, kg, vg), go, retain_graph=True), d)
