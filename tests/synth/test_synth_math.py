@@ -27,6 +27,8 @@ def test_arith_answer_is_the_value_of_the_expression():
         body = gen_arith(random.Random(i), 1 + i % 8)
         # The expression uses only + - * and exact '/', so Python's // evaluates it exactly.
         assert eval(body["meta"]["expression"].replace("/", "//")) == int(body["answer"])
+        # every operation the level asks for is in the expression (none silently dropped)
+        assert sum(body["meta"]["expression"].count(f" {op} ") for op in "+-*/") == body["meta"]["n_ops"]
 
 
 def test_difficulty_knobs():
