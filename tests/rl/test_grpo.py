@@ -54,7 +54,7 @@ def env(tmp_path_factory):
 
 
 def _base(env, model="sparse", *extra):
-    return ["grpo", str(env / model), "--tasks", str(env / "tasks.jsonl"), "--m", "4", "--n", "2",
+    return ["grpo", str(env / model), "--tasks", str(env / "tasks.jsonl"), "--samples", "4", "--keep", "2",
             "--prompts-per-step", "2", "--max-new-tokens", "6", "--set", "rollout.max_batch=8",
             "--set", "optim.lr=0.01", "--device", "cpu", *extra]
 
@@ -221,7 +221,7 @@ def test_bad_inputs_give_one_line_errors(env, tmp_path, case):
         args += ["--set", "loss.mismatch=is"]
         code, needle = 2, "loss.mismatch: unknown mismatch correction 'is'"
     elif case == "m_lt_n":
-        args += ["--n", "5"]
+        args += ["--keep", "5"]
         code, needle = 2, "rollout.m (4) must be >= rollout.n (5)"
     elif case == "out_exists":
         out.mkdir()

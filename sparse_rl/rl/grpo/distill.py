@@ -35,12 +35,17 @@ from sparse_rl.sparse.patch import get_attention, set_attention
 def attach_adapter(model, cfg):
     """Wrap `model` with a fresh LoRA adapter (B = 0, so mu starts as the plain sparse policy).
     Returns the peft model; theta stays trainable. cfg: DistillConfig."""
+    import warnings
+
     from peft import LoraConfig, get_peft_model
 
     lc = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                     target_modules=list(cfg.target_modules), bias="none")
     try:
-        pm = get_peft_model(model, lc)
+        with warnings.catch_warnings():
+            # peft probes a deprecated transformers property while wrapping; not ours to fix
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            pm = get_peft_model(model, lc)
     except ValueError as e:
         raise UsageError(f"distill.target_modules {list(cfg.target_modules)}: {' '.join(str(e).split())[:200]}") from None
     for p in theta_params(pm):

@@ -94,7 +94,8 @@ class Dist:
 
             state = PartialState(cpu=(device == "cpu"))
             self.rank, self.world = state.process_index, state.num_processes
-            self.device = state.device
+            # plain "cpu" (not "cpu:0", which safetensors rejects); "cuda:<local rank>" on GPUs
+            self.device = torch.device("cpu") if state.device.type == "cpu" else state.device
         else:
             from sparse_rl.cli.common import resolve_device
 
@@ -216,10 +217,6 @@ class Trainer:
         if self.eval_tasks and cfg.eval.limit:
             self.eval_tasks = self.eval_tasks[:cfg.eval.limit]
 
-        import warnings
-
-        # peft probes a deprecated transformers property on every wrap; the warning is not ours to fix
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         torch.manual_seed(cfg.seed)  # same LoRA initialisation on every process
         self.tokenizer = load_tokenizer(cfg.model)
         model = load_model(cfg.model, attention="dense", device=str(self.device), dtype=cfg.dtype)
