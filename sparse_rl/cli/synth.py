@@ -60,6 +60,8 @@ def _emit(stats: dict, stats_path: Optional[str], out: str) -> None:
 
 
 def _check_outputs(*paths: Optional[str]) -> None:
+    if sum(1 for p in paths if p == "-") > 1:
+        raise UsageError("only one of --out, --trajectories and --stats can be '-' (stdout)")
     seen = [p for p in paths if p and p != "-"]
     if len(set(seen)) != len(seen):
         raise UsageError("--out, --trajectories and --stats must be different files")

@@ -105,6 +105,8 @@ def test_errors_are_one_line_and_write_nothing(tmp_path):
     assert res.exit_code == 2 and "famlies" in _err_line(res)
     res = _run("synth", "agent", "--policy", "endpoint", "--out", out)
     assert res.exit_code == 2 and "--endpoint" in _err_line(res)
+    res = _run("synth", "math", "--stats", "-")
+    assert res.exit_code == 2 and "stdout" in _err_line(res) and res.stdout == ""
     res = _run("synth", "agent", "--envs", "fs,moon", "--out", out)
     assert res.exit_code == 2 and "moon" in _err_line(res)
     res = _run("synth", "agent", "--policy", "endpoint", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m",
