@@ -60,6 +60,10 @@ def test_fs_confinement(tmp_path):
             env.call("list_dir", {"path": "link"})
         assert "secret" not in env.call("search", {"pattern": "host"})  # walks do not follow links
         assert env.call("read_file", {"path": "a/./b.txt"}) == "hello"
+        with pytest.raises(ToolError, match="NotADirectoryError|FileExistsError"):  # parent is a file
+            env.call("write_file", {"path": "a/b.txt/x", "content": "x"})
+        with pytest.raises(ToolError, match="is a directory"):
+            env.call("write_file", {"path": "a", "content": "x"})
         env.call("write_file", {"path": "a/c/new.txt", "content": "x"})
         assert (env.root / "a/c/new.txt").read_text() == "x"
     finally:

@@ -45,7 +45,12 @@ class Env:
         errs = validate(args, schemas[name])
         if errs:
             raise ToolError("invalid arguments: " + "; ".join(errs))
-        return getattr(self, f"tool_{name}")(**args)
+        try:
+            return getattr(self, f"tool_{name}")(**args)
+        except ToolError:
+            raise
+        except Exception as e:  # e.g. OSError from a model's odd path: an observation, not a crash
+            raise ToolError(f"{type(e).__name__}: {e}") from None
 
     def check(self, spec: dict) -> bool:
         raise NotImplementedError
