@@ -122,3 +122,38 @@ def test_agent_loop_feeds_back_errors_and_recovers():
     assert obs[0].startswith("error: events must lie within office hours")
     assert obs[1].startswith("error: arguments are not valid JSON")
     assert traj["reward"] == 1.0 and traj["meta"]["tool_errors"] == 2
+
+
+class _FuzzPolicy:
+    """Random tool names, hostile or ill-typed arguments, broken JSON, odd answers."""
+
+    VALUES = ["", ".", "..", "/etc/passwd", "a/../../x", "data", "x" * 300, "Mon", "09:00", "SELECT * FROM orders",
+              "DROP TABLE orders", "\x00", -5, 0, 7, None, ["ana", "zed"], {"a": 1}]
+
+    def __init__(self, seed):
+        import random
+
+        self.rng, self.i = random.Random(seed), 0
+
+    def chat(self, messages, tools):
+        r = self.rng
+        self.i += 1
+        if r.random() < 0.15:
+            return {"role": "assistant", "content": r.choice(["\\boxed{3}", "", "idk", "\\boxed{09:00}"])}
+        fn = r.choice(tools)["function"]
+        name = fn["name"] if r.random() < 0.9 else "nope"
+        args = {k: r.choice(self.VALUES) for k in fn["parameters"]["properties"]}
+        raw = json.dumps(args) if r.random() < 0.9 else "{bad"
+        return {"role": "assistant", "content": None, "tool_calls": [tool_call(self.i, name, raw)]}
+
+
+@pytest.mark.parametrize("env", ["fs", "sql", "calendar", "combo"])
+def test_loop_survives_hostile_policy(env):
+    from sparse_rl.synth import filters as F
+
+    for i in range(6):
+        task = make_tool_task(env, 1, i, 1 + i % 4)
+        traj = run_episode(task, _FuzzPolicy(i), max_turns=10)
+        assert traj["meta"]["turns"] <= 10 and traj["messages"][: len(task["messages"])] == task["messages"]
+        F.rule_checks(traj, task["meta"]["tools"])
+        assert F.execution_check(task, traj) in (0.0, 1.0)
