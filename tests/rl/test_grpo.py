@@ -111,7 +111,8 @@ def test_dense_mode_end_to_end_with_math_reward_eval_and_checkpoint(env, tmp_pat
 def test_sparse_naive_mode_with_tis(env, tmp_path):
     out = tmp_path / "run"
     res = _run(_base(env, "sparse", "--out", out, "--steps", "2", "--mode", "sparse", "--reward",
-                     f"{env / 'rewards.py'}:varied", "--set", "loss.mismatch=tis", "--set", "loss.is_cap=1.5"))
+                     f"{env / 'rewards.py'}:varied", "--set", "loss.mismatch=tis", "--set", "loss.is_cap=1.5",
+                     "--set", "loss.kl_coef=0.05", "--set", "loss.kl_target=0.001", "--set", "loss.kl_horizon=4"))
     assert res.exit_code == 0, res.output
     rows = _metrics(out)
     assert len(rows) == 2
@@ -120,12 +121,17 @@ def test_sparse_naive_mode_with_tis(env, tmp_path):
         assert 0 < r["mismatch_p5_ratio"] < 1
         assert r["distill_kl_before"] is None
         assert r["is_mean_weight"] is not None and r["grad_norm"] > 0
+    # KL to the frozen initial policy: 0 before the first update, positive after; adaptive coefficient
+    assert rows[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl_ref"] > 0
+    assert rows[0]["kl_coef"] == 0.05 and rows[1]["kl_coef"] < 0.05  # KL below target: the coefficient shrinks
     assert not (out / "checkpoints" / "step-2" / "adapter").exists()
 
 
 def test_sparse_distill_resume_continues_exactly(env, tmp_path):
     args = ("--mode", "sparse+distill", "--reward", f"{env / 'rewards.py'}:varied", "--checkpoint-every", "2",
-            "--set", "distill.lr=0.003", "--set", "loss.mismatch=mis_token", "--set", "rollout.m=3")
+            "--set", "distill.lr=0.003", "--set", "loss.mismatch=mis_token", "--set", "rollout.m=3",
+            "--eval-tasks", env / "tasks.jsonl", "--eval-every", "1", "--set", "eval.limit=2", "--set", "eval.attention=dense",
+            "--set", "eval.greedy=false", "--set", "eval.samples=2")
     full, part = tmp_path / "full", tmp_path / "part"
     res = _run(_base(env, "sparse", "--out", full, "--steps", "3", *args))
     assert res.exit_code == 0, res.output
@@ -138,6 +144,7 @@ def test_sparse_distill_resume_continues_exactly(env, tmp_path):
     assert [r["step"] for r in b] == [1, 2, 3]
     for ra, rb in zip(a, b):
         assert _comparable(ra) == _comparable(rb)
+    assert a[-1]["eval_tasks"] == 2 and a[-1]["eval_accuracy"] is not None
     for r in a:
         assert r["distill_kl_before"] is not None and r["distill_kl_after"] is not None
         assert r["time_distill"] > 0 and 0 < r["distill_time_frac"] < 1

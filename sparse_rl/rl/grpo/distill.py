@@ -22,6 +22,7 @@ computes no base-weight gradients.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Callable
 
 import torch
@@ -115,7 +116,7 @@ def distill(model, batch: Batch, optimizer: torch.optim.Optimizer, cfg, *, tempe
     by its token count / `global_tokens`, and `reduce_grads` sums phi's gradients across processes.
     Returns floats: distill_loss_before / distill_kl_before (at the first update), distill_loss_after /
     distill_kl_after (one more no-grad sparse forward after the last update, if cfg.measure_after),
-    distill_grad_norm.
+    distill_grad_norm, time_distill_measure (seconds spent on the "after" forward).
     """
     loss_fn = lookup(DISTILL_LOSSES, cfg.loss, "distill.loss")
     full = bool(loss_fn.needs_logits)
@@ -156,6 +157,10 @@ def distill(model, batch: Batch, optimizer: torch.optim.Optimizer, cfg, *, tempe
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if cfg.measure_after:
+            dev = batch.input_ids.device
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
             with torch.no_grad():
                 loss_sum, kl_sum = 0.0, 0.0
                 for mb, teacher in zip(mbs, teachers):
@@ -167,4 +172,9 @@ def distill(model, batch: Batch, optimizer: torch.optim.Optimizer, cfg, *, tempe
                     kl_sum += float(stats["kl"]) * w
             out["distill_loss_after"] = all_sum(loss_sum)
             out["distill_kl_after"] = all_sum(kl_sum)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            # the "after" measurement is logging, not training: reported apart so the overhead of
+            # distillation proper is time_distill - time_distill_measure
+            out["time_distill_measure"] = time.perf_counter() - t0
     return out

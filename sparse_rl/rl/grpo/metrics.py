@@ -21,7 +21,7 @@ STEP_KEYS = (
     "is_mean_weight", "is_frac_masked", "is_frac_truncated",
     "distill_loss_before", "distill_loss_after", "distill_kl_before", "distill_kl_after", "distill_grad_norm",
     "rollout_tokens", "rollout_tokens_per_s", "time_rollout", "time_reward", "time_dense_forward", "time_update",
-    "time_distill", "time_step", "distill_time_frac",
+    "time_distill", "time_distill_measure", "time_step", "distill_time_frac",
 )
 EVAL_KEYS = ("eval_accuracy", "eval_reward", "eval_response_length", "eval_tasks")
 
