@@ -61,3 +61,27 @@ def test_verify_math_and_answer_extraction():
     assert verify_math("-12", "x = -12") == 1.0
     assert verify_math("42", "\\boxed{42} was wrong, it is \\boxed{43}") == 0.0
     assert extract_answer("blah <answer> 7 </answer>") == "7"
+
+
+def test_word_problem_answer_follows_the_story():
+    """Re-read each story sentence by sentence, independently of the generator's bookkeeping."""
+    from sparse_rl.synth.math_tasks import gen_word
+
+    rules = [(r"^\w+ has (\d+) \w+\.$", lambda x, m: int(m[1])),
+             (r"^Then \w+ buys (\d+) \w+s with (\d+) \w+ in each \w+\.$", lambda x, m: x + int(m[1]) * int(m[2])),
+             (r"^\w+ gives (\d+) \w+ to \w+\.$", lambda x, m: x - int(m[1])),
+             (r"^\w+ gives \w+ as many \w+ as \w+ already has\.$", lambda x, m: 2 * x),
+             (r"^\w+ splits the \w+ equally into (\d+) groups and keeps only one group\.$",
+              lambda x, m: x // int(m[1]) if x % int(m[1]) == 0 else None),
+             (r"^\w+ gives \w+ (\d+) more \w+\.$", lambda x, m: x + int(m[1]))]
+    for i in range(60):
+        body = gen_word(random.Random(i), 1 + i % 8)
+        story = body["prompt"].split(" How many ")[0]
+        x = None
+        for sent in re.findall(r"[^.]+\.", story):
+            sent = sent.strip()
+            hits = [(f, re.match(p, sent)) for p, f in rules if re.match(p, sent)]
+            assert len(hits) == 1, sent
+            x = hits[0][0](x, hits[0][1])
+            assert x is not None and x >= 0, sent
+        assert x == int(body["answer"])
