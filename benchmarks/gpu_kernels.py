@@ -37,8 +37,8 @@ def odd_shape_checks() -> list[dict]:
     res = []
     g = torch.Generator(device=dev).manual_seed(0)
     # every shape in bf16; fp16/fp32 on two shapes (each config costs Triton compiles of device time)
-    combos = [(torch.bfloat16, s) for s in ((8, 8, 64), (32, 8, 128), (28, 4, 128), (7, 1, 64), (4, 2, 16))]
-    combos += [(torch.float32, (32, 8, 128)), (torch.float32, (7, 1, 64)), (torch.float16, (32, 8, 128))]
+    combos = [(torch.bfloat16, s) for s in ((8, 8, 64), (32, 8, 128), (7, 1, 64))]
+    combos += [(torch.float32, (4, 2, 16)), (torch.float16, (28, 4, 128))]
     for dtype, (H, Hkv, D) in combos:
         if True:
             B, T, S, K = 2, 333, 1111, 517
@@ -111,7 +111,7 @@ def sweep(L: int = 32768) -> list[dict]:
                        torch.randn(1, L, 64, device=dev, dtype=torch.bfloat16, generator=g), 2048, backend="triton")
     out = []
     d = torch.device(dev)
-    for tune in ((128, 4, 3), (128, 8, 2)):  # run 1 swept 7 configs; (128, 4, 2) won, the default
+    for tune in ():  # run 1 swept 7 configs; (128, 4, 2) won and is the default
         try:
             ms = bench_ms(lambda: sa._fwd(q, k, v, idx, 1 / math.sqrt(128), tune=tune), d)
             out.append({"pass": "fwd", "tune": tune, "ms": ms})
@@ -121,7 +121,7 @@ def sweep(L: int = 32768) -> list[dict]:
     go = torch.randn_like(q)
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     o, _ = sparse_attention(qg, kg, vg, idx, backend="triton")
-    for tune in ((32, 4, 2), (64, 4, 2), (16, 4, 2)):
+    for tune in ((32, 4, 2), (64, 4, 2)):
         sa.BWD_TUNE = tune
         try:
             ms = bench_ms(lambda: torch.autograd.grad(o, (qg, kg, vg), go, retain_graph=True), d)
@@ -185,7 +185,7 @@ def main():
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
         json.dump(sw, f, indent=1)
     cli = [sys.executable, "-m", "sparse_rl.cli.main", "bench"]
-    seq = "8K,32K" if args.quick else "8K,16K,32K,64K,128K"
+    seq = "8K,32K" if args.quick else "8K,32K,64K,128K"
     subprocess.run(cli + ["decode", "--splits", "1,2,4,8", "--out", f"{args.out}/decode.json"], check=True,
                    stdout=open(f"{args.out}/decode.md", "w"))
     subprocess.run(cli + ["attention", "--seqlens", seq, "--out", f"{args.out}/attention.json"], check=True,
