@@ -157,3 +157,48 @@ def test_loop_survives_hostile_policy(env):
         assert traj["meta"]["turns"] <= 10 and traj["messages"][: len(task["messages"])] == task["messages"]
         F.rule_checks(traj, task["meta"]["tools"])
         assert F.execution_check(task, traj) in (0.0, 1.0)
+
+
+def test_generators_answers_checked_independently():
+    """self_check proves the solution consistent with the verifier; these re-derive the answers the
+    generators claim by other means (brute force over the calendar, Python over the rows/files)."""
+    from sparse_rl.synth.envs.calendar import hm, mins
+
+    for i in range(20):
+        # calendar: no earlier half-hour slot is feasible (tried through the env's own rules)
+        for template in ("schedule", "reschedule"):
+            task = make_tool_task("calendar", 2, i, 1 + i % 5, template=template)
+            if task is None:
+                continue
+            final = task["meta"]["solution"][-1]
+            for s in range(9 * 60, mins(task["answer"]), 30):
+                env = CalendarEnv(task["meta"]["state"])
+                for c in task["meta"]["solution"][:-1]:
+                    env.call(c["name"], c["arguments"])
+                args = dict(final["arguments"], start=hm(s))
+                if final["name"] == "create_event":
+                    args["end"] = hm(s + mins(final["arguments"]["end"]) - mins(final["arguments"]["start"]))
+                with pytest.raises(ToolError):
+                    env.call(final["name"], args)
+        # sql aggregate: recompute the sum in Python from the rows
+        task = make_tool_task("sql", 2, i, 1 + i % 5, template="aggregate")
+        q = task["messages"][1]["content"]
+        rows = task["meta"]["state"]["rows"]
+        city = {c[0]: c[2] for c in rows["customers"]}
+        status = next(s for s in ("pending", "shipped", "cancelled") if f"amount of {s} orders" in q)
+        where = q.split("living in ")[1].split(" ")[0].rstrip("?")
+        floor = int(q.split("above ")[1].split("?")[0]) if "above" in q else -1
+        want = sum(o[2] for o in rows["orders"] if o[3] == status and city[o[1]] == where and o[2] > floor)
+        assert int(task["answer"]) == want
+        # fs find: exactly one file holds the code word, and it is the answer
+        task = make_tool_task("fs", 2, i, 1 + i % 5, template="find")
+        token = task["messages"][1]["content"].split("code word ")[1].split(".")[0]
+        holders = [p for p, text in task["meta"]["state"]["files"].items() if token in text]
+        assert holders == [task["answer"]]
+        # fs total: the sum of cost= values in .txt files under data/, archive excluded
+        task = make_tool_task("fs", 2, i, 1 + i % 5, template="total")
+        files = task["meta"]["state"]["files"]
+        want = sum(int(tok.split("=")[1]) for p, text in files.items()
+                   if p.startswith("data/") and p.endswith(".txt") and not p.startswith("data/archive/")
+                   for tok in text.split() if tok.startswith("cost="))
+        assert int(task["answer"]) == want
