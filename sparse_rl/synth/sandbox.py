@@ -221,7 +221,7 @@ def _install(argv):
             deny("starting programs is disabled")
         elif event in introspect or (event == "import" and args[0] in ("ctypes", "_ctypes")):
             deny(event + " is disabled")
-        elif block_fork and event == "os.fork":
+        elif block_fork and event in ("os.fork", "os.forkpty"):
             deny("fork is disabled on this platform (RLIMIT_NPROC cannot bind)")
 
     with open(argv[1]) as fh:
@@ -245,9 +245,12 @@ def _libc():
     # Loaded in the parent: importing or dlopen-ing between fork and exec could deadlock.
     import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
-    libc.unshare.argtypes = [ctypes.c_int]
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+        libc.unshare.argtypes = [ctypes.c_int]
+    except (OSError, AttributeError):  # not Linux/glibc-like: no namespaces, the other layers still apply
+        return None
     return libc
 
 
@@ -270,7 +273,11 @@ def _mounts() -> list[tuple[bytes, int]]:
 def _count_tasks(uid: int) -> int:
     """Processes+threads whose real uid is `uid` (what RLIMIT_NPROC counts against)."""
     n = 0
-    for d in os.listdir("/proc"):
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no procfs: the budget is then absolute
+        return 0
+    for d in entries:
         if not d.isdigit():
             continue
         try:
@@ -298,20 +305,26 @@ def _preexec(limits: Limits, drop_uid: bool, want_netns: bool, nproc: int | None
     mounts = _mounts() if rw_dir is not None else []
     wd = os.fsencode(str(rw_dir)) if rw_dir is not None else b""
 
+    def namespaces():
+        user = 0 if os.geteuid() == 0 else CLONE_NEWUSER
+        mnt_before = os.readlink("/proc/self/ns/mnt")
+        if rw_dir is not None and libc.unshare(user | CLONE_NEWNET | CLONE_NEWNS) == 0:
+            if (os.readlink("/proc/self/ns/mnt") != mnt_before
+                    and libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0
+                    and libc.mount(wd, wd, None, MS_BIND | MS_REC, None) == 0):
+                for mp, keep in mounts:
+                    if mp != wd and mp not in _KEEP_RW and not mp.startswith((b"/proc/", b"/sys/")):
+                        libc.mount(None, mp, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep, None)
+                os.chdir(wd)  # the cwd set before us is the directory under the new bind mount
+        else:
+            libc.unshare(user | CLONE_NEWNET)
+
     def fn():
-        if want_netns:
-            user = 0 if os.geteuid() == 0 else CLONE_NEWUSER
-            mnt_before = os.readlink("/proc/self/ns/mnt")
-            if rw_dir is not None and libc.unshare(user | CLONE_NEWNET | CLONE_NEWNS) == 0:
-                if (os.readlink("/proc/self/ns/mnt") != mnt_before
-                        and libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0
-                        and libc.mount(wd, wd, None, MS_BIND | MS_REC, None) == 0):
-                    for mp, keep in mounts:
-                        if mp != wd and mp not in _KEEP_RW and not mp.startswith((b"/proc/", b"/sys/")):
-                            libc.mount(None, mp, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep, None)
-                    os.chdir(wd)  # the cwd set before us is the directory under the new bind mount
-            else:
-                libc.unshare(user | CLONE_NEWNET)
+        if want_netns and libc is not None:
+            try:  # best effort: platform_support() reports what actually took
+                namespaces()
+            except Exception:
+                pass
         resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
