@@ -20,6 +20,7 @@ STAGES: list[tuple[str, str, str]] = [
     ("demo", "sparse_rl.cli.demo", "Run the whole chain on a tiny model, offline, on a CPU."),
     ("synth", "sparse_rl.cli.synth", "Synthesise verifiable math tasks and sandboxed tool-use trajectories."),
     ("indexer", "sparse_rl.cli.indexer", "Train the lightning indexers: dense KL warm-up, then sparse training."),
+    ("generate", "sparse_rl.cli.generate", "Sample completions with the rollout engine (dense or sparse), with log-probs."),
     ("eval", "sparse_rl.cli.eval", "Evaluate: math accuracy and pass@k, RULER-style needle-in-a-haystack grids."),
     ("grpo", "sparse_rl.cli.grpo", "GRPO with dense or sparse rollouts, mismatch correction, LoRA distillation, oversampling."),
     ("bench", "sparse_rl.cli.bench", "Speed benchmarks: sparse attention and decode kernels vs dense SDPA/FlexAttention."),

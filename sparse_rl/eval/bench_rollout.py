@@ -154,7 +154,8 @@ def run_rollout_bench(cfg: BenchRolloutConfig, log=print, on_result=None) -> dic
         try:
             eng = RolloutEngine(model, None, max_batch=cfg.batch, max_seq_len=cfg.prompt_len + cfg.new_tokens,
                                 device=dev, use_cuda_graphs=graphs, eos_token_ids=[])
-            record(time_engine(eng, ids, cfg.new_tokens, "engine" if graphs else "engine_eager", "dense"))
+            record(time_engine(eng, ids, cfg.new_tokens, "engine" if graphs or dev.type != "cuda" else "engine_eager",
+                                     "dense"))
             del eng
         except Exception as e:
             res["errors"].append(f"engine (graphs={graphs}): {type(e).__name__}: {e}")

@@ -424,10 +424,16 @@ def generate_texts(model_dir, prompts: list[str], max_new_tokens: int = 64, atte
     return make_generate_fn(model_dir, attention, device, dtype, max_batch, chat)(prompts, max_new_tokens)
 
 
-def encode_prompt(tokenizer, rec: dict) -> list[int]:
-    """Token ids of a prompt record: `messages` through the chat template (with the generation prompt),
-    else `prompt` as plain text."""
+def render_prompt(tokenizer, rec: dict) -> str:
+    """The text the model sees for a prompt record: `messages` through the chat template (with the
+    generation prompt), else `prompt` as it is."""
     if "messages" in rec:
-        text = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(rec["prompt"], add_special_tokens=True)["input_ids"]
+        return tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, tokenize=False)
+    return rec["prompt"]
+
+
+def encode_prompt(tokenizer, rec: dict) -> list[int]:
+    """Token ids of a prompt record. The chat template already holds any BOS, so special tokens are
+    added only to plain `prompt` text."""
+    text = render_prompt(tokenizer, rec)
+    return tokenizer(text, add_special_tokens="messages" not in rec)["input_ids"]

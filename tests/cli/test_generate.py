@@ -1,0 +1,96 @@
+"""`sparse-rl generate` end to end: files, stdin/stdout, n samples, log-probs, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from sparse_rl.cli.main import app
+
+PROMPTS = [
+    {"id": "p1", "prompt": "2+2=", "task": "math", "answer": "4"},
+    {"id": "p2", "messages": [{"role": "user", "content": "Say hi."}]},
+    {"id": "p3", "prompt": "The capital of France is"},
+]
+
+
+@pytest.fixture(scope="module")
+def sparse_model(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gen") / "sparse"
+    res = CliRunner().invoke(app, ["convert", str(tiny_model_dir), str(out), "--topk", "8", "--index-heads", "2",
+                                   "--index-dim", "16", "--rope-dim", "8", "--sink", "1", "--window", "2",
+                                   "--dense-layers", "0"])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def _write(path, lines):
+    path.write_text("".join(line if isinstance(line, str) else json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_generate_file_to_file(sparse_model, tmp_path):
+    src = _write(tmp_path / "p.jsonl", PROMPTS)
+    out = tmp_path / "c.jsonl"
+    res = CliRunner().invoke(app, ["generate", str(sparse_model), "--prompts", str(src), "--out", str(out),
+                                   "--attention", "sparse", "--n", "2", "--temperature", "0.8", "--top-k", "40",
+                                   "--max-new-tokens", "12", "--batch-size", "4", "--logprobs", "--seed", "1",
+                                   "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["id"], r["sample"]) for r in rows] == [(p["id"], j) for p in PROMPTS for j in range(2)]
+    for r in rows:
+        assert len(r["tokens"]) == len(r["logprobs"]) <= 12 and r["finish_reason"] in ("stop", "length")
+        assert all(lp <= 0 for lp in r["logprobs"]) and isinstance(r["completion"], str)
+    assert rows[0]["answer"] == "4" and rows[0]["task"] == "math" and rows[0]["prompt"] == "2+2="
+    assert rows[2]["prompt"].startswith("<|im_start|>user\nSay hi.<|im_end|>") and rows[2]["prompt"].endswith("assistant\n")
+    # same seed, same completions
+    out2 = tmp_path / "c2.jsonl"
+    res = CliRunner().invoke(app, ["generate", str(sparse_model), "--prompts", str(src), "--out", str(out2),
+                                   "--attention", "sparse", "--n", "2", "--temperature", "0.8", "--top-k", "40",
+                                   "--max-new-tokens", "12", "--batch-size", "2", "--logprobs", "--seed", "1",
+                                   "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert [json.loads(x)["tokens"] for x in out2.read_text().splitlines()] == [r["tokens"] for r in rows]
+
+
+def test_generate_stdin_to_stdout(sparse_model):
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    inp = "".join(json.dumps(p) + "\n" for p in PROMPTS)
+    proc = subprocess.run([sys.executable, "-m", "sparse_rl.cli.main", "generate", str(sparse_model), "--prompts", "-",
+                           "--temperature", "0", "--max-new-tokens", "6", "--device", "cpu"],
+                          input=inp, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["id"] for r in rows] == ["p1", "p2", "p3"] and "sample" not in rows[0] and "logprobs" not in rows[0]
+    assert "done 3 completions" in proc.stderr
+
+
+@pytest.mark.parametrize("bad,line,msg", [
+    ('{"id": "x", "prompt": "a"\n', 2, "invalid JSON"),
+    ('{"id": "x"}\n', 2, "needs a 'prompt'"),
+    ('{"prompt": "a"}\n', 2, "missing field 'id'"),
+    ('{"id": "x", "messages": "hi"}\n', 2, "'messages' must be"),
+])
+def test_bad_prompts_file(sparse_model, tmp_path, bad, line, msg):
+    src = _write(tmp_path / "p.jsonl", [PROMPTS[0], bad, PROMPTS[2]])
+    out = tmp_path / "c.jsonl"
+    res = CliRunner().invoke(app, ["generate", str(sparse_model), "--prompts", str(src), "--out", str(out),
+                                   "--device", "cpu", "--max-new-tokens", "4"])
+    assert res.exit_code == 1
+    err = [x for x in res.output.splitlines() if x.startswith("error:")]
+    assert len(err) == 1 and f"line {line}" in err[0] and msg in err[0] and str(src) in err[0]
+    assert not out.exists() and not list(tmp_path.glob(".c.jsonl*"))
+
+
+def test_bad_flags(sparse_model, tmp_path):
+    src = _write(tmp_path / "p.jsonl", PROMPTS)
+    res = CliRunner().invoke(app, ["generate", str(sparse_model), "--prompts", str(src), "--top-p", "1.5"])
+    assert res.exit_code == 2 and "--top-p" in res.output
+    res = CliRunner().invoke(app, ["generate", str(sparse_model), "--prompts", str(src), "--n", "8", "--batch-size", "4"])
+    assert res.exit_code == 2 and "--batch-size" in res.output
+    res = CliRunner().invoke(app, ["generate", str(tmp_path / "nope"), "--prompts", str(src)])
+    assert res.exit_code == 1 and "no such directory" in res.output
