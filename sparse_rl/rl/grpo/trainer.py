@@ -90,7 +90,7 @@ class Trainer:
         self.per_rank = cfg.data.prompts_per_step // self.dist.world
         if cfg.rollout.max_batch < cfg.rollout.m:
             raise UsageError(f"rollout.max_batch ({cfg.rollout.max_batch}) must be >= rollout.m ({cfg.rollout.m})")
-        self._prepare_run_dir(resume)
+        self._check_run_dir(resume)
 
         check_model_dir(cfg.model, "MODEL")
         if cfg.sparse_rollout and sparse_config_of(cfg.model) is None:
@@ -132,23 +132,27 @@ class Trainer:
         self.step = 0
         self.keep_rate: float | None = None  # dynamic sampling: observed fraction of informative groups
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self._create_run_dir()
         if resume:
             self._resume()
 
     # ------------------------------------------------------------------ run dir
-    def _prepare_run_dir(self, resume: bool) -> None:
-        from sparse_rl.config import save_config
-
+    def _check_run_dir(self, resume: bool) -> None:
         d = self.run_dir
         if resume:
             if not (d / "config.yaml").is_file():
                 raise UsageError(f"--resume: {d} is not a GRPO run dir (no config.yaml); start a new run without --resume")
         elif d.exists() and any(d.iterdir()):
             raise UsageError(f"--out {d}: exists and is not empty; pass --resume to continue that run or choose a new dir")
+
+    def _create_run_dir(self) -> None:
+        """Written only once the inputs are checked and the model loaded, so a failed start leaves no run dir."""
+        from sparse_rl.config import save_config
+
         self.dist.barrier()
         if self.dist.main:
-            d.mkdir(parents=True, exist_ok=True)
-            save_config(self.cfg, d / "config.yaml")
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(self.cfg, self.run_dir / "config.yaml")
         self.dist.barrier()
 
     def _resume(self) -> None:
