@@ -4,10 +4,11 @@
      satisfy the tool's JSON schema, every tool call answered by a tool message, a final answer;
   2. execution check (`execution_check`): replay the trajectory's tool calls in a fresh environment
      and run the task's verifier over the final state and answer (does not trust the stored reward);
-  3. optional reviewer score (`review_score`): an LLM judge through the same endpoint interface;
-  4. exact and near-duplicate removal (`Deduper`): SHA-1 of normalised text, then MinHash over
-     word 3-shingles with LSH banding, dropping items whose estimated Jaccard similarity to a kept
+  3. exact and near-duplicate removal (`Deduper`): SHA-1 of normalised text, then MinHash over
+     token 3-shingles with LSH banding, dropping items whose estimated Jaccard similarity to a kept
      item reaches the threshold;
+  4. optional reviewer score (`review_score`): an LLM judge through the same endpoint interface,
+     run last because it is the only filter that costs a model call;
   5. difficulty calibration (`in_band`): pass rate over K attempts within [min_pass, max_pass].
 """
 

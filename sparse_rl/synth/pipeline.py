@@ -275,16 +275,16 @@ def run_agent(cfg: SynthAgentConfig, tasks: list[dict] | None = None, task_drops
                     traj_drops["uninformative_failure" if cfg.keep_failures else "failure"] += 1
                     continue
                 traj["label"] = lab
-            if reviewer is not None:
+            why = dedup_traj.setdefault(traj["label"], F.Deduper(cfg.dedup_threshold)).add(F.trajectory_text(traj))
+            if why:
+                traj_drops["duplicate"] += 1
+                continue
+            if reviewer is not None:  # last: the only filter that costs a model call
                 score = F.review_score(reviewer, task, traj)
                 traj["checks"]["reviewer"] = score
                 if score is None or score < cfg.min_review:
                     traj_drops["reviewer"] += 1
                     continue
-            why = dedup_traj.setdefault(traj["label"], F.Deduper(cfg.dedup_threshold)).add(F.trajectory_text(traj))
-            if why:
-                traj_drops["duplicate"] += 1
-                continue
             survivors.append(traj)
         rate = passes / cfg.attempts
         hist[f"{passes}/{cfg.attempts}"] += 1

@@ -162,3 +162,24 @@ def test_normalize_message_variants():
     traj = {"messages": [m, {"role": "tool", "tool_call_id": "call_0", "content": "x"},
                          {"role": "assistant", "content": "\\boxed{1}"}]}
     assert F.rule_checks(traj, task["meta"]["tools"]) == {"format": True, "tool_names": True, "tool_args": True}
+
+
+def test_reviewer_drops_low_scores(stub_endpoint):
+    StubServer, solver = stub_endpoint
+    cfg = P.SynthAgentConfig(n=3, envs=["fs", "sql", "calendar"], attempts=2, policy="endpoint",
+                             endpoint="http://unused", model="stub", reviewer=True, min_review=0.5)
+    tasks, _ = P.generate_tool_tasks(cfg)
+    solve = solver(tasks, wrong_every=2)
+
+    def behave(body):
+        user = [m for m in body["messages"] if m["role"] == "user"][-1]["content"]
+        if user.startswith("You review"):  # the judge dislikes wrong answers
+            right = any("boxed{" + t["answer"] + "}" in user for t in tasks)
+            return {"role": "assistant", "content": "SCORE: 9" if right else "SCORE: 2"}
+        return solve(body)
+
+    with StubServer(behave) as srv:
+        cfg.endpoint = srv.url
+        kept, trajs, st = P.run_agent(cfg, tasks)
+    assert st["trajectories"]["dropped"] == {"reviewer": 3}
+    assert [t["label"] for t in trajs] == ["success"] * 3 and all(t["checks"]["reviewer"] == 0.9 for t in trajs)
