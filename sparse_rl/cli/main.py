@@ -21,7 +21,7 @@ STAGES: list[tuple[str, str, str]] = [
     ("synth", "sparse_rl.cli.synth", "Synthesise verifiable math tasks and sandboxed tool-use trajectories."),
     ("indexer", "sparse_rl.cli.indexer", "Train the lightning indexers: dense KL warm-up, then sparse training."),
     ("generate", "sparse_rl.cli.generate", "Sample completions with the rollout engine (dense or sparse), with log-probs."),
-    ("eval", "sparse_rl.cli.eval", "Evaluate: math accuracy and pass@k, RULER-style needle-in-a-haystack grids."),
+    ("eval", "sparse_rl.cli.eval", "Evaluate: math accuracy and pass@k, RULER-style needle grids, sparse-vs-dense fidelity."),
     ("grpo", "sparse_rl.cli.grpo", "GRPO with dense or sparse rollouts, mismatch correction, LoRA distillation, oversampling."),
     ("bench", "sparse_rl.cli.bench", "Speed benchmarks: sparse attention and decode kernels vs dense SDPA/FlexAttention."),
 ]
