@@ -156,8 +156,10 @@ def normalize_message(msg: dict) -> dict:
     return out
 
 
-def _observe(env, tc: dict) -> str:
-    fn = tc.get("function") or {}
+def _observe(env, tc) -> str:
+    if not isinstance(tc, dict) or not isinstance(tc.get("function"), dict):
+        return "error: malformed tool call; expected {\"type\": \"function\", \"function\": {\"name\", \"arguments\"}}"
+    fn = tc["function"]
     name, raw = fn.get("name"), fn.get("arguments", "{}")
     try:
         args = json.loads(raw) if isinstance(raw, str) else raw
@@ -195,7 +197,8 @@ def run_episode(task: dict, policy: Policy, max_turns: int = 12) -> dict:
             for tc in msg["tool_calls"]:
                 obs = _observe(env, tc)
                 n_err += obs.startswith("error:")
-                messages.append({"role": "tool", "tool_call_id": tc.get("id"), "content": obs})
+                tc_id = tc.get("id") if isinstance(tc, dict) else None
+                messages.append({"role": "tool", "tool_call_id": tc_id, "content": obs})
         reward, detail = score_state(task, env, final)
     return {"id": task["id"], "task": task["task"], "task_id": task["id"], "messages": messages, "reward": reward,
             "checks": {"verifier": reward == 1.0, "answer": detail["answer"], "state_checks": detail["checks"]},

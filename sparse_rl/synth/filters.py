@@ -31,7 +31,7 @@ def rule_checks(traj: dict, tools: list[dict]) -> dict[str, bool]:
     msgs = traj.get("messages") or []
     last_assistant = None
     for m in msgs:
-        role = m.get("role")
+        role = m.get("role") if isinstance(m, dict) else None
         if role not in ("system", "user", "assistant", "tool"):
             fmt = False
             continue

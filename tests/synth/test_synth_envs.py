@@ -144,7 +144,8 @@ class _FuzzPolicy:
         name = fn["name"] if r.random() < 0.9 else "nope"
         args = {k: r.choice(self.VALUES) for k in fn["parameters"]["properties"]}
         raw = json.dumps(args) if r.random() < 0.9 else "{bad"
-        return {"role": "assistant", "content": None, "tool_calls": [tool_call(self.i, name, raw)]}
+        call = tool_call(self.i, name, raw) if r.random() < 0.95 else r.choice(["junk", {"id": "x"}, None])
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
 
 
 @pytest.mark.parametrize("env", ["fs", "sql", "calendar", "combo"])

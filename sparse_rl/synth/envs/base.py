@@ -137,10 +137,12 @@ def calls_from_messages(messages: list[dict]) -> tuple[list[dict], str | None]:
     """Tool calls (arguments parsed; unparsable ones kept as the raw string) and the final answer."""
     calls, final = [], None
     for m in messages:
-        if m.get("role") != "assistant":
+        if not isinstance(m, dict) or m.get("role") != "assistant":
             continue
         for tc in m.get("tool_calls") or []:
-            fn = tc.get("function") or {}
+            fn = tc.get("function") if isinstance(tc, dict) else None
+            if not isinstance(fn, dict):
+                continue  # malformed: never ran
             raw = fn.get("arguments", "{}")
             try:
                 args: Any = json.loads(raw) if isinstance(raw, str) else raw
