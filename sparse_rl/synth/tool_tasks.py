@@ -30,6 +30,8 @@ def make_env(task: dict) -> Env:
     name = meta.get("env")
     if name not in ENVS:
         raise UsageError(f"task {task.get('id')}: unknown environment {name!r} (known: {', '.join(ENVS)})")
+    if not isinstance(meta.get("state"), dict) or "checks" not in meta:
+        raise UsageError(f"task {task.get('id')}: a tool task needs meta.state and meta.checks (make it with `synth agent`)")
     return ENVS[name](meta["state"])
 
 
