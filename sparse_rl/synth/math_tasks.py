@@ -104,10 +104,13 @@ FILLER = ["The grass is green.", "The sky is blue.", "The sun is yellow.", "Here
 
 
 def _var_names(rng: random.Random, k: int) -> list[str]:
-    names: set[str] = set()
+    # A list, not a set: set order of strings changes with PYTHONHASHSEED, and the file must not.
+    names: list[str] = []
     while len(names) < k:
-        names.add("".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)))
-    return sorted(names, key=lambda _: rng.random())
+        name = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+        if name not in names:
+            names.append(name)
+    return names
 
 
 def gen_vartrack(rng: random.Random, level: int, length: int = 512) -> dict:
