@@ -74,3 +74,21 @@ def test_cli_math_model_samples_then_scores_the_same(full_sparse_dir, tmp_path):
     assert (t["accuracy"], t["pass@k"]) == (s["accuracy"], s["pass@k"])
     both = CliRunner().invoke(app, args + ["--score", str(comp)])
     assert both.exit_code == 2 and "not both" in both.stderr
+
+
+def test_generate_pipes_into_eval_math(full_sparse_dir, tmp_path):
+    """`sparse-rl generate ... --n 2` output scores as 2 samples per problem, joined on id."""
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "a", "prompt": "2 + 3 =", "answer": "5", "task": "arith"},
+        {"id": "b", "prompt": "10 - 4 =", "answer": "#### 6", "task": "arith"},
+    ]))
+    comp = tmp_path / "c.jsonl"
+    res = CliRunner().invoke(app, ["generate", str(full_sparse_dir), "--prompts", str(p), "--out", str(comp), "--n", "2",
+                                   "--max-new-tokens", "4", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    for extra in ([], ["--problems", str(p)]):  # gold carried by the completions, or joined from the problems
+        res = CliRunner().invoke(app, ["eval", "math", "--score", str(comp), *extra])
+        assert res.exit_code == 0, res.output
+        s = json.loads(res.stdout)
+        assert (s["problems"], s["samples"], list(s["pass@k"])) == (2, 4, ["1", "2"])
