@@ -30,6 +30,8 @@ class RolloutConfig:
     m: int = 8  # completions sampled per prompt
     n: int = 4  # completions kept per prompt (top-n by reward; n == m disables oversampling)
     temperature: float = 1.0
+    # mu's recorded log-probs are those of the distribution sampled from (after top-k/top-p
+    # filtering); pi's are of logits / temperature, so filtering shows up as rollout mismatch
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 256
