@@ -111,9 +111,17 @@ def string_match_all(pred: str, refs: list[str]) -> float:
 class Haystack:
     """Filler sentences and, per tokenizer, their token stream with sentence boundaries."""
 
+    # Needles sit between sentences; a text with few sentence ends (code, lists) is cut into pieces
+    # of at most this many words so that depths stay precise.
+    MAX_WORDS = 40
+
     def __init__(self, sentences: list[str], name: str = "noise"):
-        # "\x00" marks needle positions while a prompt is assembled, so it may not occur in the filler.
-        sentences = [s.replace("\x00", "").strip() for s in sentences if s.replace("\x00", "").strip()]
+        pieces = []
+        for s in sentences:
+            # "\x00" marks needle positions while a prompt is assembled, so it may not occur in the filler.
+            words = s.replace("\x00", "").split()
+            pieces += [" ".join(words[i:i + self.MAX_WORDS]) for i in range(0, len(words), self.MAX_WORDS)]
+        sentences = pieces
         if not sentences:
             raise SparseRLError(f"{name}: the haystack text has no sentences")
         self.sentences = sentences

@@ -71,9 +71,14 @@ def _needle_depth(tok, rec):
     return (start - ctx0) / filler, start
 
 
-@pytest.mark.parametrize("haystack_kind", ["noise", "file"])
+@pytest.mark.parametrize("haystack_kind", ["noise", "file", "no-punctuation"])
 def test_needle_sits_at_requested_depth(bpe, tmp_path, haystack_kind):
-    if haystack_kind == "file":
+    if haystack_kind == "no-punctuation":  # one endless "sentence": cut into pieces of <= 40 words
+        f = tmp_path / "words.txt"
+        f.write_text(" ".join(["bright", "cold", "day", "in", "April", "clocks", "were", "striking"] * 100))
+        hs = Haystack.from_file(f)
+        assert len(hs.sentences) == 20 and all(len(x.split()) == 40 for x in hs.sentences)
+    elif haystack_kind == "file":
         f = tmp_path / "book.txt"
         f.write_text("It was a bright cold day in April, and the clocks were striking thirteen. " * 3
                      + "Winston Smith slipped quickly through the glass doors of Victory Mansions.\n\n" * 2)
