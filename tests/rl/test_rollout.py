@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sparse_rl.modelinit import ModelInitConfig, init_model
-from sparse_rl.rl.rollout import RolloutEngine, SamplingParams, process_logits
+from sparse_rl.rl.rollout import RolloutEngine, SamplingParams, make_generate_fn, process_logits
 from sparse_rl.sparse.config import SparseConfig
 from sparse_rl.sparse.convert import ConvertConfig, convert
 from sparse_rl.sparse.loader import load_model, load_tokenizer, set_attention
@@ -104,8 +104,8 @@ def test_sparse_with_topk_above_length_equals_dense(llama_dir):
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_continuous_batching_equals_one_at_a_time(llama_dir, mode):
     model = load_model(llama_dir, attention=mode)
-    prompts = _prompts(3, (9, 2, 15, 6, 12, 4))
-    p = SamplingParams(temperature=0, max_new_tokens=40)
+    prompts = _prompts(3, (9, 2, 15, 6, 12))
+    p = SamplingParams(temperature=0, max_new_tokens=30)
     batched = _engine(model, max_batch=3).generate(prompts, p)
     single = _engine(model, max_batch=1)
     for pr, c in zip(prompts, batched):
@@ -115,13 +115,14 @@ def test_continuous_batching_equals_one_at_a_time(llama_dir, mode):
 
 
 def test_seeded_sampling_is_batch_invariant(llama_dir):
-    model = load_model(llama_dir, attention="sparse")
-    p = SamplingParams(n=3, temperature=1.0, max_new_tokens=20, seed=7)
-    a = _engine(model, max_batch=3).generate(_prompts(4), p)
-    b = _engine(model, max_batch=8).generate(_prompts(4), p)
+    model = load_model(llama_dir, attention="dense")
+    prompts = _prompts(4, (5, 11, 3))
+    p = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=7)
+    a = _engine(model, max_batch=3).generate(prompts, p)
+    b = _engine(model, max_batch=8).generate(prompts, p)
     assert [c.tokens for c in a] == [c.tokens for c in b]
     assert len({tuple(c.tokens) for c in a}) == len(a)  # the n samples differ
-    other = _engine(model, max_batch=8).generate(_prompts(4), SamplingParams(n=3, max_new_tokens=20, seed=8))
+    other = _engine(model, max_batch=8).generate(prompts, SamplingParams(n=3, max_new_tokens=12, seed=8))
     assert [c.tokens for c in other] != [c.tokens for c in a]
 
 
@@ -203,3 +204,24 @@ def test_weight_refresh_state_dict_and_lora(llama_dir, tmp_path):
     assert [c.tokens for c in eng2.generate(prompts, p)] == [c.tokens for c in got]
     eng2.load_lora(peft.get_peft_model_state_dict(pm), scaling=8 / 4)  # idempotent: W = W_base + delta
     assert [c.tokens for c in eng2.generate(prompts, p)] == [c.tokens for c in got]
+
+
+def test_make_generate_fn_is_greedy_text(llama_dir):
+    """The helper other stages (eval niah) call: greedy texts, one per prompt."""
+    fn = make_generate_fn(llama_dir, attention="sparse", device="cpu", max_batch=2)
+    texts = fn(["hello there", "1+1=", "abc"], 8)
+    model = load_model(llama_dir, attention="sparse")
+    tok = load_tokenizer(llama_dir)
+    eos = list(model.generation_config.eos_token_id)
+    for q, t in zip(["hello there", "1+1=", "abc"], texts):
+        ids = tok(q)["input_ids"]
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=eos,
+                             pad_token_id=tok.pad_token_id)[0, len(ids):]
+        assert t == tok.decode(ref, skip_special_tokens=True)
+
+
+def test_generate_restores_training_mode(llama_dir):
+    model = load_model(llama_dir, attention="dense")
+    model.train()
+    _engine(model).generate(_prompts(9, (4,)), SamplingParams(temperature=0, max_new_tokens=3))
+    assert model.training

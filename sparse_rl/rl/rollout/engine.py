@@ -283,11 +283,20 @@ class RolloutEngine:
         tail = self.tokenizer.decode(tokens[-window:], skip_special_tokens=True)
         return any(s in tail for s in stop)
 
-    @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str], params: SamplingParams | None = None,
                  on_complete: Callable[[Completion], None] | None = None) -> list[Completion]:
         """Sample `params.n` completions per prompt. Returns them ordered by (prompt, sample);
-        `on_complete` is called as each one finishes."""
+        `on_complete` is called as each one finishes. The model runs in eval mode (no dropout, e.g.
+        peft's lora_dropout) and is put back in its previous mode afterwards."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self._generate(prompts, params, on_complete)
+        finally:
+            self.model.train(was_training)
+
+    @torch.inference_mode()
+    def _generate(self, prompts, params, on_complete) -> list[Completion]:
         p = params or SamplingParams()
         if p.n > self.max_batch:
             raise UsageError(f"--n {p.n} exceeds the batch of {self.max_batch} slots (raise --batch-size)")
