@@ -168,7 +168,7 @@ def warmup_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Te
     kl_sum = torch.zeros((), dtype=torch.float64, device=q.device)
     rec_sum = torch.zeros((), dtype=torch.float64, device=q.device) if indices is not None else None
     orc_sum = torch.zeros((), dtype=torch.float64, device=q.device) if indices is not None and oracle else None
-    n = 0
+    n = torch.zeros((), dtype=torch.long, device=q.device)  # on the device: no host sync per chunk
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
         Sc = min(k.shape[2], q_offset + t1)
@@ -176,7 +176,7 @@ def warmup_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Te
             p = dense_target(q.detach(), k.detach(), scale, t0, t1, q_offset, kv_start)
             vis = visible_mask(B, t1 - t0, Sc, q_offset, kv_start, q.device, t0)
             has = vis.any(-1)
-            n += int(has.sum())
+            n += has.sum()
             if indices is not None:
                 idx = indices[:, t0:t1].long()
                 got = p.gather(-1, idx.clamp(0, Sc - 1)) * (idx >= 0)
@@ -188,7 +188,7 @@ def warmup_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Te
         kl_sum += kl.detach().double()
         lv.backward_chunk(kl * grad_scale if grad_scale is not None else kl)
     lv.finish()
-    return KLStats(kl_sum, rec_sum, n, orc_sum)
+    return KLStats(kl_sum, rec_sum, int(n), orc_sum)
 
 
 def selected_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor,
@@ -217,14 +217,14 @@ def selected_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.
     bidx = torch.arange(B, device=q.device)[:, None, None]
     kl_sum = torch.zeros((), dtype=torch.float64, device=q.device)
     rec_sum = torch.zeros((), dtype=torch.float64, device=q.device) if lse_dense is not None else None
-    n = 0
+    n = torch.zeros((), dtype=torch.long, device=q.device)
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
         idx = indices[:, t0:t1].long()
         valid = idx >= 0
         safe = idx.clamp(min=0)
         has = valid.any(-1)
-        n += int(has.sum())
+        n += has.sum()
         with torch.no_grad():
             ks = kt[bidx, safe].to(acc)  # [B, Tc, K, H_kv, D]
             qc = q.detach()[:, :, t0:t1].transpose(1, 2).reshape(B, t1 - t0, Hkv, G, D).to(acc)
@@ -242,4 +242,4 @@ def selected_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.
         kl_sum += kl.detach().double()
         lv.backward_chunk(kl * grad_scale if grad_scale is not None else kl)
     lv.finish()
-    return KLStats(kl_sum, rec_sum, n)
+    return KLStats(kl_sum, rec_sum, int(n))
