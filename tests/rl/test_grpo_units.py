@@ -179,3 +179,36 @@ def test_metrics_truncate_and_plot(tmp_path):
     M.truncate(tmp_path, 2)
     assert [r["step"] for r in M.read(tmp_path)] == [1, 2]
     assert M.plot(tmp_path).stat().st_size > 1000
+
+
+def test_a_custom_rollout_backend_plugs_in(sparse_dir, tmp_path):
+    """The trainer samples only through the `RolloutBackend` protocol (room for an external server)."""
+    from sparse_rl.rl.grpo.backend import InProcessRollout
+    from sparse_rl.rl.grpo.trainer import Trainer
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"{i}+1=?", "answer": str(i + 1), "task": "math"})
+                             + "\n" for i in range(4)))
+    (tmp_path / "rw.py").write_text("def r(c, t):\n    return [len(x['completion']) % 5 / 5 for x in c]\n")
+    cfg = load_config(GRPOConfig, None, {"model": str(sparse_dir), "out": str(tmp_path / "run"), "steps": 1,
+                                         "device": "cpu", "data.tasks": str(tasks), "reward.fn": f"{tmp_path}/rw.py:r",
+                                         "rollout.m": 2, "rollout.n": 2, "rollout.max_new_tokens": 4,
+                                         "data.prompts_per_step": 2, "rollout.mode": "sparse"})
+
+    class Counting:
+        def __init__(self):
+            self.calls, self.syncs, self.inner = [], 0, None
+
+        def generate(self, prompts, params, attention):
+            self.calls.append((len(prompts), params.n, attention))
+            return self.inner.generate(prompts, params, attention)
+
+        def sync_weights(self, model):
+            self.syncs += 1
+
+    backend = Counting()
+    trainer = Trainer(cfg, backend=backend)
+    backend.inner = InProcessRollout(trainer.model, trainer.tokenizer, max_batch=8)
+    rec = trainer.train()
+    assert backend.calls == [(2, 2, "sparse")] and backend.syncs == 1
+    assert rec["step"] == 1 and rec["groups"] == 2

@@ -74,7 +74,9 @@ class RolloutStats:
 
 
 class Trainer:
-    def __init__(self, cfg: GRPOConfig, resume: bool = False, log=None):
+    def __init__(self, cfg: GRPOConfig, resume: bool = False, log=None, backend=None):
+        """backend: a `RolloutBackend` to sample with (e.g. a client of an external rollout server); by
+        default an in-process `RolloutEngine` over the trainer's own model."""
         from sparse_rl.rl.algos import KLController
         from sparse_rl.rl.rewards import load_reward_fn
         from sparse_rl.sparse.loader import check_model_dir, load_model, load_tokenizer, sparse_config_of
@@ -126,7 +128,7 @@ class Trainer:
 
         from sparse_rl.rl.grpo.backend import InProcessRollout
 
-        self.rollout = InProcessRollout(self.model, self.tokenizer, max_batch=cfg.rollout.max_batch)
+        self.rollout = backend or InProcessRollout(self.model, self.tokenizer, max_batch=cfg.rollout.max_batch)
         self.cursor = DataCursor(len(self.tasks), cfg.seed, cfg.data.shuffle)
         self._prompt_cache: dict[int, list[int]] = {}
         self.step = 0
@@ -543,9 +545,10 @@ def _summary(r: dict) -> str:
     return " | ".join(parts)
 
 
-def run(cfg: GRPOConfig, resume: bool = False, log=None) -> dict:
-    """Train; returns the last step's metrics record. Output: the run dir (see DESIGN.md, "Run dir")."""
-    trainer = Trainer(cfg, resume=resume, log=log)
+def run(cfg: GRPOConfig, resume: bool = False, log=None, backend=None) -> dict:
+    """Train; returns the last step's metrics record. Output: the run dir (see DESIGN.md, "Run dir").
+    backend: optional `RolloutBackend` (default: the in-process engine)."""
+    trainer = Trainer(cfg, resume=resume, log=log, backend=backend)
     if trainer.step >= cfg.steps:
         trainer.log(f"nothing to do: the run is at step {trainer.step} of {cfg.steps}")
         return {}
