@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 
+from sparse_rl.errors import SparseRLError
 from sparse_rl.modelinit import ModelInitConfig, init_model
 from sparse_rl.rl.rollout import RolloutEngine, SamplingParams, make_generate_fn, process_logits
 from sparse_rl.sparse.config import SparseConfig
@@ -198,6 +199,11 @@ def test_weight_refresh_state_dict_and_lora(llama_dir, tmp_path):
         for pr, c in zip(prompts, got):
             assert c.tokens == _hf_greedy(pm, pr, 20)
     assert any(c.tokens != _hf_greedy(model, pr, 20) for pr, c in zip(prompts, got))
+    # an engine over the peft model itself runs the adapters live (and refuses to merge into them)
+    live = _engine(pm)
+    assert [c.tokens for c in live.generate(prompts, p)] == [c.tokens for c in got]
+    with pytest.raises(SparseRLError, match="itself a LoRA layer"):
+        live.load_lora(pm)
     # the same adapter as a state dict (peft key names), merged onto the engine's base weights
     eng2 = _engine(copy.deepcopy(model))
     eng2.load_lora(peft.get_peft_model_state_dict(pm), scaling=8 / 4)
