@@ -35,10 +35,11 @@ def _cell_of(rec: dict) -> tuple[str, int, float]:
 
 
 def _prompt_sha(records: list[dict]) -> str:
+    """Fingerprint of what a cell's score depends on: its prompt texts and generation budgets."""
     h = hashlib.sha256()
     for r in records:
         h.update(r["prompt"].encode())
-        h.update(b"\x00")
+        h.update(f"\x00{r['meta'].get('max_new_tokens')}\x00".encode())
     return h.hexdigest()[:16]
 
 
@@ -84,14 +85,15 @@ def load_cells(out_dir: str | Path) -> dict[tuple, dict]:
 
 
 def run_niah(prompts: list[dict], generate_fns: Mapping[str, GenerateFn], out_dir: str | Path,
-             *, progress: bool = True) -> dict:
+             *, batch: int = 16, progress: bool = True) -> dict:
     """Answer and score every cell of the grid in `prompts` for every mode; resumable; returns the summary.
 
     `generate_fns` maps a mode name ("dense", "sparse", ...) to a greedy
-    `generate_fn(prompts: list[str], max_new_tokens: int) -> list[str]`.
+    `generate_fn(prompts: list[str], max_new_tokens: int) -> list[str]`; each call gets the
+    prompts of whole cells, about `batch` of them (so an engine can batch them).
     """
     return run_cells(prompts, {m: generate_fn_responder(f) for m, f in generate_fns.items()}, out_dir,
-                     progress=progress)
+                     batch=batch, progress=progress)
 
 
 def score_niah_completions(prompts: list[dict], completions: Mapping[str, list[dict]], out_dir: str | Path,
@@ -102,29 +104,29 @@ def score_niah_completions(prompts: list[dict], completions: Mapping[str, list[d
 
 
 def run_cells(prompts: list[dict], responders: Mapping[str, Responder], out_dir: str | Path,
-              *, progress: bool = True) -> dict:
-    """The grid loop behind `run_niah` and `score_niah_completions` (see the module docstring)."""
+              *, batch: int = 16, progress: bool = True) -> dict:
+    """The grid loop behind `run_niah` and `score_niah_completions` (see the module docstring).
+    Cells of one mode are answered in groups of about `batch` prompts; each cell is appended to
+    cells.jsonl as soon as its group is done."""
     if not prompts:
         raise SparseRLError("no NIAH prompts to run")
     if not responders:
         raise SparseRLError("no modes to run (give at least one generate_fn or completions file)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    wrapped = dict(responders)
-
     cells: dict[tuple, list[dict]] = defaultdict(list)
     for r in prompts:
         cells[_cell_of(r)].append(r)
     done = load_cells(out)
     todo = []
-    for mode in wrapped:
+    for mode in responders:
         for key, recs in cells.items():
             prev = done.get((mode, *key))
             if prev is None:
                 todo.append((mode, key, recs))
             elif prev.get("prompt_sha") != _prompt_sha(recs):
                 raise SparseRLError(f"{out / CELLS_FILE}: cell {mode}/{key[0]}/L{key[1]}/d{key[2]:g} was scored on "
-                                    f"different prompts (other seed, tokenizer, haystack or samples); use a new --out")
+                                    f"different prompts (other seed, tokenizer, haystack, samples or --max-new-tokens); use a new --out")
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -132,20 +134,38 @@ def run_cells(prompts: list[dict], responders: Mapping[str, Responder], out_dir:
     with Progress(TextColumn("niah {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), disable=not progress or not todo) as bar:
         job = bar.add_task("cells", total=len(todo))
-        for mode, (task, length, depth), recs in todo:
-            bar.update(job, description=f"{mode} {task} L={length} d={depth:g}")
-            outputs = wrapped[mode](recs)
-            scores = [string_match_all(o, r["answer"]) for o, r in zip(outputs, recs)]
-            cell = {"id": f"{mode}/{task}/L{length}/d{depth:g}", "mode": mode, "task": task, "length": length,
-                    "depth": depth, "score": sum(scores) / len(scores), "n": len(recs),
-                    "prompt_sha": _prompt_sha(recs),
-                    "samples": [{"id": r["id"], "expected": r["answer"], "output": o, "score": s,
-                                 "needle_depths": r["meta"].get("needle_depths")}
-                                for r, o, s in zip(recs, outputs, scores)]}
-            append_jsonl(out / CELLS_FILE, cell)
-            done[(mode, task, length, depth)] = cell
-            bar.advance(job)
-    return write_summary(done, cells.keys(), list(wrapped), out)
+        for group in _groups(todo, batch):
+            mode = group[0][0]
+            (task, length, depth) = group[0][1]
+            bar.update(job, description=f"{mode} {task} L={length} d={depth:g}" + (" ..." if len(group) > 1 else ""))
+            outputs = responders[mode]([r for _, _, recs in group for r in recs])
+            for _, (task, length, depth), recs in group:
+                outs, outputs = outputs[:len(recs)], outputs[len(recs):]
+                scores = [string_match_all(o, r["answer"]) for o, r in zip(outs, recs)]
+                cell = {"id": f"{mode}/{task}/L{length}/d{depth:g}", "mode": mode, "task": task, "length": length,
+                        "depth": depth, "score": sum(scores) / len(scores), "n": len(recs),
+                        "prompt_sha": _prompt_sha(recs),
+                        "samples": [{"id": r["id"], "expected": r["answer"], "output": o, "score": sc,
+                                     "needle_depths": r["meta"].get("needle_depths")}
+                                    for r, o, sc in zip(recs, outs, scores)]}
+                append_jsonl(out / CELLS_FILE, cell)
+                done[(mode, task, length, depth)] = cell
+                bar.advance(job)
+    return write_summary(done, cells.keys(), list(responders), out)
+
+
+def _groups(todo: list[tuple], batch: int) -> list[list[tuple]]:
+    """Consecutive cells of the same mode, about `batch` prompts a group (a cell is never split)."""
+    groups: list[list[tuple]] = []
+    size = 0
+    for item in todo:
+        if groups and groups[-1][0][0] == item[0] and size + len(item[2]) <= max(batch, 1):
+            groups[-1].append(item)
+            size += len(item[2])
+        else:
+            groups.append([item])
+            size = len(item[2])
+    return groups
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -242,4 +262,5 @@ def run_model_grid(cfg) -> dict:
     tok = load_tokenizer(cfg.model)
     haystack = Haystack.from_file(cfg.haystack) if cfg.haystack else Haystack.default()
     prompts = build_niah_prompts(tok, cfg, haystack)
-    return run_niah(prompts, model_generate_fns(cfg.model, modes, cfg.device, cfg.dtype, cfg.batch_size), cfg.out)
+    return run_niah(prompts, model_generate_fns(cfg.model, modes, cfg.device, cfg.dtype, cfg.batch_size), cfg.out,
+                    batch=cfg.batch_size)

@@ -153,12 +153,16 @@ def test_resume_skips_done_cells(bpe, tmp_path):
 
     cfg = NiahConfig(tasks=["single"], lengths=[512], depths=[0.0, 1.0])
     run_niah(build_niah_prompts(bpe, cfg), {"dense": counting}, tmp_path, progress=False)
-    assert len(calls) == 2
+    assert calls == [2]  # both cells in one batch
     run_niah(build_niah_prompts(bpe, cfg), {"dense": counting}, tmp_path, progress=False)
-    assert len(calls) == 2  # nothing recomputed
-    cfg.depths = [0.0, 0.5, 1.0]
-    s = run_niah(build_niah_prompts(bpe, cfg), {"dense": counting}, tmp_path, progress=False)
-    assert len(calls) == 3 and s["modes"]["dense"]["grid"] == [[1.0], [1.0], [1.0]]
+    assert calls == [2]  # nothing recomputed
+    cfg.depths = [0.0, 0.25, 0.5, 1.0]
+    s = run_niah(build_niah_prompts(bpe, cfg), {"dense": counting}, tmp_path, batch=1, progress=False)
+    assert calls == [2, 1, 1] and s["modes"]["dense"]["grid"] == [[1.0]] * 4  # only the new cells, one a call
+    cfg.max_new_tokens = 7  # another budget is another result: not reused
+    with pytest.raises(SparseRLError, match="different prompts"):
+        run_niah(build_niah_prompts(bpe, cfg), {"dense": counting}, tmp_path, progress=False)
+    cfg.max_new_tokens = 0
     cfg.seed = 1  # other prompts for the same cells: refuse to mix them
     with pytest.raises(SparseRLError, match="different prompts"):
         run_niah(build_niah_prompts(bpe, cfg), {"dense": counting}, tmp_path, progress=False)
