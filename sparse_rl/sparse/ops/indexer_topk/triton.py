@@ -11,10 +11,13 @@ Design (why):
 - Queries are processed in chunks so the score buffer is `[B, Tc, Sc]` with
   `B*Tc*Sc*4 <= budget` bytes (default 1 GiB on CUDA), never `[T, S]` at long context; a chunk
   only covers keys up to its last query's position (`Sc = q_offset + t1`), which halves the causal work.
-- Top-k of each chunk on the GPU is our radix select (`radix_topk.py`): torch.topk at 32K-128K
-  keys per row ran at ~0.2 TB/s effective and dominated the whole prefill (benchmarks/NOTES.md).
-  Under the CPU interpreter torch.topk is used by default (the radix kernel is tested on its own
-  there; `topk_impl` forces either).
+- Top-k per chunk: `torch.topk(sorted=False)` + a sort of the k indices, or our radix select
+  (`radix_topk.py`, output already ascending). On an H200 (bf16 inputs, k = 2048) the radix kernel
+  was faster for rows up to 32K keys (8K prefill: 0.84 vs 1.60 ms; 32K: 11.5 vs 12.2 ms; decode
+  at 32K: 0.21 ms for scores + top-k) and slower beyond (64K: 46 vs 40 ms; 128K: 186 vs 143 ms;
+  benchmarks/NOTES.md), so `topk_impl="auto"` takes radix on CUDA for rows of <= 32K keys and
+  torch.topk otherwise. Top-k is the bottleneck of the whole sparse prefill at long context.
+  Under the CPU interpreter "auto" means torch.topk (the radix kernel has its own tests).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORE_BUDGET_BYTES = 1 << 30
+RADIX_MAX_KEYS = 32768  # rows longer than this take torch.topk on CUDA (measured, see module docstring)
 
 
 @triton.jit
@@ -104,7 +108,7 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
                  budget_bytes: int | None = None, topk_impl: str = "auto") -> torch.Tensor:
     """Indexer top-k, Triton scores. q_idx `[B, T, H_I, D_I]`, w `[B, T, H_I]`, k_idx `[B, S, D_I]`
     -> `[B, T, topk]` int32 ascending, -1 padded. Index dims above 128, more than 64 index heads
-    or float64 take the reference. `topk_impl`: "radix" | "torch" | "auto" (radix on CUDA)."""
+    or float64 take the reference. `topk_impl`: "radix" | "torch" | "auto" (see module docstring)."""
     if topk_impl not in ("auto", "radix", "torch"):
         raise ValueError(f"topk_impl {topk_impl!r}: expected auto, radix or torch")
     if sink + window > topk:
@@ -122,7 +126,7 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
     S_max = max(1, min(S, q_offset + T))
     chunk = max(1, min(T, budget // (4 * B * S_max)))
     out = torch.empty(B, T, topk, dtype=torch.int32, device=dev)
-    radix = topk_impl == "radix" or (topk_impl == "auto" and q_idx.is_cuda)
+    radix = topk_impl == "radix" or (topk_impl == "auto" and q_idx.is_cuda and min(S, q_offset + T) <= RADIX_MAX_KEYS)
     with torch.no_grad():
         for t0 in range(0, T, chunk):
             t1 = min(T, t0 + chunk)
