@@ -118,7 +118,8 @@ def niah_cmd(
     samples: Optional[int] = typer.Option(None, "--samples", help="Prompts per (task, length, depth) cell."),
     seed: Optional[int] = typer.Option(None, "--seed"),
     haystack: Optional[str] = typer.Option(None, "--haystack", help="Filler text file (default: repeated sentences)."),
-    prompts_out: Optional[str] = typer.Option(None, "--prompts-out", help="Build the grid: write prompts JSONL ('-' = stdout)."),
+    prompts_out: Optional[str] = typer.Option(None, "--prompts-out",
+                                              help="Build the grid: write prompts JSONL ('-' = stdout)."),
     prompts: Optional[str] = typer.Option(None, "--prompts", help="Prompts JSONL (from --prompts-out) to score."),
     score: Optional[list[str]] = typer.Option(None, "--score", help="MODE=completions.jsonl, repeatable "
                                                                     "(dense=..., sparse=...)."),

@@ -112,7 +112,8 @@ def score_completions(completions: Iterable[dict], problems: dict[str, dict] | N
                                     f"(pass the problems file the prompts came from)")
             gold, task = problems[pid]["gold"], problems[pid]["task"]
         else:
-            raise SparseRLError(f"{source} record {i}: no 'answer' in the record and no --problems file to join on 'id'")
+            raise SparseRLError(f"{source} record {i}: no 'answer' in the record and no --problems file "
+                                f"to join on 'id'")
         ext = extract_answer(text)
         ok = is_equivalent(gold, ext.answer)
         entry = grouped.setdefault(pid, {"id": pid, "task": task, "gold": gold, "samples": []})

@@ -126,7 +126,8 @@ def run_cells(prompts: list[dict], responders: Mapping[str, Responder], out_dir:
                 todo.append((mode, key, recs))
             elif prev.get("prompt_sha") != _prompt_sha(recs):
                 raise SparseRLError(f"{out / CELLS_FILE}: cell {mode}/{key[0]}/L{key[1]}/d{key[2]:g} was scored on "
-                                    f"different prompts (other seed, tokenizer, haystack, samples or --max-new-tokens); use a new --out")
+                                    f"different prompts (other seed, tokenizer, haystack, samples or "
+                                    f"--max-new-tokens); use a new --out")
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
