@@ -487,8 +487,8 @@ def markdown_attention(res: dict) -> str:
             g("prefill_speedup"), g("block_attn_ms"), g("flex_ms"), g("block_attn_vs_flex"))) + " |")
     if any("idx_query_path_ms" in r for r in res["rows"]):
         lines += ["", "Forward paths (ms): per-query kernel vs query-tile union (build + kernel); `auto` is what "
-                  "sparse_attention ran; |U|/pairs = union size over selected pairs (lower = more sharing)", "",
-                  "| L | pattern | |U|/pairs | per-query | union build | union kernel | auto | flex |",
+                  "sparse_attention ran; union/pairs = union size over selected pairs (lower = more sharing)", "",
+                  "| L | pattern | union/pairs | per-query | union build | union kernel | auto | flex |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in res["rows"]:
             for pre, name, auto, flex in (("idx", "indexer", "sparse_attn_ms", None),
