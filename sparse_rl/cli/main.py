@@ -77,11 +77,14 @@ def main() -> None:
         msg = " ".join(e.format_message().split())
         print(f"error: {msg} (see '{path} --help')", file=sys.stderr)
         sys.exit(2)
-    except getattr(click_exc, "Abort", ()):
+    except typer.Abort:
         print("error: aborted", file=sys.stderr)
         sys.exit(130)
-    except click_exc.Exit as e:
+    except typer.Exit as e:
         sys.exit(e.exit_code)
+    except BrokenPipeError:  # `sparse-rl ... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        sys.exit(0)
     except click_exc.ClickException as e:
         print(f"error: {' '.join(e.format_message().split())}", file=sys.stderr)
         sys.exit(e.exit_code)
