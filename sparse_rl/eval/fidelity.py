@@ -19,8 +19,9 @@ only drops keys once a query has more predecessors than the top-k budget.
 One sparse model dir is loaded once; each sequence runs through the decoder in sparse mode and
 in dense mode (`set_attention`), keeping only final hidden states `[T, D]`; logits `[t, V]` are
 made from them in chunks of positions so long sequences never hold two `[T, V]` tensors.
-Inputs: JSONL with `text`, or completion records (`prompt` + `completion`, the completion tokens
-taken from `tokens` when it is a list of ids); only completion positions are scored for those.
+Inputs: JSONL with `text`, or completion records (`prompt` as text or chat messages, encoded as the
+rollout engine does, + `completion`, whose tokens are taken from `tokens` when it is a list of
+ids); only completion positions are scored for those.
 """
 
 from __future__ import annotations
@@ -60,8 +61,12 @@ def _sequences(records: list[dict], tokenizer, max_tokens: int, source: str):
         if isinstance(rec.get("text"), str):
             ids = tokenizer(rec["text"])["input_ids"]
             start = 0
-        elif isinstance(rec.get("prompt"), str) and isinstance(rec.get("completion"), str):
-            prompt = tokenizer(rec["prompt"])["input_ids"]
+        elif isinstance(rec.get("prompt"), (str, list)) and isinstance(rec.get("completion"), str):
+            from sparse_rl.rl.rollout import encode_prompt
+
+            # the prompt tokens exactly as the rollout engine made them (chat template for messages)
+            p = rec["prompt"]
+            prompt = encode_prompt(tokenizer, {"prompt": p} if isinstance(p, str) else {"messages": p})
             toks = rec.get("tokens")
             if isinstance(toks, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
                 comp = toks
@@ -69,7 +74,8 @@ def _sequences(records: list[dict], tokenizer, max_tokens: int, source: str):
                 comp = tokenizer(rec["completion"], add_special_tokens=False)["input_ids"]
             ids, start = prompt + comp, max(len(prompt) - 1, 0)
         else:
-            raise SparseRLError(f"{source} record {i}: needs 'text', or 'prompt' and 'completion' (strings)")
+            raise SparseRLError(f"{source} record {i}: needs 'text', or 'prompt' (text or chat messages) and "
+                                f"'completion'")
         ids = ids[:max_tokens]
         if len(ids) - 1 <= start:
             continue  # nothing to score (a single token, or the completion cut off by max_tokens)

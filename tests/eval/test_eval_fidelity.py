@@ -72,18 +72,21 @@ def test_cli_fidelity_end_to_end(sparse_dirs, tmp_path):
     data = tmp_path / "d.jsonl"
     ids = _ids(1)
     recs = [{"id": "t0", "text": "the cat sat on the mat and then the dog ran far away " * 4},
-            {"id": "c0", "prompt": "the cat sat", "completion": "x", "tokens": ids[:30], "finish_reason": "length"}]
+            {"id": "c0", "prompt": "the cat sat", "completion": "x", "tokens": ids[:30], "finish_reason": "length"},
+            {"id": "m0", "prompt": [{"role": "user", "content": "hello"}], "completion": "x", "tokens": ids[:10],
+             "finish_reason": "length"}]
     data.write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = tmp_path / "fid"
     res = CliRunner().invoke(app, ["eval", "fidelity", str(sparse_dirs[4]), "--data", str(data), "--out", str(out),
                                    "--device", "cpu"])
     assert res.exit_code == 0, res.output
     s = json.loads(res.stdout)
-    assert s["records"] == 2 and s["kl"] > 0 and 0 <= s["acceptance_p5"] <= s["acceptance_mean"] <= 1
+    assert s["records"] == 3 and s["kl"] > 0 and 0 <= s["acceptance_p5"] <= s["acceptance_mean"] <= 1
     assert 0 < s["attn_recall"] < 1 and sorted(s["attn_recall_by_layer"]) == ["1", "2", "3"]
     assert sum(b["tokens"] for b in s["by_position"]) == s["tokens"]
     per = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert per[1]["id"] == "c0" and per[1]["tokens"] == 30  # only the completion's tokens are scored
+    assert per[2]["id"] == "m0" and per[2]["tokens"] == 10  # chat prompt through the template
     for name in ("fidelity_kl.png", "fidelity_agreement.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # bad record: one line, exit 1, nothing written
