@@ -86,7 +86,9 @@ def test_dense_mode_end_to_end_with_math_reward_eval_and_checkpoint(env, tmp_pat
     out = tmp_path / "run"
     res = _run(_base(env, "dense", "--out", out, "--steps", "2", "--mode", "dense", "--reward", "math",
                      "--eval-tasks", env / "tasks.jsonl", "--eval-every", "1", "--checkpoint-every", "1",
-                     "--set", "eval.limit=3"))
+                     "--set", "eval.limit=3", "--set", "loss.agg=seq_mean", "--set", "loss.advantage=dr_grpo",
+                     "--set", "reward.shaping=overlong", "--set", "reward.overlong_cache=4",
+                     "--set", "loss.log_kl_ref=true"))
     assert res.exit_code == 0, res.output
     last = json.loads(res.stdout)
     rows = _metrics(out)
@@ -94,6 +96,9 @@ def test_dense_mode_end_to_end_with_math_reward_eval_and_checkpoint(env, tmp_pat
     for r in rows:
         assert set(STEP_KEYS) <= set(r)
         assert r["eval_tasks"] == 3 and 0.0 <= r["eval_accuracy"] <= 1.0
+        # verifier reward 0 (untrained model) plus the overlong penalty past 6 - 4 = 2 tokens
+        assert r["reward"] < 0 and r["accuracy"] == 0.0
+        assert r["kl_ref"] is not None and r["kl_coef"] == 0.0  # logged only, not in the loss
         assert r["groups"] == 2 and r["groups_sampled"] == 2
         assert r["rollout_tokens"] > 0 and r["rollout_tokens_per_s"] > 0 and r["time_step"] > 0
         assert r["distill_kl_before"] is None and r["time_distill"] is None  # dense mode: no adapter
@@ -182,12 +187,13 @@ def test_dynamic_sampling_refills_uniform_groups(env, tmp_path):
     out = tmp_path / "run"
     res = _run(_base(env, "dense", "--out", out, "--steps", "1", "--mode", "dense", "--reward",
                      f"{env / 'rewards.py'}:by_length", "--set", "loss.dynamic_sampling=true",
-                     "--set", "loss.max_refills=4", "--set", "data.shuffle=false"))
+                     "--set", "loss.max_refills=4", "--set", "data.shuffle=false", "--set", "optim.epochs=2"))
     assert res.exit_code == 0, res.output
     (r,) = _metrics(out)
     # without shuffling the stream is t0, t1, ...: t0..t5 give all-equal rewards, so refills reach t6, t7
     assert r["refills"] >= 1 and r["groups_sampled"] > 2
     assert r["groups"] == 2 and r["prompts_seen"] == r["groups_sampled"]
+    assert r["grad_norm"] > 0 and r["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # 1st of 2 epochs: on-policy
 
 
 @pytest.mark.parametrize("case", ["no_answer", "reward_raises", "reward_nan", "no_model", "corrupt_model",

@@ -62,7 +62,8 @@ class LossConfig:
     is_lo: float = 0.5  # mis_token / mis_seq: kept ratio range [lo, hi]
     is_hi: float = 2.0
     opsm_delta: float = 0.1  # opsm: mean log(mu/pi) threshold for negative-advantage sequences
-    kl_coef: float = 0.0  # KL to the frozen initial policy in the loss; 0 = off (no reference model loaded)
+    kl_coef: float = 0.0  # KL to the frozen initial policy in the loss; 0 = off
+    log_kl_ref: bool = False  # with kl_coef 0: still load the reference (one more model copy) to log kl_ref
     kl_estimator: str = "k3"  # k1 | k2 | k3
     kl_target: float | None = None  # adaptive coefficient toward this KL (None: fixed)
     kl_horizon: float = 10000.0

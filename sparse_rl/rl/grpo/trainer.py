@@ -121,7 +121,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.theta, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
         self.dopt = torch.optim.AdamW(self.phi, lr=cfg.distill.lr, weight_decay=0.0) if self.phi else None
         self.ref = None
-        if cfg.loss.kl_coef > 0:
+        if cfg.loss.kl_coef > 0 or cfg.loss.log_kl_ref:
             self.ref = load_model(cfg.model, attention="dense", device=str(self.device), dtype=cfg.dtype)
             self.ref.requires_grad_(False)
         self.kl = KLController(cfg.loss.kl_coef, cfg.loss.kl_target, cfg.loss.kl_horizon)
