@@ -297,3 +297,22 @@ def test_union_path_builds_the_tile_union_and_matches_reference(monkeypatch, H, 
     fin = torch.isfinite(rl)
     assert torch.equal(fin, torch.isfinite(lse))
     torch.testing.assert_close(lse[fin], rl[fin], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["query", "union"])
+def test_out_of_range_indices_are_ignored_not_read(monkeypatch, path):
+    g = torch.Generator().manual_seed(11)
+    B, T, S, H, H_kv, D, K = 1, 40, 30, 4, 1, 16, 12
+    q = torch.randn(B, T, H, D, generator=g, requires_grad=True)
+    k = torch.randn(B, S, H_kv, D, generator=g, requires_grad=True)
+    v = torch.randn(B, S, H_kv, D, generator=g, requires_grad=True)
+    idx = _indices(B, T, S, K, g, drop=0.0)
+    bad = idx.clone()
+    bad[:, ::3, 0] = S + 1000  # outside the contract: must behave like -1, not read/write out of bounds
+    clean = torch.where(bad >= S, -1, bad)
+    monkeypatch.setattr(sa, "FWD_PATH", path)
+    out, _ = sparse_attention(q, k, v, bad, backend="triton")
+    out.sum().backward()
+    ref, _ = sparse_attention_naive(q.detach(), k.detach(), v.detach(), clean)
+    torch.testing.assert_close(out.detach(), ref, atol=1e-5, rtol=1e-5)
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))

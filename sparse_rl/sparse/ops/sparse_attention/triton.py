@@ -20,6 +20,10 @@ Design (why):
 - Decode (T = 1) splits the index list over several programs when B * H_kv alone would not fill
   the GPU, then merges the partial (out, lse) pairs in a second small kernel.
 
+Index entries outside [0, S) are treated as -1 by every kernel (never read, never written): the
+contract only allows -1 or valid positions, but an out-of-range entry must not turn into a stray
+read or, in the backward, an atomic write past dk/dv.
+
 Unsupported shapes (head dim > 128, G > 64, float64) fall back to the PyTorch reference: that is
 the documented behaviour of every entry point here, never a silent wrong answer.
 """
@@ -61,7 +65,7 @@ def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
 def _fwd_kernel(Q, K, V, IDX, O, LSE,
                 sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                 sib, sit, sik, sob, sot, soh, sod, slb, slt, slh,
-                T, NK, G, D, KPS, qk_scale,
+                T, NK, S, G, D, KPS, qk_scale,
                 NSPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_D: tl.constexpr, PREC: tl.constexpr):
     """O/LSE: `[B, T, H, D]`/`[B, T, H]` when NSPLIT == 1, else fp32 partials
@@ -89,7 +93,7 @@ def _fwd_kernel(Q, K, V, IDX, O, LSE,
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(ibase + offs_k * sik, mask=offs_k < k_hi, other=-1).to(tl.int64)
-        valid = idx >= 0
+        valid = (idx >= 0) & (idx < S)  # out-of-range keys are treated as -1, never read
         kt = tl.load(kbase + idx[None, :] * sks + offs_d[:, None] * skd,
                      mask=valid[None, :] & dmask[:, None], other=0.0)  # [BLOCK_D, BLOCK_K]
         s = dot(q, kt, PREC)
@@ -140,7 +144,7 @@ def _bwd_kernel(Q, K, V, IDX, O, DO, LSE, DLSE, DQ, DK, DV,
                 sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                 sib, sit, sik, sob, sot, soh, sod, sdob, sdot, sdoh, sdod, slb, slt, slh,
                 sdqb, sdqt, sdqh, sdqd, sab, sas, sah,
-                NK, G, D, scale, qk_scale,
+                NK, S, G, D, scale, qk_scale,
                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
     """dq (stored) and dk/dv (fp32 atomics into DK/DV `[B, S, H_kv, D]`, last dim contiguous,
     strides sab/sas/sah) for one (query, kv head). DLSE is the upstream grad of lse (zeros if none)."""
@@ -169,7 +173,7 @@ def _bwd_kernel(Q, K, V, IDX, O, DO, LSE, DLSE, DQ, DK, DV,
     for k0 in range(0, NK, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(ibase + offs_k * sik, mask=offs_k < NK, other=-1).to(tl.int64)
-        valid = idx >= 0
+        valid = (idx >= 0) & (idx < S)  # out-of-range keys are treated as -1, never read
         kk = tl.load(kbase + idx[:, None] * sks + offs_d[None, :] * skd,
                      mask=valid[:, None] & dmask[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
         vv = tl.load(vbase + idx[:, None] * svs + offs_d[None, :] * svd,
@@ -220,7 +224,7 @@ def _fwd(q, k, v, indices, scale, nsplit: int = 1, out=None, tune: tuple[int, in
         lse = torch.empty(B, T * nsplit, H, device=q.device, dtype=torch.float32)
     grid = (T * nsplit, H_kv, B)
     _fwd_kernel[grid](q, k, v, indices, o, lse, *q.stride(), *k.stride(), *v.stride(), *indices.stride(),
-                      *o.stride(), *lse.stride(), T, NK, G, D, kps, scale * LOG2E,
+                      *o.stride(), *lse.stride(), T, NK, k.shape[1], G, D, kps, scale * LOG2E,
                       NSPLIT=nsplit, BLOCK_H=BH, BLOCK_K=BK, BLOCK_D=BD, PREC=dot_precision(q.dtype),
                       num_warps=warps, num_stages=stages)
     return o, lse, nsplit
@@ -269,7 +273,7 @@ class _SparseAttention(torch.autograd.Function):
         _bwd_kernel[(T, H_kv, B)](q, k, v, indices, o, do, lse, dlse, dq, dk, dv,
                                   *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *o.stride(),
                                   *do.stride(), *lse.stride(), *dq.stride(), *dk.stride()[:3],
-                                  indices.shape[-1], G, D, ctx.scale, ctx.scale * LOG2E,
+                                  indices.shape[-1], S, G, D, ctx.scale, ctx.scale * LOG2E,
                                   BLOCK_H=BH, BLOCK_K=BK, BLOCK_D=BD, PREC=dot_precision(q.dtype),
                                   num_warps=warps, num_stages=stages)
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None

@@ -38,7 +38,7 @@ def _popc(x):
 
 
 @triton.jit
-def _bitmap_kernel(IDX, BITS, T, NK, NW, NT, sib, sit, sik, BT: tl.constexpr, BLOCK_K: tl.constexpr):
+def _bitmap_kernel(IDX, BITS, T, NK, S, NW, NT, sib, sit, sik, BT: tl.constexpr, BLOCK_K: tl.constexpr):
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     wbase = BITS + (b * NT + tile) * NW
@@ -48,7 +48,7 @@ def _bitmap_kernel(IDX, BITS, T, NK, NW, NT, sib, sit, sik, BT: tl.constexpr, BL
             for k0 in range(0, NK, BLOCK_K):
                 offs = k0 + tl.arange(0, BLOCK_K)
                 idx = tl.load(IDX + b * sib + t * sit + offs * sik, mask=offs < NK, other=-1)
-                ok = idx >= 0
+                ok = (idx >= 0) & (idx < S)  # out-of-range keys are dropped like -1
                 one = tl.full([BLOCK_K], 1, tl.int32)
                 tl.atomic_or(wbase + tl.where(ok, idx >> 5, 0), one << (idx & 31), mask=ok, sem="relaxed")
 
@@ -77,7 +77,7 @@ def _compact_kernel(BITS, PREF, UKEY, ULEN, NW, NT, UMAX, BLOCK_W: tl.constexpr)
 
 
 @triton.jit
-def _qmask_kernel(IDX, BITS, PREF, QMASK, T, NK, NW, NT, UMAX, sib, sit, sik,
+def _qmask_kernel(IDX, BITS, PREF, QMASK, T, NK, S, NW, NT, UMAX, sib, sit, sik,
                   BT: tl.constexpr, BLOCK_K: tl.constexpr):
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -88,7 +88,7 @@ def _qmask_kernel(IDX, BITS, PREF, QMASK, T, NK, NW, NT, UMAX, sib, sit, sik,
             for k0 in range(0, NK, BLOCK_K):
                 offs = k0 + tl.arange(0, BLOCK_K)
                 idx = tl.load(IDX + b * sib + t * sit + offs * sik, mask=offs < NK, other=-1)
-                ok = idx >= 0
+                ok = (idx >= 0) & (idx < S)  # out-of-range keys are dropped like -1
                 w = tl.where(ok, idx >> 5, 0)
                 word = tl.load(BITS + row * NW + w, mask=ok, other=0)
                 below = word & ((tl.full([BLOCK_K], 1, tl.int32) << (idx & 31)) - 1)  # two's complement wrap
@@ -112,10 +112,10 @@ def build_union(indices: torch.Tensor, S: int, BT: int):
     ulen = torch.empty(B, NT, dtype=torch.int32, device=dev)
     BK = 256 if indices.is_cuda else 32
     warps = 4 if indices.is_cuda else 1
-    _bitmap_kernel[(NT, B)](indices, bits, T, K, NW, NT, *indices.stride(), BT=BT, BLOCK_K=BK, num_warps=warps)
+    _bitmap_kernel[(NT, B)](indices, bits, T, K, S, NW, NT, *indices.stride(), BT=BT, BLOCK_K=BK, num_warps=warps)
     _compact_kernel[(NT, B)](bits, pref, ukey, ulen, NW, NT, umax, BLOCK_W=64 if indices.is_cuda else 8,
                              num_warps=warps)
-    _qmask_kernel[(NT, B)](indices, bits, pref, qmask, T, K, NW, NT, umax, *indices.stride(), BT=BT, BLOCK_K=BK,
+    _qmask_kernel[(NT, B)](indices, bits, pref, qmask, T, K, S, NW, NT, umax, *indices.stride(), BT=BT, BLOCK_K=BK,
                            num_warps=warps)
     return ukey, qmask, ulen
 
