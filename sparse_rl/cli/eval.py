@@ -237,6 +237,8 @@ def fidelity_cmd(
     model: Optional[str] = typer.Argument(None, help="Sparse model dir (from `sparse-rl convert` / `indexer train`)."),
     data: Optional[str] = typer.Option(None, "--data", help="JSONL of {'text'} or completion records ('-' = stdin)."),
     out: Optional[str] = typer.Option(None, "--out", help="Results dir: records.jsonl, summary.json, plots."),
+    adapter: Optional[str] = typer.Option(None, "--adapter", help="LoRA adapter dir of the sparse policy (peft), "
+                                                                    "e.g. a grpo checkpoint's adapter/."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Truncate each sequence to this many tokens."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Score at most this many records (0 = all)."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
@@ -250,7 +252,8 @@ def fidelity_cmd(
         from sparse_rl.config import load_config
         from sparse_rl.eval.fidelity import FidelityConfig, run
 
-        cfg = load_config(FidelityConfig, config, {"model": model, "data": data, "out": out, "max_tokens": max_tokens,
+        cfg = load_config(FidelityConfig, config, {"model": model, "adapter": adapter, "data": data, "out": out,
+                                                   "max_tokens": max_tokens,
                                                    "limit": limit, "device": device, "dtype": dtype})
         summary = run(cfg, force=force)
         from rich.table import Table

@@ -16,9 +16,11 @@ log-probs log q over the vocabulary:
 Positions are grouped into power-of-two buckets of absolute position, because sparse attention
 only drops keys once a query has more predecessors than the top-k budget.
 
-One sparse model dir is loaded once; each sequence runs through the decoder in sparse mode and
-in dense mode (`set_attention`), keeping only final hidden states `[T, D]`; logits `[t, V]` are
-made from them in chunks of positions so long sequences never hold two `[T, V]` tensors.
+One sparse model dir is loaded once; each sequence runs through the decoder in sparse mode and in
+dense mode (`set_attention`), keeping only final hidden states `[T, D]`; logits `[t, V]` are made
+from them in chunks of positions so long sequences never hold two `[T, V]` tensors. With an
+adapter, the sparse side is the sparse model plus that LoRA adapter (DistillSparse's mu) and the
+dense side runs with the adapter disabled (peft's `disable_adapter()`).
 Inputs: JSONL with `text`, or completion records (`prompt` as text or chat messages, encoded as the
 rollout engine does, + `completion`, whose tokens are taken from `tokens` when it is a list of
 ids); only completion positions are scored for those.
@@ -38,6 +40,7 @@ class FidelityConfig:
     """Options of `sparse-rl eval fidelity` (YAML keys = these names)."""
 
     model: Optional[str] = None  # sparse model dir (sparse_config.json + indexer weights)
+    adapter: Optional[str] = None  # peft LoRA adapter dir of the sparse policy (grpo's sparse+distill phi)
     data: Optional[str] = None  # JSONL of texts or completions ("-" = stdin)
     out: Optional[str] = None  # results dir: records.jsonl, summary.json, plots
     max_tokens: int = 4096  # longer sequences are truncated to their first max_tokens tokens
@@ -122,14 +125,18 @@ def compare_sequence(model, input_ids, start: int = 0, chunk: int = 512, recall:
 
     from sparse_rl.sparse.loader import set_attention
 
-    ids = torch.tensor([input_ids], device=model.device)
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its base
+    ids = torch.tensor([input_ids], device=next(model.parameters()).device)
+    decoder, head = base.get_decoder(), base.get_output_embeddings()
     hidden, recalls = {}, {}
     with torch.no_grad():
         for mode in ("dense", "sparse"):
             set_attention(model, mode)
             hooks = _recall_hooks(model, start, recalls) if (recall and mode == "sparse") else contextlib.nullcontext()
-            with hooks:
+            # A LoRA adapter belongs to the sparse policy mu only; the dense policy runs without it.
+            no_lora = model.disable_adapter() if (mode == "dense" and hasattr(model, "disable_adapter")) \
+                else contextlib.nullcontext()
+            with hooks, no_lora:
                 hidden[mode] = decoder(input_ids=ids, use_cache=False).last_hidden_state[0]  # [T, D]
         T = ids.shape[1]
         out = {k: [] for k in ("kl", "top1", "acceptance")}
@@ -160,6 +167,25 @@ def _stats(kl, top1, acc, recall=None) -> dict:
     return out
 
 
+def _with_adapter(model, path: str):
+    from pathlib import Path
+
+    if not (Path(path) / "adapter_config.json").is_file():
+        raise UsageError(f"--adapter {path}: no adapter_config.json (expected a peft adapter dir, e.g. a grpo "
+                         f"checkpoint's adapter/)")
+    import warnings
+
+    from peft import PeftModel
+
+    try:
+        with warnings.catch_warnings():
+            # peft probes a deprecated transformers property while wrapping; not ours to fix
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return PeftModel.from_pretrained(model, path, is_trainable=False).eval()
+    except Exception as e:  # peft raises many kinds for a mismatched adapter
+        raise SparseRLError(f"--adapter {path}: cannot load it onto the model ({' '.join(str(e).split())[:200]})") from None
+
+
 def run(cfg: FidelityConfig, force: bool = False, progress: bool = True) -> dict:
     """Score every record, write `out/` (records.jsonl, summary.json, fidelity_kl.png,
     fidelity_agreement.png) atomically, return the summary."""
@@ -188,6 +214,8 @@ def run(cfg: FidelityConfig, force: bool = False, progress: bool = True) -> dict
     if not seqs:
         raise SparseRLError(f"{source}: no record has a token to score (empty input, or all cut by --max-tokens)")
     model = load_model(cfg.model, attention="sparse", device=device, dtype=cfg.dtype)
+    if cfg.adapter:
+        model = _with_adapter(model, cfg.adapter)
 
     from rich.console import Console
     from rich.progress import Progress
@@ -214,7 +242,7 @@ def run(cfg: FidelityConfig, force: bool = False, progress: bool = True) -> dict
         sel = bidx == b
         by_bucket.append({"from": b, "to": max(32, 2 * b),
                           **_stats(cat["kl"][sel], cat["top1"][sel], cat["acceptance"][sel], cat["recall"][sel])})
-    summary = {"model": str(cfg.model), "records": len(per),
+    summary = {"model": str(cfg.model), "adapter": cfg.adapter, "records": len(per),
                **_stats(cat["kl"], cat["top1"], cat["acceptance"], cat["recall"]),
                "attn_recall_by_layer": {str(i): float(torch.cat(v).mean()) for i, v in sorted(layer_recall.items())},
                "by_position": by_bucket,

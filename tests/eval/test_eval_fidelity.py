@@ -10,7 +10,7 @@ from sparse_rl.cli.main import app
 from sparse_rl.eval.fidelity import bucket_of, compare_sequence
 from sparse_rl.sparse.config import SparseConfig
 from sparse_rl.sparse.convert import ConvertConfig, convert
-from sparse_rl.sparse.loader import load_model
+from sparse_rl.sparse.loader import load_model, set_attention
 
 T = 80
 
@@ -104,3 +104,36 @@ def test_cli_fidelity_needs_a_sparse_dir(tiny_model_dir, tmp_path):
     res = CliRunner().invoke(app, ["eval", "fidelity", str(tiny_model_dir), "--data", str(data), "--out",
                                    str(tmp_path / "o")])
     assert res.exit_code == 1 and "not a sparse model dir" in res.stderr
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+def test_adapter_belongs_to_the_sparse_side(sparse_dirs, tmp_path):
+    """With k >= length only a LoRA adapter can separate the two sides: zero-init B gives KL 0,
+    a random-B adapter gives KL > 0, equal to dense-without-adapter against sparse-with-adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    from sparse_rl.eval.fidelity import _with_adapter
+
+    for init, name in ((True, "zero"), (False, "random")):
+        base = load_model(sparse_dirs[4 * T], attention="sparse")
+        pm = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                             init_lora_weights=init))
+        pm.save_pretrained(str(tmp_path / name))
+    for name in ("zero", "random"):
+        model = _with_adapter(load_model(sparse_dirs[4 * T], attention="sparse"), str(tmp_path / name))
+        m = compare_sequence(model, _ids(), recall=False)
+        if name == "zero":
+            assert m["kl"].max() < 1e-5
+            continue
+        assert m["kl"].mean() > 1e-4
+        # the same KL by hand: plain dense model (no adapter) against sparse + adapter
+        ids = torch.tensor([_ids()])
+        plain = load_model(sparse_dirs[4 * T], attention="dense")
+        with torch.no_grad():
+            lp = torch.log_softmax(plain(input_ids=ids).logits[0, :-1].float(), -1)
+            set_attention(model, "sparse")
+            lq = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+        torch.testing.assert_close(m["kl"], (lp.exp() * (lp - lq)).sum(-1), atol=1e-5, rtol=1e-4)
+    res = CliRunner().invoke(app, ["eval", "fidelity", str(sparse_dirs[4 * T]), "--adapter", str(tmp_path),
+                                   "--data", "-", "--out", str(tmp_path / "o")], input='{"id": 1, "text": "hi"}\n')
+    assert res.exit_code == 2 and "adapter_config.json" in res.stderr
