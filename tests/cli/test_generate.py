@@ -57,16 +57,43 @@ def test_generate_file_to_file(sparse_model, tmp_path):
     assert [json.loads(x)["tokens"] for x in out2.read_text().splitlines()] == [r["tokens"] for r in rows]
 
 
-def test_generate_stdin_to_stdout(sparse_model):
+def test_generate_streams_stdin_to_stdout(sparse_model):
+    """Completions of the first chunk arrive while stdin is still open; a bad line in a later chunk
+    stops the run with a one-line error naming it, after the earlier chunk was written."""
+    import queue
+    import threading
+
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    inp = "".join(json.dumps(p) + "\n" for p in PROMPTS)
-    proc = subprocess.run([sys.executable, "-m", "sparse_rl.cli.main", "generate", str(sparse_model), "--prompts", "-",
-                           "--temperature", "0", "--max-new-tokens", "6", "--device", "cpu"],
-                          input=inp, capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    rows = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert [r["id"] for r in rows] == ["p1", "p2", "p3"] and "sample" not in rows[0] and "logprobs" not in rows[0]
-    assert "done 3 completions" in proc.stderr
+    # --batch-size 1 -> chunks of 4 prompts
+    proc = subprocess.Popen([sys.executable, "-m", "sparse_rl.cli.main", "generate", str(sparse_model), "--prompts",
+                             "-", "--temperature", "0", "--max-new-tokens", "6", "--batch-size", "1", "--device", "cpu"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        first = [dict(p, id=f"{p['id']}-{i}") for i, p in enumerate(PROMPTS + PROMPTS[:1])]
+        proc.stdin.write("".join(json.dumps(p) + "\n" for p in first))
+        proc.stdin.flush()
+        lines: queue.Queue = queue.Queue()
+        reader = threading.Thread(target=lambda: [lines.put(x) for x in iter(proc.stdout.readline, "")] + [lines.put(None)],
+                                  daemon=True)
+        reader.start()
+        rows = []
+        while len(rows) < 4:
+            try:
+                rows.append(json.loads(lines.get(timeout=120)))
+            except queue.Empty:
+                raise AssertionError("no output for the first chunk while stdin is open: not streaming") from None
+        assert [r["id"] for r in rows] == [p["id"] for p in first] and "sample" not in rows[0]
+        assert "logprobs" not in rows[0] and rows[0]["answer"] == "4"
+        proc.stdin.write(json.dumps(PROMPTS[1]) + "\n" + "{oops\n")
+        proc.stdin.close()
+        err = proc.stderr.read()
+        assert proc.wait(timeout=60) == 1
+        reader.join(timeout=10)
+    finally:
+        proc.kill()
+    assert lines.get(timeout=5) is None  # the bad chunk wrote nothing
+    err_lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert err_lines == [err_lines[0]] and "<stdin> line 6: invalid JSON" in err_lines[0]
 
 
 @pytest.mark.parametrize("bad,line,msg", [
