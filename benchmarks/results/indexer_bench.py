@@ -78,6 +78,10 @@ def part_a(out: Path, quick: bool, device: str) -> None:
     cfg = Qwen2Config(**shape, max_position_embeddings=max(lengths), tie_word_embeddings=True,
                       use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     torch.manual_seed(0)
+    if device == "cuda":
+        # as `indexer train` does (trainer.run): the KL target's fp32 matmuls in tf32. The 2026-11-29
+        # numbers were measured before this line existed, i.e. with full-fp32 matmuls.
+        torch.set_float32_matmul_precision("high")
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
     attach_sparse(model, sc)
@@ -135,7 +139,7 @@ def pretrain(model, data, batch: int, seconds: float, max_steps: int, lr: float,
             g["lr"] = lr * min(1.0, (step + 1) / 50)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(loss.item())
         step += 1
     model.eval()
     return {"steps": step, "seconds": time.perf_counter() - t0, "first_loss": losses[0],
