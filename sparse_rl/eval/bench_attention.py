@@ -330,6 +330,7 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
 
         flex = torch.compile(flex_attention, dynamic=False)
     gen = torch.Generator(device=dev).manual_seed(cfg.seed)
+    bidx = None
     for L in cfg.seqlens:
         log(f"L={L}: inputs")
         rnd = lambda *s: torch.randn(*s, device=dev, dtype=dtype, generator=gen)  # noqa: E731
@@ -436,6 +437,19 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
                 row["block_fwdbwd_ms"] = bench_ms(
                     lambda: sparse_attention(qg, kg, vg, bidx, backend="triton")[0].backward(g), dev,
                     grad_to_none=[qg, kg, vg], **W)
+            if dev.type == "cuda":  # the opt-in union-tile backward, both patterns
+                from sparse_rl.sparse.ops.sparse_attention import triton as sa
+
+                saved = sa.BWD_PATH
+                sa.BWD_PATH = "union"
+                try:
+                    for name, ix in (("sparse", idx), ("block", bidx if "block_attn_ms" in row else None)):
+                        if ix is not None:
+                            row[f"{name}_fwdbwd_union_ms"] = bench_ms(
+                                lambda: sparse_attention(qg, kg, vg, ix, backend="triton")[0].backward(g), dev,
+                                grad_to_none=[qg, kg, vg], **W)
+                finally:
+                    sa.BWD_PATH = saved
             del qg, kg, vg, g, gd
         rows.append(row)
         log(f"L={L}: " + ", ".join(f"{a}={b:.3g}" for a, b in row.items() if isinstance(b, float)))
@@ -444,8 +458,16 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     if cfg.check and dev.type == "cuda":
+        from sparse_rl.sparse.ops.sparse_attention import triton as sa
+
         log("backward check")
-        checks.append({"pattern": "backward", **check_backward(dev, dtype, H, Hkv, D, seed=cfg.seed)})
+        saved = sa.BWD_PATH
+        try:
+            for path in ("query", "union"):
+                sa.BWD_PATH = path
+                checks.append({"pattern": f"backward-{path}", **check_backward(dev, dtype, H, Hkv, D, seed=cfg.seed)})
+        finally:
+            sa.BWD_PATH = saved
     return {"bench": "attention", "config": dataclasses.asdict(cfg), "device": device_name(dev), "rows": rows,
             "checks": checks}
 
@@ -501,10 +523,12 @@ def markdown_attention(res: dict) -> str:
     bw = [r for r in res["rows"] if "sparse_fwdbwd_ms" in r]
     if bw:
         lines += ["", "| L | dense fwd+bwd ms | sparse fwd+bwd ms (indexer idx) | speedup | "
-                  "sparse fwd+bwd ms (block idx) |", "|---|---|---|---|---|"]
+                  "sparse fwd+bwd ms (block idx) | union bwd: indexer idx | union bwd: block idx |",
+                  "|---|---|---|---|---|---|---|"]
         for r in bw:
             lines.append(f"| {r['seqlen']} | {fmt(r['dense_fwdbwd_ms'])} ({r['dense_fwdbwd_label']}) | "
-                         f"{fmt(r['sparse_fwdbwd_ms'])} | {fmt(r['fwdbwd_speedup'])} | {fmt(r.get('block_fwdbwd_ms'))} |")
+                         f"{fmt(r['sparse_fwdbwd_ms'])} | {fmt(r['fwdbwd_speedup'])} | {fmt(r.get('block_fwdbwd_ms'))} | "
+                         f"{fmt(r.get('sparse_fwdbwd_union_ms'))} | {fmt(r.get('block_fwdbwd_union_ms'))} |")
     lines += ["", "Dense = the fastest SDPA variant per length: " + "; ".join(
         f"{r['seqlen']}: " + ", ".join(f"{a} {fmt(b)} ms" for a, b in r.get("dense_all_ms", {}).items())
         for r in res["rows"])]

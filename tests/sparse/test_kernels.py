@@ -289,14 +289,24 @@ def test_union_path_builds_the_tile_union_and_matches_reference(monkeypatch, H, 
                 m = int(qmask[b, tile, j]) & 0xFFFFFFFF
                 assert m == sum(1 << i for i in range(rows.shape[0]) if key in rows[i].tolist())
     monkeypatch.setattr(sa, "FWD_PATH", "union")
+    monkeypatch.setattr(sa, "BWD_PATH", "union")
+    qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
     with mock.patch.object(sa, "_fwd", wraps=sa._fwd) as spy:
-        out, lse = sparse_attention(q, k, v, idx, backend="triton")
+        out, lse = sparse_attention(qs, ks, vs, idx, backend="triton")
         assert spy.call_count == 0  # the per-query kernel did not run
-    ref, rl = sparse_attention_naive(q, k, v, idx)
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    ref, rl = sparse_attention_naive(qr, kr, vr, idx)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     fin = torch.isfinite(rl)
     assert torch.equal(fin, torch.isfinite(lse))
     torch.testing.assert_close(lse[fin], rl[fin], atol=1e-5, rtol=1e-5)
+    # the union-tile backward (opt-in), with an lse gradient too
+    go = torch.randn(out.shape, generator=g)
+    gl = torch.randn(lse.shape, generator=g).masked_fill(~fin, 0)
+    ((out * go).sum() + (lse.masked_fill(~fin, 0) * gl).sum()).backward()
+    ((ref * go).sum() + (rl.masked_fill(~fin, 0) * gl).sum()).backward()
+    for a, b in ((qs, qr), (ks, kr), (vs, vr)):
+        assert _rel(a.grad, b.grad) < 1e-5
 
 
 @pytest.mark.parametrize("path", ["query", "union"])

@@ -51,6 +51,11 @@ FWD_PATH = "auto"
 # H200, bf16, G=4, D=128 (benchmarks/NOTES.md): union-kernel time / per-query time ~ 2.1 x (|U| / pairs)
 # over |U|/pairs in 0.06..0.69, plus ~5% to build the union, so the union pays below ~0.4.
 UNION_RATIO = 0.4
+# Backward path: "query" (per-query kernel, measured on the H200) or "union" (the union-tile
+# backward: one atomic per union key and tile; verified against the reference on the CPU and
+# compiled for sm_90, NOT yet run on a GPU, hence opt-in). "union" reuses the forward's union,
+# or builds one if the forward took the per-query path.
+BWD_PATH = "query"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -230,8 +235,9 @@ def _fwd(q, k, v, indices, scale, nsplit: int = 1, out=None, tune: tuple[int, in
     return o, lse, nsplit
 
 
-def _fwd_auto(q, k, v, indices, scale, out=None):
-    """The forward through the union path when it pays (see FWD_PATH), else the per-query kernel."""
+def _fwd_auto(q, k, v, indices, scale, out=None, keep_union: list | None = None):
+    """The forward through the union path when it pays (see FWD_PATH), else the per-query kernel.
+    A union that was built is appended to `keep_union` (for the backward)."""
     T = q.shape[1]
     G = q.shape[2] // k.shape[2]
     BT = union.tile_queries(G)
@@ -240,6 +246,8 @@ def _fwd_auto(q, k, v, indices, scale, out=None):
         path = "query"  # too few queries to share anything; the interpreter takes the simple path
     if path != "query":
         un = union.build_union(indices, k.shape[1], BT)
+        if keep_union is not None:
+            keep_union.append(un)
         if path == "auto":
             pairs = int((indices >= 0).sum())
             path = "union" if int(un[2].sum()) < UNION_RATIO * max(pairs, 1) else "query"
@@ -252,20 +260,25 @@ def _fwd_auto(q, k, v, indices, scale, out=None):
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, indices, scale):
-        o, lse = _fwd_auto(q, k, v, indices, scale)
-        ctx.save_for_backward(q, k, v, indices, o, lse)
+        built = []
+        o, lse = _fwd_auto(q, k, v, indices, scale, keep_union=built if BWD_PATH == "union" else None)
+        ctx.save_for_backward(q, k, v, indices, o, lse, *(built[0] if built else ()))
         ctx.scale = scale
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, indices, o, lse = ctx.saved_tensors
+        q, k, v, indices, o, lse, *un = ctx.saved_tensors
         B, T, H, D = q.shape
         S, H_kv = k.shape[1], k.shape[2]
         G, D, BH, BD = _meta(q, k)
         do = do if do is not None else torch.zeros_like(o)
         dlse = torch.zeros_like(lse) if dlse is None else dlse.float().contiguous()
         lse = lse.contiguous()
+        if BWD_PATH == "union":
+            un = un or list(union.build_union(indices, S, union.tile_queries(G)))
+            dq, dk, dv = union.union_bwd(q, k, v, un, o, lse, do, dlse, ctx.scale, dot_precision(q.dtype))
+            return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
         dq = torch.empty_like(q)
         dk = torch.zeros(B, S, H_kv, D, device=q.device, dtype=torch.float32)
         dv = torch.zeros_like(dk)

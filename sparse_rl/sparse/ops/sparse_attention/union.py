@@ -198,3 +198,84 @@ def union_fwd(q, k, v, union, scale: float, prec: int, out=None, tune: tuple[int
                                      BT=BT, BLOCK_M=BM, BLOCK_K=BK, BLOCK_D=BD, PREC=prec,
                                      num_warps=warps, num_stages=stages)
     return o, lse
+
+
+@triton.jit
+def _union_bwd_kernel(Q, K, V, UKEY, QMASK, ULEN, O, DO, LSE, DLSE, DQ, DK, DV,
+                      sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+                      sob, sot, soh, sod, sdob, sdot, sdoh, sdod, slb, slt, slh,
+                      sdqb, sdqt, sdqh, sdqd, sab, sas, sah,
+                      T, G, D, NT, UMAX, scale, qk_scale,
+                      BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                      PREC: tl.constexpr):
+    """Backward over a tile's union: dq in registers, dk/dv of each union key summed over the
+    tile's rows before one fp32 atomic add per (key, tile) instead of one per (key, query)."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    r = tl.arange(0, BLOCK_M)
+    qi = r // G
+    gh = r % G
+    t = tile * BT + qi
+    rmask = (qi < BT) & (t < T)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    heads = kvh * G + gh
+    rd = rmask[:, None] & dmask[None, :]
+    q = tl.load(Q + b * sqb + t[:, None] * sqt + heads[:, None] * sqh + offs_d[None, :] * sqd, mask=rd, other=0.0)
+    do = tl.load(DO + b * sdob + t[:, None] * sdot + heads[:, None] * sdoh + offs_d[None, :] * sdod, mask=rd,
+                 other=0.0)
+    o = tl.load(O + b * sob + t[:, None] * sot + heads[:, None] * soh + offs_d[None, :] * sod, mask=rd, other=0.0)
+    lse = tl.load(LSE + b * slb + t * slt + heads * slh, mask=rmask, other=float("-inf"))
+    dlse = tl.load(DLSE + b * slb + t * slt + heads * slh, mask=rmask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1) - dlse
+    row_ok = (lse != float("-inf")) & rmask
+    lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    row = b * NT + tile
+    n = tl.load(ULEN + row)
+    kbase = K + b * skb + kvh * skh
+    vbase = V + b * svb + kvh * svh
+    for u0 in range(0, n, BLOCK_K):
+        offs_u = u0 + tl.arange(0, BLOCK_K)
+        um = offs_u < n
+        key = tl.load(UKEY + row * UMAX + offs_u, mask=um, other=0).to(tl.int64)
+        qm = tl.load(QMASK + row * UMAX + offs_u, mask=um, other=0)
+        kk = tl.load(kbase + key[:, None] * sks + offs_d[None, :] * skd, mask=um[:, None] & dmask[None, :], other=0.0)
+        vv = tl.load(vbase + key[:, None] * svs + offs_d[None, :] * svd, mask=um[:, None] & dmask[None, :], other=0.0)
+        s = dot(q, tl.trans(kk), PREC)
+        dp = dot(do, tl.trans(vv), PREC)
+        sel = (((qm[None, :] >> qi[:, None]) & 1) == 1) & um[None, :] & row_ok[:, None]
+        p = tl.where(sel, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += dot(ds.to(kk.dtype), kk, PREC)
+        dv_c = dot(tl.trans(p.to(do.dtype)), do, PREC)
+        dk_c = dot(tl.trans(ds.to(q.dtype)), q, PREC)
+        amask = um[:, None] & dmask[None, :]
+        aoff = b * sab + key[:, None] * sas + kvh * sah + offs_d[None, :]
+        tl.atomic_add(DV + aoff, dv_c, mask=amask, sem="relaxed")
+        tl.atomic_add(DK + aoff, dk_c * scale, mask=amask, sem="relaxed")
+    tl.store(DQ + b * sdqb + t[:, None] * sdqt + heads[:, None] * sdqh + offs_d[None, :] * sdqd,
+             (dq * scale).to(DQ.dtype.element_ty), mask=rd)
+
+
+def union_bwd(q, k, v, union, o, lse, do, dlse, scale: float, prec: int):
+    """dq `[B, T, H, D]` (q.dtype) and fp32 dk/dv `[B, S, H_kv, D]` over a prebuilt union."""
+    B, T, H, D = q.shape
+    S, H_kv = k.shape[1], k.shape[2]
+    G = H // H_kv
+    BT = tile_queries(G)
+    ukey, qmask, ulen = union
+    NT, umax = ukey.shape[1], ukey.shape[2]
+    dq = torch.empty_like(q)
+    dk = torch.zeros(B, S, H_kv, D, device=q.device, dtype=torch.float32)
+    dv = torch.zeros_like(dk)
+    BM = max(16, triton.next_power_of_2(BT * G))
+    BD = max(16, triton.next_power_of_2(D))
+    _union_bwd_kernel[(NT, H_kv, B)](q, k, v, ukey, qmask, ulen, o, do, lse, dlse, dq, dk, dv,
+                                     *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
+                                     *lse.stride(), *dq.stride(), *dk.stride()[:3],
+                                     T, G, D, NT, umax, scale, scale * 1.4426950408889634,
+                                     BT=BT, BLOCK_M=BM, BLOCK_K=32, BLOCK_D=BD, PREC=prec,
+                                     num_warps=4, num_stages=2 if q.is_cuda else 1)
+    return dq, dk, dv
