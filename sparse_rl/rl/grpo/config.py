@@ -119,7 +119,9 @@ class GRPOConfig:
     steps: int = 100
     seed: int = 0
     device: str = "auto"
-    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    # auto: bf16 on CUDA, fp32 on CPU. Weights are updated in their own dtype (no fp32 master copy):
+    # with bf16, updates far below 1e-3 of a weight round away; use float32 for tiny learning rates
+    dtype: str = "auto"
     plot_every: int = 10  # redraw curves.png every N steps (and at the end)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
