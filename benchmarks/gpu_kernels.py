@@ -61,6 +61,13 @@ def odd_shape_checks() -> list[dict]:
                  "out": rel_err(out, ro), "lse_abs": float((lse[fin] - rl[fin]).abs().max()),
                  "empty_row_ok": bool((out[0, 7] == 0).all() and torch.isneginf(lse[0, 7]).all()),
                  "dq": rel_err(qs.grad, qr.grad), "dk": rel_err(ks.grad, kr.grad), "dv": rel_err(vs.grad, vr.grad)}
+            sa.BWD_PATH = "union"  # the opt-in union-tile backward against the same reference grads
+            qu, ku, vu = (x.detach().clone().requires_grad_() for x in (q, k, v))
+            ou, lu = sparse_attention(qu, ku, vu, idx, backend="triton")
+            ((ou.float() * go.float()).sum() + (lu.masked_fill(torch.isinf(lu), 0) * gl).sum()).backward()
+            sa.BWD_PATH = "query"
+            r.update({"dq_union": rel_err(qu.grad, qr.grad), "dk_union": rel_err(ku.grad, kr.grad),
+                      "dv_union": rel_err(vu.grad, vr.grad)})
             for path in ("query", "union"):  # both forward paths, forced, poisoned outputs
                 sa.FWD_PATH = path
                 o = torch.full_like(out, float("nan"))
