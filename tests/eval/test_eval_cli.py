@@ -143,3 +143,13 @@ def test_eval_niah_bad_inputs(tmp_path, bpe_dir):
     assert not out.exists()
     res = CliRunner().invoke(app, ["eval", "niah", "--prompts", str(prompts), "--score", "dense", "--out", str(out)])
     assert res.exit_code == 2 and "MODE=FILE" in res.stderr
+
+
+def test_eval_niah_build_from_recipe(tmp_path, bpe_dir):
+    cfg = tmp_path / "niah.yaml"
+    cfg.write_text(f"tokenizer: {bpe_dir}\ntasks: [multikey, vt]\nlengths: [400, 600]\ndepths: [0.5]\nseed: 3\n")
+    res = CliRunner().invoke(app, ["eval", "niah", "--config", str(cfg), "--lengths", "700", "--prompts-out", "-"])
+    assert res.exit_code == 0, res.output
+    recs = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [(r["task"], r["meta"]["length"], r["meta"]["seed"]) for r in recs] == [("niah_multikey", 700, 3),
+                                                                                     ("niah_vt", 700, 3)]
