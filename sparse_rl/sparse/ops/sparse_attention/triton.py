@@ -11,6 +11,11 @@ Design (why):
   selected key costs 4*D bytes of K+V for 4*G*D FLOPs (G FLOP/byte), far below the ~200 FLOP/byte
   at which an H200 becomes compute bound. The grid runs every query of one kv head before the next
   head, so the working set in L2 is one head's K/V (S*D*4 bytes: 16 MB at 32K).
+- Query-tile union path (union.py): when neighbouring queries share keys, a tile of 16 queries x 4
+  heads streams the union of its index rows once (64 MMA rows), cutting the gathered bytes by the
+  overlap. Measured on an H200 at 32K: 4.4 ms + 1.2 ms to build the union vs 32 ms per-query on a
+  block-structured selection; no gain on independent random selections at >= 64K. `FWD_PATH`
+  "auto" builds the union (one sync to read its size) and takes it when it pays.
 - Online softmax in the exp2 domain; out is normalised at the end, lse is natural-log.
 - Backward: one program per (query, kv head) recomputes P from lse, writes dq directly and
   scatters dk/dv with fp32 atomics into `[B, S, H_kv, D]` scratch. The alternative, a transposed
@@ -319,7 +324,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
 def _num_sms(device_type: str, index: int | None) -> int:
     if device_type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
+    dev = index if index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 def _decode_splits(B: int, H_kv: int, NK: int, device) -> int:
@@ -333,7 +339,8 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   scale: float | None = None, nsplit: int | None = None):
     """One decode step, Triton. q `[B, H, D]`, caches `[B, S_max, H_kv, D]`, indices `[B, K]`
     (-1 = none) -> (out `[B, H, D]`, lse `[B, H]` fp32). Reads only the selected cache rows.
-    `nsplit` overrides the split-K heuristic (benchmarks)."""
+    Inference only: with inputs that need grad (and grad enabled) it takes the differentiable
+    reference. `nsplit` overrides the split-K heuristic (benchmarks)."""
     B, H, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     q4, idx3 = q[:, None], indices[:, None]
