@@ -46,7 +46,7 @@ def train(
     """Train the indexers: stage warmup (KL to dense attention), or stage sparse (LM loss, sparse model).
 
     Prints a JSON summary on stdout; progress goes to stderr; metrics to RUN_DIR/metrics.jsonl.
-    Multi-GPU: `accelerate launch --num_processes N -m sparse_rl.cli.main indexer train ...`.
+    Multi-GPU (data parallel): `accelerate launch --multi_gpu --num_processes N -m sparse_rl.cli.main indexer train ...`.
     """
     with cli_errors():
         from sparse_rl.config import load_config
