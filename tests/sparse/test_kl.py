@@ -134,3 +134,42 @@ def test_dense_lse_equals_logsumexp():
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     ref = torch.logsumexp(logits.masked_fill(~causal, float("-inf")), -1).transpose(1, 2)
     torch.testing.assert_close(dense_lse(q, k, 0.5, chunk=4), ref)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q/k norms before RoPE
+def test_captured_target_equals_the_models_own_attention_probabilities(tmp_path, arch):
+    """End to end: the (q, k) the warm-up captures give exactly the head-averaged attention
+    probabilities that transformers' eager attention returns (RoPE, GQA, scaling, q/k norms)."""
+    from transformers import AutoModelForCausalLM
+
+    from sparse_rl.modelinit import ModelInitConfig, init_model
+    from sparse_rl.sparse.config import SparseConfig
+    from sparse_rl.sparse.convert import ConvertConfig, convert
+    from sparse_rl.sparse.loader import load_model
+    from sparse_rl.sparse.train.hooks import capture_dense
+
+    init_model(tmp_path / "d", ModelInitConfig(arch=arch, size="tiny", seed=3))
+    convert(tmp_path / "d", tmp_path / "s", ConvertConfig(sparse=SparseConfig(
+        topk=8, index_heads=2, index_dim=16, rope_dim=8, sink=1, window=2, dense_layers=[0])))
+    model = load_model(tmp_path / "s")
+    with torch.no_grad():  # sharper attention than the random init, so the comparison is not trivially uniform
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+    ids = torch.randint(5, 500, (2, 19), generator=torch.Generator().manual_seed(0))
+    got = {}
+
+    def grab(module, query, key, stash):
+        got[module.layer_idx] = dense_target(query, key, module.scaling)
+
+    with capture_dense(model, grab), torch.no_grad():
+        logits = model(input_ids=ids).logits
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path / "s", attn_implementation="eager", dtype=torch.float32)
+    eager.load_state_dict(model.state_dict(), strict=False)
+    with torch.no_grad():
+        out = eager(input_ids=ids, output_attentions=True)
+    torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=1e-5)  # capturing changes nothing
+    assert sorted(got) == [1, 2, 3]
+    for i, target in got.items():
+        ref = out.attentions[i].sum(1) / out.attentions[i].shape[1]
+        torch.testing.assert_close(target, ref, atol=1e-6, rtol=1e-5)
+        assert float(ref[:, 8:].max()) > 0.3  # peaked (uniform would be <= 1/9 there): positions are told apart
