@@ -145,8 +145,12 @@ def run_generate(model_dir: str | Path, prompts: str | Path, out: str | Path | N
             recs = list(itertools.islice(it, chunk))  # stdin: reads (and validates) only this chunk
             if not recs:
                 break
-            ids = [encode_prompt(eng.tokenizer, r) for r in recs]
-            texts = [render_prompt(eng.tokenizer, r) for r in recs]
+            try:
+                texts = [render_prompt(eng.tokenizer, r) for r in recs]
+                ids = [encode_prompt(eng.tokenizer, r) for r in recs]
+            except Exception as e:  # e.g. a tokenizer without a chat template, or malformed messages
+                raise SparseRLError(f"--prompts {prompts}: cannot render a prompt of records {recs[0]['id']!r}.."
+                                    f"{recs[-1]['id']!r} ({str(e).splitlines()[0][:160]})") from None
             outs = eng.generate(ids, params)
             for row in completion_records(recs, outs, texts, cfg.n, cfg.logprobs):
                 fh.write(dumps(row) + "\n")
@@ -155,6 +159,6 @@ def run_generate(model_dir: str | Path, prompts: str | Path, out: str | Path | N
             n_tokens += sum(len(c.tokens) for c in outs)
             if progress:
                 progress(done, total)
-    if done == 0:
-        raise SparseRLError(f"--prompts {prompts}: no prompt records")
+        if done == 0:  # inside the `with`: an output file is not created
+            raise SparseRLError(f"--prompts {prompts}: no prompt records")
     return {"prompts": done, "completions": done * cfg.n, "generated_tokens": n_tokens, "attention": cfg.attention}
