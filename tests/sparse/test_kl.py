@@ -173,5 +173,5 @@ def test_captured_target_equals_the_models_own_attention_probabilities(tmp_path,
     assert sorted(got) == [1, 2, 3]
     for i, target in got.items():
         ref = out.attentions[i].sum(1) / out.attentions[i].shape[1]
-        torch.testing.assert_close(target, ref, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(target, ref, atol=1e-5, rtol=1e-4)  # fp32; earlier layers ran SDPA vs eager
         assert float(ref[:, 8:].max()) > 0.3  # peaked (uniform would be <= 1/9 there): positions are told apart
