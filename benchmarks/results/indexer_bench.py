@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python benchmarks/results/indexer_bench.py --out OUTDIR          # H200
     PYTHONPATH=. python benchmarks/results/indexer_bench.py --out /tmp/x --quick  # CPU smoke test
+    PYTHONPATH=. python benchmarks/results/indexer_bench.py --out OUTDIR --parts A --kl-impls torch,triton
+        # part A for both warm-up loss implementations, with an agreement check at the first length
 
 Part A: warm-up step time and peak memory on a Qwen2-0.5B-shaped model (random bf16 weights, built
 in code) at 8K and 32K tokens, against a plain dense forward of the same batch (the decoder stack,
@@ -57,7 +59,7 @@ def peak_gb(fn) -> float:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
-def part_a(out: Path, quick: bool, device: str) -> None:
+def part_a(out: Path, quick: bool, device: str, impls: list[str]) -> None:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from sparse_rl.sparse.config import SparseConfig
@@ -102,24 +104,39 @@ def part_a(out: Path, quick: bool, device: str) -> None:
             with torch.no_grad():
                 model.model(input_ids=ids, use_cache=False)
 
-        def warm():
+        def warm(impl):
             st = StepStats(ids.device)
-            warmup_forward(model, ids, st, 1.0 / (n_layers * L))
+            warmup_forward(model, ids, st, 1.0 / (n_layers * L), impl=impl)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return st
 
+        if len(impls) > 1 and L == lengths[0]:  # the implementations agree here, on the GPU (no step taken)
+            chk = {}
+            for impl in impls:
+                st = StepStats(ids.device)
+                warmup_forward(model, ids, st, 1.0 / (n_layers * L), impl=impl)
+                chk[impl] = {"kl": float(st.v[0] / st.v[1]), "recall": float(st.v[2] / st.v[3]),
+                             "grads": [p.grad.float().clone() for p in idx_params]}
+                opt.zero_grad(set_to_none=True)
+            a, b = chk[impls[0]], chk[impls[1]]
+            rel = max(float((x - y).norm() / y.norm().clamp_min(1e-30)) for x, y in zip(b["grads"], a["grads"]))
+            RESULTS["A"]["agreement"] = {"L": L, "kl": [a["kl"], b["kl"]], "recall": [a["recall"], b["recall"]],
+                                         "max_rel_grad_diff": rel}
+            print(f"[A] agreement at L={L}: {RESULTS['A']['agreement']}", flush=True)
         reps = 3 if L <= 8192 else 2
         t_dense, ts_d = timed(dense, reps + 2)
         m_dense = peak_gb(dense)
-        t_warm, ts_w = timed(warm, reps)
-        m_warm = peak_gb(warm)
-        row = {"L": L, "dense_forward_s": t_dense, "warmup_step_s": t_warm, "ratio": t_warm / t_dense,
-               "dense_peak_gb": m_dense, "warmup_peak_gb": m_warm, "dense_times": ts_d, "warmup_times": ts_w}
-        RESULTS["A"]["rows"].append(row)
-        dump(out)
-        print(f"[A] L={L}: dense {t_dense * 1e3:.1f} ms, warm-up step {t_warm * 1e3:.1f} ms "
-              f"({t_warm / t_dense:.1f}x), peak {m_dense:.2f} / {m_warm:.2f} GiB", flush=True)
+        for impl in impls:
+            t_warm, ts_w = timed(lambda: warm(impl), reps)
+            m_warm = peak_gb(lambda: warm(impl))
+            row = {"L": L, "kl_impl": impl, "dense_forward_s": t_dense, "warmup_step_s": t_warm,
+                   "ratio": t_warm / t_dense, "dense_peak_gb": m_dense, "warmup_peak_gb": m_warm,
+                   "dense_times": ts_d, "warmup_times": ts_w}
+            RESULTS["A"]["rows"].append(row)
+            dump(out)
+            print(f"[A] L={L} {impl}: dense {t_dense * 1e3:.1f} ms, warm-up step {t_warm * 1e3:.1f} ms "
+                  f"({t_warm / t_dense:.1f}x), peak {m_dense:.2f} / {m_warm:.2f} GiB", flush=True)
     del model, opt
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -228,6 +245,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--parts", default="AB")
     ap.add_argument("--pretrain-seconds", type=float, default=35.0)
+    ap.add_argument("--kl-impls", default="torch", help="part A: comma-separated warm-up loss implementations")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -235,7 +253,7 @@ def main():
     RESULTS["env"] = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     import transformers
     RESULTS["env"]["transformers"] = transformers.__version__
-    for name, fn in (("A", lambda: part_a(out, args.quick, device)),
+    for name, fn in (("A", lambda: part_a(out, args.quick, device, args.kl_impls.split(","))),
                      ("B", lambda: part_b(out, args.quick, device, args.pretrain_seconds))):
         if name not in args.parts:
             continue

@@ -30,6 +30,7 @@ def train(
     lora_r: Optional[int] = typer.Option(None, help="LoRA rank [default: 16]"),
     topk: Optional[int] = typer.Option(None, help="Override the model's top-k (saved into OUT)"),
     chunk_size: Optional[int] = typer.Option(None, help="Queries per KL chunk, 0 = from a memory budget [default: 0]"),
+    kl_impl: Optional[str] = typer.Option(None, help="Warm-up loss: torch (query chunks) | triton (fused, not yet timed on a GPU) [default: torch]"),
     synthetic_rows: Optional[int] = typer.Option(None, help="Rows generated for --data synthetic [default: 256]"),
     grad_clip: Optional[float] = typer.Option(None, help="Gradient-norm clip per parameter group, 0 = off [default: 1.0]"),
     seed: Optional[int] = typer.Option(None, help="Seed for data order and synthetic text [default: 0]"),
@@ -55,7 +56,7 @@ def train(
         overrides = dict(model=str(model) if model else None, out=str(out) if out else None,
                          run_dir=str(run_dir) if run_dir else None, data=data, stage=stage, seq_len=seq_len,
                          batch_size=batch_size, steps=steps, lr=lr, model_lr=model_lr, lr_warmup=lr_warmup,
-                         finetune=finetune, lora_r=lora_r, topk=topk, chunk_size=chunk_size, seed=seed,
+                         finetune=finetune, lora_r=lora_r, topk=topk, chunk_size=chunk_size, kl_impl=kl_impl, seed=seed,
                          synthetic_rows=synthetic_rows, grad_clip=grad_clip, log_every=log_every,
                          save_every=save_every, keep_checkpoints=keep_checkpoints, device=device, dtype=dtype, backend=backend)
         cfg = load_config(IndexerTrainConfig, config, overrides)

@@ -258,3 +258,15 @@ def test_synthetic_rows_are_deterministic_and_recall_stated_facts(sharp_sparse):
     assert all(facts[k] == v for k, v in asked)  # every question is answered by an earlier fact
     first_q = text.index("What is the value")
     assert all(text.index(f"The value of {k} is") < first_q for k, _ in asked)
+
+
+def test_fused_kl_impl_trains_like_the_torch_path(sharp_sparse, tmp_path):
+    # the Triton kernels run under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
+    run(_cfg(sharp_sparse, tmp_path / "t", steps=2, seq_len=64, kl_impl="torch"))
+    run(_cfg(sharp_sparse, tmp_path / "f", steps=2, seq_len=64, kl_impl="triton"))
+    for a, b in zip(_metrics(tmp_path / "t.run"), _metrics(tmp_path / "f.run")):
+        for key in ("kl", "attn_recall", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4), key
+    x, y = _tensors(tmp_path / "t" / "indexer.safetensors"), _tensors(tmp_path / "f" / "indexer.safetensors")
+    for key in x:
+        torch.testing.assert_close(x[key], y[key], rtol=1e-4, atol=1e-5)

@@ -106,10 +106,17 @@ class StepStats:
             self.v[3] += st.n
 
 
-def warmup_forward(model, ids: torch.Tensor, stats: StepStats, grad_scale: float, chunk: int | None = None) -> None:
-    """Dense frozen forward of the decoder stack; each indexed layer trains its indexer on `warmup_kl`."""
+def warmup_forward(model, ids: torch.Tensor, stats: StepStats, grad_scale: float, chunk: int | None = None,
+                   impl: str = "torch") -> None:
+    """Dense frozen forward of the decoder stack; each indexed layer trains its indexer on the warm-up KL.
+
+    impl: "torch" (`kl.warmup_kl`, query chunks) or "triton" (`kl_triton.warmup_kl_triton`, fused tiles;
+    unpadded rows only, which is what the packed training data is)."""
     from sparse_rl.sparse.ops import indexer_topk
     from sparse_rl.sparse.train.kl import warmup_kl
+
+    if impl == "triton":
+        from sparse_rl.sparse.train.kl_triton import warmup_kl_triton
 
     def on_layer(module, query, key, stash):
         h, pe, _ = stash
@@ -121,8 +128,12 @@ def warmup_forward(model, ids: torch.Tensor, stats: StepStats, grad_scale: float
             idx = indexer_topk(q_i.detach(), w.detach(), k_i.detach(), sc.topk, q_offset=q_offset, sink=sc.sink,
                                window=sc.window, backend=module.srl.backend)
         with torch.enable_grad():
-            st = warmup_kl(query.detach(), key.detach(), q_i, w, k_i, scale=module.scaling, indices=idx,
-                           q_offset=q_offset, chunk=chunk, grad_scale=grad_scale)
+            if impl == "triton":
+                st = warmup_kl_triton(query.detach(), key.detach(), q_i, w, k_i, scale=module.scaling, indices=idx,
+                                      q_offset=q_offset, grad_scale=grad_scale)
+            else:
+                st = warmup_kl(query.detach(), key.detach(), q_i, w, k_i, scale=module.scaling, indices=idx,
+                               q_offset=q_offset, chunk=chunk, grad_scale=grad_scale)
         stats.add(st)
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ class IndexerTrainConfig:
     finetune: sparse stage: "full" (all weights) | "lora" (peft adapter on lora_targets, merged at the end).
     topk: override the model's top-k (saved into the output's sparse_config.json).
     chunk_size: queries per loss chunk (0 = from a memory budget).
+    kl_impl: warm-up loss implementation: "torch" (query chunks) | "triton" (fused kernels; checked
+        against torch under the Triton interpreter, not yet timed on a GPU).
     synthetic_rows: rows generated for data=synthetic.
     """
 
@@ -81,6 +84,7 @@ class IndexerTrainConfig:
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     topk: int | None = None
     chunk_size: int = 0
+    kl_impl: str = "torch"
     synthetic_rows: int = 256
     seed: int = 0
     log_every: int = 1
@@ -93,6 +97,8 @@ class IndexerTrainConfig:
     def __post_init__(self):
         if self.stage not in STAGES:
             raise UsageError(f"--stage {self.stage}: expected warmup or sparse")
+        if self.kl_impl not in ("torch", "triton"):
+            raise UsageError(f"--kl-impl {self.kl_impl}: expected torch or triton")
         if self.finetune not in FINETUNE:
             raise UsageError(f"--finetune {self.finetune}: expected full or lora")
         for name in ("seq_len", "batch_size", "steps", "log_every", "save_every", "synthetic_rows", "lora_r"):
@@ -244,6 +250,8 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
         raise err
     if main and ckpt is None and run_dir.exists() and force:
         shutil.rmtree(run_dir)
+    if cfg.kl_impl == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UsageError("--kl-impl triton: needs a CUDA device (or TRITON_INTERPRET=1 on the CPU); use torch")
     if device.startswith("cuda"):
         torch.set_float32_matmul_precision("high")  # the KL target's fp32 matmuls run in tf32
     torch.manual_seed(cfg.seed)
@@ -318,7 +326,7 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
             stats = StepStats(device)
             log_now = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps
             if cfg.stage == "warmup":
-                warmup_forward(model, rows, stats, grad_scale, cfg.chunk_size or None)
+                warmup_forward(model, rows, stats, grad_scale, cfg.chunk_size or None, cfg.kl_impl)
             else:
                 loss = sparse_forward(model, rows, stats, grad_scale, log_now, cfg.chunk_size or None)
                 loss.backward()
