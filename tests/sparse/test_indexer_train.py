@@ -270,3 +270,15 @@ def test_fused_kl_impl_trains_like_the_torch_path(sharp_sparse, tmp_path):
     x, y = _tensors(tmp_path / "t" / "indexer.safetensors"), _tensors(tmp_path / "f" / "indexer.safetensors")
     for key in x:
         torch.testing.assert_close(x[key], y[key], rtol=1e-4, atol=1e-5)
+
+
+def test_resume_without_a_checkpoint_starts_over_and_keeps_foreign_files(sharp_sparse, tmp_path):
+    run_dir = tmp_path / "runs"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "kl": 9.0}\n')  # a run killed before its first checkpoint
+    run(_cfg(sharp_sparse, tmp_path / "o", steps=2, run_dir=str(run_dir)), resume=True)
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2] and _metrics(run_dir)[0]["kl"] != 9.0
+    assert (run_dir / "notes.txt").read_text() == "mine"
+    run(_cfg(sharp_sparse, tmp_path / "o", steps=1, run_dir=str(run_dir)), force=True)
+    assert [r["step"] for r in _metrics(run_dir)] == [1] and (run_dir / "notes.txt").exists()

@@ -175,10 +175,17 @@ def _prepare_run_dir(cfg: IndexerTrainConfig, run_dir: Path, resume: bool, force
                                      "(keep it, or start a new run dir)")
         return ckpt
     busy = run_dir.exists() and ((run_dir / "metrics.jsonl").exists() or checkpoint.list_checkpoints(run_dir))
-    if busy and not force:
+    if busy and not (force or resume):  # --resume without a checkpoint yet: nothing to continue, start over
         raise UsageError(f"--run-dir {run_dir}: holds a run already (pass --resume to continue it or --force to "
                          "start over)")
     return None
+
+
+def _reset_run_dir(run_dir: Path) -> None:
+    """Remove what a run writes (and nothing else: the dir may hold the user's own files)."""
+    for name in ("metrics.jsonl", "config.yaml", "summary.json"):
+        (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -248,8 +255,8 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
             err = (UsageError if kind == "UsageError" else SparseRLError)(msg)
     if err is not None:
         raise err
-    if main and ckpt is None and run_dir.exists() and force:
-        shutil.rmtree(run_dir)
+    if main and ckpt is None and run_dir.exists():
+        _reset_run_dir(run_dir)  # allowed by _prepare_run_dir: empty, --force, or --resume with no checkpoint
     if cfg.kl_impl == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
         raise UsageError("--kl-impl triton: needs a CUDA device (or TRITON_INTERPRET=1 on the CPU); use torch")
     if device.startswith("cuda"):
