@@ -1,4 +1,4 @@
-"""`sparse-rl indexer train`: dense warm-up of the lightning indexers, then optional sparse training."""
+"""`sparse-rl indexer train|eval`: warm-up and sparse training of the lightning indexers; their quality."""
 
 from __future__ import annotations
 
@@ -69,3 +69,32 @@ def train(
             console.print(f"[green]wrote[/] {summary['out']}  ({summary['steps']} steps, kl {last.get('kl', float('nan')):.4f}"
                           + (f", attn_recall {recall:.3f}" if recall is not None else "") + ")")
             typer.echo(json.dumps(summary))
+
+
+@app.command("eval")
+def eval_(
+    model: Optional[Path] = typer.Argument(None, metavar="MODEL", help="Sparse model dir."),
+    data: Optional[str] = typer.Option(None, help=".jsonl, .txt, a datasets dir, or 'synthetic' [default: synthetic]"),
+    seq_len: Optional[int] = typer.Option(None, help="Tokens per row [default: 1024]"),
+    rows: Optional[int] = typer.Option(None, help="Rows evaluated [default: 8]"),
+    seed: Optional[int] = typer.Option(None, help="Data seed; synthetic rows depend on it [default: 12345]"),
+    topk: Optional[int] = typer.Option(None, help="Evaluate at this k instead of the model's"),
+    lm_loss: Optional[bool] = typer.Option(None, "--lm-loss/--no-lm-loss", help="Also LM loss dense vs sparse [default: on]"),
+    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda[:N] [default: auto]"),
+    dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 [default: auto]"),
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML (keys: the flags)."),
+) -> None:
+    """Indexer quality on held-out rows: KL to dense attention, attn_recall of its top-k selection, the
+    oracle recall (best possible k keys), per layer, and the LM loss dense vs sparse. JSON on stdout."""
+    with cli_errors():
+        from sparse_rl.config import load_config
+        from sparse_rl.sparse.train.trainer import IndexerEvalConfig, run_eval
+
+        cfg = load_config(IndexerEvalConfig, config, dict(model=str(model) if model else None, data=data,
+                                                          seq_len=seq_len, rows=rows, seed=seed, topk=topk,
+                                                          lm_loss=lm_loss, device=device, dtype=dtype))
+        with console.status("evaluating the indexer"):
+            res = run_eval(cfg)
+        console.print(f"kl {res['kl']:.4f}  attn_recall {res['attn_recall']:.3f}  (oracle {res['oracle_recall']:.3f}, "
+                      f"k={res['topk']}, L={res['seq_len']})")
+        typer.echo(json.dumps(res))

@@ -157,6 +157,14 @@ def test_cli_end_to_end_with_recipe_and_flags(sharp_sparse, tmp_path):
                                    "--steps", "3", "--topk", "12", "--resume", "--force"])
     assert res.exit_code == 0, res.output
     assert [r["step"] for r in _metrics(out.with_name("m.run"))] == [1, 2, 3]
+    # the trained dir evaluates: JSON on stdout, per-layer numbers, recall bounded by the oracle
+    res = CliRunner().invoke(app, ["indexer", "eval", str(out), "--seq-len", "64", "--rows", "2", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    ev = json.loads(res.stdout.strip().splitlines()[-1])
+    assert ev["topk"] == 12 and ev["rows"] == 2 and sorted(ev["layers"]) == ["1", "2", "3"]
+    assert 0 < ev["attn_recall"] <= ev["oracle_recall"] + 1e-6 <= 1 + 1e-6 and ev["lm_loss_sparse"] > 0
+    res = CliRunner().invoke(app, ["indexer", "eval", str(sharp_sparse.parent / "sharp"), "--device", "cpu"])
+    assert res.exit_code == 1 and "not a sparse model dir" in res.output
 
 
 def test_shipped_recipe_loads():

@@ -398,3 +398,61 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
 
         dist.barrier()
     return summary
+
+
+@dataclass
+class IndexerEvalConfig:
+    """`sparse-rl indexer eval` options: indexer quality of MODEL on `rows` held-out rows of `data`.
+
+    seed: data seed (for `synthetic`, pick one the training run did not use: rows depend on it).
+    topk: evaluate at this k instead of the model's (e.g. L/8).
+    """
+
+    model: str = ""
+    data: str = "synthetic"
+    seq_len: int = 1024
+    rows: int = 8
+    seed: int = 12345
+    topk: int | None = None
+    chunk_size: int = 0
+    lm_loss: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        for name in ("seq_len", "rows"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
+        if self.topk is not None and self.topk < 1:
+            raise UsageError(f"--topk must be >= 1 (got {self.topk})")
+
+
+def run_eval(cfg: IndexerEvalConfig) -> dict:
+    """KL, attn_recall, oracle recall (per layer and mean) and LM loss dense vs sparse; see `hooks.evaluate`."""
+    from sparse_rl.cli.common import resolve_device
+    from sparse_rl.sparse.config import SparseConfig
+    from sparse_rl.sparse.loader import check_model_dir, load_model, load_tokenizer
+    from sparse_rl.sparse.train.data import build_data
+    from sparse_rl.sparse.train.hooks import evaluate, indexed_attention
+
+    if not cfg.model:
+        raise UsageError("MODEL: give the sparse model dir to evaluate")
+    check_model_dir(cfg.model, "MODEL")
+    sc = SparseConfig.load(cfg.model)
+    if sc is None or sc.selector != "indexer":
+        raise SparseRLError(f"MODEL {cfg.model}: not a sparse model dir with an indexer (run `sparse-rl convert`)")
+    if cfg.topk is not None:
+        sc = dataclasses.replace(sc, topk=cfg.topk)
+    device = resolve_device(cfg.device)
+    if device.startswith("cuda"):
+        torch.set_float32_matmul_precision("high")
+    tok = load_tokenizer(cfg.model)
+    data = build_data(cfg.data, tok, cfg.seq_len, cfg.seed, synthetic_n=cfg.rows)
+    rows = data.rows(0, min(cfg.rows, len(data))).to(device)
+    model = load_model(cfg.model, attention="dense", device=device, dtype=cfg.dtype, backend=cfg.backend)
+    for m in indexed_attention(model):
+        m.srl.cfg = sc
+    res = evaluate(model, rows, chunk=cfg.chunk_size or None, lm_loss=cfg.lm_loss)
+    return {"model": cfg.model, "data": cfg.data, "rows": int(rows.shape[0]), "seq_len": cfg.seq_len,
+            "topk": sc.topk, **res}
