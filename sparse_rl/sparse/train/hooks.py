@@ -107,11 +107,12 @@ class StepStats:
 
 
 def warmup_forward(model, ids: torch.Tensor, stats: StepStats, grad_scale: float, chunk: int | None = None,
-                   impl: str = "torch") -> None:
+                   impl: str = "torch", measure_recall: bool = True) -> None:
     """Dense frozen forward of the decoder stack; each indexed layer trains its indexer on the warm-up KL.
 
     impl: "torch" (`kl.warmup_kl`, query chunks) or "triton" (`kl_triton.warmup_kl_triton`, fused tiles;
-    unpadded rows only, which is what the packed training data is)."""
+    unpadded rows only, which is what the packed training data is).
+    measure_recall: select the top-k to report attn_recall (the loss itself needs no selection)."""
     from sparse_rl.sparse.ops import indexer_topk
     from sparse_rl.sparse.train.kl import warmup_kl
 
@@ -124,9 +125,11 @@ def warmup_forward(model, ids: torch.Tensor, stats: StepStats, grad_scale: float
         with torch.enable_grad():
             q_i, w, k_i = module.indexer(h.detach(), pe[0].detach(), pe[1].detach())
         q_offset = key.shape[2] - query.shape[2]
-        with torch.no_grad():
-            idx = indexer_topk(q_i.detach(), w.detach(), k_i.detach(), sc.topk, q_offset=q_offset, sink=sc.sink,
-                               window=sc.window, backend=module.srl.backend)
+        idx = None
+        if measure_recall:
+            with torch.no_grad():
+                idx = indexer_topk(q_i.detach(), w.detach(), k_i.detach(), sc.topk, q_offset=q_offset, sink=sc.sink,
+                                   window=sc.window, backend=module.srl.backend)
         with torch.enable_grad():
             if impl == "triton":
                 st = warmup_kl_triton(query.detach(), key.detach(), q_i, w, k_i, scale=module.scaling, indices=idx,

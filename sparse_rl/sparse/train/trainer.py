@@ -333,7 +333,7 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
             stats = StepStats(device)
             log_now = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps
             if cfg.stage == "warmup":
-                warmup_forward(model, rows, stats, grad_scale, cfg.chunk_size or None, cfg.kl_impl)
+                warmup_forward(model, rows, stats, grad_scale, cfg.chunk_size or None, cfg.kl_impl, log_now)
             else:
                 loss = sparse_forward(model, rows, stats, grad_scale, log_now, cfg.chunk_size or None)
                 loss.backward()
