@@ -38,8 +38,10 @@ def one(L: int, chunk: int) -> dict:
         m.indexer.requires_grad_(True)
     ids = torch.randint(0, 4096, (1, L))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    import psutil  # noqa: F401  (only to read the current RSS if present)
-    rss0 = psutil.Process().memory_info().rss // 1024
+    import os
+
+    with open("/proc/self/statm") as fh:  # current resident set (Linux), in KiB like ru_maxrss
+        rss0 = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
     t = time.perf_counter()
     st = StepStats(torch.device("cpu"))
     warmup_forward(model, ids, st, 1.0 / L, chunk=chunk)
