@@ -30,7 +30,7 @@ def train(
     lora_r: Optional[int] = typer.Option(None, help="LoRA rank [default: 16]"),
     topk: Optional[int] = typer.Option(None, help="Override the model's top-k (saved into OUT)"),
     chunk_size: Optional[int] = typer.Option(None, help="Queries per KL chunk, 0 = from a memory budget [default: 0]"),
-    kl_impl: Optional[str] = typer.Option(None, help="Warm-up loss: torch (query chunks) | triton (fused, not yet timed on a GPU) [default: torch]"),
+    kl_impl: Optional[str] = typer.Option(None, help="Warm-up loss: auto (triton on CUDA) | torch (query chunks) | triton (fused kernels) [default: auto]"),
     synthetic_rows: Optional[int] = typer.Option(None, help="Rows generated for --data synthetic [default: 256]"),
     grad_clip: Optional[float] = typer.Option(None, help="Gradient-norm clip per parameter group, 0 = off [default: 1.0]"),
     seed: Optional[int] = typer.Option(None, help="Seed for data order and synthetic text [default: 0]"),

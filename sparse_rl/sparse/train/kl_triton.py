@@ -1,7 +1,9 @@
 """Fused Triton version of the warm-up KL (`kl.warmup_kl`): no `[H, Tc, S]` block ever reaches memory.
 
-Status: checked against the PyTorch path (value and gradients) under TRITON_INTERPRET=1 only; it has
-NOT been compiled or timed on a GPU yet, so it is opt-in (`kl_impl: triton`), never picked by default.
+Status: checked against the PyTorch path (value and gradients) under TRITON_INTERPRET=1 in CI and on an
+H200 (KL and attn_recall equal to 7 digits, gradients within 2.3e-3 relative; 228 ms vs 435 ms a step at 8K,
+1.82 s vs 5.24 s at 32K on a Qwen2-0.5B shape: benchmarks/results/2026-11-29-h200-indexer.md). It is the
+default on CUDA (`kl_impl: auto`).
 
 Four kernels, flash-attention style (tiles of BLOCK_M queries x BLOCK_N keys stay in registers):
   1. `_dense_lse`: per query and head, the log-sum-exp of the causal dense logits `[B, H, T]`.

@@ -59,8 +59,8 @@ class IndexerTrainConfig:
     finetune: sparse stage: "full" (all weights) | "lora" (peft adapter on lora_targets, merged at the end).
     topk: override the model's top-k (saved into the output's sparse_config.json).
     chunk_size: queries per loss chunk (0 = from a memory budget).
-    kl_impl: warm-up loss implementation: "torch" (query chunks) | "triton" (fused kernels; checked
-        against torch under the Triton interpreter, not yet timed on a GPU).
+    kl_impl: warm-up loss implementation: "auto" (triton on CUDA, torch elsewhere) | "torch" (query
+        chunks) | "triton" (fused kernels; agree with torch on an H200, 1.9x/2.9x faster at 8K/32K).
     synthetic_rows: rows generated for data=synthetic.
     """
 
@@ -84,7 +84,7 @@ class IndexerTrainConfig:
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     topk: int | None = None
     chunk_size: int = 0
-    kl_impl: str = "torch"
+    kl_impl: str = "auto"
     synthetic_rows: int = 256
     seed: int = 0
     log_every: int = 1
@@ -97,8 +97,8 @@ class IndexerTrainConfig:
     def __post_init__(self):
         if self.stage not in STAGES:
             raise UsageError(f"--stage {self.stage}: expected warmup or sparse")
-        if self.kl_impl not in ("torch", "triton"):
-            raise UsageError(f"--kl-impl {self.kl_impl}: expected torch or triton")
+        if self.kl_impl not in ("auto", "torch", "triton"):
+            raise UsageError(f"--kl-impl {self.kl_impl}: expected auto, torch or triton")
         if self.finetune not in FINETUNE:
             raise UsageError(f"--finetune {self.finetune}: expected full or lora")
         for name in ("seq_len", "batch_size", "steps", "log_every", "save_every", "synthetic_rows", "lora_r"):
@@ -257,6 +257,8 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
         raise err
     if main and ckpt is None and run_dir.exists():
         _reset_run_dir(run_dir)  # allowed by _prepare_run_dir: empty, --force, or --resume with no checkpoint
+    if cfg.kl_impl == "auto":  # the fused kernels on CUDA (2-3x faster on an H200), the query-chunked torch path else
+        cfg.kl_impl = "triton" if device.startswith("cuda") else "torch"
     if cfg.kl_impl == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
         raise UsageError("--kl-impl triton: needs a CUDA device (or TRITON_INTERPRET=1 on the CPU); use torch")
     if device.startswith("cuda"):
