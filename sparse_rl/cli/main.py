@@ -17,13 +17,13 @@ from sparse_rl import __version__
 STAGES: list[tuple[str, str, str]] = [
     ("model", "sparse_rl.cli.model", "Create small offline models (random init + local tokenizer)."),
     ("convert", "sparse_rl.cli.convert", "Add a sparse-attention selector to a dense HF checkpoint."),
-    ("demo", "sparse_rl.cli.demo", "Run the whole chain on a tiny model, offline, on a CPU."),
-    ("synth", "sparse_rl.cli.synth", "Synthesise verifiable math tasks and sandboxed tool-use trajectories."),
     ("indexer", "sparse_rl.cli.indexer", "Train the lightning indexers: dense KL warm-up, then sparse training."),
     ("generate", "sparse_rl.cli.generate", "Sample completions with the rollout engine (dense or sparse), with log-probs."),
-    ("eval", "sparse_rl.cli.eval", "Evaluate: math accuracy and pass@k, RULER-style needle grids, sparse-vs-dense fidelity."),
     ("grpo", "sparse_rl.cli.grpo", "GRPO with dense or sparse rollouts, mismatch correction, LoRA distillation, oversampling."),
+    ("synth", "sparse_rl.cli.synth", "Synthesise verifiable math tasks and sandboxed tool-use trajectories."),
+    ("eval", "sparse_rl.cli.eval", "Evaluate: math accuracy and pass@k, RULER-style needle grids, sparse-vs-dense fidelity."),
     ("bench", "sparse_rl.cli.bench", "Speed benchmarks: sparse attention and decode kernels vs dense SDPA/FlexAttention."),
+    ("demo", "sparse_rl.cli.demo", "Run the whole chain on a tiny model, offline, on a CPU."),
 ]
 
 app = typer.Typer(
