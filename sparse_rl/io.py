@@ -11,7 +11,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator
+from typing import IO, Any, Callable, Iterable, Iterator
 
 from sparse_rl.errors import SparseRLError, UsageError
 
@@ -20,11 +20,13 @@ def _name(path: str | Path) -> str:
     return "<stdin>" if str(path) == "-" else str(path)
 
 
-def iter_jsonl(path: str | Path, required: Iterable[str] = (), any_of: Iterable[str] = ()) -> Iterator[dict]:
+def iter_jsonl(path: str | Path, required: Iterable[str] = (), any_of: Iterable[str] = (),
+               check: Callable[[dict, str, int], dict] | None = None, flag: str | None = None) -> Iterator[dict]:
     """Yield records of a JSONL file (or stdin for `-`), checking them as they stream.
 
     Raises SparseRLError naming the file and line on bad JSON, a non-object line, a missing
-    `required` field, or none of `any_of` present. Blank lines are skipped.
+    `required` field, or none of `any_of` present. Blank lines are skipped. `check(rec, name, lineno)`
+    validates (and may transform) each record; `flag` prefixes the file-not-found error.
     """
     required, any_of = tuple(required), tuple(any_of)
     name = _name(path)
@@ -34,7 +36,7 @@ def iter_jsonl(path: str | Path, required: Iterable[str] = (), any_of: Iterable[
     else:
         p = Path(path)
         if not p.is_file():
-            raise SparseRLError(f"{name}: file not found")
+            raise SparseRLError(f"{flag + ' ' if flag else ''}{name}: file not found")
         fh = p.open("r", encoding="utf-8")
         close = True
     try:
@@ -52,7 +54,7 @@ def iter_jsonl(path: str | Path, required: Iterable[str] = (), any_of: Iterable[
                     raise SparseRLError(f"{name} line {lineno}: missing field '{key}'")
             if any_of and not any(k in rec for k in any_of):
                 raise SparseRLError(f"{name} line {lineno}: needs one of the fields {', '.join(repr(k) for k in any_of)}")
-            yield rec
+            yield check(rec, name, lineno) if check is not None else rec
     finally:
         if close:
             fh.close()
@@ -139,3 +141,20 @@ def atomic_dir(path: str | Path, force: bool = False, flag: str = "OUT"):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints `run_dir/checkpoints/step-N/` (those with a meta.json) as `(N, path)`,
+    oldest first. A checkpoint dir appears only once fully written (atomic rename), so a listed one
+    is whole."""
+    import re
+
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = re.match(r"^step-(\d+)$", p.name)
+        if m and (p / "meta.json").is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)

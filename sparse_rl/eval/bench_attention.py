@@ -303,23 +303,30 @@ def check_backward(device, dtype, heads: int, kv_heads: int, head_dim: int, L: i
 
 # ----------------------------------------------------------------------------------------- bench
 
+def bench_setup(cfg):
+    """Device and dtype of a kernel benchmark, with the checks both benchmarks share."""
+    import os
+
+    import torch
+
+    from sparse_rl.cli.common import resolve_device
+
+    dev = torch.device(resolve_device(cfg.device))
+    if cfg.heads % cfg.kv_heads:
+        raise UsageError(f"--heads {cfg.heads} must be a multiple of --kv-heads {cfg.kv_heads}")
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET", "") != "1":
+        raise UsageError("bench on a CPU needs TRITON_INTERPRET=1 (Triton kernels run in the interpreter)")
+    return dev, torch_dtype(cfg.dtype)
+
+
 def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
     """Time and check every kernel at each sequence length; returns {"config", "device", "rows", ...}."""
     import torch
 
-    from sparse_rl.cli.common import resolve_device
     from sparse_rl.sparse.ops import indexer_topk, sparse_attention
     from sparse_rl.sparse.ops.indexer_topk import triton as it
 
-    dev = torch.device(resolve_device(cfg.device))
-    dtype = torch_dtype(cfg.dtype)
-    if cfg.heads % cfg.kv_heads:
-        raise UsageError(f"--heads {cfg.heads} must be a multiple of --kv-heads {cfg.kv_heads}")
-    if dev.type == "cpu":
-        import os
-
-        if os.environ.get("TRITON_INTERPRET", "") != "1":
-            raise UsageError("bench on a CPU needs TRITON_INTERPRET=1 (Triton kernels run in the interpreter)")
+    dev, dtype = bench_setup(cfg)
     B, H, Hkv, D, K = cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.topk
     HI, DI = cfg.index_heads, cfg.index_dim
     W = dict(warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms)

@@ -16,8 +16,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from sparse_rl.errors import UsageError
-from sparse_rl.eval.bench_attention import bench_ms, best_dense, device_name, fmt, rel_err, torch_dtype
+from sparse_rl.eval.bench_attention import bench_ms, bench_setup, best_dense, device_name, fmt, rel_err
 
 
 @dataclass
@@ -42,20 +41,11 @@ class BenchDecodeConfig:
 def run_decode_bench(cfg: BenchDecodeConfig, log=print) -> dict:
     import torch
 
-    from sparse_rl.cli.common import resolve_device
     from sparse_rl.sparse.ops import indexer_topk, sparse_decode
     from sparse_rl.sparse.ops.sparse_attention import triton as sa
     from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
 
-    dev = torch.device(resolve_device(cfg.device))
-    dtype = torch_dtype(cfg.dtype)
-    if cfg.heads % cfg.kv_heads:
-        raise UsageError(f"--heads {cfg.heads} must be a multiple of --kv-heads {cfg.kv_heads}")
-    if dev.type == "cpu":
-        import os
-
-        if os.environ.get("TRITON_INTERPRET", "") != "1":
-            raise UsageError("bench on a CPU needs TRITON_INTERPRET=1 (Triton kernels run in the interpreter)")
+    dev, dtype = bench_setup(cfg)
     B, H, Hkv, D, K = cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.topk
     HI, DI = cfg.index_heads, cfg.index_dim
     W = dict(warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms, graph=True)

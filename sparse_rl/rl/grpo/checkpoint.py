@@ -15,32 +15,19 @@ with a meta.json. Only rank 0 writes; the other ranks' RNG states reach it by al
 from __future__ import annotations
 
 import random
-import re
 import shutil
 from pathlib import Path
 
 import torch
 
 from sparse_rl.errors import SparseRLError
+from sparse_rl.io import list_checkpoints  # noqa: F401  (part of this module's API)
 from sparse_rl.io import atomic_dir, atomic_write_json
 
-_STEP = re.compile(r"^step-(\d+)$")
 
 
 def ckpt_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
-
-
-def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    root = ckpt_root(run_dir)
-    if not root.is_dir():
-        return []
-    out = []
-    for p in root.iterdir():
-        m = _STEP.match(p.name)
-        if m and (p / "meta.json").is_file():
-            out.append((int(m.group(1)), p))
-    return sorted(out)
 
 
 def latest(run_dir: str | Path) -> tuple[int, Path] | None:

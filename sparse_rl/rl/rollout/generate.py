@@ -16,8 +16,6 @@ flushed per chunk; an output *file* is still only renamed into place when the wh
 from __future__ import annotations
 
 import itertools
-import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -80,26 +78,9 @@ def _check_record(rec, name: str, lineno: int) -> dict:
 
 def iter_prompts(path: str | Path) -> Iterator[dict]:
     """Validated prompt records of a JSONL file or stdin (`-`), lazily; errors name the line."""
-    name = "<stdin>" if str(path) == "-" else str(path)
-    if str(path) == "-":
-        fh, close = sys.stdin, False
-    else:
-        p = Path(path)
-        if not p.is_file():
-            raise SparseRLError(f"--prompts {name}: file not found")
-        fh, close = p.open("r", encoding="utf-8"), True
-    try:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SparseRLError(f"{name} line {lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-            yield _check_record(rec, name, lineno)
-    finally:
-        if close:
-            fh.close()
+    from sparse_rl.io import iter_jsonl
+
+    return iter_jsonl(path, check=_check_record, flag="--prompts")
 
 
 def completion_records(recs: list[dict], outs, prompt_texts: list[str], n: int, logprobs: bool) -> list[dict]:

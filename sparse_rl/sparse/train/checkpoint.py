@@ -11,32 +11,18 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import shutil
 from pathlib import Path
 
 import torch
 
 from sparse_rl.errors import SparseRLError
+from sparse_rl.io import list_checkpoints  # noqa: F401  (part of this module's API)
 
-_STEP = re.compile(r"^step-(\d+)$")
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
-
-
-def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints `(step, path)`, oldest first."""
-    root = checkpoint_dir(run_dir)
-    if not root.is_dir():
-        return []
-    out = []
-    for p in root.iterdir():
-        m = _STEP.match(p.name)
-        if m and (p / "meta.json").is_file():
-            out.append((int(m.group(1)), p))
-    return sorted(out)
 
 
 def latest(run_dir: str | Path) -> Path | None:
