@@ -10,6 +10,11 @@
 The directory is built under a temporary name and renamed into place (`sparse_rl.io.atomic_dir`),
 so a killed run leaves either the whole checkpoint or none; `latest()` only trusts directories
 with a meta.json. Only rank 0 writes; the other ranks' RNG states reach it by all_gather.
+
+With `parallel: fsdp` (theta sharded, see parallel.FSDPPolicy) the format is the same: the caller
+gathers the full weights (`full_state`) and the policy optimizer's full state (keyed by parameter
+name instead of index) for rank 0 to write; `load` copies each full tensor into the local shard.
+meta.json records the layout, and a checkpoint resumes only under the layout that wrote it.
 """
 
 from __future__ import annotations
@@ -59,28 +64,45 @@ def _clean_key(k: str) -> str:
     return k.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-def policy_state_dict(model) -> dict[str, torch.Tensor]:
-    """theta (and the frozen indexers) under plain HF names, without LoRA tensors."""
+def policy_state_dict(model, full_state: dict | None = None) -> dict[str, torch.Tensor]:
+    """theta (and the frozen indexers) under plain HF names, without LoRA tensors. full_state: the
+    model's gathered full state dict (FSDP), used instead of the model's own (sharded) tensors."""
+    if full_state is not None:
+        return {_clean_key(k): v for k, v in full_state.items() if "lora_" not in k}
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return {_clean_key(k): v for k, v in base.state_dict().items() if "lora_" not in k}
 
 
-def save_policy(model, tokenizer, out: Path) -> None:
-    """Write theta as a model dir into the existing directory `out` (see module doc)."""
+def _indexers_of(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Indexer weights of a plain-named state dict, keyed `layers.{i}.{param}` like `indexer_state_dict`."""
+    import re
+
+    out = {}
+    for k, v in state.items():
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.self_attn\.indexer\.(.+)$", k)
+        if m:
+            out[f"layers.{m.group(1)}.{m.group(2)}"] = v
+    return out
+
+
+def save_policy(model, tokenizer, out: Path, full_state: dict | None = None) -> None:
+    """Write theta as a model dir into the existing directory `out` (see module doc). full_state: the
+    gathered full state dict of a sharded (FSDP) model."""
     from safetensors.torch import save_file
 
     from sparse_rl.sparse.config import INDEXER_WEIGHTS
     from sparse_rl.sparse.patch import decoder_layers, indexer_state_dict
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    state = {k: v for k, v in policy_state_dict(model).items() if ".indexer." not in k}
+    plain = policy_state_dict(model, full_state)
+    state = {k: v for k, v in plain.items() if ".indexer." not in k}
     base.save_pretrained(out, state_dict=state)
     tokenizer.save_pretrained(out)
     states = [getattr(layer.self_attn, "srl", None) for layer in decoder_layers(model)]
     cfg = next((s.cfg for s in states if s is not None), None)
     if cfg is not None:
         cfg.save(out)
-        idx = indexer_state_dict(model)
+        idx = indexer_state_dict(model) if full_state is None else _indexers_of(plain)
         if idx:
             save_file({k: v.detach().contiguous().cpu() for k, v in idx.items()}, str(out / INDEXER_WEIGHTS))
     import json
@@ -103,30 +125,39 @@ def load_policy(model, policy_dir: Path) -> None:
     if not files:
         raise SparseRLError(f"{policy_dir}: no weights in the checkpoint (it may be damaged; remove it to resume "
                             "from the one before)")
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     loaded = 0
     with torch.no_grad():
         for f in files:
             for k, v in load_file(str(f)).items():
                 if k not in own:
                     raise SparseRLError(f"{f}: parameter {k!r} does not belong to the model; resume with the same MODEL")
-                own[k].copy_(v)
+                dst = own[k]
+                if isinstance(dst, DTensor):  # FSDP shard: every rank read the full tensor, keeps its own part
+                    v = distribute_tensor(v.to(dst.device), dst.device_mesh, dst.placements, src_data_rank=None)
+                dst.copy_(v)
                 loaded += 1
     if loaded == 0:
         raise SparseRLError(f"{policy_dir}: the checkpoint holds no parameters")
 
 
 def save(run_dir: str | Path, step: int, *, model, tokenizer, optimizers: dict, rng_states: list[dict], meta: dict,
-         keep: int = 0) -> Path:
-    """Write checkpoints/step-`step` atomically and prune to the newest `keep` (0 = keep all). Rank 0 only."""
+         keep: int = 0, full_state: dict | None = None, optim_states: dict | None = None) -> Path:
+    """Write checkpoints/step-`step` atomically and prune to the newest `keep` (0 = keep all). Rank 0 only.
+    FSDP: full_state = the gathered model state dict; optim_states = {name: gathered optimizer state},
+    used instead of `optimizers[name].state_dict()`."""
     root = ckpt_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     with atomic_dir(final, force=True, flag="checkpoint") as tmp:
         (tmp / "policy").mkdir()
-        save_policy(model, tokenizer, tmp / "policy")
+        save_policy(model, tokenizer, tmp / "policy", full_state)
         if hasattr(model, "peft_config"):
             model.save_pretrained(str(tmp / "adapter"))
-        torch.save({k: o.state_dict() for k, o in optimizers.items() if o is not None}, tmp / "optimizer.pt")
+        gathered = optim_states or {}
+        torch.save({k: gathered[k] if k in gathered else o.state_dict() for k, o in optimizers.items()
+                    if o is not None}, tmp / "optimizer.pt")
         torch.save(rng_states, tmp / "rng.pt")
         atomic_write_json(tmp / "meta.json", {"step": step, **meta})
     if keep > 0:
@@ -135,14 +166,21 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, optimizers: dict, 
     return final
 
 
-def load(path: Path, *, model, optimizers: dict, rank: int, world: int) -> tuple[dict, dict]:
-    """Restore weights, adapter and optimizer states in place; return (meta, this rank's RNG state)."""
+def load(path: Path, *, model, optimizers: dict, rank: int, world: int, parallel: str = "ddp",
+         optim_loaders: dict | None = None) -> tuple[dict, dict]:
+    """Restore weights, adapter and optimizer states in place; return (meta, this rank's RNG state).
+    parallel: the resuming run's layout (must be the checkpoint's); optim_loaders: {name: fn(optimizer,
+    state)} for optimizers whose state is not loaded by `load_state_dict` (FSDP's full state)."""
     import json
 
     meta = json.loads((path / "meta.json").read_text())
     if int(meta.get("world_size", 1)) != world:
         raise SparseRLError(f"{path}: saved by {meta.get('world_size')} processes, resumed with {world}; "
                             "resume with the same number of processes")
+    saved = meta.get("parallel", "ddp")
+    if saved != parallel:
+        raise SparseRLError(f"{path}: saved with parallel={saved}, resumed with parallel={parallel}; "
+                            f"resume with --set parallel={saved}")
     load_policy(model, path / "policy")
     if hasattr(model, "peft_config"):
         from peft import set_peft_model_state_dict
@@ -158,6 +196,10 @@ def load(path: Path, *, model, optimizers: dict, rank: int, world: int) -> tuple
             continue
         if k not in states:
             raise SparseRLError(f"{path}/optimizer.pt: no {k} optimizer state (the run's mode changed?)")
-        opt.load_state_dict(states[k])
+        loader = (optim_loaders or {}).get(k)
+        if loader is not None:
+            loader(opt, states[k])
+        else:
+            opt.load_state_dict(states[k])
     rngs = torch.load(path / "rng.pt", map_location="cpu", weights_only=False)
     return meta, rngs[rank]

@@ -123,6 +123,9 @@ class GRPOConfig:
     # with bf16, updates far below 1e-3 of a weight round away; use float32 for tiny learning rates
     dtype: str = "auto"
     plot_every: int = 10  # redraw curves.png every N steps (and at the end)
+    # multi-process layout (torchrun / accelerate launch): ddp = whole policy on every process, gradients
+    # summed by all-reduce; fsdp = theta sharded with FSDP2 (LoRA phi replicated), see grpo/parallel.py
+    parallel: str = "ddp"
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -155,6 +158,10 @@ def validate(c: GRPOConfig) -> None:
     from sparse_rl.rl.rewards import SHAPING
 
     r, lo, o, d = c.rollout, c.loss, c.optim, c.distill
+    from sparse_rl.rl.grpo.parallel import PARALLEL
+
+    if c.parallel not in PARALLEL:
+        raise UsageError(f"parallel: {c.parallel!r} is not one of {', '.join(PARALLEL)}")
     if r.mode not in MODES:
         raise UsageError(f"rollout.mode: {r.mode!r} is not one of {', '.join(MODES)}")
     _positive(c.steps, "steps")

@@ -16,7 +16,9 @@ prompts and computes its loss with the GLOBAL normalisers (token and sequence co
 processes), and the gradients are summed across processes with one all-reduce per update. So the
 update equals the single-process update on the union of the slices, without wrapping the model in
 DDP (whose hooks assume one fixed set of trainable parameters, while theta and phi train in turn).
-FSDP is not implemented: the policy must fit on one device.
+With `parallel: fsdp`, theta is sharded with FSDP2 instead (parallel.FSDPPolicy): the backward's
+reduce-scatter sums theta's gradients (no manual all-reduce), rollouts and eval run inside
+`FSDPPolicy.gathered()` (full weights), checkpoints gather the full weights for rank 0.
 
 Determinism: every random choice of a step (sampling noise, oversampling ties) is seeded from
 (seed, step, rank, refill round), so a resumed run repeats exactly what the uninterrupted run did;
@@ -25,6 +27,7 @@ the RNG states are checkpointed as well.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +41,7 @@ from sparse_rl.rl.grpo.batch import Batch, forward_logits, logprobs_of, make_bat
 from sparse_rl.rl.grpo.config import GRPOConfig
 from sparse_rl.rl.grpo.data import DataCursor, encode_task, load_tasks, prompt_text
 from sparse_rl.rl.grpo.distill import attach_adapter, distill, lora_params, policy_mode, theta_params
-from sparse_rl.rl.grpo.parallel import Dist, Timer, mix_seed
+from sparse_rl.rl.grpo.parallel import Dist, FSDPPolicy, Timer, mix_seed
 
 
 class NaNLossError(SparseRLError):
@@ -113,6 +116,10 @@ class Trainer:
             set_attention(model, "dense", backend=cfg.rollout.backend)
         self.model = attach_adapter(model, cfg.distill) if cfg.distill_on else model
         self.model.eval()  # no dropout: the policy's log-probs must match the rollout's
+        # one process has nothing to shard over: parallel=fsdp then runs the plain (ddp) path
+        self.fsdp = FSDPPolicy(self.dist) if cfg.parallel == "fsdp" and self.dist.world > 1 else None
+        if self.fsdp is not None:  # after peft wrapped the model; phi stays replicated (see FSDPPolicy)
+            self.fsdp.shard(self.model, replicated=lora_params(self.model))
         self.theta = theta_params(self.model)
         for p in self.theta:
             p.requires_grad_(True)
@@ -124,11 +131,16 @@ class Trainer:
         if cfg.loss.kl_coef > 0 or cfg.loss.log_kl_ref:
             self.ref = load_model(cfg.model, attention="dense", device=str(self.device), dtype=cfg.dtype)
             self.ref.requires_grad_(False)
+            if self.fsdp is not None:
+                self.fsdp.shard(self.ref)
         self.kl = KLController(cfg.loss.kl_coef, cfg.loss.kl_target, cfg.loss.kl_horizon)
 
         from sparse_rl.rl.grpo.backend import InProcessRollout
 
         self.rollout = backend or InProcessRollout(self.model, self.tokenizer, max_batch=cfg.rollout.max_batch)
+        if self.fsdp is not None and isinstance(self.rollout, InProcessRollout):
+            # every all-gather gives the full weights new storages: drop CUDA graphs captured on the old ones
+            self.fsdp.on_gather.append(self.rollout.engine.refresh)
         self.cursor = DataCursor(len(self.tasks), cfg.seed, cfg.data.shuffle)
         self._prompt_cache: dict[int, list[int]] = {}
         self.step = 0
@@ -166,17 +178,38 @@ class Trainer:
             return
         step, path = found
         opts = {"policy": self.opt, "distill": self.dopt}
-        meta, rng = ckpt.load(path, model=self.model, optimizers=opts, rank=self.dist.rank, world=self.dist.world)
+        loaders = None
+        if self.fsdp is not None:
+            loaders = {"policy": lambda opt, state: self.fsdp.load_optim_state(self.model, opt, state)}
+        meta, rng = ckpt.load(path, model=self.model, optimizers=opts, rank=self.dist.rank, world=self.dist.world,
+                              parallel=self._layout(), optim_loaders=loaders)
         self.step = int(meta["step"])
         self.cursor.load_state_dict(meta["cursor"])
         self.kl.load_state_dict(meta["kl"])
         self.keep_rate = meta.get("keep_rate")
         ckpt.set_rng_state(rng)
-        self.rollout.sync_weights(self.model)
+        self._sync_rollout()
         self.dist.barrier()
         if self.dist.main:
             M.truncate(self.run_dir, self.step)
         self.log(f"resumed from {path} (step {self.step})")
+
+    def _layout(self) -> str:
+        """The effective layout: "fsdp" only when theta is actually sharded."""
+        return "fsdp" if self.fsdp is not None else "ddp"
+
+    def _full_weights(self):
+        """Context with the full policy weights in the modules (FSDP: all-gathered; otherwise a no-op)."""
+        return self.fsdp.gathered(self.model) if self.fsdp is not None else contextlib.nullcontext()
+
+    def _sync_rollout(self) -> None:
+        from sparse_rl.rl.grpo.backend import InProcessRollout
+
+        if self.fsdp is not None and not isinstance(self.rollout, InProcessRollout):
+            with self._full_weights():  # an external server needs the full weights
+                self.rollout.sync_weights(self.model)
+        else:
+            self.rollout.sync_weights(self.model)
 
     # ------------------------------------------------------------------ rollouts
     def _prompt_ids(self, i: int) -> list[int]:
@@ -211,7 +244,7 @@ class Trainer:
             return []
         prompts = [self._prompt_ids(i) for i in idx]
         seed = mix_seed(cfg.seed, self.step, self.dist.rank, rnd)
-        with timer("rollout"):
+        with timer("rollout"), self._full_weights():
             comps = self.rollout.generate(prompts, self._sampling(seed, m), self._rollout_attention())
         tasks = [self.tasks[i] for i in idx for _ in range(m)]
         with timer("reward"):
@@ -362,9 +395,16 @@ class Trainer:
                         mus.append(lp_mu[mask.bool()].cpu())
                 del logits, logp, loss
             with timer("update"):
-                self.dist.reduce_grads(self.theta)
+                if self.fsdp is None:
+                    self.dist.reduce_grads(self.theta)
+                else:  # FSDP's backward already summed the shards' gradients; unused params count as zero
+                    for p in self.theta:
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
                 gn = torch.nn.utils.clip_grad_norm_(self.theta, cfg.optim.grad_clip if cfg.optim.grad_clip > 0
                                                     else float("inf"))
+                if self.fsdp is not None:
+                    gn = self.fsdp.grad_norm(gn)
                 bad = self.dist.max([bad])[0]
                 if bad or not torch.isfinite(gn):
                     self.opt.zero_grad(set_to_none=True)
@@ -409,7 +449,7 @@ class Trainer:
                     rec.update(distill(self.model, batch, self.dopt, cfg.distill, temperature=cfg.rollout.temperature,
                                        global_tokens=n_tok, reduce_grads=self.dist.reduce_grads,
                                        grad_clip=cfg.optim.grad_clip, all_sum=lambda x: self.dist.sum([x])[0]))
-            self.rollout.sync_weights(self.model)
+            self._sync_rollout()
         else:
             self.log(f"[yellow]step {self.step + 1}: no informative groups; no update this step")
         self.step += 1
@@ -464,7 +504,8 @@ class Trainer:
         if prompts:
             params = self._sampling(mix_seed(cfg.seed, self.step, self.dist.rank, 7919), n, greedy=ev.greedy,
                                     max_new=ev.max_new_tokens)
-            comps = self.rollout.generate(prompts, params, attention)
+            with self._full_weights():
+                comps = self.rollout.generate(prompts, params, attention)
             rtasks = [t for t in mine for _ in range(n)]
             rs = self._score(rtasks, comps)
             for r, c in zip(rs, comps):
@@ -482,14 +523,18 @@ class Trainer:
     def save_checkpoint(self) -> Path | None:
         rngs = self.dist.gather(ckpt.rng_state())
         self._check_in_sync()
+        full = optim = None
+        if self.fsdp is not None:  # collectives: every rank takes part, rank 0 receives the full tensors
+            full = self.fsdp.full_state(self.model)
+            optim = {"policy": self.fsdp.optim_state(self.model, self.opt)}
         path = None
         if self.dist.main:
             meta = {"cursor": self.cursor.state_dict(), "kl": self.kl.state_dict(), "keep_rate": self.keep_rate,
-                    "world_size": self.dist.world, "mode": self.cfg.rollout.mode, "model": str(self.cfg.model),
-                    "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                    "world_size": self.dist.world, "parallel": self._layout(), "mode": self.cfg.rollout.mode,
+                    "model": str(self.cfg.model), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
             path = ckpt.save(self.run_dir, self.step, model=self.model, tokenizer=self.tokenizer,
                              optimizers={"policy": self.opt, "distill": self.dopt}, rng_states=rngs, meta=meta,
-                             keep=self.cfg.checkpoint.keep)
+                             keep=self.cfg.checkpoint.keep, full_state=full, optim_states=optim)
         self.dist.barrier()
         return path
 
@@ -497,8 +542,12 @@ class Trainer:
         """Data-parallel replicas must hold identical weights; a checksum mismatch is a bug, not noise."""
         if self.dist.world == 1:
             return
+        # FSDP: theta's shards differ by design; the replicated adapter must still agree
+        params = self.phi if self.fsdp is not None else self.theta + self.phi
+        if not params:
+            return
         with torch.no_grad():
-            cs = float(sum(p.double().sum() for p in self.theta + self.phi))
+            cs = float(sum(p.double().sum() for p in params))
         lo, hi = -self.dist.max([-cs])[0], self.dist.max([cs])[0]
         if lo != hi:
             raise SparseRLError(f"step {self.step}: the data-parallel replicas' weights diverged (checksums {lo} vs {hi})")
