@@ -501,11 +501,14 @@ class Trainer:
         attention = self._rollout_attention() if ev.attention == "rollout" else "dense"
         correct = reward = length = 0.0
         count = 0
-        if prompts:
-            params = self._sampling(mix_seed(cfg.seed, self.step, self.dist.rank, 7919), n, greedy=ev.greedy,
-                                    max_new=ev.max_new_tokens)
-            with self._full_weights():
+        comps = []
+        # FSDP's all-gather is a collective: every rank takes part, even one without eval tasks
+        with self._full_weights():
+            if prompts:
+                params = self._sampling(mix_seed(cfg.seed, self.step, self.dist.rank, 7919), n, greedy=ev.greedy,
+                                        max_new=ev.max_new_tokens)
                 comps = self.rollout.generate(prompts, params, attention)
+        if prompts:
             rtasks = [t for t in mine for _ in range(n)]
             rs = self._score(rtasks, comps)
             for r, c in zip(rs, comps):
