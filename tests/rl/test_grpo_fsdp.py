@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -30,42 +26,8 @@ STEP_TOL = 1e-5  # relative, float32 rounding of shard-wise reductions (see modu
 ABS_TOL = 1e-6
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    from sparse_rl.modelinit import ModelInitConfig, init_model
-    from sparse_rl.sparse.config import SparseConfig
-    from sparse_rl.sparse.convert import ConvertConfig, convert
-
-    root = tmp_path_factory.mktemp("grpo_fsdp")
-    init_model(root / "dense", ModelInitConfig(arch="llama", size="tiny", seed=0))
-    sc = SparseConfig(topk=6, index_heads=2, index_dim=16, rope_dim=8, sink=1, window=2, dense_layers=[0])
-    convert(root / "dense", root / "sparse", ConvertConfig(sparse=sc, seed=3))
-    (root / "tasks.jsonl").write_text("".join(
-        json.dumps({"id": f"t{i}", "prompt": f"What is {i} + {i}?", "answer": str(2 * i), "task": "math"}) + "\n"
-        for i in range(8)))
-    (root / "rw.py").write_text("def varied(completions, tasks):\n"
-                                "    return [(sum(map(ord, c['completion'])) % 97) / 97 for c in completions]\n")
-    return root
-
-
-def _launch(args: list, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "sparse_rl.cli.main", *[str(a) for a in args]]
-    envv = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=envv)
-    if check:
-        assert res.returncode == 0, res.stderr[-3000:]
-    return res
-
-
-def _grpo(env, out, mode, parallel, steps, *extra):
-    return _launch(["grpo", env / ("sparse" if mode != "dense" else "dense"), "--tasks", env / "tasks.jsonl", "--out",
+def _grpo(launch, env, out, mode, parallel, steps, *extra):
+    return launch(["grpo", env / ("sparse" if mode != "dense" else "dense"), "--tasks", env / "tasks.jsonl", "--out",
                     out, "--steps", steps, "--mode", mode, "--samples", "3", "--keep", "2", "--prompts-per-step", "4",
                     "--max-new-tokens", "5", "--device", "cpu", "--reward", f"{env / 'rw.py'}:varied",
                     "--set", "rollout.max_batch=8", "--set", "optim.lr=0.01", "--set", "distill.lr=0.003",
@@ -102,11 +64,11 @@ def _rel_diff(a: dict, b: dict) -> float:
     return math.sqrt(num / den)
 
 
-def test_fsdp_dense_with_kl_ref_and_eval_matches_data_parallel(env, tmp_path):
+def test_fsdp_dense_with_kl_ref_and_eval_matches_data_parallel(env, tmp_path, torchrun):
     # one eval task on two ranks: rank 1 has none but must still join FSDP's all-gather for the eval
     extra = ["--set", "loss.kl_coef=0.05", "--eval-tasks", env / "tasks.jsonl", "--set", "eval.limit=1"]
-    _grpo(env, tmp_path / "ddp", "dense", "ddp", 2, *extra)
-    _grpo(env, tmp_path / "fsdp", "dense", "fsdp", 2, *extra)
+    _grpo(torchrun, env, tmp_path / "ddp", "dense", "ddp", 2, *extra)
+    _grpo(torchrun, env, tmp_path / "fsdp", "dense", "fsdp", 2, *extra)
     a, b = _metrics(tmp_path / "ddp"), _metrics(tmp_path / "fsdp")
     _same_metrics(a, b)
     assert b[-1]["grad_norm"] > 1.0  # the clip (optim.grad_clip 1.0) was active: the rounding case
@@ -117,11 +79,11 @@ def test_fsdp_dense_with_kl_ref_and_eval_matches_data_parallel(env, tmp_path):
     assert meta["parallel"] == "fsdp" and meta["world_size"] == 2
 
 
-def test_fsdp_sparse_distill_equals_data_parallel_resumes_exactly_and_saves_plain_weights(env, tmp_path):
+def test_fsdp_sparse_distill_equals_data_parallel_resumes_exactly_and_saves_plain_weights(env, tmp_path, torchrun):
     no_clip = ["--set", "optim.grad_clip=0", "--set", "checkpoint.keep=0"]
     full, ddp = tmp_path / "fsdp", tmp_path / "ddp"
-    _grpo(env, full, "sparse+distill", "fsdp", 3, *no_clip)
-    _grpo(env, ddp, "sparse+distill", "ddp", 2, *no_clip)
+    _grpo(torchrun, env, full, "sparse+distill", "fsdp", 3, *no_clip)
+    _grpo(torchrun, env, ddp, "sparse+distill", "ddp", 2, *no_clip)
     # same math, different sharding: without the clip, bitwise equal weights and adapter
     for part in ("policy/model.safetensors", "adapter/adapter_model.safetensors"):
         a, b = _weights(ddp, 2, part), _weights(full, 2, part)
@@ -133,7 +95,7 @@ def test_fsdp_sparse_distill_equals_data_parallel_resumes_exactly_and_saves_plai
     part = tmp_path / "part"
     shutil.copytree(full, part)
     shutil.rmtree(part / "checkpoints" / "step-3")
-    _launch(["grpo", env / "sparse", "--out", part, "--resume", "--steps", "3"])
+    torchrun(["grpo", env / "sparse", "--out", part, "--resume", "--steps", "3"])
     _same_metrics(_metrics(full), _metrics(part))
     assert _metrics(part)[-1]["step"] == 3
     for p in ("policy/model.safetensors", "adapter/adapter_model.safetensors", "policy/indexer.safetensors"):
@@ -163,7 +125,7 @@ def test_fsdp_sparse_distill_equals_data_parallel_resumes_exactly_and_saves_plai
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
 
     # a data-parallel checkpoint is refused under fsdp with a one-line fix
-    res = _launch(["grpo", env / "sparse", "--out", ddp, "--resume", "--steps", "3", "--set", "parallel=fsdp"],
+    res = torchrun(["grpo", env / "sparse", "--out", ddp, "--resume", "--steps", "3", "--set", "parallel=fsdp"],
                   check=False)
     assert res.returncode == 1 and "resume with --set parallel=ddp" in res.stderr, res.stderr[-2000:]
 

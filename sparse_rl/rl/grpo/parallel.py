@@ -116,6 +116,17 @@ class Dist:
 
             dist.barrier()
 
+    def close(self) -> None:
+        """Leave together: every rank waits for the last writes of rank 0 (plots, checkpoints), then the
+        process group is torn down explicitly rather than by interpreter exit, where a rank that leaves
+        first can break its peer's teardown."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.barrier()
+                dist.destroy_process_group()
+
     def reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
         """Sum the gradients of `params` over processes (missing grads count as zero), one all-reduce."""
         if self.world == 1:

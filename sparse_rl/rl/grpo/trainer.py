@@ -579,6 +579,7 @@ class Trainer:
             if self.dist.main and (self.step % cfg.plot_every == 0 or final):
                 M.plot(self.run_dir)
             last = rec
+        self.dist.close()
         return last
 
 
