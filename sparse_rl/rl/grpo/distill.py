@@ -134,19 +134,25 @@ def distill(model, batch: Batch, optimizer: torch.optim.Optimizer, cfg, *, tempe
         student = logits if full else logprobs_of(logits, mb)
         return loss_fn(student, teacher, mb.response(mb.mask), chunk_size=cfg.chunk_size)
 
+    def weighted_pass(backward: bool) -> tuple[float, float]:
+        """Loss and KL summed over micro-batches, each weighted by its share of the global tokens."""
+        loss_sum, kl_sum = 0.0, 0.0
+        for mb, teacher in zip(mbs, teachers):
+            w = mb.num_tokens() / max(global_tokens, 1.0)
+            if w == 0:
+                continue
+            loss, stats = student_loss(mb, teacher)
+            if backward:
+                (loss * w).backward()
+            loss_sum += float(loss.detach()) * w
+            kl_sum += float(stats["kl"]) * w
+        return loss_sum, kl_sum
+
     out: dict = {}
     with frozen(theta_params(model)), policy_mode(model, "sparse"):
         for s in range(cfg.steps):
             optimizer.zero_grad(set_to_none=True)
-            loss_sum, kl_sum = 0.0, 0.0
-            for mb, teacher in zip(mbs, teachers):
-                w = mb.num_tokens() / max(global_tokens, 1.0)
-                if w == 0:
-                    continue
-                loss, stats = student_loss(mb, teacher)
-                (loss * w).backward()
-                loss_sum += float(loss.detach()) * w
-                kl_sum += float(stats["kl"]) * w
+            loss_sum, kl_sum = weighted_pass(backward=True)
             reduce_grads(phi)
             gn = torch.nn.utils.clip_grad_norm_(phi, grad_clip if grad_clip > 0 else float("inf"))
             if s == 0:
@@ -162,14 +168,7 @@ def distill(model, batch: Batch, optimizer: torch.optim.Optimizer, cfg, *, tempe
                 torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
             with torch.no_grad():
-                loss_sum, kl_sum = 0.0, 0.0
-                for mb, teacher in zip(mbs, teachers):
-                    w = mb.num_tokens() / max(global_tokens, 1.0)
-                    if w == 0:
-                        continue
-                    loss, stats = student_loss(mb, teacher)
-                    loss_sum += float(loss) * w
-                    kl_sum += float(stats["kl"]) * w
+                loss_sum, kl_sum = weighted_pass(backward=False)
             out["distill_loss_after"] = all_sum(loss_sum)
             out["distill_kl_after"] = all_sum(kl_sum)
             if dev.type == "cuda":
