@@ -499,11 +499,15 @@ def fmt(x, nd=2) -> str:
     return str(x)
 
 
-def markdown_attention(res: dict) -> str:
+def table_title(what: str, res: dict) -> str:
+    """Markdown heading naming the device and the shapes of a kernel benchmark."""
     cfg = res["config"]
-    lines = [f"### Sparse prefill vs dense — {res['device']}, B={cfg['batch']}, H={cfg['heads']}, "
-             f"H_kv={cfg['kv_heads']}, D={cfg['head_dim']}, k={cfg['topk']}, indexer {cfg['index_heads']}x"
-             f"{cfg['index_dim']}, {cfg['dtype']}", "",
+    return (f"### {what} — {res['device']}, B={cfg['batch']}, H={cfg['heads']}, H_kv={cfg['kv_heads']}, "
+            f"D={cfg['head_dim']}, k={cfg['topk']}, indexer {cfg['index_heads']}x{cfg['index_dim']}, {cfg['dtype']}")
+
+
+def markdown_attention(res: dict) -> str:
+    lines = [table_title("Sparse prefill vs dense", res), "",
              "| L | dense ms | dense TF/s | idx scores ms | top-k ms (radix) | top-k ms (torch) | idx+top-k ms "
              "| attn ms (indexer idx) | attn TF/s | prefill ms | prefill speedup | attn ms (block idx) | flex ms "
              "| token/flex |",

@@ -16,7 +16,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from sparse_rl.eval.bench_attention import bench_ms, bench_setup, best_dense, device_name, fmt, rel_err
+from sparse_rl.eval.bench_attention import bench_ms, bench_setup, best_dense, device_name, fmt, rel_err, table_title
 
 
 @dataclass
@@ -102,10 +102,7 @@ def run_decode_bench(cfg: BenchDecodeConfig, log=print) -> dict:
 
 
 def markdown_decode(res: dict) -> str:
-    cfg = res["config"]
-    lines = [f"### Sparse decode step vs dense — {res['device']}, B={cfg['batch']}, H={cfg['heads']}, "
-             f"H_kv={cfg['kv_heads']}, D={cfg['head_dim']}, k={cfg['topk']}, indexer {cfg['index_heads']}x"
-             f"{cfg['index_dim']}, {cfg['dtype']}", "",
+    lines = [table_title("Sparse decode step vs dense", res), "",
              "| context | dense ms | dense TB/s | indexer+top-k ms | sparse attn ms | attn TB/s (selected rows) "
              "| sparse step ms | step speedup | attn-only speedup | sparse step ms (eager) |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -14,6 +14,15 @@ import torch
 from sparse_rl.sparse.ops.indexer_topk.naive import select_topk
 
 
+def check_block_args(topk_blocks: int, sink_blocks: int, recent_blocks: int) -> None:
+    """The block counts every block selector (reference or kernel) must be given."""
+    if recent_blocks < 1:
+        raise ValueError("recent_blocks must be >= 1 (the query's own block is always kept)")
+    if sink_blocks + recent_blocks > topk_blocks:
+        raise ValueError(f"sink_blocks ({sink_blocks}) + recent_blocks ({recent_blocks}) must not exceed "
+                         f"topk_blocks ({topk_blocks})")
+
+
 def block_scores_naive(q: torch.Tensor, k: torch.Tensor, block_size: int, start: int = 0) -> torch.Tensor:
     """Scores of one row's queries against block mean keys.
 
@@ -39,11 +48,7 @@ def block_select_naive(q, k, block_size: int, topk_blocks: int, *, q_offset: int
     Returns:
         `[B, T, topk_blocks * block_size]` int32 key positions, ascending, causal, -1 padded.
     """
-    if recent_blocks < 1:
-        raise ValueError("recent_blocks must be >= 1 (the query's own block is always kept)")
-    if sink_blocks + recent_blocks > topk_blocks:
-        raise ValueError(f"sink_blocks ({sink_blocks}) + recent_blocks ({recent_blocks}) must not exceed "
-                         f"topk_blocks ({topk_blocks})")
+    check_block_args(topk_blocks, sink_blocks, recent_blocks)
     B, T, H, D = q.shape
     S = k.shape[1]
     K = topk_blocks * block_size

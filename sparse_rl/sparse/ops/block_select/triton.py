@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.block_select.naive import block_select_naive
+from sparse_rl.sparse.ops.block_select.naive import block_select_naive, check_block_args
 from sparse_rl.sparse.ops.indexer_topk.triton import topk_from_scores
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot
 
@@ -85,11 +85,7 @@ def block_select(q: torch.Tensor, k: torch.Tensor, block_size: int, topk_blocks:
     """Block selector, Triton scores. q `[B, T, H, D]`, k `[B, S, H_kv, D]` ->
     `[B, T, topk_blocks * block_size]` int32 key positions, ascending, -1 padded.
     Head dims above 128 or float64 take the reference."""
-    if recent_blocks < 1:
-        raise ValueError("recent_blocks must be >= 1 (the query's own block is always kept)")
-    if sink_blocks + recent_blocks > topk_blocks:
-        raise ValueError(f"sink_blocks ({sink_blocks}) + recent_blocks ({recent_blocks}) must not exceed "
-                         f"topk_blocks ({topk_blocks})")
+    check_block_args(topk_blocks, sink_blocks, recent_blocks)
     B, T, H, D = q.shape
     S, H_kv = k.shape[1], k.shape[2]
     if q.dtype not in _DTYPES or k.dtype not in _DTYPES or D > 128 or H % H_kv or T == 0 or S == 0:
