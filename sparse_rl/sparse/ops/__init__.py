@@ -12,10 +12,11 @@ import torch
 
 from sparse_rl.sparse.ops._backend import resolve_backend
 from sparse_rl.sparse.ops.block_select.naive import block_select_naive
-from sparse_rl.sparse.ops.indexer_topk.naive import indexer_scores_naive, indexer_topk_naive, visible_mask
+from sparse_rl.sparse.ops.indexer_topk.naive import (indexer_scores_naive, indexer_topk_decode_naive, indexer_topk_naive,
+                                                     visible_mask)
 from sparse_rl.sparse.ops.sparse_attention.naive import dense_attention_naive, sparse_attention_naive
 
-__all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_scores", "block_select",
+__all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_topk_decode", "indexer_scores", "block_select",
            "visible_mask", "dense_attention_naive", "kernel"]
 
 
@@ -59,6 +60,17 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
         return fn(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window, kv_start=kv_start)
     return indexer_topk_naive(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
                               kv_start=kv_start)
+
+
+def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, pos: torch.Tensor, topk: int,
+                        *, sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None,
+                        backend: str = "auto"):
+    """Decode-time indexer top-k, every row at its own position. q_idx `[B, H_I, D_I]`, w `[B, H_I]`,
+    k_idx `[B, S, D_I]` (index-key cache), pos `[B]` -> `[B, topk]` int32 (ascending, -1 padded)."""
+    fn = kernel("indexer_topk", "indexer_topk_decode")
+    if resolve_backend(backend, q_idx, fn is not None) == "triton":
+        return fn(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start)
+    return indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start)
 
 
 def indexer_scores(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, *, q_offset: int = 0,

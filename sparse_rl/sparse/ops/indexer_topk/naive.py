@@ -97,3 +97,31 @@ def indexer_topk_naive(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: i
             forced = vis & ((s < start + sink) | (s > pos - window))
             out.append(select_topk(scores, vis, forced, topk))
     return torch.cat(out, 1) if out else torch.empty(B, 0, topk, dtype=torch.int32, device=q_idx.device)
+
+
+def indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk: int, *, sink: int = 0, window: int = 0,
+                              kv_start=None) -> torch.Tensor:
+    """Decode-time selection, one query per row at its own position.
+
+    Args:
+        q_idx: `[B, H_I, D_I]`; w: `[B, H_I]`; k_idx: `[B, S, D_I]` (the index-key cache, rows past a
+        sequence's position are ignored); pos: `[B]` int position of each row's query (it sees keys
+        `kv_start[b] <= s <= pos[b]`); kv_start: optional `[B]`.
+    Returns:
+        `[B, topk]` int32 key positions, ascending, -1 padded; same rule as `indexer_topk_naive`
+        (forced sinks/window, ties to the later key).
+    """
+    if sink + window > topk:
+        raise ValueError(f"sink ({sink}) + window ({window}) must not exceed topk ({topk})")
+    B, S = k_idx.shape[:2]
+    acc = torch.promote_types(q_idx.dtype, torch.float32)
+    dots = torch.einsum("bhd,bsd->bhs", q_idx.to(acc), k_idx.to(acc)).relu()
+    scores = torch.einsum("bhs,bh->bs", dots, w.to(acc))
+    s = torch.arange(S, device=k_idx.device)[None]
+    p = torch.as_tensor(pos, device=k_idx.device).long().view(B, 1)
+    start = (torch.zeros(B, 1, dtype=torch.long, device=k_idx.device) if kv_start is None
+             else torch.as_tensor(kv_start, device=k_idx.device).long().view(B, 1))
+    vis = (s <= p) & (s >= start)
+    forced = vis & ((s < start + sink) | (s > p - window))
+    with torch.no_grad():
+        return select_topk(scores[:, None], vis[:, None], forced[:, None], topk)[:, 0]
