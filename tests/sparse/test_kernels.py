@@ -191,6 +191,59 @@ def test_radix_topk_exact_with_ties_infinities_and_short_rows():
         assert int(lim[1, t].max()) <= 10 + t
 
 
+@pytest.mark.parametrize("B,HI,DI,S,K,sink,window,chunk,starts", [
+    (3, 4, 16, 100, 24, 2, 3, 32, None),  # several chunks, ties
+    (5, 3, 20, 257, 40, 0, 0, 64, None),  # S not a multiple of the chunk, odd head count and dim
+    (2, 5, 8, 70, 100, 1, 1, 32, None),  # K above every row's visible count: -1 padding
+    (3, 4, 16, 200, 32, 2, 2, 32, [0, 5, 50]),  # left padding (kv_start)
+    (2, 2, 16, 96, 8, 0, 0, 96, None),  # one chunk per row
+])
+def test_indexer_topk_decode_kernel_equals_reference_exactly(B, HI, DI, S, K, sink, window, chunk, starts):
+    """Integer-valued inputs make every score exact, so the kernel must pick exactly the reference's keys,
+    including its tie rule (among equal scores the later key wins; ReLU zeros and small integers tie a lot)."""
+    from sparse_rl.sparse.ops import indexer_topk_decode
+    from sparse_rl.sparse.ops.indexer_topk import decode as itd
+    from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
+
+    g = torch.Generator().manual_seed(B * S + K)
+    q = torch.randint(-2, 3, (B, HI, DI), generator=g).float()
+    w = torch.randint(-1, 3, (B, HI), generator=g).float()
+    k = torch.randint(-2, 3, (B, S, DI), generator=g).float()
+    pos = torch.randint(0, S, (B,), generator=g)
+    pos[0] = S - 1
+    kvs = None if starts is None else torch.tensor(starts)
+    if kvs is not None:
+        pos = torch.maximum(pos, kvs)
+    ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=sink, window=window, kv_start=kvs)
+    got = itd.indexer_topk_decode(q, w, k, pos, K, sink=sink, window=window, kv_start=kvs, chunk=chunk)
+    assert got.dtype == torch.int32 and torch.equal(got, ref)
+    # public entry point, kernel forced; index keys as a strided view of a larger cache (the engine's case)
+    cache = torch.zeros(B, S + 37, DI)
+    cache[:, :S] = k
+    got2 = indexer_topk_decode(q, w, cache[:, :S], pos, K, sink=sink, window=window, kv_start=kvs, backend="triton")
+    assert torch.equal(got2, ref)
+
+
+def test_indexer_topk_decode_random_scores_match_reference_values():
+    from sparse_rl.sparse.ops.indexer_topk import decode as itd
+    from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
+
+    g = torch.Generator().manual_seed(7)
+    B, HI, DI, S, K = 4, 4, 32, 300, 48
+    q, w, k = torch.randn(B, HI, DI, generator=g), torch.randn(B, HI, generator=g), torch.randn(B, S, DI, generator=g)
+    pos = torch.tensor([299, 10, 150, 47])
+    got = itd.indexer_topk_decode(q, w, k, pos, K, sink=3, window=5)
+    ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=3, window=5)
+    sc = indexer_scores_naive(q[:, None].double(), w[:, None].double(), k.double(), q_offset=0)[:, 0]
+    s = torch.arange(S)[None]
+    vis = s <= pos[:, None]
+    sc = torch.where(vis, sc, float("-inf")).masked_fill(vis & ((s < 3) | (s > pos[:, None] - 5)), float("inf"))
+    assert torch.equal(_score_values(sc[:, None], got[:, None]), _score_values(sc[:, None], ref[:, None]))
+    rows = got.clone()
+    rows[rows < 0] = torch.iinfo(torch.int32).max
+    assert torch.equal(rows, rows.sort(-1).values)
+
+
 @pytest.mark.parametrize("bs,kb,sink_b,recent_b,H,H_kv,D", [
     (4, 3, 1, 1, 4, 4, 64), (5, 4, 1, 2, 8, 2, 128), (3, 50, 1, 2, 7, 1, 64), (16, 3, 1, 2, 4, 2, 16),
 ])

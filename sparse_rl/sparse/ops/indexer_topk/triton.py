@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_rl.sparse.ops.indexer_topk.decode import indexer_topk_decode
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_naive
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
@@ -119,6 +120,11 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
         return indexer_topk_naive(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
                                   kv_start=kv_start)
     dev = q_idx.device
+    if T == 1 and topk_impl == "auto" and q_idx.is_cuda:
+        # one query per row: the chunked decode select keeps the whole GPU busy (decode.py)
+        pos = torch.full((B,), q_offset, dtype=torch.int32, device=dev)
+        return indexer_topk_decode(q_idx[:, 0], w[:, 0], k_idx, pos, topk, sink=sink, window=window,
+                                   kv_start=kv_start)[:, None]
     kvs = (torch.zeros(B, dtype=torch.int32, device=dev) if kv_start is None
            else torch.as_tensor(kv_start, device=dev).to(torch.int32).reshape(B))
     budget = budget_bytes or (SCORE_BUDGET_BYTES if q_idx.is_cuda else 1 << 24)
