@@ -175,29 +175,3 @@ def test_captured_target_equals_the_models_own_attention_probabilities(tmp_path,
         ref = out.attentions[i].sum(1) / out.attentions[i].shape[1]
         torch.testing.assert_close(target, ref, atol=1e-5, rtol=1e-4)  # fp32; earlier layers ran SDPA vs eager
         assert float(ref[:, 8:].max()) > 0.3  # peaked (uniform would be <= 1/9 there): positions are told apart
-
-
-@pytest.mark.parametrize("T,q_offset", [(37, 0), (21, 6)])
-def test_fused_triton_warmup_kl_equals_the_chunked_torch_path(T, q_offset):
-    """The fused kernels (run by the Triton interpreter on the CPU) give the chunked path's KL,
-    gradients and attn_recall: odd lengths, GQA, a KV offset, tiles of 16 and 32."""
-    from sparse_rl.sparse.train.kl_triton import warmup_kl_fused, warmup_kl_triton
-
-    S = T + q_offset
-    q, k, qi, w, ki = _inputs(T, S, seed=7, dtype=torch.float32)
-    idx = indexer_topk(qi.detach(), w.detach(), ki.detach(), 6, q_offset=q_offset, sink=1, window=2, backend="torch")
-    ref = warmup_kl(q, k, qi, w, ki, scale=0.3, indices=idx, q_offset=q_offset, grad_scale=0.5, chunk=5)
-    g_ref = [x.grad.clone() for x in (qi, w, ki)]
-    for x in (qi, w, ki):
-        x.grad = None
-    got = warmup_kl_triton(q, k, qi, w, ki, scale=0.3, indices=idx, q_offset=q_offset, grad_scale=0.5)
-    torch.testing.assert_close(got.kl, ref.kl, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(got.recall, ref.recall, rtol=1e-5, atol=1e-5)
-    assert got.n == ref.n
-    for x, g in zip((qi, w, ki), g_ref):
-        torch.testing.assert_close(x.grad, g, rtol=1e-4, atol=1e-5)
-    # other tile shapes, and no gradient work without grad_scale
-    kl, lse, grads = warmup_kl_fused(q, k, qi, w, ki, scale=0.3, q_offset=q_offset, block_m=16, block_n=32)
-    assert grads is None
-    torch.testing.assert_close(kl.sum().double(), ref.kl, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(lse.transpose(1, 2), dense_lse(q, k, 0.3, q_offset=q_offset))

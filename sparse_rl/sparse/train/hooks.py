@@ -17,14 +17,54 @@ CAPTURE = "sparse_rl_capture"
 
 def _capture_attention(module, query, key, value, attention_mask, *args, **kwargs):
     """Registered as "sparse_rl_capture": report (q, k) to the module's callback, then run the
-    normal "sparse_rl" attention. query `[B, H, T, D]`, key `[B, H_kv, S, D]` after RoPE."""
+    normal "sparse_rl" attention. query `[B, H, T, D]`, key `[B, H_kv, S, D]` after RoPE.
+    A callback registered with `lse=True` also gets the dense log-sum-exp `[B, H, T]` (or None where
+    it is not available): the attention then runs through SDPA's flash kernel, which returns it."""
     from sparse_rl.sparse.patch import sparse_rl_attention
 
     fn = module.__dict__.get("_srl_capture")
     stash = module.__dict__.get("_srl_ctx")
     if fn is not None and stash is not None:
-        fn(module, query, key, stash)
+        if not module.__dict__.get("_srl_capture_lse"):
+            fn(module, query, key, stash)
+        else:
+            res = _flash_with_lse(module, query, key, value, attention_mask, stash, *args, **kwargs)
+            if res is None:
+                fn(module, query, key, stash, None)
+            else:
+                module.__dict__.pop("_srl_ctx", None)  # consumed, as sparse_rl_attention would have
+                fn(module, query, key, stash, res[1])
+                return res[0], None
     return sparse_rl_attention(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def _flash_with_lse(module, query, key, value, attention_mask, stash, dropout: float = 0.0, scaling=None,
+                    **kwargs):
+    """Dense causal attention through ATen's flash kernel (what SDPA runs for these inputs), which also
+    returns the log-sum-exp the fused warm-up KL needs: (out `[B, T, H, D]`, lse `[B, H, T]` fp32).
+    None where the plain path must run instead: not CUDA fp16/bf16, a mask (padding), a KV cache,
+    sliding window, dropout, a head dim flash does not take, or a layer in sparse mode."""
+    st = getattr(module, "srl", None)
+    if st is not None and not (st.dense_layer or st.mode == "dense"):
+        return None
+    B, H, T, D = query.shape
+    if (not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16) or attention_mask is not None
+            or stash[2] is not None or key.shape[2] != T or T < 2 or dropout or D % 8 or D > 256
+            or kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None
+            or kwargs.get("is_causal", getattr(module, "is_causal", True)) is False):
+        return None
+    scale = scaling if scaling is not None else module.scaling
+    flash = torch.ops.aten._scaled_dot_product_flash_attention
+    try:  # flash takes grouped KV heads as they are
+        res = flash(query, key, value, 0.0, True, False, scale=scale)
+    except RuntimeError:
+        g = H // key.shape[1]
+        res = flash(query, key.repeat_interleave(g, 1), value.repeat_interleave(g, 1), 0.0, True, False, scale=scale)
+    out, lse = res[0], res[1]
+    if out.shape != (B, H, T, value.shape[-1]) or lse.dim() != 3 or lse.shape[:2] != (B, H) or lse.shape[2] < T:
+        raise RuntimeError(f"flash attention returned out {tuple(out.shape)}, lse {tuple(lse.shape)} for query "
+                           f"{tuple(query.shape)}")
+    return out.transpose(1, 2).contiguous(), lse[:, :, :T]
 
 
 _capture_registered = False
@@ -46,9 +86,10 @@ def _register_capture() -> None:
 
 
 @contextlib.contextmanager
-def capture_dense(model, fn):
+def capture_dense(model, fn, lse: bool = False):
     """While active, `fn(module, query, key, (hidden, position_embeddings, cache))` runs in every
-    layer that has an indexer, on each forward (dense mode included)."""
+    layer that has an indexer, on each forward (dense mode included). With `lse`, it is called with a
+    fifth argument: the layer's dense log-sum-exp `[B, H, T]` fp32 from its own attention, or None."""
     _register_capture()
     configs = {id(m.config): m.config for m in model.modules()
                if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}
@@ -59,12 +100,14 @@ def capture_dense(model, fn):
             c._attn_implementation = CAPTURE
         for m in mods:
             m._srl_capture = fn
+            m._srl_capture_lse = lse
         yield
     finally:
         for k, c in configs.items():
             c._attn_implementation = old[k]
         for m in mods:
             m.__dict__.pop("_srl_capture", None)
+            m.__dict__.pop("_srl_capture_lse", None)
 
 
 @contextlib.contextmanager
@@ -112,14 +155,17 @@ def warmup_forward(model, ids: torch.Tensor, stats: StepStats, grad_scale: float
 
     impl: "torch" (`kl.warmup_kl`, query chunks) or "triton" (`kl_triton.warmup_kl_triton`, fused tiles;
     unpadded rows only, which is what the packed training data is).
-    measure_recall: select the top-k to report attn_recall (the loss itself needs no selection)."""
+    measure_recall: select the top-k to report attn_recall (the loss itself needs no selection); the
+    trainer asks for it on logged steps only.
+    With "triton" the dense log-sum-exp comes from each layer's own flash attention where available
+    (`capture_dense(lse=True)`), so the fused KL skips its dense-lse pass."""
     from sparse_rl.sparse.ops import indexer_topk
     from sparse_rl.sparse.train.kl import warmup_kl
 
     if impl == "triton":
         from sparse_rl.sparse.train.kl_triton import warmup_kl_triton
 
-    def on_layer(module, query, key, stash):
+    def on_layer(module, query, key, stash, lse=None):
         h, pe, _ = stash
         sc = module.srl.cfg
         with torch.enable_grad():
@@ -133,14 +179,14 @@ def warmup_forward(model, ids: torch.Tensor, stats: StepStats, grad_scale: float
         with torch.enable_grad():
             if impl == "triton":
                 st = warmup_kl_triton(query.detach(), key.detach(), q_i, w, k_i, scale=module.scaling, indices=idx,
-                                      q_offset=q_offset, grad_scale=grad_scale)
+                                      q_offset=q_offset, grad_scale=grad_scale, lse=lse)
             else:
                 st = warmup_kl(query.detach(), key.detach(), q_i, w, k_i, scale=module.scaling, indices=idx,
                                q_offset=q_offset, chunk=chunk, grad_scale=grad_scale)
         stats.add(st)
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    with capture_dense(model, on_layer), torch.no_grad():
+    with capture_dense(model, on_layer, lse=impl == "triton"), torch.no_grad():
         base.get_decoder()(input_ids=ids, use_cache=False)
 
 
