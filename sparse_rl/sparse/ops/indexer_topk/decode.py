@@ -37,8 +37,6 @@ import triton.language as tl
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
-NB = 2048  # first-level histogram bins (top 11 bits of the key)
-SHIFT = 21  # 32 - 11
 
 
 @triton.jit
@@ -166,9 +164,10 @@ def _select(HIST, CNT, CS, CI, TAU, CUT, OFFS, S, K, P, CH: tl.constexpr, NB: tl
     if bstar >= 0:
         kk = K - tl.sum(above, 0)
         prefix = bstar.to(tl.uint32) << SHIFT
-        prefix, kk, n_eq = _radix_level(CS, b, S, n_c, prefix, kk, 13, 21, BLOCK)
-        prefix, kk, n_eq = _radix_level(CS, b, S, n_c, prefix, kk, 5, 13, BLOCK)
-        prefix, kk, n_eq = _radix_level(CS, b, S, n_c, prefix, kk, 0, 5, BLOCK)
+        # the bits below the first level's: two 8-bit digits, then the rest (SHIFT - 16 bits)
+        prefix, kk, n_eq = _radix_level(CS, b, S, n_c, prefix, kk, SHIFT - 8, SHIFT, BLOCK)
+        prefix, kk, n_eq = _radix_level(CS, b, S, n_c, prefix, kk, SHIFT - 16, SHIFT - 8, BLOCK)
+        prefix, kk, n_eq = _radix_level(CS, b, S, n_c, prefix, kk, 0, SHIFT - 16, BLOCK)
         tau = prefix
         r = n_eq - kk  # equal keys of rank >= r (in key order) are kept: the later keys win
         offs = tl.arange(0, BLOCK)
@@ -228,7 +227,7 @@ def _chunk(B: int, S: int, interpret: bool) -> int:
 
 def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, pos: torch.Tensor, topk: int, *,
                         sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None,
-                        chunk: int | None = None) -> torch.Tensor:
+                        chunk: int | None = None, nbits: int = 11, num_warps: int | None = None) -> torch.Tensor:
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference."""
@@ -248,6 +247,9 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
            else torch.as_tensor(kv_start, device=dev).to(torch.int32).reshape(B))
     if k_idx.stride(-1) != 1:
         k_idx = k_idx.contiguous()
+    if not 8 <= nbits <= 16:
+        raise ValueError(f"nbits {nbits}: expected 8..16")
+    NB, SHIFT = 1 << nbits, 32 - nbits
     CH = chunk or _chunk(B, S, interpret)
     BN = min(CH, 16 if interpret else 256)
     P = triton.cdiv(S, CH)
@@ -260,7 +262,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     small = torch.empty(2, B, device=dev, dtype=torch.int32)  # tau (bit pattern), cut
     offs = torch.empty(B, P, device=dev, dtype=torch.int32)
     out = torch.empty(B, topk, device=dev, dtype=torch.int32)
-    nw = 1 if interpret else 4
+    nw = 1 if interpret else (num_warps or 4)
     grid = (P, B)
     _score_hist[grid](q_idx, w, k_idx, pos, kvs, sc, hist, *q_idx.stride(), *w.stride(), *k_idx.stride(),
                       S, sink, window, HI, DI, HB=max(16, triton.next_power_of_2(HI)),
