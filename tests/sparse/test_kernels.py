@@ -224,6 +224,27 @@ def test_indexer_topk_decode_kernel_equals_reference_exactly(B, HI, DI, S, K, si
     assert torch.equal(got2, ref)
 
 
+def test_indexer_topk_decode_edge_distributions():
+    """Forced keys filling the whole budget, all-equal scores, scores spanning 40 factors of 2 (the
+    threshold falls in the kernel's last, clamped bin), negative and mixed-sign head weights."""
+    from sparse_rl.sparse.ops.indexer_topk import decode as itd
+    from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
+
+    g = torch.Generator().manual_seed(1)
+    B, HI, DI, S = 3, 2, 16, 150
+    pos = torch.tensor([149, 90, 20])
+    q = torch.randint(-2, 3, (B, HI, DI), generator=g).float()
+    k = torch.randint(-2, 3, (B, S, DI), generator=g).float()
+    w = torch.ones(B, HI)
+    scale = 2.0 ** torch.randint(0, 40, (B, S, 1), generator=g).float()
+    cases = [(q, w, k, 8, 3, 5), (torch.zeros_like(q), w, k, 20, 1, 1), (q.abs(), w, k.abs() * scale, 20, 0, 0),
+             (q.abs(), w, k.abs() * scale, 20, 2, 2), (q, -w, k, 20, 1, 2),
+             (q, torch.tensor([[1., -1.], [2., -3.], [-1., -1.]]), k, 30, 0, 3)]
+    for qq, ww, kk, K, sink, window in cases:
+        got = itd.indexer_topk_decode(qq, ww, kk, pos, K, sink=sink, window=window)
+        assert torch.equal(got, indexer_topk_decode_naive(qq, ww, kk, pos, K, sink=sink, window=window))
+
+
 def test_indexer_topk_decode_random_scores_match_reference_values():
     from sparse_rl.sparse.ops.indexer_topk import decode as itd
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
