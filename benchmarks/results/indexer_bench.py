@@ -4,10 +4,17 @@
     PYTHONPATH=. python benchmarks/results/indexer_bench.py --out /tmp/x --quick  # CPU smoke test
     PYTHONPATH=. python benchmarks/results/indexer_bench.py --out OUTDIR --parts A --kl-impls torch,triton
         # part A for both warm-up loss implementations, with an agreement check at the first length
+    PYTHONPATH=. python benchmarks/results/indexer_bench.py --out OUTDIR --parts AK --kl-impls torch,triton \
+        --time-impls torch@8192,triton   # agreement, then time torch at 8K only; then the kernel sweep
 
 Part A: warm-up step time and peak memory on a Qwen2-0.5B-shaped model (random bf16 weights, built
 in code) at 8K and 32K tokens, against a plain dense forward of the same batch (the decoder stack,
-which is what the warm-up runs too; the LM head is not needed by either).
+which is what the warm-up runs too; the LM head is not needed by either). The warm-up step is timed
+twice: as a training run executes it between log steps (no top-k: attn_recall is not measured) and as
+on a logged step (top-k selection + sparse-attention lse per layer for attn_recall).
+Part K: the fused warm-up KL kernels alone on one layer's random bf16 inputs (Qwen2-0.5B shape) at the
+last length: (BLOCK_M, BLOCK_N, num_warps, num_stages) configurations, each checked against the
+default one; the dense attention with and without its log-sum-exp; the top-k of a logged step.
 Part B: a small qwen2 model pretrained (dense) on the synthetic retrieval source for a fixed wall
 time, converted with k = L/8, indexer warm-up, then the sparse stage; attn_recall / KL / oracle
 recall and LM loss dense vs sparse on held-out synthetic rows, before and after each stage.
@@ -26,6 +33,7 @@ from pathlib import Path
 import torch
 
 RESULTS: dict = {}
+T0 = time.perf_counter()
 
 
 def dump(out: Path) -> None:
@@ -59,12 +67,15 @@ def peak_gb(fn) -> float:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
-def part_a(out: Path, quick: bool, device: str, impls: list[str]) -> None:
+def part_a(out: Path, quick: bool, device: str, impls: list[str], time_impls: list[str]) -> None:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.patch import attach_sparse
-    from sparse_rl.sparse.train.hooks import StepStats, indexed_attention, warmup_forward
+    from sparse_rl.sparse.train.hooks import StepStats, capture_dense, indexed_attention, warmup_forward
+
+    def timed_here(impl: str, L: int) -> bool:  # "--time-impls torch@8192,triton": torch at 8192 only
+        return any(x == impl or x == f"{impl}@{L}" for x in time_impls)
 
     if quick:
         shape = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -104,9 +115,9 @@ def part_a(out: Path, quick: bool, device: str, impls: list[str]) -> None:
             with torch.no_grad():
                 model.model(input_ids=ids, use_cache=False)
 
-        def warm(impl):
+        def warm(impl, recall):
             st = StepStats(ids.device)
-            warmup_forward(model, ids, st, 1.0 / (n_layers * L), impl=impl)
+            warmup_forward(model, ids, st, 1.0 / (n_layers * L), impl=impl, measure_recall=recall)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return st
@@ -121,25 +132,109 @@ def part_a(out: Path, quick: bool, device: str, impls: list[str]) -> None:
                 opt.zero_grad(set_to_none=True)
             a, b = chk[impls[0]], chk[impls[1]]
             rel = max(float((x - y).norm() / y.norm().clamp_min(1e-30)) for x, y in zip(b["grads"], a["grads"]))
-            RESULTS["A"]["agreement"] = {"L": L, "kl": [a["kl"], b["kl"]], "recall": [a["recall"], b["recall"]],
-                                         "max_rel_grad_diff": rel}
+            # the forward itself is unchanged when the attention runs through flash to hand out its lse
+            with torch.no_grad():
+                plain = model.model(input_ids=ids, use_cache=False).last_hidden_state
+                with capture_dense(model, lambda *a: None, lse=True):
+                    capt = model.model(input_ids=ids, use_cache=False).last_hidden_state
+            RESULTS["A"]["agreement"] = {"L": L, "impls": impls[:2], "kl": [a["kl"], b["kl"]],
+                                         "recall": [a["recall"], b["recall"]], "max_rel_grad_diff": rel,
+                                         "capture_lse_forward_max_abs_diff": float((plain - capt).abs().max()),
+                                         "forward_max_abs": float(plain.abs().max())}
             print(f"[A] agreement at L={L}: {RESULTS['A']['agreement']}", flush=True)
         reps = 3 if L <= 8192 else 2
         t_dense, ts_d = timed(dense, reps + 2)
         m_dense = peak_gb(dense)
         for impl in impls:
-            t_warm, ts_w = timed(lambda: warm(impl), reps)
-            m_warm = peak_gb(lambda: warm(impl))
-            row = {"L": L, "kl_impl": impl, "dense_forward_s": t_dense, "warmup_step_s": t_warm,
-                   "ratio": t_warm / t_dense, "dense_peak_gb": m_dense, "warmup_peak_gb": m_warm,
-                   "dense_times": ts_d, "warmup_times": ts_w}
-            RESULTS["A"]["rows"].append(row)
-            dump(out)
-            print(f"[A] L={L} {impl}: dense {t_dense * 1e3:.1f} ms, warm-up step {t_warm * 1e3:.1f} ms "
-                  f"({t_warm / t_dense:.1f}x), peak {m_dense:.2f} / {m_warm:.2f} GiB", flush=True)
+            if not timed_here(impl, L):
+                continue
+            for recall in (False, True):
+                t_warm, ts_w = timed(lambda: warm(impl, recall), reps)
+                m_warm = peak_gb(lambda: warm(impl, recall))
+                row = {"L": L, "kl_impl": impl, "logged_step": recall, "dense_forward_s": t_dense,
+                       "warmup_step_s": t_warm, "ratio": t_warm / t_dense, "dense_peak_gb": m_dense,
+                       "warmup_peak_gb": m_warm, "dense_times": ts_d, "warmup_times": ts_w}
+                RESULTS["A"]["rows"].append(row)
+                dump(out)
+                print(f"[A] L={L} {impl} {'logged' if recall else 'unlogged'} step: dense {t_dense * 1e3:.1f} ms, "
+                      f"warm-up step {t_warm * 1e3:.1f} ms ({t_warm / t_dense:.2f}x), peak {m_dense:.2f} / "
+                      f"{m_warm:.2f} GiB", flush=True)
     del model, opt
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def part_k(out: Path, quick: bool, device: str, deadline: float) -> None:
+    import triton
+
+    from sparse_rl.sparse.ops import indexer_topk
+    from sparse_rl.sparse.train import kl_triton
+    from sparse_rl.sparse.train.kl_triton import warmup_kl_fused
+
+    L = 64 if quick else 32768
+    H, HKV, D, HI, DI = (4, 2, 16, 2, 16) if quick else (14, 2, 64, 4, 64)
+    dt = torch.float32 if quick else torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * s).to(dt)
+
+    q, k, v = rnd(1, H, L, D, s=2.0), rnd(1, HKV, L, D, s=2.0), rnd(1, HKV, L, D)
+    qi, w, ki = rnd(1, L, HI, DI), rnd(1, L, HI, s=0.5), rnd(1, L, DI)
+    scale = D ** -0.5
+    K = RESULTS["K"] = {"L": L, "H": H, "H_kv": HKV, "D": D, "H_I": HI, "D_I": DI, "dtype": str(dt),
+                        "default_config": kl_triton.FUSED_CONFIG, "default_index_config": kl_triton.INDEX_LSE_CONFIG}
+
+    def bench(fn):
+        fn()
+        sync()
+        if quick:
+            return timed(fn, 2)[0] * 1e3
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+    lse = None
+    if device == "cuda":
+        flash = torch.ops.aten._scaled_dot_product_flash_attention
+        K["sdpa_ms"] = bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=True))
+        K["flash_with_lse_ms"] = bench(lambda: flash(q, k, v, 0.0, True, False, scale=scale))
+        lse = flash(q, k, v, 0.0, True, False, scale=scale)[1][:, :, :L].contiguous()
+        print(f"[K] attention at L={L}: sdpa {K['sdpa_ms']:.2f} ms, flash with lse {K['flash_with_lse_ms']:.2f} ms",
+              flush=True)
+    ref = warmup_kl_fused(q, k, qi, w, ki, scale=scale, grad_scale=1.0, lse=lse)
+    if lse is not None:
+        own = warmup_kl_fused(q, k, qi, w, ki, scale=scale, grad_scale=1.0)[1]
+        K["flash_lse_vs_kernel_lse_max_abs"] = float((own - lse).abs().max())
+        K["dense_lse_pass_ms"] = bench(lambda: warmup_kl_fused(q, k, qi, w, ki, scale=scale, grad_scale=1.0)) - \
+            bench(lambda: warmup_kl_fused(q, k, qi, w, ki, scale=scale, grad_scale=1.0, lse=lse))
+    K["topk_ms"] = bench(lambda: indexer_topk(qi, w, ki, 2048 if not quick else 32, sink=4, window=64 if not quick else 8))
+    dump(out)
+    K["configs"] = []
+    cfgs = [kl_triton.FUSED_CONFIG, (64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (64, 64, 8, 3),
+            (64, 32, 4, 2)]
+    idx_cfgs = [kl_triton.INDEX_LSE_CONFIG, (128, 64, 8, 2), (64, 128, 4, 2)]
+    if quick:  # the interpreter: two small configurations are enough to exercise the code
+        cfgs, idx_cfgs = [(16, 16, 4, 1), (16, 32, 4, 1)], [(32, 16, 4, 1)]
+    runs = [("fused", c) for c in cfgs] + [("index_lse", c) for c in idx_cfgs]
+    for kind, c in runs:
+        if time.perf_counter() - T0 > deadline:
+            K["configs"].append({"skipped_from": [kind, c], "reason": "deadline"})
+            break
+        kw = {"config": c} if kind == "fused" else {"index_config": c}
+        try:
+            kl, _, gr = warmup_kl_fused(q, k, qi, w, ki, scale=scale, grad_scale=1.0, lse=lse, **kw)
+            diff = max([float((kl.sum() - ref[0].sum()).abs() / ref[0].sum().abs())] +
+                       [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(gr, ref[2])])
+            ms = bench(lambda: warmup_kl_fused(q, k, qi, w, ki, scale=scale, grad_scale=1.0, lse=lse, **kw))
+            row = {"pass": kind, "config": c, "ms": ms, "max_rel_diff_vs_default": diff}
+        except Exception as e:  # a config the compiler rejects (shared memory, registers): recorded, not fatal
+            row = {"pass": kind, "config": c, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        K["configs"].append(row)
+        dump(out)
+        print(f"[K] {row}", flush=True)
+    nograd = bench(lambda: warmup_kl_fused(q, k, qi, w, ki, scale=scale, lse=lse))
+    K["default_no_grad_ms"] = nograd
+    dump(out)
 
 
 def pretrain(model, data, batch: int, seconds: float, max_steps: int, lr: float, device: str) -> dict:
@@ -246,6 +341,10 @@ def main():
     ap.add_argument("--parts", default="AB")
     ap.add_argument("--pretrain-seconds", type=float, default=35.0)
     ap.add_argument("--kl-impls", default="torch", help="part A: comma-separated warm-up loss implementations")
+    ap.add_argument("--time-impls", default="", help="part A: the ones to time (IMPL or IMPL@LENGTH); "
+                    "default: all of --kl-impls")
+    ap.add_argument("--deadline", type=float, default=1e9, help="part K starts no configuration after this many "
+                    "seconds of the run")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -253,7 +352,10 @@ def main():
     RESULTS["env"] = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     import transformers
     RESULTS["env"]["transformers"] = transformers.__version__
-    for name, fn in (("A", lambda: part_a(out, args.quick, device, args.kl_impls.split(","))),
+    impls = args.kl_impls.split(",")
+    time_impls = args.time_impls.split(",") if args.time_impls else impls
+    for name, fn in (("A", lambda: part_a(out, args.quick, device, impls, time_impls)),
+                     ("K", lambda: part_k(out, args.quick, device, args.deadline)),
                      ("B", lambda: part_b(out, args.quick, device, args.pretrain_seconds))):
         if name not in args.parts:
             continue
