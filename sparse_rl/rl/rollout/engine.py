@@ -14,8 +14,8 @@ full cache row. Tokens include the EOS token / the token that completed a stop s
 decoded without special tokens and cut before the first stop string.
 
 Weights: the engine runs the model's own modules (see forward.py), so in-place parameter updates
-(optimizer steps, `load_state_dict`) are live at the next step, CUDA graphs included (they hold
-the parameters' addresses). `refresh()` drops captured graphs; call it if parameters were replaced
+(optimizer steps, `load_state_dict`) are live at the next step, CUDA graphs and the compiled step
+included (the graphs hold the parameters' addresses; the compiled step takes them as inputs). `refresh()` drops captured graphs; call it if parameters were replaced
 by new tensors rather than updated in place.
 """
 
@@ -73,11 +73,15 @@ class RolloutEngine:
     max_batch: decode slots. max_seq_len: cache rows per slot (prompt + completion); None grows the
     cache to each call's need, up to the model's max_position_embeddings.
     device: where the model lives (default: its parameters' device). use_cuda_graphs: default on CUDA.
+    compile: torch.compile the decode step (inductor), captured in the CUDA graphs; default on CUDA,
+    off on CPU (`SPARSE_RL_COMPILE=0|1` overrides the default). A failed compilation falls back to
+    the eager step: `engine.runner.compile_error` says why. compile_backend: the dynamo backend.
     """
 
     def __init__(self, model, tokenizer=None, max_batch: int = 32, max_seq_len: int | None = None,
                  device=None, use_cuda_graphs: bool | None = None, eos_token_ids: Sequence[int] | None = None,
-                 bucket: int = 256, max_prefill_tokens: int = 32768):
+                 bucket: int = 256, max_prefill_tokens: int = 32768, compile: bool | None = None,
+                 compile_backend="inductor"):
         if max_batch < 1:
             raise UsageError(f"max_batch must be >= 1 (got {max_batch})")
         self.model = model
@@ -86,7 +90,7 @@ class RolloutEngine:
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
-        self.runner = ModelRunner(model, dev, use_cuda_graphs)
+        self.runner = ModelRunner(model, dev, use_cuda_graphs, compile, compile_backend)
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.bucket = bucket
@@ -398,8 +402,9 @@ class RolloutEngine:
 
 
 def load_engine(model_dir, attention: str = "dense", device: str = "auto", dtype="auto", max_batch: int = 32,
-                max_seq_len: int | None = None, use_cuda_graphs: bool | None = None) -> RolloutEngine:
-    """Open a model dir (dense or sparse) and wrap it in an engine."""
+                max_seq_len: int | None = None, use_cuda_graphs: bool | None = None,
+                compile: bool | None = None) -> RolloutEngine:
+    """Open a model dir (dense or sparse) and wrap it in an engine (compile: see RolloutEngine)."""
     from sparse_rl.sparse.loader import load_model, load_tokenizer
 
     if device == "auto":
@@ -407,7 +412,7 @@ def load_engine(model_dir, attention: str = "dense", device: str = "auto", dtype
     model = load_model(model_dir, attention=attention, device=device, dtype=dtype)
     tok = load_tokenizer(model_dir)
     eng = RolloutEngine(model, tok, max_batch=max_batch, max_seq_len=max_seq_len, device=device,
-                        use_cuda_graphs=use_cuda_graphs)
+                        use_cuda_graphs=use_cuda_graphs, compile=compile)
     eng.set_attention(attention)
     return eng
 

@@ -16,37 +16,58 @@ Two passes:
 
 Sparse semantics are those of `sparse_rl.sparse.patch` (layers in `dense_layers` dense; indexer:
 scores over all visible keys, first `sink` and last `window` forced, top-k; block selector per row
-through `ops.block_select`). In decode the indexer top-k is done per row here (rows have different
-positions); on CPU it uses the reference's exact tie rule (`select_topk`: among equal scores the
-later key wins); on CUDA `torch.topk`, like the Triton `indexer_topk`, which leaves ties among
-exactly equal scores to the kernel.
+through `ops.block_select`). In decode every row sits at its own position: the indexer selection is
+`ops.indexer_topk_decode` (the reference's tie rule: among equal scores the later key wins).
 
 Dense decode attention: PyTorch SDPA with a per-slot mask on CPU; on CUDA the split-K Triton
 decode kernel (`ops.sparse_decode`) given every visible position as its index list, so it reads
 only the slot's live keys (SDPA would read the whole bucket and has no split-K for one query).
+
+Compilation (`compile=True`, default on CUDA): the decode step is compiled once with torch.compile
+(S dynamic, see compiled.py) and the compiled step is what the CUDA graphs capture. Parameters are
+graph inputs (never constants), so in-place updates stay live there too. A compilation that fails
+falls back to the eager step and leaves its reason in `compile_error` (`SPARSE_RL_COMPILE=0|1`
+sets the default).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 
 from sparse_rl.errors import SparseRLError
 from sparse_rl.rl.rollout.cache import KVCache
-from sparse_rl.sparse.ops import block_select, indexer_topk, sparse_attention, sparse_decode
-from sparse_rl.sparse.ops.indexer_topk.naive import select_topk
+from sparse_rl.rl.rollout import compiled as C
+from sparse_rl.sparse.ops import block_select, indexer_topk, indexer_topk_decode, sparse_attention, sparse_decode
 
 
 def _base(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-class ModelRunner:
-    """Prefill/decode over `model`'s modules. `mode` is "dense" or "sparse"."""
+def default_compile(device) -> bool:
+    """Compile the decode step by default on CUDA; `SPARSE_RL_COMPILE=0|1` overrides."""
+    env = os.environ.get("SPARSE_RL_COMPILE", "").strip().lower()
+    if env in ("0", "false", "no", "off"):
+        return False
+    if env in ("1", "true", "yes", "on"):
+        return True
+    return torch.device(device).type == "cuda"
 
-    def __init__(self, model, device, use_graphs: bool | None = None):
+
+class ModelRunner:
+    """Prefill/decode over `model`'s modules. `mode` is "dense" or "sparse".
+
+    use_graphs: CUDA graphs of the decode step (default on CUDA). compile: torch.compile the decode
+    step (default `default_compile(device)`); compile_backend: the dynamo backend, a name
+    ("inductor"; "aot_eager" traces without generating code) or a backend callable."""
+
+    def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
+                 compile_backend="inductor"):
         base = _base(model)
         dec = base.get_decoder()
         self.model, self.base = model, base
@@ -69,11 +90,16 @@ class ModelRunner:
         self.is_cuda = self.device.type == "cuda"
         self.use_graphs = self.is_cuda if use_graphs is None else (use_graphs and self.is_cuda)
         self.dense_impl = "index" if self.is_cuda else "sdpa"
-        self.exact_select = not self.is_cuda
         self._graphs: dict = {}
         self._pool = None
         self._static: dict = {}
+        self._arange: dict = {}
         self.graph_error: str | None = None
+        self.compile = default_compile(self.device) if compile is None else bool(compile)
+        self.compile_backend = compile_backend
+        self.compile_error: str | None = None
+        self.compile_stats = {"graphs": 0, "seconds": 0.0}  # graphs compiled; seconds of first compiled calls
+        self._compiled: dict = {}
 
     # ---------------------------------------------------------------- helpers
     def _qkv(self, attn, x, cos, sin):
@@ -136,73 +162,150 @@ class ModelRunner:
         return self._logits(h[torch.arange(P, device=tokens.device), last])
 
     # ---------------------------------------------------------------- decode
-    def _select_indexer(self, q_i, w, kc, pos, keys, c):
-        """q_i `[B, H_I, d_I]`, w `[B, H_I]`, kc `[B, S, d_I]`, pos `[B]` -> `[B, K]` int32 (-1 = none)."""
-        if self.exact_select:
-            dots = torch.einsum("bhd,bsd->bhs", q_i.float(), kc.float())
-        else:
-            dots = torch.bmm(q_i, kc.transpose(1, 2)).float()
-        scores = (dots.relu() * w.float()[:, :, None]).sum(1)  # [B, S]
-        vis = keys[None] <= pos[:, None]
-        forced = vis & ((keys[None] < c.sink) | (keys[None] > pos[:, None] - c.window))
-        if self.exact_select:
-            return select_topk(scores[:, None], vis[:, None], forced[:, None], c.topk)[:, 0]
-        s = scores.masked_fill(forced, float("inf")).masked_fill(~vis, float("-inf"))
-        vals, idx = torch.topk(s, min(c.topk, s.shape[-1]), dim=-1, sorted=False)
-        return torch.where(vals == float("-inf"), -1, idx.to(torch.int32))
+    def _decode_core(self, tokens, pos, keys, k_all, v_all, idx_all, mode: str, short: bool, compiled: bool):
+        """The decode step shared by the eager and the compiled path.
 
-    def _select_block(self, q, kc, pos_list, c):
-        """Per row (positions differ): q `[B, 1, H, D]`, kc `[B, S, H_kv, D]` -> `[B, K]` int32."""
-        rows = []
-        for b, p in enumerate(pos_list):
-            rows.append(block_select(q[b:b + 1], kc[b:b + 1, :p + 1], c.block_size, c.topk_blocks, q_offset=p,
-                                     sink_blocks=c.sink_blocks, recent_blocks=c.recent_blocks,
-                                     backend=self.states[0].backend if self.states[0] else "auto")[0, 0])
-        return torch.stack(rows)
-
-    def decode_eager(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, S: int, mode: str) -> torch.Tensor:
-        """tokens `[B]` (B = all slots), pos `[B]` (each slot's position for this token) -> logits `[B, V]`."""
+        tokens `[B]`, pos `[B]`, keys `[S]` = arange(S) (S, the bucket, is read from its shape so
+        that one compilation serves every bucket), k_all/v_all `[L, B, S_max, H_kv, D]`, idx_all
+        `[L, B, S_max, d_I]` or None -> logits `[B, V]` float32. short: S <= top-k, so the indexer
+        keeps every visible key (decided outside, so the compiled graph holds no guard on S).
+        compiled: call our sparse ops through their opaque custom ops, and write the cache with
+        `index_put_` on the whole cache tensor, which inductor does in place (through a per-layer
+        view, functionalization would copy the layer's whole cache every step).
+        """
         B = tokens.shape[0]
+        S = keys.shape[0]
         dev = tokens.device
         ar = torch.arange(B, device=dev)
-        keys = torch.arange(S, device=dev)
         vis = keys[None] <= pos[:, None]  # [B, S]
         all_idx = torch.where(vis, keys[None], -1).to(torch.int32)
+        if compiled and self.dense_impl == "sdpa":
+            vis_full = torch.arange(k_all.shape[2], device=dev)[None] <= pos[:, None]  # [B, S_max]
         pos_list = None
+
+        def write(buf, i, val):
+            if compiled:
+                buf.index_put_((torch.full_like(ar, i), ar, pos), val)
+            else:
+                buf[i][ar, pos] = val
+
         h = self.embed(tokens[:, None])
         cos, sin = self.rotary(h, pos[:, None])
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q, k, v = self._qkv(attn, x, cos, sin)
-            cache.k[i][ar, pos] = k[:, 0]
-            cache.v[i][ar, pos] = v[:, 0]
-            kc, vc = cache.k[i][:, :S], cache.v[i][:, :S]
+            write(k_all, i, k[:, 0])
+            write(v_all, i, v[:, 0])
             if self._sparse(i, mode):
                 st = self.states[i]
                 c = st.cfg
                 if c.selector == "indexer":
                     q_i, w, k_i = attn.indexer(x, cos, sin)
-                    cache.idx[i][ar, pos] = k_i[:, 0]
+                    write(idx_all, i, k_i[:, 0])
                     # with no more visible keys than top-k the selector keeps them all
-                    sel = all_idx if S <= c.topk else self._select_indexer(q_i[:, 0], w[:, 0], cache.idx[i][:, :S],
-                                                                           pos, keys, c)
+                    if short:
+                        sel = all_idx
+                    elif compiled:
+                        sel = C.indexer_topk_decode(q_i[:, 0], w[:, 0], idx_all[i], pos, S, c.topk, c.sink,
+                                                    c.window, st.backend)
+                    else:
+                        sel = indexer_topk_decode(q_i[:, 0], w[:, 0], idx_all[i][:, :S], pos, c.topk, sink=c.sink,
+                                                  window=c.window, backend=st.backend)
+                elif compiled:
+                    sel = C.block_select_rows(q[:, 0], k_all[i], pos, c.block_size, c.topk_blocks, c.sink_blocks,
+                                              c.recent_blocks, st.backend)
                 else:
                     pos_list = pos.tolist() if pos_list is None else pos_list
-                    sel = self._select_block(q, kc, pos_list, c)
-                o, _ = sparse_decode(q[:, 0], kc, vc, sel, scale=attn.scaling, backend=st.backend)
+                    sel = C.block_select_rows_eager(q[:, 0], k_all[i], pos_list, c.block_size, c.topk_blocks,
+                                                    c.sink_blocks, c.recent_blocks, st.backend)
+                o = self._attend(q[:, 0], k_all[i], v_all[i], sel, attn.scaling, st.backend, compiled)
             elif self.dense_impl == "index":
-                o, _ = sparse_decode(q[:, 0], kc, vc, all_idx, scale=attn.scaling)
+                o = self._attend(q[:, 0], k_all[i], v_all[i], all_idx, attn.scaling, "auto", compiled)
             else:
+                if compiled:  # the whole cache, masked: a view cut at S would make dynamo specialize S
+                    kc, vc, mask = k_all[i], v_all[i], vis_full
+                else:
+                    kc, vc, mask = k_all[i][:, :S], v_all[i][:, :S], vis
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
-                                                   attn_mask=vis[:, None, None, :], scale=attn.scaling,
+                                                   attn_mask=mask[:, None, None, :], scale=attn.scaling,
                                                    enable_gqa=self.H != self.H_kv)[:, :, 0]
             h = h + attn.o_proj(o.reshape(B, 1, -1))
             h = self._mlp_out(layer, h)
         return self._logits(h[:, 0])
 
+    @staticmethod
+    def _attend(q, kc, vc, sel, scale, backend, compiled):
+        """q `[B, H, D]`, full layer caches `[B, S_max, H_kv, D]`, sel `[B, K]` -> `[B, H, D]`."""
+        if compiled:
+            return C.sparse_decode(q, kc, vc, sel, scale, backend)
+        return sparse_decode(q, kc, vc, sel, scale=scale, backend=backend)[0]
+
+    def _short(self, S: int, mode: str) -> bool:
+        return mode == "sparse" and all(st is None or S <= st.cfg.topk for st in self.states)
+
+    def _keys(self, cache: KVCache, S: int) -> torch.Tensor:
+        """`[S]` arange as a view of one per-cache buffer (a stable address for the CUDA graphs)."""
+        ks = self._arange.get(id(cache.k))
+        if ks is None or ks.shape[0] < cache.s_max:
+            ks = self._arange[id(cache.k)] = torch.arange(cache.s_max, device=self.device)
+        return ks[:S]
+
+    def decode_eager(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, S: int, mode: str) -> torch.Tensor:
+        """tokens `[B]` (B = all slots), pos `[B]` (each slot's position for this token) -> logits `[B, V]`."""
+        return self._decode_core(tokens, pos, torch.arange(S, device=tokens.device), cache.k, cache.v, cache.idx, mode,
+                                 self._short(S, mode), False)
+
+    def _compiled_fn(self, mode: str, short: bool):
+        key = (mode, short)
+        fn = self._compiled.get(key)
+        if fn is None:
+            runner = self
+
+            def step(tokens, pos, keys, k_all, v_all, idx_all):
+                return runner._decode_core(tokens, pos, keys, k_all, v_all, idx_all, mode, short, True)
+
+            fn = self._compiled[key] = torch.compile(C.fresh_function(step), dynamic=None,
+                                                     backend=C.counting_backend(self.compile_backend,
+                                                                                self.compile_stats))
+        return fn
+
+    def decode_compiled(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, S: int,
+                        mode: str) -> torch.Tensor:
+        """The compiled step (raises what compilation raises; `_step` falls back)."""
+        short = self._short(S, mode)
+        keys = self._keys(cache, S)
+        torch._dynamo.mark_dynamic(keys, 0)  # one graph for every bucket S
+        first = (mode, short) not in self._compiled
+        graphs0, t0 = self.compile_stats["graphs"], time.perf_counter()
+        out = self._compiled_fn(mode, short)(tokens, pos, keys, cache.k, cache.v, cache.idx)
+        if first:
+            if self.compile_stats["graphs"] == graphs0:
+                raise RuntimeError("dynamo compiled no graph for the decode step (recompile limit reached?)")
+            self.compile_stats["seconds"] += time.perf_counter() - t0
+        return out
+
+    def _step(self, cache, tokens, pos, S, mode):
+        """One decode step, compiled when enabled; a failed compilation falls back to the eager step
+        for good and leaves its reason in `compile_error`."""
+        if self.compile:
+            try:
+                return self.decode_compiled(cache, tokens, pos, S, mode)
+            except Exception as e:
+                self._compile_failed(e)
+        return self.decode_eager(cache, tokens, pos, S, mode)
+
+    def _compile_failed(self, e: Exception) -> None:
+        # one line, but with the wrapped cause (dynamo puts it on the message's next lines)
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        self.compile = False
+        self.compile_error = f"{type(e).__name__}: {' '.join(lines[:3])[:400]}"
+        self._compiled.clear()
+        if self.is_cuda:
+            torch.cuda.synchronize()
+
     def graphable(self, mode: str) -> bool:
-        """Block selection is per row with host-side positions, so it runs eagerly."""
+        """Block selection is per row with host-side positions, so it runs without graphs."""
         if not self.use_graphs:
             return False
         return not (mode == "sparse" and any(s is not None and s.cfg.selector == "block" for s in self.states))
@@ -210,7 +313,7 @@ class ModelRunner:
     def decode(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, S: int, mode: str) -> torch.Tensor:
         """One decode step; replays a CUDA graph captured per (mode, S, cache) when possible."""
         if not self.graphable(mode):
-            return self.decode_eager(cache, tokens, pos, S, mode)
+            return self._step(cache, tokens, pos, S, mode)
         key = (mode, S, id(cache.k))
         st = self._static.get(id(cache.k))
         if st is None:
@@ -221,7 +324,12 @@ class ModelRunner:
         if entry is None:
             try:
                 entry = self._capture(cache, st[0], st[1], S, mode)
-            except Exception as e:  # keep generating, eagerly; the reason stays visible in graph_error
+            except Exception as e:
+                if self.compile:  # the compiled step did not capture: the eager one may
+                    self._compile_failed(RuntimeError(f"CUDA graph capture of the compiled step failed: "
+                                                      f"{type(e).__name__}: {e}"))
+                    return self.decode(cache, tokens, pos, S, mode)
+                # keep generating, eagerly; the reason stays visible in graph_error
                 self.use_graphs = False
                 self.graph_error = f"{type(e).__name__}: {e}"
                 torch.cuda.synchronize()
@@ -235,18 +343,22 @@ class ModelRunner:
             self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: compiles Triton kernels, settles allocations
+        with torch.cuda.stream(stream):  # warm-up: compiles (dynamo, Triton), settles allocations
             for _ in range(2):
-                self.decode_eager(cache, tok, pos, S, mode)
+                self._step(cache, tok, pos, S, mode)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        compiled = self.compile
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self.decode_eager(cache, tok, pos, S, mode)
+            out = self.decode_compiled(cache, tok, pos, S, mode) if compiled else self.decode_eager(cache, tok, pos,
+                                                                                                  S, mode)
         return graph, out
 
     def drop_graphs(self) -> None:
+        """Forget captured graphs (compiled steps stay: their parameters and caches are inputs)."""
         self._graphs.clear()
         self._static.clear()
+        self._arange.clear()
         self._pool = None
 
     def check_supported(self, max_seq_len: int) -> None:

@@ -1,0 +1,96 @@
+"""torch.compile support for the rollout engine's decode step (forward.py).
+
+Inductor fuses the step's elementwise chains (RMSNorm, RoPE, SiLU*mul, residual and bias adds,
+the KV-cache writes) between the matmuls; `ModelRunner` then captures the *compiled* step in its
+own per-bucket CUDA graphs, so a replay launches far fewer kernels.
+
+What lives here:
+- Our sparse ops as opaque `torch.library.custom_op`s. Their Python sides pick backends, split-K
+  counts and Triton launch grids from shapes; dynamo must not trace into them, it only needs each
+  op's output shape (`register_fake`). `sparse_rl.sparse.ops` is called unchanged inside.
+- `fresh_function`: a copy of a function with its own code object. Dynamo keeps its compiled
+  entries (and its recompile limit, 8 by default) per code object; every `ModelRunner` variant
+  (runner x mode x short/long selection) gets its own, so many engines in one process (benchmarks,
+  evals) never exhaust a shared limit and silently run uncompiled.
+- `counting_backend`: the compiler backend wrapped so the runner can count the graphs it compiled
+  (a recompile or a graph break shows up as more graphs) and notice when dynamo compiled nothing.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from sparse_rl.sparse import ops
+
+NS = "sparse_rl_rollout"
+
+
+@torch.library.custom_op(f"{NS}::sparse_decode", mutates_args=())
+def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor,
+                  scale: float, backend: str) -> torch.Tensor:
+    """`ops.sparse_decode` without the lse: q `[B, H, D]`, caches `[B, S_max, H_kv, D]`, indices
+    `[B, K]` int32 (-1 = none) -> out `[B, H, D]` in q's dtype."""
+    # .contiguous(): the compiled caller assumes the fake's (contiguous) strides
+    return ops.sparse_decode(q, k_cache, v_cache, indices, scale, backend=backend)[0].contiguous()
+
+
+@sparse_decode.register_fake
+def _(q, k_cache, v_cache, indices, scale, backend):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op(f"{NS}::indexer_topk_decode", mutates_args=())
+def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, pos: torch.Tensor, S: int,
+                        topk: int, sink: int, window: int, backend: str) -> torch.Tensor:
+    """`ops.indexer_topk_decode` over the first S rows of the index-key cache: q_idx `[B, H_I, d_I]`,
+    w `[B, H_I]`, k_idx `[B, S_max, d_I]`, pos `[B]` -> `[B, topk]` int32 (ascending, -1 padded)."""
+    return ops.indexer_topk_decode(q_idx, w, k_idx[:, :S], pos, topk, sink=sink, window=window,
+                                   backend=backend).contiguous()
+
+
+@indexer_topk_decode.register_fake
+def _(q_idx, w, k_idx, pos, S, topk, sink, window, backend):
+    return q_idx.new_empty(q_idx.shape[0], topk, dtype=torch.int32)
+
+
+def block_select_rows_eager(q: torch.Tensor, k_cache: torch.Tensor, pos: list[int], block_size: int,
+                            topk_blocks: int, sink_blocks: int, recent_blocks: int, backend: str) -> torch.Tensor:
+    """Block selection per row (rows sit at different positions): q `[B, H, D]`, k_cache
+    `[B, S_max, H_kv, D]`, pos host ints `[B]` -> `[B, topk_blocks * block_size]` int32."""
+    rows = [ops.block_select(q[b:b + 1, None], k_cache[b:b + 1, :p + 1], block_size, topk_blocks, q_offset=p,
+                             sink_blocks=sink_blocks, recent_blocks=recent_blocks, backend=backend)[0, 0]
+            for b, p in enumerate(pos)]
+    return torch.stack(rows)
+
+
+@torch.library.custom_op(f"{NS}::block_select_rows", mutates_args=())
+def block_select_rows(q: torch.Tensor, k_cache: torch.Tensor, pos: torch.Tensor, block_size: int, topk_blocks: int,
+                      sink_blocks: int, recent_blocks: int, backend: str) -> torch.Tensor:
+    """`block_select_rows_eager` with device positions (reads them to the host: no CUDA graphs)."""
+    return block_select_rows_eager(q, k_cache, pos.tolist(), block_size, topk_blocks, sink_blocks, recent_blocks,
+                                   backend)
+
+
+@block_select_rows.register_fake
+def _(q, k_cache, pos, block_size, topk_blocks, sink_blocks, recent_blocks, backend):
+    return q.new_empty(q.shape[0], topk_blocks * block_size, dtype=torch.int32)
+
+
+def fresh_function(fn):
+    """A copy of `fn` with a code object of its own (dynamo's cache and recompile limit are per code object)."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def counting_backend(name: str, counter: dict):
+    """The dynamo backend `name` ("inductor", "aot_eager", ...), counting compiled graphs in counter["graphs"]."""
+    from torch._dynamo import lookup_backend
+
+    inner = lookup_backend(name)
+
+    def backend(gm, example_inputs):
+        counter["graphs"] += 1
+        return inner(gm, example_inputs)
+
+    return backend

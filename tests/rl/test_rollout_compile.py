@@ -1,0 +1,142 @@
+"""The compiled decode step of the rollout engine (forward.py + compiled.py) on a CPU, float32, tiny
+models. Compilation uses dynamo's `aot_eager` backend here (dynamo tracing, functionalization and
+our custom ops, as with inductor, but no code generation: an inductor compile of even the tiny
+model takes ~20 s per graph on a CI CPU). The inductor path is checked on a GPU (benchmarks/results)."""
+
+import copy
+
+import pytest
+import torch
+
+from sparse_rl.modelinit import ModelInitConfig, init_model
+from sparse_rl.rl.rollout import RolloutEngine, SamplingParams
+from sparse_rl.sparse.config import SparseConfig
+from sparse_rl.sparse.convert import ConvertConfig, convert
+from sparse_rl.sparse.loader import load_model
+
+BACKEND = "aot_eager"
+
+
+@pytest.fixture(scope="module")
+def sparse_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compile")
+    init_model(root / "dense", ModelInitConfig(arch="qwen2", size="tiny", seed=1))  # qwen2: q/k/v biases
+    sc = SparseConfig(topk=12, index_heads=2, index_dim=16, rope_dim=8, sink=1, window=2, dense_layers=[0])
+    convert(root / "dense", root / "sparse", ConvertConfig(sparse=sc, seed=3))
+    return root / "sparse"
+
+
+def _engine(model, compile, max_batch=3, **kw):
+    return RolloutEngine(model, None, max_batch=max_batch, max_seq_len=96, eos_token_ids=[], bucket=16,
+                         compile=compile, compile_backend=BACKEND, **kw)
+
+
+def _prompts(seed=0, lengths=(5, 11, 3, 14)):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 500, (n,), generator=g).tolist() for n in lengths]
+
+
+def _filled_cache(eng, seed=0):
+    cache = eng._ensure_cache(96)
+    g = torch.Generator().manual_seed(seed)
+    for t in (cache.k, cache.v, cache.idx):
+        t.copy_(torch.randn(t.shape, generator=g))
+    return cache
+
+
+@torch.inference_mode()
+def test_compiled_step_equals_eager_every_bucket_one_graph(sparse_dir):
+    """Dense and sparse (top-k 12 < S: a real selection), buckets 16..96 with slots at different
+    positions: compiled == eager, and S is dynamic: one graph per mode (sparse: one more for the
+    S <= top-k variant, which keeps every visible key) whatever the bucket."""
+    model = load_model(sparse_dir, attention="sparse")
+    eng = _engine(model, compile=True)
+    r = eng.runner
+    cache = _filled_cache(eng)
+    tok = torch.tensor([5, 7, 9])
+    for mode, graphs in (("dense", 1), ("sparse", 3)):  # S = 8 <= top-k: the short variant
+        for S in (8, 16, 32, 48, 80, 96):
+            pos = torch.tensor([S - 1, S // 2, 3])
+            a = r.decode_eager(cache, tok, pos, S, mode)
+            b = r.decode(cache, tok, pos, S, mode)
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        assert r.compile_stats["graphs"] == graphs, r.compile_stats
+    assert r.compile and r.compile_error is None
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_greedy_generation_with_compile_equals_without(sparse_dir, mode):
+    model = load_model(sparse_dir, attention=mode)
+    p = SamplingParams(temperature=0, max_new_tokens=40)  # 14 + 40 tokens: buckets up to 64, past top-k 12
+    prompts = _prompts(1)
+    ref = _engine(model, compile=False).generate(prompts, p)
+    eng = _engine(model, compile=True)
+    got = eng.generate(prompts, p)
+    assert eng.runner.compile and eng.runner.compile_stats["graphs"] >= 1
+    for a, b in zip(ref, got):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+
+
+@torch.inference_mode()
+def test_inplace_weight_update_is_seen_by_compiled_step(sparse_dir, tmp_path):
+    """Parameters are inputs of the compiled graph, not constants: an in-place change (an optimizer
+    step, `load_state_dict`, a LoRA merge) changes the next step, with no recompilation."""
+    model = load_model(sparse_dir, attention="sparse")
+    eng = _engine(copy.deepcopy(model), compile=True)
+    r = eng.runner
+    cache = _filled_cache(eng)
+    tok, pos = torch.tensor([5, 7, 9]), torch.tensor([40, 20, 3])
+    before = r.decode(cache, tok, pos, 48, "sparse").clone()
+    graphs = r.compile_stats["graphs"]
+    w = r.layers[1].mlp.down_proj.weight
+    w.mul_(1.5)  # in place, as an optimizer step would
+    after = r.decode(cache, tok, pos, 48, "sparse").clone()
+    assert (after - before).abs().max() > 1e-3
+    torch.testing.assert_close(after, r.decode_eager(cache, tok, pos, 48, "sparse"), atol=1e-5, rtol=1e-5)
+    # a whole new state dict through the engine
+    init_model(tmp_path / "other", ModelInitConfig(arch="qwen2", size="tiny", seed=5))
+    other = load_model(tmp_path / "other")
+    eng.load_state_dict(other.state_dict())
+    new = r.decode(cache, tok, pos, 48, "dense")
+    torch.testing.assert_close(new, r.decode_eager(cache, tok, pos, 48, "dense"), atol=1e-5, rtol=1e-5)
+    assert r.compile_stats["graphs"] == graphs + 1  # + the dense graph; nothing recompiled for new weights
+
+
+def test_lora_merge_and_live_peft_model_with_compile(sparse_dir):
+    peft = pytest.importorskip("peft")
+    model = load_model(sparse_dir, attention="dense")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    pm = peft.get_peft_model(copy.deepcopy(model), cfg)
+    p = SamplingParams(temperature=0, max_new_tokens=20)
+    prompts = _prompts(2, (6, 9))
+    ref = _engine(pm, compile=False).generate(prompts, p)
+    live = _engine(pm, compile=True)  # the adapters run inside the compiled step
+    assert [c.tokens for c in live.generate(prompts, p)] == [c.tokens for c in ref]
+    assert live.runner.compile_error is None
+    merged = _engine(copy.deepcopy(model), compile=True)
+    merged.generate(prompts, p)  # compile before the merge
+    merged.load_lora(pm)
+    assert [c.tokens for c in merged.generate(prompts, p)] == [c.tokens for c in ref]
+
+
+def test_failed_compilation_falls_back_to_eager(sparse_dir):
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    model = load_model(sparse_dir, attention="sparse")
+    p = SamplingParams(temperature=0, max_new_tokens=12)
+    ref = _engine(model, compile=False).generate(_prompts(3), p)
+    eng = RolloutEngine(model, None, max_batch=3, max_seq_len=96, eos_token_ids=[], compile=True,
+                        compile_backend=broken)
+    got = eng.generate(_prompts(3), p)
+    assert [c.tokens for c in got] == [c.tokens for c in ref]
+    assert not eng.runner.compile and "no compiler here" in eng.runner.compile_error
+
+
+def test_compile_default_off_on_cpu_and_env_override(sparse_dir, monkeypatch):
+    model = load_model(sparse_dir, attention="dense")
+    assert not RolloutEngine(model, None).runner.compile
+    monkeypatch.setenv("SPARSE_RL_COMPILE", "1")
+    assert RolloutEngine(model, None).runner.compile
+    assert not RolloutEngine(model, None, compile=False).runner.compile
