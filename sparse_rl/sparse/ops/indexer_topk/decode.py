@@ -264,11 +264,12 @@ def _write(SC, POS, RMAX, TAU, CUT, OFFS, OUT, sob, S, K, P, CH: tl.constexpr, B
 
 
 def _chunk(B: int, S: int, interpret: bool) -> int:
-    """Keys per program: enough programs to fill the GPU (~2 per SM), at least 512 keys each."""
+    """Keys per program: ~8 programs per SM (measured on the H200 at B = 32 x 32K and 64 x 16K: 1024-key
+    chunks 0.088 / 0.085 ms, 4096 0.106 / 0.103 ms), at least 1024 keys each."""
     if interpret:
         return 32
-    ch = 512
-    while ch < 4096 and B * triton.cdiv(S, ch) > 264:
+    ch = 1024
+    while ch < 8192 and B * triton.cdiv(S, ch) > 1056:
         ch *= 2
     return ch
 
