@@ -122,6 +122,8 @@ def rollout(
     hf: Optional[bool] = typer.Option(None, "--hf/--no-hf", help="Time HF generate [default: on]"),
     hf_new_tokens: Optional[int] = typer.Option(None, help="New tokens for the HF run, 0 = --new-tokens [default: 0]"),
     eager: Optional[bool] = typer.Option(None, "--eager/--no-eager", help="Also time the engine without CUDA graphs [default: on]"),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile",
+                                           help="torch.compile the engine's decode step [default: on for CUDA]"),
     long_new_tokens: Optional[str] = typer.Option(None, help="Sparse vs dense: generation lengths, e.g. 8K,16K or none [default: 8K,16K]"),
     long_batch: Optional[int] = typer.Option(None, help="Sparse vs dense: sequences [default: 16]"),
     topk: Optional[int] = _common["topk"],
@@ -141,6 +143,6 @@ def rollout(
         cfg = load_config(BenchRolloutConfig, config, dict(
             shape=shape, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, hf=hf, hf_new_tokens=hf_new_tokens,
             eager=eager, long_new_tokens=longs, long_batch=long_batch, topk=topk, index_heads=index_heads,
-            index_dim=index_dim, dtype=dtype, device=device))
+            index_dim=index_dim, dtype=dtype, device=device, compile=compile))
         res = run_rollout_bench(cfg, log=lambda m: console.print(f"[dim]{m}[/]"))
         _finish(res, markdown_rollout(res), out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -28,6 +30,8 @@ def command(
     max_seq_len: Optional[int] = typer.Option(None, help="Cache rows per sequence [default: as needed]"),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N [default: auto]"),
     dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 | float16 [default: auto]"),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile",
+                                           help="torch.compile the decode step [default: on for CUDA, off on CPU]"),
     config: Optional[Path] = typer.Option(None, "--config", help="YAML recipe with GenerateConfig keys."),
 ) -> None:
     """Sample completions: prompts JSONL in, completions JSONL out (tokens, finish reason, log-probs)."""
@@ -51,7 +55,26 @@ def command(
             def progress(done: int, total: int | None) -> None:
                 bar.update(task, completed=done, total=total)
 
-            summary = run_generate(model, prompts, None if out == "-" else out, cfg, progress)
+            # GenerateConfig has no compile key (yet): the flag reaches the engine's default through
+            # SPARSE_RL_COMPILE, set for this call only
+            with _compile_env(compile):
+                summary = run_generate(model, prompts, None if out == "-" else out, cfg, progress)
         console.print(f"[green]done[/] {summary['completions']} completions for {summary['prompts']} prompts, "
                       f"{summary['generated_tokens']} tokens ({cfg.attention})"
                       + ("" if out == "-" else f" -> {out}"))
+
+
+@contextlib.contextmanager
+def _compile_env(compile: Optional[bool]):
+    if compile is None:
+        yield
+        return
+    old = os.environ.get("SPARSE_RL_COMPILE")
+    os.environ["SPARSE_RL_COMPILE"] = "1" if compile else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("SPARSE_RL_COMPILE", None)
+        else:
+            os.environ["SPARSE_RL_COMPILE"] = old

@@ -48,6 +48,7 @@ class BenchRolloutConfig:
     dtype: str = "bfloat16"
     device: str = "auto"
     seed: int = 0
+    compile: bool | None = None  # torch.compile the engine's decode step; None = the engine's default (on for CUDA)
 
     def __post_init__(self):
         if self.shape not in SHAPES:
@@ -123,10 +124,13 @@ def run_rollout_bench(cfg: BenchRolloutConfig, log=print, on_result=None) -> dic
         _sync(dev)
         dt = time.perf_counter() - t0
         n = sum(len(c.tokens) for c in outs)
+        r = eng.runner
         return {"run": label, "mode": mode, "batch": len(toks), "prompt": len(toks[0]), "new_tokens": new,
                 "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 1), "ms_per_step": round(1000 * dt / new, 3),
-                "cuda_graphs": eng.runner.use_graphs, **({"graph_error": eng.runner.graph_error}
-                                                         if eng.runner.graph_error else {})}
+                "cuda_graphs": r.use_graphs, "compiled": r.compile,
+                **({"compile_s": round(r.compile_stats["seconds"], 1)} if r.compile else {}),
+                **({"graph_error": r.graph_error} if r.graph_error else {}),
+                **({"compile_error": r.compile_error} if r.compile_error else {})}
 
     # 1) engine vs HF generate, dense, same model and batch
     ids = prompts(cfg.batch, cfg.prompt_len)
@@ -153,7 +157,7 @@ def run_rollout_bench(cfg: BenchRolloutConfig, log=print, on_result=None) -> dic
     for graphs in ([True, False] if (cfg.eager and dev.type == "cuda") else [dev.type == "cuda"]):
         try:
             eng = RolloutEngine(model, None, max_batch=cfg.batch, max_seq_len=cfg.prompt_len + cfg.new_tokens,
-                                device=dev, use_cuda_graphs=graphs, eos_token_ids=[])
+                                device=dev, use_cuda_graphs=graphs, eos_token_ids=[], compile=cfg.compile)
             record(time_engine(eng, ids, cfg.new_tokens, "engine" if graphs or dev.type != "cuda" else "engine_eager",
                                      "dense"))
             del eng
@@ -172,7 +176,7 @@ def run_rollout_bench(cfg: BenchRolloutConfig, log=print, on_result=None) -> dic
         for new in cfg.long_new_tokens:
             ids = prompts(cfg.long_batch, cfg.long_prompt_len)
             eng = RolloutEngine(model, None, max_batch=cfg.long_batch, max_seq_len=cfg.long_prompt_len + new,
-                                device=dev, eos_token_ids=[])
+                                device=dev, eos_token_ids=[], compile=cfg.compile)
             for mode in ("dense", "sparse"):
                 try:
                     row = time_engine(eng, ids, new, "long", mode)
@@ -207,16 +211,20 @@ def summarize(rows: list[dict]) -> dict:
 def markdown_rollout(res: dict) -> str:
     lines = [f"rollout engine on {res['device']} (torch {res['torch']}; Triton decode kernel: "
              f"{'yes' if res['triton_decode_kernel'] else 'no, reference path'})", "",
-             "| run | attention | batch | prompt | new tokens | seconds | tokens/s | ms/step | step ms at full context | CUDA graphs |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| run | attention | batch | prompt | new tokens | seconds | tokens/s | ms/step | step ms at full context | CUDA graphs | compiled |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['run']} | {r['mode']} | {r['batch']} | {r['prompt']} | {r['new_tokens']} | {r['seconds']} | "
                      f"{r['tokens_per_s']} | {r['ms_per_step']} | {r.get('step_ms_at_full_context', '-')} | "
-                     f"{'yes' if r['cuda_graphs'] else 'no'} |")
+                     f"{'yes' if r['cuda_graphs'] else 'no'} | {'yes' if r.get('compiled') else 'no'} |")
     if res.get("summary"):
         lines += ["", "ratios: " + ", ".join(f"{k} = {v}x" for k, v in res["summary"].items())]
     for e in res.get("errors", []):
         lines.append(f"error: {e}")
+    for r in res["rows"]:
+        for k in ("graph_error", "compile_error"):
+            if r.get(k):
+                lines.append(f"{r['run']} {r['mode']}: {k}: {r[k]}")
     return "\n".join(lines)
 
 
@@ -267,3 +275,124 @@ def consistency_checks(device: str = "cuda", seed: int = 0) -> dict:
                      "graph_vs_eager_max_abs": float((a - b).abs().max()), "graphs": eng.runner.use_graphs,
                      "graph_error": eng.runner.graph_error}
     return out
+
+
+def compile_step_bench(shape: str = "qwen2-0.5b", batches=(16, 64), contexts=(1024, 8192, 16384),
+                       modes=("dense", "sparse"), topk: int = 2048, index_heads: int = 4, index_dim: int = 64,
+                       dtype: str = "bfloat16", device: str = "auto", reps: int = 20, seed: int = 0,
+                       compile_backend="inductor", log=print, on_result=None) -> dict:
+    """Decode step eager vs compiled, both captured in CUDA graphs (on a GPU): for every batch, one
+    engine of each kind over the same model; caches filled with the same random K/V/index keys;
+    then per (mode, context): "step ms at full context" (`time_step`, every slot at position
+    context-1, median of `reps`) and the compiled step's logits against the eager step's on the
+    same inputs. The first timed call of a mode compiles: `compile_s` is that call's compile time
+    (the first call of each variant: S <= top-k and S > top-k are two variants in sparse mode)."""
+    import torch
+
+    from sparse_rl.cli.common import resolve_device
+    from sparse_rl.eval.bench_attention import device_name, torch_dtype
+    from sparse_rl.rl.rollout import RolloutEngine
+    from sparse_rl.sparse.config import SparseConfig
+    from sparse_rl.sparse.ops import kernel
+    from sparse_rl.sparse.patch import attach_sparse
+
+    dev = torch.device(resolve_device(device))
+    cfg = BenchRolloutConfig(shape=shape, long_new_tokens=[max(contexts)], long_prompt_len=1, topk=topk,
+                             index_heads=index_heads, index_dim=index_dim, dtype=dtype, device=device, seed=seed)
+    dt = torch_dtype(dtype)
+    model = build_model(cfg, dev, dt)
+    attach_sparse(model, SparseConfig(topk=topk, index_heads=index_heads, index_dim=index_dim,
+                                      rope_dim=min(32, index_dim), dense_layers=[0, 1], sink=min(4, topk // 4),
+                                      window=min(64, topk // 4)))
+    model.to(dt)
+    res: dict = {"shape": shape, "device": device_name(dev), "torch": torch.__version__, "dtype": dtype,
+                 "topk": topk, "compile_backend": str(compile_backend), "reps": reps,
+                 "triton": {"sparse_decode": kernel("sparse_attention", "sparse_decode") is not None and dev.type == "cuda",
+                            "indexer_topk_decode": kernel("indexer_topk", "indexer_topk_decode") is not None
+                            and dev.type == "cuda"},
+                 "rows": [], "compile": [], "errors": []}
+    s_max = max(contexts)
+    engines: dict = {}
+    # every batch's two engines live together, so the loop can run mode by mode (all dense rows
+    # first): what a time limit cuts off is then the last mode, not the last batch
+    for B in batches:
+        try:
+            for compiled in (False, True):
+                eng = RolloutEngine(model, None, max_batch=B, max_seq_len=s_max, device=dev, eos_token_ids=[],
+                                    compile=compiled, compile_backend=compile_backend)
+                eng.set_attention("sparse")  # allocates the index-key cache too
+                cache = eng._ensure_cache(s_max)
+                g = torch.Generator(device=dev).manual_seed(seed)
+                for t in (cache.k, cache.v, cache.idx):
+                    t.normal_(generator=g)
+                engines[(B, compiled)] = eng
+        except Exception as e:
+            res["errors"].append(f"batch {B}: {type(e).__name__}: {str(e)[:300]}")
+            log(res["errors"][-1])
+    for mode in modes:
+        for B in batches:
+            if (B, True) not in engines:
+                continue
+            pair = {c: engines[(B, c)] for c in (False, True)}
+            try:
+                with torch.inference_mode():  # as in generate: no recompilation for a new kind of tensor
+                    tok = torch.randint(10, model.config.vocab_size, (B,), device=dev,
+                                        generator=torch.Generator(device=dev).manual_seed(seed + 1))
+                for ctx in contexts:
+                    row = {"batch": B, "mode": mode, "context": ctx}
+                    for compiled, eng in pair.items():
+                        eng.set_attention(mode)
+                        r = eng.runner
+                        before = r.compile_stats["seconds"]
+                        row["compiled_ms" if compiled else "eager_ms"] = round(eng.time_step(ctx - 1, reps), 3)
+                        if compiled:
+                            if r.compile_stats["seconds"] > before:
+                                res["compile"].append({"batch": B, "mode": mode, "first_context": ctx,
+                                                       "compile_s": round(r.compile_stats["seconds"] - before, 1)})
+                            row["graphs_compiled"] = r.compile_stats["graphs"]
+                            row["compiled_ok"] = r.compile
+                            if r.compile_error:
+                                row["compile_error"] = r.compile_error
+                        if r.graph_error:
+                            row["graph_error" + ("_compiled" if compiled else "")] = r.graph_error
+                    row["speedup"] = round(row["eager_ms"] / row["compiled_ms"], 2)
+                    S = pair[True]._bucket(ctx, s_max)
+                    with torch.inference_mode():
+                        pos = torch.full((B,), ctx - 1, device=dev)
+                        a = pair[False].runner.decode(pair[False].cache, tok, pos, S, mode).clone()
+                        b = pair[True].runner.decode(pair[True].cache, tok, pos, S, mode).clone()
+                    row["logits_max_abs_diff"] = round(float((a - b).abs().max()), 4)
+                    row["logits_max_abs"] = round(float(a.abs().max()), 3)
+                    row["argmax_agree"] = round(float((a.argmax(-1) == b.argmax(-1)).float().mean()), 3)
+                    res["rows"].append(row)
+                    log(" ".join(f"{k}={v}" for k, v in row.items()))
+                    if on_result:
+                        on_result(res)
+            except Exception as e:  # keep the other measurements
+                res["errors"].append(f"batch {B} {mode}: {type(e).__name__}: {str(e)[:300]}")
+                log(res["errors"][-1])
+    if on_result:
+        on_result(res)
+    return res
+
+
+def markdown_compile(res: dict) -> str:
+    t = res["triton"]
+    lines = [f"decode step eager vs compiled on {res['device']} (torch {res['torch']}, {res['shape']} shape, "
+             f"{res['dtype']}, top-k {res['topk']}, backend {res['compile_backend']}; Triton sparse_decode: "
+             f"{'yes' if t['sparse_decode'] else 'no'}, indexer_topk_decode: {'yes' if t['indexer_topk_decode'] else 'no'})",
+             "", "| batch | attention | context | eager ms | compiled ms | speedup | logits max abs diff "
+             "(max abs logit) | argmax agree |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(res["rows"], key=lambda r: (r["batch"], r["mode"], r["context"])):
+        lines.append(f"| {r['batch']} | {r['mode']} | {r['context']} | {r['eager_ms']} | {r['compiled_ms']} | "
+                     f"{r['speedup']}x | {r['logits_max_abs_diff']} ({r['logits_max_abs']}) | {r['argmax_agree']} |")
+    if res["compile"]:
+        lines += ["", "compile time (first call of each compiled variant): " + ", ".join(
+            f"batch {c['batch']} {c['mode']} (first at {c['first_context']}): {c['compile_s']} s" for c in res["compile"])]
+    for r in res["rows"]:
+        for k in ("compile_error", "graph_error", "graph_error_compiled"):
+            if r.get(k):
+                lines.append(f"batch {r['batch']} {r['mode']} {r['context']}: {k}: {r[k]}")
+    for e in res["errors"]:
+        lines.append(f"error: {e}")
+    return "\n".join(lines)
