@@ -33,8 +33,11 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MAX_INDEX_HEADS = 8  # dq_I / dw live in one register accumulator per indexer head
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the fused pass and of the index-lse pass on CUDA.
-FUSED_CONFIG = (64, 64, 8, 2)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the fused pass and of the index-lse pass on CUDA. The fused
+# pass is not software-pipelined (num_stages 1): Triton 3.6 then stages every load of the loop in shared
+# memory (380 KB at 64x64) and its registers spill; at 64x32 with 8 warps ptxas reports 255 registers and
+# ~100 bytes of spills for sm_90.
+FUSED_CONFIG = (64, 32, 8, 1)
 INDEX_LSE_CONFIG = (64, 64, 4, 2)
 
 
@@ -85,7 +88,7 @@ def _index_scores(QI, W, KT, b, offs_m, mmask, offs_d, sib, sit, sih, sid, swb, 
                   MASKED: tl.constexpr, PREC: tl.constexpr):
     """I = sum_j w_j ReLU(q_j . k) for one tile: `[BLOCK_M, BLOCK_N]` fp32 (KT: `[BLOCK_D, BLOCK_N]`)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for j in tl.static_range(HI):
+    for j in range(HI):
         qj = _ld(QI + b * sib + offs_m[:, None] * sit + j * sih + offs_d[None, :] * sid,
                  mmask[:, None] & (offs_d[None, :] < DI), MASKED)
         wj = _ld(W + b * swb + offs_m * swt + j * swh, mmask, MASKED).to(tl.float32)
@@ -157,11 +160,13 @@ def _fused_tile(Q, K, LSE2, QI, W, KI, LSEI, DK, b, n0, offs_m, offs_d, mmask, p
     nmask = offs_n < S
     vis = (offs_n[None, :] <= pos[:, None]) & mmask[:, None]
     # the dense target, log2 domain: exp2(s * scale * log2(e) - lse_h * log2(e))
+    # Dynamic (not unrolled) head loops: unrolled, the compiler keeps every head's q tile live at once
+    # (registers spill, shared memory overflows); rolled, one q tile is live at a time.
     p = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for hk in tl.static_range(HKV):
+    for hk in range(HKV):
         kt = _ld(K + b * skb + hk * skh + offs_n[None, :] * sks + offs_d[:, None] * skd,
                  nmask[None, :] & (offs_d[:, None] < D), LD_MASKED)  # [BLOCK_D, BLOCK_N], once per group
-        for g in tl.static_range(G):
+        for g in range(G):
             q = _ld(Q + b * sqb + (hk * G + g) * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
                     mmask[:, None] & (offs_d[None, :] < D), LD_MASKED)
             lse = _ld(LSE2 + b * slb + (hk * G + g) * slh + offs_m * slt, mmask, LD_MASKED)
