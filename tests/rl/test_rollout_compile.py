@@ -67,7 +67,7 @@ def test_compiled_step_equals_eager_every_bucket_one_graph(sparse_dir):
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_greedy_generation_with_compile_equals_without(sparse_dir, mode):
     model = load_model(sparse_dir, attention=mode)
-    p = SamplingParams(temperature=0, max_new_tokens=40)  # 14 + 40 tokens: buckets up to 64, past top-k 12
+    p = SamplingParams(temperature=0, max_new_tokens=24)  # 14 + 24 tokens: buckets 16..48, past top-k 12
     prompts = _prompts(1)
     ref = _engine(model, compile=False).generate(prompts, p)
     eng = _engine(model, compile=True)
@@ -140,3 +140,52 @@ def test_compile_default_off_on_cpu_and_env_override(sparse_dir, monkeypatch):
     monkeypatch.setenv("SPARSE_RL_COMPILE", "1")
     assert RolloutEngine(model, None).runner.compile
     assert not RolloutEngine(model, None, compile=False).runner.compile
+
+
+def test_generate_cli_compile_flag(tiny_model_dir, tmp_path, monkeypatch):
+    """`sparse-rl generate --compile` compiles the engine's step (same greedy output as --no-compile);
+    the flag does not outlive the call."""
+    import json
+    import os
+
+    from typer.testing import CliRunner
+
+    from sparse_rl.cli.main import app
+    from sparse_rl.rl.rollout import forward
+
+    runners = []
+    init = forward.ModelRunner.__init__
+
+    def spy(self, *a, **kw):
+        init(self, *a, **{**kw, "compile_backend": BACKEND})
+        runners.append(self)
+
+    monkeypatch.setattr(forward.ModelRunner, "__init__", spy)
+    monkeypatch.delenv("SPARSE_RL_COMPILE", raising=False)
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"id": "a", "prompt": "2+2="}) + "\n" + json.dumps({"id": "b", "prompt": "hello"}) + "\n")
+    outs = {}
+    for flag in ("--compile", "--no-compile"):
+        out = tmp_path / f"{flag}.jsonl"
+        res = CliRunner().invoke(app, ["generate", str(tiny_model_dir), "--prompts", str(src), "--out", str(out),
+                                       "--temperature", "0", "--max-new-tokens", "10", "--device", "cpu", flag])
+        assert res.exit_code == 0, res.output
+        outs[flag] = [json.loads(x)["tokens"] for x in out.read_text().splitlines()]
+        r = runners[-1]
+        assert r.compile == (flag == "--compile") and (r.compile_stats["graphs"] > 0) == (flag == "--compile")
+        assert r.compile_error is None
+        assert "SPARSE_RL_COMPILE" not in os.environ
+    assert outs["--compile"] == outs["--no-compile"]
+
+
+def test_compile_step_bench_cpu():
+    """The GPU comparison script on the tiny shape: rows for every mode and context, compiled == eager."""
+    from sparse_rl.eval.bench_rollout import compile_step_bench, markdown_compile
+
+    res = compile_step_bench(shape="tiny", batches=(2,), contexts=(8, 40), topk=16, index_dim=16, dtype="float32",
+                             device="cpu", reps=2, compile_backend=BACKEND, log=lambda m: None)
+    assert not res["errors"]
+    assert [(r["mode"], r["context"]) for r in res["rows"]] == [("dense", 8), ("dense", 40), ("sparse", 8),
+                                                                ("sparse", 40)]
+    assert all(r["logits_max_abs_diff"] == 0 and r["compiled_ok"] for r in res["rows"])
+    assert "| 2 | sparse | 40 |" in markdown_compile(res)

@@ -90,7 +90,7 @@ class RolloutEngine:
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
-        self.runner = ModelRunner(model, dev, use_cuda_graphs, compile, compile_backend)
+        self.runner = ModelRunner(model, dev, use_cuda_graphs, compile=compile, compile_backend=compile_backend)
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.bucket = bucket
