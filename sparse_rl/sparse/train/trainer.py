@@ -60,7 +60,8 @@ class IndexerTrainConfig:
     topk: override the model's top-k (saved into the output's sparse_config.json).
     chunk_size: queries per loss chunk (0 = from a memory budget).
     kl_impl: warm-up loss implementation: "auto" (triton on CUDA, torch elsewhere) | "torch" (query
-        chunks) | "triton" (fused kernels; agree with torch on an H200, 1.9x/2.9x faster at 8K/32K).
+        chunks) | "triton" (fused kernels; agree with torch on an H200, where a warm-up step between
+        log steps took 3.3x a dense forward at 8K and 32K: results/2026-11-29-h200-indexer-speed.md).
     synthetic_rows: rows generated for data=synthetic.
     """
 
