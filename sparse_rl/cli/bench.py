@@ -123,7 +123,7 @@ def rollout(
     hf_new_tokens: Optional[int] = typer.Option(None, help="New tokens for the HF run, 0 = --new-tokens [default: 0]"),
     eager: Optional[bool] = typer.Option(None, "--eager/--no-eager", help="Also time the engine without CUDA graphs [default: on]"),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile",
-                                           help="torch.compile the engine's decode step [default: on for CUDA]"),
+                                           help="torch.compile the engine's decode step [default: off]"),
     long_new_tokens: Optional[str] = typer.Option(None, help="Sparse vs dense: generation lengths, e.g. 8K,16K or none [default: 8K,16K]"),
     long_batch: Optional[int] = typer.Option(None, help="Sparse vs dense: sequences [default: 16]"),
     topk: Optional[int] = _common["topk"],

@@ -48,7 +48,7 @@ class BenchRolloutConfig:
     dtype: str = "bfloat16"
     device: str = "auto"
     seed: int = 0
-    compile: bool | None = None  # torch.compile the engine's decode step; None = the engine's default (on for CUDA)
+    compile: bool | None = None  # torch.compile the engine's decode step; None = the engine's default (off; SPARSE_RL_COMPILE)
 
     def __post_init__(self):
         if self.shape not in SHAPES:

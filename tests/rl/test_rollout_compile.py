@@ -61,7 +61,21 @@ def test_compiled_step_equals_eager_every_bucket_one_graph(sparse_dir):
             b = r.decode(cache, tok, pos, S, mode)
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
         assert r.compile_stats["graphs"] == graphs, r.compile_stats
-    assert r.compile and r.compile_error is None
+    assert r.compile and r.compile_error is None and r.compile_stats["symbols"] == 1  # S, nothing else
+
+
+@torch.inference_mode()
+def test_second_engine_with_another_batch_compiles_static_batch(sparse_dir):
+    """Dynamo's automatic-dynamic state is shared by every runner's copy of the step (keyed by file,
+    line and name): without explicit static marks the second engine's graph was dynamic in the batch
+    and the cache shapes too."""
+    model = load_model(sparse_dir, attention="dense")
+    for B in (2, 4):
+        eng = _engine(model, compile=True, max_batch=B)
+        cache = eng._ensure_cache(96)
+        out = eng.runner.decode(cache, torch.zeros(B, dtype=torch.long), torch.full((B,), 5), 16, "dense")
+        assert out.shape[0] == B
+        assert eng.runner.compile_stats["graphs"] == 1 and eng.runner.compile_stats["symbols"] == 1
 
 
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
@@ -134,7 +148,7 @@ def test_failed_compilation_falls_back_to_eager(sparse_dir):
     assert not eng.runner.compile and "no compiler here" in eng.runner.compile_error
 
 
-def test_compile_default_off_on_cpu_and_env_override(sparse_dir, monkeypatch):
+def test_compile_default_off_and_env_override(sparse_dir, monkeypatch):
     model = load_model(sparse_dir, attention="dense")
     assert not RolloutEngine(model, None).runner.compile
     monkeypatch.setenv("SPARSE_RL_COMPILE", "1")

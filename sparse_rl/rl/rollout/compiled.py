@@ -83,14 +83,18 @@ def fresh_function(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def counting_backend(name: str, counter: dict):
-    """The dynamo backend `name` ("inductor", "aot_eager", ...), counting compiled graphs in counter["graphs"]."""
+def counting_backend(name, counter: dict):
+    """The dynamo backend `name` ("inductor", "aot_eager", ... or a callable), counting compiled graphs in
+    counter["graphs"] and the symbolic sizes of the last graph's inputs in counter["symbols"] (1 = S only)."""
     from torch._dynamo import lookup_backend
 
     inner = lookup_backend(name)
 
     def backend(gm, example_inputs):
         counter["graphs"] += 1
+        counter["symbols"] = len({str(d) for x in example_inputs if isinstance(x, torch.Tensor)
+                                  for d in x.shape if isinstance(d, torch.SymInt)}
+                                 | {str(x) for x in example_inputs if isinstance(x, torch.SymInt)})
         return inner(gm, example_inputs)
 
     return backend

@@ -73,8 +73,8 @@ class RolloutEngine:
     max_batch: decode slots. max_seq_len: cache rows per slot (prompt + completion); None grows the
     cache to each call's need, up to the model's max_position_embeddings.
     device: where the model lives (default: its parameters' device). use_cuda_graphs: default on CUDA.
-    compile: torch.compile the decode step (inductor), captured in the CUDA graphs; default on CUDA,
-    off on CPU (`SPARSE_RL_COMPILE=0|1` overrides the default). A failed compilation falls back to
+    compile: torch.compile the decode step (inductor), captured in the CUDA graphs; default off
+    (`SPARSE_RL_COMPILE=1` turns it on; see forward.default_compile). A failed compilation falls back to
     the eager step: `engine.runner.compile_error` says why. compile_backend: the dynamo backend.
     """
 

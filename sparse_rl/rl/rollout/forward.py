@@ -23,7 +23,7 @@ Dense decode attention: PyTorch SDPA with a per-slot mask on CPU; on CUDA the sp
 decode kernel (`ops.sparse_decode`) given every visible position as its index list, so it reads
 only the slot's live keys (SDPA would read the whole bucket and has no split-K for one query).
 
-Compilation (`compile=True`, default on CUDA): the decode step is compiled once with torch.compile
+Compilation (`compile=True`; opt-in, see `default_compile`): the decode step is compiled once with torch.compile
 (S dynamic, see compiled.py) and the compiled step is what the CUDA graphs capture. Parameters are
 graph inputs (never constants), so in-place updates stay live there too. A compilation that fails
 falls back to the eager step and leaves its reason in `compile_error` (`SPARSE_RL_COMPILE=0|1`
@@ -50,13 +50,17 @@ def _base(model):
 
 
 def default_compile(device) -> bool:
-    """Compile the decode step by default on CUDA; `SPARSE_RL_COMPILE=0|1` overrides."""
+    """Whether to compile the decode step when the caller does not say: `SPARSE_RL_COMPILE=1|0`, else off.
+
+    Off on CUDA too for now: on an H200 the compiled step was checked and timed at batch 16, dense
+    only (benchmarks/results/2026-11-29-h200-rollout-compile.md); sparse mode and batch 64 are not
+    yet measured there, and each compilation costs ~50 s. Flip this once they are."""
     env = os.environ.get("SPARSE_RL_COMPILE", "").strip().lower()
     if env in ("0", "false", "no", "off"):
         return False
     if env in ("1", "true", "yes", "on"):
         return True
-    return torch.device(device).type == "cuda"
+    return False
 
 
 class ModelRunner:
@@ -98,7 +102,8 @@ class ModelRunner:
         self.compile = default_compile(self.device) if compile is None else bool(compile)
         self.compile_backend = compile_backend
         self.compile_error: str | None = None
-        self.compile_stats = {"graphs": 0, "seconds": 0.0}  # graphs compiled; seconds of first compiled calls
+        # graphs compiled; seconds of first compiled calls; symbolic sizes of the last graph (1: S alone)
+        self.compile_stats = {"graphs": 0, "seconds": 0.0, "symbols": 0}
         self._compiled: dict = {}
 
     # ---------------------------------------------------------------- helpers
@@ -276,6 +281,13 @@ class ModelRunner:
         short = self._short(S, mode)
         keys = self._keys(cache, S)
         torch._dynamo.mark_dynamic(keys, 0)  # one graph for every bucket S
+        # everything else static: dynamo's automatic-dynamic state is keyed by the code's file, line
+        # and name, so it is shared by every runner's copy of `step` (and kept on disk between
+        # processes); a second engine with another batch would otherwise compile a graph dynamic
+        # in B and the cache shapes
+        for t in (tokens, pos, cache.k, cache.v, cache.idx):
+            if t is not None:
+                torch._dynamo.mark_static(t)
         first = (mode, short) not in self._compiled
         graphs0, t0 = self.compile_stats["graphs"], time.perf_counter()
         out = self._compiled_fn(mode, short)(tokens, pos, keys, cache.k, cache.v, cache.idx)
@@ -301,6 +313,7 @@ class ModelRunner:
         self.compile = False
         self.compile_error = f"{type(e).__name__}: {' '.join(lines[:3])[:400]}"
         self._compiled.clear()
+        self._graphs.clear()  # graphs of the compiled step, if any: every bucket is recaptured eagerly
         if self.is_cuda:
             torch.cuda.synchronize()
 
