@@ -278,7 +278,8 @@ def pretrain(model, data, batch: int, seconds: float, max_steps: int, lr: float,
             "last_loss": statistics.mean(losses[-10:])}
 
 
-def part_b(out: Path, quick: bool, device: str, pre_seconds: float) -> None:
+def part_b(out: Path, quick: bool, device: str, pre_seconds: float, over: dict | None = None) -> None:
+    """`over` (from --b-* flags) replaces the defaults: size, seq_len, batch, rows, lr, warmup_steps, sparse."""
     from transformers import AutoModelForCausalLM
 
     from sparse_rl.modelinit import ModelInitConfig, init_model
@@ -293,17 +294,21 @@ def part_b(out: Path, quick: bool, device: str, pre_seconds: float) -> None:
     import shutil
 
     shutil.rmtree(root, ignore_errors=True)
-    L = 256 if quick else 2048
+    over = {k: v for k, v in (over or {}).items() if v is not None}
+    L = over.get("seq_len", 256 if quick else 2048)
     k = L // 8
-    size = "tiny" if quick else "small"
-    batch = 2 if quick else 16
+    size = over.get("size", "tiny" if quick else "small")
+    batch = over.get("batch", 2 if quick else 16)
     init_model(root / "dense", ModelInitConfig(arch="qwen2", size=size, seed=0, max_position_embeddings=4 * L))
     tok = load_tokenizer(root / "dense")
-    data = build_data("synthetic", tok, L, seed=0, synthetic_n=64 if quick else 1024)
+    data = build_data("synthetic", tok, L, seed=0, synthetic_n=over.get("rows", 64 if quick else 1024))
     held = synthetic_rows(tok, 2 if quick else 8, L, seed=4242)
     R = RESULTS["B"] = {"model": size, "L": L, "k": k}
     model = AutoModelForCausalLM.from_pretrained(root / "dense", dtype=torch.float32).to(device)
-    R["pretrain"] = pretrain(model, data, batch, pre_seconds, 20 if quick else 100000, 1e-3, device)
+    R["settings"] = {"size": size, "seq_len": L, "batch": batch, "rows": len(data),
+                     "pretrain_seconds": pre_seconds, "pretrain_lr": over.get("lr", 1e-3), "threads": torch.get_num_threads()}
+    R["pretrain"] = pretrain(model, data, batch, pre_seconds, 20 if quick and "seq_len" not in over else 10**6,
+                             over.get("lr", 1e-3), device)
     model.save_pretrained(root / "pre")
     tok.save_pretrained(root / "pre")
     dump(out)
@@ -322,7 +327,7 @@ def part_b(out: Path, quick: bool, device: str, pre_seconds: float) -> None:
         del m
 
     ev(root / "sparse", "before_warmup")
-    steps_w = 10 if quick else 300
+    steps_w = over.get("warmup_steps", 10 if quick else 300)
     t = time.perf_counter()
     s = run(IndexerTrainConfig(model=str(root / "sparse"), out=str(root / "warm"), data="synthetic", stage="warmup",
                                seq_len=L, batch_size=batch // 2, steps=steps_w, lr=2e-3, lr_warmup=10,
@@ -330,6 +335,8 @@ def part_b(out: Path, quick: bool, device: str, pre_seconds: float) -> None:
                                save_every=10**6, log_every=25))
     R["warmup_run"] = {"steps": steps_w, "seconds": time.perf_counter() - t, "last": s["last"]}
     ev(root / "warm", "after_warmup")
+    if over.get("sparse", 1) == 0:
+        return
     steps_s = 10 if quick else 150
     t = time.perf_counter()
     s = run(IndexerTrainConfig(model=str(root / "warm"), out=str(root / "sparse_ft"), data="synthetic",
@@ -365,6 +372,13 @@ def main():
                     "default: all of --kl-impls")
     ap.add_argument("--deadline", type=float, default=1e9, help="part K starts no configuration after this many "
                     "seconds of the run")
+    ap.add_argument("--b-size", default=None, help="part B: model preset (default small; tiny with --quick)")
+    ap.add_argument("--b-seq-len", type=int, default=None)
+    ap.add_argument("--b-batch", type=int, default=None)
+    ap.add_argument("--b-rows", type=int, default=None, help="part B: distinct synthetic training rows")
+    ap.add_argument("--b-lr", type=float, default=None, help="part B: pretraining learning rate")
+    ap.add_argument("--b-warmup-steps", type=int, default=None)
+    ap.add_argument("--b-sparse", type=int, default=None, help="part B: 0 skips the sparse stage and its control")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -376,7 +390,10 @@ def main():
     time_impls = args.time_impls.split(",") if args.time_impls else impls
     for name, fn in (("K", lambda: part_k(out, args.quick, device, args.deadline)),
                      ("A", lambda: part_a(out, args.quick, device, impls, time_impls)),
-                     ("B", lambda: part_b(out, args.quick, device, args.pretrain_seconds))):
+                     ("B", lambda: part_b(out, args.quick, device, args.pretrain_seconds,
+                                          {"size": args.b_size, "seq_len": args.b_seq_len, "batch": args.b_batch,
+                                           "rows": args.b_rows, "lr": args.b_lr,
+                                           "warmup_steps": args.b_warmup_steps, "sparse": args.b_sparse}))):
         if name not in args.parts:
             continue
         t = time.perf_counter()
