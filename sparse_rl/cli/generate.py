@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -43,7 +41,8 @@ def command(
         cfg = load_config(GenerateConfig, config, dict(
             attention=attention, n=n, temperature=temperature, top_p=top_p, top_k=top_k,
             max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, logprobs=logprobs,
-            stop=list(stop) if stop else None, max_seq_len=max_seq_len, device=device, dtype=dtype))
+            stop=list(stop) if stop else None, max_seq_len=max_seq_len, device=device, dtype=dtype,
+            compile=compile))
         cfg.sampling()  # flag errors before loading anything
         check_model_dir(model)
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -55,26 +54,7 @@ def command(
             def progress(done: int, total: int | None) -> None:
                 bar.update(task, completed=done, total=total)
 
-            # GenerateConfig has no compile key (yet): the flag reaches the engine's default through
-            # SPARSE_RL_COMPILE, set for this call only
-            with _compile_env(compile):
-                summary = run_generate(model, prompts, None if out == "-" else out, cfg, progress)
+            summary = run_generate(model, prompts, None if out == "-" else out, cfg, progress)
         console.print(f"[green]done[/] {summary['completions']} completions for {summary['prompts']} prompts, "
                       f"{summary['generated_tokens']} tokens ({cfg.attention})"
                       + ("" if out == "-" else f" -> {out}"))
-
-
-@contextlib.contextmanager
-def _compile_env(compile: Optional[bool]):
-    if compile is None:
-        yield
-        return
-    old = os.environ.get("SPARSE_RL_COMPILE")
-    os.environ["SPARSE_RL_COMPILE"] = "1" if compile else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("SPARSE_RL_COMPILE", None)
-        else:
-            os.environ["SPARSE_RL_COMPILE"] = old

@@ -32,9 +32,9 @@ class RolloutBackend(Protocol):
 class InProcessRollout:
     """`RolloutBackend` over a `RolloutEngine` sharing the trainer's model object."""
 
-    def __init__(self, model, tokenizer, max_batch: int):
+    def __init__(self, model, tokenizer, max_batch: int, compile: bool | None = None):
         self.model = model
-        self.engine = RolloutEngine(model, tokenizer, max_batch=max_batch)
+        self.engine = RolloutEngine(model, tokenizer, max_batch=max_batch, compile=compile)
         self._dense_graphs_with_adapter = False
 
     def generate(self, prompts, params, attention):

@@ -37,6 +37,7 @@ class RolloutConfig:
     max_new_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     max_batch: int = 256  # engine slots (sequences decoded together)
+    compile: bool | None = None  # torch.compile the engine's decode step (None: SPARSE_RL_COMPILE, else off)
     backend: str | None = None  # sparse kernels: auto | torch | triton (None: the model's default)
 
 

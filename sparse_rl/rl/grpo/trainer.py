@@ -137,7 +137,8 @@ class Trainer:
 
         from sparse_rl.rl.grpo.backend import InProcessRollout
 
-        self.rollout = backend or InProcessRollout(self.model, self.tokenizer, max_batch=cfg.rollout.max_batch)
+        self.rollout = backend or InProcessRollout(self.model, self.tokenizer, max_batch=cfg.rollout.max_batch,
+                                                      compile=cfg.rollout.compile)
         if self.fsdp is not None and isinstance(self.rollout, InProcessRollout):
             # every all-gather gives the full weights new storages: drop CUDA graphs captured on the old ones
             self.fsdp.on_gather.append(self.rollout.engine.refresh)

@@ -42,6 +42,7 @@ class GenerateConfig:
     device: str = "auto"
     dtype: str = "auto"
     max_seq_len: int | None = None
+    compile: bool | None = None  # torch.compile the decode step (None: SPARSE_RL_COMPILE, else off)
 
     def __post_init__(self):
         if self.attention not in ("dense", "sparse"):
@@ -116,7 +117,7 @@ def run_generate(model_dir: str | Path, prompts: str | Path, out: str | Path | N
     from sparse_rl.cli.common import resolve_device
 
     eng = load_engine(model_dir, cfg.attention, resolve_device(cfg.device), cfg.dtype, cfg.batch_size,
-                      cfg.max_seq_len)
+                      cfg.max_seq_len, compile=cfg.compile)
     params = cfg.sampling()
     chunk = max(1, (4 * cfg.batch_size) // cfg.n)  # prompts per engine call: a queue for the free slots
     it = iter(records)
