@@ -53,6 +53,17 @@ def _rel(x, maxkey, SH: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
+def _block(SC, b, S, pos, n0, maxkey, BN: tl.constexpr, SH: tl.constexpr, NB: tl.constexpr):
+    """Scores of keys n0..n0+BN-1 of row b (the visible prefix only; -inf elsewhere) with their positions,
+    finiteness, bin and u (see `_rel`)."""
+    offs_n = n0 + tl.arange(0, BN)
+    x = tl.load(SC + b * S + offs_n, mask=(offs_n <= pos) & (offs_n < S), other=float("-inf"))
+    fin = (x > float("-inf")) & (x < float("inf"))
+    d, u = _rel(x, maxkey, SH, NB)
+    return offs_n, x, fin, d, u
+
+
+@triton.jit
 def _bstar(HIST, NF, b, K, NB: tl.constexpr):
     """Bin b* that holds the k-th largest finite score once the forced keys are counted, the rank left
     to fill inside it, and whether every finite key is taken (then b* = NB: no candidates)."""
@@ -109,10 +120,7 @@ def _hist(SC, POS, RMAX, HIST, NF, S, CH: tl.constexpr, BN: tl.constexpr, NB: tl
         hist = tl.zeros([NB], tl.int32)
         nf = 0
         for i in range(0, CH // BN):
-            offs_n = c0 + i * BN + tl.arange(0, BN)
-            x = tl.load(SC + b * S + offs_n, mask=(offs_n <= pos) & (offs_n < S), other=float("-inf"))
-            fin = (x > float("-inf")) & (x < float("inf"))
-            d, u = _rel(x, maxkey, SH, NB)
+            offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, maxkey, BN, SH, NB)
             hist += tl.histogram(tl.where(fin, d, 0), NB) - tl.where(bins == 0, tl.sum((~fin).to(tl.int32), 0), 0)
             nf += tl.sum((x == float("inf")).to(tl.int32), 0)
         tl.atomic_add(HIST + b * NB + bins, hist, mask=hist > 0)
@@ -132,10 +140,7 @@ def _count(SC, POS, RMAX, HIST, NF, CNT, S, K, P, CH: tl.constexpr, BN: tl.const
         bstar, rem, take_all = _bstar(HIST, NF, b, K, NB)
         maxkey = _okey(tl.load(RMAX + b))
         for i in range(0, CH // BN):
-            offs_n = c0 + i * BN + tl.arange(0, BN)
-            x = tl.load(SC + b * S + offs_n, mask=(offs_n <= pos) & (offs_n < S), other=float("-inf"))
-            fin = (x > float("-inf")) & (x < float("inf"))
-            d, u = _rel(x, maxkey, SH, NB)
+            offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, maxkey, BN, SH, NB)
             n_above += tl.sum(((x == float("inf")) | (fin & (d < bstar))).to(tl.int32), 0)
             n_cand += tl.sum((fin & (d == bstar)).to(tl.int32), 0)
     tl.store(CNT + (b * P + p) * 2, n_above)
@@ -156,10 +161,7 @@ def _gather_cands(SC, POS, RMAX, HIST, NF, CNT, CU, CI, S, K, P, CH: tl.constexp
             offs_p = tl.arange(0, PMAX)
             off = tl.sum(tl.load(CNT + (b * P + offs_p) * 2 + 1, mask=offs_p < p, other=0), 0)
             for i in range(0, CH // BN):
-                offs_n = c0 + i * BN + tl.arange(0, BN)
-                x = tl.load(SC + b * S + offs_n, mask=(offs_n <= pos) & (offs_n < S), other=float("-inf"))
-                fin = (x > float("-inf")) & (x < float("inf"))
-                d, u = _rel(x, maxkey, SH, NB)
+                offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, maxkey, BN, SH, NB)
                 cand = fin & (d == bstar)
                 slot = off + tl.cumsum(cand.to(tl.int32), 0) - 1
                 tl.store(CU + b * S + slot, u.to(tl.int32, bitcast=True), mask=cand)
@@ -249,10 +251,7 @@ def _write(SC, POS, RMAX, TAU, CUT, OFFS, OUT, sob, S, K, P, CH: tl.constexpr, B
     if c0 <= pos:
         maxkey = _okey(tl.load(RMAX + b))
         for i in range(0, CH // BN):
-            offs_n = c0 + i * BN + tl.arange(0, BN)
-            x = tl.load(SC + b * S + offs_n, mask=(offs_n <= pos) & (offs_n < S), other=float("-inf"))
-            fin = (x > float("-inf")) & (x < float("inf"))
-            d, u = _rel(x, maxkey, SH, NB)
+            offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, maxkey, BN, SH, NB)
             sel = (x == float("inf")) | (fin & ((u > tau) | ((u == tau) & (offs_n >= cut))))
             slot = off + tl.cumsum(sel.to(tl.int32), 0) - 1
             tl.store(OUT + b * sob + slot, offs_n, mask=sel)
