@@ -185,6 +185,11 @@ def test_radix_topk_exact_with_ties_infinities_and_short_rows():
             assert torch.equal(sel, sel.sort().values) and torch.all(row[len(sel):] == -1)
             want = vals[b, t][vals[b, t] > float("-inf")]
             assert torch.equal(s[b, t, sel.long()].sort(descending=True).values, want)
+    # exactly the reference's keys: among scores equal to the threshold the later keys win
+    from sparse_rl.sparse.ops.indexer_topk.naive import select_topk
+
+    fin = s > float("-inf")
+    assert torch.equal(got, select_topk(s, fin, fin & (s == float("inf")), K))
     # q_lim: row t reads only columns <= q_lim + t
     lim = radix_topk(s, K, q_lim=10)
     for t in range(Tc):

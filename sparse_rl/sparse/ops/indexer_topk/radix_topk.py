@@ -7,8 +7,8 @@ equal at 32K, slower beyond: one program per row is latency bound on long rows a
 which is why `indexer_topk` only takes it for rows of <= 32K keys): four 8-bit histogram passes (`tl.histogram`, 256
 bins, on the order-preserving uint32 image of the float) pin down the exact k-th largest key, and a
 final pass writes the selected column indices in ascending order (a running `cumsum` gives each
-selected element its output slot), so no sort follows. Keys equal to the threshold are taken in
-index order (torch.topk breaks exact ties arbitrarily; the reference contract is "the top-k scores").
+selected element its output slot), so no sort follows. Among keys equal to the threshold the later
+ones are taken, the reference's rule (torch.topk breaks exact ties arbitrarily).
 -inf entries are never selected; rows with fewer than k finite entries take all of them and pad
 with -1. Each row only reads its first `n_row` columns (the causal prefix of the query).
 """
@@ -48,8 +48,9 @@ def _radix_topk_kernel(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot, K,
         d = tl.where(valid, _okey(x) >> 24, 0).to(tl.int32)
         hist += tl.histogram(d, 256) - tl.where(bins == 0, tl.sum((~valid).to(tl.int32), 0), 0)
         nvalid += tl.sum(valid.to(tl.int32), 0)
-    tau = tl.zeros([], tl.uint32)  # select key > tau, plus `need` keys == tau (index order)
+    tau = tl.zeros([], tl.uint32)  # select key > tau, plus the last `need` of the n_eq keys == tau
     need = 0
+    n_eq = 0
     if nvalid > K:
         kk = K
         prefix = tl.zeros([], tl.uint32)
@@ -68,6 +69,8 @@ def _radix_topk_kernel(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot, K,
             bstar = tl.sum((suf >= kk).to(tl.int32), 0) - 1
             kk -= tl.sum(tl.where(bins > bstar, hist, 0), 0)
             prefix = prefix | (bstar.to(tl.uint32) << shift)
+            if level == 3:
+                n_eq = tl.sum(tl.where(bins == bstar, hist, 0), 0)
         tau = prefix
         need = kk
     # collect: ascending column order, output slot = running count of selected entries
@@ -79,7 +82,8 @@ def _radix_topk_kernel(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot, K,
         key = _okey(x)
         eq = valid & (key == tau)
         eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0) - 1
-        sel = valid & ((key > tau) | (eq & (eq_rank < need)))
+        # among keys equal to the threshold the later ones win, as in the reference (`select_topk`)
+        sel = valid & ((key > tau) | (eq & (eq_rank >= n_eq - need)))
         pos = cnt + tl.cumsum(sel.to(tl.int32), 0) - 1
         tl.store(obase + pos, (c + offs).to(tl.int32), mask=sel)
         cnt += tl.sum(sel.to(tl.int32), 0)

@@ -18,6 +18,10 @@ Design (why):
   benchmarks/NOTES.md), so `topk_impl="auto"` takes radix on CUDA for rows of <= 32K keys and
   torch.topk otherwise. Top-k is the bottleneck of the whole sparse prefill at long context.
   Under the CPU interpreter "auto" means torch.topk (the radix kernel has its own tests).
+- Ties: the radix select and the decode select keep the reference's rule (among equal scores the later
+  key wins), so a padded row and the same row unpadded select the same keys; `torch.topk` (rows over
+  32K keys, or `topk_impl="torch"`) breaks exact ties its own way.
+- One query per row (T = 1, decode through the HF path) goes to the chunked decode select (decode.py).
 """
 
 from __future__ import annotations
