@@ -50,6 +50,13 @@ def indexer_scores_naive(q_idx, w, k_idx, *, q_offset: int = 0, kv_start=None, t
     return scores.masked_fill(~vis, float("-inf"))
 
 
+def _visible_forced(pos, s, start, sink: int, window: int):
+    """Broadcast masks over keys s for queries at pos (rows starting at start): (visible, forced), forced
+    = the first `sink` and the last `window` visible keys."""
+    vis = (s <= pos) & (s >= start)
+    return vis, vis & ((s < start + sink) | (s > pos - window))
+
+
 def select_topk(scores: torch.Tensor, visible: torch.Tensor, forced: torch.Tensor, topk: int) -> torch.Tensor:
     """Top-k of `scores [B, T, S]` among `visible`, `forced` keys first, ties to the later key;
     `[B, T, topk]` int32 sorted ascending with -1 padding at the end."""
@@ -93,9 +100,7 @@ def indexer_topk_naive(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: i
             scores = indexer_scores_naive(q_idx[:, t0:t1], w[:, t0:t1], k_idx, q_offset=q_offset,
                                           kv_start=kv_start, t0=t0)
             pos, s, start = _positions(B, t1 - t0, S, q_offset, kv_start, q_idx.device, t0)
-            vis = (s <= pos) & (s >= start)
-            forced = vis & ((s < start + sink) | (s > pos - window))
-            out.append(select_topk(scores, vis, forced, topk))
+            out.append(select_topk(scores, *_visible_forced(pos, s, start, sink, window), topk))
     return torch.cat(out, 1) if out else torch.empty(B, 0, topk, dtype=torch.int32, device=q_idx.device)
 
 
@@ -114,14 +119,9 @@ def indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk: int, *, sink: int = 0,
     if sink + window > topk:
         raise ValueError(f"sink ({sink}) + window ({window}) must not exceed topk ({topk})")
     B, S = k_idx.shape[:2]
-    acc = torch.promote_types(q_idx.dtype, torch.float32)
-    dots = torch.einsum("bhd,bsd->bhs", q_idx.to(acc), k_idx.to(acc)).relu()
-    scores = torch.einsum("bhs,bh->bs", dots, w.to(acc))
-    s = torch.arange(S, device=k_idx.device)[None]
-    p = torch.as_tensor(pos, device=k_idx.device).long().view(B, 1)
-    start = (torch.zeros(B, 1, dtype=torch.long, device=k_idx.device) if kv_start is None
-             else torch.as_tensor(kv_start, device=k_idx.device).long().view(B, 1))
-    vis = (s <= p) & (s >= start)
-    forced = vis & ((s < start + sink) | (s > p - window))
     with torch.no_grad():
-        return select_topk(scores[:, None], vis[:, None], forced[:, None], topk)[:, 0]
+        # a query at position S - 1 sees every key: the per-row masks are applied by select_topk
+        scores = indexer_scores_naive(q_idx[:, None], w[:, None], k_idx, q_offset=S - 1)  # [B, 1, S]
+        _, s, start = _positions(B, 1, S, 0, kv_start, k_idx.device)
+        p = torch.as_tensor(pos, device=k_idx.device).long().view(B, 1, 1)
+        return select_topk(scores, *_visible_forced(p, s, start, sink, window), topk)[:, 0]
