@@ -361,10 +361,10 @@ class ModelRunner:
                 self._step(cache, tok, pos, S, mode)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        compiled = self.compile
+        # no fallback inside a capture: a compiled step that fails here is handled by `decode`
+        step = self.decode_compiled if self.compile else self.decode_eager
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self.decode_compiled(cache, tok, pos, S, mode) if compiled else self.decode_eager(cache, tok, pos,
-                                                                                                  S, mode)
+            out = step(cache, tok, pos, S, mode)
         return graph, out
 
     def drop_graphs(self) -> None:
