@@ -1,0 +1,77 @@
+"""One device call: GPU checks of the changes made since the last run, then the decode step at batch 64.
+
+    PYTHONPATH=. python benchmarks/gpu_rollout_step.py --out $OUT [--batches 64] [--contexts 16384,8192,2048]
+
+1. Checks (exact-equality on integer-valued inputs, every score exact):
+   - `ops.indexer_topk_decode` (Triton) against its reference (`gpu_decode_select.checks`);
+   - the prefill radix top-k against `select_topk`, ties included (among equal scores the later key wins).
+2. `compile_step_bench`: the engine's decode step, eager vs compiled, dense vs sparse, Qwen2-0.5B shape,
+   at the given batches and contexts (CUDA-graph replays, median of 20), with logits agreement.
+Writes checks.json, compile_step.json/.md under --out, row by row (a time limit keeps what finished).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def radix_checks(dev) -> list[dict]:
+    from sparse_rl.sparse.ops.indexer_topk.naive import select_topk
+    from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
+
+    out = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    for B, T, S, K in [(2, 5, 1111, 517), (1, 64, 40000, 2048), (3, 7, 70001, 2048)]:
+        s = torch.randint(-3, 4, (B, T, S), device=dev, generator=g).float()
+        s[0, 0, :7] = float("inf")
+        s[0, 1, 100:] = float("-inf")  # fewer visible than K
+        fin = s > float("-inf")
+        got = radix_topk(s, K)
+        ref = select_topk(s, fin, fin & (s == float("inf")), K)
+        out.append({"check": "radix_topk_ties", "B": B, "T": T, "S": S, "K": K, "exact": bool(torch.equal(got, ref)),
+                    "rows_differ": int((got != ref).any(-1).sum())})
+        log(out[-1])
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", default="64")
+    ap.add_argument("--contexts", default="16384,8192,2048")
+    ap.add_argument("--skip-checks", action="store_true")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    dev = torch.device("cuda")
+    log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    if not a.skip_checks:
+        from gpu_decode_select import checks
+
+        res = radix_checks(dev) + checks(dev)
+        json.dump(res, open(f"{a.out}/checks.json", "w"), indent=1)
+    from sparse_rl.eval.bench_rollout import compile_step_bench, markdown_compile
+
+    def save(r):
+        json.dump(r, open(f"{a.out}/compile_step.json", "w"), indent=1)
+        open(f"{a.out}/compile_step.md", "w").write(markdown_compile(r))
+
+    r = compile_step_bench(batches=tuple(int(b) for b in a.batches.split(",")),
+                           contexts=tuple(int(c) for c in a.contexts.split(",")), reps=20, on_result=save, log=log)
+    save(r)
+    print(markdown_compile(r))
+
+
+if __name__ == "__main__":
+    main()
