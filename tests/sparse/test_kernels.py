@@ -231,7 +231,8 @@ def test_indexer_topk_decode_kernel_equals_reference_exactly(B, HI, DI, S, K, si
 
 def test_indexer_topk_decode_edge_distributions():
     """Forced keys filling the whole budget, all-equal scores, scores spanning 40 factors of 2 (the
-    threshold falls in the kernel's last, clamped bin), negative and mixed-sign head weights."""
+    span is set by a few huge keys: nearly all others share the first bin and the one-program radix
+    reads them all), negative and mixed-sign head weights."""
     from sparse_rl.sparse.ops.indexer_topk import decode as itd
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
@@ -248,6 +249,43 @@ def test_indexer_topk_decode_edge_distributions():
     for qq, ww, kk, K, sink, window in cases:
         got = itd.indexer_topk_decode(qq, ww, kk, pos, K, sink=sink, window=window)
         assert torch.equal(got, indexer_topk_decode_naive(qq, ww, kk, pos, K, sink=sink, window=window))
+
+
+def test_indexer_topk_decode_mixed_sign_weights_few_candidates():
+    """A converted model's index-head weights have mixed signs, so most scores are negative. The first
+    level must still narrow the threshold to a few keys (the former max-relative bins put every
+    negative score into one clamped bin: about all keys were candidates)."""
+    from sparse_rl.sparse.ops.indexer_topk import decode as itd
+    from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
+
+    g = torch.Generator().manual_seed(11)
+    B, HI, DI, S, K = 3, 8, 32, 1500, 160
+    q, k = torch.randn(B, HI, DI, generator=g), torch.randn(B, S, DI, generator=g)
+    w = -(0.5 + torch.rand(B, HI, generator=g))
+    w[:, 0] = 0.3  # one positive head: a few positive scores, the threshold deep among the negative ones
+    pos = torch.tensor([S - 1, 1200, 700])
+    got, n_cand = itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=4, chunk=256, candidates=True)
+    ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=2, window=4)
+    sc = indexer_scores_naive(q[:, None].double(), w[:, None].double(), k.double(), q_offset=S - 1)[:, 0]
+    assert float(sc[0].topk(K).values[-1]) < 0  # the case at issue (the former bins: ~1490 candidates a row)
+    assert torch.equal(_score_values(sc[:, None], got[:, None]), _score_values(sc[:, None], ref[:, None]))
+    assert int(n_cand.max()) <= S // 16, n_cand  # about 1-2% of a row's keys near the threshold
+
+
+def test_radix_topk_signed_zeros_tie():
+    """-0.0 and +0.0 are equal scores: the reference's sort ties them (the later key wins), so the
+    kernel's order-preserving keys must not order them by their bit patterns."""
+    from sparse_rl.sparse.ops.indexer_topk.naive import select_topk
+
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(2, 3, 120, generator=g)
+    zeros = torch.rand(2, 3, 120, generator=g) < 0.4
+    signs = torch.where(torch.rand(2, 3, 120, generator=g) < 0.5, -1.0, 1.0)
+    s = torch.where(zeros, signs * 0.0, -s.abs())  # the top scores are the zeros, half of them -0.0
+    assert bool((torch.signbit(s) & (s == 0)).any()) and bool((~torch.signbit(s) & (s == 0)).any())
+    fin = torch.ones_like(s, dtype=torch.bool)
+    for K in (10, 30):
+        assert torch.equal(radix_topk(s, K), select_topk(s, fin, fin & False, K))
 
 
 def test_indexer_topk_decode_random_scores_match_reference_values():

@@ -9,16 +9,21 @@ row (the prefill radix select) leaves most of the GPU idle and is latency bound 
 for B = 32 at 32K), and `torch.topk` costs ~0.1-0.2 ms a layer. Here every row is split into chunks
 of `CH` keys and each pass runs one program per (chunk, row).
 
-Bins relative to the row's maximum: Triton's `tl.histogram` costs ~NB/32 instructions per element
-(measured on the H200: a 2048-bin first level made the score pass 4x slower than 256 bins), so the
-first level has only NB = 128 bins, and they are spent where the threshold lies: on the distance
-r = key(max) - key(x) between order-preserving uint32 keys, in steps of 2^20 (1/8 of a factor of 2
-in score), the last bin taking everything further below. Candidates are then ordered by u = ~r.
+First-level bins between the row's extremes: Triton's `tl.histogram` costs ~NB/32 instructions per
+element (measured on the H200: a 2048-bin first level made the score pass 4x slower than 256 bins),
+so the first level has only NB = 128 bins, linear in the distance to the row's maximum over the
+span max - min. Bins measured as key distances from the maximum (1/8-of-a-factor-of-2 steps, the
+former design) put every negative score into one clamped bin: with mixed-sign index-head weights
+(a converted model's usual case) most scores are negative, the threshold fell there and the select
+went over nearly every key (66 us a layer at 64 x 16K on the H200, against 40 us for the score
+pass). A linear bin over
+the span holds ~1% of a Gaussian-like row near the threshold, whatever the signs; a row whose span
+is set by one far outlier still selects exactly, over more candidates.
 
 1. `_score_max`: scores of the chunk (a small tensor-core dot per key block against all index heads,
    ReLU, weighted sum; +inf forced, -inf not visible) to a `[B, S]` fp32 scratch; the row maximum
-   of the finite scores by an atomic max.
-2. `_hist`: the 128-bin histogram of r per row (atomics into `[B, NB]`), and the forced count.
+   and minimum of the finite scores by atomics.
+2. `_hist`: the 128-bin histogram per row (atomics into `[B, NB]`), and the forced count.
 3. `_count`: every program finds the bin b* holding the k-th largest finite score (after the forced
    keys) and counts its keys above b* and the candidates in b*.
 4. `_gather_cands`: candidates' u and positions, in key order, to a scratch list.
@@ -42,25 +47,29 @@ from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 NB = 128  # first-level bins
-SH = 20  # bin width in key units: 2^23 is a factor of 2 in score, so a bin is 1/8 of that
 
 
 @triton.jit
-def _rel(x, maxkey, SH: tl.constexpr, NB: tl.constexpr):
-    """For finite x <= row max: (bin, u) with bin = min(r >> SH, NB - 1), u = ~r (larger u = larger x)."""
-    r = maxkey - _okey(x)
-    return tl.minimum(r >> SH, NB - 1).to(tl.int32), ~r
+def _span(RNG, b, NB: tl.constexpr):
+    """The row's maximum and NB / (max - min) over its finite, unforced visible scores (0 when the
+    span is 0 or not finite: every key then lands in bin 0)."""
+    mx = tl.load(RNG + 2 * b)
+    span = mx - tl.load(RNG + 2 * b + 1)
+    ok = (span > 0) & (span < float("inf"))
+    return mx, tl.where(ok, NB / tl.where(ok, span, 1.0), 0.0)
 
 
 @triton.jit
-def _block(SC, b, S, pos, n0, maxkey, BN: tl.constexpr, SH: tl.constexpr, NB: tl.constexpr):
+def _block(SC, b, S, pos, n0, mx, inv, BN: tl.constexpr, NB: tl.constexpr):
     """Scores of keys n0..n0+BN-1 of row b (the visible prefix only; -inf elsewhere) with their positions,
-    finiteness, bin and u (see `_rel`)."""
+    finiteness, first-level bin and radix key u = okey(x) (larger u = larger x). The bin is
+    floor((max - x) * NB / (max - min)), clamped: monotone in x (so every key of a lower bin scores
+    strictly higher), whatever the signs of the scores."""
     offs_n = n0 + tl.arange(0, BN)
     x = tl.load(SC + b * S + offs_n, mask=(offs_n <= pos) & (offs_n < S), other=float("-inf"))
     fin = (x > float("-inf")) & (x < float("inf"))
-    d, u = _rel(x, maxkey, SH, NB)
-    return offs_n, x, fin, d, u
+    d = tl.minimum(((mx - tl.where(fin, x, mx)) * inv).to(tl.int32), NB - 1)
+    return offs_n, x, fin, d, _okey(x)
 
 
 @triton.jit
@@ -79,7 +88,7 @@ def _bstar(HIST, NF, b, K, NB: tl.constexpr):
 
 
 @triton.jit
-def _score_max(Q, W, KI, POS, KVS, SC, RMAX, sqb, sqh, sqd, swb, swh, skb, sks, skd,
+def _score_max(Q, W, KI, POS, KVS, SC, RNG, sqb, sqh, sqd, swb, swh, skb, sks, skd,
                S, sink, window, HI, DI,
                HB: tl.constexpr, BD: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     p = tl.program_id(0)
@@ -94,6 +103,7 @@ def _score_max(Q, W, KI, POS, KVS, SC, RMAX, sqb, sqh, sqd, swb, swh, skb, sks, 
                      mask=(offs_h[None, :] < HI) & (offs_d[:, None] < DI), other=0.0)  # [BD, HB]
         wv = tl.load(W + b * swb + offs_h * swh, mask=offs_h < HI, other=0.0).to(tl.float32)
         mx = float("-inf")
+        mn = float("inf")
         for i in range(0, CH // BN):
             offs_n = c0 + i * BN + tl.arange(0, BN)
             vis = (offs_n <= pos) & (offs_n >= start) & (offs_n < S)
@@ -103,24 +113,26 @@ def _score_max(Q, W, KI, POS, KVS, SC, RMAX, sqb, sqh, sqd, swb, swh, skb, sks, 
             forced = vis & ((offs_n < start + sink) | (offs_n > pos - window))
             s = tl.where(vis, s, float("-inf"))
             mx = tl.maximum(mx, tl.max(tl.where(forced, float("-inf"), s), 0))
+            mn = tl.minimum(mn, tl.min(tl.where(forced | ~vis, float("inf"), s), 0))
             s = tl.where(forced, float("inf"), s)
             tl.store(SC + b * S + offs_n, s, mask=(offs_n <= pos) & (offs_n < S))
-        tl.atomic_max(RMAX + b, mx)
+        tl.atomic_max(RNG + 2 * b, mx)
+        tl.atomic_min(RNG + 2 * b + 1, mn)
 
 
 @triton.jit
-def _hist(SC, POS, RMAX, HIST, NF, S, CH: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, SH: tl.constexpr):
+def _hist(SC, POS, RNG, HIST, NF, S, CH: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
     c0 = p * CH
     if c0 <= pos:
-        maxkey = _okey(tl.load(RMAX + b))
+        mx, inv = _span(RNG, b, NB)
         bins = tl.arange(0, NB)
         hist = tl.zeros([NB], tl.int32)
         nf = 0
         for i in range(0, CH // BN):
-            offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, maxkey, BN, SH, NB)
+            offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
             hist += tl.histogram(tl.where(fin, d, 0), NB) - tl.where(bins == 0, tl.sum((~fin).to(tl.int32), 0), 0)
             nf += tl.sum((x == float("inf")).to(tl.int32), 0)
         tl.atomic_add(HIST + b * NB + bins, hist, mask=hist > 0)
@@ -128,8 +140,7 @@ def _hist(SC, POS, RMAX, HIST, NF, S, CH: tl.constexpr, BN: tl.constexpr, NB: tl
 
 
 @triton.jit
-def _count(SC, POS, RMAX, HIST, NF, CNT, S, K, P, CH: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-           SH: tl.constexpr):
+def _count(SC, POS, RNG, HIST, NF, CNT, S, K, P, CH: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
@@ -138,9 +149,9 @@ def _count(SC, POS, RMAX, HIST, NF, CNT, S, K, P, CH: tl.constexpr, BN: tl.const
     n_cand = 0
     if c0 <= pos:
         bstar, rem, take_all = _bstar(HIST, NF, b, K, NB)
-        maxkey = _okey(tl.load(RMAX + b))
+        mx, inv = _span(RNG, b, NB)
         for i in range(0, CH // BN):
-            offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, maxkey, BN, SH, NB)
+            offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
             n_above += tl.sum(((x == float("inf")) | (fin & (d < bstar))).to(tl.int32), 0)
             n_cand += tl.sum((fin & (d == bstar)).to(tl.int32), 0)
     tl.store(CNT + (b * P + p) * 2, n_above)
@@ -148,8 +159,8 @@ def _count(SC, POS, RMAX, HIST, NF, CNT, S, K, P, CH: tl.constexpr, BN: tl.const
 
 
 @triton.jit
-def _gather_cands(SC, POS, RMAX, HIST, NF, CNT, CU, CI, S, K, P, CH: tl.constexpr, BN: tl.constexpr,
-                  NB: tl.constexpr, SH: tl.constexpr, PMAX: tl.constexpr):
+def _gather_cands(SC, POS, RNG, HIST, NF, CNT, CU, CI, S, K, P, CH: tl.constexpr, BN: tl.constexpr,
+                  NB: tl.constexpr, PMAX: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
@@ -157,11 +168,11 @@ def _gather_cands(SC, POS, RMAX, HIST, NF, CNT, CU, CI, S, K, P, CH: tl.constexp
     if c0 <= pos:
         bstar, rem, take_all = _bstar(HIST, NF, b, K, NB)
         if bstar < NB:
-            maxkey = _okey(tl.load(RMAX + b))
+            mx, inv = _span(RNG, b, NB)
             offs_p = tl.arange(0, PMAX)
             off = tl.sum(tl.load(CNT + (b * P + offs_p) * 2 + 1, mask=offs_p < p, other=0), 0)
             for i in range(0, CH // BN):
-                offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, maxkey, BN, SH, NB)
+                offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
                 cand = fin & (d == bstar)
                 slot = off + tl.cumsum(cand.to(tl.int32), 0) - 1
                 tl.store(CU + b * S + slot, u.to(tl.int32, bitcast=True), mask=cand)
@@ -239,8 +250,8 @@ def _select(HIST, NF, CNT, CU, CI, TAU, CUT, OFFS, S, K, P, CH: tl.constexpr, NB
 
 
 @triton.jit
-def _write(SC, POS, RMAX, TAU, CUT, OFFS, OUT, sob, S, K, P, CH: tl.constexpr, BN: tl.constexpr,
-           NB: tl.constexpr, SH: tl.constexpr):
+def _write(SC, POS, RNG, TAU, CUT, OFFS, OUT, sob, S, K, P, CH: tl.constexpr, BN: tl.constexpr,
+           NB: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
@@ -249,9 +260,9 @@ def _write(SC, POS, RMAX, TAU, CUT, OFFS, OUT, sob, S, K, P, CH: tl.constexpr, B
     cut = tl.load(CUT + b)
     off = tl.load(OFFS + b * P + p)
     if c0 <= pos:
-        maxkey = _okey(tl.load(RMAX + b))
+        mx, inv = _span(RNG, b, NB)
         for i in range(0, CH // BN):
-            offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, maxkey, BN, SH, NB)
+            offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
             sel = (x == float("inf")) | (fin & ((u > tau) | ((u == tau) & (offs_n >= cut))))
             slot = off + tl.cumsum(sel.to(tl.int32), 0) - 1
             tl.store(OUT + b * sob + slot, offs_n, mask=sel)
@@ -275,10 +286,12 @@ def _chunk(B: int, S: int, interpret: bool) -> int:
 
 def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, pos: torch.Tensor, topk: int, *,
                         sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None,
-                        chunk: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                        chunk: int | None = None, num_warps: int | None = None, candidates: bool = False):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
-    float64 take the reference."""
+    float64 take the reference. candidates=True also returns each row's number of second-level
+    candidates `[B]` (the keys in the threshold's bin, which the one-program-per-row radix reads;
+    None on the reference path): what the first-level binning costs, for tests and benchmarks."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:
@@ -287,7 +300,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     S = k_idx.shape[1]
     if (q_idx.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_idx.dtype != q_idx.dtype
             or DI > 128 or HI > 64 or B == 0 or S == 0):
-        return indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start)
+        ref = indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start)
+        return (ref, None) if candidates else ref
     dev = q_idx.device
     interpret = not q_idx.is_cuda
     pos = torch.as_tensor(pos, device=dev).to(torch.int32).reshape(B)
@@ -304,23 +318,24 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     ci = torch.empty(B, S, device=dev, dtype=torch.int32)
     zeros = torch.zeros(B * (NB + 1), device=dev, dtype=torch.int32)  # one memset: histograms, forced counts
     hist_b, nf = zeros[:B * NB].view(B, NB), zeros[B * NB:]
-    rmax = torch.full((B,), float("-inf"), device=dev, dtype=torch.float32)
+    rng = torch.full((B, 2), float("inf"), device=dev, dtype=torch.float32)  # per row: max, min
+    rng[:, 0] = float("-inf")
     cnt = torch.empty(B, P, 2, device=dev, dtype=torch.int32)
     small = torch.empty(2, B, device=dev, dtype=torch.int32)  # tau (bit pattern), cut
     offs = torch.empty(B, P, device=dev, dtype=torch.int32)
     out = torch.empty(B, topk, device=dev, dtype=torch.int32)
     nw = 1 if interpret else (num_warps or 4)
     grid = (P, B)
-    _score_max[grid](q_idx, w, k_idx, pos, kvs, sc, rmax, *q_idx.stride(), *w.stride(), *k_idx.stride(),
+    _score_max[grid](q_idx, w, k_idx, pos, kvs, sc, rng, *q_idx.stride(), *w.stride(), *k_idx.stride(),
                      S, sink, window, HI, DI, HB=max(16, triton.next_power_of_2(HI)),
                      BD=max(16, triton.next_power_of_2(DI)), CH=CH, BN=BN, PREC=dot_precision(q_idx.dtype),
                      num_warps=nw)
-    _hist[grid](sc, pos, rmax, hist_b, nf, S, CH=CH, BN=BN, NB=NB, SH=SH, num_warps=nw)
-    _count[grid](sc, pos, rmax, hist_b, nf, cnt, S, topk, P, CH=CH, BN=BN, NB=NB, SH=SH, num_warps=nw)
-    _gather_cands[grid](sc, pos, rmax, hist_b, nf, cnt, cu, ci, S, topk, P, CH=CH, BN=BN, NB=NB, SH=SH,
+    _hist[grid](sc, pos, rng, hist_b, nf, S, CH=CH, BN=BN, NB=NB, num_warps=nw)
+    _count[grid](sc, pos, rng, hist_b, nf, cnt, S, topk, P, CH=CH, BN=BN, NB=NB, num_warps=nw)
+    _gather_cands[grid](sc, pos, rng, hist_b, nf, cnt, cu, ci, S, topk, P, CH=CH, BN=BN, NB=NB,
                         PMAX=PMAX, num_warps=nw)
     _select[(B,)](hist_b, nf, cnt, cu, ci, small[0], small[1], offs, S, topk, P, CH=CH, NB=NB, PMAX=PMAX,
                   BLOCK=64 if interpret else 1024, num_warps=1 if interpret else 8)
-    _write[grid](sc, pos, rmax, small[0], small[1], offs, out, out.stride(0), S, topk, P, CH=CH, BN=BN, NB=NB,
-                 SH=SH, num_warps=nw)
-    return out
+    _write[grid](sc, pos, rng, small[0], small[1], offs, out, out.stride(0), S, topk, P, CH=CH, BN=BN, NB=NB,
+                 num_warps=nw)
+    return (out, cnt[:, :, 1].sum(-1)) if candidates else out

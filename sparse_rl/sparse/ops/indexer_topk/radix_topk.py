@@ -22,8 +22,10 @@ import triton.language as tl
 
 @triton.jit
 def _okey(x):
-    """Order-preserving uint32 image of fp32 x (larger float -> larger key)."""
-    u = x.to(tl.uint32, bitcast=True)
+    """Order-preserving uint32 image of fp32 x (larger float -> larger key). -0.0 maps to +0.0's key:
+    they are equal scores (a negative head weight times a ReLU zero gives -0.0), and the reference's
+    sort ties them (the later key wins) where their bit patterns would order them."""
+    u = tl.where(x == 0.0, 0.0, x).to(tl.uint32, bitcast=True)
     neg = (u >> 31) == 1
     return tl.where(neg, ~u, u | 0x80000000)
 
