@@ -87,6 +87,20 @@ def test_logprobs_equal_teacher_forced_forward(llama_dir, mode):
         assert (dense - torch.tensor([x for c in outs for x in c.logprobs])).abs().max() > 1e-3
 
 
+def test_sparse_engine_on_triton_kernels_equals_reference_forward(llama_dir, monkeypatch):
+    """The engine's sparse decode on the Triton kernels (interpreter on the CPU): the indexer's
+    per-token step (`ops.indexer_decode`), the decode select and the sparse decode attention give
+    the log-probs of a teacher-forced forward on the PyTorch reference ops."""
+    model = load_model(llama_dir, attention="sparse")
+    params = SamplingParams(temperature=0.7, max_new_tokens=10, seed=5)
+    monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
+    outs = _engine(model, max_batch=2).generate(_prompts(2, lengths=(14, 9, 13)), params)
+    monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
+    for c in outs:
+        assert len(c.tokens) == 10
+        torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(model, c, params), atol=1e-4, rtol=0)
+
+
 def test_sparse_with_topk_above_length_equals_dense(llama_dir):
     model = load_model(llama_dir, attention="sparse")
     for layer in model.model.layers:

@@ -443,3 +443,48 @@ def test_out_of_range_indices_are_ignored_not_read(monkeypatch, path):
     ref, _ = sparse_attention_naive(q.detach(), k.detach(), v.detach(), clean)
     torch.testing.assert_close(out.detach(), ref, atol=1e-5, rtol=1e-5)
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("HI,DI,rope_dim,affine,dtype", [
+    (3, 20, 8, True, torch.float32),  # odd head count and dim
+    (4, 64, 32, True, torch.float32),
+    (5, 16, 0, False, torch.float32),  # no RoPE, LayerNorm without weight/bias
+    (4, 64, 32, True, torch.bfloat16),
+])
+def test_indexer_decode_kernel_equals_module(HI, DI, rope_dim, affine, dtype):
+    """`ops.indexer_decode` (reference and Triton) against `LightningIndexer.forward` for one token per
+    row: q_I and w returned, k_I written into the cache (a strided view) at each row's position only."""
+    from sparse_rl.sparse.indexer import LightningIndexer
+    from sparse_rl.sparse.ops import indexer_decode
+
+    g = torch.Generator().manual_seed(HI * DI + rope_dim)
+    B, hidden, Dh, S = 5, 48, 64, 40
+    ix = LightningIndexer(hidden, HI, DI, rope_dim)
+    if not affine:
+        ix.k_norm = torch.nn.LayerNorm(DI, elementwise_affine=False)
+    else:
+        with torch.no_grad():
+            ix.k_norm.weight.normal_(generator=g)
+            ix.k_norm.bias.normal_(generator=g)
+    ix = ix.to(dtype)
+    h = torch.randn(B, 1, hidden, generator=g).to(dtype)
+    ang = torch.rand(B, 1, Dh // 2, generator=g) * 10
+    cos, sin = (torch.cat([f, f], -1).to(dtype) for f in (ang.cos(), ang.sin()))
+    with torch.no_grad():
+        q0, w0, k0 = ix(h, cos, sin)
+        pos = torch.tensor([39, 0, 17, 17, 5])
+        z = (ix.wq(h[:, 0]), ix.wk(h[:, 0]), ix.ww(h[:, 0]))
+        tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        for backend in ("torch", "triton"):
+            big = torch.full((B, S + 3, DI + 5), 7.0, dtype=dtype)
+            cache = big[:, :S, :DI]
+            q, w = indexer_decode(*z, cos[:, 0], sin[:, 0], ix.k_norm.weight, ix.k_norm.bias, ix.k_norm.eps,
+                                  rope_dim, pos, cache, backend=backend)
+            exact = backend == "torch" or dtype != torch.float32
+            t = tol if exact else dict(rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(q, q0[:, 0], **t)
+            torch.testing.assert_close(w, w0[:, 0], **t)
+            torch.testing.assert_close(cache[torch.arange(B), pos], k0[:, 0], **t)
+            written = torch.zeros(B, S + 3, DI + 5, dtype=torch.bool)
+            written[torch.arange(B), pos, :DI] = True
+            assert bool((big[~written] == 7.0).all())  # nothing else touched

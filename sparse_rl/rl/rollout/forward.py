@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from sparse_rl.errors import SparseRLError
 from sparse_rl.rl.rollout.cache import KVCache
 from sparse_rl.rl.rollout import compiled as C
-from sparse_rl.sparse.ops import block_select, indexer_topk, indexer_topk_decode, sparse_attention, sparse_decode
+from sparse_rl.sparse.ops import (block_select, indexer_decode, indexer_topk, indexer_topk_decode, sparse_attention,
+                                  sparse_decode)
 
 
 def _base(model):
@@ -206,16 +207,19 @@ class ModelRunner:
                 st = self.states[i]
                 c = st.cfg
                 if c.selector == "indexer":
-                    q_i, w, k_i = attn.indexer(x, cos, sin)
-                    write(idx_all, i, k_i[:, 0])
+                    if compiled:  # inductor fuses the module's elementwise ops itself
+                        q_i, w, k_i = attn.indexer(x, cos, sin)
+                        write(idx_all, i, k_i[:, 0])
+                        q_i, w = q_i[:, 0], w[:, 0]
+                    else:
+                        q_i, w = self._indexer_step(attn.indexer, x, cos, sin, pos, idx_all[i], st.backend)
                     # with no more visible keys than top-k the selector keeps them all
                     if short:
                         sel = all_idx
                     elif compiled:
-                        sel = C.indexer_topk_decode(q_i[:, 0], w[:, 0], idx_all[i], pos, S, c.topk, c.sink,
-                                                    c.window, st.backend)
+                        sel = C.indexer_topk_decode(q_i, w, idx_all[i], pos, S, c.topk, c.sink, c.window, st.backend)
                     else:
-                        sel = indexer_topk_decode(q_i[:, 0], w[:, 0], idx_all[i][:, :S], pos, c.topk, sink=c.sink,
+                        sel = indexer_topk_decode(q_i, w, idx_all[i][:, :S], pos, c.topk, sink=c.sink,
                                                   window=c.window, backend=st.backend)
                 elif compiled:
                     sel = C.block_select_rows(q[:, 0], k_all[i], pos, c.block_size, c.topk_blocks, c.sink_blocks,
@@ -238,6 +242,15 @@ class ModelRunner:
             h = h + attn.o_proj(o.reshape(B, 1, -1))
             h = self._mlp_out(layer, h)
         return self._logits(h[:, 0])
+
+    @staticmethod
+    def _indexer_step(ix, x, cos, sin, pos, k_cache, backend):
+        """The indexer for one token per row, eager: its three projections (the modules themselves, so
+        peft wrappers apply), then `ops.indexer_decode` (one Triton launch on a GPU for what the
+        module's elementwise ops take ~20) writing the key into k_cache `[B, S_max, d_I]`. x `[B, 1,
+        hidden]`, cos/sin `[B, 1, D_h]` -> q_I `[B, H_I, d_I]`, w `[B, H_I]`."""
+        return indexer_decode(ix.wq(x[:, 0]), ix.wk(x[:, 0]), ix.ww(x[:, 0]), cos[:, 0], sin[:, 0], ix.k_norm.weight,
+                              ix.k_norm.bias, ix.k_norm.eps, ix.rope_dim, pos, k_cache, backend=backend)
 
     @staticmethod
     def _attend(q, kc, vc, sel, scale, backend, compiled):

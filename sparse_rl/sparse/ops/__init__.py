@@ -12,11 +12,13 @@ import torch
 
 from sparse_rl.sparse.ops._backend import resolve_backend
 from sparse_rl.sparse.ops.block_select.naive import block_select_naive
+from sparse_rl.sparse.ops.indexer_decode.naive import indexer_decode_naive
 from sparse_rl.sparse.ops.indexer_topk.naive import (indexer_scores_naive, indexer_topk_decode_naive, indexer_topk_naive,
                                                      visible_mask)
 from sparse_rl.sparse.ops.sparse_attention.naive import dense_attention_naive, sparse_attention_naive
 
-__all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_topk_decode", "indexer_scores", "block_select",
+__all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_topk_decode", "indexer_scores", "indexer_decode",
+           "block_select",
            "visible_mask", "dense_attention_naive", "kernel"]
 
 
@@ -71,6 +73,18 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     if resolve_backend(backend, q_idx, fn is not None) == "triton":
         return fn(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start)
     return indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start)
+
+
+def indexer_decode(zq: torch.Tensor, zk: torch.Tensor, zw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, eps: float, rope_dim: int,
+                   pos: torch.Tensor, k_cache: torch.Tensor, *, backend: str = "auto"):
+    """The lightning indexer's per-token work in a decode step, after its projections: zq `[B, H_I * d_I]`,
+    zk `[B, d_I]`, zw `[B, H_I]`, the model's rotary cos/sin `[B, D_h]` at pos `[B]` -> q_I
+    `[B, H_I, d_I]`, w `[B, H_I]`; writes the normalised, rotated key into k_cache `[B, S_max, d_I]` at pos."""
+    fn = kernel("indexer_decode")
+    if resolve_backend(backend, zq, fn is not None) == "triton":
+        return fn(zq, zk, zw, cos, sin, ln_weight, ln_bias, eps, rope_dim, pos, k_cache)
+    return indexer_decode_naive(zq, zk, zw, cos, sin, ln_weight, ln_bias, eps, rope_dim, pos, k_cache)
 
 
 def indexer_scores(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, *, q_offset: int = 0,
