@@ -4,10 +4,11 @@
 
 1. Checks (exact-equality on integer-valued inputs, every score exact):
    - `ops.indexer_topk_decode` (Triton) against its reference (`gpu_decode_select.checks`);
-   - the prefill radix top-k against `select_topk`, ties included (among equal scores the later key wins).
+   - the prefill radix top-k against `select_topk`, ties included (among equal scores the later key wins);
+   then the decode select's time and candidate counts with positive and mixed-sign weights.
 2. `compile_step_bench`: the engine's decode step, eager vs compiled, dense vs sparse, Qwen2-0.5B shape,
    at the given batches and contexts (CUDA-graph replays, median of 20), with logits agreement.
-Writes checks.json, compile_step.json/.md under --out, row by row (a time limit keeps what finished).
+Writes checks.json, select_timing.json, compile_step.json/.md under --out, row by row (a time limit keeps what finished).
 """
 
 from __future__ import annotations
@@ -46,12 +47,36 @@ def radix_checks(dev) -> list[dict]:
     return out
 
 
+def select_timing(dev) -> list[dict]:
+    """The decode select alone (CUDA-graph replays, median), with positive and with mixed-sign index-head
+    weights (a converted model's case), and its second-level candidate counts."""
+    from sparse_rl.eval.bench_attention import bench_ms
+    from sparse_rl.sparse.ops.indexer_topk import decode as itd
+
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(3)
+    for B, S in [(64, 16384), (32, 32768), (64, 8192)]:
+        q = torch.randn(B, 4, 64, device=dev, generator=g).to(torch.bfloat16)
+        k = torch.randn(B, S, 64, device=dev, generator=g).to(torch.bfloat16)
+        pos = torch.full((B,), S - 1, device=dev, dtype=torch.long)
+        for wname, w in [("positive", torch.rand(B, 4, device=dev, generator=g)),
+                         ("mixed", torch.randn(B, 4, device=dev, generator=g))]:
+            w = w.to(torch.bfloat16)
+            _, nc = itd.indexer_topk_decode(q, w, k, pos, 2048, sink=4, window=64, candidates=True)
+            ms = bench_ms(lambda: itd.indexer_topk_decode(q, w, k, pos, 2048, sink=4, window=64), dev, graph=True)
+            rows.append({"B": B, "S": S, "weights": wname, "select_ms": round(ms, 4),
+                         "candidates_mean": round(float(nc.float().mean()), 1), "candidates_max": int(nc.max())})
+            log(rows[-1])
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", default="64")
     ap.add_argument("--contexts", default="16384,8192,2048")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--no-compile-bench", action="store_true")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     dev = torch.device("cuda")
@@ -61,6 +86,9 @@ def main():
 
         res = radix_checks(dev) + checks(dev)
         json.dump(res, open(f"{a.out}/checks.json", "w"), indent=1)
+        json.dump(select_timing(dev), open(f"{a.out}/select_timing.json", "w"), indent=1)
+    if a.no_compile_bench:
+        return
     from sparse_rl.eval.bench_rollout import compile_step_bench, markdown_compile
 
     def save(r):
