@@ -50,6 +50,26 @@ def kernel_breakdown(eng, ctx: int, mode: str) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
+def backend_check(eng, ctx: int) -> dict:
+    """One uncaptured sparse decode step on the Triton ops against the same step on the PyTorch
+    reference ops (SPARSE_RL_BACKEND=torch), same cache and inputs: logits agreement."""
+    cache = eng._ensure_cache(ctx)
+    B = eng.max_batch
+    tok = torch.randint(10, eng.runner.vocab, (B,), device=eng.device)
+    pos = torch.full_like(tok, ctx - 1)
+    S = eng._bucket(ctx, cache.s_max)
+    out = {}
+    with torch.inference_mode():
+        for backend in ("triton", "torch"):
+            os.environ["SPARSE_RL_BACKEND"] = backend
+            out[backend] = eng.runner.decode_eager(cache, tok, pos, S, "sparse").float()
+    os.environ.pop("SPARSE_RL_BACKEND")
+    a, b = out["triton"], out["torch"]
+    return {"context": ctx, "logits_max_abs_diff": round(float((a - b).abs().max()), 4),
+            "logits_max_abs": round(float(b.abs().max()), 3),
+            "argmax_agree": round(float((a.argmax(-1) == b.argmax(-1)).float().mean()), 3)}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -90,6 +110,8 @@ def main():
             rows.append(r)
             log(r)
             json.dump(rows, open(f"{a.out}/eager_steps.json", "w"), indent=1)
+        prof[f"B{B}_check"] = backend_check(eng, contexts[-1])
+        log(f"check B{B}: {prof[f'B{B}_check']}")
         for mode in ("dense", "sparse") if dev.type == "cuda" else ():
             eng.set_attention(mode)
             k = kernel_breakdown(eng, a.profile_context, mode)
