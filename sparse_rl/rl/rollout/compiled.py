@@ -13,7 +13,8 @@ What lives here:
   (runner x mode x short/long selection) gets its own, so many engines in one process (benchmarks,
   evals) never exhaust a shared limit and silently run uncompiled.
 - `counting_backend`: the compiler backend wrapped so the runner can count the graphs it compiled
-  (a recompile or a graph break shows up as more graphs) and notice when dynamo compiled nothing.
+  (a recompile or a graph break shows up as more graphs) and notice when dynamo compiled nothing;
+  inductor runs under `INDUCTOR_PATCHES` (no pointwise autotuning, see there).
 """
 
 from __future__ import annotations
@@ -83,18 +84,39 @@ def fresh_function(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+# Inductor config for the decode step. Every KV-cache write (K and V of a layer, or its index keys) is
+# fused into a 1-D pointwise Triton kernel whose mutated arguments are the WHOLE cache tensors
+# `[L, B, S_max, ...]` (the layer is a constant offset, so each layer gets a kernel of its own). By
+# default inductor autotunes pointwise kernels at their first call (2 configs) and protects mutated
+# arguments during the benchmark launches: it clones them, or, when the clone does not fit in
+# max_memory_allocated() - memory_allocated() (small once the cache is allocated), copies them to
+# pinned host memory and back before EVERY benchmark launch (>= 8 per config). That is >= 2 x 9
+# round trips of the whole K+V cache per layer (12.9 GB at batch 64, S_max 16K, Qwen2-0.5B), the part
+# of the compile time that grows with batch x S_max. One config per pointwise kernel: no benchmark
+# runs at all for them (reductions are still tuned; none of them writes the cache; matmuls are cuBLAS).
+INDUCTOR_PATCHES = {"triton.autotune_pointwise": False}
+
+
 def counting_backend(name, counter: dict):
     """The dynamo backend `name` ("inductor", "aot_eager", ... or a callable), counting compiled graphs in
-    counter["graphs"] and the symbolic sizes of the last graph's inputs in counter["symbols"] (1 = S only)."""
+    counter["graphs"] and the symbolic sizes of the last graph's inputs in counter["symbols"] (1 = S only).
+    "inductor" compiles under `INDUCTOR_PATCHES`."""
     from torch._dynamo import lookup_backend
 
     inner = lookup_backend(name)
+    patches = INDUCTOR_PATCHES if name == "inductor" else None
 
     def backend(gm, example_inputs):
         counter["graphs"] += 1
         counter["symbols"] = len({str(d) for x in example_inputs if isinstance(x, torch.Tensor)
                                   for d in x.shape if isinstance(d, torch.SymInt)}
                                  | {str(x) for x in example_inputs if isinstance(x, torch.SymInt)})
-        return inner(gm, example_inputs)
+        if patches is None:
+            return inner(gm, example_inputs)
+        import torch._inductor.config as inductor_config
+
+        # the kernels' autotune setting is fixed in their generated source, at this compile
+        with inductor_config.patch(patches):
+            return inner(gm, example_inputs)
 
     return backend
