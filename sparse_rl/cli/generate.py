@@ -29,7 +29,7 @@ def command(
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N [default: auto]"),
     dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 | float16 [default: auto]"),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile",
-                                           help="torch.compile the decode step (CUDA: ~50 s to compile, faster steps) [default: off]"),
+                                           help="torch.compile the decode step (H200, batch 64: 23-36 s to compile a variant, steps 1.15-1.6x faster) [default: off]"),
     config: Optional[Path] = typer.Option(None, "--config", help="YAML recipe with GenerateConfig keys."),
 ) -> None:
     """Sample completions: prompts JSONL in, completions JSONL out (tokens, finish reason, log-probs)."""

@@ -53,9 +53,11 @@ def _base(model):
 def default_compile(device) -> bool:
     """Whether to compile the decode step when the caller does not say: `SPARSE_RL_COMPILE=1|0`, else off.
 
-    Off on CUDA too for now: on an H200 the compiled step was checked and timed at batch 16, dense
-    only (benchmarks/results/2026-11-29-h200-rollout-compile.md); sparse mode and batch 64 are not
-    yet measured there, and each compilation costs ~50 s. Flip this once they are."""
+    Off by default, on CUDA too: on an H200 (benchmarks/results/2026-11-29-h200-rollout-long.md) the
+    compiled step is 1.15-1.6x faster than the eager one at batch 64-128, dense and sparse, but each
+    compiled variant costs 23-36 s on first use (sparse mode has two: contexts up to top-k and
+    beyond), which a short `generate` job does not win back, and no compiled GRPO run has been made
+    on a GPU yet. Long jobs opt in (`--compile`, `rollout.compile: true`, SPARSE_RL_COMPILE=1)."""
     env = os.environ.get("SPARSE_RL_COMPILE", "").strip().lower()
     if env in ("0", "false", "no", "off"):
         return False
