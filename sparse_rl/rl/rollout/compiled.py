@@ -94,6 +94,8 @@ def fresh_function(fn):
 # round trips of the whole K+V cache per layer (12.9 GB at batch 64, S_max 16K, Qwen2-0.5B), the part
 # of the compile time that grows with batch x S_max. One config per pointwise kernel: no benchmark
 # runs at all for them (reductions are still tuned; none of them writes the cache; matmuls are cuBLAS).
+# Measured on the H200, batch 64, S_max 16K: the dense step's first compile took 269 s, 23 s without
+# (benchmarks/results/2026-11-29-h200-rollout-long.md).
 INDUCTOR_PATCHES = {"triton.autotune_pointwise": False}
 
 
