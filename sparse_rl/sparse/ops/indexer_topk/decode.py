@@ -16,9 +16,10 @@ span max - min. Bins measured as key distances from the maximum (1/8-of-a-factor
 former design) put every negative score into one clamped bin: with mixed-sign index-head weights
 (a converted model's usual case) most scores are negative, the threshold fell there and the select
 went over nearly every key (66 us a layer at 64 x 16K on the H200, against 40 us for the score
-pass). A linear bin over
-the span holds ~1% of a Gaussian-like row near the threshold, whatever the signs; a row whose span
-is set by one far outlier still selects exactly, over more candidates.
+pass). A linear bin over the span holds ~1% of a Gaussian-like row near the threshold, whatever the
+signs (measured at 64 x 16K: 407 candidates a row on average with mixed-sign weights, 121 with
+positive ones; the whole select 0.094 / 0.084 ms); a row whose span is set by one far outlier still
+selects exactly, over more candidates.
 
 1. `_score_max`: scores of the chunk (a small tensor-core dot per key block against all index heads,
    ReLU, weighted sum; +inf forced, -inf not visible) to a `[B, S]` fp32 scratch; the row maximum
