@@ -5,10 +5,11 @@
 1. Checks (exact-equality on integer-valued inputs, every score exact):
    - `ops.indexer_topk_decode` (Triton) against its reference (`gpu_decode_select.checks`);
    - the prefill radix top-k against `select_topk`, ties included (among equal scores the later key wins);
-   then the decode select's time and candidate counts with positive and mixed-sign weights.
+   then the decode select's time and candidate counts with positive and mixed-sign weights, and the
+   sampler's PyTorch path against the fused Triton one.
 2. `compile_step_bench`: the engine's decode step, eager vs compiled, dense vs sparse, Qwen2-0.5B shape,
    at the given batches and contexts (CUDA-graph replays, median of 20), with logits agreement.
-Writes checks.json, select_timing.json, compile_step.json/.md under --out, row by row (a time limit keeps what finished).
+Writes checks.json, select_timing.json, sampler_timing.json, compile_step.json/.md under --out, row by row (a time limit keeps what finished).
 """
 
 from __future__ import annotations
@@ -70,6 +71,33 @@ def select_timing(dev) -> list[dict]:
     return rows
 
 
+def sampler_timing(dev) -> list[dict]:
+    """`Sampler.sample` at batch 64 / 128 over Qwen2's 151,936-token vocabulary: the PyTorch path against
+    the fused Triton one (CUDA-graph replays would need device-side keys: plain CUDA-event timing of the
+    call, host work included), and whether they draw the same tokens."""
+    from sparse_rl.eval.bench_attention import bench_ms
+    from sparse_rl.rl.rollout.sampler import Sampler, SamplingParams
+
+    rows = []
+    V = 151936
+    s = Sampler(V, dev)
+    for R in (64, 128):
+        x = torch.randn(R, V, device=dev) * 3
+        for T in (1.0, 0.0):
+            p = SamplingParams(temperature=T, seed=1)
+            rids, steps = list(range(R)), [7] * R
+            r = {"rows": R, "vocab": V, "temperature": T}
+            for be in ("torch", "triton"):
+                r[f"{be}_ms"] = round(bench_ms(lambda: s.sample(x, p, rids, steps, backend=be), dev), 4)
+            a, b = s.sample(x, p, rids, steps, backend="torch"), s.sample(x, p, rids, steps, backend="triton")
+            r["same_tokens"] = bool(torch.equal(a[0], b[0]))
+            r["logprob_max_diff"] = float((a[1] - b[1]).abs().max())
+            r["triton_error"] = s.triton_error
+            rows.append(r)
+            log(r)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -87,6 +115,7 @@ def main():
         res = radix_checks(dev) + checks(dev)
         json.dump(res, open(f"{a.out}/checks.json", "w"), indent=1)
         json.dump(select_timing(dev), open(f"{a.out}/select_timing.json", "w"), indent=1)
+        json.dump(sampler_timing(dev), open(f"{a.out}/sampler_timing.json", "w"), indent=1)
     if a.no_compile_bench:
         return
     from sparse_rl.eval.bench_rollout import compile_step_bench, markdown_compile

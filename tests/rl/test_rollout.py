@@ -245,3 +245,24 @@ def test_generate_restores_training_mode(llama_dir):
     model.train()
     _engine(model).generate(_prompts(9, (4,)), SamplingParams(temperature=0, max_new_tokens=3))
     assert model.training
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.0, 0, 1.0), (1.0, 10, 1.0)])
+def test_triton_sampler_equals_torch_sampler(temperature, top_k, top_p):
+    """The fused Triton sampler (interpreter on the CPU) draws the PyTorch path's tokens and log-probs:
+    rows with -inf logits, a vocabulary not a multiple of the block, temperature 1 / 0.7 / greedy;
+    with top-k filtering both backends take the PyTorch path."""
+    from sparse_rl.rl.rollout.sampler import Sampler
+
+    g = torch.Generator().manual_seed(4)
+    R, V = 6, 1001
+    x = torch.randn(R, V, generator=g) * 3
+    x[2, :500] = float("-inf")
+    s = Sampler(V, "cpu")
+    p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=9)
+    rids, steps = [3, 1, 4, 1, 5, 9], [0, 7, 7, 2, 100, 3]
+    t0, l0 = s.sample(x, p, rids, steps, backend="torch")
+    t1, l1 = s.sample(x, p, rids, steps, backend="triton")
+    assert torch.equal(t0, t1) and t1.dtype == torch.int64
+    torch.testing.assert_close(l1, l0, atol=2e-6, rtol=0)
+    assert bool((x[2, t1[2]] > float("-inf")))

@@ -14,10 +14,15 @@ sample_index) is a function of (seed, r, t) only: Gumbel noise from a counter-ba
 (murmur3's finaliser) of (seed, r, t, vocab id). So a given seed reproduces the same completions
 whatever the batch size, slot assignment or order of admission, up to floating-point differences
 in the logits themselves (batched matmuls may round differently at different batch sizes).
+
+Without top-k/top-p filtering, CUDA logits are sampled by one fused Triton kernel
+(`sampler_triton.py`: the same hash and arithmetic, no `[R, V]` temporaries); the PyTorch code here
+is its reference and the path for everything else.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -115,6 +120,7 @@ class Sampler:
     def __init__(self, vocab: int, device):
         self.vocab_hash = _fmix32(torch.arange(vocab, dtype=torch.int32, device=device) * 0x27D4EB2F)
         self.device = device
+        self.triton_error: str | None = None  # why the fused sampler was given up, if it was
 
     def gumbel(self, keys: torch.Tensor) -> torch.Tensor:
         """keys `[R]` int32 -> Gumbel(0, 1) noise `[R, V]` float32."""
@@ -122,8 +128,23 @@ class Sampler:
         u = (_lsr(h, 8).float() + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1), 24 bits
         return -torch.log(-torch.log(u))
 
-    def sample(self, logits: torch.Tensor, p: SamplingParams, rids: list[int], steps: list[int]):
-        """logits `[R, V]` -> (tokens `[R]` int64, logprobs `[R]` float32), both on the logits' device."""
+    def sample(self, logits: torch.Tensor, p: SamplingParams, rids: list[int], steps: list[int], backend: str = "auto"):
+        """logits `[R, V]` -> (tokens `[R]` int64, logprobs `[R]` float32), both on the logits' device.
+        Without top-k/top-p filtering, CUDA logits take the fused Triton path (`sampler_triton`, same
+        draw); `backend` ("auto" | "torch" | "triton", or SPARSE_RL_BACKEND) as for the sparse ops."""
+        from sparse_rl.sparse.ops._backend import resolve_backend
+
+        unfiltered = (not p.top_k or p.top_k >= logits.shape[-1]) and p.top_p >= 1
+        if unfiltered and self.triton_error is None and resolve_backend(backend, logits, True) == "triton":
+            from sparse_rl.rl.rollout.sampler_triton import sample_triton
+
+            keys = None if p.temperature == 0 else torch.tensor(row_keys(p.seed, rids, steps), dtype=torch.int32).to(
+                logits.device, non_blocking=True)
+            try:
+                return sample_triton(logits, keys, p.temperature)
+            except Exception as e:  # a kernel that does not build here: the PyTorch path, for good
+                self.triton_error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                warnings.warn(f"Triton sampler failed, using the PyTorch path: {self.triton_error}", stacklevel=2)
         logp = process_logits(logits, p)
         if p.temperature == 0:
             tok = torch.argmax(logits.float(), -1)
