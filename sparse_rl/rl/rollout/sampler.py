@@ -15,13 +15,14 @@ sample_index) is a function of (seed, r, t) only: Gumbel noise from a counter-ba
 whatever the batch size, slot assignment or order of admission, up to floating-point differences
 in the logits themselves (batched matmuls may round differently at different batch sizes).
 
-Without top-k/top-p filtering, CUDA logits are sampled by one fused Triton kernel
-(`sampler_triton.py`: the same hash and arithmetic, no `[R, V]` temporaries); the PyTorch code here
-is its reference and the path for everything else.
+Without top-k/top-p filtering, logits can be sampled by one fused Triton kernel (`sampler_triton.py`:
+the same hash and arithmetic, no `[R, V]` temporaries; opt-in, SPARSE_RL_SAMPLER=triton|auto); the
+PyTorch code here is its reference and the path for everything else.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -128,12 +129,18 @@ class Sampler:
         u = (_lsr(h, 8).float() + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1), 24 bits
         return -torch.log(-torch.log(u))
 
-    def sample(self, logits: torch.Tensor, p: SamplingParams, rids: list[int], steps: list[int], backend: str = "auto"):
+    def sample(self, logits: torch.Tensor, p: SamplingParams, rids: list[int], steps: list[int],
+               backend: str | None = None):
         """logits `[R, V]` -> (tokens `[R]` int64, logprobs `[R]` float32), both on the logits' device.
-        Without top-k/top-p filtering, CUDA logits take the fused Triton path (`sampler_triton`, same
-        draw); `backend` ("auto" | "torch" | "triton", or SPARSE_RL_BACKEND) as for the sparse ops."""
+        backend: "torch" | "triton" (the fused kernel, `sampler_triton`, same draw; used only without
+        top-k/top-p filtering) | "auto" (Triton for CUDA logits); None reads SPARSE_RL_SAMPLER, else
+        "torch": the fused kernel stays opt-in until it has been timed and checked on a GPU."""
         from sparse_rl.sparse.ops._backend import resolve_backend
 
+        if backend is None:
+            backend = os.environ.get("SPARSE_RL_SAMPLER", "").strip().lower() or "torch"
+            if backend not in ("auto", "torch", "triton"):
+                raise UsageError(f"SPARSE_RL_SAMPLER={backend!r}: expected auto, torch or triton")
         unfiltered = (not p.top_k or p.top_k >= logits.shape[-1]) and p.top_p >= 1
         if unfiltered and self.triton_error is None and resolve_backend(backend, logits, True) == "triton":
             from sparse_rl.rl.rollout.sampler_triton import sample_triton
