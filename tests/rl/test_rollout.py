@@ -266,3 +266,28 @@ def test_triton_sampler_equals_torch_sampler(temperature, top_k, top_p):
     assert torch.equal(t0, t1) and t1.dtype == torch.int64
     torch.testing.assert_close(l1, l0, atol=2e-6, rtol=0)
     assert bool((x[2, t1[2]] > float("-inf")))
+
+
+def test_sampler_backend_choice_and_fallback(monkeypatch):
+    """SPARSE_RL_SAMPLER picks the sampler (a bad value is a one-line usage error); a fused kernel
+    that fails to build leaves the reason in `triton_error`, warns once, and the PyTorch path draws."""
+    import sparse_rl.rl.rollout.sampler_triton as st
+    from sparse_rl.errors import UsageError
+    from sparse_rl.rl.rollout.sampler import Sampler
+
+    x = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    s, p = Sampler(50, "cpu"), SamplingParams(seed=2)
+    ref = s.sample(x, p, [0, 1, 2], [0, 0, 0], backend="torch")
+    monkeypatch.setenv("SPARSE_RL_SAMPLER", "fast")
+    with pytest.raises(UsageError, match="SPARSE_RL_SAMPLER"):
+        s.sample(x, p, [0, 1, 2], [0, 0, 0])
+    monkeypatch.setenv("SPARSE_RL_SAMPLER", "triton")
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel here\nsecond line")
+
+    monkeypatch.setattr(st, "sample_triton", broken)
+    with pytest.warns(UserWarning, match="no kernel here"):
+        got = s.sample(x, p, [0, 1, 2], [0, 0, 0])
+    assert s.triton_error == "RuntimeError: no kernel here"
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])

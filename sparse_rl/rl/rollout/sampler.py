@@ -150,7 +150,8 @@ class Sampler:
             try:
                 return sample_triton(logits, keys, p.temperature)
             except Exception as e:  # a kernel that does not build here: the PyTorch path, for good
-                self.triton_error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                first = (str(e).strip().splitlines() or [""])[0]
+                self.triton_error = f"{type(e).__name__}: {first[:300]}"
                 warnings.warn(f"Triton sampler failed, using the PyTorch path: {self.triton_error}", stacklevel=2)
         logp = process_logits(logits, p)
         if p.temperature == 0:

@@ -18,8 +18,7 @@ from sparse_rl.sparse.ops.indexer_topk.naive import (indexer_scores_naive, index
 from sparse_rl.sparse.ops.sparse_attention.naive import dense_attention_naive, sparse_attention_naive
 
 __all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_topk_decode", "indexer_scores", "indexer_decode",
-           "block_select",
-           "visible_mask", "dense_attention_naive", "kernel"]
+           "block_select", "visible_mask", "dense_attention_naive", "kernel"]
 
 
 @functools.lru_cache(maxsize=None)
