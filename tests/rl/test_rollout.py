@@ -291,3 +291,21 @@ def test_sampler_backend_choice_and_fallback(monkeypatch):
         got = s.sample(x, p, [0, 1, 2], [0, 0, 0])
     assert s.triton_error == "RuntimeError: no kernel here"
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+def test_row_keys_vectorised_equal_the_scalar_hash():
+    """The per-row keys (numpy uint32) are murmur3's finaliser chained over (seed, request, step) as in
+    the scalar `_fmix32_int`, so seeded completions stay what they were."""
+    from sparse_rl.rl.rollout.sampler import _fmix32_int, row_keys
+
+    def scalar(seed, r, t):
+        k = _fmix32_int(_fmix32_int(_fmix32_int(seed) ^ r) ^ t)
+        return k - (1 << 32) if k >= 1 << 31 else k
+
+    g = torch.Generator().manual_seed(0)
+    for seed in (0, 7, 2**31 - 1, 123456789):
+        rids = torch.randint(0, 10**6, (65,), generator=g).tolist() + [2**32 + 5]
+        steps = torch.randint(0, 40000, (66,), generator=g).tolist()
+        got = row_keys(seed, rids, steps)
+        assert got.dtype == torch.int32 and got.tolist() == [scalar(seed, r, t) for r, t in zip(rids, steps)]
+    assert row_keys(1, [], []).shape == (0,)

@@ -26,6 +26,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sparse_rl.errors import UsageError
@@ -106,13 +107,22 @@ def _fmix32_int(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def row_keys(seed: int, rids: list[int], steps: list[int]) -> list[int]:
-    """One 32-bit key per row from (seed, request id, step), as signed int32 values."""
-    out = []
-    for r, t in zip(rids, steps):
-        k = _fmix32_int(_fmix32_int(_fmix32_int(seed) ^ r) ^ t)
-        out.append(k - (1 << 32) if k >= 1 << 31 else k)
-    return out
+def row_keys(seed: int, rids: list[int], steps: list[int]) -> torch.Tensor:
+    """One 32-bit key per row from (seed, request id, step): `[R]` int32 on the CPU. Vectorised in
+    numpy uint32 (wrapping like `_fmix32_int`): a Python loop over the rows cost ~0.1 ms a decode step
+    at batch 64."""
+    r = np.asarray(rids, dtype=np.int64).astype(np.uint32)
+    t = np.asarray(steps, dtype=np.int64).astype(np.uint32)
+    k = _fmix32_np(_fmix32_np(np.uint32(_fmix32_int(seed)) ^ r) ^ t)
+    return torch.from_numpy(k.view(np.int32))
+
+
+def _fmix32_np(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x85EBCA6B)
+    x = x ^ (x >> np.uint32(13))
+    x = x * np.uint32(0xC2B2AE35)
+    return x ^ (x >> np.uint32(16))
 
 
 class Sampler:
@@ -145,8 +155,7 @@ class Sampler:
         if unfiltered and self.triton_error is None and resolve_backend(backend, logits, True) == "triton":
             from sparse_rl.rl.rollout.sampler_triton import sample_triton
 
-            keys = None if p.temperature == 0 else torch.tensor(row_keys(p.seed, rids, steps), dtype=torch.int32).to(
-                logits.device, non_blocking=True)
+            keys = None if p.temperature == 0 else row_keys(p.seed, rids, steps).to(logits.device, non_blocking=True)
             try:
                 return sample_triton(logits, keys, p.temperature)
             except Exception as e:  # a kernel that does not build here: the PyTorch path, for good
@@ -157,6 +166,6 @@ class Sampler:
         if p.temperature == 0:
             tok = torch.argmax(logits.float(), -1)
         else:
-            keys = torch.tensor(row_keys(p.seed, rids, steps), dtype=torch.int32).to(logits.device, non_blocking=True)
+            keys = row_keys(p.seed, rids, steps).to(logits.device, non_blocking=True)
             tok = torch.argmax(logp + self.gumbel(keys), -1)
         return tok, logp.gather(-1, tok[:, None])[:, 0]
