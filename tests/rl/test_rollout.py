@@ -309,3 +309,28 @@ def test_row_keys_vectorised_equal_the_scalar_hash():
         got = row_keys(seed, rids, steps)
         assert got.dtype == torch.int32 and got.tolist() == [scalar(seed, r, t) for r, t in zip(rids, steps)]
     assert row_keys(1, [], []).shape == (0,)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_eos_at_different_steps_with_steps_in_flight(llama_dir, temperature):
+    """The decode loop launches each step before reading the previous one, on the guess that every
+    sequence goes on: sequences that stop on EOS mid-batch (with and without prompts waiting) must
+    still end exactly where one-at-a-time generation ends them, with the same tokens and log-probs."""
+    model = load_model(llama_dir, attention="dense")
+    prompts = _prompts(3, (5, 9, 4, 12, 7, 6, 10))
+    p = SamplingParams(temperature=temperature, max_new_tokens=25, seed=11)
+    free = RolloutEngine(model, None, max_batch=1, max_seq_len=96, eos_token_ids=[]).generate(prompts, p)
+    # an EOS id that several completions hit at different steps
+    counts: dict[int, int] = {}
+    for c in free:
+        for t in set(c.tokens[2:20]):
+            counts[t] = counts.get(t, 0) + 1
+    eos = max(counts, key=counts.get)
+    assert counts[eos] >= 2
+    one = RolloutEngine(model, None, max_batch=1, max_seq_len=96, eos_token_ids=[eos]).generate(prompts, p)
+    for B in (3, 7):
+        many = RolloutEngine(model, None, max_batch=B, max_seq_len=96, eos_token_ids=[eos]).generate(prompts, p)
+        for a, b in zip(one, many):
+            assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+    assert sum(c.finish_reason == "stop" for c in one) >= 2

@@ -6,8 +6,10 @@
 Scheduling: `max_batch` slots. A prompt is admitted when `n` slots are free; its prompt is
 prefilled once (batched with the other prompts admitted in the same round, right-padded) and the
 filled cache rows are copied to the other n-1 slots. Every step decodes one token for all live
-slots; a finished sequence frees its slot at once and the next waiting prompt takes it, so long and
-short generations share the batch.
+slots; a finished sequence frees its slot and the next waiting prompt takes it after the step in
+flight, so long and short generations share the batch. Each step is launched before the host reads
+the previous one (its tokens feed the next step on the device), so the GPU does not wait on the
+host's bookkeeping; rows of sequences that turn out to have ended in the previous step are dropped.
 
 Finish reasons (OpenAI's): "stop" for an EOS id or a stop string, "length" for max_new_tokens or a
 full cache row. Tokens include the EOS token / the token that completed a stop string; the text is
@@ -15,8 +17,9 @@ decoded without special tokens and cut before the first stop string.
 
 Weights: the engine runs the model's own modules (see forward.py), so in-place parameter updates
 (optimizer steps, `load_state_dict`) are live at the next step, CUDA graphs and the compiled step
-included (the graphs hold the parameters' addresses; the compiled step takes them as inputs). `refresh()` drops captured graphs; call it if parameters were replaced
-by new tensors rather than updated in place.
+included (the graphs hold the parameters' addresses; the compiled step takes them as inputs).
+`refresh()` drops captured graphs; call it if parameters were replaced by new tensors rather than
+updated in place.
 """
 
 from __future__ import annotations
@@ -42,6 +45,20 @@ class Completion:
     logprobs: list[float] | None
     finish_reason: str
     prompt_tokens: list[int]
+
+
+@dataclass
+class _Step:
+    """A launched decode step: its slots with their request ids, steps and positions, the sampled tokens
+    on the device (the next step's inputs) and their host copies with the event that completes them."""
+    slots: list[int]
+    rids: list[int]
+    steps: list[int]
+    pos: list[int]
+    tok_dev: torch.Tensor
+    tok_host: torch.Tensor
+    lp_host: torch.Tensor
+    event: object
 
 
 @dataclass
@@ -341,40 +358,102 @@ class RolloutEngine:
             elif len(s.tokens) >= p.max_new_tokens or len(s.prompt) + len(s.tokens) >= s_max:
                 finish(slot, "length")
 
-        while queue or live:
-            # admit waiting prompts into free slots: one batched prefill per round
-            admit: list[tuple[int, list[int]]] = []
-            longest = 0
-            while queue and len(free) >= n:
-                L = len(toks[queue[0]])
-                if admit and max(longest, L) * (len(admit) + 1) > self.max_prefill_tokens:
-                    break
-                longest = max(longest, L)
-                pi = queue.popleft()
-                admit.append((pi, [free.popleft() for _ in range(n)]))
-            if admit:
-                self._prefill(cache, toks, admit, longest, p, live, push)
-            if not live:
-                continue
-            # one decode step for every slot (free slots compute on dummies)
-            slots = sorted(live)
-            tok_host, pos_host = [0] * B, [0] * B
-            for sl in slots:
-                s = live[sl]
-                tok_host[sl] = s.tokens[-1]
-                pos_host[sl] = len(s.prompt) + len(s.tokens) - 1
-            S = self._bucket(max(pos_host) + 1, s_max)
-            tok_t = torch.tensor(tok_host, dtype=torch.long).to(self.device, non_blocking=True)
-            pos_t = torch.tensor(pos_host, dtype=torch.long).to(self.device, non_blocking=True)
-            logits = self.runner.decode(cache, tok_t, pos_t, S, self.mode)
-            rows = torch.tensor(slots, device=self.device) if len(slots) < B else None
-            sel = logits if rows is None else logits[rows]
-            new, lps = self.sampler.sample(sel, p, [live[sl].rid for sl in slots],
-                                           [len(live[sl].tokens) for sl in slots])
+        def launch(slots: list[int], rids: list[int], steps: list[int], pos: list[int], tokens) -> _Step:
+            """Enqueue one decode step for `slots` (the other slots compute on dummies) and its sampling;
+            tokens: host ints, or the device tokens `[len(slots)]` of the step in flight."""
+            idx = self._h2d(torch.tensor(slots, dtype=torch.long))
+            if isinstance(tokens, list):
+                tok_t = torch.zeros(B, dtype=torch.long).index_copy_(0, torch.tensor(slots), torch.tensor(tokens))
+                tok_t = self._h2d(tok_t)
+            else:
+                tok_t = torch.zeros(B, dtype=torch.long, device=self.device).index_copy_(0, idx, tokens)
+            pos_host = [0] * B
+            for sl, q in zip(slots, pos):
+                pos_host[sl] = q
+            pos_t = self._h2d(torch.tensor(pos_host, dtype=torch.long))
+            logits = self.runner.decode(cache, tok_t, pos_t, self._bucket(max(pos) + 1, s_max), self.mode)
+            sel = logits if len(slots) == B else logits[idx]
+            new, lps = self.sampler.sample(sel, p, rids, steps)
             self.stats["decode_steps"] += 1
-            for sl, t, lp in zip(slots, new.tolist(), lps.tolist()):
-                push(sl, t, lp)
+            return _Step(slots, rids, steps, pos, new, *self._to_host(new, lps))
+
+        def process(st: _Step) -> None:
+            """Wait for a launched step's tokens and push them; rows of sequences that finished while it
+            was in flight (it was launched on the guess that they go on) are dropped."""
+            if st.event is not None:
+                st.event.synchronize()
+            for sl, rid, t, lp in zip(st.slots, st.rids, st.tok_host.tolist(), st.lp_host.tolist()):
+                s = live.get(sl)
+                if s is not None and s.rid == rid:
+                    push(sl, t, lp)
+
+        def goes_on(sl: int, rid: int) -> bool:
+            """Whether request `rid`, in slot `sl` when the step in flight was launched, can take one more
+            token after that step's: it is still running (it may have ended in the step before) and has
+            room. EOS and stop strings in the step in flight are not known yet: those rows are computed
+            and dropped."""
+            s = live.get(sl)
+            if s is None or s.rid != rid:
+                return False
+            return len(s.tokens) + 1 < p.max_new_tokens and len(s.prompt) + len(s.tokens) + 1 < s_max
+
+        # The next step is launched before the host reads the one in flight, so the GPU does not wait on
+        # the host's bookkeeping (token lists, stop checks, the next inputs): one step is always queued
+        # ahead. Admissions run between steps with nothing in flight.
+        inflight: _Step | None = None
+        while queue or live or inflight is not None:
+            if inflight is None:
+                # admit waiting prompts into free slots: one batched prefill per round
+                admit: list[tuple[int, list[int]]] = []
+                longest = 0
+                while queue and len(free) >= n:
+                    L = len(toks[queue[0]])
+                    if admit and max(longest, L) * (len(admit) + 1) > self.max_prefill_tokens:
+                        break
+                    longest = max(longest, L)
+                    pi = queue.popleft()
+                    admit.append((pi, [free.popleft() for _ in range(n)]))
+                if admit:
+                    self._prefill(cache, toks, admit, longest, p, live, push)
+                if not live:
+                    continue
+                slots = sorted(live)
+                inflight = launch(slots, [live[sl].rid for sl in slots], [len(live[sl].tokens) for sl in slots],
+                                  [len(live[sl].prompt) + len(live[sl].tokens) - 1 for sl in slots],
+                                  [live[sl].tokens[-1] for sl in slots])
+            nxt = None
+            keep = [i for i, sl in enumerate(inflight.slots) if goes_on(sl, inflight.rids[i])]
+            if keep:
+                tok_dev = inflight.tok_dev
+                if len(keep) < len(inflight.slots):
+                    tok_dev = tok_dev[self._h2d(torch.tensor(keep, dtype=torch.long))]
+                nxt = launch([inflight.slots[i] for i in keep], [inflight.rids[i] for i in keep],
+                             [inflight.steps[i] + 1 for i in keep], [inflight.pos[i] + 1 for i in keep], tok_dev)
+            process(inflight)
+            inflight = nxt
+            if inflight is not None and queue and len(free) >= n:
+                process(inflight)  # drain, so that the freed slots take waiting prompts
+                inflight = None
         return results  # type: ignore[return-value]
+
+    def _h2d(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor to the device without a host-side wait: through pinned memory on CUDA (a
+        copy from pageable memory may wait for the stream, which would stall the step queued ahead)."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _to_host(self, new: torch.Tensor, lps: torch.Tensor):
+        """Start copying a step's tokens and log-probs to the host: (tokens, log-probs, event to wait on)."""
+        if self.device.type != "cuda":
+            return new, lps, None
+        th = torch.empty(new.shape, dtype=new.dtype, pin_memory=True)
+        lh = torch.empty(lps.shape, dtype=lps.dtype, pin_memory=True)
+        th.copy_(new, non_blocking=True)
+        lh.copy_(lps, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return th, lh, ev
 
     def _prefill(self, cache, toks, admit, longest, p, live, push) -> None:
         P = len(admit)

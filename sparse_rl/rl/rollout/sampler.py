@@ -125,6 +125,13 @@ def _fmix32_np(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint32(16))
 
 
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Through pinned memory on CUDA: an asynchronous copy from pageable memory may wait for the stream."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class Sampler:
     """Draws tokens for rows of logits with counter-based Gumbel noise (see module doc)."""
 
@@ -155,7 +162,7 @@ class Sampler:
         if unfiltered and self.triton_error is None and resolve_backend(backend, logits, True) == "triton":
             from sparse_rl.rl.rollout.sampler_triton import sample_triton
 
-            keys = None if p.temperature == 0 else row_keys(p.seed, rids, steps).to(logits.device, non_blocking=True)
+            keys = None if p.temperature == 0 else _to_device(row_keys(p.seed, rids, steps), logits.device)
             try:
                 return sample_triton(logits, keys, p.temperature)
             except Exception as e:  # a kernel that does not build here: the PyTorch path, for good
@@ -166,6 +173,6 @@ class Sampler:
         if p.temperature == 0:
             tok = torch.argmax(logits.float(), -1)
         else:
-            keys = row_keys(p.seed, rids, steps).to(logits.device, non_blocking=True)
+            keys = _to_device(row_keys(p.seed, rids, steps), logits.device)
             tok = torch.argmax(logp + self.gumbel(keys), -1)
         return tok, logp.gather(-1, tok[:, None])[:, 0]
