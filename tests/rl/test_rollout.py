@@ -294,7 +294,7 @@ def test_sampler_backend_choice_and_fallback(monkeypatch):
 
 
 def test_row_keys_vectorised_equal_the_scalar_hash():
-    """The per-row keys (numpy uint32) are murmur3's finaliser chained over (seed, request, step) as in
+    """The per-row keys (vectorised) are murmur3's finaliser chained over (seed, request, step) as in
     the scalar `_fmix32_int`, so seeded completions stay what they were."""
     from sparse_rl.rl.rollout.sampler import _fmix32_int, row_keys
 

@@ -33,7 +33,7 @@ import torch
 from sparse_rl.errors import SparseRLError, UsageError
 from sparse_rl.rl.rollout.cache import KVCache
 from sparse_rl.rl.rollout.forward import ModelRunner, _base
-from sparse_rl.rl.rollout.sampler import Sampler, SamplingParams
+from sparse_rl.rl.rollout.sampler import Sampler, SamplingParams, to_device
 
 
 @dataclass
@@ -361,18 +361,21 @@ class RolloutEngine:
         def launch(slots: list[int], rids: list[int], steps: list[int], pos: list[int], tokens) -> _Step:
             """Enqueue one decode step for `slots` (the other slots compute on dummies) and its sampling;
             tokens: host ints, or the device tokens `[len(slots)]` of the step in flight."""
-            idx = self._h2d(torch.tensor(slots, dtype=torch.long))
+            full = len(slots) == B  # slots are sorted: then they are 0..B-1
+            idx = None if full else to_device(torch.tensor(slots, dtype=torch.long), self.device)
             if isinstance(tokens, list):
                 tok_t = torch.zeros(B, dtype=torch.long).index_copy_(0, torch.tensor(slots), torch.tensor(tokens))
-                tok_t = self._h2d(tok_t)
+                tok_t = to_device(tok_t, self.device)
+            elif full:
+                tok_t = tokens
             else:
                 tok_t = torch.zeros(B, dtype=torch.long, device=self.device).index_copy_(0, idx, tokens)
             pos_host = [0] * B
             for sl, q in zip(slots, pos):
                 pos_host[sl] = q
-            pos_t = self._h2d(torch.tensor(pos_host, dtype=torch.long))
+            pos_t = to_device(torch.tensor(pos_host, dtype=torch.long), self.device)
             logits = self.runner.decode(cache, tok_t, pos_t, self._bucket(max(pos) + 1, s_max), self.mode)
-            sel = logits if len(slots) == B else logits[idx]
+            sel = logits if full else logits[idx]
             new, lps = self.sampler.sample(sel, p, rids, steps)
             self.stats["decode_steps"] += 1
             return _Step(slots, rids, steps, pos, new, *self._to_host(new, lps))
@@ -426,7 +429,7 @@ class RolloutEngine:
             if keep:
                 tok_dev = inflight.tok_dev
                 if len(keep) < len(inflight.slots):
-                    tok_dev = tok_dev[self._h2d(torch.tensor(keep, dtype=torch.long))]
+                    tok_dev = tok_dev[to_device(torch.tensor(keep, dtype=torch.long), self.device)]
                 nxt = launch([inflight.slots[i] for i in keep], [inflight.rids[i] for i in keep],
                              [inflight.steps[i] + 1 for i in keep], [inflight.pos[i] + 1 for i in keep], tok_dev)
             process(inflight)
@@ -435,13 +438,6 @@ class RolloutEngine:
                 process(inflight)  # drain, so that the freed slots take waiting prompts
                 inflight = None
         return results  # type: ignore[return-value]
-
-    def _h2d(self, t: torch.Tensor) -> torch.Tensor:
-        """A small host tensor to the device without a host-side wait: through pinned memory on CUDA (a
-        copy from pageable memory may wait for the stream, which would stall the step queued ahead)."""
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _to_host(self, new: torch.Tensor, lps: torch.Tensor):
         """Start copying a step's tokens and log-probs to the host: (tokens, log-probs, event to wait on)."""
