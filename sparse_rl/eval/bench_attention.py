@@ -1,7 +1,7 @@
 """`sparse-rl bench attention`: sparse prefill (indexer + top-k + sparse attention) against dense SDPA
 and FlexAttention block-sparse, in one run, with correctness checks against the float32 reference.
 
-Shapes follow BENCHMARKS.md: batch 1, 32 query heads, 8 KV heads, head dim 128, k = 2048, 4 index
+Shapes follow docs/BENCHMARKS.md: batch 1, 32 query heads, 8 KV heads, head dim 128, k = 2048, 4 index
 heads of 64 dims, bf16. Two index patterns are timed for the sparse attention kernel:
 - `indexer`: the Triton indexer's top-k on random inputs, i.e. independent random keys per query
   (the worst case for locality: every query gathers its own 2048 rows per KV head);

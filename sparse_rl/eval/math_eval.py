@@ -1,6 +1,6 @@
 """`eval math`: score completions against gold answers; accuracy, pass@1 and unbiased pass@k.
 
-Inputs are DESIGN.md records. Problems: `{"id", "prompt"|"messages"|"question", "answer" |
+Inputs are docs/DESIGN.md records. Problems: `{"id", "prompt"|"messages"|"question", "answer" |
 "solution", "task"?}`; the gold answer may be GSM8K-style ("... #### 72"), contain `\\boxed{}`, or be
 a plain value (our synth tasks). Completions: `{"id", "completion", ...}`; several records with the
 same id are several samples of that problem. A completion record joins its problem through

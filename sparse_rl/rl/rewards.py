@@ -1,7 +1,7 @@
 """Rewards: shaping penalties, the built-in math verifier, and loading a user's reward function.
 
 A reward function has the signature `(completions: list[dict], tasks: list[dict]) -> list[float | None]`
-(completion and task records as in DESIGN.md; completions[i] answers tasks[i]). None means "no
+(completion and task records as in docs/DESIGN.md; completions[i] answers tasks[i]). None means "no
 verdict": the trainer skips that task. `load_reward_fn(spec)` returns a `RewardFn` that calls the
 function and turns every way it can misbehave into a one-line SparseRLError naming the function
 and the task id.

@@ -1,7 +1,7 @@
 """Procedural math/reasoning tasks with exact integer answers and difficulty knobs.
 
 Every generator is a pure function `gen(rng, level, **knobs) -> dict` returning the fields of a
-prompt/task record (DESIGN.md): `prompt`, `answer` (a plain integer as a string, so math-verify
+prompt/task record (docs/DESIGN.md): `prompt`, `answer` (a plain integer as a string, so math-verify
 checks it), and `meta`. `make_math_task` adds `id`, `task` and `difficulty`. Each task has its own
 `random.Random` seeded from (seed, family, index), so a task does not change when the mixture or
 the count around it changes, and the same seed always gives the same file.

@@ -1,6 +1,6 @@
 """Tasks for GRPO: loading with line-numbered checks, prompt encoding, and the seeded data cursor.
 
-A task is `{"id", "prompt" | "messages", "answer"?, "task", ...}` (DESIGN.md). The cursor walks a
+A task is `{"id", "prompt" | "messages", "answer"?, "task", ...}` (docs/DESIGN.md). The cursor walks a
 per-epoch permutation of the tasks; its whole state is (epoch, position), so a checkpoint resumes
 the exact prompt order. With several processes every step takes `k * world` prompts from one shared
 stream and each rank keeps its own slice, so the union over ranks is what a single process sees.

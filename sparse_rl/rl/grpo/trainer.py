@@ -1,4 +1,4 @@
-"""The GRPO loop (DESIGN.md, "RL contract"), one step:
+"""The GRPO loop (docs/DESIGN.md, "RL contract"), one step:
 
 1. rollout: M completions per prompt from mu (dense pi_theta, or sparse attention [+ LoRA phi]),
    recording mu's per-token log-probs;
@@ -600,7 +600,7 @@ def _summary(r: dict) -> str:
 
 
 def run(cfg: GRPOConfig, resume: bool = False, log=None, backend=None) -> dict:
-    """Train; returns the last step's metrics record. Output: the run dir (see DESIGN.md, "Run dir").
+    """Train; returns the last step's metrics record. Output: the run dir (see docs/DESIGN.md, "Run dir").
     backend: optional `RolloutBackend` (default: the in-process engine)."""
     trainer = Trainer(cfg, resume=resume, log=log, backend=backend)
     if trainer.step >= cfg.steps:

@@ -3,7 +3,7 @@
 Input records: `{"id", "prompt": str}` or `{"id", "messages": [{"role", "content"}, ...]}` (the
 chat template is applied with the generation prompt); `task`, `answer`, `difficulty` and `meta` are
 passed through so that `... | sparse-rl generate m --prompts - | sparse-rl eval math --score -` works.
-Output records (DESIGN.md): `{"id", "sample"? (when n > 1), "prompt" (the text the model saw),
+Output records (docs/DESIGN.md): `{"id", "sample"? (when n > 1), "prompt" (the text the model saw),
 "completion", "tokens", "logprobs"? (with --logprobs), "finish_reason", passthrough fields}`.
 
 Streaming and bad input: a prompts *file* is read and validated completely before anything is
