@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from sparse_rl.eval.bench_attention import bench_ms
+from sparse_rl.bench.timing import bench_ms
 from sparse_rl.sparse.ops import indexer_topk_decode
 from sparse_rl.sparse.ops.indexer_topk import triton as it
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_scores_naive, indexer_topk_decode_naive

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from sparse_rl.eval.bench_attention import bench_ms, rel_err
+from sparse_rl.bench.timing import bench_ms, rel_err
 from sparse_rl.sparse.ops import block_select, indexer_topk, sparse_attention
 from sparse_rl.sparse.ops.block_select.naive import block_select_naive
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_scores_naive

@@ -80,7 +80,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    from sparse_rl.eval.bench_rollout import BenchRolloutConfig, build_model
+    from sparse_rl.bench.rollout import BenchRolloutConfig, build_model
     from sparse_rl.rl.rollout import RolloutEngine
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.patch import attach_sparse

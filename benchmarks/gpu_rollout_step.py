@@ -51,7 +51,7 @@ def radix_checks(dev) -> list[dict]:
 def select_timing(dev) -> list[dict]:
     """The decode select alone (CUDA-graph replays, median), with positive and with mixed-sign index-head
     weights (a converted model's case), and its second-level candidate counts."""
-    from sparse_rl.eval.bench_attention import bench_ms
+    from sparse_rl.bench.timing import bench_ms
     from sparse_rl.sparse.ops.indexer_topk import decode as itd
 
     rows = []
@@ -75,7 +75,7 @@ def sampler_timing(dev) -> list[dict]:
     """`Sampler.sample` at batch 64 / 128 over Qwen2's 151,936-token vocabulary: the PyTorch path against
     the fused Triton one (CUDA-graph replays would need device-side keys: plain CUDA-event timing of the
     call, host work included), and whether they draw the same tokens."""
-    from sparse_rl.eval.bench_attention import bench_ms
+    from sparse_rl.bench.timing import bench_ms
     from sparse_rl.rl.rollout.sampler import Sampler, SamplingParams
 
     rows = []
@@ -118,7 +118,7 @@ def main():
         json.dump(sampler_timing(dev), open(f"{a.out}/sampler_timing.json", "w"), indent=1)
     if a.no_compile_bench:
         return
-    from sparse_rl.eval.bench_rollout import compile_step_bench, markdown_compile
+    from sparse_rl.bench.rollout import compile_step_bench, markdown_compile
 
     def save(r):
         json.dump(r, open(f"{a.out}/compile_step.json", "w"), indent=1)

@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from sparse_rl.eval.bench_attention import bench_ms
+from sparse_rl.bench.timing import bench_ms
 from sparse_rl.sparse.ops.indexer_topk import decode as itd
 
 

@@ -1,7 +1,7 @@
 """`sparse-rl bench attention|decode`: kernel speed against dense SDPA (and FlexAttention) in one run.
 
 Prints a markdown table to stdout, writes the full results as JSON with `--out`. Thin: the work is
-in `sparse_rl.eval.bench_attention` / `bench_decode`.
+in `sparse_rl.bench.attention` / `bench_decode`.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def attention(
     """Sparse prefill (indexer + top-k + attention), fwd+bwd, FlexAttention block-sparse vs dense SDPA."""
     with cli_errors():
         from sparse_rl.config import load_config
-        from sparse_rl.eval.bench_attention import BenchAttentionConfig, markdown_attention, run_attention_bench
+        from sparse_rl.bench.attention import BenchAttentionConfig, markdown_attention, run_attention_bench
 
         cfg = load_config(BenchAttentionConfig, config, dict(
             seqlens=_ints(seqlens, "--seqlens"), backward_seqlens=_ints(backward_seqlens, "--backward-seqlens"),
@@ -103,7 +103,7 @@ def decode(
     """One sparse decode step (indexer + top-k + sparse attention) vs one dense SDPA decode step."""
     with cli_errors():
         from sparse_rl.config import load_config
-        from sparse_rl.eval.bench_decode import BenchDecodeConfig, markdown_decode, run_decode_bench
+        from sparse_rl.bench.decode import BenchDecodeConfig, markdown_decode, run_decode_bench
 
         cfg = load_config(BenchDecodeConfig, config, dict(
             contexts=_ints(contexts, "--contexts"), batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -136,7 +136,7 @@ def rollout(
     """Rollout engine tokens/s vs HF generate (dense), and sparse vs dense mode for long generations."""
     with cli_errors():
         from sparse_rl.config import load_config
-        from sparse_rl.eval.bench_rollout import BenchRolloutConfig, markdown_rollout, run_rollout_bench
+        from sparse_rl.bench.rollout import BenchRolloutConfig, markdown_rollout, run_rollout_bench
 
         longs = [] if long_new_tokens is not None and long_new_tokens.strip().lower() == "none" else \
             _ints(long_new_tokens, "--long-new-tokens")

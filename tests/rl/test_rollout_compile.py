@@ -194,7 +194,7 @@ def test_generate_cli_compile_flag(tiny_model_dir, tmp_path, monkeypatch):
 
 def test_compile_step_bench_cpu():
     """The GPU comparison script on the tiny shape: rows for every mode and context, compiled == eager."""
-    from sparse_rl.eval.bench_rollout import compile_step_bench, markdown_compile
+    from sparse_rl.bench.rollout import compile_step_bench, markdown_compile
 
     res = compile_step_bench(shape="tiny", batches=(2,), contexts=(8, 40), topk=16, index_dim=16, dtype="float32",
                              device="cpu", reps=2, compile_backend=BACKEND, log=lambda m: None)

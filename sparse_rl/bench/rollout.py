@@ -88,7 +88,8 @@ def run_rollout_bench(cfg: BenchRolloutConfig, log=print, on_result=None) -> dic
     import torch
 
     from sparse_rl.cli.common import resolve_device
-    from sparse_rl.eval.bench_attention import device_name, torch_dtype
+    from sparse_rl.bench.attention import torch_dtype
+    from sparse_rl.bench.timing import device_name
     from sparse_rl.rl.rollout import RolloutEngine, SamplingParams
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.ops import kernel
@@ -290,7 +291,8 @@ def compile_step_bench(shape: str = "qwen2-0.5b", batches=(16, 64), contexts=(10
     import torch
 
     from sparse_rl.cli.common import resolve_device
-    from sparse_rl.eval.bench_attention import device_name, torch_dtype
+    from sparse_rl.bench.attention import torch_dtype
+    from sparse_rl.bench.timing import device_name
     from sparse_rl.rl.rollout import RolloutEngine
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.ops import kernel

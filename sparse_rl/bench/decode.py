@@ -16,7 +16,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from sparse_rl.eval.bench_attention import bench_ms, bench_setup, best_dense, device_name, fmt, rel_err, table_title
+from sparse_rl.bench.attention import bench_setup, best_dense
+from sparse_rl.bench.timing import bench_ms, device_name, fmt, rel_err, table_title
 
 
 @dataclass

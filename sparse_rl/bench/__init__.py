@@ -1,0 +1,1 @@
+"""Speed benchmarks behind `sparse-rl bench` (attention, decode, rollout); evaluation lives in `eval/`."""
