@@ -42,7 +42,7 @@ def test_lookup_unknown_name_is_usage_error_naming_key_and_valid_names():
         lookup(MISMATCH, "bogus", "grpo.mismatch")
     msg = str(e.value)
     assert "grpo.mismatch" in msg and "'bogus'" in msg
-    assert "mis_seq, mis_token, none, opsm, tis" in msg
+    assert "geo_rs, mis_seq, mis_token, none, opsm, tis" in msg
     assert "\n" not in msg
 
 
@@ -50,7 +50,7 @@ def test_registries_hold_the_documented_names():
     assert set(ADVANTAGES) == {"grpo", "dr_grpo"}
     assert set(LOSS_AGG) == {"token_mean", "seq_mean", "dr_grpo"}
     assert set(POLICY_LOSSES) == {"ppo_clip"}
-    assert set(MISMATCH) == {"none", "tis", "mis_token", "mis_seq", "opsm"}
+    assert set(MISMATCH) == {"none", "tis", "mis_token", "geo_rs", "mis_seq", "opsm"}
     assert set(KL_ESTIMATORS) == {"k1", "k2", "k3"}
     assert {k: f.needs_logits for k, f in DISTILL_LOSSES.items()} == {"k3": False, "k2": False, "full": True}
 
@@ -217,16 +217,63 @@ def test_truncated_and_masked_is(device):
     assert close(st["frac_masked"], 0.6) and close(st["mean_weight"], 0.4)
 
 
-def test_sequence_masked_is_geometric_mean():
+def test_geometric_rejection_sampling_filters_on_the_geometric_mean_with_weight_one():
     adv = torch.tensor([1.0, -1.0])
-    # rho_0 = exp((0 + ln2.5 + ln.4)/3) = exp(0) = 1;  rho_1 = exp((0 + ln.25)/2) = .5 (the pad's ln4 is
-    # excluded; counting it would give exp(0) = 1).
-    w, st = MISMATCH["mis_seq"](PI, MU, MMASK, adv, lo=0.6, hi=2.0)
+    # rho_geo_0 = exp((0 + ln2.5 + ln.4)/3) = exp(0) = 1;  rho_geo_1 = exp((0 + ln.25)/2) = .5 (the pad's
+    # ln4 is excluded; counting it would give exp(0) = 1).
+    w, st = MISMATCH["geo_rs"](PI, MU, MMASK, adv, lo=0.6, hi=2.0)
     assert close(w, [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
     assert close(st["frac_masked"], 0.4) and close(st["mean_weight"], 0.6)
+    w, st = MISMATCH["geo_rs"](PI, MU, MMASK, adv, lo=0.4, hi=2.0)
+    assert close(w, MMASK.float())  # kept sequences are not reweighted
+    assert close(st["mean_weight"], 1.0) and close(st["frac_masked"], 0.0)
+
+
+def test_sequence_masked_is_filters_and_weights_by_the_product_ratio():
+    adv = torch.tensor([1.0, -1.0])
+    # rho_0 = 1 * 2.5 * .4 = 1;  rho_1 = 1 * .25 = .25 (pad excluded)
+    w, st = MISMATCH["mis_seq"](PI, MU, MMASK, adv, lo=0.2, hi=2.0)
+    assert close(w, [[1.0, 1.0, 1.0], [0.25, 0.25, 0.0]])
+    assert close(st["mean_weight"], 3.5 / 5) and close(st["frac_masked"], 0.0)
+    # lo .4: geo_rs keeps row 1 (rho_geo .5) but its product ratio .25 is out of range
     w, st = MISMATCH["mis_seq"](PI, MU, MMASK, adv, lo=0.4, hi=2.0)
-    assert close(w, [[1.0, 1.0, 1.0], [0.5, 0.5, 0.0]])
-    assert close(st["mean_weight"], 0.8) and close(st["frac_masked"], 0.0)
+    assert close(w, [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    assert close(st["frac_masked"], 0.4)
+    # hi below 1: row 0 (rho 1) rejected too
+    w, _ = MISMATCH["mis_seq"](PI, MU, MMASK, adv, lo=0.2, hi=0.9)
+    assert close(w, [[0.0, 0.0, 0.0], [0.25, 0.25, 0.0]])
+
+
+def test_keep_sampling_mask_makes_identical_policies_ratio_one_under_top_p():
+    from sparse_rl.rl.algos.mismatch import sampling_support, support_logprobs
+    from sparse_rl.rl.rollout.sampler import SamplingParams, process_logits
+
+    g = torch.Generator().manual_seed(0)
+    B, T, V = 64, 16, 50
+    logits = torch.randn(B, T, V, generator=g) * 2.0
+    mu_dist = process_logits(logits.reshape(-1, V), SamplingParams(temperature=1.0, top_p=0.8)).reshape(B, T, V)
+    tokens = torch.multinomial(mu_dist.exp().reshape(-1, V), 1, generator=g).reshape(B, T)
+    logp_mu = mu_dist.gather(-1, tokens[..., None]).squeeze(-1)  # what the rollout records
+    mask = torch.ones(B, T)
+    full = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    support = sampling_support(logits, top_p=0.8)
+    assert bool(support.gather(-1, tokens[..., None]).all())  # every sampled token is in the support
+    kept = support_logprobs(logits, tokens, support)
+    # pi over the full vocabulary: E[pi/mu] = mass of the support (<= ~0.8 + the crossing token), biased
+    biased = ((full - logp_mu).exp() * mask).sum() / mask.sum()
+    assert float(biased) < 0.95
+    # pi over mu's support: the ratio is exactly 1 token by token, so its mean is 1
+    ratio = (kept - logp_mu).exp()
+    assert close(ratio, torch.ones(B, T), tol=1e-5)
+    # and the mismatch corrections see no drift
+    w, st = MISMATCH["mis_token"](kept, logp_mu, mask, torch.ones(B), lo=0.99, hi=1.01)
+    assert close(st["frac_masked"], 0.0)
+    # support by hand on one row: probs .5 .3 .15 .05, top-p .8 keeps .5 and .3 (mass above .3 is .5 < .8)
+    row = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    assert sampling_support(row[None], top_p=0.8).tolist() == [[True, True, False, False]]
+    assert sampling_support(row[None], top_k=3).tolist() == [[True, True, True, False]]
+    lp = support_logprobs(row[None, None], torch.tensor([[1]]), sampling_support(row[None, None], top_p=0.8))
+    assert close(lp.exp(), [[0.3 / 0.8]])
 
 
 def test_deepseek_v32_off_policy_sequence_masking():

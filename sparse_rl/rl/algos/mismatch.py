@@ -7,6 +7,11 @@ signature so a config can switch between them:
     fn(logp_pi, logp_mu, mask, advantages, *, cap=2.0, lo=0.5, hi=2.0, delta=0.1)
         -> (weights [B, T] float32, detached, 0 on padding; stats)
 
+Names: none, tis (token, truncated), mis_token (token, masked), geo_rs (sequence filter on the
+geometric-mean ratio, weight 1), mis_seq (sequence filter and weight on the product ratio), opsm
+(DeepSeek-V3.2 off-policy sequence masking). `sampling_support` / `support_logprobs` give pi over
+the support mu sampled from (DeepSeek-V3.2's Keep Sampling Mask).
+
 logp_pi: `[B, T]` log-probs of the sampled tokens under pi (the behaviour-aligned "old" dense
 policy, before the update); logp_mu: `[B, T]` the same tokens under mu, recorded at rollout;
 mask: `[B, T]` 0/1; advantages: `[B]` or `[B, T]`. Each function reads only the keywords it needs.
@@ -21,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from sparse_rl.rl.algos.losses import LOG_RATIO_BOUND
-from sparse_rl.rl.algos.registry import Registry, masked_mean
+from sparse_rl.rl.algos.registry import Registry, masked_mean, masked_sum
 
 MISMATCH = Registry("mismatch correction")
 
@@ -76,21 +81,47 @@ def masked_is_token(logp_pi, logp_mu, mask, advantages, *, cap: float = 2.0, lo:
     return w, _stats(w, mask, ~keep, torch.zeros_like(keep))
 
 
-@MISMATCH.register("mis_seq")
-def masked_is_sequence(logp_pi, logp_mu, mask, advantages, *, cap: float = 2.0, lo: float = 0.5, hi: float = 2.0,
-                       delta: float = 0.1):
-    """Sequence-level masked IS with the geometric-mean ratio rho_i = exp(mean_t log(pi/mu)).
+def _seq_log_ratio(logp_pi, logp_mu, mask) -> torch.Tensor:
+    """Per-sequence sum over valid tokens of log(pi/mu), float32, bounded to +-20. `[B, T]` -> `[B]`."""
+    return masked_sum(_log_ratio(logp_pi, logp_mu), mask, dim=-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
-    Every token of sequence i gets rho_i if lo <= rho_i <= hi, else 0 (the whole sequence is
-    dropped). The geometric mean keeps the criterion independent of length, where the product of
-    token ratios would explode or vanish on long sequences (same source as `mis_token`; the
-    "geometric" level of its reference implementation). Reads `lo`, `hi`. `[B, T]` -> `[B, T]`.
+
+def _seq_weights(rho: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor):
+    """Broadcast per-sequence `weight * keep` `[B]` to tokens `[B, T]`, with the stats."""
+    w = (weight * keep.float())[:, None] * mask.float()
+    keep_t = keep[:, None].expand(mask.shape)
+    return w, _stats(w, mask, ~keep_t, torch.zeros_like(keep_t))
+
+
+@MISMATCH.register("geo_rs")
+def geometric_rejection(logp_pi, logp_mu, mask, advantages, *, cap: float = 2.0, lo: float = 0.5, hi: float = 2.0,
+                        delta: float = 0.1):
+    """Geometric-mean rejection sampling (Geo-RS; verl `rollout_rs="seq_mean_k1"`; Liu, Li et al. 2025,
+    "When Speed Kills Stability", part 3): rho_geo_i = exp(mean_t log(pi/mu)) = (prod_t pi/mu)^(1/|o_i|).
+
+    Sequence i keeps weight 1 on every token if lo <= rho_geo_i <= hi, else 0. A filter, not a
+    correction: the kept tokens are not reweighted, so the criterion is length-invariant (the
+    per-token drift), where the product ratio of a long sequence explodes or vanishes.
+    Reads `lo`, `hi`. `[B, T]` -> `[B, T]`.
     """
     rho = masked_mean(_log_ratio(logp_pi, logp_mu), mask, dim=-1).exp()  # [B]
     keep = (rho >= lo) & (rho <= hi)
-    w = (rho * keep.float())[:, None] * mask.float()
-    keep_t = keep[:, None].expand(mask.shape)
-    return w, _stats(w, mask, ~keep_t, torch.zeros_like(keep_t))
+    return _seq_weights(rho, keep, mask, torch.ones_like(rho))
+
+
+@MISMATCH.register("mis_seq")
+def masked_is_sequence(logp_pi, logp_mu, mask, advantages, *, cap: float = 2.0, lo: float = 0.5, hi: float = 2.0,
+                       delta: float = 0.1):
+    """Sequence-level masked IS (Seq-MIS; verl `rollout_is="sequence"` + `rollout_rs="seq_sum_k1"`; same
+    source as `mis_token`): rho_i = prod_t pi/mu over the valid tokens of sequence i.
+
+    Every token of sequence i gets rho_i if lo <= rho_i <= hi, else 0 (the whole sequence is
+    rejected instead of clipped). rho_i is the importance weight of the whole sequence, so the kept
+    sequences are corrected toward pi exactly. Reads `lo`, `hi`. `[B, T]` -> `[B, T]`.
+    """
+    rho = _seq_log_ratio(logp_pi, logp_mu, mask).exp()  # [B]
+    keep = (rho >= lo) & (rho <= hi)
+    return _seq_weights(rho, keep, mask, rho)
 
 
 @MISMATCH.register("opsm")
@@ -113,6 +144,34 @@ def off_policy_sequence_mask(logp_pi, logp_mu, mask, advantages, *, cap: float =
     drop = drop.expand(mask.shape)
     w = (~drop).float() * mask.float()
     return w, _stats(w, mask, drop, torch.zeros_like(drop))
+
+
+# ----------------------------------------------------------------------------- Keep Sampling Mask
+# DeepSeek-V3.2 (arXiv:2512.02556, "Keep Sampling Mask"): with top-p/top-k sampling, mu's log-probs
+# are over the truncated support (renormalised) while pi's are over the whole vocabulary, so
+# pi/mu < 1 on average even for identical policies: the truncation alone looks like mismatch.
+# Taking pi over the same support (renormalised) removes that bias.
+
+
+def sampling_support(logits: torch.Tensor, *, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """The tokens the rollout could sample: top-k then top-p of `logits` (already temperature-scaled),
+    by the sampler's own rule (`sparse_rl.rl.rollout.sampler.process_logits`). `[..., V]` -> bool `[..., V]`."""
+    from sparse_rl.rl.rollout.sampler import SamplingParams, process_logits
+
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    kept = torch.isfinite(process_logits(flat, SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k)))
+    return kept.reshape(logits.shape)
+
+
+def support_logprobs(logits: torch.Tensor, tokens: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    """log-prob of `tokens` under softmax(logits) restricted to `support` and renormalised (differentiable).
+
+    logits `[B, T, V]`, tokens `[B, T]` long, support `[B, T, V]` bool (the sampled token must be in
+    it; padding positions may hold anything) -> `[B, T]` float32.
+    """
+    x = logits.float().masked_fill(~support, float("-inf"))
+    lp = torch.log_softmax(x, -1).gather(-1, tokens[..., None].long()).squeeze(-1)
+    return lp.nan_to_num(neginf=-LOG_RATIO_BOUND)  # a padded position whose token is outside the support
 
 
 def mismatch_metrics(logp_pi: torch.Tensor, logp_mu: torch.Tensor, mask: torch.Tensor, *, q: float = 0.05) -> dict:

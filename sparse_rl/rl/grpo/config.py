@@ -58,9 +58,9 @@ class LossConfig:
     eps_low: float = 0.2
     eps_high: float = 0.28  # clip-higher
     dual_clip: float | None = None
-    mismatch: str = "none"  # none | tis | mis_token | mis_seq | opsm
+    mismatch: str = "none"  # none | tis | mis_token | geo_rs | mis_seq | opsm
     is_cap: float = 2.0  # tis: weights capped at this
-    is_lo: float = 0.5  # mis_token / mis_seq: kept ratio range [lo, hi]
+    is_lo: float = 0.5  # mis_token / geo_rs / mis_seq: kept ratio range [lo, hi]
     is_hi: float = 2.0
     opsm_delta: float = 0.1  # opsm: mean log(mu/pi) threshold for negative-advantage sequences
     kl_coef: float = 0.0  # KL to the frozen initial policy in the loss; 0 = off
