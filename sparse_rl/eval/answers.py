@@ -1,161 +1,198 @@
-"""Final-answer extraction from completions and gold answers, and answer equivalence.
+"""The one answer rule: final-answer extraction and equivalence, shared by every scorer.
 
-Extraction (from a model's completion), first match wins:
-  1. the last `\\boxed{...}` / `\\fbox{...}` (balanced braces, so `\\boxed{\\frac{1}{2}}` works);
-  2. GSM8K's `#### N` marker (the last one);
-  3. "the answer is X" (the last occurrence; X is a `$...$` span, else the leading number or word);
-  4. the last number in the text.
-Equivalence is decided by math-verify (`verify(gold, pred)`, gold first, as its API asks) when it
-can parse both sides; when it cannot parse one of them we fall back to comparing the last numbers
-of both strings, then normalised strings. Purely textual gold answers (names, option letters)
-skip math-verify, whose LaTeX parser would read "abc" as the product a*b*c and call "cba" equal.
+`reward=math` (rl/rewards.py), the synth verifiers (synth/math_tasks.py, synth/envs/base.py) and
+`eval math` all call `answer_verdict(completion, gold)`, so a completion gets the same score
+wherever it is scored. The rule is math-verify's (huggingface/Math-Verify), configured as its own
+test suite compares answers (`compare_strings` in its tests/test_all.py, the latex + expression
+targets):
+
+  - both sides are parsed with `[LatexExtractionConfig(boxed_match_priority=0),
+    ExprExtractionConfig()]`: `\\boxed{}` answers first (all of them: `\\boxed{1}\\boxed{2}` is the
+    set {1, 2}), then other LaTeX (`$...$`, `\\(...\\)`, "the final answer is"), then plain
+    expressions; the last match in the text wins;
+  - a gold without LaTeX delimiters (a dataset's answer field: `(1,3)`, `\\sqrt3`, `10\\%`, `2x+1`)
+    is read inside `$...$`, the way the dataset means it (bare, math-verify extracts nothing from
+    `(1,3)` and only the 2 of `2x+1`); a plain number (`1,000`, `-2.5`) is read bare;
+  - `verify(gold, pred)`, gold first as its API asks, default precision (6 decimals), strict.
+
+Our deliberate differences, each where math-verify gives no verdict or a meaningless one:
+  - a prediction from which math-verify extracts nothing, against a gold that is a plain number, is
+    scored by the last number in the completion (GSM8K-style "... so 72 apples");
+  - a gold that is a word or phrase of two or more letters ("Paris", "Tuesday") is compared as
+    normalised text with the completion's final answer (last `\\boxed{}`, else the text after
+    "answer is", else the last line), because math-verify's LaTeX parser reads "Paris" as the
+    product P*a*r*i*s and would accept "sirap";
+  - math-verify raising on a pathological expression is a wrong answer (0), not a crash.
+A gold that neither parse nor these rules can read gives no verdict (None).
+
+`extract_answer(completion)` reports what was extracted (for `eval math`'s per-sample records).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import re
+import threading
 from dataclasses import dataclass
-from fractions import Fraction
+from functools import lru_cache
 
-# A number as models write it: sign, thousands separators, decimals, an optional fraction part.
-_NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?|-?\.\d+"
-_NUMBER_RE = re.compile(_NUMBER)
-_HASHES_RE = re.compile(r"####\s*([^\n]*)")
+# A plain number as a gold answer field holds it: sign, digits with proper thousands groups, decimals.
+_PLAIN_NUMBER_RE = re.compile(r"^\s*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\s*$")
+# The numbers of a free-text completion (for the plain-number fallback only).
+_NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+_TEXTUAL_RE = re.compile(r"^[A-Za-z][A-Za-z _\-'.]*[A-Za-z.]$")
+_DELIMITED_RE = re.compile(r"\$|\\\(|\\\[|\\boxed|\\fbox")
 _ANSWER_IS_RE = re.compile(r"answer\s+is\s*[:=]?\s*", re.IGNORECASE)
-_DOLLAR_RE = re.compile(r"\$+([^$]+)\$+")
-_TEXTUAL_RE = re.compile(r"^[A-Za-z][A-Za-z _\-'.]*$")
 
 
 @dataclass(frozen=True)
 class Extracted:
-    """An extracted answer string and how it was found (boxed, hashes, answer_is, last_number)."""
+    """An extracted answer string and how it was found: math_verify | last_number | text | none."""
 
     answer: str | None
-    method: str  # "boxed" | "hashes" | "answer_is" | "last_number" | "none"
+    method: str
+
+
+def _timeout() -> int | None:
+    # math-verify's timeouts use SIGALRM, which only the main thread may set; elsewhere run without.
+    return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+@lru_cache(maxsize=1)
+def _config():
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+    # math-verify logs its own parse failures at warning level; a failure here is just "no answer".
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    logging.getLogger("latex2sympy2_extended").setLevel(logging.ERROR)
+    return [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+
+
+def _parse(text: str) -> list:
+    from math_verify import parse
+
+    try:
+        return parse(text, _config(), parsing_timeout=_timeout())
+    except Exception:  # noqa: BLE001 - a parser crash on odd input is "nothing extracted"
+        return []
+
+
+@lru_cache(maxsize=4096)
+def parse_gold(gold: str) -> tuple:
+    """math-verify's parse of a gold answer. A plain number (`1,000`) is read bare; any other gold
+    without LaTeX delimiters inside `$...$` first (bare, math-verify's expression extraction reads
+    `2x+1` as 2), each falling back to the other."""
+    if _DELIMITED_RE.search(gold):
+        return tuple(_parse(gold))
+    forms = (gold, f"${gold}$") if _PLAIN_NUMBER_RE.match(gold) else (f"${gold}$", gold)
+    for form in forms:
+        parsed = _parse(form)
+        if parsed:
+            return tuple(parsed)
+    return ()
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` or `\\fbox{...}` (brace-balanced), or `\\boxed N`; None if absent."""
+    """Content of the last `\\boxed{...}` / `\\fbox{...}` (brace-balanced), or None."""
     best = None
-    for m in re.finditer(r"\\(?:boxed|fbox)\s*", text):
-        i = m.end()
-        if i < len(text) and text[i] == "{":
-            depth, j = 0, i
-            while j < len(text):
-                if text[j] == "{":
-                    depth += 1
-                elif text[j] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        break
-                j += 1
-            if depth == 0:
-                best = text[i + 1 : j].strip()
-        else:  # "\boxed 5" form: up to the next whitespace or "$"
-            tail = re.match(r"[^\s$]+", text[i:])
-            if tail:
-                best = tail.group(0).strip()
+    for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
+        depth, j = 1, m.end()
+        while j < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            j += 1
+        if depth == 0:
+            best = text[m.end():j - 1].strip()
     return best
 
 
 def last_number(text: str) -> str | None:
-    """The last number in `text` with thousands separators removed ("1,234.5" -> "1234.5"), or None."""
+    """The last number in `text`, thousands separators removed ("1,234.5" -> "1234.5"); None if none."""
     found = _NUMBER_RE.findall(text)
-    if not found:
-        return None
-    return found[-1].replace(",", "").replace(" ", "").rstrip(".")
+    return found[-1].replace(",", "") if found else None
 
 
-def _clean_tail(s: str) -> str:
-    s = s.strip()
-    dollar = _DOLLAR_RE.search(s)
-    if dollar:
-        return dollar.group(1).strip()
-    num = re.match(r"\s*(" + _NUMBER + r")", s)
-    if num:
-        return num.group(1).replace(",", "")
-    # A word answer ("the answer is Paris."): up to the sentence end.
-    return re.split(r"[.\n;,]\s|[.\n]$|\n", s, maxsplit=1)[0].strip().rstrip(".")
-
-
-def extract_answer(completion: str) -> Extracted:
-    """Find the final answer in a model completion (see the module docstring for the order)."""
+def _final_text(completion: str) -> str:
+    """A completion's final answer as text: last \\boxed{}, else after the last "answer is", else the last line."""
     boxed = last_boxed(completion)
-    if boxed:
-        return Extracted(boxed, "boxed")
-    hashes = _HASHES_RE.findall(completion)
-    if hashes and hashes[-1].strip():
-        return Extracted(_clean_tail(hashes[-1]), "hashes")
+    if boxed is not None:
+        return boxed
     spans = list(_ANSWER_IS_RE.finditer(completion))
     if spans:
-        tail = completion[spans[-1].end():]
-        ans = _clean_tail(tail)
-        if ans:
-            return Extracted(ans, "answer_is")
-    num = last_number(completion)
-    if num is not None:
-        return Extracted(num, "last_number")
+        return re.split(r"[\n]|[.;,](?:\s|$)", completion[spans[-1].end():].strip(), maxsplit=1)[0]
+    lines = [ln for ln in completion.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def _norm_text(s: str) -> str:
+    s = re.sub(r"\\text(?:bf|rm|it)?\{([^}]*)\}", r"\1", s)
+    s = s.replace("$", "").strip().strip(".*`'\"").strip()
+    return re.sub(r"\s+", " ", s).casefold()
+
+
+def is_textual(gold: str) -> bool:
+    """A word or phrase answer ("Paris", "New York"): two or more letters, no digits or LaTeX."""
+    return bool(_TEXTUAL_RE.match(gold.strip()))
+
+
+def extract_answer(completion: str, gold: str | None = None) -> Extracted:
+    """What the rule reads as `completion`'s final answer (given `gold`, the same path the verdict takes)."""
+    if gold is not None and is_textual(gold):
+        text = _final_text(completion)
+        return Extracted(text or None, "text" if text else "none")
+    parsed = _parse(completion)
+    if parsed:
+        return Extracted(str(parsed[-1]), "math_verify")
+    if gold is None or _PLAIN_NUMBER_RE.match(gold):
+        num = last_number(completion)
+        if num is not None:
+            return Extracted(num, "last_number")
     return Extracted(None, "none")
 
 
-def gold_answer(value) -> str:
-    """Normalise a gold answer field: numbers as text, GSM8K "... #### 72" -> "72", MATH solutions
-    -> their last boxed content, anything else as the stripped string."""
+def _verify(gold, pred) -> bool:
+    from math_verify import verify
+
+    try:
+        return bool(verify(list(gold), list(pred), timeout_seconds=_timeout()))
+    except Exception:  # noqa: BLE001 - math-verify can raise on pathological expressions: a wrong answer
+        return False
+
+
+def answer_verdict(completion: str, gold) -> float | None:
+    """1.0 if `completion`'s final answer equals `gold` under the rule above, 0.0 if not, None if
+    the gold cannot be read at all. `gold` may be a string or a number."""
+    gold_text = gold_string(gold)
+    if is_textual(gold_text):
+        return 1.0 if _norm_text(_final_text(completion)) == _norm_text(gold_text) else 0.0
+    g = parse_gold(gold_text)
+    if not g:
+        return None
+    pred = _parse(completion)
+    if pred:
+        return 1.0 if _verify(g, pred) else 0.0
+    if _PLAIN_NUMBER_RE.match(gold_text):
+        num = last_number(completion)
+        if num is not None:
+            return 1.0 if _verify(g, _parse(num)) else 0.0
+    return 0.0
+
+
+def gold_string(value) -> str:
+    """A gold answer as text: numbers as written, strings stripped. Raises ValueError for anything else."""
     if isinstance(value, bool) or value is None:
         raise ValueError(f"expected a string or a number as the answer, got {value!r}")
     if isinstance(value, (int, float)):
         return repr(value) if isinstance(value, float) else str(value)
     if not isinstance(value, str):
         raise ValueError(f"expected a string or a number as the answer, got {type(value).__name__}")
-    if "####" in value:
-        tail = value.rsplit("####", 1)[1].strip()
-        return tail.replace(",", "") if _NUMBER_RE.fullmatch(tail) else tail
-    boxed = last_boxed(value)
-    if boxed:
-        return boxed
     return value.strip()
 
 
-def _normalise_text(s: str) -> str:
-    s = re.sub(r"\\text\{([^}]*)\}", r"\1", s)
-    s = s.replace("$", "").strip().strip(".").strip()
-    s = re.sub(r"^\((.*)\)$", r"\1", s)
-    return re.sub(r"\s+", " ", s).lower()
-
-
-def _numbers_equal(a: str, b: str) -> bool:
-    try:
-        fa, fb = Fraction(a.replace(" ", "")), Fraction(b.replace(" ", ""))
-    except (ValueError, ZeroDivisionError):
-        return False
-    return math.isclose(float(fa), float(fb), rel_tol=1e-6, abs_tol=1e-9)
-
-
-def _mv_parse(s: str):
-    """math-verify parse, reading the string as LaTeX (inside $...$) first, then as a plain expression."""
-    from math_verify import parse
-
-    if "$" in s or "\\boxed" in s:
-        return parse(s)
-    return parse(f"${s}$") or parse(s)
-
-
-def is_equivalent(gold: str, pred: str | None) -> bool:
-    """True if `pred` is the same answer as `gold` ("1/2" == "0.5" == "\\frac{1}{2}", "1,000" == "1000")."""
-    if pred is None or not pred.strip():
-        return False
-    if _TEXTUAL_RE.match(gold.strip()):
-        return _normalise_text(gold) == _normalise_text(pred)
-    from math_verify import verify
-
-    # math-verify logs its own parse failures at warning level; we handle them below.
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
-    g, p = _mv_parse(gold), _mv_parse(pred)
-    if g and p:
-        return bool(verify(g, p))
-    gn, pn = last_number(gold), last_number(pred)
-    if gn is not None and pn is not None:
-        return _numbers_equal(gn, pn)
-    return _normalise_text(gold) == _normalise_text(pred)
+def gold_answer(value) -> str:
+    """A problem record's gold field as an answer: GSM8K's "... #### 72" -> "72", a MATH solution ->
+    its last `\\boxed{}` content, anything else as `gold_string`."""
+    text = gold_string(value)
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1].strip()
+        return tail.replace(",", "") if _PLAIN_NUMBER_RE.match(tail) else tail
+    return text

@@ -7,6 +7,10 @@ same id are several samples of that problem. A completion record joins its probl
 `prompt_id` when it has one, else through `id`; a completion that carries `answer` itself needs no
 problems file.
 
+Scoring: the project's one answer rule (`sparse_rl.eval.answers.answer_verdict`, math-verify with
+boxed answers first; the same as `reward=math` and `reward=synth`); a reasoning-gym task
+(`task: rg/*`, with the `meta` `sparse-rl synth` wrote) by its dataset's own `score_answer`.
+
 pass@k is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on
 Code", eq. 1): with n samples of which c are correct, pass@k = 1 - C(n-c, k) / C(n, k), computed
 as 1 - prod_{i=n-c+1..n} (1 - k/i) so that large n does not overflow.
@@ -20,7 +24,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from sparse_rl.errors import SparseRLError, UsageError
-from sparse_rl.eval.answers import extract_answer, gold_answer, is_equivalent
+from sparse_rl.eval.answers import answer_verdict, extract_answer, gold_answer
 from sparse_rl.io import iter_jsonl
 
 
@@ -80,7 +84,7 @@ def load_problems(path: str | Path) -> dict[str, dict]:
         prompt = {k: rec[k] for k in ("messages", "prompt") if k in rec}
         if not prompt and isinstance(rec.get("question"), str):  # GSM8K's own field name
             prompt = {"prompt": rec["question"]}
-        problems[pid] = {"gold": gold, "task": rec.get("task"), "input": prompt}
+        problems[pid] = {"gold": gold, "task": rec.get("task"), "input": prompt, "meta": rec.get("meta")}
     return problems
 
 
@@ -105,19 +109,18 @@ def score_completions(completions: Iterable[dict], problems: dict[str, dict] | N
                 gold = gold_answer(rec["answer"])
             except ValueError as e:
                 raise SparseRLError(f"{source} record {i}: {e}") from None
-            task = rec.get("task")
+            task, meta = rec.get("task"), rec.get("meta")
         elif problems is not None:
             if pid not in problems:
                 raise SparseRLError(f"{source} record {i}: id '{pid}' is not in the problems file "
                                     f"(pass the problems file the prompts came from)")
-            gold, task = problems[pid]["gold"], problems[pid]["task"]
+            gold, task, meta = problems[pid]["gold"], problems[pid]["task"], problems[pid].get("meta")
         else:
             raise SparseRLError(f"{source} record {i}: no 'answer' in the record and no --problems file "
                                 f"to join on 'id'")
-        ext = extract_answer(text)
-        ok = is_equivalent(gold, ext.answer)
+        sample = _score_one(text, gold, task, meta, pid)
         entry = grouped.setdefault(pid, {"id": pid, "task": task, "gold": gold, "samples": []})
-        entry["samples"].append({"pred": ext.answer, "method": ext.method, "correct": ok})
+        entry["samples"].append(sample)
     results = []
     for entry in grouped.values():
         n = len(entry["samples"])
@@ -125,6 +128,23 @@ def score_completions(completions: Iterable[dict], problems: dict[str, dict] | N
         results.append({"id": entry["id"], "task": entry["task"], "gold": entry["gold"], "n": n,
                         "correct": c, "pass@1": c / n, "samples": entry["samples"]})
     return results
+
+
+def _score_one(text: str, gold: str, task, meta, pid: str) -> dict:
+    """One sample: `{"pred", "method", "correct"}`. A reasoning-gym task (`rg/*`) is scored by its
+    dataset's own `score_answer` (as `reward=synth` does); anything else by the one answer rule."""
+    if str(task or "").startswith("rg/"):
+        from sparse_rl.synth.rg_adapter import extract_answer as rg_extract
+        from sparse_rl.synth.rg_adapter import verify_rg
+
+        score = verify_rg({"id": pid, "task": task, "answer": gold, "meta": meta or {}}, text)
+        return {"pred": rg_extract(text), "method": "rg_score_answer", "correct": score >= 1.0, "score": score}
+    ext = extract_answer(text, gold)
+    verdict = answer_verdict(text, gold)
+    sample = {"pred": ext.answer, "method": ext.method, "correct": verdict == 1.0}
+    if verdict is None:
+        sample["method"] = "ungradable_gold"  # math-verify cannot read the gold: counted wrong, reported
+    return sample
 
 
 def default_ks(min_n: int) -> list[int]:

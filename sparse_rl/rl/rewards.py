@@ -16,9 +16,7 @@ import importlib
 import importlib.util
 import math
 import numbers
-import re
 import sys
-import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -62,58 +60,30 @@ def length_penalty(lengths: torch.Tensor | Sequence[int], *, max_len: int, cache
 
 # ----------------------------------------------------------------------------- built-in math reward
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-
-
-def _last_number(text: str) -> str | None:
-    found = _NUMBER.findall(text)
-    return found[-1].replace(",", "") if found else None
-
-
-def _timeouts() -> dict:
-    # math-verify's timeouts use SIGALRM, which only the main thread may set; elsewhere run without.
-    main = threading.current_thread() is threading.main_thread()
-    return {"parsing_timeout": 5 if main else None}
-
-
-def _parse(text: str) -> list:
-    from math_verify import parse
-
-    parsed = parse(text, **_timeouts())
-    if not parsed:
-        num = _last_number(text)
-        if num is not None:
-            parsed = parse(num, **_timeouts())
-    return parsed
-
-
 def math_verdict(completion_text: str, answer) -> float | None:
-    """1.0 if the completion's final answer equals `answer` under math-verify, else 0.0; None if the gold cannot be parsed.
+    """1.0 if the completion's final answer equals `answer`, else 0.0; None if the gold cannot be read.
 
-    The gold is parsed as LaTeX (wrapped in \\boxed{} unless it already has $ or \\boxed), the
-    completion with math-verify's default extraction (boxed answers first); when either finds
-    nothing, the last number in the text is used. `verify(gold, pred)` takes the gold first.
+    The project's one answer rule (`sparse_rl.eval.answers.answer_verdict`: math-verify, boxed
+    answers first), the same that `reward=synth` and `eval math` apply.
     """
-    from math_verify import verify
+    from sparse_rl.eval.answers import answer_verdict
 
-    gold_text = str(answer).strip()
-    gold = _parse(gold_text if ("$" in gold_text or "\\boxed" in gold_text) else "\\boxed{" + gold_text + "}")
-    if not gold:
-        return None
-    pred = _parse(completion_text)
-    if not pred:
-        return 0.0
-    main = threading.current_thread() is threading.main_thread()
-    try:
-        return 1.0 if verify(gold, pred, timeout_seconds=5 if main else None) else 0.0
-    except Exception:  # noqa: BLE001 - math-verify can raise on pathological expressions: a wrong answer
-        return 0.0
+    return answer_verdict(completion_text, answer)
 
 
 def math_reward(completions: list[dict], tasks: list[dict]) -> list[float | None]:
-    """Built-in reward for tasks with an `answer`: `math_verdict(completion["completion"], task["answer"])`."""
+    """Built-in reward for tasks with an `answer`: `math_verdict(completion["completion"], task["answer"])`.
+
+    A reasoning-gym task (`task: rg/...`) is an error: its answers are scored by the dataset's own
+    `score_answer`, which `reward=synth` calls.
+    """
     out: list[float | None] = []
     for comp, task in zip(completions, tasks):
+        kind = str(task.get("task") or "")
+        if kind.startswith("rg/"):
+            raise SparseRLError(f"task {task.get('id')} is a reasoning-gym task ({kind}): the math reward would "
+                                f"score it with the wrong rule; use reward=synth (reward.fn: synth), which calls "
+                                f"the dataset's own score_answer")
         if task.get("answer") is None:
             raise SparseRLError("the task has no 'answer' field; the math reward compares the completion against it")
         out.append(math_verdict(str(comp.get("completion", "")), task["answer"]))

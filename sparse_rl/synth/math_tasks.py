@@ -14,8 +14,8 @@ Families (the `task` field is `math/<family>`):
     scattered through filler text, the question at the end; `level` sets the chain length
     (level + 1 hops, some with an added constant) and `length` the filler length in words.
 
-The prompt asks for the final answer in \\boxed{}; `verify_math` scores any completion with
-math-verify against the gold answer.
+The prompt asks for the final answer in \\boxed{}; `verify_math` scores any completion by the
+project's one answer rule (sparse_rl/eval/answers.py) against the gold answer.
 """
 
 from __future__ import annotations
@@ -192,22 +192,9 @@ def corrupt_answer(answer: str) -> str:
         return answer + "x"
 
 
-_MV_CACHE: dict[str, object] = {}
-
-
 def verify_math(answer: str, completion: str) -> float:
-    """1.0 if math-verify finds the gold `answer` in `completion` (last \\boxed{} or number), else 0.0."""
-    from math_verify import parse, verify
+    """1.0 if `completion`'s final answer equals the gold `answer`, else 0.0: the project's one answer
+    rule (`sparse_rl.eval.answers.answer_verdict`, math-verify with boxed answers first)."""
+    from sparse_rl.eval.answers import answer_verdict
 
-    gold = _MV_CACHE.get(answer)
-    if gold is None:
-        gold = _MV_CACHE[answer] = parse(answer)
-    # math-verify's timeouts use SIGALRM, which only works on the main thread.
-    import threading
-
-    main = threading.current_thread() is threading.main_thread()
-    t = 5 if main else None
-    try:
-        return 1.0 if verify(gold, parse(completion, parsing_timeout=t), timeout_seconds=t) else 0.0
-    except Exception:  # math-verify raises on pathological input; that is a wrong answer, not a crash
-        return 0.0
+    return answer_verdict(completion, answer) or 0.0

@@ -53,7 +53,16 @@ def extract_answer(text: str) -> str:
 
 
 def verify_rg(task: dict, completion: str) -> float:
+    """The reasoning-gym dataset's own `score_answer` of the completion's last <answer>...</answer>
+    (the whole text when there is none), the entry rebuilt from (rg_dataset, rg_seed, rg_size,
+    rg_index) in the task's `meta`."""
     meta = task.get("meta") or {}
+    missing = [k for k in ("rg_dataset", "rg_seed", "rg_size", "rg_index") if k not in meta]
+    if missing:
+        from sparse_rl.errors import SparseRLError
+
+        raise SparseRLError(f"task {task.get('id')} ({task.get('task')}): meta has no {missing[0]}; reasoning-gym "
+                            f"tasks are scored from the record `sparse-rl synth` wrote (keep its meta)")
     ds = _dataset(meta["rg_dataset"], int(meta["rg_seed"]), int(meta["rg_size"]))
     entry = ds[int(meta["rg_index"])]
     return float(ds.score_answer(answer=extract_answer(completion), entry=entry))

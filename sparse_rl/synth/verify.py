@@ -1,8 +1,8 @@
 """The one verifier entry point other stages call: `verify(task, completion) -> float` in [0, 1].
 
 Dispatches on the task record's `task` field:
-  - `math/*` (and any task with a plain `answer` and no tool environment): math-verify of the gold
-    answer against the completion's last \\boxed{} / number;
+  - `math/*` (and any task with a plain `answer` and no tool environment): the project's one answer
+    rule (sparse_rl/eval/answers.py: math-verify, boxed answers first);
   - `tool/*`: replays the completion's tool calls in a fresh environment built from `meta.state`
     and checks the final state and answer (see tool_tasks.verify_tool for the accepted formats);
   - `rg/*`: reasoning-gym's own scorer (needs the optional reasoning-gym package).

@@ -95,9 +95,9 @@ def answer_matches(gold: str, text: str | None, kind: str) -> bool:
         return False
     got = extract_final(text)
     if kind == "number":
-        from sparse_rl.synth.math_tasks import verify_math
+        from sparse_rl.eval.answers import answer_verdict
 
-        return verify_math(gold, f"\\boxed{{{got}}}") == 1.0
+        return answer_verdict(f"\\boxed{{{got}}}", gold) == 1.0
     if kind == "time":
         m = re.fullmatch(r"\s*(\d{1,2}):(\d{2})\s*", got)
         g = re.fullmatch(r"(\d{1,2}):(\d{2})", gold)
