@@ -112,12 +112,18 @@ def math_cmd(
 @app.command("niah")
 def niah_cmd(
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Local tokenizer or model dir (for building)."),
-    tasks: Optional[str] = typer.Option(None, "--tasks", help="single,multikey,multivalue,multiquery,vt"),
+    preset: Optional[str] = typer.Option(None, "--preset", help="grid (depth x length heatmaps, default) or ruler "
+                                                                "(RULER's 13 tasks, lengths and metrics)."),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="ruler: the model's chat template around "
+                                                                       "each task (default: when it has one)."),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="grid: single,multikey,multivalue,multiquery,vt; "
+                                                              "ruler: niah_single_1,...,vt,cwe,fwe (default all)"),
     lengths: Optional[str] = typer.Option(None, "--lengths", help="Prompt lengths in tokens, e.g. 1k,4k,16k."),
     depths: Optional[str] = typer.Option(None, "--depths", help="Needle depths in [0,1], e.g. 0,0.25,0.5,0.75,1."),
     samples: Optional[int] = typer.Option(None, "--samples", help="Prompts per (task, length, depth) cell."),
     seed: Optional[int] = typer.Option(None, "--seed"),
-    haystack: Optional[str] = typer.Option(None, "--haystack", help="Filler text file (default: repeated sentences)."),
+    haystack: Optional[str] = typer.Option(None, "--haystack", help="Filler text file (default: repeated sentences); "
+                                                                    "ruler: the essay text its essay tasks need."),
     prompts_out: Optional[str] = typer.Option(None, "--prompts-out",
                                               help="Build the grid: write prompts JSONL ('-' = stdout)."),
     prompts: Optional[str] = typer.Option(None, "--prompts", help="Prompts JSONL (from --prompts-out) to score."),
@@ -146,7 +152,7 @@ def niah_cmd(
         from sparse_rl.eval.niah import NiahConfig
 
         cfg = load_config(NiahConfig, config, {
-            "tokenizer": tokenizer, "tasks": _strs(tasks), "lengths": _ints("--lengths", lengths),
+            "tokenizer": tokenizer, "preset": preset, "chat": chat, "tasks": _strs(tasks), "lengths": _ints("--lengths", lengths),
             "depths": _floats("--depths", depths), "samples": samples, "seed": seed, "haystack": haystack,
             "prompts_out": prompts_out, "prompts": prompts, "score": score or None, "out": out, "model": model,
             "modes": _strs(modes), "device": device, "dtype": dtype, "batch_size": batch_size,
@@ -169,19 +175,22 @@ def niah_cmd(
 def _niah_build(cfg) -> None:
     from rich.progress import Progress
 
-    from sparse_rl.eval.niah import build_niah_prompts, load_tokenizer
+    from sparse_rl.eval.niah import build_niah_prompts, load_tokenizer, prompt_plan
     from sparse_rl.io import write_jsonl
 
-    cfg.check()
+    cells, notes = prompt_plan(cfg)
     if not cfg.tokenizer:
         raise UsageError("--tokenizer DIR is required to build prompts at exact token lengths")
     tok = load_tokenizer(cfg.tokenizer)
-    total = len(cfg.tasks) * len(cfg.lengths) * len(cfg.depths) * cfg.samples
+    for note in notes:
+        console.print(f"[yellow]{note}[/]")
     with Progress(console=console, transient=True) as bar:
-        job = bar.add_task("building NIAH prompts", total=total)
+        job = bar.add_task(f"building {cfg.preset} prompts", total=len(cells))
         recs = build_niah_prompts(tok, cfg, progress=lambda: bar.advance(job))
     n = write_jsonl(cfg.prompts_out, recs)
-    console.print(f"wrote {n} NIAH prompts ({', '.join(cfg.tasks)}; lengths {cfg.lengths}; depths {cfg.depths})"
+    tasks = list(dict.fromkeys(c[0] for c in cells))
+    depths = f"; depths {cfg.depths}" if cfg.depths else ""
+    console.print(f"wrote {n} {cfg.preset} prompts ({', '.join(tasks)}; lengths {cfg.lengths}{depths})"
                   f" to {'stdout' if cfg.prompts_out == '-' else cfg.prompts_out}")
 
 
@@ -230,6 +239,12 @@ def _niah_table(summary: dict) -> None:
     console.print(table)
     if "difference" in summary:
         console.print(f"sparse - dense: mean {_fmt(summary['difference']['sparse-dense']['mean'])}")
+    for mode, m in summary["modes"].items():
+        if "ruler" in m:  # RULER's own table: percent per task and length, Avg. over tasks
+            console.print(f"RULER ({mode}) avg by length: " + ", ".join(
+                f"{n}: {_fmt(v)}" for n, v in m["ruler"]["avg"].items()))
+    for note in summary.get("skipped", []):
+        console.print(f"[yellow]{note}[/]")
 
 
 @app.command("fidelity")

@@ -61,18 +61,30 @@ _VT_SUFFIX = ("\nQuestion: Find all variables that are assigned the value {value
               " are assigned the value {value}, they are:")
 
 
+PRESETS = ("grid", "ruler")
+# Per preset: (tasks, lengths, depths, samples) when not given. RULER's tables: 500 samples per
+# task and length, lengths 4k..128k, every task, depths drawn at random per sample.
+_DEFAULTS = {
+    "grid": (["single"], [1024, 2048, 4096], [0.0, 0.25, 0.5, 0.75, 1.0], 1),
+    "ruler": (None, [4096, 8192, 16384, 32768, 65536, 131072], None, 500),
+}
+
+
 @dataclass
 class NiahConfig:
-    """Options of `sparse-rl eval niah` (YAML keys = these names)."""
+    """Options of `sparse-rl eval niah` (YAML keys = these names). Unset grid fields take their
+    preset's default (`check()` fills them in)."""
 
     tokenizer: Optional[str] = None  # local HF tokenizer (or model) dir used to measure lengths
-    tasks: list[str] = field(default_factory=lambda: ["single"])
-    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
-    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
-    samples: int = 1  # prompts per (task, length, depth) cell
+    preset: str = "grid"  # grid: our depth x length heatmaps | ruler: RULER's 13 tasks and accounting
+    tasks: Optional[list[str]] = None  # grid: single; ruler: all it can build
+    lengths: Optional[list[int]] = None  # grid: 1k, 2k, 4k (prompt tokens); ruler: 4k..128k (prompt + generation)
+    depths: Optional[list[float]] = None  # grid only: 0, .25, .5, .75, 1
+    samples: Optional[int] = None  # prompts per cell; grid: 1, ruler: 500
     seed: int = 0
-    haystack: Optional[str] = None  # text file for the filler; default: RULER's repeated noise sentences
-    add_special_tokens: bool = True  # count BOS/EOS the tokenizer adds, as the model will see them
+    haystack: Optional[str] = None  # grid: filler text file (default RULER's noise); ruler: the essay text
+    chat: Optional[bool] = None  # ruler: wrap in the chat template (None: when the tokenizer has one)
+    add_special_tokens: bool = True  # grid: count BOS/EOS the tokenizer adds, as the model will see them
     prompts_out: Optional[str] = None  # write the built prompts JSONL here ("-" = stdout)
     prompts: Optional[str] = None  # prompts JSONL (from --prompts-out) to score against
     score: list[str] = field(default_factory=list)  # MODE=completions.jsonl, e.g. dense=d.jsonl
@@ -82,16 +94,34 @@ class NiahConfig:
     device: str = "auto"
     dtype: str = "auto"
     batch_size: int = 16  # decode slots of the rollout engine
-    max_new_tokens: int = 0  # 0 = RULER's budget per task (128; vt 30)
+    max_new_tokens: int = 0  # grid: 0 = RULER's budget per task (128; vt 30)
 
     def check(self) -> None:
-        bad = [t for t in self.tasks if t not in TASKS]
-        if bad:
-            raise UsageError(f"--tasks: unknown task '{bad[0]}' (choose from {', '.join(TASKS)})")
-        if not self.tasks or not self.lengths or not self.depths:
-            raise UsageError("--tasks, --lengths and --depths each need at least one value")
-        if any(not 0.0 <= d <= 1.0 for d in self.depths):
-            raise UsageError("--depths: every depth is a fraction of the haystack in [0, 1]")
+        if self.preset not in PRESETS:
+            raise UsageError(f"--preset {self.preset}: choose from {', '.join(PRESETS)}")
+        tasks, lengths, depths, samples = _DEFAULTS[self.preset]
+        if self.preset == "ruler":
+            for flag, given in (("--depths", self.depths), ("--max-new-tokens", self.max_new_tokens)):
+                if given:
+                    raise UsageError(f"{flag}: the ruler preset uses RULER's (random needle depths, per-task "
+                                     f"generation budgets inside the length); drop {flag}")
+        elif self.chat is not None:
+            raise UsageError("--chat/--no-chat: applies to --preset ruler (the grid preset is plain text)")
+        self.tasks = tasks if self.tasks is None else self.tasks
+        self.lengths = lengths if self.lengths is None else self.lengths
+        self.depths = depths if self.depths is None else self.depths
+        self.samples = samples if self.samples is None else self.samples
+        if self.preset == "grid":
+            bad = [t for t in self.tasks if t not in TASKS]
+            if bad:
+                raise UsageError(f"--tasks: unknown task '{bad[0]}' (choose from {', '.join(TASKS)}; "
+                                 f"RULER's names need --preset ruler)")
+            if not self.tasks or not self.depths:
+                raise UsageError("--tasks, --lengths and --depths each need at least one value")
+            if any(not 0.0 <= d <= 1.0 for d in self.depths):
+                raise UsageError("--depths: every depth is a fraction of the haystack in [0, 1]")
+        if not self.lengths:
+            raise UsageError("--lengths: needs at least one value")
         if any(n <= 0 for n in self.lengths):
             raise UsageError("--lengths: every length is a positive number of tokens")
         if self.samples < 1:
@@ -155,6 +185,10 @@ class Haystack:
             ids.extend(tokenizer.encode(" " + s, add_special_tokens=False))
             bounds.append(len(ids))
             nxt += 1
+            # A whole cycle of sentences that added nothing would repeat forever.
+            if nxt >= len(self.sentences) and len(ids) == bounds[nxt - len(self.sentences)]:
+                raise SparseRLError(f"haystack {self.name}: the tokenizer encodes its sentences to no tokens; "
+                                    f"use a tokenizer that can encode this text")
         self._cache[id(tokenizer)] = (ids, bounds, nxt)
         return ids, bounds
 
@@ -329,21 +363,53 @@ def build_niah_sample(tokenizer, task: str, length: int, depth: float, *, seed: 
     }
 
 
-def build_niah_prompts(tokenizer, cfg: NiahConfig, haystack: Haystack | None = None, progress=None) -> list[dict]:
-    """Every prompt of the grid tasks x lengths x depths x samples, in that order."""
+def prompt_plan(cfg: NiahConfig) -> tuple[list[tuple], list[str]]:
+    """The prompts to build as (task, length, depth, sample) cells (depth None for ruler: drawn per
+    sample), and one-line notes on tasks skipped (ruler: essay tasks without --haystack, QA)."""
     cfg.check()
-    haystack = haystack or (Haystack.from_file(cfg.haystack) if cfg.haystack else Haystack.default())
-    cells = [(t, n, d, s) for t in cfg.tasks for n in cfg.lengths for d in cfg.depths for s in range(cfg.samples)]
+    if cfg.preset == "ruler":
+        from sparse_rl.eval.ruler import plan_tasks
+
+        tasks, notes = plan_tasks(cfg.tasks, bool(cfg.haystack))
+        return [(t, n, None, s) for t in tasks for n in cfg.lengths for s in range(cfg.samples)], notes
+    return [(t, n, d, s) for t in cfg.tasks for n in cfg.lengths for d in cfg.depths for s in range(cfg.samples)], []
+
+
+def build_niah_prompts(tokenizer, cfg: NiahConfig, haystack: Haystack | None = None, progress=None) -> list[dict]:
+    """Every prompt of `prompt_plan(cfg)`, in that order (grid: tasks x lengths x depths x samples;
+    ruler: tasks x lengths x samples)."""
+    cells, _ = prompt_plan(cfg)
+    if cfg.preset == "ruler":
+        from sparse_rl.eval.ruler import RulerBuilder, read_essay
+
+        chat = cfg.chat if cfg.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+        builder = RulerBuilder(tokenizer, seed=cfg.seed, essay=read_essay(cfg.haystack) if cfg.haystack else None,
+                               essay_name=str(cfg.haystack or ""), chat=chat)
+        make = lambda t, n, d, s: builder.sample(t, n, s)  # noqa: E731
+    else:
+        haystack = haystack or (Haystack.from_file(cfg.haystack) if cfg.haystack else Haystack.default())
+
+        def make(t, n, d, s):
+            rec = build_niah_sample(tokenizer, t, n, d, seed=cfg.seed, sample=s, haystack=haystack,
+                                    add_special_tokens=cfg.add_special_tokens)
+            if cfg.max_new_tokens:
+                rec["meta"]["max_new_tokens"] = cfg.max_new_tokens
+            return rec
     out = []
-    for t, n, d, s in cells:
-        rec = build_niah_sample(tokenizer, t, n, d, seed=cfg.seed, sample=s, haystack=haystack,
-                                add_special_tokens=cfg.add_special_tokens)
-        if cfg.max_new_tokens:
-            rec["meta"]["max_new_tokens"] = cfg.max_new_tokens
-        out.append(rec)
+    for cell in cells:
+        out.append(make(*cell))
         if progress is not None:
             progress()
     return out
+
+
+def score_output(output: str, rec: dict) -> float:
+    """A sample's score in [0, 1]: RULER's metric for ruler records, `string_match_all` for the grid."""
+    if rec["meta"].get("preset") == "ruler":
+        from sparse_rl.eval.ruler import sample_score
+
+        return sample_score(output, rec)
+    return string_match_all(output, rec["answer"])
 
 
 def load_tokenizer(path: str | Path):

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from sparse_rl.errors import SparseRLError
-from sparse_rl.eval.niah import string_match_all
+from sparse_rl.eval.niah import score_output
 from sparse_rl.io import append_jsonl, atomic_write_json, iter_jsonl
 
 GenerateFn = Callable[[list[str], int], list[str]]
@@ -29,9 +29,18 @@ CELLS_FILE = "cells.jsonl"
 SUMMARY_FILE = "summary.json"
 
 
-def _cell_of(rec: dict) -> tuple[str, int, float]:
+def _depth(value) -> float | None:
+    """A cell's depth; None for ruler cells (RULER draws needle depths per sample)."""
+    return None if value is None else float(value)
+
+
+def _cell_of(rec: dict) -> tuple[str, int, float | None]:
     m = rec["meta"]
-    return rec["task"], int(m["length"]), float(m["depth"])
+    return rec["task"], int(m["length"]), _depth(m["depth"])
+
+
+def _cell_name(mode: str, task: str, length: int, depth: float | None) -> str:
+    return f"{mode}/{task}/L{length}" + ("" if depth is None else f"/d{depth:g}")
 
 
 def _prompt_sha(records: list[dict]) -> str:
@@ -81,7 +90,7 @@ def load_cells(out_dir: str | Path) -> dict[tuple, dict]:
     path = Path(out_dir) / CELLS_FILE
     if not path.exists():
         return {}
-    return {(c["mode"], c["task"], int(c["length"]), float(c["depth"])): c for c in iter_jsonl(path)}
+    return {(c["mode"], c["task"], int(c["length"]), _depth(c["depth"])): c for c in iter_jsonl(path)}
 
 
 def run_niah(prompts: list[dict], generate_fns: Mapping[str, GenerateFn], out_dir: str | Path,
@@ -125,7 +134,7 @@ def run_cells(prompts: list[dict], responders: Mapping[str, Responder], out_dir:
             if prev is None:
                 todo.append((mode, key, recs))
             elif prev.get("prompt_sha") != _prompt_sha(recs):
-                raise SparseRLError(f"{out / CELLS_FILE}: cell {mode}/{key[0]}/L{key[1]}/d{key[2]:g} was scored on "
+                raise SparseRLError(f"{out / CELLS_FILE}: cell {_cell_name(mode, *key)} was scored on "
                                     f"different prompts (other seed, tokenizer, haystack, samples or "
                                     f"--max-new-tokens); use a new --out")
 
@@ -138,12 +147,12 @@ def run_cells(prompts: list[dict], responders: Mapping[str, Responder], out_dir:
         for group in _groups(todo, batch):
             mode = group[0][0]
             (task, length, depth) = group[0][1]
-            bar.update(job, description=f"{mode} {task} L={length} d={depth:g}" + (" ..." if len(group) > 1 else ""))
+            bar.update(job, description=_cell_name(mode, task, length, depth) + (" ..." if len(group) > 1 else ""))
             outputs = responders[mode]([r for _, _, recs in group for r in recs])
             for _, (task, length, depth), recs in group:
                 outs, outputs = outputs[:len(recs)], outputs[len(recs):]
-                scores = [string_match_all(o, r["answer"]) for o, r in zip(outs, recs)]
-                cell = {"id": f"{mode}/{task}/L{length}/d{depth:g}", "mode": mode, "task": task, "length": length,
+                scores = [score_output(o, r) for o, r in zip(outs, recs)]
+                cell = {"id": _cell_name(mode, task, length, depth), "mode": mode, "task": task, "length": length,
                         "depth": depth, "score": sum(scores) / len(scores), "n": len(recs),
                         "prompt_sha": _prompt_sha(recs),
                         "samples": [{"id": r["id"], "expected": r["answer"], "output": o, "score": sc,
@@ -174,49 +183,74 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def write_summary(done: Mapping[tuple, dict], grid_keys, modes: list[str], out: Path) -> dict:
-    """summary.json plus heatmap_<mode>.png (depth x length, mean over tasks) and, with both
-    dense and sparse, diff_sparse_minus_dense.png."""
+    """summary.json plus heatmap_<mode>.png and, with both dense and sparse,
+    diff_sparse_minus_dense.png. Grid cells: depth x length, mean over tasks. Ruler cells (no
+    depth): task x length, and per mode RULER's table (`ruler`: percent per task and length, and
+    the mean over tasks per length)."""
     from sparse_rl.eval.plots import difference_map, heatmap
 
     keys = list(grid_keys)
-    tasks = sorted({k[0] for k in keys})
     lengths = sorted({k[1] for k in keys})
-    depths = sorted({k[2] for k in keys})
+    ruler = all(k[2] is None for k in keys)
+    if ruler:
+        from sparse_rl.eval.ruler import TASKS as RULER_TASKS
+        from sparse_rl.eval.ruler import summary_table
 
-    def grid(mode: str, task_list: list[str]) -> list[list[float | None]]:
-        # rows = depths, columns = lengths (the usual NIAH picture: context length along x)
-        return [[_mean([done[(mode, t, n, d)]["score"] for t in task_list if (mode, t, n, d) in done])
-                 for n in lengths] for d in depths]
+        present = {k[0] for k in keys}
+        tasks = [t for t in RULER_TASKS if t in present] + sorted(present - set(RULER_TASKS))
+        depths: list = []
+        rows = [[(t, None)] for t in tasks]  # one row per task
+        row_labels, ylabel, metric = tasks, "task", "RULER metric"
+    else:
+        tasks = sorted({k[0] for k in keys})
+        depths = sorted({k[2] for k in keys})
+        rows = [[(t, d) for t in tasks] for d in depths]  # one row per depth, mean over tasks
+        row_labels, ylabel, metric = [f"{d:g}" for d in depths], "needle depth", "string_match_all"
+
+    def grid(mode: str) -> list[list[float | None]]:
+        # columns = lengths (the usual NIAH picture: context length along x)
+        return [[_mean([done[(mode, t, n, d)]["score"] for t, d in row if (mode, t, n, d) in done])
+                 for n in lengths] for row in rows]
+
+    def mean_where(mode: str, i: int, v) -> float | None:
+        return _mean([done[(mode, *k)]["score"] for k in keys if k[i] == v and (mode, *k) in done])
 
     summary: dict = {"tasks": tasks, "lengths": lengths, "depths": depths, "modes": {}, "files": {"cells": CELLS_FILE}}
+    if ruler:
+        summary["preset"] = "ruler"
     for mode in modes:
-        scores = [done[(mode, *k)]["score"] for k in keys if (mode, *k) in done]
-        summary["modes"][mode] = {
-            "mean": _mean(scores),
-            "by_task": {t: _mean([done[(mode, *k)]["score"] for k in keys if k[0] == t and (mode, *k) in done])
-                        for t in tasks},
-            "by_length": {str(n): _mean([done[(mode, *k)]["score"] for k in keys if k[1] == n and (mode, *k) in done])
-                          for n in lengths},
-            "by_depth": {f"{d:g}": _mean([done[(mode, *k)]["score"] for k in keys if k[2] == d and (mode, *k) in done])
-                         for d in depths},
-            "grid": grid(mode, tasks),
+        m = summary["modes"][mode] = {
+            "mean": _mean([done[(mode, *k)]["score"] for k in keys if (mode, *k) in done]),
+            "by_task": {t: mean_where(mode, 0, t) for t in tasks},
+            "by_length": {str(n): mean_where(mode, 1, n) for n in lengths},
+            "grid": grid(mode),
         }
+        if ruler:
+            m["ruler"] = summary_table(done, tasks, lengths, mode)
+        else:
+            m["by_depth"] = {f"{d:g}": mean_where(mode, 2, d) for d in depths}
         name = f"heatmap_{mode}.png"
-        heatmap(summary["modes"][mode]["grid"], [f"{d:g}" for d in depths], lengths, out / name,
-                title=f"NIAH {mode} ({', '.join(tasks)}): string_match_all", xlabel="context length (tokens)",
-                ylabel="needle depth", colorbar_label="score")
+        heatmap(m["grid"], row_labels, lengths, out / name, title=f"NIAH {mode} ({', '.join(tasks)}): {metric}",
+                xlabel="context length (tokens)", ylabel=ylabel, colorbar_label="score")
         summary["files"][f"heatmap_{mode}"] = name
     if "dense" in modes and "sparse" in modes:
         a, b = summary["modes"]["dense"]["grid"], summary["modes"]["sparse"]["grid"]
         diff = [[None if x is None or y is None else y - x for x, y in zip(ra, rb)] for ra, rb in zip(a, b)]
         summary["difference"] = {"sparse-dense": {"mean": _mean([v for row in diff for v in row if v is not None]),
                                                   "grid": diff}}
-        difference_map(a, b, [f"{d:g}" for d in depths], lengths, out / "diff_sparse_minus_dense.png",
-                       title="NIAH sparse - dense", xlabel="context length (tokens)", ylabel="needle depth",
+        difference_map(a, b, row_labels, lengths, out / "diff_sparse_minus_dense.png",
+                       title="NIAH sparse - dense", xlabel="context length (tokens)", ylabel=ylabel,
                        name_a="dense", name_b="sparse")
         summary["files"]["difference"] = "diff_sparse_minus_dense.png"
     atomic_write_json(out / SUMMARY_FILE, summary)
     return summary
+
+
+def _encode(tokenizer, prompt: str) -> list[int]:
+    """Plain prompt text with the tokenizer's special tokens, except a BOS the text already holds (a
+    ruler prompt through a chat template that starts with it)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return tokenizer(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))["input_ids"]
 
 
 def model_generate_fns(model_dir: str, modes: list[str], device: str = "auto", dtype="auto",
@@ -225,14 +259,14 @@ def model_generate_fns(model_dir: str, modes: list[str], device: str = "auto", d
     between modes per call, so the weights are in memory once). Prompts are encoded as plain
     text with the tokenizer's special tokens, as the NIAH lengths were measured."""
     from sparse_rl.cli.common import resolve_device
-    from sparse_rl.rl.rollout import SamplingParams, encode_prompt, load_engine
+    from sparse_rl.rl.rollout import SamplingParams, load_engine
 
     eng = load_engine(model_dir, attention=modes[0], device=resolve_device(device), dtype=dtype, max_batch=batch_size)
 
     def make(mode: str) -> GenerateFn:
         def generate_fn(prompts: list[str], max_new_tokens: int) -> list[str]:
             eng.set_attention(mode)
-            ids = [encode_prompt(eng.tokenizer, {"prompt": p}) for p in prompts]
+            ids = [_encode(eng.tokenizer, p) for p in prompts]
             outs = eng.generate(ids, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, logprobs=False))
             return [c.text for c in outs]
 
@@ -245,7 +279,7 @@ def run_model_grid(cfg) -> dict:
     """`eval niah --model`: build the grid with the model's tokenizer, run every mode, resume from
     `cfg.out`. `cfg` is a `NiahConfig`."""
     from sparse_rl.errors import UsageError
-    from sparse_rl.eval.niah import Haystack, build_niah_prompts, load_tokenizer
+    from sparse_rl.eval.niah import build_niah_prompts, load_tokenizer, prompt_plan
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.loader import check_model_dir
 
@@ -261,7 +295,10 @@ def run_model_grid(cfg) -> dict:
     if bad or (not is_sparse and "sparse" in modes):
         raise UsageError(f"--modes {','.join(modes)}: expected dense and/or sparse (sparse needs a sparse model dir)")
     tok = load_tokenizer(cfg.model)
-    haystack = Haystack.from_file(cfg.haystack) if cfg.haystack else Haystack.default()
-    prompts = build_niah_prompts(tok, cfg, haystack)
-    return run_niah(prompts, model_generate_fns(cfg.model, modes, cfg.device, cfg.dtype, cfg.batch_size), cfg.out,
-                    batch=cfg.batch_size)
+    _, notes = prompt_plan(cfg)
+    prompts = build_niah_prompts(tok, cfg)
+    summary = run_niah(prompts, model_generate_fns(cfg.model, modes, cfg.device, cfg.dtype, cfg.batch_size), cfg.out,
+                       batch=cfg.batch_size)
+    if notes:
+        summary["skipped"] = notes
+    return summary
