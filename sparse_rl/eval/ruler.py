@@ -347,16 +347,20 @@ class RulerBuilder:
 
     @staticmethod
     def _largest(fits: Callable[[int], bool], lo: int, what: str, length: int) -> int:
-        """The largest size >= lo with fits(size), by doubling then bisection (RULER bisects too)."""
+        """The largest size >= lo with fits(size), by doubling then bisection (RULER bisects too).
+        Every haystack unit (line, word, needle) costs at least a token, so no size beyond a few
+        times `length` can fit: one that does means the tokenizer does not encode the haystack."""
         if not fits(lo):
             raise UsageError(f"--lengths {length}: too short for {what} (even the smallest haystack does not fit)")
+        cap = 4 * length + 16
         hi = lo * 2
-        for _ in range(40):
-            if not fits(hi):
-                break
+        while hi <= cap and fits(hi):
             lo, hi = hi, hi * 2
-        else:
-            raise SparseRLError(f"{what}: the prompt does not grow with its haystack (does the tokenizer encode it?)")
+        if hi > cap:
+            if fits(cap):
+                raise SparseRLError(f"{what}: the prompt does not grow with its haystack (does the tokenizer "
+                                    f"encode it?)")
+            hi = cap
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
