@@ -1,5 +1,10 @@
 """Needle-in-a-haystack prompts after RULER (Hsieh et al. 2024), built at exact token lengths.
 
+Two presets (`NiahConfig.preset`): `grid` (this module: our depth x length grid and heatmaps) and
+`ruler` (`sparse_rl.eval.ruler`: RULER's own tasks, templates, length accounting and metrics, for
+numbers comparable with RULER's tables). `prompt_plan` / `build_niah_prompts` / `score_output`
+dispatch on it.
+
 Tasks (RULER's names in brackets):
   single      one key, one value, asked for it                      [niah_single]
   multikey    four keys with one value each, one of them asked       [niah_multikey]
