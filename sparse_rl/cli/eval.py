@@ -117,13 +117,15 @@ def niah_cmd(
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="ruler: the model's chat template around "
                                                                        "each task (default: when it has one)."),
     tasks: Optional[str] = typer.Option(None, "--tasks", help="grid: single,multikey,multivalue,multiquery,vt; "
-                                                              "ruler: niah_single_1,...,vt,cwe,fwe (default all)"),
+                                                              "ruler: niah_single_1,...,vt,cwe,fwe,qa_1,qa_2 (default all)"),
     lengths: Optional[str] = typer.Option(None, "--lengths", help="Prompt lengths in tokens, e.g. 1k,4k,16k."),
     depths: Optional[str] = typer.Option(None, "--depths", help="Needle depths in [0,1], e.g. 0,0.25,0.5,0.75,1."),
     samples: Optional[int] = typer.Option(None, "--samples", help="Prompts per (task, length, depth) cell."),
     seed: Optional[int] = typer.Option(None, "--seed"),
     haystack: Optional[str] = typer.Option(None, "--haystack", help="Filler text file (default: repeated sentences); "
                                                                     "ruler: the essay text its essay tasks need."),
+    squad: Optional[str] = typer.Option(None, "--squad", help="ruler qa_1: a local SQuAD v2 dev JSON."),
+    hotpotqa: Optional[str] = typer.Option(None, "--hotpotqa", help="ruler qa_2: a local HotpotQA dev JSON."),
     prompts_out: Optional[str] = typer.Option(None, "--prompts-out",
                                               help="Build the grid: write prompts JSONL ('-' = stdout)."),
     prompts: Optional[str] = typer.Option(None, "--prompts", help="Prompts JSONL (from --prompts-out) to score."),
@@ -152,7 +154,8 @@ def niah_cmd(
         from sparse_rl.eval.niah import NiahConfig
 
         cfg = load_config(NiahConfig, config, {
-            "tokenizer": tokenizer, "preset": preset, "chat": chat, "tasks": _strs(tasks), "lengths": _ints("--lengths", lengths),
+            "tokenizer": tokenizer, "preset": preset, "chat": chat, "squad": squad, "hotpotqa": hotpotqa,
+            "tasks": _strs(tasks), "lengths": _ints("--lengths", lengths),
             "depths": _floats("--depths", depths), "samples": samples, "seed": seed, "haystack": haystack,
             "prompts_out": prompts_out, "prompts": prompts, "score": score or None, "out": out, "model": model,
             "modes": _strs(modes), "device": device, "dtype": dtype, "batch_size": batch_size,

@@ -89,6 +89,8 @@ class NiahConfig:
     seed: int = 0
     haystack: Optional[str] = None  # grid: filler text file (default RULER's noise); ruler: the essay text
     chat: Optional[bool] = None  # ruler: wrap in the chat template (None: when the tokenizer has one)
+    squad: Optional[str] = None  # ruler qa_1: a local SQuAD v2 dev JSON
+    hotpotqa: Optional[str] = None  # ruler qa_2: a local HotpotQA distractor dev JSON
     add_special_tokens: bool = True  # grid: count BOS/EOS the tokenizer adds, as the model will see them
     prompts_out: Optional[str] = None  # write the built prompts JSONL here ("-" = stdout)
     prompts: Optional[str] = None  # prompts JSONL (from --prompts-out) to score against
@@ -110,8 +112,9 @@ class NiahConfig:
                 if given:
                     raise UsageError(f"{flag}: the ruler preset uses RULER's (random needle depths, per-task "
                                      f"generation budgets inside the length); drop {flag}")
-        elif self.chat is not None:
-            raise UsageError("--chat/--no-chat: applies to --preset ruler (the grid preset is plain text)")
+        elif self.chat is not None or self.squad or self.hotpotqa:
+            flag = "--chat/--no-chat" if self.chat is not None else "--squad/--hotpotqa"
+            raise UsageError(f"{flag}: applies to --preset ruler")
         self.tasks = tasks if self.tasks is None else self.tasks
         self.lengths = lengths if self.lengths is None else self.lengths
         self.depths = depths if self.depths is None else self.depths
@@ -375,7 +378,8 @@ def prompt_plan(cfg: NiahConfig) -> tuple[list[tuple], list[str]]:
     if cfg.preset == "ruler":
         from sparse_rl.eval.ruler import plan_tasks
 
-        tasks, notes = plan_tasks(cfg.tasks, bool(cfg.haystack))
+        have_qa = tuple(k for k in ("squad", "hotpotqa") if getattr(cfg, k))
+        tasks, notes = plan_tasks(cfg.tasks, bool(cfg.haystack), have_qa)
         return [(t, n, None, s) for t in tasks for n in cfg.lengths for s in range(cfg.samples)], notes
     return [(t, n, d, s) for t in cfg.tasks for n in cfg.lengths for d in cfg.depths for s in range(cfg.samples)], []
 
@@ -385,11 +389,13 @@ def build_niah_prompts(tokenizer, cfg: NiahConfig, haystack: Haystack | None = N
     ruler: tasks x lengths x samples)."""
     cells, _ = prompt_plan(cfg)
     if cfg.preset == "ruler":
-        from sparse_rl.eval.ruler import RulerBuilder, read_essay
+        from sparse_rl.eval.ruler import RulerBuilder, read_essay, read_hotpotqa, read_squad
 
         chat = cfg.chat if cfg.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+        qa = {k: read(path) for k, read, path in (("squad", read_squad, cfg.squad),
+                                                  ("hotpotqa", read_hotpotqa, cfg.hotpotqa)) if path}
         builder = RulerBuilder(tokenizer, seed=cfg.seed, essay=read_essay(cfg.haystack) if cfg.haystack else None,
-                               essay_name=str(cfg.haystack or ""), chat=chat)
+                               essay_name=str(cfg.haystack or ""), chat=chat, qa=qa)
         make = lambda t, n, d, s: builder.sample(t, n, s)  # noqa: E731
     else:
         haystack = haystack or (Haystack.from_file(cfg.haystack) if cfg.haystack else Haystack.default())

@@ -7,7 +7,7 @@ freq_words_extraction}.py`, `constants.py` (templates, answer prefixes, generati
 (metrics). What we keep as RULER does:
 
   - tasks `niah_single_1/2/3`, `niah_multikey_1/2/3`, `niah_multivalue`, `niah_multiquery`, `vt`,
-    `cwe`, `fwe` with RULER's haystack (noise lines, essay sentences, or distractor needles), key
+    `cwe`, `fwe`, `qa_1`, `qa_2` with RULER's haystack (noise lines, essay sentences, or distractor needles), key
     and value kinds (word keys, 7-digit numbers, uuids), needle counts, templates and answer
     prefixes, singular wording when one value is asked;
   - length accounting: a sample of length L satisfies tokens(prompt) + tokens_to_generate <= L,
@@ -34,8 +34,9 @@ cannot be reproduced without its wonderwords/NLTK environment); keys are our adj
 list, and `cwe`'s words are generated pronounceable pseudo-words (RULER: wonderwords lists and an
 English word file); sentences are split by a regex at ". ! ?" (RULER: NLTK's punkt); the essay
 text is the user's `--haystack FILE` (RULER downloads Paul Graham's essays; nothing downloads
-here), and without one the essay tasks are skipped with a message. `qa_1/qa_2` (SQuAD/HotpotQA)
-are not built. With a chat template, few-shot examples sit inside the one user turn (RULER nests
+here), and without one the essay tasks are skipped with a message; likewise `qa_1` / `qa_2` read
+a local SQuAD v2 / HotpotQA dev JSON (`--squad`, `--hotpotqa`) and are skipped without one, the
+question of sample i being the file's i-th (RULER: the same, after `pre_samples`). With a chat template, few-shot examples sit inside the one user turn (RULER nests
 the whole chat template in them).
 """
 
@@ -69,6 +70,10 @@ TEMPLATES = {  # RULER scripts/data/synthetic/constants.py: (task template, answ
     "cwe": ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
             "ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?",
             " Answer: The top 10 words that appear most often in the list are:", 120),
+    "qa": ("Answer the question based on the given documents. Only give me the answer and do not output any other "
+           "words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given "
+           "documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}",
+           " Answer:", 32),
     "fwe": ("Read the following coded text and track the frequency of each coded word. Find the three most "
             "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore "
             "the dots '....'. What are the three most frequently appeared words in the above coded text?",
@@ -78,7 +83,7 @@ TEMPLATES = {  # RULER scripts/data/synthetic/constants.py: (task template, answ
 
 @dataclass(frozen=True)
 class RulerTask:
-    kind: str  # niah | vt | cwe | fwe
+    kind: str  # niah | vt | cwe | fwe | qa
     haystack: str = "noise"  # noise | essay | needle
     key: str = "words"
     value: str = "numbers"
@@ -100,8 +105,10 @@ TASKS: dict[str, RulerTask] = {
     "vt": RulerTask("vt"),
     "cwe": RulerTask("cwe"),
     "fwe": RulerTask("fwe"),
+    "qa_1": RulerTask("qa", "squad"),
+    "qa_2": RulerTask("qa", "hotpotqa"),
 }
-NOT_BUILT = {"qa_1": "SQuAD", "qa_2": "HotpotQA"}
+QA_FILES = {"qa_1": ("squad", "SQuAD v2 dev JSON"), "qa_2": ("hotpotqa", "HotpotQA distractor dev JSON")}
 
 _ADJ = ("amber azure bashful bitter bold brave breezy bright brisk bumpy calm careful cheerful chilly clever cloudy "
         "clumsy crisp curious damp dapper daring dusty eager early earnest elegant fancy fierce fluffy fragile "
@@ -284,6 +291,74 @@ def _fwe(rng: random.Random, size: int, max_len: int, alpha: float = 2.0, word_l
     return Built(template.format(context=" ".join(words), query=""), prefix, vocab[1:4])
 
 
+def read_squad(path: str | Path) -> tuple[list[dict], list[str]]:
+    """RULER's read_squad: answerable questions of a SQuAD v2 JSON, each with its paragraph and the
+    other paragraphs of its article; the documents are the distinct paragraphs, sorted."""
+    data = _read_json(path, "--squad")
+    try:
+        docs = sorted({p["context"] for d in data["data"] for p in d["paragraphs"]})
+        index = {c: i for i, c in enumerate(docs)}
+        qas = []
+        for d in data["data"]:
+            article = [index[p["context"]] for p in d["paragraphs"]]
+            for p in d["paragraphs"]:
+                for q in p["qas"]:
+                    if not q.get("is_impossible", False):
+                        own = index[p["context"]]
+                        qas.append({"query": q["question"], "outputs": [a["text"] for a in q["answers"]],
+                                    "context": [own], "more_context": [i for i in article if i != own]})
+    except (KeyError, TypeError) as e:
+        raise SparseRLError(f"--squad {path}: not SQuAD's format (missing {e})") from None
+    return qas, docs
+
+
+def read_hotpotqa(path: str | Path) -> tuple[list[dict], list[str]]:
+    """RULER's read_hotpotqa: each question with its (gold and distractor) paragraphs as documents
+    "title\ntext"; the documents are the distinct paragraphs, sorted."""
+    data = _read_json(path, "--hotpotqa")
+    try:
+        docs = sorted({f"{t}\n{''.join(p)}" for d in data for t, p in d["context"]})
+        index = {c: i for i, c in enumerate(docs)}
+        qas = [{"query": d["question"], "outputs": [d["answer"]],
+                "context": [index[f"{t}\n{''.join(p)}"] for t, p in d["context"]]} for d in data]
+    except (KeyError, TypeError, ValueError) as e:
+        raise SparseRLError(f"--hotpotqa {path}: not HotpotQA's format ({e})") from None
+    return qas, docs
+
+
+def _read_json(path: str | Path, flag: str):
+    import json
+
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"{flag} {p}: file not found")
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SparseRLError(f"{flag} {p}: not JSON ({' '.join(str(e).split())[:120]})") from None
+
+
+def _qa(qas: list[dict], docs: list[str], rng: random.Random, index: int, size: int) -> Built:
+    """RULER's QA sample: question `index` (in file order) among `size` documents (its own, then its
+    article's, then random others), shuffled, numbered "Document i:"."""
+    q = qas[index % len(qas)]
+    own, more = q["context"], q.get("more_context", [])
+    if size < len(docs):
+        if size - len(own) > len(more):
+            taken = set(own + more)
+            others = [i for i in range(len(docs)) if i not in taken]
+            picked = own + more + rng.sample(others, max(0, size - len(own) - len(more)))
+        else:
+            picked = own + rng.sample(more, max(0, size - len(own)))
+        chosen = [docs[i] for i in picked]
+    else:
+        chosen = (docs * (size // len(docs) + 1))[:size]
+    rng.shuffle(chosen)
+    context = "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(chosen))
+    template, prefix, _ = TEMPLATES["qa"]
+    return Built(template.format(context=context, query=q["query"]), prefix, list(q["outputs"]))
+
+
 # ----------------------------------------------------------------------------- prompts at RULER lengths
 
 
@@ -295,10 +370,11 @@ class RulerBuilder:
     """
 
     def __init__(self, tokenizer, *, seed: int = 0, essay: list[str] | None = None, essay_name: str = "",
-                 chat: bool = True):
+                 chat: bool = True, qa: dict[str, tuple[list[dict], list[str]]] | None = None):
         if chat and not getattr(tokenizer, "chat_template", None):
             raise UsageError("--chat: the tokenizer has no chat template; use --no-chat (RULER's 'base' template)")
         self.tok, self.seed, self.essay, self.essay_name, self.chat = tokenizer, seed, essay, essay_name, chat
+        self.qa = qa or {}  # "squad" / "hotpotqa" -> (questions, documents)
         self._sizes: dict[tuple[str, int], int] = {}
         self._icl: str | None = None
 
@@ -312,20 +388,25 @@ class RulerBuilder:
         msgs = [{"role": "user", "content": b.user}]
         return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + b.prefix
 
-    def _maker(self, task: str, length: int) -> tuple[Callable[[random.Random, int], Built], int, int]:
-        """(size -> Built, RULER's increment of the size, the smallest size) for a task at a length."""
+    def _maker(self, task: str, length: int) -> tuple[Callable[[random.Random, int, int], Built], int, int]:
+        """((rng, size, sample index) -> Built, RULER's increment of the size, the smallest size)."""
         spec = TASKS[task]
+        if spec.kind == "qa":
+            if spec.haystack not in self.qa:
+                raise UsageError(f"{task} needs a local {QA_FILES[task][1]}: give --{spec.haystack} FILE")
+            qas, docs = self.qa[spec.haystack]
+            return (lambda rng, n, i: _qa(qas, docs, rng, i, n)), 10, 1
         if spec.kind == "niah":
             if spec.haystack == "essay" and not self.essay:
                 raise UsageError(f"{task} needs an essay haystack: give --haystack FILE")
             inc = 500 if spec.haystack == "essay" else (25 if length >= 4096 else 5)
-            return (lambda rng, n: _niah(spec, rng, n, self.essay)), inc, spec.n_keys * spec.n_values
+            return (lambda rng, n, i: _niah(spec, rng, n, self.essay)), inc, spec.n_keys * spec.n_values
         if spec.kind == "vt":
             icl = self.icl_example()
-            return (lambda rng, n: self._with_icl(_vt(rng, n), icl, rng)), (10 if length >= 4096 else 5), 5
+            return (lambda rng, n, i: self._with_icl(_vt(rng, n), icl, rng)), (10 if length >= 4096 else 5), 5
         if spec.kind == "cwe":
-            return (lambda rng, n: _cwe(rng, n, length)), 10, 11
-        return (lambda rng, n: _fwe(rng, n, length - TEMPLATES["fwe"][2])), max((length - 50) // 32, 1), 1
+            return (lambda rng, n, i: _cwe(rng, n, length)), 10, 11
+        return (lambda rng, n, i: _fwe(rng, n, length - TEMPLATES["fwe"][2])), max((length - 50) // 32, 1), 1
 
     @staticmethod
     def _with_icl(b: Built, icl: str, rng: random.Random) -> Built:
@@ -378,13 +459,13 @@ class RulerBuilder:
         budget = length - gen
         if budget <= 0:
             raise UsageError(f"--lengths {length}: shorter than {task}'s generation budget ({gen} tokens)")
-        tokens = lambda rng_index, n: self.count(self.render(make(self._rng(task, length, rng_index), n)))  # noqa: E731
+        tokens = lambda i, n: self.count(self.render(make(self._rng(task, length, i), n, i)))  # noqa: E731
         key = (task, length)
         if key not in self._sizes:  # RULER: one search per task and length
             self._sizes[key] = self._largest(lambda n: tokens(0, n) <= budget, smallest, task, length)
         size = self._sizes[key]
         while True:  # RULER: shrink until this sample fits (in steps of at most its increment)
-            b = make(self._rng(task, length, index), size)
+            b = make(self._rng(task, length, index), size, index)
             text = self.render(b)
             n_tok = self.count(text)
             if n_tok <= budget:
@@ -399,7 +480,8 @@ class RulerBuilder:
             "answer": b.answers,
             "task": task,
             "meta": {"preset": "ruler", "length": length, "depth": None, "sample": index, "seed": self.seed,
-                     "max_new_tokens": gen, "input_tokens": n_tok, "metric": "string_match_all",
+                     "max_new_tokens": gen, "input_tokens": n_tok,
+                     "metric": "string_match_part" if spec.kind == "qa" else "string_match_all",
                      "answer_prefix": b.prefix, "haystack": self.essay_name if spec.haystack == "essay" else
                      spec.haystack, "haystack_size": size, "chat": self.chat,
                      "token_position_answer": self.count(text[:first]) if spec.kind == "niah" else None},
@@ -420,9 +502,10 @@ def read_essay(path: str | Path) -> list[str]:
     return words
 
 
-def plan_tasks(tasks: list[str] | None, have_essay: bool) -> tuple[list[str], list[str]]:
-    """(tasks to build, one-line notes on the tasks skipped and why). Unknown names are UsageErrors."""
-    known = list(TASKS) + list(NOT_BUILT)
+def plan_tasks(tasks: list[str] | None, have_essay: bool, have_qa: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+    """(tasks to build, one-line notes on the tasks skipped and why). `have_qa`: the QA datasets given
+    ("squad", "hotpotqa"). Unknown names are UsageErrors."""
+    known = list(TASKS)
     asked = tasks or known
     bad = [t for t in asked if t not in known]
     if bad:
@@ -432,11 +515,11 @@ def plan_tasks(tasks: list[str] | None, have_essay: bool) -> tuple[list[str], li
     if essay_skipped:
         notes.append(f"skipped {', '.join(essay_skipped)}: RULER's essay haystack needs --haystack FILE "
                      f"(a local text, e.g. Paul Graham's essays; nothing is downloaded)")
-    qa = [t for t in asked if t in NOT_BUILT]
+    qa = [t for t in asked if t in QA_FILES and QA_FILES[t][0] not in have_qa]
     if qa:
-        notes.append(f"skipped {', '.join(qa)}: RULER's QA tasks ({', '.join(NOT_BUILT[t] for t in qa)}) are not "
-                     f"built by this version")
-    build = [t for t in asked if t in TASKS and t not in essay_skipped]
+        notes.append("skipped " + ", ".join(qa) + ": RULER's QA tasks need local data: " + ", ".join(
+            f"--{QA_FILES[t][0]} FILE ({QA_FILES[t][1]})" for t in qa))
+    build = [t for t in asked if t not in essay_skipped and t not in qa]
     if tasks and not build:
         raise UsageError("--tasks: none of the asked RULER tasks can be built (" + "; ".join(notes) + ")")
     return build, notes

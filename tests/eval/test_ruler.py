@@ -30,8 +30,12 @@ def _essay(n_sentences=1500) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def builder(bpe):
-    return RulerBuilder(bpe, seed=7, essay=_essay(), essay_name="essay.txt", chat=False)
+def builder(bpe, tmp_path_factory):
+    from sparse_rl.eval.ruler import read_hotpotqa, read_squad
+
+    d = tmp_path_factory.mktemp("qa")
+    qa = {"squad": read_squad(_squad(d / "squad.json")), "hotpotqa": read_hotpotqa(_hotpot(d / "hotpot.json"))}
+    return RulerBuilder(bpe, seed=7, essay=_essay(), essay_name="essay.txt", chat=False, qa=qa)
 
 
 def _context_lines(prompt: str) -> list[str]:
@@ -72,7 +76,7 @@ def test_length_is_prompt_plus_generation_and_tight(builder, task):
         assert rec["prompt"].endswith(rec["meta"]["answer_prefix"])
     # the searched haystack is the largest that fits: one more unit does not
     size = builder._sizes[(task, length)]
-    bigger = builder.render(make(builder._rng(task, length, 0), size + 1))
+    bigger = builder.render(make(builder._rng(task, length, 0), size + 1, 0))
     assert builder.count(bigger) + gen > length
 
 
@@ -213,6 +217,8 @@ def test_config_defaults_and_errors_per_preset():
         NiahConfig(preset="ruler", depths=[0.5]).check()
     with pytest.raises(UsageError, match="--chat"):
         NiahConfig(chat=True).check()
+    with pytest.raises(UsageError, match="--squad"):
+        NiahConfig(squad="s.json").check()
     with pytest.raises(UsageError, match="--preset bogus"):
         NiahConfig(preset="bogus").check()
 
@@ -284,3 +290,50 @@ def test_tokenizer_that_encodes_nothing_is_a_one_line_error_not_a_hang():
     with pytest.raises(SparseRLError, match="does not grow"):
         build_niah_prompts(_EmptyTokenizer(), NiahConfig(preset="ruler", tasks=["niah_single_1"], lengths=[256],
                                                          samples=1, chat=False))
+
+
+# ----------------------------------------------------------------------------- QA (local SQuAD / HotpotQA files)
+
+
+def _squad(path):
+    def para(a, j):
+        return {"context": f"Paragraph {j} of article {a}. The river flows to the sea near town {a}{j}.",
+                "qas": [{"question": f"Where does the river of {a}{j} flow?", "is_impossible": False,
+                         "answers": [{"text": f"sea near town {a}{j}"}, {"text": "the sea"}]},
+                        {"question": "Unanswerable?", "is_impossible": True, "answers": []}]}
+    data = {"data": [{"title": a, "paragraphs": [para(a, j) for j in range(3)]} for a in "AB"]}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _hotpot(path):
+    data = [{"question": f"Which city hosts museum {i}?", "answer": f"City{i}",
+             "context": [[f"Museum {i}", [f"Museum {i} is in City{i}.", " It is old."]],
+                         [f"Park {i}", [f"Park {i} is green."]]]} for i in range(4)]
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_qa_tasks_from_local_files(bpe, tmp_path):
+    from sparse_rl.eval.ruler import read_hotpotqa, read_squad
+
+    squad = read_squad(_squad(tmp_path / "squad.json"))
+    hotpot = read_hotpotqa(_hotpot(tmp_path / "hotpot.json"))
+    assert len(squad[0]) == 6 and len(squad[1]) == 6  # impossible questions dropped; distinct paragraphs
+    b = RulerBuilder(bpe, seed=0, chat=False, qa={"squad": squad, "hotpotqa": hotpot})
+    rec = b.sample("qa_1", 1024, 1)  # the file's question 1: article A, paragraph 1
+    assert rec["meta"]["metric"] == "string_match_part" and rec["meta"]["max_new_tokens"] == 32
+    assert rec["answer"] == ["sea near town A1", "the sea"]
+    assert "Paragraph 1 of article A." in rec["prompt"] and "Question: Where does the river of A1 flow?" in rec["prompt"]
+    assert rec["meta"]["input_tokens"] + 32 <= 1024 and rec["prompt"].endswith(" Answer:")
+    n_docs = len(re.findall(r"^Document (\d+):$", rec["prompt"], flags=re.M))
+    assert n_docs >= 6 and re.findall(r"^Document (\d+):$", rec["prompt"], flags=re.M) == [str(i + 1) for i in range(n_docs)]
+    rec2 = b.sample("qa_2", 1024, 2)
+    assert rec2["answer"] == ["City2"] and "Museum 2\nMuseum 2 is in City2. It is old." in rec2["prompt"]
+    assert sample_score("It is the sea.", rec) == 1.0 and sample_score("a lake", rec) == 0.0
+    with pytest.raises(UsageError, match="--squad FILE"):
+        RulerBuilder(bpe, chat=False).sample("qa_1", 1024, 0)
+    tasks, notes = plan_tasks(["qa_1", "qa_2", "vt"], False, ("squad",))
+    assert tasks == ["qa_1", "vt"] and "--hotpotqa FILE" in notes[0]
+    with pytest.raises(SparseRLError, match="not SQuAD's format"):
+        read_squad(_hotpot(tmp_path / "wrong.json"))
