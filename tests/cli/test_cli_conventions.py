@@ -162,3 +162,48 @@ def test_old_spellings_still_work_with_one_warning_line():
     res = runner.invoke(app, ["synth", "math", "--n", "2", "--families", "arith"])
     assert res.exit_code == 0 and len(res.stdout.splitlines()) == 2
     assert "warning: --n is deprecated; use --num-tasks" in res.stderr
+
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def _invocations(text: str):
+    """(command words, flags) of every `sparse-rl ...` invocation in shell text."""
+    text = text.replace("\\\n", " ")
+    leaves = {" ".join(p): c for p, c in LEAVES}
+    for line in text.splitlines():
+        for part in line.split("|"):
+            m = re.search(r"sparse-rl ([a-z]+)(?: ([a-z]+))?(.*)", part)
+            if not m:
+                continue
+            words = f"{m.group(1)} {m.group(2)}" if f"{m.group(1)} {m.group(2)}" in leaves else m.group(1)
+            rest = m.group(3) if words == f"{m.group(1)} {m.group(2)}" else f" {m.group(2) or ''}{m.group(3)}"
+            yield words, re.findall(r"(?<![\w$-])(--?[a-zA-Z][\w-]*)", rest.split("#")[0])
+
+
+def _docs():
+    yield "recipes/pipeline_cpu.sh", (REPO / "recipes/pipeline_cpu.sh").read_text()
+    for p in sorted((REPO / "recipes").glob("*.yaml")):
+        yield str(p.relative_to(REPO)), "\n".join(ln for ln in p.read_text().splitlines() if ln.startswith("#"))
+    for name in ("README.md", "sparse_rl/synth/README.md"):
+        md = (REPO / name).read_text()
+        blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", md, flags=re.S) + re.findall(r"`(sparse-rl [^`]*)`", md)
+        yield name, "\n".join(blocks)
+
+
+@pytest.mark.parametrize("name,text", list(_docs()), ids=[n for n, _ in _docs()])
+def test_recipes_and_readmes_use_current_spellings(name, text):
+    """Every `sparse-rl` line in recipes/ and the READMEs names a command and flags that exist and are
+    not deprecated (a deprecated spelling is hidden from --help)."""
+    leaves = {" ".join(p): c for p, c in LEAVES}
+    groups = {" ".join(p) for p, _ in GROUPS}
+    seen = 0
+    for words, flags in _invocations(text):
+        if words in groups or words not in leaves:
+            assert words in groups, f"{name}: unknown command 'sparse-rl {words}'"
+            continue
+        seen += 1
+        shown = {o for p in _visible_options(leaves[words]) for o in p.opts + p.secondary_opts}
+        bad = [f for f in flags if f not in shown]
+        assert not bad, f"{name}: sparse-rl {words}: {', '.join(bad)} not a current option"
+    assert seen, f"{name}: no sparse-rl command found"
