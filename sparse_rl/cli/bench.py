@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from sparse_rl.cli.common import (CONFIG, FORCE, INDEX_DIM, INDEX_HEADS, SET, cli_errors, compile_option, console,
-                                  device_option, group, ints, refuse_existing, renamed)
+                                  device_option, group, ints, old_spelling, refuse_existing, renamed)
 
 app = group("Speed benchmarks (markdown table to stdout, JSON with --out).")
 
@@ -32,7 +32,7 @@ _common = dict(
     kv_heads=typer.Option(None, help="KV heads [default: 8]"),
     head_dim=typer.Option(None, help="Head dim [default: 128]"),
     index_topk=typer.Option(None, "--index-topk", help="Keys each query attends to [default: 2048]"),
-    topk_old=typer.Option(None, "--topk", hidden=True, help="Deprecated spelling of --index-topk."),
+    topk_old=old_spelling("--topk", "--index-topk"),
     index_heads=INDEX_HEADS,
     index_dim=INDEX_DIM,
     out=typer.Option(None, "--out", "-o", metavar="FILE", help="Write the results as JSON here [default: none]"),

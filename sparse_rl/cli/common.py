@@ -22,64 +22,9 @@ from sparse_rl.errors import SparseRLError, UsageError
 
 console = Console(stderr=True)
 
-__all__ = ["console", "cli_errors", "debug", "UsageError", "SparseRLError", "resolve_device", "group", "renamed", "ints",
-           "floats", "strs", "refuse_existing", "deprecated", "CONFIG", "SET", "FORCE", "RESUME", "INDEX_HEADS", "INDEX_DIM"]
-
-# Options every stage spells and explains the same way (one meaning per flag name).
-CONFIG = typer.Option(None, "--config", metavar="FILE",
-                      help="YAML recipe of this stage's config keys; --set and flags override it [default: none]")
-SET = typer.Option(None, "--set", metavar="KEY=VALUE",
-                   help="Override any config key (dots for sections, YAML value), e.g. --set seed=1; repeatable; "
-                        "a flag of the same key wins [default: none]")
-FORCE = typer.Option(False, "--force", help="Replace outputs (files and dirs) that exist already [default: off]")
-
-
-# Options several stages share, where only the default differs by stage.
-def device_option(default: str = "auto"):
-    return typer.Option(None, "--device", help=f"auto (CUDA when present) | cpu | cuda | cuda:N [default: {default}]")
-
-
-def dtype_option(default: str = "auto"):
-    return typer.Option(None, "--dtype", help="Model dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | "
-                                              f"bfloat16 | float16 [default: {default}]")
-
-
-def seed_option(default: int = 0):
-    return typer.Option(None, "--seed", help=f"Seed; the same seed gives the same output [default: {default}]")
-
-
-def max_batch_option(default: int):
-    return typer.Option(None, "--max-batch", help=f"Sequences decoded together (engine cache slots) [default: {default}]")
-
-
-BATCH_SIZE_OLD = typer.Option(None, "--batch-size", hidden=True, help="Deprecated spelling of --max-batch.")
-
-
-def max_new_tokens_option(default):
-    return typer.Option(None, "--max-new-tokens", help=f"Tokens per completion at most [default: {default}]")
-
-
-def temperature_option(default: float):
-    return typer.Option(None, "--temperature", help=f"Sampling temperature, 0 = greedy [default: {default}]")
-
-
-def samples_option(default: int):
-    return typer.Option(None, "--samples", help=f"Completions sampled per prompt [default: {default}]")
-
-
-def compile_option():
-    return typer.Option(None, "--compile/--no-compile",
-                        help="torch.compile the engine's decode step (on an H200 at batch 64: 23-36 s to compile a "
-                             "variant, then 1.15-1.6x faster steps) [default: off]")
-
-
-RESUME = typer.Option(False, "--resume", help="Continue the run from its last checkpoint [default: off]")
-INDEX_HEADS = typer.Option(None, "--index-heads", help="Indexer heads H_I [default: 4]")
-INDEX_DIM = typer.Option(None, "--index-dim", help="Indexer dim d_I [default: 64]")
-
-
-def top_p_option(default: float = 1.0):
-    return typer.Option(None, "--top-p", help=f"Nucleus sampling, 1 = off [default: {default}]")
+__all__ = ["console", "cli_errors", "debug", "UsageError", "SparseRLError", "resolve_device", "group", "ints", "floats",
+           "strs", "refuse_existing", "deprecated", "old_spelling", "renamed", "CONFIG", "SET", "FORCE", "RESUME",
+           "INDEX_HEADS", "INDEX_DIM", "BATCH_SIZE_OLD"]
 
 
 def group(help: str) -> typer.Typer:
@@ -97,9 +42,70 @@ def group(help: str) -> typer.Typer:
     return app
 
 
+# Options every stage spells and explains the same way (one meaning per flag name).
+CONFIG = typer.Option(None, "--config", metavar="FILE",
+                      help="YAML recipe of this stage's config keys; --set and flags override it [default: none]")
+SET = typer.Option(None, "--set", metavar="KEY=VALUE",
+                   help="Override any config key (dots for sections, YAML value), e.g. --set seed=1; repeatable; "
+                        "a flag of the same key wins [default: none]")
+FORCE = typer.Option(False, "--force", help="Replace outputs (files and dirs) that exist already [default: off]")
+RESUME = typer.Option(False, "--resume", help="Continue the run from its last checkpoint [default: off]")
+INDEX_HEADS = typer.Option(None, "--index-heads", help="Indexer heads H_I [default: 4]")
+INDEX_DIM = typer.Option(None, "--index-dim", help="Indexer dim d_I [default: 64]")
+
+
+# Options several stages share, where only the default differs by stage.
+def device_option(default: str = "auto"):
+    return typer.Option(None, "--device", help=f"auto (CUDA when present) | cpu | cuda | cuda:N [default: {default}]")
+
+
+def dtype_option(default: str = "auto"):
+    return typer.Option(None, "--dtype", help="Model dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | "
+                                              f"bfloat16 | float16 [default: {default}]")
+
+
+def seed_option(default: int = 0):
+    return typer.Option(None, "--seed", help=f"Seed; the same seed gives the same output [default: {default}]")
+
+
+def samples_option(default: int):
+    return typer.Option(None, "--samples", help=f"Completions sampled per prompt [default: {default}]")
+
+
+def temperature_option(default: float):
+    return typer.Option(None, "--temperature", help=f"Sampling temperature, 0 = greedy [default: {default}]")
+
+
+def top_p_option(default: float = 1.0):
+    return typer.Option(None, "--top-p", help=f"Nucleus sampling, 1 = off [default: {default}]")
+
+
+def max_new_tokens_option(default):
+    return typer.Option(None, "--max-new-tokens", help=f"Tokens per completion at most [default: {default}]")
+
+
+def max_batch_option(default: int):
+    return typer.Option(None, "--max-batch", help=f"Sequences decoded together (engine cache slots) [default: {default}]")
+
+
+def compile_option():
+    return typer.Option(None, "--compile/--no-compile",
+                        help="torch.compile the engine's decode step (on an H200 at batch 64: 23-36 s to compile a "
+                             "variant, then 1.15-1.6x faster steps) [default: off]")
+
+
+# Renamed flags: the old name stays parsed, hidden from --help, with one warning line.
 def deprecated(old: str, new: str) -> None:
     """One line on stderr for an old spelling that still works."""
     print(f"warning: {old} is deprecated; use {new}", file=sys.stderr)
+
+
+def old_spelling(flag: str, new: str):
+    """A renamed flag's old name: hidden from --help, still parsed; pair it with `renamed`."""
+    return typer.Option(None, flag, hidden=True, help=f"Deprecated spelling of {new}.")
+
+
+BATCH_SIZE_OLD = old_spelling("--batch-size", "--max-batch")
 
 
 def renamed(value, old_value, old: str, new: str):

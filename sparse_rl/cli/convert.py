@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from sparse_rl.cli.common import CONFIG, FORCE, INDEX_DIM, INDEX_HEADS, SET, cli_errors, console, ints, renamed, seed_option
+from sparse_rl.cli.common import (CONFIG, FORCE, INDEX_DIM, INDEX_HEADS, SET, cli_errors, console, ints, old_spelling,
+                                  renamed, seed_option)
 
 
 def command(
@@ -17,7 +18,7 @@ def command(
     selector: Optional[str] = typer.Option(None, help="indexer (DSA lightning indexer) | block (training-free) [default: indexer]"),
     index_topk: Optional[int] = typer.Option(None, "--index-topk",
                                              help="Keys each query attends to, sinks and window included (DSA's index_topk) [default: 2048]"),
-    topk_old: Optional[int] = typer.Option(None, "--topk", hidden=True, help="Deprecated spelling of --index-topk."),
+    topk_old: Optional[int] = old_spelling("--topk", "--index-topk"),
     index_heads: Optional[int] = INDEX_HEADS,
     index_dim: Optional[int] = INDEX_DIM,
     rope_dim: Optional[int] = typer.Option(None, help="RoPE'd dims of d_I [default: min(32, index dim, head dim)]"),

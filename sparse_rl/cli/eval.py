@@ -14,9 +14,10 @@ from typing import Optional
 
 import typer
 
-from sparse_rl.cli.common import (BATCH_SIZE_OLD, CONFIG, FORCE, SET, cli_errors, console, device_option,
-                                  dtype_option, floats, group, ints, max_batch_option, max_new_tokens_option, refuse_existing,
-                                  renamed, samples_option, seed_option, strs, temperature_option, top_p_option)
+from sparse_rl.cli.common import (BATCH_SIZE_OLD, CONFIG, FORCE, SET, cli_errors, console, device_option, dtype_option,
+                                  floats, group, ints, max_batch_option, max_new_tokens_option, old_spelling,
+                                  refuse_existing, renamed, samples_option, seed_option, strs, temperature_option,
+                                  top_p_option)
 from sparse_rl.errors import UsageError
 
 app = group("Evaluate: math accuracy/pass@k from completions; NIAH prompt grids and their scores.")
@@ -41,11 +42,11 @@ def math_cmd(
                                           help="Also write the summary JSON here [default: none]"),
     pass_at: Optional[str] = typer.Option(None, "--pass-at", help="pass@k values, e.g. 1,4,8 [default: 1,2,4,... up to "
                                                                   "the fewest samples of a problem]"),
-    k_old: Optional[str] = typer.Option(None, "--k", hidden=True, help="Deprecated spelling of --pass-at."),
+    k_old: Optional[str] = old_spelling("--k", "--pass-at"),
     model_old: Optional[str] = _MODEL_OLD,
     attention: Optional[str] = typer.Option(None, "--attention", help="With MODEL: dense | sparse [default: dense]"),
     samples: Optional[int] = samples_option(1),
-    n_old: Optional[int] = typer.Option(None, "--n", hidden=True, help="Deprecated spelling of --samples."),
+    n_old: Optional[int] = old_spelling("--n", "--samples"),
     temperature: Optional[float] = temperature_option(0.0),
     top_p: Optional[float] = top_p_option(),
     max_new_tokens: Optional[int] = max_new_tokens_option(512),
@@ -106,13 +107,13 @@ def niah_cmd(
                                             help="Local tokenizer or model dir (for building) [default: none]"),
     kinds: Optional[str] = typer.Option(None, "--kinds", help="NIAH task kinds: single,multikey,multivalue,multiquery,vt "
                                                               "[default: single]"),
-    tasks_old: Optional[str] = typer.Option(None, "--tasks", hidden=True, help="Deprecated spelling of --kinds."),
+    tasks_old: Optional[str] = old_spelling("--tasks", "--kinds"),
     lengths: Optional[str] = typer.Option(None, "--lengths", help="Prompt lengths in tokens, e.g. 1k,4k,16k "
                                                                   "[default: 1k,2k,4k]"),
     depths: Optional[str] = typer.Option(None, "--depths", help="Needle depths in [0,1], e.g. 0,0.5,1 "
                                                                 "[default: 0,0.25,0.5,0.75,1]"),
     per_cell: Optional[int] = typer.Option(None, "--per-cell", help="Prompts per (kind, length, depth) cell [default: 1]"),
-    samples_old: Optional[int] = typer.Option(None, "--samples", hidden=True, help="Deprecated spelling of --per-cell."),
+    samples_old: Optional[int] = old_spelling("--samples", "--per-cell"),
     seed: Optional[int] = seed_option(),
     haystack: Optional[str] = typer.Option(None, "--haystack", metavar="FILE",
                                            help="Filler text file [default: RULER's repeated noise sentences]"),

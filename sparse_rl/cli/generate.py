@@ -7,9 +7,10 @@ from typing import List, Optional
 
 import typer
 
-from sparse_rl.cli.common import (BATCH_SIZE_OLD, CONFIG, FORCE, SET, cli_errors, compile_option, console, device_option,
-                                  dtype_option, max_batch_option, max_new_tokens_option, refuse_existing, renamed,
-                                  samples_option, seed_option, temperature_option, top_p_option)
+from sparse_rl.cli.common import (BATCH_SIZE_OLD, CONFIG, FORCE, SET, cli_errors, compile_option, console,
+                                  device_option, dtype_option, max_batch_option, max_new_tokens_option, old_spelling,
+                                  refuse_existing, renamed, samples_option, seed_option, temperature_option,
+                                  top_p_option)
 
 
 def command(
@@ -18,7 +19,7 @@ def command(
     out: str = typer.Option("-", "--out", "-o", metavar="FILE", help="Completions JSONL; - = stdout."),
     attention: Optional[str] = typer.Option(None, help="dense | sparse [default: dense]"),
     samples: Optional[int] = samples_option(1),
-    n_old: Optional[int] = typer.Option(None, "--n", hidden=True, help="Deprecated spelling of --samples."),
+    n_old: Optional[int] = old_spelling("--n", "--samples"),
     temperature: Optional[float] = temperature_option(1.0),
     top_p: Optional[float] = top_p_option(),
     top_k: Optional[int] = typer.Option(None, help="Top-k sampling, 0 = off [default: 0]"),

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from sparse_rl.cli.common import (CONFIG, FORCE, RESUME, SET, cli_errors, console, device_option, dtype_option, group,
-                                  renamed, seed_option)
+                                  old_spelling, renamed, seed_option)
 
 app = group("Train the lightning indexers of a sparse model dir.")
 
@@ -31,7 +31,7 @@ def train(
     lora_r: Optional[int] = typer.Option(None, help="LoRA rank [default: 16]"),
     index_topk: Optional[int] = typer.Option(None, "--index-topk",
                                              help="Keys each query attends to, overriding the model's (saved into OUT) [default: the model's]"),
-    topk_old: Optional[int] = typer.Option(None, "--topk", hidden=True, help="Deprecated spelling of --index-topk."),
+    topk_old: Optional[int] = old_spelling("--topk", "--index-topk"),
     chunk_size: Optional[int] = typer.Option(None, help="Queries per KL chunk, 0 = from a memory budget [default: 0]"),
     kl_impl: Optional[str] = typer.Option(None, help="Warm-up loss: auto (triton on CUDA) | torch (query chunks) | triton (fused kernels) [default: auto]"),
     synthetic_rows: Optional[int] = typer.Option(None, help="Rows generated for --data synthetic [default: 256]"),
@@ -86,7 +86,7 @@ def eval_(
     seed: Optional[int] = seed_option(12345),
     index_topk: Optional[int] = typer.Option(None, "--index-topk",
                                              help="Evaluate with this many keys per query instead of the model's [default: the model's]"),
-    topk_old: Optional[int] = typer.Option(None, "--topk", hidden=True, help="Deprecated spelling of --index-topk."),
+    topk_old: Optional[int] = old_spelling("--topk", "--index-topk"),
     lm_loss: Optional[bool] = typer.Option(None, "--lm-loss/--no-lm-loss", help="Also LM loss dense vs sparse [default: on]"),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),

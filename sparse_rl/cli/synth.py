@@ -13,14 +13,14 @@ from typing import Optional
 
 import typer
 
-from sparse_rl.cli.common import (CONFIG, FORCE, SET, cli_errors, console, group, refuse_existing, renamed, seed_option,
-                                  strs, temperature_option)
+from sparse_rl.cli.common import (CONFIG, FORCE, SET, cli_errors, console, group, old_spelling, refuse_existing,
+                                  renamed, seed_option, strs, temperature_option)
 from sparse_rl.errors import UsageError
 
 app = group("Synthesise verifiable math tasks and tool-use trajectories.")
 
-_NUM_OLD = typer.Option(None, "--n", hidden=True, help="Deprecated spelling of --num-tasks.")
-_K_OLD = typer.Option(None, "-k", hidden=True, help="Deprecated spelling of --attempts.")
+_NUM_OLD = old_spelling("--n", "--num-tasks")
+_K_OLD = old_spelling("-k", "--attempts")
 _ATTEMPTS = typer.Option(None, "--attempts", help="Attempts per task, K (for the pass rate) [default: 4]")
 
 
