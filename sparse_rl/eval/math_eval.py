@@ -204,7 +204,7 @@ def run(cfg: MathEvalConfig) -> tuple[dict, list[dict]]:
     is read and scored before `out`/`summary` are written (so bad input writes nothing).
     Returns (summary, per-problem results)."""
     if (cfg.score is None) == (cfg.model is None):
-        raise UsageError("give --score FILE|- (completions to score, e.g. from `sparse-rl generate`) or --model DIR "
+        raise UsageError("give --score FILE|- (completions to score, e.g. from `sparse-rl generate`) or MODEL "
                          "with --problems (sample and score), not both")
     for flag, value in (("--out", cfg.out), ("--summary", cfg.summary), ("--completions-out", cfg.completions_out)):
         if value == "-":

@@ -66,13 +66,13 @@ def test_cli_math_model_samples_then_scores_the_same(full_sparse_dir, tmp_path):
     assert s["problems"] == 2 and s["samples"] == 4 and s["sampling"]["attention"] == "sparse"
     recs = [json.loads(line) for line in comp.read_text().splitlines()]
     assert [r["id"] for r in recs] == ["a", "a", "b", "b"] and all(len(r["tokens"]) <= 6 for r in recs)
-    again = CliRunner().invoke(app, args)  # same seed, same samples
+    again = CliRunner().invoke(app, args + ["--force"])  # same seed, same samples (--force: the file exists)
     assert json.loads(again.stdout) == s and [json.loads(x) for x in comp.read_text().splitlines()] == recs
     scored = CliRunner().invoke(app, ["eval", "math", "--problems", str(p), "--score", str(comp)])
     assert scored.exit_code == 0, scored.output
     t = json.loads(scored.stdout)
     assert (t["accuracy"], t["pass@k"]) == (s["accuracy"], s["pass@k"])
-    both = CliRunner().invoke(app, args + ["--score", str(comp)])
+    both = CliRunner().invoke(app, args + ["--score", str(comp), "--force"])
     assert both.exit_code == 2 and "not both" in both.stderr
 
 
