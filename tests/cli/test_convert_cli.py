@@ -67,7 +67,7 @@ def test_convert_round_trip(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "sparse"
-    res = _run("convert", tiny_model_dir, out, "--topk", "16", "--index-dim", "16", "--rope-dim", "8",
+    res = _run("convert", tiny_model_dir, out, "--index-topk", "16", "--index-dim", "16", "--rope-dim", "8",
                "--window", "4", "--sink", "2", "--dense-layers", "0")
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
@@ -125,8 +125,8 @@ def test_convert_error_paths(tiny_model_dir, tmp_path):
     assert res.exit_code == 2 and "--force" in _err_line(res)
     assert list(out.iterdir()) == []
     # bad options are usage errors
-    res = _run("convert", tiny_model_dir, tmp_path / "o2", "--sink", "10", "--window", "10", "--topk", "8")
-    assert res.exit_code == 2 and "--topk" in _err_line(res)
+    res = _run("convert", tiny_model_dir, tmp_path / "o2", "--sink", "10", "--window", "10", "--index-topk", "8")
+    assert res.exit_code == 2 and "--index-topk" in _err_line(res)
     res = _run("convert", tiny_model_dir, tmp_path / "o3", "--dense-layers", "0,9")
     assert res.exit_code == 1 and "--dense-layers" in _err_line(res)
     res = _run("convert", tiny_model_dir, tmp_path / "o4", "--dense-layers", "a,b")

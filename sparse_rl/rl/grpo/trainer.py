@@ -93,8 +93,8 @@ class Trainer:
             raise UsageError(f"data.prompts_per_step ({cfg.data.prompts_per_step}) must be divisible by the number "
                              f"of processes ({self.dist.world})")
         self.per_rank = cfg.data.prompts_per_step // self.dist.world
-        if cfg.rollout.max_batch < cfg.rollout.m:
-            raise UsageError(f"rollout.max_batch ({cfg.rollout.max_batch}) must be >= rollout.m ({cfg.rollout.m})")
+        if cfg.rollout.max_batch < cfg.rollout.samples:
+            raise UsageError(f"rollout.max_batch ({cfg.rollout.max_batch}) must be >= rollout.samples ({cfg.rollout.samples})")
         self._check_run_dir(resume)
 
         check_model_dir(cfg.model, "MODEL")
@@ -223,7 +223,7 @@ class Trainer:
         from sparse_rl.rl.rollout import SamplingParams
 
         r = self.cfg.rollout
-        return SamplingParams(n=n, temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
+        return SamplingParams(samples=n, temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
                               top_k=0 if greedy else r.top_k, max_new_tokens=max_new or r.max_new_tokens,
                               stop=list(r.stop), seed=seed, logprobs=True)
 
@@ -240,7 +240,7 @@ class Trainer:
         from sparse_rl.rl.oversample import select_top_n
         from sparse_rl.rl.rewards import SHAPING
 
-        cfg, m, n = self.cfg, self.cfg.rollout.m, self.cfg.rollout.n
+        cfg, m, n = self.cfg, self.cfg.rollout.samples, self.cfg.rollout.keep
         if not idx:
             return []
         prompts = [self._prompt_ids(i) for i in idx]
@@ -461,10 +461,10 @@ class Trainer:
                            sum(len(t) for g in groups for t in g.tokens)])
         times = self.dist.max([timer.t.get(k, 0.0) for k in ("rollout", "reward", "dense_forward", "update",
                                                                 "distill")] + [elapsed])
-        sampled_scored = s[0] - cfg.rollout.m * s[6]
+        sampled_scored = s[0] - cfg.rollout.samples * s[6]
         rec.update({
             "step": self.step, "epoch": self.cursor.epoch, "prompts_seen": self.cursor.epoch * len(self.tasks)
-            + self.cursor.pos, "groups": int(round(n_seq / cfg.rollout.n)), "groups_sampled": int(s[5]),
+            + self.cursor.pos, "groups": int(round(n_seq / cfg.rollout.keep)), "groups_sampled": int(s[5]),
             "groups_skipped": int(s[6]), "refills": st.refills,
             "reward": s[2] / sampled_scored if sampled_scored else None,
             "accuracy": s[3] / sampled_scored if sampled_scored else None,

@@ -111,7 +111,7 @@ class IndexerTrainConfig:
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise UsageError(f"--min-lr-ratio {self.min_lr_ratio}: must be in [0, 1]")
         if self.topk is not None and self.topk < 1:
-            raise UsageError(f"--topk must be >= 1 (got {self.topk})")
+            raise UsageError(f"--index-topk must be >= 1 (got {self.topk})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,7 +431,7 @@ class IndexerEvalConfig:
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
         if self.topk is not None and self.topk < 1:
-            raise UsageError(f"--topk must be >= 1 (got {self.topk})")
+            raise UsageError(f"--index-topk must be >= 1 (got {self.topk})")
 
 
 def run_eval(cfg: IndexerEvalConfig) -> dict:
