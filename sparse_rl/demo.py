@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from sparse_rl.cli.common import console
+from sparse_rl.console import console
 
 
 @dataclass

@@ -224,7 +224,7 @@ def model_generate_fns(model_dir: str, modes: list[str], device: str = "auto", d
     """Greedy generate_fns, one per attention mode, over ONE loaded rollout engine (switched
     between modes per call, so the weights are in memory once). Prompts are encoded as plain
     text with the tokenizer's special tokens, as the NIAH lengths were measured."""
-    from sparse_rl.cli.common import resolve_device
+    from sparse_rl.devices import resolve_device
     from sparse_rl.rl.rollout import SamplingParams, encode_prompt, load_engine
 
     eng = load_engine(model_dir, attention=modes[0], device=resolve_device(device), dtype=dtype, max_batch=batch_size)

@@ -72,7 +72,7 @@ class Dist:
             # plain "cpu" (not "cpu:0", which safetensors rejects); "cuda:<local rank>" on GPUs
             self.device = torch.device("cpu") if state.device.type == "cpu" else state.device
         else:
-            from sparse_rl.cli.common import resolve_device
+            from sparse_rl.devices import resolve_device
 
             self.rank = 0
             self.device = torch.device(resolve_device(device))

@@ -146,7 +146,7 @@ def _state(cfg: IndexerTrainConfig):
     """Process state from accelerate (single process when not launched by `accelerate launch`)."""
     from accelerate import PartialState
 
-    from sparse_rl.cli.common import resolve_device
+    from sparse_rl.devices import resolve_device
 
     if cfg.device == "auto" or cfg.device == "cpu":
         state = PartialState(cpu=cfg.device == "cpu")
@@ -433,7 +433,7 @@ class IndexerEvalConfig:
 
 def run_eval(cfg: IndexerEvalConfig) -> dict:
     """KL, attn_recall, oracle recall (per layer and mean) and LM loss dense vs sparse; see `hooks.evaluate`."""
-    from sparse_rl.cli.common import resolve_device
+    from sparse_rl.devices import resolve_device
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.loader import check_model_dir, load_model, load_tokenizer
     from sparse_rl.sparse.train.data import build_data
