@@ -11,7 +11,8 @@ import json
 import math
 from pathlib import Path
 
-from sparse_rl.io import append_jsonl, atomic_write_text
+from sparse_rl.io import append_jsonl
+from sparse_rl.runs import truncate_metrics
 
 STEP_KEYS = (
     "step", "epoch", "prompts_seen", "groups", "groups_sampled", "groups_skipped", "refills",
@@ -46,13 +47,9 @@ def read(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
-def truncate(run_dir: str | Path, last_step: int) -> None:
-    """Drop records after `last_step` (steps logged after the checkpoint a run resumes from)."""
-    p = Path(run_dir) / "metrics.jsonl"
-    if not p.is_file():
-        return
-    keep = [line for line in p.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
-    atomic_write_text(p, "".join(line + "\n" for line in keep))
+def truncate(run_dir: str | Path, last_step: int, log=None) -> None:
+    """Drop a cut last line and the records after `last_step` (see `sparse_rl.runs.truncate_metrics`)."""
+    truncate_metrics(run_dir, last_step, log)
 
 
 _PANELS = (

@@ -41,7 +41,8 @@ from sparse_rl.rl.grpo.batch import Batch, forward_logits, logprobs_of, make_bat
 from sparse_rl.rl.grpo.config import GRPOConfig
 from sparse_rl.rl.grpo.data import DataCursor, encode_task, load_tasks, prompt_text
 from sparse_rl.rl.grpo.distill import attach_adapter, distill, lora_params, policy_mode, theta_params
-from sparse_rl.rl.grpo.parallel import Dist, FSDPPolicy, Timer, mix_seed
+from sparse_rl.distributed import Dist
+from sparse_rl.rl.grpo.parallel import FSDPPolicy, Timer, mix_seed
 
 
 class NaNLossError(SparseRLError):
@@ -381,7 +382,7 @@ class Trainer:
                                 loss = loss + self.kl.coef * agg(kl_tok, mask, **norm)
                         if not torch.isfinite(loss):
                             bad = 1.0
-                        loss.backward()
+                        (loss * self.dist.grad_scale).backward()  # averaged over processes: the sum
                 if epoch == 0:
                     with torch.no_grad():
                         acc["loss"] += float(loss.detach())  # already globally normalised: a plain sum
@@ -448,7 +449,7 @@ class Trainer:
             if cfg.distill_on:
                 with timer("distill"):
                     rec.update(distill(self.model, batch, self.dopt, cfg.distill, temperature=cfg.rollout.temperature,
-                                       global_tokens=n_tok, reduce_grads=self.dist.reduce_grads,
+                                       global_tokens=n_tok, reduce_grads=self._reduce_global,
                                        grad_clip=cfg.optim.grad_clip, all_sum=lambda x: self.dist.sum([x])[0]))
             self._sync_rollout()
         else:
@@ -477,6 +478,15 @@ class Trainer:
         })
         rec["distill_time_frac"] = times[4] / times[5] if cfg.distill_on and times[5] > 0 else None
         return {k: rec.get(k) for k in M.STEP_KEYS}
+
+    def _reduce_global(self, params: list[torch.nn.Parameter]) -> None:
+        """Sync gradients of a loss normalised by global counts (distillation's): scaled by
+        `grad_scale`, then averaged, so the result is their sum over processes."""
+        if self.dist.world > 1:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(self.dist.grad_scale)
+        self.dist.reduce_grads(params)
 
     def _mismatch(self, pis: list[torch.Tensor], mus: list[torch.Tensor]) -> dict:
         from sparse_rl.rl.algos import mismatch_metrics
