@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from sparse_rl import runs
 from sparse_rl.errors import SparseRLError, UsageError
 from sparse_rl.rl.grpo import checkpoint as ckpt
 from sparse_rl.rl.grpo import metrics as M
@@ -96,7 +97,7 @@ class Trainer:
         self.per_rank = cfg.data.prompts_per_step // self.dist.world
         if cfg.rollout.max_batch < cfg.rollout.m:
             raise UsageError(f"rollout.max_batch ({cfg.rollout.max_batch}) must be >= rollout.m ({cfg.rollout.m})")
-        self._check_run_dir(resume)
+        resume = self._check_run_dir(resume)
 
         check_model_dir(cfg.model, "MODEL")
         if cfg.sparse_rollout and sparse_config_of(cfg.model) is None:
@@ -153,13 +154,21 @@ class Trainer:
             self._resume()
 
     # ------------------------------------------------------------------ run dir
-    def _check_run_dir(self, resume: bool) -> None:
+    def _check_run_dir(self, resume: bool) -> bool:
+        """Whether there is a run to resume. `--resume` on a dir that holds no run yet (no config.yaml,
+        no checkpoint, no metrics: killed before its first write) starts one, as indexer training does."""
         d = self.run_dir
-        if resume:
-            if not (d / "config.yaml").is_file():
-                raise UsageError(f"--resume: {d} is not a GRPO run dir (no config.yaml); start a new run without --resume")
-        elif d.exists() and any(d.iterdir()):
+        if resume and not (d / "config.yaml").is_file():
+            if (d / runs.METRICS).exists() or runs.list_checkpoints(d):
+                raise UsageError(f"--resume: {d} holds metrics or checkpoints but no config.yaml; restore it, or "
+                                 "start a new run dir")
+            self.log(f"[yellow]--resume: {d} holds no run yet (no config.yaml); starting a new one")
+            resume = False
+            if d.exists() and any(p for p in d.iterdir() if not _temporary(p)):
+                raise UsageError(f"--out {d}: exists and is not empty; choose a new dir")
+        elif not resume and d.exists() and any(d.iterdir()):
             raise UsageError(f"--out {d}: exists and is not empty; pass --resume to continue that run or choose a new dir")
+        return resume
 
     def _create_run_dir(self) -> None:
         """Written only once the inputs are checked and the model loaded, so a failed start leaves no run dir."""
@@ -167,6 +176,7 @@ class Trainer:
 
         self.dist.barrier()
         if self.dist.main:
+            runs.clean_orphans(self.run_dir, log=self._warn)  # what a killed run of this dir left behind
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.cfg, self.run_dir / "config.yaml")
         self.dist.barrier()
@@ -176,7 +186,7 @@ class Trainer:
         if found is None:
             self.log(f"[yellow]resume: no checkpoint in {self.run_dir}/checkpoints; starting at step 0")
             if self.dist.main:
-                M.truncate(self.run_dir, 0)
+                M.truncate(self.run_dir, 0, log=self._warn)
             return
         step, path = found
         opts = {"policy": self.opt, "distill": self.dopt}
@@ -193,8 +203,11 @@ class Trainer:
         self._sync_rollout()
         self.dist.barrier()
         if self.dist.main:
-            M.truncate(self.run_dir, self.step)
+            M.truncate(self.run_dir, self.step, log=self._warn)
         self.log(f"resumed from {path} (step {self.step})")
+
+    def _warn(self, msg: str) -> None:
+        self.log(f"[yellow]{msg}")
 
     def _layout(self) -> str:
         """The effective layout: "fsdp" only when theta is actually sharded."""
@@ -592,6 +605,11 @@ class Trainer:
             last = rec
         self.dist.close()
         return last
+
+
+def _temporary(p: Path) -> bool:
+    """A leftover of an atomic write (cleaned by `runs.clean_orphans`), not a file of the user's."""
+    return p.name.startswith(".") and (".tmp" in p.name or ".old-" in p.name)
 
 
 def _fmt(v, spec=".3f") -> str:
