@@ -63,6 +63,13 @@ class Dist:
     def max(self, values: list[float]) -> list[float]:
         return self._reduce(values, "max")
 
+    def sum_named(self, values: dict[str, float]) -> dict[str, float]:
+        """`sum` of named values, one all-reduce: {name: value summed over processes}."""
+        return dict(zip(values, self.sum(list(values.values()))))
+
+    def max_named(self, values: dict[str, float]) -> dict[str, float]:
+        return dict(zip(values, self.max(list(values.values()))))
+
     def all_sum_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over processes in place (it must live on a device the backend serves)."""
         if self.world > 1:

@@ -15,7 +15,7 @@ import torch
 
 from sparse_rl.errors import SparseRLError
 from sparse_rl.io import writing
-from sparse_rl.runs import latest, list_checkpoints, load_rng, save_checkpoint, set_rng_state, torch_save  # noqa: F401
+from sparse_rl.runs import load_rng, save_checkpoint, torch_save
 
 TRAINABLE = "trainable.safetensors"
 
