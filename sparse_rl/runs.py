@@ -106,7 +106,7 @@ def save_checkpoint(run_dir: str | Path, step: int, write: Callable[[Path], None
     error names the file (and the temporary directory is removed)."""
     final = checkpoint_root(run_dir) / f"step-{step}"
     with atomic_dir(final, force=True, flag="checkpoint") as tmp:
-        with writing(tmp, "checkpoint"):  # files the trainer writes without naming them itself
+        with writing(final, "checkpoint"):  # files the trainer writes without naming them itself
             write(tmp)
         torch_save(rng_state() if rng_states is None else rng_states, tmp / RNG_FILE)
         atomic_write_json(tmp / META_FILE, {"step": step, **meta})

@@ -1,5 +1,8 @@
 """The GRPO loop (docs/DESIGN.md, "RL contract"), one step:
 
+Steps 1-4 are `collect.collect`, 5-8 `update.build_batch` + `update.policy_update`, 9 `distill.distill`;
+this module holds the state between steps (model, optimizers, data cursor, KL controller) and the loop.
+
 1. rollout: M completions per prompt from mu (dense pi_theta, or sparse attention [+ LoRA phi]),
    recording mu's per-token log-probs;
 2. rewards (built-in math / synth verifier or a user `module:function`) + shaping;
@@ -13,11 +16,12 @@
 
 Data parallel (accelerate / torch.distributed): each process rolls out its own slice of the step's
 prompts and computes its loss with the GLOBAL normalisers (token and sequence counts summed over
-processes), and the gradients are summed across processes with one all-reduce per update. So the
-update equals the single-process update on the union of the slices, without wrapping the model in
-DDP (whose hooks assume one fixed set of trainable parameters, while theta and phi train in turn).
-With `parallel: fsdp`, theta is sharded with FSDP2 instead (parallel.FSDPPolicy): the backward's
-reduce-scatter sums theta's gradients (no manual all-reduce), rollouts and eval run inside
+processes), scaled by `Dist.grad_scale` (= world), and the gradients are averaged across processes
+with one all-reduce per update: the sum of the shares. So the update equals the single-process
+update on the union of the slices, without wrapping the model in DDP (whose hooks assume one fixed
+set of trainable parameters, while theta and phi train in turn). With `parallel: fsdp`, theta is
+sharded with FSDP2 instead (parallel.FSDPPolicy): the backward's reduce-scatter averages theta's
+gradients (no manual all-reduce), rollouts and eval run inside
 `FSDPPolicy.gathered()` (full weights), checkpoints gather the full weights for rank 0.
 
 Determinism: every random choice of a step (sampling noise, oversampling ties) is seeded from
