@@ -87,8 +87,27 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+def _renamed(cls, data: dict, where: str) -> dict:
+    """Old spellings of renamed keys (`cls.RENAMED = {old: new}`) keep working, with one deprecation line
+    on stderr; giving both spellings is an error."""
+    import sys
+
+    renamed = getattr(cls, "RENAMED", {})
+    if not any(k in data for k in renamed):
+        return data
+    data = dict(data)
+    for old, new in renamed.items():
+        if old in data:
+            if new in data:
+                raise UsageError(f"{where}: both '{old}' and '{new}' given ('{old}' is the old name of '{new}')")
+            print(f"warning: {where}: '{old}' is deprecated; use '{new}'", file=sys.stderr)
+            data[new] = data.pop(old)
+    return data
+
+
 def from_dict(cls: type[T], data: dict, where: str = "config") -> T:
     """Build dataclass `cls` from a mapping; unknown keys are a UsageError naming `where.key`."""
+    data = _renamed(cls, data, where)
     types_ = _field_types(cls)
     unknown = sorted(set(data) - set(types_))
     if unknown:

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from sparse_rl.cli.common import console
+from sparse_rl.console import console
 
 
 @dataclass
@@ -165,7 +165,7 @@ def _grpo(run: Path, cfg: DemoConfig) -> dict:
                       device="cpu", plot_every=cfg.grpo_steps,
                       data=DataConfig(tasks=str(run / "tasks.jsonl"), prompts_per_step=4),
                       rollout=RolloutConfig(mode="sparse+distill", samples=4, keep=2, max_new_tokens=cfg.max_new_tokens),
-                      optim=OptimConfig(lr=1e-4, micro_batch=8), distill=DistillConfig(rank=4, alpha=8, lr=1e-3),
+                      optim=OptimConfig(lr=1e-4, micro_batch=8), distill=DistillConfig(lora_r=4, lora_alpha=8, lr=1e-3),
                       checkpoint=CheckpointConfig(every=cfg.grpo_steps))
     return grpo(gcfg)
 

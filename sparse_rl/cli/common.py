@@ -16,11 +16,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-
+from sparse_rl.console import console
+from sparse_rl.devices import resolve_device
 from sparse_rl.errors import SparseRLError, UsageError
-
-console = Console(stderr=True)
 
 __all__ = ["console", "cli_errors", "debug", "UsageError", "SparseRLError", "resolve_device", "group", "ints", "floats",
            "strs", "refuse_existing", "deprecated", "old_spelling", "renamed", "CONFIG", "SET", "FORCE", "RESUME",
@@ -192,14 +190,3 @@ def cli_errors():
               file=sys.stderr)
         raise typer.Exit(1) from None
 
-
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {device}: CUDA is not available on this machine (use --device cpu or auto)")
-    if device not in ("cpu",) and not device.startswith("cuda"):
-        raise UsageError(f"--device {device}: expected auto, cpu, cuda or cuda:N")
-    return device

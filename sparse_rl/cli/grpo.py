@@ -61,12 +61,10 @@ def command(
         if out is None:
             raise UsageError("--out: give the run dir (e.g. --out runs/grpo1)")
         run_dir = Path(out)
-        if resume:
+        if resume and (run_dir / "config.yaml").is_file():  # without one the run starts (see Trainer)
             if config is not None:
                 raise UsageError("--resume takes the config from RUN_DIR/config.yaml; drop --config (flags still override)")
             config = run_dir / "config.yaml"
-            if not config.is_file():
-                raise UsageError(f"--resume: {run_dir} has no config.yaml (not a GRPO run dir)")
         overrides = {
             "model": model, "out": out, "data.tasks": tasks, "steps": steps, "rollout.mode": mode,
             "rollout.samples": samples, "rollout.keep": keep, "data.prompts_per_step": prompts_per_step, "rollout.max_new_tokens": max_new_tokens,

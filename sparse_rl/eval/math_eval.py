@@ -174,7 +174,7 @@ def sample_completions(cfg: MathEvalConfig, problems: dict[str, dict], progress:
     from rich.console import Console
     from rich.progress import Progress
 
-    from sparse_rl.cli.common import resolve_device
+    from sparse_rl.devices import resolve_device
     from sparse_rl.rl.rollout import SamplingParams, encode_prompt, load_engine
 
     ids = list(problems)

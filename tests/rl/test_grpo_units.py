@@ -57,7 +57,7 @@ def test_distillation_lowers_sparse_vs_dense_kl_and_leaves_pi_theta_unchanged(sp
     from sparse_rl.sparse.loader import load_model
 
     torch.manual_seed(0)
-    cfg = DistillConfig(loss=loss, rank=8, alpha=16, lr=5e-3, steps=8, micro_batch=6)
+    cfg = DistillConfig(loss=loss, lora_r=8, lora_alpha=16, lr=5e-3, steps=8, micro_batch=6)
     model = attach_adapter(load_model(sparse_dir), cfg)
     batch = _fixed_batch()
     before, dense_before = _kl(model, batch, loss)
@@ -123,7 +123,7 @@ def test_checkpoint_roundtrip_restores_weights_adapter_and_optimizers(sparse_dir
     from sparse_rl.sparse.loader import load_model, load_tokenizer
 
     torch.manual_seed(0)
-    cfg = DistillConfig(rank=4, alpha=8)
+    cfg = DistillConfig(lora_r=4, lora_alpha=8)
     m1 = attach_adapter(load_model(sparse_dir), cfg)
     opt = torch.optim.AdamW(theta_params(m1), lr=1e-2)
     dopt = torch.optim.AdamW(lora_params(m1), lr=1e-2)
@@ -212,3 +212,16 @@ def test_a_custom_rollout_backend_plugs_in(sparse_dir, tmp_path):
     rec = trainer.train()
     assert backend.calls == [(2, 2, "sparse")] and backend.syncs == 1
     assert rec["step"] == 1 and rec["groups"] == 2
+
+
+def test_lora_settings_have_one_spelling_and_old_keys_still_load(tmp_path, capsys):
+    old = tmp_path / "old.yaml"
+    old.write_text("distill:\n  rank: 8\n  alpha: 16\n  target_modules: [q_proj]\n")
+    cfg = load_config(GRPOConfig, old)
+    assert (cfg.distill.lora_r, cfg.distill.lora_alpha, cfg.distill.lora_targets) == (8, 16.0, ["q_proj"])
+    err = capsys.readouterr().err
+    assert "distill: 'rank' is deprecated; use 'lora_r'" in err and len(err.splitlines()) == 3
+    both = tmp_path / "both.yaml"
+    both.write_text("distill:\n  rank: 8\n  lora_r: 4\n")
+    with pytest.raises(UsageError, match="both 'rank' and 'lora_r'"):
+        load_config(GRPOConfig, both)

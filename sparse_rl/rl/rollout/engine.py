@@ -480,10 +480,10 @@ def load_engine(model_dir, attention: str = "dense", device: str = "auto", dtype
                 max_seq_len: int | None = None, use_cuda_graphs: bool | None = None,
                 compile: bool | None = None) -> RolloutEngine:
     """Open a model dir (dense or sparse) and wrap it in an engine (compile: see RolloutEngine)."""
+    from sparse_rl.devices import resolve_device
     from sparse_rl.sparse.loader import load_model, load_tokenizer
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     model = load_model(model_dir, attention=attention, device=device, dtype=dtype)
     tok = load_tokenizer(model_dir)
     eng = RolloutEngine(model, tok, max_batch=max_batch, max_seq_len=max_seq_len, device=device,

@@ -114,7 +114,7 @@ def run_generate(model_dir: str | Path, prompts: str | Path, out: str | Path | N
     total = None if from_stdin else len(records)  # type: ignore[arg-type]
     if total == 0:
         raise SparseRLError(f"--prompts {prompts}: no prompt records")
-    from sparse_rl.cli.common import resolve_device
+    from sparse_rl.devices import resolve_device
 
     eng = load_engine(model_dir, cfg.attention, resolve_device(cfg.device), cfg.dtype, cfg.batch_size,
                       cfg.max_seq_len, compile=cfg.compile)
