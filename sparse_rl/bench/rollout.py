@@ -87,16 +87,15 @@ def _sync(dev):
 def run_rollout_bench(cfg: BenchRolloutConfig, log=print, on_result=None) -> dict:
     import torch
 
-    from sparse_rl.cli.common import resolve_device
-    from sparse_rl.bench.attention import torch_dtype
     from sparse_rl.bench.timing import device_name
+    from sparse_rl.devices import resolve_device, resolve_dtype
     from sparse_rl.rl.rollout import RolloutEngine, SamplingParams
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.ops import kernel
     from sparse_rl.sparse.patch import attach_sparse
 
     dev = torch.device(resolve_device(cfg.device))
-    dtype = torch_dtype(cfg.dtype)
+    dtype = resolve_dtype(cfg.dtype, dev.type)
     model = build_model(cfg, dev, dtype)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -248,12 +247,11 @@ def consistency_checks(device: str = "cuda", seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(10, 500, (n,), generator=gen).tolist() for n in (5, 17, 33, 9)]
     out: dict = {}
-    from sparse_rl.sparse.patch import set_attention
+    from sparse_rl.sparse.layer import set_attention, set_topk
 
-    sc = model.model.layers[1].self_attn.srl.cfg  # shared by every layer
     for name, mode, topk in (("dense", "dense", 4096), ("sparse_full_topk", "sparse", 4096),
                              ("sparse_topk64", "sparse", 64)):
-        sc.topk = topk
+        set_topk(model, topk)
         set_attention(model, mode)  # the HF reference runs the same attention
         eng = RolloutEngine(model, None, max_batch=4, max_seq_len=512, device=dev, eos_token_ids=[])
         eng.set_attention(mode)
@@ -290,9 +288,8 @@ def compile_step_bench(shape: str = "qwen2-0.5b", batches=(16, 64), contexts=(10
     (the first call of each variant: S <= top-k and S > top-k are two variants in sparse mode)."""
     import torch
 
-    from sparse_rl.cli.common import resolve_device
-    from sparse_rl.bench.attention import torch_dtype
     from sparse_rl.bench.timing import device_name
+    from sparse_rl.devices import resolve_device, resolve_dtype
     from sparse_rl.rl.rollout import RolloutEngine
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.ops import kernel
@@ -301,7 +298,7 @@ def compile_step_bench(shape: str = "qwen2-0.5b", batches=(16, 64), contexts=(10
     dev = torch.device(resolve_device(device))
     cfg = BenchRolloutConfig(shape=shape, long_new_tokens=[max(contexts)], long_prompt_len=1, topk=topk,
                              index_heads=index_heads, index_dim=index_dim, dtype=dtype, device=device, seed=seed)
-    dt = torch_dtype(dtype)
+    dt = resolve_dtype(dtype, dev.type)
     model = build_model(cfg, dev, dt)
     attach_sparse(model, SparseConfig(topk=topk, index_heads=index_heads, index_dim=index_dim,
                                       rope_dim=min(32, index_dim), dense_layers=[0, 1], sink=min(4, topk // 4),

@@ -226,7 +226,7 @@ def test_config_defaults_and_errors_per_preset():
 def test_cli_builds_ruler_prompts_and_says_what_it_skipped(bpe_dir, tmp_path):
     out = tmp_path / "ruler.jsonl"
     res = CliRunner().invoke(app, ["eval", "niah", "--preset", "ruler", "--tokenizer", str(bpe_dir),
-                                   "--lengths", "2048", "--samples", "2", "--prompts-out", str(out)])
+                                   "--lengths", "2048", "--per-cell", "2", "--prompts-out", str(out)])
     assert res.exit_code == 0, res.output
     assert "skipped niah_single_2" in res.output and "--haystack" in res.output
     recs = [json.loads(line) for line in out.read_text().splitlines()]
@@ -234,20 +234,20 @@ def test_cli_builds_ruler_prompts_and_says_what_it_skipped(bpe_dir, tmp_path):
     essay = tmp_path / "essay.txt"
     essay.write_text(" ".join(_essay(600)))
     res = CliRunner().invoke(app, ["eval", "niah", "--preset", "ruler", "--tokenizer", str(bpe_dir),
-                                   "--tasks", "niah_single_2,vt", "--lengths", "2k", "--samples", "1",
-                                   "--haystack", str(essay), "--prompts-out", str(out)])
+                                   "--kinds", "niah_single_2,vt", "--lengths", "2k", "--per-cell", "1",
+                                   "--haystack", str(essay), "--prompts-out", str(out), "--force"])
     assert res.exit_code == 0, res.output
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["task"] for r in recs] == ["niah_single_2", "vt"] and recs[0]["meta"]["haystack"] == str(essay)
     res = CliRunner().invoke(app, ["eval", "niah", "--preset", "ruler", "--tokenizer", str(bpe_dir),
-                                   "--depths", "0.5", "--prompts-out", str(out)])
+                                   "--depths", "0.5", "--prompts-out", str(out), "--force"])
     assert res.exit_code == 2 and "--depths" in res.output
 
 
 def test_cli_ruler_runs_on_a_tiny_model_and_resumes(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    args = ["eval", "niah", "--preset", "ruler", "--model", str(tiny_model_dir), "--tasks", "niah_single_1,vt",
-            "--lengths", "2048", "--samples", "2", "--out", str(out), "--device", "cpu"]
+    args = ["eval", "niah", str(tiny_model_dir), "--preset", "ruler", "--kinds", "niah_single_1,vt",
+            "--lengths", "2048", "--per-cell", "2", "--out", str(out), "--device", "cpu"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)

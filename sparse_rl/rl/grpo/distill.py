@@ -30,7 +30,7 @@ import torch
 from sparse_rl.errors import UsageError
 from sparse_rl.rl.algos import DISTILL_LOSSES, lookup
 from sparse_rl.rl.grpo.batch import Batch, forward_logits, logprobs_of
-from sparse_rl.sparse.patch import get_attention, set_attention
+from sparse_rl.sparse.layer import get_attention, set_attention, sparse_config
 
 
 def attach_adapter(model, cfg):
@@ -40,15 +40,15 @@ def attach_adapter(model, cfg):
 
     from peft import LoraConfig, get_peft_model
 
-    lc = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                    target_modules=list(cfg.target_modules), bias="none")
+    lc = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.dropout,
+                    target_modules=list(cfg.lora_targets), bias="none")
     try:
         with warnings.catch_warnings():
             # peft probes a deprecated transformers property while wrapping; not ours to fix
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             pm = get_peft_model(model, lc)
     except ValueError as e:
-        raise UsageError(f"distill.target_modules {list(cfg.target_modules)}: {' '.join(str(e).split())[:200]}") from None
+        raise UsageError(f"distill.lora_targets {list(cfg.lora_targets)}: {' '.join(str(e).split())[:200]}") from None
     for p in theta_params(pm):
         p.requires_grad_(True)
     return pm
@@ -69,9 +69,7 @@ def lora_params(model) -> list[torch.nn.Parameter]:
 
 
 def _has_selector(model) -> bool:
-    from sparse_rl.sparse.patch import decoder_layers
-
-    return any(getattr(layer.self_attn, "srl", None) is not None for layer in decoder_layers(model))
+    return sparse_config(model) is not None
 
 
 @contextlib.contextmanager
