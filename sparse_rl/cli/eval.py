@@ -107,8 +107,9 @@ def niah_cmd(
                                             help="Local tokenizer or model dir (for building) [default: none]"),
     preset: Optional[str] = typer.Option(None, "--preset", help="grid (depth x length heatmaps) or ruler (RULER's 13 "
                                                                 "tasks, lengths and metrics) [default: grid]"),
-    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="ruler: the model's chat template around each "
-                                                                       "task [default: when it has one]"),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat",
+                                        help="Send plain prompts through the chat template [default: ruler: when the "
+                                             "tokenizer has one; grid: never]"),
     kinds: Optional[str] = typer.Option(None, "--kinds", help="grid: single,multikey,multivalue,multiquery,vt "
                                                               "[default: single]; ruler: niah_single_1,...,vt,cwe,fwe,"
                                                               "qa_1,qa_2 [default: all]"),
@@ -123,9 +124,9 @@ def niah_cmd(
     haystack: Optional[str] = typer.Option(None, "--haystack", metavar="FILE",
                                            help="Filler text file [default: RULER's repeated noise sentences]; "
                                                 "ruler: the essay text its essay tasks need"),
-    squad: Optional[str] = typer.Option(None, "--squad", metavar="FILE", help="ruler qa_1: a local SQuAD v2 dev JSON"),
+    squad: Optional[str] = typer.Option(None, "--squad", metavar="FILE", help="ruler qa_1: a local SQuAD v2 dev JSON [default: none]"),
     hotpotqa: Optional[str] = typer.Option(None, "--hotpotqa", metavar="FILE",
-                                           help="ruler qa_2: a local HotpotQA distractor dev JSON"),
+                                           help="ruler qa_2: a local HotpotQA distractor dev JSON [default: none]"),
     prompts_out: Optional[str] = typer.Option(None, "--prompts-out", metavar="FILE",
                                               help="Build the grid: write prompts JSONL, - = stdout [default: none]"),
     prompts: Optional[str] = typer.Option(None, "--prompts", metavar="FILE",
