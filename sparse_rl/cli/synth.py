@@ -121,6 +121,10 @@ def _read_tool_tasks(path: str) -> list[dict]:
         if not isinstance(meta, dict) or meta.get("env") not in ENVS or not {"state", "tools", "solution"} <= set(meta):
             raise SparseRLError(f"{path} record {i} (id {rec['id']}): not a tool task (needs meta.env in "
                                 f"{', '.join(ENVS)}, meta.state, meta.tools, meta.solution); make one with `synth agent`")
+        try:
+            ENVS[meta["env"]].check_state(meta["state"])
+        except (ValueError, TypeError, AttributeError) as e:
+            raise SparseRLError(f"{path} record {i} (id {rec['id']}): {e}") from None
         tasks.append(rec)
     if not tasks:
         raise SparseRLError(f"{path}: no tasks")
