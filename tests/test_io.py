@@ -8,7 +8,6 @@ import os
 import stat
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
