@@ -1,6 +1,7 @@
-"""File helpers shared by every stage: JSONL with line-numbered errors, `-` for stdin/stdout,
-and atomic writes (temp file or temp directory, then rename) so a killed run never leaves a
-half-written output behind."""
+"""File helpers shared by every stage: JSONL with line-numbered errors (binary input included),
+`-` for stdin/stdout, and atomic writes (temp file or temp directory, then rename) so a killed run
+never leaves a half-written output behind. Only regular files are replaced by rename; a device,
+FIFO or /dev/stdout is written in place. Outputs get the usual umask-governed modes."""
 
 from __future__ import annotations
 
@@ -78,16 +79,6 @@ def _decode(raw: bytes | str, name: str, lineno: int) -> str:
     except UnicodeDecodeError as e:
         raise SparseRLError(f"{name} line {lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
                             f"{len(raw[:e.start].decode('utf-8', 'replace')) + 1}); is this a binary file?") from None
-
-
-def read_text(path: str | Path, what: str = "file") -> str:
-    """A whole text file, with a one-line error naming it when it is not UTF-8."""
-    raw = Path(path).read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise SparseRLError(f"{path} line {line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); is this a binary {what}?") from None
 
 
 def read_jsonl(path: str | Path, required: Iterable[str] = (), any_of: Iterable[str] = ()) -> list[dict]:

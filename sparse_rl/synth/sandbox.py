@@ -79,7 +79,7 @@ class Limits:
 
 @dataclasses.dataclass
 class ExecResult:
-    status: str  # ok | error | timeout | cpu_limit | memory_limit | output_limit | blocked (guard or EROFS)
+    status: str  # ok | error | timeout | cpu_limit | memory_limit | output_limit | disk_limit | blocked
     returncode: int | None
     stdout: str
     stderr: str
@@ -108,7 +108,7 @@ def _probe_python(root: bool) -> tuple[str, bool]:
     try:
         for cand in dict.fromkeys(candidates):
             try:
-                r = subprocess.run([cand, "-I", "-c", "import ctypes; print(1)"], capture_output=True, timeout=10,
+                r = subprocess.run([cand, "-I", "-c", "import ctypes; print(1)"], capture_output=True, timeout=60,
                                    preexec_fn=sp.preexec(Limits(), uid, False, None, 64), env={"PATH": "/usr/bin:/bin"})
             except Exception:
                 continue
@@ -151,7 +151,7 @@ def platform_support() -> dict:
             sup["readonly_mounts"] = ro
             wd = open_workdir(Limits(disk_mb=1, max_files=16), sup)
             try:
-                r = _execute(code, Limits(), wd, False, sup)
+                r = _execute(code, Limits(cpu_s=10, wall_s=60.0), wd, False, sup)  # generous: a loaded CI box
             finally:
                 wd.close()
             lines = r.stdout.split()
