@@ -155,8 +155,14 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: dict | 
         where = str(p)
         if not p.is_file():
             raise UsageError(f"--config: file not found: {p}")
+        raw = p.read_bytes()
         try:
-            loaded = yaml.safe_load(p.read_text())
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw[:e.start].count(b"\n") + 1
+            raise UsageError(f"{p} line {line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); is this a binary file?") from None
+        try:
+            loaded = yaml.safe_load(text)
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f" line {mark.line + 1}" if mark is not None else ""

@@ -1,9 +1,10 @@
 """`sparse-rl demo`: the whole chain on a tiny model, offline, on a CPU, in a few minutes.
 
-model init -> synth math tasks -> convert -> LM pre-training on the synthetic retrieval source
-(sparse stage with k = L, i.e. dense) -> indexer warm-up at k = L/8 -> indexer eval (attn_recall,
-LM loss dense vs sparse) -> dense-vs-sparse agreement before/after warm-up -> generate (dense and
-sparse) -> eval math -> a few GRPO steps with sparse rollouts and LoRA distillation.
+model init -> synth math tasks -> LM pre-training of the dense model on the synthetic retrieval
+source -> convert -> indexer warm-up at k = L/8 -> indexer eval (attn_recall, LM loss dense vs
+sparse) -> dense-vs-sparse agreement before/after warm-up -> generate (dense and sparse) -> eval
+math -> a few GRPO steps with sparse rollouts and LoRA distillation. The run's summary goes to
+`summary.json` in the run dir.
 
 Each step writes its output into the run dir and is skipped when that output already exists, so
 an interrupted demo resumes where it stopped. The steps call the same functions the stage
@@ -57,7 +58,7 @@ def _convert(run: Path, cfg: DemoConfig) -> dict:
     from sparse_rl.sparse.convert import ConvertConfig, convert
 
     sc = SparseConfig(topk=cfg.seq_len // 8, index_heads=4, index_dim=32, sink=2, window=4, dense_layers=[0])
-    return convert(run / "model", run / "sparse", ConvertConfig(sparse=sc, seed=cfg.seed))
+    return convert(run / "pretrained", run / "sparse", ConvertConfig(sparse=sc, seed=cfg.seed))
 
 
 def agreement_table(model_dir: Path, texts: list[str], seq_len: int, topks: list[int]) -> list[dict]:
@@ -92,7 +93,7 @@ def _texts(cfg: DemoConfig) -> list[str]:
 def _agreement(run: Path, cfg: DemoConfig) -> dict:
     from sparse_rl.io import atomic_write_json
 
-    before = agreement_table(run / "pretrained", _texts(cfg), cfg.seq_len, cfg.topks)
+    before = agreement_table(run / "sparse", _texts(cfg), cfg.seq_len, cfg.topks)
     after = agreement_table(run / "indexer", _texts(cfg), cfg.seq_len, cfg.topks)
     rows = [dict(b, top1_after_warmup=a["top1_agreement"], token_kl_after_warmup=a["token_kl"])
             for b, a in zip(before, after)]
@@ -123,23 +124,47 @@ def _train(run: Path, cfg: DemoConfig, stage: str, src: str, out: str, steps: in
 
 
 def _pretrain(run: Path, cfg: DemoConfig) -> dict:
-    # A random model has no attention structure for an indexer to learn: first a short LM training on
-    # the synthetic retrieval source, in sparse mode with k = L (exactly dense attention).
-    return _train(run, cfg, "sparse", "sparse", "pretrained", cfg.pretrain_steps, topk=cfg.seq_len, model_lr=3e-3,
-                  lr=0.0)
+    """A random model has no attention structure for an indexer to learn: first a short LM training
+    on the synthetic retrieval source (the indexer trainer's rows), on the dense model with plain
+    dense attention, i.e. before conversion (the sparse stage at k = L computes the same loss
+    through the sparse path, several times slower on a CPU)."""
+    from sparse_rl.io import atomic_dir
+    from sparse_rl.sparse.loader import load_model, load_tokenizer, save_model
+    from sparse_rl.sparse.train.data import build_data
+
+    tok = load_tokenizer(run / "model")
+    model = load_model(run / "model", attention="dense")
+    data = build_data("synthetic", tok, cfg.seq_len, cfg.seed, 256)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, cfg.pretrain_steps, eta_min=3e-4)
+    model.train()
+    losses = []
+    for step in range(cfg.pretrain_steps):
+        ids = data.rows(4 * step, 4)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    model.eval()
+    with atomic_dir(run / "pretrained", force=True) as tmp:
+        save_model(model, tmp, tokenizer=tok)
+    return {"steps": cfg.pretrain_steps, "lm_loss_first": losses[0], "lm_loss_last": losses[-1]}
 
 
 def _warmup(run: Path, cfg: DemoConfig) -> dict:
-    return _train(run, cfg, "warmup", "pretrained", "indexer", cfg.warmup_steps, topk=cfg.seq_len // 8, lr=3e-3)
+    return _train(run, cfg, "warmup", "sparse", "indexer", cfg.warmup_steps, topk=cfg.seq_len // 8, lr=3e-3)
 
 
 def _recall(run: Path, cfg: DemoConfig) -> dict:
     from sparse_rl.io import atomic_write_json
     from sparse_rl.sparse.train.trainer import IndexerEvalConfig, run_eval
 
-    res = {}
-    for name in ("pretrained", "indexer"):
-        res[name] = run_eval(IndexerEvalConfig(model=str(run / name), seq_len=cfg.seq_len, rows=8,
+    res = {}  # "pretrained": the converted pre-trained model, its indexers still random
+    for name, src in (("pretrained", "sparse"), ("indexer", "indexer")):
+        res[name] = run_eval(IndexerEvalConfig(model=str(run / src), seq_len=cfg.seq_len, rows=8,
                                                topk=cfg.seq_len // 8, device="cpu"))
     atomic_write_json(run / "indexer_eval.json", res)
     return res
@@ -186,8 +211,8 @@ def _eval(run: Path, cfg: DemoConfig) -> dict:
 STEPS: list[Step] = [
     Step("model init", "model", _init),
     Step("synth math tasks", "tasks.jsonl", _synth),
+    Step("LM pre-training (dense)", "pretrained", _pretrain),
     Step("convert", "sparse", _convert),
-    Step("LM pre-training (sparse stage, k = L)", "pretrained", _pretrain),
     Step("indexer warm-up (k = L/8)", "indexer", _warmup),
     Step("indexer eval", "indexer_eval.json", _recall),
     Step("dense vs sparse agreement", "agreement.json", _agreement),
@@ -198,20 +223,22 @@ STEPS: list[Step] = [
 
 
 def run_demo(run: Path, cfg: DemoConfig) -> dict:
+    from sparse_rl.io import atomic_write_json
+
     run.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     summary: dict = {"run_dir": str(run), "steps": []}
     for step in STEPS:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if (run / step.output).exists():
             console.print(f"[dim]skip[/] {step.name} (found {step.output})")
             summary["steps"].append({"step": step.name, "status": "skipped"})
             continue
         with console.status(f"{step.name} ..."):
             info = step.fn(run, cfg)
-        dt = time.perf_counter() - t0
-        console.print(f"[green]done[/] {step.name} ({dt:.1f}s)")
-        summary["steps"].append({"step": step.name, "status": "done", "seconds": round(dt, 2)})
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        console.print(f"[green]done[/] {step.name} ({dt:.1f}s, {cpu:.1f} CPU s)")
+        summary["steps"].append({"step": step.name, "status": "done", "seconds": round(dt, 2), "cpu_seconds": round(cpu, 2)})
     summary["agreement"] = json.loads((run / "agreement.json").read_text())
     ev = json.loads((run / "indexer_eval.json").read_text())
     summary["indexer_eval"] = {k: {m: v[m] for m in ("attn_recall", "oracle_recall", "kl", "lm_loss_dense",
@@ -220,11 +247,15 @@ def run_demo(run: Path, cfg: DemoConfig) -> dict:
     summary["eval_math"] = {m: evals[m].get("accuracy") for m in evals}
     lines = (run / "grpo" / "metrics.jsonl").read_text().splitlines()
     summary["grpo"] = [json.loads(x) for x in lines]
+    atomic_write_json(run / "summary.json", summary)
     return summary
 
 
-def print_summary(summary: dict) -> None:
+def print_summary(summary: dict, out=None) -> None:
+    """The demo's result tables, on `out` (a rich Console; the CLI passes stdout)."""
     from rich.table import Table
+
+    out = out or console
 
     table = Table(title="dense vs sparse next-token agreement (tiny model)")
     for col in ("top-k", "keys read", "top-1, random indexer", "top-1, after warm-up", "KL, random", "KL, warm-up"):
@@ -233,7 +264,7 @@ def print_summary(summary: dict) -> None:
         table.add_row(str(r["topk"]), f"{r['keys_read']:.0%}", f"{r['top1_agreement']:.3f}",
                       f"{r['top1_after_warmup']:.3f}", f"{max(0.0, r['token_kl']):.4f}",
                       f"{max(0.0, r['token_kl_after_warmup']):.4f}")
-    console.print(table)
+    out.print(table)
     steps = Table(title="grpo, sparse rollouts + LoRA distillation (a few steps; the tiny model never saw math)")
     cols = [("step", "step"), ("reward", "reward"), ("mismatch KL", "mismatch_kl"), ("p5 min(1,pi/mu)", "mismatch_p5_ratio"),
             ("rollout tok/s", "rollout_tokens_per_s")]
@@ -241,16 +272,17 @@ def print_summary(summary: dict) -> None:
         steps.add_column(name, justify="right")
     for rec in summary["grpo"]:
         steps.add_row(*[_fmt(rec.get(key)) for _, key in cols])
-    console.print(steps)
+    out.print(steps)
     acc = summary.get("eval_math", {})
     ev = summary.get("indexer_eval", {})
     if ev:
-        console.print(f"indexer at k = L/8: attn_recall {ev['pretrained']['attn_recall']:.3f} (random) -> "
+        out.print(f"indexer at k = L/8: attn_recall {ev['pretrained']['attn_recall']:.3f} (random) -> "
                       f"{ev['indexer']['attn_recall']:.3f} (warm-up), oracle {ev['indexer']['oracle_recall']:.3f}; "
                       f"LM loss dense {ev['indexer']['lm_loss_dense']:.3f}, sparse {ev['pretrained']['lm_loss_sparse']:.3f}"
-                      f" -> {ev['indexer']['lm_loss_sparse']:.3f}")
-    console.print(f"eval math (greedy, held-out tasks): dense {_fmt(acc.get('dense'))}, sparse {_fmt(acc.get('sparse'))}")
-    console.print(f"run dir: {summary['run_dir']}")
+                      f" -> {ev['indexer']['lm_loss_sparse']:.3f}", soft_wrap=True)
+    out.print(f"eval math (greedy, held-out tasks): dense {_fmt(acc.get('dense'))}, sparse {_fmt(acc.get('sparse'))}", soft_wrap=True)
+    out.print(f"run dir: {summary['run_dir']} (summary.json there: every number above, and each step's time)",
+              soft_wrap=True)
 
 
 def _fmt(v) -> str:

@@ -1,6 +1,7 @@
-"""File helpers shared by every stage: JSONL with line-numbered errors, `-` for stdin/stdout,
-and atomic writes (temp file or temp directory, then rename) so a killed run never leaves a
-half-written output behind."""
+"""File helpers shared by every stage: JSONL with line-numbered errors (binary input included),
+`-` for stdin/stdout, and atomic writes (temp file or temp directory, then rename) so a killed run
+never leaves a half-written output behind. Only regular files are replaced by rename; a device,
+FIFO or /dev/stdout is written in place. Outputs get the usual umask-governed modes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -20,33 +22,42 @@ def _name(path: str | Path) -> str:
     return "<stdin>" if str(path) == "-" else str(path)
 
 
+def _stdin_bytes(flag: str | None) -> IO[bytes]:
+    if sys.stdin is None or sys.stdin.closed:
+        raise SparseRLError(f"{flag + ' ' if flag else ''}-: standard input is closed (pass a file instead)")
+    return getattr(sys.stdin, "buffer", sys.stdin)
+
+
 def iter_jsonl(path: str | Path, required: Iterable[str] = (), any_of: Iterable[str] = (),
                check: Callable[[dict, str, int], dict] | None = None, flag: str | None = None) -> Iterator[dict]:
     """Yield records of a JSONL file (or stdin for `-`), checking them as they stream.
 
-    Raises SparseRLError naming the file and line on bad JSON, a non-object line, a missing
-    `required` field, or none of `any_of` present. Blank lines are skipped. `check(rec, name, lineno)`
-    validates (and may transform) each record; `flag` prefixes the file-not-found error.
+    Raises SparseRLError naming the file and line on bytes that are not UTF-8, bad JSON, a
+    non-object line, a missing `required` field, or none of `any_of` present. Blank lines are
+    skipped. `check(rec, name, lineno)` validates (and may transform) each record; `flag` prefixes
+    the file-not-found error.
     """
     required, any_of = tuple(required), tuple(any_of)
     name = _name(path)
     if str(path) == "-":
-        fh: IO[str] = sys.stdin
+        fh: IO[bytes] = _stdin_bytes(flag)
         close = False
     else:
         p = Path(path)
         if not p.is_file():
             raise SparseRLError(f"{flag + ' ' if flag else ''}{name}: file not found")
-        fh = p.open("r", encoding="utf-8")
+        fh = p.open("rb")
         close = True
     try:
-        for lineno, line in enumerate(fh, 1):
+        for lineno, raw in enumerate(fh, 1):
+            line = _decode(raw, name, lineno)
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SparseRLError(f"{name} line {lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+                msg = e.msg[:-3] if e.msg.endswith(" at") else e.msg  # "Unterminated string starting at"
+                raise SparseRLError(f"{name} line {lineno}: invalid JSON at column {e.colno}: {msg}") from None
             if not isinstance(rec, dict):
                 raise SparseRLError(f"{name} line {lineno}: expected a JSON object, got {type(rec).__name__}")
             for key in required:
@@ -60,6 +71,16 @@ def iter_jsonl(path: str | Path, required: Iterable[str] = (), any_of: Iterable[
             fh.close()
 
 
+def _decode(raw: bytes | str, name: str, lineno: int) -> str:
+    if isinstance(raw, str):  # a text stream stood in for stdin (tests)
+        return raw
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SparseRLError(f"{name} line {lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                            f"{len(raw[:e.start].decode('utf-8', 'replace')) + 1}); is this a binary file?") from None
+
+
 def read_jsonl(path: str | Path, required: Iterable[str] = (), any_of: Iterable[str] = ()) -> list[dict]:
     return list(iter_jsonl(path, required, any_of))
 
@@ -68,27 +89,78 @@ def dumps(rec: Any) -> str:
     return json.dumps(rec, ensure_ascii=False)
 
 
+def _umask() -> int:
+    """The process umask, read without changing it (os.umask would, for a moment, for every thread)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _replaceable(p: Path) -> bool:
+    """Whether the output may be written beside and renamed over `p`: only a regular file (or a
+    new name). A device, FIFO, socket or /dev/stdout is written in place: renaming over
+    /dev/null would turn the device into a regular file."""
+    try:
+        return stat.S_ISREG(os.stat(p).st_mode)
+    except FileNotFoundError:
+        return True
+
+
 @contextlib.contextmanager
-def open_output(path: str | Path | None, force: bool = True):
-    """Open an output for writing: stdout for `-`/None, else a temp file renamed into place on
-    success (removed on failure), so the target is either complete or absent."""
+def _open_one(path: str | Path | None, force: bool):
+    """(file handle, commit) for one output; commit() renames it into place."""
     if path is None or str(path) == "-":
-        yield sys.stdout
-        sys.stdout.flush()
+        yield sys.stdout, sys.stdout.flush
         return
     p = Path(path)
     if p.exists() and not force:
         raise UsageError(f"{p}: exists already (pass --force to overwrite)")
+    if not _replaceable(p):
+        with open(p, "w", encoding="utf-8") as fh:
+            yield fh, fh.flush
+        return
+    p = Path(os.path.realpath(p))  # a symlink to a file: replace the file, keep the link
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; an output file follows the umask
         with writing(p), os.fdopen(fd, "w", encoding="utf-8") as fh:
-            yield fh
-        os.replace(tmp, p)
-    except BaseException:
+            def commit():
+                with writing(p):
+                    fh.flush()
+                    os.replace(tmp, p)
+            yield fh, commit
+    finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        raise
+
+
+@contextlib.contextmanager
+def open_outputs(*paths: str | Path | None, force: bool = True):
+    """Open several outputs that succeed or fail together: each is written to a temp file, and
+    only when the block finished are all renamed into place (one after the other, in the order
+    given), so a failed run leaves none of them. `-`/None is stdout; a non-regular file (device,
+    FIFO) is written directly."""
+    with contextlib.ExitStack() as stack:
+        opened = [stack.enter_context(_open_one(p, force)) for p in paths]
+        yield [fh for fh, _ in opened]
+        for _, commit in opened:
+            commit()
+
+
+@contextlib.contextmanager
+def open_output(path: str | Path | None, force: bool = True):
+    """Open an output for writing: stdout for `-`/None, else a temp file renamed into place on
+    success (removed on failure), so the target is either complete or absent."""
+    with open_outputs(path, force=force) as (fh,):
+        yield fh
 
 
 def write_jsonl(path: str | Path | None, records: Iterable[dict]) -> int:
@@ -185,6 +257,7 @@ def atomic_dir(path: str | Path, force: bool = False, flag: str = "OUT"):
         raise UsageError(f"{flag} {p}: exists already (pass --force to overwrite)")
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; an output directory follows the umask
     try:
         yield tmp
         if p.exists():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -23,7 +22,8 @@ def command(
         from sparse_rl.config import load_config
         from sparse_rl.demo import DemoConfig, print_summary, run_demo
 
+        from rich.console import Console
+
         cfg = load_config(DemoConfig, config, dict(seed=seed), sets=set_)
-        summary = run_demo(out, cfg)
-        print_summary(summary)
-        typer.echo(json.dumps(summary))
+        summary = run_demo(out, cfg)  # also written to OUT/summary.json
+        print_summary(summary, Console())

@@ -45,12 +45,20 @@ def _table(stats: dict) -> None:
     console.print(t)
 
 
-def _emit(stats: dict, stats_path: Optional[str], out: str) -> None:
-    from sparse_rl.io import atomic_write_json
+def _emit(stats: dict, stats_path: Optional[str], out: str, records: list[dict],
+          trajectories: Optional[str] = None, trajs: list[dict] = ()) -> None:
+    """Write every output of the run together: all are renamed into place only once all are
+    written, so a failure (an unwritable --out, a kill) leaves none of them."""
+    from sparse_rl.io import dumps, open_outputs
 
+    jobs = [(trajectories, [dumps(r) + "\n" for r in trajs])] if trajectories else []
+    jobs.append((out, [dumps(r) + "\n" for r in records]))
     if stats_path:
-        atomic_write_json(stats_path, stats)
-    elif out != "-":
+        jobs.append((stats_path, [json.dumps(stats, indent=2, ensure_ascii=False) + "\n"]))
+    with open_outputs(*[p for p, _ in jobs]) as fhs:
+        for (_, lines), fh in zip(jobs, fhs):
+            fh.writelines(lines)
+    if not stats_path and out != "-":
         typer.echo(json.dumps(stats))
     _table(stats)
 
@@ -96,7 +104,6 @@ def math_cmd(
     """Math/reasoning tasks with exact answers: prompt/task JSONL for grpo, sft and eval math."""
     with cli_errors():
         from sparse_rl.config import load_config
-        from sparse_rl.io import write_jsonl
         from sparse_rl.synth.pipeline import SynthMathConfig, run_math
 
         num_tasks = renamed(num_tasks, n_old, "--n", "--num-tasks")
@@ -109,8 +116,7 @@ def math_cmd(
         _check_outputs(cfg.out, cfg.stats)
         refuse_existing(force, out=cfg.out, stats=cfg.stats)
         tasks, st = run_math(cfg)
-        write_jsonl(cfg.out, tasks)
-        _emit(st, cfg.stats, cfg.out)
+        _emit(st, cfg.stats, cfg.out, tasks)
 
 
 def _read_tool_tasks(path: str) -> list[dict]:
@@ -124,6 +130,10 @@ def _read_tool_tasks(path: str) -> list[dict]:
         if not isinstance(meta, dict) or meta.get("env") not in ENVS or not {"state", "tools", "solution"} <= set(meta):
             raise SparseRLError(f"{path} record {i} (id {rec['id']}): not a tool task (needs meta.env in "
                                 f"{', '.join(ENVS)}, meta.state, meta.tools, meta.solution); make one with `synth agent`")
+        try:
+            ENVS[meta["env"]].check_state(meta["state"])
+        except (ValueError, TypeError, AttributeError) as e:
+            raise SparseRLError(f"{path} record {i} (id {rec['id']}): {e}") from None
         tasks.append(rec)
     if not tasks:
         raise SparseRLError(f"{path}: no tasks")
@@ -165,7 +175,6 @@ def agent_cmd(
         from rich.progress import Progress
 
         from sparse_rl.config import load_config
-        from sparse_rl.io import write_jsonl
         from sparse_rl.synth.pipeline import SynthAgentConfig, generate_tool_tasks, run_agent
 
         num_tasks = renamed(num_tasks, n_old, "--n", "--num-tasks")
@@ -185,7 +194,4 @@ def agent_cmd(
         with Progress(console=console, transient=True) as bar:
             job = bar.add_task("sampling trajectories", total=len(tasks) * cfg.attempts)
             kept, trajs, st = run_agent(cfg, tasks, drops, progress=lambda k: bar.advance(job, k))
-        if cfg.trajectories:
-            write_jsonl(cfg.trajectories, trajs)
-        write_jsonl(cfg.out, kept)
-        _emit(st, cfg.stats, cfg.out)
+        _emit(st, cfg.stats, cfg.out, kept, cfg.trajectories, trajs)

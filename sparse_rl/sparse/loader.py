@@ -47,13 +47,26 @@ def sparse_config_of(path: str | Path) -> SparseConfig | None:
     return SparseConfig.load(path)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tokenizer.tiktoken")
+
+
 def load_tokenizer(path: str | Path):
+    """The model dir's tokenizer. Refused in one line naming the dir when the dir holds no
+    tokenizer file, or when what loads encodes text to no tokens (an empty vocabulary would make
+    every prompt empty: generation loops would wait for tokens that never come)."""
     from transformers import AutoTokenizer
 
+    p = Path(path)
+    if p.is_dir() and not any((p / f).is_file() for f in TOKENIZER_FILES):
+        raise SparseRLError(f"{path}: no tokenizer in this model dir (none of {', '.join(TOKENIZER_FILES)}); "
+                            "copy the base model's tokenizer files into it")
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # transformers raises many kinds; the user needs one line
         raise SparseRLError(f"{path}: cannot load the tokenizer ({str(e).splitlines()[0][:200]})") from None
+    if not tok("The quick brown fox jumps over the lazy dog. 0123456789", add_special_tokens=False)["input_ids"]:
+        raise SparseRLError(f"{path}: the tokenizer encodes text to no tokens ({len(tok)} entries in its "
+                            "vocabulary); copy the base model's tokenizer files into the dir")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -1,56 +1,56 @@
 """Run untrusted Python in a subprocess with hard limits.
 
-What is enforced, and where (`run_python(...).enforced` reports the platform-dependent ones):
+What is enforced, and where (`run_python(...).enforced` reports the platform-dependent layers;
+the process tree is drawn in sandbox_proc.py):
 
   kernel, always (POSIX rlimits set in the child before exec, inherited by everything it spawns):
-    - RLIMIT_CPU     CPU seconds; SIGXCPU then SIGKILL               -> status "cpu_limit"
+    - RLIMIT_CPU     CPU seconds                                     -> status "cpu_limit"
     - RLIMIT_AS      address space; allocations fail (MemoryError)   -> status "memory_limit"
     - RLIMIT_FSIZE   largest file the child may write, incl. its captured stdout/stderr, so an
-                     output flood or a disk-filling loop stops at the cap -> "output_limit"
-    - RLIMIT_NPROC   processes+threads of the child's uid (fork bombs): `nproc` more than the uid
-                     runs at launch (the kernel counts per uid, not per process tree)
+                     output flood on either stream stops at the cap  -> "output_limit"
+    - RLIMIT_NPROC   processes+threads of the child's uid (fork bombs)
     - RLIMIT_NOFILE, RLIMIT_CORE=0
+  kernel, where the platform allows (Linux; as root directly, otherwise in a user namespace):
+    - processes: the child is PID 1 of a new PID namespace; when it exits (or the parent kills it
+      at the wall clock) the kernel kills every process it started, `setsid()` or not, and it can
+      see and signal no process outside (`pid_namespace`);
+    - network: a new, empty network namespace (`network_namespace`);
+    - writes: a private mount namespace where every mount but the working directory (and /dev,
+      /proc, /sys) is read-only, so writes elsewhere fail with EROFS even in world-writable /tmp
+      (`readonly_mounts`); /proc is that of the new PID namespace;
+    - uid: as root the child runs as a uid of its own sandbox (2**30 + ..., see sandbox_proc.py),
+      so RLIMIT_NPROC binds (Linux never applies it to uid 0) and sandboxes cannot read each
+      other's working directories (mode 0700) or signal each other (`uid_drop`);
+    - disk: as root the working directory is a tmpfs of `disk_mb` MiB and `max_files` entries, so
+      the total a sandbox writes is capped, not only each file (`disk_limit`) -> "disk_limit";
+    - seccomp (x86-64, aarch64; installed by the interpreter before the user code, inherited by
+      its children): no exec of any program, no unix sockets, no new namespaces, no mount, ptrace,
+      bpf... (seccomp.py; `seccomp`) -> "blocked".
   parent, always:
-    - wall clock: after `wall_s` the child's whole process group (its own session) is SIGKILLed
-      -> "timeout"; the group is also killed after a normal exit, so no background child survives.
-    - clean environment (only PATH, LANG, HOME=cwd), private temporary working directory that is
-      deleted afterwards, `python -I` (no user site, no PYTHON* variables); stdout truncated to
+    - wall clock: after `wall_s` the child is SIGKILLed (with it its PID namespace, or else its
+      process group) -> "timeout".
+    - clean environment (only PATH, LANG, HOME=cwd), `python -I`; stdout/stderr truncated to
       `output_bytes` when read back.
-  kernel, where the platform allows:
-    - network: a new, empty network namespace (unshare(CLONE_NEWNET); as root directly, otherwise
-      with a user namespace). `enforced["network_namespace"]` says whether it took.
-    - writes: a private mount namespace in which every mount but the working directory (and /dev,
-      /proc, /sys) is read-only, so writes elsewhere fail with EROFS even in world-writable /tmp or
-      /dev/shm. `enforced["readonly_mounts"]` says whether it took.
-    - uid: as root the child drops to uid/gid 65534 (nobody), because Linux never applies
-      RLIMIT_NPROC to uid 0; it then needs an interpreter that user can execute (we probe
-      sys.executable, then python3 on PATH). `enforced["uid_drop"]` says whether it did.
-  in-process guard (a `sys.addaudithook` installed before the user code; hooks cannot be removed,
-  and this one lives in a closure, resolving paths with posix functions captured before the user
-  code runs, so monkeypatching os/os.path does not fool it):
-    - writes, renames, deletes, symlinks, chmods outside the working directory raise PermissionError
-      (symlinks resolved; dir_fd and fd arguments resolved through /proc/self/fd) -> "blocked";
-      also refused: '..' in relative paths given to open (the open event hides dir_fd), opening
-      directories outside, moving symlinks, gc heap introspection, sys.settrace/setprofile;
-    - sockets (connect/bind/sendto/getaddrinfo...) raise, for platforms without a network namespace;
-    - subprocess/exec/spawn/os.system and importing ctypes raise, so no child program or foreign
-      call escapes the guard;
-    - os.fork is also blocked when RLIMIT_NPROC cannot bind (root without a uid to drop to), and
-      the guard cannot be turned off there.
-  The guard is a second layer against model-written code, not a security boundary on its own;
-  the kernel mechanisms are.
-  Not confined: reads (the child may read whatever its uid may read), CPU/memory of other
-  processes (no cgroups), and, without a network namespace, raw syscalls that bypass Python's
-  socket module. As root the interpreter is the first one uid 65534 can run (often the system
-  python3, which lacks the project's packages): tasks for this tool need only the standard library.
-  `preexec_fn` is used, so call `run_python` from one thread at a time.
+    - the status comes from the exit status, the exception type the interpreter itself reports
+      through a pipe, and the disk's fill level, never from the text the program printed.
+  in-process guard (an audit hook installed before the user code; sandbox_guard.py): writes,
+  renames, deletes, symlinks, chmods outside the working directory, sockets, subprocesses,
+  ctypes and gc introspection raise PermissionError -> "blocked". A second layer for platforms
+  without the kernel ones, not a boundary on its own: it can be bypassed (e.g. by C functions
+  that raise no audit event), which is why exec and sockets are refused by seccomp.
+
+  Not confined: reads (the child may read whatever an unprivileged uid may read on the host,
+  e.g. world-readable files in /etc or /tmp), CPU and memory of the host as a whole (no cgroups;
+  the rlimits are per process), and, without the kernel layers, everything the guard misses.
+  As root the interpreter is the first one an unprivileged uid can run (often the system
+  python3, which lacks the project's packages): tasks for this tool need only the standard
+  library. `preexec_fn` is used, so call `run_python` from one thread at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -60,18 +60,9 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
-NOBODY = 65534
-CLONE_NEWNS = 0x00020000
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWNET = 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-_MOUNT_OPTS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024, "nodiratime": 2048,
-               "relatime": 1 << 21}
-# Left writable: device nodes (/dev/null must stay writable) and kernel interfaces, whose writes
-# the dropped uid's permissions already govern.
-_KEEP_RW = (b"/dev", b"/dev/pts", b"/proc", b"/sys")
-
+from sparse_rl.synth import sandbox_proc as sp
+from sparse_rl.synth.sandbox_guard import BOOT
+from sparse_rl.synth.seccomp import build_filter
 
 @dataclasses.dataclass
 class Limits:
@@ -80,13 +71,15 @@ class Limits:
     memory_mb: int = 512
     nproc: int = 32              # processes+threads the child may add to what its uid already runs
     output_bytes: int = 16_000
-    file_bytes: int = 2_000_000
+    file_bytes: int = 2_000_000  # largest single file, captured stdout/stderr included
     nofile: int = 64
+    disk_mb: int = 64            # the working directory's total size (as root: its tmpfs)
+    max_files: int = 2000        # ... and its number of files and directories
 
 
 @dataclasses.dataclass
 class ExecResult:
-    status: str  # ok | error | timeout | cpu_limit | memory_limit | output_limit | blocked (guard or EROFS)
+    status: str  # ok | error | timeout | cpu_limit | memory_limit | output_limit | disk_limit | blocked
     returncode: int | None
     stdout: str
     stderr: str
@@ -104,294 +97,96 @@ class ExecResult:
         return "\n".join(parts) if parts else "(no output)"
 
 
-_GUARD = r'''
-def _install(argv):
-    # Everything the hook needs is bound here, in a closure the user code cannot reach (the module
-    # globals are deleted below; gc introspection is refused), and path resolution uses the C-level
-    # posix functions captured now, so monkeypatching os/os.path cannot fool it.
-    import posix, sys, stat, pathlib
-    lstat, readlink, getcwd, fsdecode = posix.lstat, posix.readlink, posix.getcwd, __import__("os").fsdecode
-    S_ISLNK, S_ISDIR = stat.S_ISLNK, stat.S_ISDIR
-    PE, isinstance_, str_, bytes_, int_, type_ = PermissionError, isinstance, str, bytes, int, type
-    W = posix.O_WRONLY | posix.O_RDWR | posix.O_APPEND | posix.O_CREAT | posix.O_TRUNC
-    safe_path_types = (pathlib.PosixPath, pathlib.PurePosixPath)
 
-    def real(p):
-        if not p.startswith("/"):
-            p = getcwd() + "/" + p
-        todo, resolved, hops = [x for x in p.split("/") if x], "", 0
-        while todo:
-            name = todo.pop(0)
-            if name == ".":
-                continue
-            if name == "..":
-                resolved = resolved.rsplit("/", 1)[0]
-                continue
-            cand = resolved + "/" + name
+
+def _probe_python(root: bool) -> tuple[str, bool]:
+    """The interpreter to run, and whether the uid drop works with it (root only)."""
+    if not root:
+        return sys.executable, False
+    candidates = [sys.executable] + [p for p in (shutil.which("python3"), "/usr/bin/python3") if p]
+    uid = sp.UIDS.take()
+    try:
+        for cand in dict.fromkeys(candidates):
             try:
-                link = S_ISLNK(lstat(cand).st_mode)
-            except OSError:
-                link = False
-            if link:
-                hops += 1
-                if hops > 40:
-                    raise PE("sandbox: too many symbolic links")
-                target = readlink(cand)
-                if target.startswith("/"):
-                    resolved = ""
-                todo = [x for x in target.split("/") if x] + todo
-            else:
-                resolved = cand
-        return resolved or "/"
-
-    root = real(getcwd())
-
-    def text(p):
-        if isinstance_(p, int_):
-            return real(readlink("/proc/self/fd/%d" % p))
-        if isinstance_(p, (str_, bytes_)):
-            return fsdecode(p)
-        if type_(p) in safe_path_types:
-            return str_(p)
-        raise PE("sandbox: paths must be str, bytes or pathlib paths")
-
-    def inside(p, dir_fd=None):
-        t = text(p)
-        if dir_fd not in (None, -1, -100) and not t.startswith("/"):
-            t = readlink("/proc/self/fd/%d" % dir_fd) + "/" + t
-        rp = real(t)
-        return rp == root or rp.startswith(root + "/")
-
-    def deny(msg):
-        raise PE("sandbox: " + msg)
-
-    # event -> (positions of path arguments, positions of dir_fd arguments)
-    paths = {"os.remove": ((0,), (1,)), "os.rename": ((0, 1), (2, 3)), "os.mkdir": ((0,), (2,)),
-             "os.rmdir": ((0,), (1,)), "os.symlink": ((1,), (2,)), "os.link": ((0, 1), (2, 3)),
-             "os.truncate": ((0,), ()), "os.chmod": ((0,), (2,)), "os.chown": ((0,), (3,)),
-             "os.utime": ((0,), (3,)), "os.mkfifo": ((0,), (2,)), "os.mknod": ((0,), (3,)),
-             "shutil.rmtree": ((0,), ()), "shutil.copyfile": ((1,), ()), "os.chflags": ((0,), ()),
-             "os.setxattr": ((0,), ()), "os.removexattr": ((0,), ())}
-    procs = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.startfile", "pty.spawn"}
-    nets = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
-            "socket.gethostbyname", "socket.gethostbyaddr"}
-    introspect = {"gc.get_objects", "gc.get_referrers", "gc.get_referents", "ctypes.dlopen", "ctypes.dlsym",
-                  "ctypes.cdata", "sys.setprofile", "sys.settrace"}
-    block_fork = argv[2] == "1"
-
-    def hook(event, args):
-        if event == "open":
-            path, mode, flags = args
-            if path is None or isinstance_(path, int_):
-                return
-            wr = (isinstance_(flags, int_) and flags & W) or (isinstance_(mode, str_) and any(c in mode for c in "wax+"))
-            # The open event does not carry dir_fd, so a relative path is judged against the cwd;
-            # refusing '..' in relative paths stops climbing out of a directory fd.
-            if not isinstance_(path, int_) and not text(path).startswith("/") and ".." in text(path).split("/"):
-                deny("'..' in a relative path")
-            if not inside(path):
-                if wr:
-                    deny("write outside the working directory: " + text(path))
-                try:  # a directory fd opened outside could anchor *at() calls (dir_fd) the hook cannot see
-                    is_dir = S_ISDIR(lstat(real(text(path))).st_mode)
-                except OSError:
-                    is_dir = False
-                if is_dir:
-                    deny("opening directories outside the working directory")
-        elif event in paths:
-            pos, fds = paths[event]
-            for k, i in enumerate(pos):
-                dfd = args[fds[min(k, len(fds) - 1)]] if fds and fds[-1] < len(args) else None
-                if i < len(args) and args[i] is not None and not inside(args[i], dfd):
-                    deny(event + " outside the working directory: " + str_(args[i]))
-            if event == "os.rename":
-                d, _, b = text(args[0]).rpartition("/")
-                try:
-                    link = S_ISLNK(lstat(real(d or ".") + "/" + b).st_mode)
-                except OSError:
-                    link = False
-                if link:
-                    deny("moving symbolic links is disabled (a relative link would point elsewhere)")
-            if event == "os.symlink" and not inside(real(text(args[1]).rsplit("/", 1)[0] + "/" + text(args[0]))
-                                                    if not text(args[0]).startswith("/") else args[0]):
-                deny("symlink pointing outside the working directory")
-        elif event in nets:
-            deny("network access is disabled")
-        elif event in procs:
-            deny("starting programs is disabled")
-        elif event in introspect or (event == "import" and args[0] in ("ctypes", "_ctypes")):
-            deny(event + " is disabled")
-        elif block_fork and event in ("os.fork", "os.forkpty"):
-            deny("fork is disabled on this platform (RLIMIT_NPROC cannot bind)")
-
-    with open(argv[1]) as fh:
-        src = fh.read()
-    sys.addaudithook(hook)
-    return src
-
-
-_src = _install(__import__("sys").argv)
-del _install
-__import__("sys").argv = ["main.py"]
-_code = compile(_src, "main.py", "exec")
-del _src
-_g = {"__name__": "__main__", "__builtins__": __builtins__}
-exec(_code, _g)
-'''
-
-
-@lru_cache(maxsize=1)
-def _libc():
-    # Loaded in the parent: importing or dlopen-ing between fork and exec could deadlock.
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
-        libc.unshare.argtypes = [ctypes.c_int]
-    except (OSError, AttributeError):  # not Linux/glibc-like: no namespaces, the other layers still apply
-        return None
-    return libc
-
-
-def _mounts() -> list[tuple[bytes, int]]:
-    """(mount point, per-mount flags to keep) for every mount, read in the parent."""
-    import re
-
-    out = []
-    try:
-        with open("/proc/self/mountinfo") as fh:
-            for line in fh:
-                f = line.split()
-                mp = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), f[4])
-                out.append((os.fsencode(mp), sum(_MOUNT_OPTS.get(o, 0) for o in f[5].split(","))))
-    except OSError:
-        pass
-    return out
-
-
-def _count_tasks(uid: int) -> int:
-    """Processes+threads whose real uid is `uid` (what RLIMIT_NPROC counts against)."""
-    n = 0
-    try:
-        entries = os.listdir("/proc")
-    except OSError:  # no procfs: the budget is then absolute
-        return 0
-    for d in entries:
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/status") as fh:
-                fields = dict(line.split(":", 1) for line in fh if ":" in line)
-            if int(fields["Uid"].split()[0]) == uid:
-                n += int(fields.get("Threads", "1"))
-        except (OSError, KeyError, ValueError):
-            continue
-    return n
-
-
-def _preexec(limits: Limits, drop_uid: bool, want_netns: bool, nproc: int | None = None,
-             rw_dir: str | Path | None = None):
-    """Runs in the child between fork and exec: namespaces first (needs privileges), then rlimits,
-    then the uid drop. It must not allocate much or take locks; it only makes syscalls.
-
-    With `rw_dir`, the child also gets a private mount namespace in which every mount except
-    `rw_dir` (bind-mounted onto itself) and _KEEP_RW is remounted read-only. Mount calls are made
-    only after checking that the namespace really is new and that propagation to the host is cut
-    (MS_PRIVATE), so they can never touch the host's mounts.
-    """
-    mem = limits.memory_mb * 1024 * 1024
-    libc = _libc()
-    mounts = _mounts() if rw_dir is not None else []
-    wd = os.fsencode(str(rw_dir)) if rw_dir is not None else b""
-
-    def namespaces():
-        user = 0 if os.geteuid() == 0 else CLONE_NEWUSER
-        mnt_before = os.readlink("/proc/self/ns/mnt")
-        if rw_dir is not None and libc.unshare(user | CLONE_NEWNET | CLONE_NEWNS) == 0:
-            if (os.readlink("/proc/self/ns/mnt") != mnt_before
-                    and libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0
-                    and libc.mount(wd, wd, None, MS_BIND | MS_REC, None) == 0):
-                for mp, keep in mounts:
-                    if mp != wd and mp not in _KEEP_RW and not mp.startswith((b"/proc/", b"/sys/")):
-                        libc.mount(None, mp, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep, None)
-                os.chdir(wd)  # the cwd set before us is the directory under the new bind mount
-        else:
-            libc.unshare(user | CLONE_NEWNET)
-
-    def fn():
-        if want_netns and libc is not None:
-            try:  # best effort: platform_support() reports what actually took
-                namespaces()
+                r = subprocess.run([cand, "-I", "-c", "import ctypes; print(1)"], capture_output=True, timeout=60,
+                                   preexec_fn=sp.preexec(Limits(), uid, False, None, 64), env={"PATH": "/usr/bin:/bin"})
             except Exception:
-                pass
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.nofile, limits.nofile))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        n = limits.nproc if nproc is None else nproc
-        resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
-        if drop_uid:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+                continue
+            if r.returncode == 0 and r.stdout.strip() == b"1":
+                return cand, True
+    finally:
+        sp.UIDS.give(uid)
+    return sys.executable, False
 
-    return fn
+
+def _probe_tmpfs() -> bool:
+    d = Path(tempfile.mkdtemp(prefix="sparse-rl-probe-"))
+    try:
+        ok = sp.mount_tmpfs(d, 1, 4, None)
+        if ok:
+            sp.libc().umount2(os.fsencode(str(d)), sp.MNT_DETACH)
+        return ok
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @lru_cache(maxsize=1)
 def platform_support() -> dict:
-    """Probe once what this machine lets us enforce: which interpreter, uid drop, net namespace."""
+    """Probe once what this machine lets us enforce, by running one program through the real path."""
     root = os.geteuid() == 0
-    candidates = [sys.executable] + [p for p in (shutil.which("python3"), "/usr/bin/python3") if p]
-    python, drop = sys.executable, False
-    if root:
-        for cand in dict.fromkeys(candidates):
+    python, drop = _probe_python(root)
+    prog = build_filter()
+    sup = {"python": python, "uid_drop": drop, "nproc_limit": (not root) or drop, "disk_limit": _probe_tmpfs(),
+           "namespaces": sp.libc() is not None, "readonly_mounts": sp.libc() is not None,
+           "seccomp_filter": prog.hex() if prog else ""}
+    outside = Path(tempfile.mkdtemp(prefix="sparse-rl-probe-"))
+    os.chmod(outside, 0o777)  # writable for any uid: only the mount namespace can refuse
+    code = ("import os\nprint(os.readlink('/proc/self/ns/net'))\nprint(os.getpid())\nopen('in', 'w').write('x')\n"
+            f"try:\n    open({str(outside / 'out')!r}, 'w').write('x')\nexcept OSError:\n    print('ro')\n"
+            "print(os.path.exists('in'))\n")
+    mine = os.readlink("/proc/self/ns/net") if os.path.exists("/proc/self/ns/net") else ""
+    got = {"network_namespace": False, "pid_namespace": False, "seccomp": False}
+    try:
+        for ro in ([True, False] if sup["readonly_mounts"] else [False]):
+            sup["readonly_mounts"] = ro
+            wd = open_workdir(Limits(disk_mb=1, max_files=16), sup)
             try:
-                r = subprocess.run([cand, "-I", "-c", "print(1)"], capture_output=True, timeout=10,
-                                   preexec_fn=_preexec(Limits(), True, False), env={"PATH": "/usr/bin:/bin"})
-            except Exception:
-                continue
-            if r.returncode == 0 and r.stdout.strip() == b"1":
-                python, drop = cand, True
-                break
-    netns = ro = False
-    wd, outside = tempfile.mkdtemp(prefix="sparse-rl-probe-"), tempfile.mkdtemp(prefix="sparse-rl-probe-")
-    try:
-        os.chmod(wd, 0o777)
-        os.chmod(outside, 0o777)  # writable for any uid: only the mount namespace can refuse
-        code = ("import os\nprint(os.readlink('/proc/self/ns/net'))\nopen('in', 'w').write('x')\n"
-                f"try:\n    open({os.path.join(outside, 'out')!r}, 'w').write('x')\nexcept OSError:\n    print('ro')\n")
-        mine = os.readlink("/proc/self/ns/net")
-        r = subprocess.run([python, "-I", "-c", code], capture_output=True, timeout=10, cwd=wd,
-                           preexec_fn=_preexec(Limits(), drop, True, rw_dir=wd), env={"PATH": "/usr/bin:/bin"})
-        lines = r.stdout.decode().split()
-        netns = r.returncode == 0 and bool(lines) and lines[0] != mine
-        ro = (r.returncode == 0 and lines[-1:] == ["ro"] and os.path.exists(os.path.join(wd, "in"))
-              and not os.path.exists(os.path.join(outside, "out")))
+                r = _execute(code, Limits(cpu_s=10, wall_s=60.0), wd, False, sup)  # generous: a loaded CI box
+            finally:
+                wd.close()
+            lines = r.stdout.split()
+            if r.returncode == 0 and len(lines) >= 3:
+                ro_ok = lines[2:] == ["ro", "True"] and not (outside / "out").exists()
+                got = {"network_namespace": lines[0] != mine, "pid_namespace": lines[1] == "1",
+                       "seccomp": r.enforced["seccomp"]}
+                if ro_ok or not ro:
+                    sup["readonly_mounts"] = ro_ok
+                    break
     except Exception:
-        pass
+        sup["readonly_mounts"] = False
     finally:
-        shutil.rmtree(wd, ignore_errors=True)
         shutil.rmtree(outside, ignore_errors=True)
-    return {"python": python, "uid_drop": drop, "network_namespace": netns, "readonly_mounts": ro,
-            "nproc_limit": (not root) or drop}
+    sup.update(got)
+    sup["namespaces"] = got["network_namespace"] or got["pid_namespace"]
+    if not got["seccomp"]:
+        sup["seccomp_filter"] = ""
+    return sup
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+ENFORCED_KEYS = ("uid_drop", "pid_namespace", "network_namespace", "readonly_mounts", "nproc_limit", "seccomp")
+
+
+def open_workdir(limits: Limits | None = None, sup: dict | None = None) -> sp.Workdir:
+    """A private working directory for a sandbox that keeps files between calls (close() it)."""
+    limits = limits or Limits()
+    sup = sup or platform_support()
+    return sp.Workdir(limits.disk_mb, limits.max_files, sup["uid_drop"], sup["disk_limit"])
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the child's whole process group (its session) and reap the leader; repeat while
-    members remain (a forking group may need a few rounds; orphans are reaped by init)."""
+    """SIGKILL the child's process group and reap the leader; repeat while members remain. With a
+    PID namespace this is the wall-clock kill (PDEATHSIG takes the namespace down); without one it
+    is the only cleanup, and a member that called setsid() escapes it."""
     pgid = proc.pid
     deadline = time.monotonic() + 10.0  # zombies linger until init reaps them; some inits are slow
     i = 0
@@ -404,47 +199,73 @@ def _kill_group(proc: subprocess.Popen) -> None:
             pass
         if i == 0:
             proc.wait()
-        if not _group_alive(pgid):
-            break
         i += 1
         time.sleep(0.01)
     proc.wait()
 
 
-def run_python(code: str, limits: Limits | None = None, workdir: str | Path | None = None,
-               guard: bool = True) -> ExecResult:
-    """Run `code` as `main.py` in `workdir` (a fresh private temp dir if None) under `limits`.
+def _read_report(fd: int) -> dict:
+    os.set_blocking(fd, False)
+    try:
+        data = os.read(fd, 1 << 16).decode("utf-8", "replace")
+    except (BlockingIOError, OSError):
+        data = ""
+    finally:
+        os.close(fd)
+    rep = {"seccomp": False, "exc": None, "errno": None, "guard": False}
+    for line in data.splitlines():
+        f = line.split()
+        if f == ["seccomp"]:
+            rep["seccomp"] = True
+        elif len(f) == 4 and f[0] == "exc":
+            rep.update(exc=f[1], errno=int(f[2]) if f[2].isdigit() else None, guard=f[3] == "1")
+    return rep
 
-    A given `workdir` is reused (a stateful tool keeps files between calls) and must be private to
-    the caller; it is made writable for the sandbox uid.
-    """
-    limits = limits or Limits()
-    sup = platform_support()
-    if not sup["nproc_limit"]:
-        guard = True  # nothing else would stop a fork bomb here: never run without the guard
-    own_dir = workdir is None
-    wd = Path(tempfile.mkdtemp(prefix="sparse-rl-sbx-")) if own_dir else Path(workdir)
+
+def _status(rc: int | None, timed_out: bool, rep: dict, wd: sp.Workdir, sizes: tuple[int, int],
+            limits: Limits, truncated: bool) -> str:
+    import errno
+
+    if timed_out:
+        return "timeout"
+    if rc in (-signal.SIGXCPU, -signal.SIGKILL):
+        return "cpu_limit"
+    if rep["exc"] == "MemoryError":
+        return "memory_limit"
+    if wd.full():
+        return "disk_limit"
+    if max(sizes) >= limits.file_bytes or rep["errno"] == errno.EFBIG:
+        return "output_limit"
+    if rep["guard"] or rep["exc"] == "PermissionError" or rep["errno"] == errno.EROFS:
+        return "blocked"
+    if rc != 0:
+        return "error"
+    return "output_limit" if truncated else "ok"
+
+
+def _execute(code: str, limits: Limits, wd: sp.Workdir, guard: bool, sup: dict) -> ExecResult:
     cap = Path(tempfile.mkdtemp(prefix="sparse-rl-cap-"))
+    r_fd = w_fd = -1
     try:
         src = cap / "main.py"
         src.write_text(code)
         os.chmod(cap, 0o755)
         os.chmod(src, 0o644)
-        if sup["uid_drop"]:
-            for p in [wd, *wd.rglob("*")]:
-                os.lchown(p, NOBODY, NOBODY)
+        wd.chown_all()
+        r_fd, w_fd = os.pipe()
+        # RLIMIT_NPROC counts every task of the uid: a sandbox uid runs nothing yet, our own does.
+        nproc = limits.nproc + (0 if wd.uid is not None else sp.count_tasks(os.getuid()))
         with open(cap / "stdout", "wb") as out, open(cap / "stderr", "wb") as err:
-            env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(wd)}
-            block_fork = "0" if sup["nproc_limit"] else "1"
-            argv = [sup["python"], "-I", "-X", "utf8"]
-            argv += ["-c", _GUARD, str(src), block_fork] if guard else [str(src)]
-            # RLIMIT_NPROC counts every task of the uid, so the budget is on top of what it runs now.
-            nproc = limits.nproc + _count_tasks(NOBODY if sup["uid_drop"] else os.getuid())
+            env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(wd.path)}
+            argv = [sup["python"], "-I", "-X", "utf8", "-c", BOOT, str(src), "1" if guard else "0",
+                    "0" if sup["nproc_limit"] else "1", str(w_fd), sup["seccomp_filter"]]
             t0 = time.monotonic()
-            proc = subprocess.Popen(argv, cwd=wd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    start_new_session=True, close_fds=True,
-                                    preexec_fn=_preexec(limits, sup["uid_drop"], True, nproc,
-                                                        wd if sup["readonly_mounts"] else None))
+            proc = subprocess.Popen(argv, cwd=wd.path, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    start_new_session=True, close_fds=True, pass_fds=(w_fd,),
+                                    preexec_fn=sp.preexec(limits, wd.uid, sup["namespaces"],
+                                                          wd.path if sup["readonly_mounts"] else None, nproc))
+            os.close(w_fd)
+            w_fd = -1
             timed_out = False
             try:
                 proc.wait(timeout=limits.wall_s)
@@ -452,34 +273,41 @@ def run_python(code: str, limits: Limits | None = None, workdir: str | Path | No
                 timed_out = True
             _kill_group(proc)  # also kills stragglers left behind by a normal exit
             wall = time.monotonic() - t0
-        out_size = (cap / "stdout").stat().st_size
+        rep = _read_report(r_fd)
+        r_fd = -1
+        sizes = ((cap / "stdout").stat().st_size, (cap / "stderr").stat().st_size)
         with open(cap / "stdout", "rb") as fh:
             stdout = fh.read(limits.output_bytes).decode("utf-8", "replace")
         with open(cap / "stderr", "rb") as fh:
-            fh.seek(max(0, (cap / "stderr").stat().st_size - limits.output_bytes))
+            fh.seek(max(0, sizes[1] - limits.output_bytes))
             stderr = fh.read().decode("utf-8", "replace")
-        rc = proc.returncode
-        truncated = out_size > limits.output_bytes
-        if timed_out:
-            status = "timeout"
-        elif rc in (-signal.SIGXCPU, -signal.SIGKILL) and not timed_out:
-            status = "cpu_limit"
-        elif "MemoryError" in stderr:
-            status = "memory_limit"
-        elif out_size >= limits.file_bytes or "File too large" in stderr:
-            status = "output_limit"
-        elif "PermissionError: sandbox:" in stderr or "Read-only file system" in stderr:
-            status = "blocked"
-        elif rc != 0:
-            status = "error"
-        else:
-            status = "ok"
-        if truncated and status == "ok":
-            status = "output_limit"
-        enforced = {k: sup[k] for k in ("uid_drop", "network_namespace", "readonly_mounts", "nproc_limit")}
-        enforced["guard"] = guard
-        return ExecResult(status, rc, stdout, stderr, round(wall, 3), truncated, enforced)
+        truncated = sizes[0] > limits.output_bytes
+        status = _status(proc.returncode, timed_out, rep, wd, sizes, limits, truncated)
+        enforced = {k: bool(sup.get(k)) for k in ENFORCED_KEYS}
+        enforced.update(seccomp=rep["seccomp"], disk_limit=wd.disk_limited, guard=guard)
+        return ExecResult(status, proc.returncode, stdout, stderr, round(wall, 3), truncated, enforced)
     finally:
+        for fd in (r_fd, w_fd):
+            if fd >= 0:
+                os.close(fd)
         shutil.rmtree(cap, ignore_errors=True)
-        if own_dir:
-            shutil.rmtree(wd, ignore_errors=True)
+
+
+def run_python(code: str, limits: Limits | None = None, workdir: sp.Workdir | None = None,
+               guard: bool = True) -> ExecResult:
+    """Run `code` as `main.py` in `workdir` (a fresh private one, removed afterwards, if None).
+
+    Pass a `Workdir` from `open_workdir()` to keep files between calls (a stateful tool); its
+    disk and file-count caps are those of the limits it was opened with.
+    """
+    limits = limits or Limits()
+    sup = platform_support()
+    if not sup["nproc_limit"]:
+        guard = True  # nothing else would stop a fork bomb here: never run without the guard
+    own = workdir is None
+    wd = open_workdir(limits, sup) if own else workdir
+    try:
+        return _execute(code, limits, wd, guard, sup)
+    finally:
+        if own:
+            wd.close()

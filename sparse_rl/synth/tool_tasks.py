@@ -33,7 +33,10 @@ def make_env(task: dict) -> Env:
         raise UsageError(f"task {task.get('id')}: unknown environment {name!r} (known: {', '.join(ENVS)})")
     if not isinstance(meta.get("state"), dict) or "checks" not in meta:
         raise UsageError(f"task {task.get('id')}: a tool task needs meta.state and meta.checks (make it with `synth agent`)")
-    return ENVS[name](meta["state"])
+    try:
+        return ENVS[name](meta["state"])
+    except ValueError as e:  # task state that names paths outside the sandbox, or sandbox limits
+        raise UsageError(f"task {task.get('id')}: {e}") from None
 
 
 def solution_score(task: dict, calls: list[dict], final_text: str | None) -> float:

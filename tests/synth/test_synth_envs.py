@@ -204,3 +204,30 @@ def test_generators_answers_checked_independently():
                    if p.startswith("data/") and p.endswith(".txt") and not p.startswith("data/archive/")
                    for tok in text.split() if tok.startswith("cost="))
         assert int(task["answer"]) == want
+
+
+@pytest.mark.parametrize("env,state", [
+    ("code", {"files": {"../../../tmp/sparse-rl-escape-x": "pwned"}}),
+    ("code", {"files": {"/tmp/sparse-rl-escape-x": "pwned"}}),
+    ("fs", {"files": {"/tmp/sparse-rl-escape-x": "pwned"}}),
+    ("fs", {"files": {"a/../../sparse-rl-escape-x": "pwned"}}),
+    ("combo", {"fs": {"files": {"../sparse-rl-escape-x": "pwned"}}, "sql": {}}),
+    ("code", {"files": {}, "limits": {"cpu_s": 30, "memory_mb": 4096}}),
+])
+def test_task_state_cannot_leave_the_sandbox(tmp_path, env, state):
+    """Task files name only relative paths inside the workdir; sandbox limits never come from them."""
+    from typer.testing import CliRunner
+
+    from sparse_rl.cli.main import app
+    from sparse_rl.errors import UsageError
+    from sparse_rl.synth.tool_tasks import make_env
+
+    task = {"id": "evil", "messages": [{"role": "user", "content": "x"}], "answer": "1", "task": f"tool/{env}",
+            "meta": {"env": env, "state": state, "tools": [], "solution": [], "checks": []}}
+    with pytest.raises(UsageError, match="meta.state"):
+        make_env(task)
+    evil = tmp_path / "evil.jsonl"
+    evil.write_text(json.dumps(task) + "\n")
+    res = CliRunner().invoke(app, ["synth", "agent", "--tasks-in", str(evil), "--out", str(tmp_path / "o.jsonl")])
+    assert res.exit_code == 1 and "evil.jsonl record 1" in res.stderr and "meta.state" in res.stderr, res.output
+    assert not os.path.exists("/tmp/sparse-rl-escape-x") and not (tmp_path / "o.jsonl").exists()

@@ -10,10 +10,13 @@ guard refuses os.fork; and the whole process group is SIGKILLed at the wall-cloc
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
-from sparse_rl.synth.sandbox import Limits, platform_support, run_python
+import sparse_rl.synth.sandbox as sandbox_mod
+from sparse_rl.synth.sandbox import Limits, open_workdir, platform_support, run_python
+from sparse_rl.synth.sandbox_proc import count_tasks
 
 LIM = Limits(cpu_s=1, wall_s=2.0, memory_mb=256, nproc=16, output_bytes=4000, file_bytes=200_000)
 
@@ -93,12 +96,6 @@ def test_fork_bomb_contained_and_nothing_survives():
         assert r.enforced["guard"] is False  # it was the kernel limit that held
 
 
-def test_background_child_does_not_outlive_the_run():
-    r = run_python("import os, time\nif os.fork() == 0:\n    time.sleep(60)\nprint(os.getpgid(0))", LIM)
-    assert r.status == "ok"
-    assert _pgid_members(int(r.stdout.strip())) == []
-
-
 @pytest.fixture
 def world_writable_dir():
     """A 0777 directory every uid can reach (pytest's tmp_path is inside a 0700 directory), so only
@@ -134,7 +131,8 @@ def test_write_outside_blocked(world_writable_dir, code, layer):
     if layer == "guard":
         assert r.status == "blocked" and "PermissionError: sandbox:" in r.stderr, (r.status, r.stderr)
     else:
-        assert r.status in ("blocked", "error") and ("Read-only file system" in r.stderr or "cross-device" in r.stderr), r.stderr
+        assert r.status in ("blocked", "error") and any(
+            m in r.stderr for m in ("Read-only file system", "cross-device", "Operation not permitted")), r.stderr
     assert victim.read_text() == "original" and sorted(p.name for p in tmp_path.iterdir()) == ["victim.txt"]
 
 
@@ -184,3 +182,138 @@ def test_network_cut():
     if platform_support()["network_namespace"]:  # the kernel layer alone, where the platform has it
         r = run_python(code, LIM, guard=False)
         assert r.status == "error" and ("unreachable" in r.stderr or "Errno 101" in r.stderr)
+
+
+def _need(feature: str, why: str):
+    if not platform_support()[feature]:
+        pytest.skip(f"this platform gives no {feature.replace('_', ' ')} ({why})")
+
+
+def test_setsid_grandchild_dies_with_the_call():
+    """A `setsid()`'d grandchild leaves the process group; the PID namespace still takes it down, so
+    it can neither keep running nor write into the working directory after the call returned."""
+    _need("pid_namespace", "unshare(CLONE_NEWPID) refused, e.g. no user namespaces for this uid")
+    wd = open_workdir(LIM)
+    try:
+        code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(1.0)\n"
+                "    open('late.txt', 'w').write('x')\n    time.sleep(40)\nprint('parent done')\n")
+        r = run_python(code, LIM, workdir=wd)
+        assert r.status == "ok" and r.stdout.strip() == "parent done" and r.enforced["pid_namespace"]
+        if wd.uid is not None:
+            assert count_tasks(wd.uid) == 0
+        time.sleep(1.5)
+        assert not (wd.path / "late.txt").exists()
+        r2 = run_python("import os\nprint(sorted(os.listdir('.')))", LIM, workdir=wd)
+        assert r2.stdout.strip() == "[]"
+    finally:
+        wd.close()
+    assert not wd.path.exists()
+
+
+_FORK_EXEC = '''import _posixsubprocess, os
+r, w = os.pipe()
+er, ew = os.pipe()
+a = [[b"/bin/sh", b"-c", b"echo EXECUTED >&%d" % w], [b"/bin/sh"], True, (w,), None, None, -1, -1, -1, -1, -1, -1,
+     er, ew, True, False, -1, None, None, None, -1, None]
+try:
+    pid = _posixsubprocess.fork_exec(*a, False)
+except TypeError:  # the arity differs across Python versions
+    pid = _posixsubprocess.fork_exec(*a)
+os.close(ew)
+os.close(w)
+os.waitpid(pid, 0)
+print("got:", os.read(r, 100))
+'''
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_exec_refused_by_the_kernel(guard):
+    """`_posixsubprocess.fork_exec` raises no audit event, so only the OS can refuse the exec."""
+    _need("seccomp", "no seccomp filter for this architecture or kernel")
+    r = run_python(_FORK_EXEC, LIM, guard=guard)
+    assert r.enforced["seccomp"] and r.stdout.startswith("got:"), (r.status, r.stderr)
+    assert "EXECUTED" not in r.stdout
+    r = run_python("import os\nos.execv('/bin/sh', ['sh', '-c', 'echo EXECUTED'])", LIM, guard=False)
+    assert r.status == "blocked" and "EXECUTED" not in r.stdout and "Operation not permitted" in r.stderr
+
+
+def test_host_unix_socket_unreachable(world_writable_dir):
+    """Pathname unix sockets are outside the network namespace: the seccomp filter refuses them."""
+    import socket
+
+    _need("seccomp", "no seccomp filter for this architecture or kernel")
+    path = str(world_writable_dir / "host.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    os.chmod(path, 0o777)
+    srv.listen(1)
+    srv.settimeout(0.2)
+    try:
+        code = f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({path!r})\nprint('connected')\n"
+        r = run_python(code, LIM, guard=False)
+        assert r.status == "blocked" and "connected" not in r.stdout, (r.status, r.stderr)
+        with pytest.raises(socket.timeout):
+            srv.accept()
+    finally:
+        srv.close()
+
+
+def test_disk_total_and_file_count_capped():
+    """RLIMIT_FSIZE is per file; the workdir's tmpfs caps the total and the number of files."""
+    _need("disk_limit", "mounting a tmpfs needs root")
+    lim = Limits(cpu_s=2, wall_s=10.0, memory_mb=256, file_bytes=2_000_000, disk_mb=4, max_files=20)
+    wd = open_workdir(lim)
+    try:
+        r = run_python("for i in range(100):\n    open(f'f{i}', 'wb').write(b'x' * 1_900_000)\n", lim, workdir=wd)
+        assert r.status == "disk_limit" and r.enforced["disk_limit"], (r.status, r.stderr)
+        assert sum(p.stat().st_size for p in wd.path.iterdir()) <= 4 * 1024 * 1024
+    finally:
+        wd.close()
+    wd = open_workdir(lim)
+    try:
+        r = run_python("for i in range(1000):\n    open(f'f{i}', 'w').write('x')\n", lim, workdir=wd)
+        assert r.status == "disk_limit" and len(list(wd.path.iterdir())) <= 20
+    finally:
+        wd.close()
+
+
+def test_sandboxes_cannot_see_or_signal_each_other(tmp_path):
+    """Sandbox B runs in another process; sandbox A can neither list B's working directory nor kill
+    B's program (its own uid and PID namespace)."""
+    import subprocess
+    import sys
+
+    _need("uid_drop", "a uid of its own per sandbox needs root")
+    _need("pid_namespace", "unshare(CLONE_NEWPID) refused")
+    marker = tmp_path / "b_dir"
+    prog = ("import sys\nfrom sparse_rl.synth.sandbox import Limits, open_workdir, run_python\n"
+            "lim = Limits(cpu_s=5, wall_s=8.0)\nwd = open_workdir(lim)\n(wd.path / 'secret.txt').write_text('s')\n"
+            f"open({str(marker)!r}, 'w').write(str(wd.path))\n"
+            "r = run_python('import time\\ntime.sleep(3)\\nprint(\"alive\")', lim, workdir=wd)\n"
+            "print(r.status, r.stdout.strip())\nwd.close()\n")
+    b = subprocess.Popen([sys.executable, "-c", prog], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(sandbox_mod.__file__).parents[2])})
+    try:
+        deadline = time.monotonic() + 20
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # B's program is running now
+        code = (f"import os, signal\ntry:\n    print(os.listdir({marker.read_text()!r}))\nexcept OSError as e:\n"
+                "    print('listdir', type(e).__name__)\nkilled = 0\nfor d in os.listdir('/proc'):\n"
+                "    if d.isdigit() and int(d) != os.getpid():\n        try:\n            os.kill(int(d), signal.SIGKILL)\n"
+                "            killed += 1\n        except OSError:\n            pass\n"
+                "try:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n    pass\nprint('killed', killed)\n")
+        r = run_python(code, LIM, guard=False)
+        assert r.stdout.split("\n")[0] == "listdir PermissionError", r.stdout
+        out, _ = b.communicate(timeout=30)
+        assert out.strip() == "ok alive"
+    finally:
+        b.kill()
+        b.wait()
+
+
+def test_status_from_the_exit_not_from_printed_text():
+    r = run_python("import sys\nsys.stderr.write('MemoryError\\nPermissionError: sandbox: x\\n')\n", LIM)
+    assert r.status == "ok"
+    r = run_python("import sys\nwhile True:\n    sys.stderr.write('e' * 1000)\n", LIM, guard=False)
+    assert r.status == "output_limit", (r.status, r.stderr[-200:])

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from sparse_rl.errors import SparseRLError
-from sparse_rl.io import read_jsonl
+from sparse_rl.io import iter_jsonl
 
 # Rewards that compare against a gold answer (the synth verifier only for non-tool, non-rg tasks).
 _NEEDS_ANSWER = {"math"}
@@ -33,19 +33,20 @@ def load_tasks(path: str, reward: str, flag: str = "--tasks") -> list[dict]:
     built-in math reward (or synth math tasks) an `answer`. Errors name the file and line."""
     if not path:
         raise SparseRLError(f"{flag}: no tasks file given (pass {flag} tasks.jsonl or set data.tasks)")
-    recs = read_jsonl(path, required=("id",), any_of=("prompt", "messages"))
-    if not recs:
-        raise SparseRLError(f"{path}: no tasks (the file is empty)")
-    # read_jsonl skips blank lines, so recover line numbers for the checks below
-    lines = [i for i, line in enumerate(open(path, encoding="utf-8"), 1) if line.strip()]
-    for rec, lineno in zip(recs, lines):
+
+    def check(rec: dict, name: str, lineno: int) -> dict:
         if _needs_answer(reward, rec) and rec.get("answer") is None:
-            raise SparseRLError(f"{path} line {lineno}: task {rec['id']!r} has no 'answer'; the {reward} reward "
+            raise SparseRLError(f"{name} line {lineno}: task {rec['id']!r} has no 'answer'; the {reward} reward "
                                 "compares against it (add one, or use reward.fn module:function)")
         if "messages" in rec and not (isinstance(rec["messages"], list) and rec["messages"]):
-            raise SparseRLError(f"{path} line {lineno}: 'messages' must be a non-empty list of chat messages")
+            raise SparseRLError(f"{name} line {lineno}: 'messages' must be a non-empty list of chat messages")
         if "messages" not in rec and not isinstance(rec["prompt"], str):
-            raise SparseRLError(f"{path} line {lineno}: 'prompt' must be a string")
+            raise SparseRLError(f"{name} line {lineno}: 'prompt' must be a string")
+        return rec
+
+    recs = list(iter_jsonl(path, required=("id",), any_of=("prompt", "messages"), check=check, flag=flag))
+    if not recs:
+        raise SparseRLError(f"{'<stdin>' if path == '-' else path}: no tasks (the file is empty)")
     return recs
 
 

@@ -102,6 +102,18 @@ def completion_records(recs: list[dict], outs, prompt_texts: list[str], n: int, 
     return rows
 
 
+def _check_length(tokenizer, text: str, cap: int, rec: dict, prompts) -> None:
+    """Refuse a prompt longer than the context before tokenising all of it: prefixes of doubling
+    length are tokenised until one exceeds `cap` tokens or the prefix is the whole text, so a
+    50 MB prompt costs about as much as `2 * cap` tokens of it, not minutes."""
+    n = 4 * cap
+    while n < len(text):
+        if len(tokenizer(text[:n], add_special_tokens=False)["input_ids"]) >= cap:
+            raise SparseRLError(f"--prompts {prompts}: the prompt of record {rec['id']!r} ({len(text)} characters) "
+                                f"is longer than the context of {cap} tokens (max_seq_len)")
+        n *= 2
+
+
 def run_generate(model_dir: str | Path, prompts: str | Path, out: str | Path | None, cfg: GenerateConfig,
                  progress: Callable[[int, int | None], None] | None = None) -> dict:
     """Generate completions for every prompt record; returns a summary dict (counts, tokens)."""
@@ -129,7 +141,11 @@ def run_generate(model_dir: str | Path, prompts: str | Path, out: str | Path | N
                 break
             try:
                 texts = [render_prompt(eng.tokenizer, r) for r in recs]
+                for r, t in zip(recs, texts):
+                    _check_length(eng.tokenizer, t, eng._cap(), r, prompts)
                 ids = [encode_prompt(eng.tokenizer, r) for r in recs]
+            except SparseRLError:
+                raise
             except Exception as e:  # e.g. a tokenizer without a chat template, or malformed messages
                 raise SparseRLError(f"--prompts {prompts}: cannot render a prompt of records {recs[0]['id']!r}.."
                                     f"{recs[-1]['id']!r} ({str(e).splitlines()[0][:160]})") from None

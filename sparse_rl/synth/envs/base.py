@@ -16,7 +16,9 @@ change state) that the solution without its last state-changing call scores 0.
 from __future__ import annotations
 
 import json
+import os
 import re
+from pathlib import Path
 from typing import Any
 
 from sparse_rl.synth.schema import tool_index, validate
@@ -31,7 +33,13 @@ class Env:
     mutating: frozenset[str] = frozenset()  # tools that change state
 
     def __init__(self, state: dict):
+        self.check_state(state)
         self.state = state
+
+    @classmethod
+    def check_state(cls, state: dict) -> None:
+        """Refuse task state this environment must not accept (ValueError naming the field); called
+        before anything is built, and by readers of task files to name the bad record."""
 
     @classmethod
     def tools(cls) -> list[dict]:
@@ -63,6 +71,42 @@ class Env:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def check_state_files(files: Any, where: str = "meta.state.files") -> dict:
+    """A task's data files: an object of relative path -> text, each path staying inside the
+    working directory once normalised (ValueError naming the path otherwise)."""
+    if not isinstance(files, dict):
+        raise ValueError(f"{where}: must be an object mapping relative file paths to text")
+    for rel, content in files.items():
+        if not isinstance(content, str):
+            raise ValueError(f"{where}[{rel!r}]: the content must be a string")
+        if not rel or "\x00" in rel or os.path.isabs(rel) or os.path.normpath(rel).split(os.sep)[0] in ("..", "."):
+            raise ValueError(f"{where}[{rel!r}]: must be a relative path inside the working directory")
+    return files
+
+
+def resolve_inside(root: Path, rel: str) -> Path:
+    """`root / rel`, refusing (ValueError) a path that leaves `root` once `..` and symlinks are
+    resolved."""
+    real_root = os.path.realpath(root)
+    joined = os.path.normpath(os.path.join(real_root, rel))
+    for p in (joined, os.path.realpath(joined)):
+        if p == real_root or not p.startswith(real_root + os.sep):
+            raise ValueError(f"meta.state.files[{rel!r}]: resolves outside the working directory")
+    return Path(joined)
+
+
+def write_state_files(root: Path, files: dict) -> None:
+    """Create the (checked) data files under `root`; every path is resolved before the first write,
+    and each file is opened with O_NOFOLLOW, so no name or symlink can lead the write outside."""
+    plan = [(resolve_inside(root, rel), content) for rel, content in check_state_files(files).items()]
+    for p, content in plan:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        resolve_inside(root, os.path.relpath(p, os.path.realpath(root)))  # parents may have been created by earlier files
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(content)
 
 
 SYSTEM_PROMPT = ("You are an agent working in a sandboxed environment through the tools provided. "

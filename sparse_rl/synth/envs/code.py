@@ -2,18 +2,17 @@
 
 The working directory is private to the episode and persists between calls (files written by one
 call are there for the next); it starts with the task's data files and is deleted on close. Every
-call is a fresh subprocess under the limits listed in sandbox.py.
+call is a fresh subprocess under the limits listed in sandbox.py. The limits are the operator's
+(the `limits` argument, else the defaults), never the task's: a task file that names
+`meta.state.limits` is refused.
 """
 
 from __future__ import annotations
 
 import random
-import shutil
-import tempfile
-from pathlib import Path
 
-from sparse_rl.synth.envs.base import Env
-from sparse_rl.synth.sandbox import Limits, run_python
+from sparse_rl.synth.envs.base import Env, check_state_files, write_state_files
+from sparse_rl.synth.sandbox import Limits, open_workdir, run_python
 from sparse_rl.synth.schema import tool
 
 
@@ -22,11 +21,21 @@ class CodeEnv(Env):
 
     def __init__(self, state: dict, limits: Limits | None = None):
         super().__init__(state)
-        self.limits = limits or Limits(**state.get("limits", {}))
-        self.workdir = Path(tempfile.mkdtemp(prefix="sparse-rl-code-"))
-        for rel, content in state.get("files", {}).items():
-            (self.workdir / rel).write_text(content)
+        self.limits = limits or Limits()
+        self.wd = open_workdir(self.limits)
+        self.workdir = self.wd.path
+        try:
+            write_state_files(self.workdir, state.get("files", {}))
+        except BaseException:
+            self.wd.close()
+            raise
         self.last = None
+
+    @classmethod
+    def check_state(cls, state: dict) -> None:
+        if "limits" in state:
+            raise ValueError("meta.state.limits: sandbox limits come from the operator's configuration, not from task data")
+        check_state_files(state.get("files", {}))
 
     @classmethod
     def tools(cls) -> list[dict]:
@@ -35,14 +44,14 @@ class CodeEnv(Env):
                      "printed; print the values you need.", {"code": {"type": "string"}})]
 
     def tool_run_python(self, code: str) -> str:
-        self.last = run_python(code, self.limits, workdir=self.workdir)
+        self.last = run_python(code, self.limits, workdir=self.wd)
         return self.last.summary()
 
     def check(self, spec: dict) -> bool:
         raise ValueError(f"code env: unknown check {spec['kind']!r}")
 
     def close(self) -> None:
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.wd.close()
 
 
 # ------------------------------------------------------------------------------------- tasks

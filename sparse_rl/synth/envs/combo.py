@@ -23,6 +23,12 @@ class ComboEnv(Env):
         self.sql = SqlEnv(state["sql"])
 
     @classmethod
+    def check_state(cls, state: dict) -> None:
+        if not isinstance(state.get("fs"), dict) or not isinstance(state.get("sql"), dict):
+            raise ValueError("meta.state: a combo task needs the objects 'fs' and 'sql'")
+        FsEnv.check_state(state["fs"])
+
+    @classmethod
     def tools(cls) -> list[dict]:
         return FsEnv.tools() + SqlEnv.tools()
 

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from sparse_rl.synth.envs.base import Env, ToolError
+from sparse_rl.synth.envs.base import Env, ToolError, check_state_files, write_state_files
 from sparse_rl.synth.schema import tool
 
 WORDS = ["alpha", "bravo", "cedar", "delta", "ember", "fjord", "grove", "harbor", "island", "jungle",
@@ -30,10 +30,15 @@ class FsEnv(Env):
     def __init__(self, state: dict):
         super().__init__(state)
         self.root = Path(tempfile.mkdtemp(prefix="sparse-rl-fs-")).resolve()
-        for rel, content in state.get("files", {}).items():
-            p = self.root / rel
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(content)
+        try:
+            write_state_files(self.root, state.get("files", {}))
+        except BaseException:
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise
+
+    @classmethod
+    def check_state(cls, state: dict) -> None:
+        check_state_files(state.get("files", {}))
 
     @classmethod
     def tools(cls) -> list[dict]:
