@@ -120,7 +120,7 @@ def _open_one(path: str | Path | None, force: bool):
         yield sys.stdout, sys.stdout.flush
         return
     p = Path(path)
-    if p.exists() and not force:
+    if (p.is_file() or p.is_dir()) and not force:  # a device or FIFO is written in place, not replaced
         raise UsageError(f"{p}: exists already (pass --force to overwrite)")
     if not _replaceable(p):
         with open(p, "w", encoding="utf-8") as fh:

@@ -22,6 +22,7 @@ PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
     "small": (2048, 256, 768, 6, 8, 2),  # ~5.5M
     "medium": (4096, 512, 1536, 8, 8, 2),  # ~28M
     "base": (8192, 768, 2048, 12, 12, 4),  # ~88M: GPU experiments
+    "large": (8192, 1024, 2816, 24, 16, 4),  # ~280M: multi-GPU runs (recipes/multi_gpu)
 }
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

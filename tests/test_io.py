@@ -32,7 +32,7 @@ def test_device_and_fifo_outputs_are_written_in_place(tmp_path):
         os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))
     except PermissionError:
         pytest.skip("creating a device node needs root (CAP_MKNOD)")
-    res = runner.invoke(app, ["synth", "math", "--n", "2", "--out", str(tmp_path / "t.jsonl"), "--stats", str(null)])
+    res = runner.invoke(app, ["synth", "math", "--num-tasks", "2", "--out", str(tmp_path / "t.jsonl"), "--stats", str(null)])
     assert res.exit_code == 0, res.output
     assert stat.S_ISCHR(os.stat(null).st_mode)
     fifo = tmp_path / "fifo"

@@ -153,11 +153,12 @@ def strs(value: Optional[str]) -> Optional[list[str]]:
 def refuse_existing(force: bool, **outputs: Optional[str | Path]) -> None:
     """Output files follow the rule of output dirs: one that exists is a usage error unless --force.
     Keys are flag names with `_` for `-` (`prompts_out` -> --prompts-out); `-` (stdout) and None pass.
-    Checked before any work starts, so a refused run costs nothing."""
+    Checked before any work starts, so a refused run costs nothing. Devices and FIFOs (`/dev/null`)
+    are written in place, never replaced, so they pass."""
     for key, path in outputs.items():
         if path is None or str(path) == "-":
             continue
-        if Path(path).exists() and not force:
+        if (Path(path).is_file() or Path(path).is_dir()) and not force:
             raise UsageError(f"--{key.replace('_', '-')} {path}: exists already (pass --force to overwrite)")
 
 

@@ -17,7 +17,7 @@ app = group("Create small offline models.")
 def init(
     out: Path = typer.Argument(..., metavar="OUT", help="Model dir to write."),
     arch: Optional[str] = typer.Option(None, help="llama | qwen2 | qwen3 | mistral [default: llama]"),
-    size: Optional[str] = typer.Option(None, help="tiny (~0.26M) | small (~5.5M) | medium (~28M) | base (~88M) [default: tiny]"),
+    size: Optional[str] = typer.Option(None, help="tiny (~0.26M) | small (~5.5M) | medium (~28M) | base (~88M) | large (~280M) [default: tiny]"),
     seed: Optional[int] = seed_option(),
     vocab_size: Optional[int] = typer.Option(None, help="Tokenizer vocabulary [default: the preset's]"),
     max_position_embeddings: Optional[int] = typer.Option(None, help="Context length [default: 32768]"),
