@@ -12,13 +12,14 @@ import torch
 
 from sparse_rl.sparse.ops._backend import resolve_backend
 from sparse_rl.sparse.ops.block_select.naive import block_select_naive
+from sparse_rl.sparse.ops.decode_fused.naive import add_rmsnorm_naive, qk_norm_rope_cache_naive
 from sparse_rl.sparse.ops.indexer_decode.naive import indexer_decode_naive
 from sparse_rl.sparse.ops.indexer_topk.naive import (indexer_scores_naive, indexer_topk_decode_naive, indexer_topk_naive,
                                                      visible_mask)
 from sparse_rl.sparse.ops.sparse_attention.naive import dense_attention_naive, sparse_attention_naive
 
 __all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_topk_decode", "indexer_scores", "indexer_decode",
-           "block_select", "visible_mask", "dense_attention_naive", "kernel"]
+           "block_select", "visible_mask", "dense_attention_naive", "kernel", "add_rmsnorm", "qk_norm_rope_cache"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,3 +103,25 @@ def block_select(q: torch.Tensor, k: torch.Tensor, block_size: int, topk_blocks:
                   recent_blocks=recent_blocks, kv_start=kv_start)
     return block_select_naive(q, k, block_size, topk_blocks, q_offset=q_offset, sink_blocks=sink_blocks,
                               recent_blocks=recent_blocks, kv_start=kv_start)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
+                backend: str = "auto"):
+    """Residual add + RMSNorm of one token per row, as the HF modules compute it: x `[B, N]`, residual
+    `[B, N]` or None, weight `[N]` -> (RMSNorm(residual + x) `[B, N]`, residual + x `[B, N]`)."""
+    fn = kernel("decode_fused", "add_rmsnorm")
+    if resolve_backend(backend, x, fn is not None) == "triton":
+        return fn(x, residual, weight, eps)
+    return add_rmsnorm_naive(x, residual, weight, eps)
+
+
+def qk_norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                       k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, backend: str = "auto"):
+    """A decode step's q/k work after the projections: q `[B, H, D]`, k/v `[B, H_kv, D]`, Qwen3's q/k
+    RMSNorm weights `[D]` (None: none), the rotary cos/sin `[B, D]` at pos `[B]` -> q rotated `[B, H, D]`;
+    writes the (normalised) rotated k and v into the caches `[B, S_max, H_kv, D]` at pos."""
+    fn = kernel("decode_fused", "qk_norm_rope_cache")
+    if resolve_backend(backend, q, fn is not None) == "triton":
+        return fn(q, k, v, q_weight, k_weight, eps, cos, sin, pos, k_cache, v_cache)
+    return qk_norm_rope_cache_naive(q, k, v, q_weight, k_weight, eps, cos, sin, pos, k_cache, v_cache)
