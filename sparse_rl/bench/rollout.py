@@ -20,8 +20,8 @@ Rows:
   tokens/s. `how` says how the row was obtained: "measured" (a timed `generate`, prefill included)
   or "integrated" (where a whole generation would outlast `--whole-budget-s`: step times measured at
   contexts spanning the generation, summed piecewise linearly over every step's context, plus the
-  host and prefill time a short measured generation pays beyond its own integrated steps). `--whole
-  measure|integrate|auto` forces either.
+  per-step host and prefill time a short measured generation pays beyond its own integrated steps).
+  `--whole measure|integrate|auto` forces either; auto decides on the integrated estimate.
 Tokens/s = generated tokens / seconds, synchronised; engine runs are timed after a warm-up that
 compiles kernels and captures the CUDA graphs.
 """
@@ -320,24 +320,22 @@ def _long_rows(b: _Bench, new: int, B: int) -> None:
 
 def _integrated(b: _Bench, eng, ids, new: int, mode: str) -> tuple[float, dict]:
     """Seconds of a whole generation from step times: steps timed at contexts spanning it (random
-    caches), summed piecewise linearly, plus the time a short real generation pays beyond its own
-    integrated steps (prefill, sampling, host work): two short generations (n1, n2 steps) give
-    overhead = a + c * steps."""
+    caches), summed piecewise linearly, plus what a short real generation pays per step beyond its own
+    integrated steps (prefill, sampling, host work; after a throwaway generation that takes the
+    one-time costs: first allocations, cuBLAS heuristics), never below zero."""
     P = ids.shape[1]
-    n1, n2 = min(64, new), min(320, new)
-    shorts = {}
-    for n in sorted({n1, n2}):  # on the prompts' own cache rows, before the cache is randomised
-        shorts[n] = b.time_generate(eng, ids, n, mode)[0]
+    n = min(256, new)
+    b.time_generate(eng, ids, min(8, n), mode)  # one-time costs out of the timed run
+    short = b.time_generate(eng, ids, n, mode, warm=False)[0]
     eng.set_attention("sparse")
     b.fill(eng, P + new)
-    ctxs = sorted(set(_span_contexts(P, P + new, b.cfg.topk, eng.bucket)) | {P + 1, P + n1, P + n2})
+    ctxs = sorted(set(_span_contexts(P, P + new, b.cfg.topk, eng.bucket)) | {P + 1, P + n})
     pts = [(c, b.step_row(eng, ids.shape[0], c, mode)["ms"]) for c in ctxs]
-    over = {n: shorts[n] - integrate_steps(pts, P, P + n) / 1e3 for n in shorts}
-    c = (over[n2] - over[n1]) / (n2 - n1) if n2 > n1 else 0.0
-    a = over[n1] - c * n1
-    secs = integrate_steps(pts, P, P + new) / 1e3 + a + c * new
-    return secs, {"step_points": [[x, round(y, 3)] for x, y in pts], "overhead_s": round(a + c * new, 3),
-                  "step_ms_at_full_context": pts[-1][1]}
+    per_step = max(0.0, short - integrate_steps(pts, P, P + n) / 1e3) / n
+    steps_s = integrate_steps(pts, P, P + new) / 1e3
+    return steps_s + per_step * new, {"step_points": [[x, round(y, 3)] for x, y in pts],
+                                      "steps_s": round(steps_s, 3), "overhead_ms_per_step": round(1e3 * per_step, 3),
+                                      "step_ms_at_full_context": pts[-1][1]}
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -28,12 +28,9 @@ selects exactly, over more candidates.
 3. `_count`: every program finds the bin b* holding the k-th largest finite score (after the forced
    keys) and counts its keys above b* and the candidates in b*.
 4. `_gather_cands`: candidates' u and positions, in key order, to a scratch list.
-5. `_select` (one program per row, over the candidates only): the rem best candidates (rem = what
-   the keys above b* leave of top-k) and the threshold (tau, cut) they define, the lowest selected
-   (u, position). Up to 1024 candidates (the usual case) by counting, for every candidate, those that
-   beat it (`_rank_select`, [128, 128] tiles, no dependent passes); beyond, four 8-bit radix levels find
-   tau and how many keys equal to it are kept (the later ones, as in the reference: an index cut).
-   Per-chunk output counts become offsets.
+5. `_select` (one program per row, over the candidates only): four 8-bit radix levels find the exact
+   threshold u and how many keys equal to it are kept (the later ones, as in the reference: an index
+   cut); per-chunk output counts become offsets.
 6. `_write`: each program emits its selected positions in ascending order at its offset; the row's
    last program pads with -1.
 
@@ -51,7 +48,6 @@ from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 NB = 128  # first-level bins
-_RMAX = 1024  # candidates a row resolves by counting; beyond, the radix levels
 
 
 @triton.jit
@@ -210,42 +206,8 @@ def _radix_level(CU, b, S, n, prefix, kk, lo: tl.constexpr, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _rank_select(CU, CI, b, S, n_c, rem, CH: tl.constexpr, PMAX: tl.constexpr, BI: tl.constexpr,
-                 BJ: tl.constexpr):
-    """The rem best candidates by (u, position), the later key first among equal u (the reference's
-    tie rule), by counting for each candidate the candidates that beat it: O(n_c^2) comparisons in
-    [BI, BJ] tiles with no dependent passes. Returns the threshold (tau, cut), the lowest selected
-    (u, position), and the selected candidates' count per chunk."""
-    offs_p = tl.arange(0, PMAX)
-    per_chunk = tl.zeros([PMAX], tl.int32)
-    tau = tl.full([], 0xFFFFFFFF, tl.uint32)
-    cut = tl.full([], 2147483647, tl.int32)
-    for i0 in range(0, n_c, BI):
-        oi = i0 + tl.arange(0, BI)
-        li = oi < n_c
-        ui = tl.load(CU + b * S + oi, mask=li, other=0).to(tl.uint32, bitcast=True)
-        xi = tl.load(CI + b * S + oi, mask=li, other=0)
-        beat = tl.zeros([BI], tl.int32)
-        for j0 in range(0, n_c, BJ):
-            oj = j0 + tl.arange(0, BJ)
-            lj = oj < n_c
-            uj = tl.load(CU + b * S + oj, mask=lj, other=0).to(tl.uint32, bitcast=True)
-            xj = tl.load(CI + b * S + oj, mask=lj, other=0)
-            gt = (uj[None, :] > ui[:, None]) | ((uj[None, :] == ui[:, None]) & (xj[None, :] > xi[:, None]))
-            beat += tl.sum((gt & lj[None, :]).to(tl.int32), 1)
-        sel = li & (beat < rem)
-        t_blk = tl.min(tl.where(sel, ui, tl.full([BI], 0xFFFFFFFF, tl.uint32)), 0)
-        c_blk = tl.min(tl.where(sel & (ui == t_blk), xi, 2147483647), 0)
-        cut = tl.where(t_blk < tau, c_blk, tl.where(t_blk == tau, tl.minimum(cut, c_blk), cut))
-        tau = tl.minimum(tau, t_blk)
-        cid = tl.where(sel, xi // CH, 0)
-        per_chunk += tl.histogram(cid, PMAX) - tl.where(offs_p == 0, tl.sum((~sel).to(tl.int32), 0), 0)
-    return tau, cut, per_chunk
-
-
-@triton.jit
 def _select(HIST, NF, CNT, CU, CI, TAU, CUT, OFFS, S, K, P, CH: tl.constexpr, NB: tl.constexpr,
-            PMAX: tl.constexpr, BLOCK: tl.constexpr, RMAX: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr):
+            PMAX: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     bstar, rem, take_all = _bstar(HIST, NF, b, K, NB)
     offs_p = tl.arange(0, PMAX)
@@ -259,10 +221,7 @@ def _select(HIST, NF, CNT, CU, CI, TAU, CUT, OFFS, S, K, P, CH: tl.constexpr, NB
         if rem <= 0:  # the forced keys fill the budget: no finite key is taken
             tau = tl.full([], 0xFFFFFFFF, tl.uint32)
             cut = 2147483647
-        elif n_c <= RMAX:  # the usual case (~100-400 candidates a row): count, in one pass
-            tau, cut, per_chunk = _rank_select(CU, CI, b, S, n_c, rem, CH, PMAX, BI, BJ)
-            emit = above + per_chunk
-        else:  # many candidates (a row whose span one outlier sets): four 8-bit radix levels
+        else:
             prefix = tl.zeros([], tl.uint32)
             kk = rem
             prefix, kk, n_eq = _radix_level(CU, b, S, n_c, prefix, kk, 24, BLOCK)
@@ -328,15 +287,12 @@ def _chunk(B: int, S: int, interpret: bool) -> int:
 
 def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, pos: torch.Tensor, topk: int, *,
                         sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None,
-                        chunk: int | None = None, num_warps: int | None = None, candidates: bool = False,
-                        rank_max: int | None = None):
+                        chunk: int | None = None, num_warps: int | None = None, candidates: bool = False):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference. candidates=True also returns each row's number of second-level
     candidates `[B]` (the keys in the threshold's bin, which the one-program-per-row radix reads;
-    None on the reference path): what the first-level binning costs, for tests and benchmarks.
-    rank_max: the most candidates a row resolves by counting (`_rank_select`) rather than by the radix
-    levels (default 1024; 0 forces the radix levels, for tests and benchmarks)."""
+    None on the reference path): what the first-level binning costs, for tests and benchmarks."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:
@@ -379,10 +335,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     _count[grid](sc, pos, rng, hist_b, nf, cnt, S, topk, P, CH=CH, BN=BN, NB=NB, num_warps=nw)
     _gather_cands[grid](sc, pos, rng, hist_b, nf, cnt, cu, ci, S, topk, P, CH=CH, BN=BN, NB=NB,
                         PMAX=PMAX, num_warps=nw)
-    rmax = _RMAX if rank_max is None else rank_max
     _select[(B,)](hist_b, nf, cnt, cu, ci, small[0], small[1], offs, S, topk, P, CH=CH, NB=NB, PMAX=PMAX,
-                  BLOCK=64 if interpret else 1024, RMAX=rmax, BI=16 if interpret else 128, BJ=16 if interpret else 128,
-                  num_warps=1 if interpret else 8)
+                  BLOCK=64 if interpret else 1024, num_warps=1 if interpret else 8)
     _write[grid](sc, pos, rng, small[0], small[1], offs, out, out.stride(0), S, topk, P, CH=CH, BN=BN, NB=NB,
                  num_warps=nw)
     return (out, cnt[:, :, 1].sum(-1)) if candidates else out
