@@ -14,11 +14,11 @@ import torch
 
 from sparse_rl.errors import SparseRLError
 from sparse_rl.sparse.config import INDEXER_WEIGHTS, SparseConfig
-from sparse_rl.sparse.patch import (SUPPORTED, attach_sparse, decoder_layers, get_attention, indexer_state_dict,
-                                    load_indexer_state_dict, set_attention)
+from sparse_rl.sparse.layer import get_attention, set_attention, set_topk, sparse_config
+from sparse_rl.sparse.patch import SUPPORTED, attach_sparse, indexer_state_dict, load_indexer_state_dict
 
-__all__ = ["load_model", "load_tokenizer", "save_model", "set_attention", "get_attention", "check_model_dir",
-           "resolve_dtype", "sparse_config_of"]
+__all__ = ["load_model", "load_tokenizer", "save_model", "set_attention", "get_attention", "set_topk",
+           "check_model_dir", "resolve_dtype", "sparse_config_of"]
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -131,8 +131,7 @@ def save_model(model, out: str | Path, tokenizer=None, sparse: SparseConfig | No
         tokenizer.save_pretrained(out)
     cfg = sparse
     if cfg is None:
-        states = [getattr(layer.self_attn, "srl", None) for layer in decoder_layers(model)]
-        cfg = next((s.cfg for s in states if s is not None), None)
+        cfg = sparse_config(model)
     if cfg is not None:
         cfg.save(out)
         if idx_state:

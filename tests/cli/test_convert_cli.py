@@ -78,10 +78,11 @@ def test_convert_round_trip(tiny_model_dir, tmp_path):
     assert (out / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
     keys = load_file(out / "indexer.safetensors").keys()
     assert {k.split(".")[1] for k in keys} == {"1", "2", "3"}
+    from sparse_rl.sparse.layer import layer_state
     from sparse_rl.sparse.loader import load_model
 
     m = load_model(out, attention="sparse")
-    assert m.model.layers[1].self_attn.srl.cfg.topk == 16
+    assert layer_state(m.model.layers[1].self_attn).cfg.topk == 16
     # converting the sparse dir again with the block selector replaces the selector
     res = _run("convert", out, tmp_path / "block", "--selector", "block", "--block-size", "8", "--topk-blocks", "4")
     assert res.exit_code == 0, res.output

@@ -11,6 +11,7 @@ from sparse_rl.modelinit import ModelInitConfig, init_model
 from sparse_rl.rl.rollout import RolloutEngine, SamplingParams, make_generate_fn, process_logits
 from sparse_rl.sparse.config import SparseConfig
 from sparse_rl.sparse.convert import ConvertConfig, convert
+from sparse_rl.sparse.layer import set_topk
 from sparse_rl.sparse.loader import load_model, load_tokenizer, set_attention
 
 LENGTHS = (5, 11, 3, 14, 8)
@@ -103,9 +104,7 @@ def test_sparse_engine_on_triton_kernels_equals_reference_forward(llama_dir, mon
 
 def test_sparse_with_topk_above_length_equals_dense(llama_dir):
     model = load_model(llama_dir, attention="sparse")
-    for layer in model.model.layers:
-        if getattr(layer.self_attn, "srl", None) is not None:
-            layer.self_attn.srl.cfg.topk = 200
+    set_topk(model, 200)
     eng = _engine(model)
     p = SamplingParams(temperature=0, max_new_tokens=30)
     sparse = eng.generate(_prompts(2), p)

@@ -111,7 +111,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model)
         model = load_model(cfg.model, attention="dense", device=str(self.device), dtype=cfg.dtype)
         if cfg.rollout.backend is not None and cfg.sparse_rollout:
-            from sparse_rl.sparse.patch import set_attention
+            from sparse_rl.sparse.layer import set_attention
 
             set_attention(model, "dense", backend=cfg.rollout.backend)
         self.model = attach_adapter(model, cfg.distill) if cfg.distill_on else model

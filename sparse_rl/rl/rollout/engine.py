@@ -34,6 +34,7 @@ from sparse_rl.errors import SparseRLError, UsageError
 from sparse_rl.rl.rollout.cache import KVCache
 from sparse_rl.rl.rollout.forward import ModelRunner, _base
 from sparse_rl.rl.rollout.sampler import Sampler, SamplingParams, to_device
+from sparse_rl.sparse.layer import get_attention, set_attention
 
 
 @dataclass
@@ -114,21 +115,20 @@ class RolloutEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
         self.sampler = Sampler(self.runner.vocab, dev)
-        from sparse_rl.sparse.patch import get_attention
-
-        self.mode = get_attention(model)
         self.cache: KVCache | None = None
         self._lora_base: dict[str, torch.Tensor] | None = None
         self.stats = {"prefill_tokens": 0, "decode_steps": 0, "generated_tokens": 0}
 
     # ------------------------------------------------------------------ config
+    @property
+    def mode(self) -> str:
+        """The attention mode, read from the model's sparse layers (`sparse.layer.get_attention`)."""
+        return get_attention(self.model)
+
     def set_attention(self, mode: str) -> None:
-        """Switch this engine between "dense" and "sparse" attention (the model's own HF mode is untouched)."""
-        if mode not in ("dense", "sparse"):
-            raise UsageError(f"attention mode {mode!r}: expected dense or sparse")
-        if mode == "sparse" and not any(s is not None for s in self.runner.states):
-            raise SparseRLError("this model has no sparse selector: convert it with `sparse-rl convert` first")
-        self.mode = mode
+        """Switch the engine's model between "dense" and "sparse" attention (`sparse.layer.set_attention`:
+        the model's HF forward follows too)."""
+        set_attention(self.model, mode)
 
     def refresh(self) -> None:
         """Forget captured CUDA graphs (recaptured lazily). Needed only when parameters were replaced by

@@ -217,7 +217,9 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.train import checkpoint
     from sparse_rl.sparse.train.data import build_data
-    from sparse_rl.sparse.train.hooks import StepStats, indexed_attention, sparse_forward, warmup_forward
+    from sparse_rl.sparse.layer import set_topk
+    from sparse_rl.sparse.train.hooks import (AttentionWithLse, StepStats, indexed_attention, sparse_forward,
+                                              warmup_forward)
 
     if not cfg.model:
         raise UsageError("MODEL: give the sparse model dir to train (argument or 'model:' in the recipe)")
@@ -269,8 +271,7 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
     tokenizer = load_tokenizer(cfg.model)
     data = build_data(cfg.data, tokenizer, cfg.seq_len, cfg.seed, cfg.synthetic_rows)
     model = load_model(cfg.model, attention="dense", device=device, dtype=cfg.dtype, backend=cfg.backend)
-    for m in indexed_attention(model):
-        m.srl.cfg = sc
+    set_topk(model, sc.topk)
     if not indexed_attention(model):
         raise SparseRLError(f"MODEL {cfg.model}: every layer is dense (dense_layers); no indexer to train")
     model.requires_grad_(False)
@@ -323,6 +324,7 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
     grad_scale = 1.0 / (n_layers * B * L)  # the loss is the mean KL over layers and queries
     metrics_file = run_dir / "metrics.jsonl"
     last: dict = {}
+    lse_attention = AttentionWithLse()  # its kernel choice, made on the first step, holds for the run
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console,
                         disable=not main or console is None, transient=False)
@@ -336,7 +338,8 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
             stats = StepStats(device)
             log_now = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps
             if cfg.stage == "warmup":
-                warmup_forward(model, rows, stats, grad_scale, cfg.chunk_size or None, cfg.kl_impl, log_now)
+                warmup_forward(model, rows, stats, grad_scale, cfg.chunk_size or None, cfg.kl_impl, log_now,
+                               lse_attention=lse_attention)
             else:
                 loss = sparse_forward(model, rows, stats, grad_scale, log_now, cfg.chunk_size or None)
                 loss.backward()
@@ -437,7 +440,8 @@ def run_eval(cfg: IndexerEvalConfig) -> dict:
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.loader import check_model_dir, load_model, load_tokenizer
     from sparse_rl.sparse.train.data import build_data
-    from sparse_rl.sparse.train.hooks import evaluate, indexed_attention
+    from sparse_rl.sparse.layer import set_topk
+    from sparse_rl.sparse.train.hooks import evaluate
 
     if not cfg.model:
         raise UsageError("MODEL: give the sparse model dir to evaluate")
@@ -454,8 +458,7 @@ def run_eval(cfg: IndexerEvalConfig) -> dict:
     data = build_data(cfg.data, tok, cfg.seq_len, cfg.seed, synthetic_n=cfg.rows)
     rows = data.rows(0, min(cfg.rows, len(data))).to(device)
     model = load_model(cfg.model, attention="dense", device=device, dtype=cfg.dtype, backend=cfg.backend)
-    for m in indexed_attention(model):
-        m.srl.cfg = sc
+    set_topk(model, sc.topk)
     res = evaluate(model, rows, chunk=cfg.chunk_size or None, lm_loss=cfg.lm_loss)
     return {"model": cfg.model, "data": cfg.data, "rows": int(rows.shape[0]), "seq_len": cfg.seq_len,
             "topk": sc.topk, **res}
