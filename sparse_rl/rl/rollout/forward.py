@@ -19,6 +19,14 @@ itself come from `sparse_rl.sparse.layer` (`layer.select`, the one selector disp
 `dense_layers` dense). In decode every row sits at its own position: `select` is given the positions
 (the indexer's `ops.indexer_topk_decode`, the block selector per row).
 
+The eager decode step fuses the per-token elementwise work: `ops.add_rmsnorm` (each residual add with
+the RMSNorm after it, the residual stream carried alongside) and `ops.qk_norm_rope_cache` (Qwen3's q/k
+norms, RoPE and the K/V cache write), one Triton launch each on a GPU where the modules' ops take
+8-20, the references (the HF modules' own arithmetic) on a CPU. On an H200 at Qwen3-4B's shape this
+took the batch-32 step at 2K context from 10.1 to 6.1 ms (benchmarks/results/2026-12-01-h200-rollout-
+qwen3-4b.md). `runner.fused = False` runs the modules instead (for A/B); the compiled step keeps the
+modules, whose elementwise ops inductor fuses itself.
+
 Dense decode attention: PyTorch SDPA with a per-slot mask on CPU; on CUDA the split-K Triton
 decode kernel (`ops.sparse_decode`) given every visible position as its index list, so it reads
 only the slot's live keys (SDPA would read the whole bucket and has no split-K for one query).
