@@ -26,6 +26,7 @@ CONFIG_OF = {
     "eval niah": "sparse_rl.eval.niah:NiahConfig",
     "eval fidelity": "sparse_rl.eval.fidelity:FidelityConfig",
     "demo": "sparse_rl.demo:DemoConfig",
+    "bench rollout": "sparse_rl.bench.rollout:BenchRolloutConfig",
 }
 
 

@@ -1,18 +1,29 @@
-"""`sparse-rl bench rollout`: tokens/s of the rollout engine against HF `generate`, and sparse
-against dense mode for long generations.
+"""`sparse-rl bench rollout`: the rollout engine against HF `generate` and against its memory floor,
+sparse against dense mode, on a model shape built in code with random weights (no download).
 
-The model is built in code with random weights (no download): by default Qwen2-0.5B's shape
-(hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151936, tied embeddings).
-Sparse mode attaches freshly initialised indexers (what `sparse-rl convert` does), top-k 2048,
-layers 0 and 1 dense. All runs sample (temperature 1, no top-k/top-p) and ignore EOS, so every
-sequence generates exactly the requested tokens. Tokens/s = generated tokens / wall time of the
-whole call (prefill included), synchronised; engine runs are timed after a warm-up that compiles
-kernels and captures the CUDA graphs.
+Shapes (`--shape`, `bench.floor.SHAPES`): qwen3-4b (36 layers, hidden 2560, 32 heads, 8 KV heads,
+head dim 128, intermediate 9728, tied embeddings), qwen3-8b, qwen2-0.5b (the earlier default: its
+K/V is 512 B per token and layer, so the weights dominate every step), and tiny CPU smoke shapes.
+Sparse mode attaches freshly initialised indexers (what `sparse-rl convert` does): top-k 2048,
+4 x 64 index heads, layers 0 and 1 dense. Every run samples (temperature 1) and ignores EOS, so
+every sequence generates exactly the requested tokens.
 
-Floor, dense decode step (memory bound): the weights (~1 GB in bf16 for 0.5B) plus the live K/V
-(B * context * 24 layers * 2 KV heads * 64 dims * 2 (K and V) * 2 bytes) per step. The sparse step
-replaces the K/V term of the 22 sparse layers by the index keys (context * d_I * 2 bytes) plus the
-top-k selected K/V rows, so it can only win where the K/V term dominates the weights.
+Rows:
+- `hf_generate` / `engine` / `engine_eager` (optional, `--hf`): tokens/s of a whole generation at
+  `--batch`, dense, HF's own loop against the engine's.
+- `step`: one decode step with every sequence at a fixed context (CUDA-graph replay, median of 20,
+  caches filled with random K/V and index keys), at `--step-batch` over `--step-contexts` and at
+  batch 1 over `--latency-contexts`, with the memory floor beside it (`bench.floor`: weights + K/V or
+  index keys + selected rows, over the device-copy bandwidth measured at the start of the run).
+- `long`: whole generations of `--long-new-tokens` after `--long-prompt-len`-token prompts, batch
+  `--long-batches` (one per length), dense and sparse, tokens/s and ms per step, with the floor's
+  tokens/s. `how` says how the row was obtained: "measured" (a timed `generate`, prefill included)
+  or "integrated" (where a whole generation would outlast `--whole-budget-s`: step times measured at
+  contexts spanning the generation, summed piecewise linearly over every step's context, plus the
+  per-step host and prefill time a short measured generation pays beyond its own integrated steps).
+  `--whole measure|integrate|auto` forces either; auto decides on the integrated estimate.
+Tokens/s = generated tokens / seconds, synchronised; engine runs are timed after a warm-up that
+compiles kernels and captures the CUDA graphs.
 """
 
 from __future__ import annotations
@@ -21,13 +32,12 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from sparse_rl.bench.floor import SHAPES, build_model as _build, copy_bandwidth, generation_floor_s, \
+    integrate_steps, step_bytes, weight_bytes
 from sparse_rl.errors import UsageError
 
-SHAPES = {
-    # hidden, layers, heads, kv heads, intermediate, vocab
-    "qwen2-0.5b": (896, 24, 14, 2, 4864, 151936),
-    "tiny": (64, 3, 4, 2, 128, 512),  # CPU smoke test of the benchmark itself
-}
+WHOLE = ("auto", "measure", "integrate")
+DENSE_LAYERS = (0, 1)
 
 
 @dataclass
@@ -39,9 +49,15 @@ class BenchRolloutConfig:
     hf: bool = True
     hf_new_tokens: int = 0  # 0 = new_tokens; HF's time per step barely depends on the step count
     eager: bool = True  # also time the engine without CUDA graphs
+    step_batch: int = 32
+    step_contexts: list[int] = field(default_factory=list)  # fixed-context step rows at step_batch
+    latency_contexts: list[int] = field(default_factory=list)  # fixed-context step rows at batch 1
     long_new_tokens: list[int] = field(default_factory=lambda: [8192, 16384])
     long_batch: int = 16
+    long_batches: list[int] = field(default_factory=list)  # one per long_new_tokens; empty = long_batch for all
     long_prompt_len: int = 128
+    whole: str = "measure"
+    whole_budget_s: float = 90.0  # auto: measure a whole generation only when its estimate is under this
     topk: int = 2048
     index_heads: int = 4
     index_dim: int = 64
@@ -53,28 +69,26 @@ class BenchRolloutConfig:
     def __post_init__(self):
         if self.shape not in SHAPES:
             raise UsageError(f"--shape {self.shape}: expected one of {', '.join(SHAPES)}")
-        for name in ("batch", "prompt_len", "new_tokens", "long_batch", "long_prompt_len", "topk"):
+        for name in ("batch", "prompt_len", "new_tokens", "long_batch", "long_prompt_len", "topk", "step_batch"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.whole not in WHOLE:
+            raise UsageError(f"--whole {self.whole}: expected one of {', '.join(WHOLE)}")
+        if self.long_batches and len(self.long_batches) != len(self.long_new_tokens):
+            raise UsageError(f"--long-batches: {len(self.long_batches)} batches for {len(self.long_new_tokens)} "
+                             "--long-new-tokens lengths (give one per length)")
+        if any(b < 1 for b in self.long_batches) or any(c < 2 for c in self.step_contexts + self.latency_contexts):
+            raise UsageError("--long-batches must be >= 1 and --step-contexts/--latency-contexts >= 2")
+
+    def long_runs(self) -> list[tuple[int, int]]:
+        """(new tokens, batch) of every long run."""
+        return list(zip(self.long_new_tokens, self.long_batches or [self.long_batch] * len(self.long_new_tokens)))
 
 
 def build_model(cfg: BenchRolloutConfig, device, dtype):
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    hidden, layers, heads, kv, inter, vocab = SHAPES[cfg.shape]
-    conf = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=True,
-                       max_position_embeddings=max(32768, cfg.long_prompt_len + max(cfg.long_new_tokens or [0]) + 1),
-                       rope_theta=1e6, use_sliding_window=False, eos_token_id=None, bos_token_id=None)
-    conf._attn_implementation = "sdpa"
-    torch.manual_seed(cfg.seed)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(conf)
-    model = model.to(dtype).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    longest = cfg.long_prompt_len + max(cfg.long_new_tokens or [0]) + 1
+    return _build(SHAPES[cfg.shape], max(longest, *(cfg.step_contexts or [0]), *(cfg.latency_contexts or [0])),
+                  device, dtype, cfg.seed)
 
 
 def _sync(dev):
@@ -84,139 +98,299 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def run_rollout_bench(cfg: BenchRolloutConfig, log=print, on_result=None) -> dict:
-    import torch
+class _Bench:
+    """One benchmark run: the model, the floor's inputs, and the rows recorded so far."""
 
-    from sparse_rl.bench.timing import device_name
-    from sparse_rl.devices import resolve_device, resolve_dtype
-    from sparse_rl.rl.rollout import RolloutEngine, SamplingParams
-    from sparse_rl.sparse.config import SparseConfig
-    from sparse_rl.sparse.ops import kernel
-    from sparse_rl.sparse.patch import attach_sparse
+    def __init__(self, cfg: BenchRolloutConfig, log, on_result):
+        import torch
 
-    dev = torch.device(resolve_device(cfg.device))
-    dtype = resolve_dtype(cfg.dtype, dev.type)
-    model = build_model(cfg, dev, dtype)
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(cfg.seed)
-    res: dict = {"config": dataclasses.asdict(cfg), "device": device_name(dev), "torch": torch.__version__,
-                 "triton_decode_kernel": kernel("sparse_attention", "sparse_decode") is not None and dev.type == "cuda",
-                 "rows": [], "errors": []}
+        from sparse_rl.bench.timing import device_name
+        from sparse_rl.devices import resolve_device, resolve_dtype
+        from sparse_rl.sparse.ops import kernel
 
-    def record(row):
-        res["rows"].append(row)
-        log(" ".join(f"{k}={v}" for k, v in row.items()))
-        if on_result:
-            on_result(res)
+        self.cfg, self.log, self.on_result = cfg, log, on_result
+        self.dev = torch.device(resolve_device(cfg.device))
+        self.dtype = resolve_dtype(cfg.dtype, self.dev.type)
+        self.shape = SHAPES[cfg.shape]
+        self.bw = copy_bandwidth(self.dev)
+        self.model = build_model(cfg, self.dev, self.dtype)
+        self.vocab = self.model.config.vocab_size
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.sparse_attached = False
+        self.res: dict = {"config": dataclasses.asdict(cfg), "device": device_name(self.dev), "torch": torch.__version__,
+                          "copy_bw_tb_s": round(self.bw / 1e12, 3),
+                          "triton_decode_kernel": kernel("sparse_attention", "sparse_decode") is not None
+                          and self.dev.type == "cuda", "rows": [], "errors": []}
 
-    def prompts(B, L):
-        return torch.randint(10, vocab, (B, L), generator=gen)
+    def record(self, row):
+        self.res["rows"].append(row)
+        self.log(" ".join(f"{k}={v}" for k, v in row.items()))
+        if self.on_result:
+            self.on_result(self.res)
 
-    def time_engine(eng, ids, new, label, mode, warm=True):
+    def error(self, what, e):
+        self.res["errors"].append(f"{what}: {type(e).__name__}: {str(e)[:300]}")
+        self.log(self.res["errors"][-1])
+
+    def prompts(self, B, L):
+        import torch
+
+        return torch.randint(10, self.vocab, (B, L), generator=self.gen)
+
+    def attach_sparse(self):
+        from sparse_rl.sparse.config import SparseConfig
+        from sparse_rl.sparse.patch import attach_sparse
+
+        if not self.sparse_attached:
+            c = self.cfg
+            attach_sparse(self.model, SparseConfig(topk=c.topk, index_heads=c.index_heads, index_dim=c.index_dim,
+                                                   rope_dim=min(32, c.index_dim), dense_layers=list(DENSE_LAYERS),
+                                                   sink=min(4, c.topk // 4), window=min(64, c.topk // 4)))
+            self.model.to(self.dtype)
+            self.sparse_attached = True
+
+    def floor_bytes(self, B, ctx, mode) -> int:
+        return step_bytes(self.shape, weight_bytes(self.model, mode), B, ctx, mode, topk=self.cfg.topk,
+                          index_dim=self.cfg.index_dim, dense_layers=DENSE_LAYERS)["total"]
+
+    def floor_gen_s(self, B, prompt, new, mode) -> float:
+        return generation_floor_s(self.shape, weight_bytes(self.model, mode), B, prompt, new, mode, self.bw,
+                                  topk=self.cfg.topk, index_dim=self.cfg.index_dim, dense_layers=DENSE_LAYERS)
+
+    def engine(self, B, max_len, **kw):
+        from sparse_rl.rl.rollout import RolloutEngine
+
+        return RolloutEngine(self.model, None, max_batch=B, max_seq_len=max_len, device=self.dev, eos_token_ids=[],
+                             compile=self.cfg.compile, **kw)
+
+    def fill(self, eng, max_len):
+        """The cache with random K/V and index keys (never time on zeros)."""
+        import torch
+
+        with torch.inference_mode():  # a cache made by `generate` is an inference tensor
+            cache = eng._ensure_cache(max_len)
+            g = torch.Generator(device=self.dev).manual_seed(self.cfg.seed)
+            for t in (cache.k, cache.v, cache.idx):
+                if t is not None:
+                    t.normal_(generator=g)
+
+    def time_generate(self, eng, ids, new, mode, warm=True) -> tuple[float, int]:
+        from sparse_rl.rl.rollout import SamplingParams
+
         eng.set_attention(mode)
-        p = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=cfg.seed)
+        p = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=self.cfg.seed)
         toks = ids.tolist()
         if warm:  # compile kernels and capture every graph bucket this run will use
             eng.warmup(max(len(t) for t in toks) + new)
-        _sync(dev)
+        _sync(self.dev)
         t0 = time.perf_counter()
         outs = eng.generate(toks, p)
-        _sync(dev)
-        dt = time.perf_counter() - t0
-        n = sum(len(c.tokens) for c in outs)
-        r = eng.runner
-        return {"run": label, "mode": mode, "batch": len(toks), "prompt": len(toks[0]), "new_tokens": new,
-                "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 1), "ms_per_step": round(1000 * dt / new, 3),
-                "cuda_graphs": r.use_graphs, "compiled": r.compile,
-                **({"compile_s": round(r.compile_stats["seconds"], 1)} if r.compile else {}),
-                **({"graph_error": r.graph_error} if r.graph_error else {}),
-                **({"compile_error": r.compile_error} if r.compile_error else {})}
+        _sync(self.dev)
+        return time.perf_counter() - t0, sum(len(c.tokens) for c in outs)
 
-    # 1) engine vs HF generate, dense, same model and batch
-    ids = prompts(cfg.batch, cfg.prompt_len)
-    hf_new = cfg.hf_new_tokens or cfg.new_tokens
+    def step_row(self, eng, B, ctx, mode, run="step") -> dict:
+        eng.set_attention(mode)
+        ms = eng.time_step(ctx - 1)
+        fb = self.floor_bytes(B, ctx, mode)
+        fl = 1e3 * fb / self.bw
+        return {"run": run, "mode": mode, "batch": B, "context": ctx, "ms": round(ms, 3), "floor_ms": float(f"{fl:.4g}"),
+                "x_floor": round(ms / fl, 2), "floor_gb": round(fb / 1e9, 2)}
+
+
+def run_rollout_bench(cfg: BenchRolloutConfig, log=print, on_result=None) -> dict:
+    b = _Bench(cfg, log, on_result)
     if cfg.hf:
-        try:
-            x = ids.to(dev)
-            with torch.inference_mode():
-                model.generate(x[:, :8], attention_mask=torch.ones_like(x[:, :8]), do_sample=True, max_new_tokens=4,
-                               top_k=0, top_p=1.0, temperature=1.0)
-                _sync(dev)
-                t0 = time.perf_counter()
-                out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=True, max_new_tokens=hf_new,
-                                     top_k=0, top_p=1.0, temperature=1.0)
-                _sync(dev)
-            dt = time.perf_counter() - t0
-            n = (out.shape[1] - x.shape[1]) * x.shape[0]
-            record({"run": "hf_generate", "mode": "dense", "batch": cfg.batch, "prompt": cfg.prompt_len,
-                    "new_tokens": hf_new, "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 1),
-                    "ms_per_step": round(1000 * dt / hf_new, 3), "cuda_graphs": False})
-        except Exception as e:  # keep the other measurements
-            res["errors"].append(f"hf_generate: {type(e).__name__}: {e}")
-            log(res["errors"][-1])
+        _hf_rows(b)
+    if cfg.step_contexts or cfg.latency_contexts or cfg.long_new_tokens:
+        b.attach_sparse()
+    for B, ctxs in ((cfg.step_batch, cfg.step_contexts), (1, cfg.latency_contexts)):
+        if ctxs:
+            _step_rows(b, B, ctxs)
+    for new, B in cfg.long_runs():
+        _long_rows(b, new, B)
+    b.res["summary"] = summarize(b.res["rows"])
+    return b.res
+
+
+def _hf_rows(b: _Bench) -> None:
+    """Engine vs HF generate, dense, same model and batch."""
+    import torch
+
+    cfg, dev, model = b.cfg, b.dev, b.model
+    ids = b.prompts(cfg.batch, cfg.prompt_len)
+    hf_new = cfg.hf_new_tokens or cfg.new_tokens
+    try:
+        x = ids.to(dev)
+        with torch.inference_mode():
+            model.generate(x[:, :8], attention_mask=torch.ones_like(x[:, :8]), do_sample=True, max_new_tokens=4,
+                           top_k=0, top_p=1.0, temperature=1.0)
+            _sync(dev)
+            t0 = time.perf_counter()
+            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=True, max_new_tokens=hf_new,
+                                 top_k=0, top_p=1.0, temperature=1.0)
+            _sync(dev)
+        dt = time.perf_counter() - t0
+        n = (out.shape[1] - x.shape[1]) * x.shape[0]
+        b.record({"run": "hf_generate", "mode": "dense", "batch": cfg.batch, "prompt": cfg.prompt_len,
+                  "new_tokens": hf_new, "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 1),
+                  "ms_per_step": round(1000 * dt / hf_new, 3), "cuda_graphs": False})
+    except Exception as e:  # keep the other measurements
+        b.error("hf_generate", e)
     for graphs in ([True, False] if (cfg.eager and dev.type == "cuda") else [dev.type == "cuda"]):
         try:
-            eng = RolloutEngine(model, None, max_batch=cfg.batch, max_seq_len=cfg.prompt_len + cfg.new_tokens,
-                                device=dev, use_cuda_graphs=graphs, eos_token_ids=[], compile=cfg.compile)
-            record(time_engine(eng, ids, cfg.new_tokens, "engine" if graphs or dev.type != "cuda" else "engine_eager",
-                                     "dense"))
+            eng = b.engine(cfg.batch, cfg.prompt_len + cfg.new_tokens, use_cuda_graphs=graphs)
+            dt, n = b.time_generate(eng, ids, cfg.new_tokens, "dense")
+            r = eng.runner
+            b.record({"run": "engine" if graphs or dev.type != "cuda" else "engine_eager", "mode": "dense",
+                      "batch": cfg.batch, "prompt": cfg.prompt_len, "new_tokens": cfg.new_tokens,
+                      "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 1),
+                      "ms_per_step": round(1000 * dt / cfg.new_tokens, 3), "cuda_graphs": r.use_graphs,
+                      "compiled": r.compile, **({"graph_error": r.graph_error} if r.graph_error else {}),
+                      **({"compile_error": r.compile_error} if r.compile_error else {})})
             del eng
         except Exception as e:
-            res["errors"].append(f"engine (graphs={graphs}): {type(e).__name__}: {e}")
-            log(res["errors"][-1])
+            b.error(f"engine (graphs={graphs})", e)
+    _free(b.dev)
+
+
+def _free(dev):
+    import torch
+
     if dev.type == "cuda":
         torch.cuda.empty_cache()
 
-    # 2) sparse vs dense mode, long generations
-    if cfg.long_new_tokens:
-        attach_sparse(model, SparseConfig(topk=cfg.topk, index_heads=cfg.index_heads, index_dim=cfg.index_dim,
-                                          rope_dim=min(32, cfg.index_dim), dense_layers=[0, 1],
-                                          sink=min(4, cfg.topk // 4), window=min(64, cfg.topk // 4)))
-        model.to(dtype)
-        for new in cfg.long_new_tokens:
-            ids = prompts(cfg.long_batch, cfg.long_prompt_len)
-            eng = RolloutEngine(model, None, max_batch=cfg.long_batch, max_seq_len=cfg.long_prompt_len + new,
-                                device=dev, eos_token_ids=[], compile=cfg.compile)
+
+def _step_rows(b: _Bench, B: int, ctxs: list[int]) -> None:
+    try:
+        eng = b.engine(B, max(ctxs))
+        eng.set_attention("sparse")
+        b.fill(eng, max(ctxs))
+        for ctx in ctxs:
             for mode in ("dense", "sparse"):
-                try:
-                    row = time_engine(eng, ids, new, "long", mode)
-                    row["step_ms_at_full_context"] = round(eng.time_step(cfg.long_prompt_len + new - 1), 3)
-                    record(row)
-                except Exception as e:
-                    res["errors"].append(f"long {new} {mode}: {type(e).__name__}: {e}")
-                    log(res["errors"][-1])
-            del eng
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-    res["summary"] = summarize(res["rows"])
-    return res
+                b.record(b.step_row(eng, B, ctx, mode))
+        del eng
+    except Exception as e:
+        b.error(f"step rows batch {B}", e)
+    _free(b.dev)
+
+
+def _span_contexts(c0: int, c1: int, topk: int, bucket: int) -> list[int]:
+    """Contexts at which to time steps for integrating a generation over contexts c0+1..c1: both ends,
+    powers of two between, and both sides of top-k (below it the sparse step keeps every key)."""
+    pts = {c0 + 1, c1, topk, topk + bucket}
+    p = 256
+    while p < c1:
+        pts.add(p)
+        p *= 2
+    return sorted(c for c in pts if c0 < c <= c1)
+
+
+def _long_rows(b: _Bench, new: int, B: int) -> None:
+    cfg = b.cfg
+    P = cfg.long_prompt_len
+    ids = b.prompts(B, P)
+    try:
+        eng = b.engine(B, P + new)
+    except Exception as e:
+        b.error(f"long {new} batch {B}", e)
+        return
+    for mode in ("dense", "sparse"):
+        try:
+            row = {"run": "long", "mode": mode, "batch": B, "prompt": P, "new_tokens": new}
+            floor_s = b.floor_gen_s(B, P, new, mode)
+            how = cfg.whole
+            if how != "measure":
+                secs, extra = _integrated(b, eng, ids, new, mode)
+                how = "integrated" if how == "integrate" or secs > cfg.whole_budget_s else "measure"
+                row.update(extra)
+            if how == "measure":
+                secs, n = b.time_generate(eng, ids, new, mode)
+                row["step_ms_at_full_context"] = round(eng.time_step(P + new - 1), 3)
+            row.update({"how": "measured" if how == "measure" else "integrated", "seconds": round(secs, 3),
+                        "tokens_per_s": round(B * new / secs, 1), "ms_per_step": round(1000 * secs / new, 3),
+                        "floor_tokens_per_s": round(B * new / floor_s, 1), "x_floor": round(secs / floor_s, 2),
+                        "cuda_graphs": eng.runner.use_graphs, "compiled": eng.runner.compile})
+            b.record(row)
+        except Exception as e:
+            b.error(f"long {new} {mode}", e)
+    del eng
+    _free(b.dev)
+
+
+def _integrated(b: _Bench, eng, ids, new: int, mode: str) -> tuple[float, dict]:
+    """Seconds of a whole generation from step times: steps timed at contexts spanning it (random
+    caches), summed piecewise linearly, plus what a short real generation pays per step beyond its own
+    integrated steps (prefill, sampling, host work; after a throwaway generation that takes the
+    one-time costs: first allocations, cuBLAS heuristics), never below zero."""
+    P = ids.shape[1]
+    n = min(256, new)
+    eng.set_attention(mode)
+    eng.warmup(P + n)  # every graph bucket the timed run uses
+    b.time_generate(eng, ids, min(8, n), mode, warm=False)  # one-time costs out of the timed run
+    short = b.time_generate(eng, ids, n, mode, warm=False)[0]
+    eng.set_attention("sparse")
+    b.fill(eng, P + new)
+    ctxs = sorted(set(_span_contexts(P, P + new, b.cfg.topk, eng.bucket)) | {P + 1, P + n})
+    pts = [(c, b.step_row(eng, ids.shape[0], c, mode)["ms"]) for c in ctxs]
+    per_step = max(0.0, short - integrate_steps(pts, P, P + n) / 1e3) / n
+    steps_s = integrate_steps(pts, P, P + new) / 1e3
+    return steps_s + per_step * new, {"step_points": [[x, round(y, 3)] for x, y in pts],
+                                      "steps_s": round(steps_s, 3), "overhead_ms_per_step": round(1e3 * per_step, 3),
+                                      "step_ms_at_full_context": pts[-1][1]}
 
 
 def summarize(rows: list[dict]) -> dict:
+    """engine_vs_hf; per long length: sparse_vs_dense (tokens/s), the floors' ratio, and the first over
+    the second; per step context: dense step / sparse step."""
     out = {}
-    by = {(r["run"], r["mode"], r["new_tokens"]): r for r in rows}
     hf = next((r for r in rows if r["run"] == "hf_generate"), None)
     eng = next((r for r in rows if r["run"] == "engine"), None)
     if hf and eng:
         out["engine_vs_hf"] = round(eng["tokens_per_s"] / hf["tokens_per_s"], 1)
-    for (run, mode, new), r in by.items():
-        if run == "long" and mode == "sparse" and ("long", "dense", new) in by:
-            d = by[("long", "dense", new)]
-            out[f"sparse_vs_dense_{new}"] = round(r["tokens_per_s"] / d["tokens_per_s"], 2)
-            if r.get("step_ms_at_full_context") and d.get("step_ms_at_full_context"):
-                out[f"step_sparse_vs_dense_at_{new}"] = round(d["step_ms_at_full_context"] / r["step_ms_at_full_context"], 2)
+    longs = {(r["mode"], r["new_tokens"]): r for r in rows if r["run"] == "long"}
+    for (mode, new), r in longs.items():
+        d = longs.get(("dense", new))
+        if mode != "sparse" or d is None:
+            continue
+        out[f"sparse_vs_dense_{new}"] = round(r["tokens_per_s"] / d["tokens_per_s"], 2)
+        if "floor_tokens_per_s" in r:
+            fr = r["floor_tokens_per_s"] / d["floor_tokens_per_s"]
+            out[f"floor_ratio_{new}"] = round(fr, 2)
+            out[f"ratio_over_floor_ratio_{new}"] = round(out[f"sparse_vs_dense_{new}"] / fr, 2)
+        if r.get("step_ms_at_full_context") and d.get("step_ms_at_full_context"):
+            out[f"step_sparse_vs_dense_at_{new}"] = round(d["step_ms_at_full_context"] / r["step_ms_at_full_context"], 2)
+    steps = {(r["batch"], r["context"], r["mode"]): r for r in rows if r["run"] == "step"}
+    for (B, ctx, mode), r in steps.items():
+        if mode == "sparse" and (B, ctx, "dense") in steps:
+            out[f"step_dense_over_sparse_b{B}_{ctx}"] = round(steps[(B, ctx, "dense")]["ms"] / r["ms"], 2)
     return out
 
 
 def markdown_rollout(res: dict) -> str:
-    lines = [f"rollout engine on {res['device']} (torch {res['torch']}; Triton decode kernel: "
-             f"{'yes' if res['triton_decode_kernel'] else 'no, reference path'})", "",
-             "| run | attention | batch | prompt | new tokens | seconds | tokens/s | ms/step | step ms at full context | CUDA graphs | compiled |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in res["rows"]:
-        lines.append(f"| {r['run']} | {r['mode']} | {r['batch']} | {r['prompt']} | {r['new_tokens']} | {r['seconds']} | "
-                     f"{r['tokens_per_s']} | {r['ms_per_step']} | {r.get('step_ms_at_full_context', '-')} | "
-                     f"{'yes' if r['cuda_graphs'] else 'no'} | {'yes' if r.get('compiled') else 'no'} |")
+    cfg = res["config"]
+    lines = [f"rollout engine on {res['device']} (torch {res['torch']}; {cfg['shape']} shape, random weights, "
+             f"{cfg['dtype']}; sparse: top-k {cfg['topk']}, indexer {cfg['index_heads']}x{cfg['index_dim']}, layers "
+             f"{', '.join(map(str, DENSE_LAYERS))} dense; Triton decode kernel: "
+             f"{'yes' if res['triton_decode_kernel'] else 'no, reference path'}; device copy "
+             f"{res.get('copy_bw_tb_s', '-')} TB/s, the floors' bandwidth)"]
+    gens = [r for r in res["rows"] if r["run"] != "step"]
+    if gens:
+        lines += ["", "| run | attention | batch | prompt | new tokens | how | seconds | tokens/s | floor tokens/s | "
+                      "x floor | ms/step | step ms at full context | CUDA graphs | compiled |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in gens:
+            lines.append(f"| {r['run']} | {r['mode']} | {r['batch']} | {r['prompt']} | {r['new_tokens']} | "
+                         f"{r.get('how', 'measured')} | {r['seconds']} | {r['tokens_per_s']} | "
+                         f"{r.get('floor_tokens_per_s', '-')} | {r.get('x_floor', '-')} | {r['ms_per_step']} | "
+                         f"{r.get('step_ms_at_full_context', '-')} | {'yes' if r['cuda_graphs'] else 'no'} | "
+                         f"{'yes' if r.get('compiled') else 'no'} |")
+    steps = [r for r in res["rows"] if r["run"] == "step"]
+    if steps:
+        lines += ["", "one decode step, every sequence at the given context (CUDA-graph replay, median of 20):", "",
+                  "| attention | batch | context | ms | floor ms | x floor | floor GB |", "|---|---|---|---|---|---|---|"]
+        for r in steps:
+            lines.append(f"| {r['mode']} | {r['batch']} | {r['context']} | {r['ms']} | {r['floor_ms']} | "
+                         f"{r['x_floor']} | {r['floor_gb']} |")
     if res.get("summary"):
         lines += ["", "ratios: " + ", ".join(f"{k} = {v}x" for k, v in res["summary"].items())]
     for e in res.get("errors", []):

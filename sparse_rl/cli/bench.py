@@ -109,7 +109,8 @@ def decode(
 
 @app.command("rollout")
 def rollout(
-    shape: Optional[str] = typer.Option(None, help="Model shape, random weights: qwen2-0.5b | tiny [default: qwen2-0.5b]"),
+    shape: Optional[str] = typer.Option(None, help="Model shape, random weights: qwen3-4b | qwen3-8b | qwen2-0.5b | tiny | "
+                                                    "tiny-qwen3 [default: qwen2-0.5b]"),
     batch: Optional[int] = typer.Option(None, help="Engine vs HF generate: sequences [default: 64]"),
     prompt_len: Optional[int] = typer.Option(None, help="Engine vs HF generate: prompt tokens [default: 128]"),
     new_tokens: Optional[int] = typer.Option(None, help="Engine vs HF generate: new tokens [default: 512]"),
@@ -120,13 +121,26 @@ def rollout(
     long_new_tokens: Optional[str] = typer.Option(None, help="Sparse vs dense: generation lengths, e.g. 8K,16K or none [default: 8K,16K]"),
     long_batch: Optional[int] = typer.Option(None, help="Sparse vs dense: sequences [default: 16]"),
     index_topk: Optional[int] = _common["index_topk"], topk_old: Optional[int] = _common["topk_old"],
+    long_batches: Optional[str] = typer.Option(None, help="Sparse vs dense: sequences per generation length, e.g. "
+                                                          "32,16 [default: --long-batch for every length]"),
+    long_prompt_len: Optional[int] = typer.Option(None, help="Sparse vs dense: prompt tokens [default: 128]"),
+    whole: Optional[str] = typer.Option(None, help="Long generations: measure | integrate (step times over the "
+                                                   "contexts) | auto (measure if it fits --whole-budget-s) "
+                                                   "[default: measure]"),
+    whole_budget_s: Optional[float] = typer.Option(None, help="--whole auto: longest whole generation measured, "
+                                                              "seconds [default: 90]"),
+    step_contexts: Optional[str] = typer.Option(None, help="One-step rows at these contexts, e.g. 2K,16K "
+                                                           "[default: none]"),
+    step_batch: Optional[int] = typer.Option(None, help="Sequences in the one-step rows [default: 32]"),
+    latency_contexts: Optional[str] = typer.Option(None, help="One-step rows at batch 1, e.g. 2K [default: none]"),
     index_heads: Optional[int] = _common["index_heads"], index_dim: Optional[int] = _common["index_dim"],
     dtype: Optional[str] = typer.Option(None, help="bfloat16 | float16 | float32 [default: bfloat16]"),
     device: Optional[str] = device_option(),
     config: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET,
     out: Optional[Path] = _common["out"], force: bool = FORCE,
 ) -> None:
-    """Rollout engine tokens/s vs HF generate (dense), and sparse vs dense mode for long generations."""
+    """Rollout engine tokens/s vs HF generate (dense), one-step rows beside their memory floor, and sparse vs
+    dense mode for long generations (measured, or integrated from step times where they would not fit)."""
     with cli_errors():
         from sparse_rl.config import load_config
 
@@ -137,7 +151,10 @@ def rollout(
         longs = ints("--long-new-tokens", long_new_tokens, positive=True)
         cfg = load_config(BenchRolloutConfig, config, dict(
             shape=shape, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, hf=hf, hf_new_tokens=hf_new_tokens,
-            eager=eager, long_new_tokens=longs, long_batch=long_batch, topk=index_topk, index_heads=index_heads,
+            eager=eager, long_new_tokens=longs, long_batch=long_batch, long_batches=ints("--long-batches", long_batches),
+            long_prompt_len=long_prompt_len, whole=whole, whole_budget_s=whole_budget_s,
+            step_contexts=ints("--step-contexts", step_contexts), step_batch=step_batch,
+            latency_contexts=ints("--latency-contexts", latency_contexts), topk=index_topk, index_heads=index_heads,
             index_dim=index_dim, dtype=dtype, device=device, compile=compile), sets=set_)
         res = run_rollout_bench(cfg, log=lambda m: console.print(f"[dim]{m}[/]"))
         _finish(res, markdown_rollout(res), out)

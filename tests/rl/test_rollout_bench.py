@@ -19,3 +19,35 @@ def test_bench_rollout_cpu_smoke(tmp_path):
                                                           ("long", "dense"), ("long", "sparse")]
     assert {"engine_vs_hf", "sparse_vs_dense_40"} <= set(r["summary"])
     assert "| long | sparse |" in res.stdout
+
+
+def test_bench_rollout_step_rows_and_integrated_generations_cpu(tmp_path):
+    """Qwen3-shaped tiny model: fixed-context step rows carry their floor, and a long run integrated from
+    step times carries the floor's tokens/s and the summary's floor ratio."""
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(app, ["bench", "rollout", "--shape", "tiny-qwen3", "--no-hf", "--step-contexts", "24,40",
+                                   "--step-batch", "2", "--latency-contexts", "24", "--long-new-tokens", "30",
+                                   "--long-batches", "2", "--long-prompt-len", "6", "--whole", "integrate",
+                                   "--topk", "16", "--index-dim", "16", "--dtype", "float32", "--device", "cpu",
+                                   "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert not r["errors"] and r["copy_bw_tb_s"] > 0
+    steps = [x for x in r["rows"] if x["run"] == "step"]
+    assert [(x["batch"], x["context"], x["mode"]) for x in steps] == [
+        (2, 24, "dense"), (2, 24, "sparse"), (2, 40, "dense"), (2, 40, "sparse"), (1, 24, "dense"), (1, 24, "sparse")]
+    assert all(x["floor_ms"] > 0 and abs(x["x_floor"] / (x["ms"] / x["floor_ms"]) - 1) < 0.01 for x in steps)
+    longs = [x for x in r["rows"] if x["run"] == "long"]
+    assert [(x["mode"], x["how"]) for x in longs] == [("dense", "integrated"), ("sparse", "integrated")]
+    for x in longs:
+        # both ends of the generation and both sides of top-k are timed
+        assert {7, 36, 16} <= {c for c, _ in x["step_points"]}
+        assert abs(x["tokens_per_s"] * x["seconds"] / 60 - 1) < 0.01 and x["floor_tokens_per_s"] > 0
+    assert {"sparse_vs_dense_30", "floor_ratio_30", "ratio_over_floor_ratio_30"} <= set(r["summary"])
+    assert "| long | sparse | 2 | 6 | 30 | integrated |" in res.stdout and "| sparse | 1 | 24 |" in res.stdout
+
+
+def test_bench_rollout_rejects_mismatched_long_batches():
+    res = CliRunner().invoke(app, ["bench", "rollout", "--shape", "tiny", "--long-new-tokens", "8,16",
+                                   "--long-batches", "2", "--device", "cpu"])
+    assert res.exit_code == 2 and "--long-batches" in res.output

@@ -19,6 +19,14 @@ itself come from `sparse_rl.sparse.layer` (`layer.select`, the one selector disp
 `dense_layers` dense). In decode every row sits at its own position: `select` is given the positions
 (the indexer's `ops.indexer_topk_decode`, the block selector per row).
 
+The eager decode step fuses the per-token elementwise work: `ops.add_rmsnorm` (each residual add with
+the RMSNorm after it, the residual stream carried alongside) and `ops.qk_norm_rope_cache` (Qwen3's q/k
+norms, RoPE and the K/V cache write), one Triton launch each on a GPU where the modules' ops take
+8-20, the references (the HF modules' own arithmetic) on a CPU. On an H200 at Qwen3-4B's shape this
+took the batch-32 step at 2K context from 10.1 to 6.1 ms (benchmarks/results/2026-12-01-h200-rollout-
+qwen3-4b.md). `runner.fused = False` runs the modules instead (for A/B); the compiled step keeps the
+modules, whose elementwise ops inductor fuses itself.
+
 Dense decode attention: PyTorch SDPA with a per-slot mask on CPU; on CUDA the split-K Triton
 decode kernel (`ops.sparse_decode`) given every visible position as its index list, so it reads
 only the slot's live keys (SDPA would read the whole bucket and has no split-K for one query).
@@ -42,7 +50,7 @@ from sparse_rl.errors import SparseRLError
 from sparse_rl.rl.rollout.cache import KVCache
 from sparse_rl.rl.rollout import compiled as C
 from sparse_rl.sparse.layer import DecodeOps, layer_states, select
-from sparse_rl.sparse.ops import indexer_decode, sparse_attention, sparse_decode
+from sparse_rl.sparse.ops import add_rmsnorm, indexer_decode, qk_norm_rope_cache, sparse_attention, sparse_decode
 
 
 def _base(model):
@@ -59,6 +67,13 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     q `[B, T, H, D]`, k `[B, T, H_kv, D]`, cos/sin `[B, T, D]` -> rotated (q, k)."""
     cos, sin = cos[:, :, None], sin[:, :, None]
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def _rms_norms(*mods) -> bool:
+    """Whether every module is an RMSNorm the fused ops compute exactly: a weight, no bias, an eps
+    (`variance_epsilon`: llama/qwen2/qwen3/mistral)."""
+    return all(isinstance(getattr(m, "variance_epsilon", None), float) and getattr(m, "weight", None) is not None
+               and getattr(m, "bias", None) is None for m in mods)
 
 
 def default_compile(device) -> bool:
@@ -107,6 +122,14 @@ class ModelRunner:
         self.is_cuda = self.device.type == "cuda"
         self.use_graphs = self.is_cuda if use_graphs is None else (use_graphs and self.is_cuda)
         self.dense_impl = "index" if self.is_cuda else "sdpa"
+        # the eager step's fused ops (add + RMSNorm; q/k norm + RoPE + cache write) assume HF's RMSNorm
+        # (`weight`, `variance_epsilon`) with one eps for q_norm and k_norm; other norms run as modules
+        self.fused = _rms_norms(dec.norm, *(m for layer in self.layers for m in (
+            layer.input_layernorm, layer.post_attention_layernorm, getattr(layer.self_attn, "q_norm", None),
+            getattr(layer.self_attn, "k_norm", None)) if m is not None)) and all(
+            getattr(layer.self_attn, "q_norm", None) is None
+            or layer.self_attn.q_norm.variance_epsilon == layer.self_attn.k_norm.variance_epsilon
+            for layer in self.layers)
         self._graphs: dict = {}
         self._pool = None
         self._static: dict = {}
@@ -204,20 +227,31 @@ class ModelRunner:
             else:
                 buf[i][ar, pos] = val
 
-        h = self.embed(tokens[:, None])
-        cos, sin = self.rotary(h, pos[:, None])
+        h = self.embed(tokens)  # [B, hidden]
+        cos, sin = self.rotary(h, pos[:, None])  # [B, 1, D]
+        res, pending = None, h  # the residual stream, and the sublayer output not yet added to it
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q, k, v = self._qkv(attn, x, cos, sin)
-            write(k_all, i, k[:, 0])
-            write(v_all, i, v[:, 0])
+            x, res = self._add_norm(pending, res, layer.input_layernorm, compiled)
+            q, k, v = (proj(x).view(B, -1, self.D) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+            if compiled or not self.fused:  # the modules (inductor fuses their elementwise ops itself)
+                if getattr(attn, "q_norm", None) is not None:
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = apply_rotary(q[:, None], k[:, None], cos, sin)
+                q, k = q[:, 0], k[:, 0]
+                write(k_all, i, k)
+                write(v_all, i, v)
+            else:  # one launch: Qwen3's q/k norms, RoPE and the K/V cache write
+                qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+                q = qk_norm_rope_cache(q, k, v, None if qn is None else qn.weight, None if kn is None else kn.weight,
+                                       1e-6 if qn is None else qn.variance_epsilon, cos[:, 0], sin[:, 0], pos,
+                                       k_all[i], v_all[i])
             if self._sparse(i, mode):
                 st = self.states[i]
                 index = None
                 if st.cfg.selector == "indexer":
-                    if compiled:  # inductor fuses the module's elementwise ops itself
-                        q_i, w, k_i = attn.indexer(x, cos, sin)
+                    if compiled:
+                        q_i, w, k_i = attn.indexer(x[:, None], cos, sin)
                         write(idx_all, i, k_i[:, 0])
                         q_i, w = q_i[:, 0], w[:, 0]
                     else:
@@ -226,30 +260,39 @@ class ModelRunner:
                 elif not compiled:  # the eager block selector reads positions on the host, once per step
                     pos_list = pos.tolist() if pos_list is None else pos_list
                 # with no more visible keys than top-k the indexer keeps them all (`short`)
-                sel = select(st, q[:, 0], k_all[i], index, pos=pos if compiled or index is not None else pos_list,
+                sel = select(st, q, k_all[i], index, pos=pos if compiled or index is not None else pos_list,
                              S=S, visible=all_idx if short else None, ops=C if compiled else DecodeOps)
-                o = self._attend(q[:, 0], k_all[i], v_all[i], sel, attn.scaling, st.backend, compiled)
+                o = self._attend(q, k_all[i], v_all[i], sel, attn.scaling, st.backend, compiled)
             elif self.dense_impl == "index":
-                o = self._attend(q[:, 0], k_all[i], v_all[i], all_idx, attn.scaling, "auto", compiled)
+                o = self._attend(q, k_all[i], v_all[i], all_idx, attn.scaling, "auto", compiled)
             else:
                 if compiled:  # the whole cache, masked: a view cut at S would make dynamo specialize S
                     kc, vc, mask = k_all[i], v_all[i], vis_full
                 else:
                     kc, vc, mask = k_all[i][:, :S], v_all[i][:, :S], vis
-                o = F.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
+                o = F.scaled_dot_product_attention(q[:, :, None], kc.transpose(1, 2), vc.transpose(1, 2),
                                                    attn_mask=mask[:, None, None, :], scale=attn.scaling,
                                                    enable_gqa=self.H != self.H_kv)[:, :, 0]
-            h = h + attn.o_proj(o.reshape(B, 1, -1))
-            h = self._mlp_out(layer, h)
-        return self._logits(h[:, 0])
+            x, res = self._add_norm(attn.o_proj(o.reshape(B, -1)), res, layer.post_attention_layernorm, compiled)
+            pending = layer.mlp(x)
+        y, _ = self._add_norm(pending, res, self.norm, compiled)
+        return self.lm_head(y).float()
+
+    def _add_norm(self, x, res, norm, compiled: bool):
+        """(norm(res + x), res + x), res None at the first layer: one launch on a GPU (`ops.add_rmsnorm`,
+        the HF RMSNorm's arithmetic) in the eager step, the module in the compiled one."""
+        if compiled or not self.fused:
+            h = x if res is None else res + x
+            return norm(h), h
+        return add_rmsnorm(x, res, norm.weight, norm.variance_epsilon)
 
     @staticmethod
     def _indexer_step(ix, x, cos, sin, pos, k_cache, backend):
         """The indexer for one token per row, eager: its three projections (the modules themselves, so
         peft wrappers apply), then `ops.indexer_decode` (one Triton launch on a GPU for what the
-        module's elementwise ops take ~20) writing the key into k_cache `[B, S_max, d_I]`. x `[B, 1,
+        module's elementwise ops take ~20) writing the key into k_cache `[B, S_max, d_I]`. x `[B,
         hidden]`, cos/sin `[B, 1, D_h]` -> q_I `[B, H_I, d_I]`, w `[B, H_I]`."""
-        return indexer_decode(ix.wq(x[:, 0]), ix.wk(x[:, 0]), ix.ww(x[:, 0]), cos[:, 0], sin[:, 0], ix.k_norm.weight,
+        return indexer_decode(ix.wq(x), ix.wk(x), ix.ww(x), cos[:, 0], sin[:, 0], ix.k_norm.weight,
                               ix.k_norm.bias, ix.k_norm.eps, ix.rope_dim, pos, k_cache, backend=backend)
 
     @staticmethod

@@ -12,6 +12,7 @@ import torch
 
 from sparse_rl.sparse.ops._backend import resolve_backend
 from sparse_rl.sparse.ops.block_select.naive import block_select_naive
+from sparse_rl.sparse.ops.decode_fused.naive import add_rmsnorm_naive, qk_norm_rope_cache_naive
 from sparse_rl.sparse.ops.indexer_decode.naive import indexer_decode_naive
 from sparse_rl.sparse.ops.indexer_kl.naive import KLStats, dense_lse, selected_kl
 from sparse_rl.sparse.ops.indexer_kl.naive import warmup_kl as warmup_kl_naive
@@ -21,7 +22,7 @@ from sparse_rl.sparse.ops.sparse_attention.naive import dense_attention_naive, s
 
 __all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_topk_decode", "indexer_scores", "indexer_decode",
            "block_select", "visible_mask", "dense_attention_naive", "kernel", "warmup_kl", "selected_kl", "dense_lse",
-           "KLStats"]
+           "KLStats", "add_rmsnorm", "qk_norm_rope_cache"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,3 +124,25 @@ def warmup_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Te
                   lse=lse)
     return warmup_kl_naive(q, k, q_idx, w, k_idx, scale=scale, indices=indices, q_offset=q_offset, kv_start=kv_start,
                            chunk=chunk, grad_scale=grad_scale, oracle=oracle)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
+                backend: str = "auto"):
+    """Residual add + RMSNorm of one token per row, as the HF modules compute it: x `[B, N]`, residual
+    `[B, N]` or None, weight `[N]` -> (RMSNorm(residual + x) `[B, N]`, residual + x `[B, N]`)."""
+    fn = kernel("decode_fused", "add_rmsnorm")
+    if resolve_backend(backend, x, fn is not None) == "triton":
+        return fn(x, residual, weight, eps)
+    return add_rmsnorm_naive(x, residual, weight, eps)
+
+
+def qk_norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                       k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, backend: str = "auto"):
+    """A decode step's q/k work after the projections: q `[B, H, D]`, k/v `[B, H_kv, D]`, Qwen3's q/k
+    RMSNorm weights `[D]` (None: none), the rotary cos/sin `[B, D]` at pos `[B]` -> q rotated `[B, H, D]`;
+    writes the (normalised) rotated k and v into the caches `[B, S_max, H_kv, D]` at pos."""
+    fn = kernel("decode_fused", "qk_norm_rope_cache")
+    if resolve_backend(backend, q, fn is not None) == "triton":
+        return fn(q, k, v, q_weight, k_weight, eps, cos, sin, pos, k_cache, v_cache)
+    return qk_norm_rope_cache_naive(q, k, v, q_weight, k_weight, eps, cos, sin, pos, k_cache, v_cache)

@@ -1,0 +1,81 @@
+"""`ops.add_rmsnorm` and `ops.qk_norm_rope_cache`: the references equal the HF modules' own arithmetic
+exactly (a Qwen3 decoder layer's norms and `apply_rotary_pos_emb`), and the Triton kernels (through
+TRITON_INTERPRET=1 on the CPU) equal the references on odd sizes."""
+
+import pytest
+import torch
+
+from sparse_rl.sparse.ops import add_rmsnorm, qk_norm_rope_cache
+
+
+def _qwen3_layer(dtype):
+    from transformers import Qwen3Config
+    from transformers.models.qwen3 import modeling_qwen3 as mq
+
+    conf = Qwen3Config(hidden_size=48, num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=1, head_dim=16,
+                       intermediate_size=64, vocab_size=50, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    layer = mq.Qwen3DecoderLayer(conf, 0).to(dtype)
+    with torch.no_grad():  # non-trivial norm weights
+        for n in (layer.input_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm):
+            n.weight.uniform_(0.5, 1.5)
+    rot = mq.Qwen3RotaryEmbedding(conf)
+    return conf, layer, rot, mq.apply_rotary_pos_emb
+
+
+def _tol(dtype):
+    """Triton against the reference: fp32 statistics summed in another order; in bf16 a few ulps (the
+    interpreter rounds bf16 by truncation, at each of the kernel's roundings)."""
+    return dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_add_rmsnorm_equals_the_module(dtype, backend):
+    conf, layer, _, _ = _qwen3_layer(dtype)
+    g = torch.Generator().manual_seed(1)
+    x, res = (torch.randn(5, 48, generator=g).to(dtype) for _ in range(2))
+    norm = layer.input_layernorm
+    y, h = add_rmsnorm(x, res, norm.weight, norm.variance_epsilon, backend=backend)
+    ref_h = res + x
+    with torch.no_grad():
+        ref_y = norm(ref_h)
+    if backend == "torch" or dtype == torch.float32:
+        assert torch.equal(h, ref_h)
+    else:  # the interpreter rounds bf16 by truncation, the GPU to nearest
+        torch.testing.assert_close(h, ref_h, atol=0, rtol=1e-2)
+    if backend == "torch":
+        assert torch.equal(y, ref_y)
+    else:  # fp32 statistics summed in another order
+        torch.testing.assert_close(y, ref_y, **_tol(dtype))
+    y0, h0 = add_rmsnorm(x, None, norm.weight, norm.variance_epsilon, backend=backend)
+    assert h0 is x or torch.equal(h0, x)
+    with torch.no_grad():
+        torch.testing.assert_close(y0, norm(x), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_norm_rope_cache_equals_the_module(dtype, backend, norm):
+    conf, layer, rot, apply_rope = _qwen3_layer(dtype)
+    attn = layer.self_attn
+    B, H, H_kv, D, S = 3, 3, 1, 16, 13
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(B, h, D, generator=g).to(dtype) for h in (H, H_kv, H_kv))
+    pos = torch.tensor([0, 7, 12])
+    cos, sin = rot(q, pos[:, None])  # [B, 1, D]
+    kc, vc = (torch.full((B, S, H_kv, D), float("nan"), dtype=dtype) for _ in range(2))
+    with torch.no_grad():
+        qn, kn = (attn.q_norm(q), attn.k_norm(k)) if norm else (q, k)
+        rq, rk = apply_rope(qn[:, None], kn[:, None], cos, sin, unsqueeze_dim=2)
+    got = qk_norm_rope_cache(q, k, v, attn.q_norm.weight if norm else None, attn.k_norm.weight if norm else None,
+                             attn.q_norm.variance_epsilon, cos[:, 0], sin[:, 0], pos, kc, vc, backend=backend)
+    ar = torch.arange(B)
+    tol = dict(atol=0, rtol=0) if backend == "torch" else _tol(dtype)
+    torch.testing.assert_close(got, rq[:, 0], **tol)
+    torch.testing.assert_close(kc[ar, pos], rk[:, 0], **tol)
+    assert torch.equal(vc[ar, pos], v)
+    written = torch.zeros(B, S, dtype=torch.bool)
+    written[ar, pos] = True
+    assert torch.isnan(kc[~written]).all() and torch.isnan(vc[~written]).all()  # nothing else written
