@@ -93,9 +93,9 @@ class _SparseAttentionRef(torch.autograd.Function):
             dp = torch.einsum("btcgd,btkcd->btcgk", do, vg)
             ds = p * (dp - delta[..., None])
             dq[:, t0:t1] = torch.einsum("btcgk,btkcd->btcgd", ds, kg).flatten(2, 3) * scale
-            rows = (batch * S + safe)[valid]  # flat key rows of the valid (query, slot) pairs
-            dk.index_add_(0, rows, (torch.einsum("btcgk,btcgd->btkcd", ds, qg) * scale)[valid])
-            dv.index_add_(0, rows, torch.einsum("btcgk,btcgd->btkcd", p, do)[valid])
+            rows = (batch * S + safe).flatten()  # invalid slots add zeros (p = ds = 0) to row 0
+            dk.index_add_(0, rows, torch.einsum("btcgk,btcgd->btkcd", ds, qg).flatten(0, 2), alpha=scale)
+            dv.index_add_(0, rows, torch.einsum("btcgk,btcgd->btkcd", p, do).flatten(0, 2))
         return (dq.to(q.dtype), dk.view(B, S, H_kv, D).to(k.dtype), dv.view(B, S, H_kv, D).to(v.dtype),
                 None, None, None)
 
