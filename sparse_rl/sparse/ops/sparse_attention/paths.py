@@ -18,14 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-# ns per unit, H200, bf16, G=4, D=128, one KV head (NOTES.md items 2, 3, 6 and 9)
-NS_QUERY_FWD = 0.061  # per (query, selected key): per-query forward, L2 gather bound
-NS_QUERY_BWD = 0.32  # per (query, selected key): per-query backward with fp32 atomics
-NS_QUERY_DQ = 0.09  # per (query, selected key): per-query dq only (no atomics)
-NS_TILE_FWD = 0.16  # per (tile, union key): tile forward, 128 rows
-NS_TILE_DQ = 0.40  # per (tile, union key): tile dq pass
-NS_KEYMAJOR = 21.0  # per (key tile of 64, query tile) touched: key-major dk/dv, 4 MMAs of 64 x 128 x 128
-NS_BUILD = 0.02  # per selected (query, key), once (not per KV head): the union build
+# ns per unit and KV head, H200, bf16, G=4, D=128, 32K (benchmarks/NOTES.md items 6 and 9, run 1)
+NS_QUERY_FWD = 0.069  # per (query, selected key): per-query forward, L2 gather bound (37 ms)
+NS_QUERY_BWD = 0.32  # per (query, selected key): per-query backward with fp32 atomics (174 ms)
+NS_QUERY_DQ = 0.09  # per (query, selected key): per-query dq only (no atomics); not timed alone yet
+NS_TILE_FWD = 0.27  # per (tile, union key): tile forward, 128 rows (block, trained, random all 0.27)
+NS_TILE_DQ = 0.27  # per (tile, union key): tile dq pass (4.5 ms on the block pattern)
+NS_KEYMAJOR = 25.0  # per (key tile of 32, query tile) touched: key-major dk/dv (12.8 ms, block pattern)
+NS_BUILD = 0.022  # per selected (query, key), once (not per KV head): the union build (1.3-1.6 ms)
+KEY_TILE = 32  # keys per key-major program (the default launch of union.key_major_dkdv)
 SAMPLE_TILES = 32
 FWD_PATHS = ("auto", "query", "tile")
 BWD_PATHS = ("auto", "atomic", "tile")
@@ -44,7 +45,7 @@ def _popcount_sum(bits: torch.Tensor) -> int:
     return int(table[bits.contiguous().view(torch.uint8).long()].sum())
 
 
-def sample_stats(indices: torch.Tensor, S: int, BT: int, BN: int = 64) -> tuple[float, float, float]:
+def sample_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE) -> tuple[float, float, float]:
     """From SAMPLE_TILES evenly spread tiles: (selected pairs, union keys, touched key tiles), each per
     tile and averaged (one small bitmap build and one host sync)."""
     from sparse_rl.sparse.ops.sparse_attention.union import _bitmap

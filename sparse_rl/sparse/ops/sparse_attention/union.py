@@ -248,7 +248,7 @@ def _tile_fwd_kernel(Q, K, V, UKEY, QMASK, ULEN, O, LSE,
                      sob, sot, soh, sod, slb, slt, slh, sub, sur, suk,
                      T, S, G, D, NT, UMAX, QG, NKEYS, q_off, qk_scale,
                      BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                     SHARED: tl.constexpr, PREC: tl.constexpr):
+                     SHARED: tl.constexpr, PREC: tl.constexpr, KT_LOAD: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -272,7 +272,12 @@ def _tile_fwd_kernel(Q, K, V, UKEY, QMASK, ULEN, O, LSE,
     vbase = V + b * svb + kvh * svh
     for u0 in range(0, n, BLOCK_K):
         key, ok, sel = _tile_slots(UKEY, QMASK, urow, qrow, suk, u0, n, S, q_off, qi, t, rmask, BLOCK_K, SHARED)
-        kt = tl.load(kbase + key[None, :] * sks + offs_d[:, None] * skd, mask=ok[None, :] & dmask[:, None], other=0.0)
+        if KT_LOAD:  # gathered as [BLOCK_D, BLOCK_K] (run 1's layout: 4.7 ms on the 32K block pattern)
+            kt = tl.load(kbase + key[None, :] * sks + offs_d[:, None] * skd, mask=ok[None, :] & dmask[:, None],
+                         other=0.0)
+        else:  # rows gathered as [BLOCK_K, BLOCK_D], 256 contiguous bytes each, transposed in registers
+            kt = tl.trans(tl.load(kbase + key[:, None] * sks + offs_d[None, :] * skd,
+                                  mask=ok[:, None] & dmask[None, :], other=0.0))
         s = dot(q, kt, PREC)
         s = tl.where(sel, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -302,6 +307,7 @@ def _common(q, k, sel: TileSelection):
 
 
 def _default_tune(BM: int, cuda: bool) -> tuple[int, int, int]:
+    # (64, 8, 2) 4.73 ms, (64, 8, 3) 4.81, (128, 8, 2) 4.91, (64, 4, 2) 6.48 at 32K, block pattern (run 1)
     return (64, 8 if BM >= 128 else 4, 2 if cuda else 1)
 
 
@@ -314,14 +320,14 @@ def tile_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tun
         lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     else:
         o, lse = out
-    BK, warps, stages = tune or _default_tune(BM, q.is_cuda)
+    BK, warps, stages, kt_load = (*(tune or _default_tune(BM, q.is_cuda)), 0)[:4]
     ulen = sel.ulen if sel.ulen is not None else sel.ukey
     qmask = sel.qmask if sel.qmask is not None else sel.ukey
     _tile_fwd_kernel[(NT, k.shape[2], B)](
         q, k, v, sel.ukey, qmask, ulen, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
         *sel.ukey.stride(), T, k.shape[1], G, D, NT, umax, sel.group, sel.ukey.shape[2], sel.q_offset,
         scale * LOG2E, BT=sel.BT, BLOCK_M=BM, BLOCK_K=BK, BLOCK_D=BD, SHARED=sel.shared, PREC=prec,
-        num_warps=warps, num_stages=stages)
+        KT_LOAD=bool(kt_load), num_warps=warps, num_stages=stages)
     return o, lse
 
 
@@ -377,7 +383,8 @@ def tile_dq(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int
     """dq `[B, T, H, D]` (q.dtype) over tiles; lse/delta `[B, T, H]` fp32 with equal strides."""
     B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
     dq = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
-    BK, warps, stages = tune or (32 if BM >= 128 else 64, 8 if BM >= 128 else 4, 2 if q.is_cuda else 1)
+    # (32, 4, 2) 4.5 ms, (64, 8, 2) 4.9, (32, 8, 2) 6.6 at 32K, block pattern (H200 run 1, NOTES.md)
+    BK, warps, stages = tune or (32, 4, 2 if q.is_cuda else 1)
     ulen = sel.ulen if sel.ulen is not None else sel.ukey
     qmask = sel.qmask if sel.qmask is not None else sel.ukey
     _tile_dq_kernel[(NT, k.shape[2], B)](
@@ -476,7 +483,8 @@ def key_major_dkdv(q, k, v, sel: TileSelection, do, lse, delta, scale: float, pr
     `tune=(BLOCK_N, num_warps, num_stages)` overrides the launch config (BLOCK_N in 32/64/128)."""
     B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
     S, H_kv = k.shape[1], k.shape[2]
-    BN, warps, stages = tune or (64, 8 if BM >= 128 else 4, 2 if q.is_cuda else 1)
+    # (32, 4, 2) 12.8 ms, (64, 8, 2) 37, (128, 8, 2) 41, (64, 4, 2) 51 at 32K, block pattern (run 1)
+    BN, warps, stages = tune or (32, 4, 2 if q.is_cuda else 1)
     off, lst, _ = key_tile_lists(sel, T, S, BN)
     NKT = triton.cdiv(S, BN)
     dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
