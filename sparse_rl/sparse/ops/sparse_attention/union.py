@@ -307,8 +307,9 @@ def _common(q, k, sel: TileSelection):
 
 
 def _default_tune(BM: int, cuda: bool) -> tuple[int, int, int]:
-    # (64, 8, 2) 4.73 ms, (64, 8, 3) 4.81, (128, 8, 2) 4.91, (64, 4, 2) 6.48 at 32K, block pattern (run 1)
-    return (64, 8 if BM >= 128 else 4, 2 if cuda else 1)
+    # 32K block pattern, H200 run 2 (NOTES.md item 9): (32, 4, 2) 3.87 ms, (64, 8, 2) 4.27, (128, 8, 2) 4.67,
+    # (64, 8, 3) 4.80, (32, 8, 2) 6.57; the K rows gathered transposed (run 1's layout) 4.49 at (64, 8, 2)
+    return (32, 4, 2 if cuda else 1)
 
 
 def tile_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tune: tuple[int, int, int] | None = None):
