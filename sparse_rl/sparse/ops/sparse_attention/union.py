@@ -333,6 +333,25 @@ def tile_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tun
 
 
 @triton.jit
+def _tile_bwd_rows(Q, DO, LSE, DELTA, b, tile, kvh, sqb, sqt, sqh, sqd, sdob, sdot, sdoh, sdod, slb, slt, slh,
+                   G, T, D, BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """What the backward passes read of a tile's rows: q and dO `[BLOCK_M, BLOCK_D]`, delta, the
+    base-2 lse and the row masks."""
+    qi, gh, t, rmask = _tile_rows(tile, G, T, BT, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * G + gh
+    rd = rmask[:, None] & (offs_d < D)[None, :]
+    q = tl.load(Q + b * sqb + t[:, None] * sqt + heads[:, None] * sqh + offs_d[None, :] * sqd, mask=rd, other=0.0)
+    do = tl.load(DO + b * sdob + t[:, None] * sdot + heads[:, None] * sdoh + offs_d[None, :] * sdod, mask=rd,
+                 other=0.0)
+    lse = tl.load(LSE + b * slb + t * slt + heads * slh, mask=rmask, other=float("-inf"))
+    delta = tl.load(DELTA + b * slb + t * slt + heads * slh, mask=rmask, other=0.0)
+    row_ok = (lse != float("-inf")) & rmask
+    lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    return qi, t, heads, rd, row_ok, q, do, delta, lse2
+
+
+@triton.jit
 def _tile_dq_kernel(Q, K, V, UKEY, QMASK, ULEN, DO, LSE, DELTA, DQ,
                     sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                     sdob, sdot, sdoh, sdod, slb, slt, slh, sdqb, sdqt, sdqh, sdqd, sub, sur, suk,
@@ -344,18 +363,11 @@ def _tile_dq_kernel(Q, K, V, UKEY, QMASK, ULEN, DO, LSE, DELTA, DQ,
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    qi, gh, t, rmask = _tile_rows(tile, G, T, BT, BLOCK_M)
+    qi, t, heads, rd, row_ok, q, do, delta, lse2 = _tile_bwd_rows(
+        Q, DO, LSE, DELTA, b, tile, kvh, sqb, sqt, sqh, sqd, sdob, sdot, sdoh, sdod, slb, slt, slh, G, T, D,
+        BT, BLOCK_M, BLOCK_D)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    heads = kvh * G + gh
-    rd = rmask[:, None] & dmask[None, :]
-    q = tl.load(Q + b * sqb + t[:, None] * sqt + heads[:, None] * sqh + offs_d[None, :] * sqd, mask=rd, other=0.0)
-    do = tl.load(DO + b * sdob + t[:, None] * sdot + heads[:, None] * sdoh + offs_d[None, :] * sdod, mask=rd,
-                 other=0.0)
-    lse = tl.load(LSE + b * slb + t * slt + heads * slh, mask=rmask, other=float("-inf"))
-    delta = tl.load(DELTA + b * slb + t * slt + heads * slh, mask=rmask, other=0.0)
-    row_ok = (lse != float("-inf")) & rmask
-    lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if SHARED:
         urow = b * sub + ((tile * BT) // QG) * sur
@@ -444,16 +456,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, BITS, PREF, QMASK, OFF, LIST, DK, DV,
     hi = tl.load(OFF + b * NKT + j + 1)
     for p in range(lo, hi):
         tile = tl.load(LIST + p)
-        qi, gh, t, rmask = _tile_rows(tile, G, T, BT, BLOCK_M)
-        heads = kvh * G + gh
-        rd = rmask[:, None] & dmask[None, :]
-        q = tl.load(Q + b * sqb + t[:, None] * sqt + heads[:, None] * sqh + offs_d[None, :] * sqd, mask=rd, other=0.0)
-        do = tl.load(DO + b * sdob + t[:, None] * sdot + heads[:, None] * sdoh + offs_d[None, :] * sdod, mask=rd,
-                     other=0.0)
-        lse = tl.load(LSE + b * slb + t * slt + heads * slh, mask=rmask, other=float("-inf"))
-        delta = tl.load(DELTA + b * slb + t * slt + heads * slh, mask=rmask, other=0.0)
-        row_ok = (lse != float("-inf")) & rmask
-        lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
+        qi, t, heads, rd, row_ok, q, do, delta, lse2 = _tile_bwd_rows(
+            Q, DO, LSE, DELTA, b, tile, kvh, sqb, sqt, sqh, sqd, sdob, sdot, sdoh, sdod, slb, slt, slh, G, T, D,
+            BT, BLOCK_M, BLOCK_D)
         if SHARED:
             brow = (b * NRB + (tile * BT) // QG) * NW
         else:
