@@ -2,11 +2,16 @@
 and FlexAttention block-sparse, in one run, with correctness checks against the float32 reference.
 
 Shapes follow docs/BENCHMARKS.md: batch 1, 32 query heads, 8 KV heads, head dim 128, k = 2048, 4 index
-heads of 64 dims, bf16. Two index patterns are timed for the sparse attention kernel:
+heads of 64 dims, bf16. Index patterns timed for the sparse attention kernels (`--patterns`):
 - `indexer`: the Triton indexer's top-k on random inputs, i.e. independent random keys per query
   (the worst case for locality: every query gathers its own 2048 rows per KV head);
 - `block`: the FlexAttention selection written as token indices (16 blocks of 128 keys per query
-  block, causal diagonal), so the token-level kernel and FlexAttention compute the same attention.
+  block, causal diagonal), so the token-level kernel and FlexAttention compute the same attention;
+  also timed as a shared selection (`query_group` = block size: one row per query block, no union);
+- `local`: sinks + local window + shared retrieval spans + per-query noise (bench/patterns.py);
+- `trained`: the top-k of an indexer trained in the same run on synthetic data (bench/patterns.py).
+Each pattern prints union/pairs (the tiles' union over the selected pairs: lower = more sharing),
+every forward path, the path `auto` took, and TFLOP/s counted on selected pairs.
 Times are medians of `triton.testing.do_bench` (CUDA events, L2 flushed between repeats).
 """
 
@@ -16,6 +21,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from sparse_rl.bench import patterns
 from sparse_rl.bench.timing import bench_ms, device_name, fmt, rel_err, table_title
 from sparse_rl.errors import UsageError
 
@@ -34,6 +40,8 @@ class BenchAttentionConfig:
     backward_seqlens: list[int] = field(default_factory=lambda: [32768])
     flex: bool = True
     flex_min_seqlen: int = 32768  # each sequence length costs one FlexAttention compile
+    patterns: list[str] = field(default_factory=lambda: ["indexer", "block", "local", "trained"])
+    trained_steps: int = 200  # training steps of the `trained` pattern's indexer
     check: bool = True
     check_queries: int = 256  # rows compared with the float32 reference at each length
     dtype: str = "bfloat16"
@@ -154,51 +162,80 @@ def pairs(indices) -> int:
 
 # ----------------------------------------------------------------------------------------- checks
 
-def check_attention(q, k, v, idx, n: int) -> dict:
-    """Both forward paths (per-query and query-tile union) vs the float32 reference on the last n
-    queries, outputs poisoned with NaN before each run (every element must be overwritten)."""
+def check_attention(q, k, v, idx, n: int, **kw) -> dict:
+    """Both forward paths (per-query and GQA-packed tiles) vs the float32 reference on the last n
+    queries, outputs poisoned with NaN before each run (every element must be overwritten).
+    `kw` (query_group, q_offset) describes a shared selection."""
     import torch
 
-    from sparse_rl.sparse.ops.sparse_attention import triton as sa
+    from sparse_rl.sparse.ops import shared_to_per_query
     from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
+    from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention_forward
 
     B, L, H, D = q.shape
-    scale = 1.0 / math.sqrt(D)
     sl = slice(L - n, L)
-    ro, rl = sparse_attention_naive(q[:, sl].float(), k.float(), v.float(), idx[:, sl], scale)
+    per = shared_to_per_query(idx, kw["query_group"], L, kw.get("q_offset", 0)) if kw.get("query_group", 1) > 1 else idx
+    ro, rl = sparse_attention_naive(q[:, sl].float(), k.float(), v.float(), per[:, sl])
     fin = torch.isfinite(rl)
     res = {}
-    saved = sa.FWD_PATH
-    try:
-        for path in ("query", "union"):
-            o = torch.full((B, L, H, D), float("nan"), device=q.device, dtype=q.dtype)
-            ls = torch.full((B, L, H), float("nan"), device=q.device, dtype=torch.float32)
-            sa.FWD_PATH = path
-            sa._fwd_auto(q, k, v, idx, scale, out=(o, ls))
-            res[f"{path}_out_rel_err"] = rel_err(o[:, sl], ro)
-            res[f"{path}_lse_max_abs_err"] = float((ls[:, sl][fin] - rl[fin]).abs().max())
-            res[f"{path}_nan_free"] = bool(torch.isfinite(o).all() and not torch.isnan(ls).any())
-            del o, ls
-    finally:
-        sa.FWD_PATH = saved
+    for path in ("query", "tile"):
+        o = torch.full((B, L, H, D), float("nan"), device=q.device, dtype=q.dtype)
+        ls = torch.full((B, L, H), float("nan"), device=q.device, dtype=torch.float32)
+        sparse_attention_forward(q, k, v, idx, fwd_path=path, out=(o, ls), **kw)
+        res[f"{path}_out_rel_err"] = rel_err(o[:, sl], ro)
+        res[f"{path}_lse_max_abs_err"] = float((ls[:, sl][fin] - rl[fin]).abs().max())
+        res[f"{path}_nan_free"] = bool(torch.isfinite(o).all() and not torch.isnan(ls).any())
+        del o, ls
     return res
 
 
-def time_paths(q, k, v, idx, dev, W, prefix: str) -> dict:
-    """Forward time of each path and of building the union, for one index pattern."""
-    from sparse_rl.sparse.ops.sparse_attention import triton as sa
+def time_pattern(q, k, v, idx, dev, W, prefix: str, **kw) -> dict:
+    """Forward time of each path, of building the union and of the tile kernel alone, the path `auto`
+    takes and its estimate, union/pairs and TFLOP/s on selected pairs, for one index pattern.
+    `kw` (query_group, q_offset) describes a shared selection (then nothing is built)."""
+    from sparse_rl.sparse.ops import shared_to_per_query
     from sparse_rl.sparse.ops.sparse_attention import union
     from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
+    from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention_forward
 
-    G = q.shape[2] // k.shape[2]
-    BT = union.tile_queries(G)
-    un = union.build_union(idx, k.shape[1], BT)
-    res = {f"{prefix}_union_build_ms": bench_ms(lambda: union.build_union(idx, k.shape[1], BT), dev, **W),
-           f"{prefix}_union_ratio": float(un[2].sum()) / max(1, pairs(idx))}
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    res[f"{prefix}_query_path_ms"] = bench_ms(lambda: sa._fwd(q, k, v, idx, scale), dev, **W)
+    B, L, H, D = q.shape
+    G = H // k.shape[2]
+    S = k.shape[1]
+    shared = kw.get("query_group", 1) > 1
+    per = shared_to_per_query(idx, kw["query_group"], L, kw.get("q_offset", 0)) if shared else idx
+    n_pairs = pairs(per)
+    flop = 4.0 * n_pairs * H * D
+    res = {f"{prefix}_pairs": n_pairs}
+    if shared:
+        sel = union.shared_tiles(idx, S, kw["query_group"], union.tile_queries(G), kw.get("q_offset", 0))
+    else:
+        BT = union.tile_queries(G)
+        sel = union.build_union(idx, S, BT)
+        res[f"{prefix}_union_build_ms"] = bench_ms(lambda: union.build_union(idx, S, BT), dev, **W)
+        res[f"{prefix}_query_path_ms"] = bench_ms(lambda: sparse_attention_forward(q, k, v, idx, fwd_path="query"),
+                                                  dev, **W)
+    res[f"{prefix}_union_ratio"] = sel.union_size() / max(1, n_pairs)
     prec = dot_precision(q.dtype)
-    res[f"{prefix}_union_kernel_ms"] = bench_ms(lambda: union.union_fwd(q, k, v, un, scale, prec), dev, **W)
+    res[f"{prefix}_tile_kernel_ms"] = bench_ms(lambda: union.tile_fwd(q, k, v, sel, 1 / math.sqrt(D), prec), dev, **W)
+    res[f"{prefix}_auto_ms"] = bench_ms(lambda: sparse_attention_forward(q, k, v, idx, **kw), dev, **W)
+    plan = sparse_attention_forward(q, k, v, idx, **kw)[2]
+    res[f"{prefix}_auto_path"] = f"{plan.fwd}/{plan.bwd}/{plan.dq}"
+    res[f"{prefix}_estimate_ms"] = {a: round(b, 3) for a, b in plan.estimate_ms.items()}
+    res[f"{prefix}_tile_kernel_tflops"] = flop / res[f"{prefix}_tile_kernel_ms"] / 1e9
+    res[f"{prefix}_auto_tflops"] = flop / res[f"{prefix}_auto_ms"] / 1e9
+    return res
+
+
+def time_fwdbwd(q, k, v, idx, g, dev, W, prefix: str, **kw) -> dict:
+    """Forward + backward time with each backward path (the forward as `auto` picks it)."""
+    from sparse_rl.sparse.ops import sparse_attention
+
+    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    res = {}
+    for bwd in ("atomic", "tile", "auto") if dev.type == "cuda" else ("auto",):  # the CPU: a smoke test
+        res[f"{prefix}_fwdbwd_{bwd}_ms"] = bench_ms(
+            lambda: sparse_attention(qg, kg, vg, idx, backend="triton", bwd_path=bwd, **kw)[0].backward(g), dev,
+            grad_to_none=[qg, kg, vg], **W)
     return res
 
 
@@ -224,7 +261,7 @@ def check_indexer(q_idx, w, k_idx, sel, topk: int, n: int) -> dict:
 
 
 def check_backward(device, dtype, heads: int, kv_heads: int, head_dim: int, L: int = 4096, topk: int = 512,
-                   seed: int = 0) -> dict:
+                   seed: int = 0, bwd_path: str = "auto") -> dict:
     """dq/dk/dv of the Triton kernel vs autograd through the float32 reference (random indices)."""
     import torch
 
@@ -241,7 +278,7 @@ def check_backward(device, dtype, heads: int, kv_heads: int, head_dim: int, L: i
                        backend="triton")
     go = torch.randn(1, L, heads, head_dim, device=device, dtype=dtype, generator=g)
     qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
-    out, _ = sparse_attention(qs, ks, vs, idx, backend="triton")
+    out, _ = sparse_attention(qs, ks, vs, idx, backend="triton", bwd_path=bwd_path)
     out.backward(go)
     qr, kr, vr = (x.float().requires_grad_() for x in (q, k, v))
     ro, _ = sparse_attention_naive(qr, kr, vr, idx)
@@ -289,6 +326,7 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
         flex = torch.compile(flex_attention, dynamic=False)
     gen = torch.Generator(device=dev).manual_seed(cfg.seed)
     bidx = None
+    trained = None
     for L in cfg.seqlens:
         log(f"L={L}: inputs")
         rnd = lambda *s: torch.randn(*s, device=dev, dtype=dtype, generator=gen)  # noqa: E731
@@ -338,8 +376,6 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
         row["avg_keys"] = n_pairs / (B * L)
         row["sparse_attn_ms"] = bench_ms(lambda: sparse_attention(q, k, v, idx, backend="triton"), dev, **W)
         row["sparse_attn_tflops"] = 4.0 * n_pairs * H * D / row["sparse_attn_ms"] / 1e9
-        if dev.type == "cuda":
-            row.update(time_paths(q, k, v, idx, dev, W, "idx"))
         row["sparse_prefill_ms"] = bench_ms(
             lambda: sparse_attention(q, k, v, indexer_topk(qi, wi, ki, K, backend="triton"), backend="triton"),
             dev, **W)
@@ -349,66 +385,73 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
             c = check_attention(q, k, v, idx, min(cfg.check_queries, L))
             c.update({f"indexer_{a}": b for a, b in check_indexer(qi, wi, ki, idx, K, min(64, L)).items()})
             checks.append({"seqlen": L, "pattern": "indexer", **c})
-        # block pattern: token kernel and FlexAttention on the same selection
+        # every pattern: (name, indices, kwargs of a shared selection)
+        pats = []
+        if "indexer" in cfg.patterns:
+            pats.append(("idx", idx, {}))
         nsel = max(1, K // cfg.block_size)
-        if L % cfg.block_size == 0:
+        fb = cnt = None
+        if "block" in cfg.patterns and L % cfg.block_size == 0:
             fb, cnt = block_pattern(L, cfg.block_size, nsel, dev, gen)
             bidx = block_pattern_indices(fb, cnt, L, cfg.block_size, K)
-            bp = pairs(bidx)
             row["block_attn_ms"] = bench_ms(lambda: sparse_attention(q, k, v, bidx, backend="triton"), dev, **W)
-            row["block_attn_tflops"] = 4.0 * bp * H * D / row["block_attn_ms"] / 1e9
+            row["block_attn_tflops"] = 4.0 * pairs(bidx) * H * D / row["block_attn_ms"] / 1e9
+            # the same selection, one row per query block: what a block-granular selector emits
+            shared_rows = bidx[:, cfg.block_size - 1::cfg.block_size].contiguous()
+            pats += [("blk", bidx, {}), ("blkshared", shared_rows, {"query_group": cfg.block_size})]
+        if "local" in cfg.patterns:
+            pats.append(("local", patterns.local_retrieval(L, K, dev, gen), {}))
+        if "trained" in cfg.patterns:
+            if trained is None:
+                log("training the `trained` pattern's indexer")
+                steps = cfg.trained_steps if dev.type == "cuda" else min(cfg.trained_steps, 3)  # CPU: smoke test
+                trained = patterns.train_indexer(dev, gen, steps=steps, crop=min(1024, L), log=log)
+                row["trained_indexer_kl"] = trained[1]
+            pats.append(("trained", patterns.trained_selection(trained[0], L, K, dev, gen), {}))
+        for pre, ix, kw in pats:
             if dev.type == "cuda":
-                row.update(time_paths(q, k, v, bidx, dev, W, "blk"))
-            if flex is not None and L >= cfg.flex_min_seqlen:
-                log(f"L={L}: FlexAttention (compiling)")
-                bm = flex_block_mask(fb, cnt, L, cfg.block_size)
-                fo = flex(qd, kg0, vg0, block_mask=bm, enable_gqa=Hkv != H)
-                row["flex_ms"] = bench_ms(lambda: flex(qd, kg0, vg0, block_mask=bm, enable_gqa=Hkv != H), dev, **W)
-                row["flex_tflops"] = 4.0 * bp * H * D / row["flex_ms"] / 1e9
-                row["block_attn_vs_flex"] = row["flex_ms"] / row["block_attn_ms"]
-                if cfg.check:
-                    o_tok, _ = sparse_attention(q, k, v, bidx, backend="triton")
-                    checks.append({"seqlen": L, "pattern": "block",
-                                   "token_kernel_vs_flex_rel_err": rel_err(o_tok, fo.transpose(1, 2)),
-                                   **check_attention(q, k, v, bidx, min(cfg.check_queries, L))})
-                    del o_tok
-                del fo, bm
+                row.update(time_pattern(q, k, v, ix, dev, W, pre, **kw))
+            if cfg.check and dev.type == "cuda" and pre != "idx":
+                checks.append({"seqlen": L, "pattern": pre, **check_attention(q, k, v, ix, min(cfg.check_queries, L),
+                                                                              **kw)})
+        if fb is not None and flex is not None and L >= cfg.flex_min_seqlen:
+            log(f"L={L}: FlexAttention (compiling)")
+            bm = flex_block_mask(fb, cnt, L, cfg.block_size)
+            fo = flex(qd, kg0, vg0, block_mask=bm, enable_gqa=Hkv != H)
+            row["flex_ms"] = bench_ms(lambda: flex(qd, kg0, vg0, block_mask=bm, enable_gqa=Hkv != H), dev, **W)
+            row["flex_tflops"] = 4.0 * pairs(bidx) * H * D / row["flex_ms"] / 1e9
+            row["block_attn_vs_flex"] = row["flex_ms"] / row["block_attn_ms"]
+            for pre in ("blk", "blkshared"):
+                if f"{pre}_tile_kernel_ms" in row:
+                    row[f"{pre}_tile_kernel_vs_flex"] = row["flex_ms"] / row[f"{pre}_tile_kernel_ms"]
+                    row[f"{pre}_auto_vs_flex"] = row["flex_ms"] / row[f"{pre}_auto_ms"]
+            if cfg.check:
+                o_tok, _ = sparse_attention(q, k, v, bidx, backend="triton")
+                checks.append({"seqlen": L, "pattern": "block-vs-flex",
+                               "token_kernel_vs_flex_rel_err": rel_err(o_tok, fo.transpose(1, 2))})
+                del o_tok
+            del fo, bm
         # forward + backward
         if L in cfg.backward_seqlens:
             log(f"L={L}: forward+backward")
             g = torch.randn_like(q)
             gd = g.transpose(1, 2).contiguous()
-            fb = {}
+            fbt = {}
             for lab, fn, kk, vv in dense_variants(qd, kg0, vg0):
                 qq, kk, vv = (x.detach().requires_grad_() for x in (qd, kk, vv))
-                fb[lab] = bench_ms(lambda: fn(qq, kk, vv).backward(gd), dev, grad_to_none=[qq, kk, vv], **W)
+                fbt[lab] = bench_ms(lambda: fn(qq, kk, vv).backward(gd), dev, grad_to_none=[qq, kk, vv], **W)
                 del qq, kk, vv
-            row["dense_fwdbwd_all_ms"] = fb
-            row["dense_fwdbwd_label"] = min(fb, key=fb.get)
-            row["dense_fwdbwd_ms"] = fb[row["dense_fwdbwd_label"]]
-            qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-            row["sparse_fwdbwd_ms"] = bench_ms(
-                lambda: sparse_attention(qg, kg, vg, idx, backend="triton")[0].backward(g), dev,
-                grad_to_none=[qg, kg, vg], **W)
-            row["fwdbwd_speedup"] = row["dense_fwdbwd_ms"] / row["sparse_fwdbwd_ms"]
-            if "block_attn_ms" in row:
-                row["block_fwdbwd_ms"] = bench_ms(
-                    lambda: sparse_attention(qg, kg, vg, bidx, backend="triton")[0].backward(g), dev,
-                    grad_to_none=[qg, kg, vg], **W)
-            if dev.type == "cuda":  # the opt-in union-tile backward, both patterns
-                from sparse_rl.sparse.ops.sparse_attention import triton as sa
-
-                saved = sa.BWD_PATH
-                sa.BWD_PATH = "union"
-                try:
-                    for name, ix in (("sparse", idx), ("block", bidx if "block_attn_ms" in row else None)):
-                        if ix is not None:
-                            row[f"{name}_fwdbwd_union_ms"] = bench_ms(
-                                lambda: sparse_attention(qg, kg, vg, ix, backend="triton")[0].backward(g), dev,
-                                grad_to_none=[qg, kg, vg], **W)
-                finally:
-                    sa.BWD_PATH = saved
-            del qg, kg, vg, g, gd
+            row["dense_fwdbwd_all_ms"] = fbt
+            row["dense_fwdbwd_label"] = min(fbt, key=fbt.get)
+            row["dense_fwdbwd_ms"] = fbt[row["dense_fwdbwd_label"]]
+            for pre, ix, kw in pats if dev.type == "cuda" else pats[:1]:  # the CPU: a smoke test
+                row.update(time_fwdbwd(q, k, v, ix, g, dev, W, pre, **kw))
+                row[f"{pre}_fwdbwd_speedup"] = row["dense_fwdbwd_ms"] / row[f"{pre}_fwdbwd_auto_ms"]
+            if "idx_fwdbwd_auto_ms" in row:  # the former columns
+                row["sparse_fwdbwd_ms"] = row["idx_fwdbwd_auto_ms"]
+                row["fwdbwd_speedup"] = row["dense_fwdbwd_ms"] / row["sparse_fwdbwd_ms"]
+            del g, gd
+        del pats
         rows.append(row)
         log(f"L={L}: " + ", ".join(f"{a}={b:.3g}" for a, b in row.items() if isinstance(b, float)))
         del q, k, v, qd, kd, vd, kg0, vg0, qi, ki, wi, idx
@@ -416,16 +459,10 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     if cfg.check and dev.type == "cuda":
-        from sparse_rl.sparse.ops.sparse_attention import triton as sa
-
         log("backward check")
-        saved = sa.BWD_PATH
-        try:
-            for path in ("query", "union"):
-                sa.BWD_PATH = path
-                checks.append({"pattern": f"backward-{path}", **check_backward(dev, dtype, H, Hkv, D, seed=cfg.seed)})
-        finally:
-            sa.BWD_PATH = saved
+        for path in ("atomic", "tile"):
+            checks.append({"pattern": f"backward-{path}",
+                           **check_backward(dev, dtype, H, Hkv, D, seed=cfg.seed, bwd_path=path)})
     return {"bench": "attention", "config": dataclasses.asdict(cfg), "device": device_name(dev), "rows": rows,
             "checks": checks}
 
@@ -442,28 +479,37 @@ def markdown_attention(res: dict) -> str:
             r["seqlen"], g("dense_ms"), g("dense_tflops"), g("indexer_scores_ms"), g("topk_ms"),
             g("topk_torch_ms"), g("indexer_topk_ms"), g("sparse_attn_ms"), g("sparse_attn_tflops"), g("sparse_prefill_ms"),
             g("prefill_speedup"), g("block_attn_ms"), g("flex_ms"), g("block_attn_vs_flex"))) + " |")
-    if any("idx_query_path_ms" in r for r in res["rows"]):
-        lines += ["", "Forward paths (ms): per-query kernel vs query-tile union (build + kernel); `auto` is what "
-                  "sparse_attention ran; union/pairs = union size over selected pairs (lower = more sharing)", "",
-                  "| L | pattern | union/pairs | per-query | union build | union kernel | auto | flex |",
-                  "|---|---|---|---|---|---|---|---|"]
+    pats = [("idx", "indexer (random)"), ("blk", "block"), ("blkshared", "block, shared rows"),
+            ("local", "local+spans+noise"), ("trained", "trained indexer")]
+    if any(f"{p}_tile_kernel_ms" in r for r in res["rows"] for p, _ in pats):
+        lines += ["", "Forward paths (ms): per-query kernel, GQA-packed tiles (union build + tile kernel), and "
+                  "`auto` (what sparse_attention runs; path fwd/bwd/dq). union/pairs = the tiles' union over the "
+                  "selected pairs (lower = more sharing); TF/s counted on selected pairs; flex = FlexAttention "
+                  "block-sparse on the block selection", "",
+                  "| L | pattern | union/pairs | per-query | union build | tile kernel | tile TF/s | auto | auto path "
+                  "| auto TF/s | tile/flex speed |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["rows"]:
-            for pre, name, auto, flex in (("idx", "indexer", "sparse_attn_ms", None),
-                                          ("blk", "block", "block_attn_ms", "flex_ms")):
-                if f"{pre}_query_path_ms" in r:
+            for pre, name in pats:
+                if f"{pre}_tile_kernel_ms" in r:
                     lines.append("| " + " | ".join(fmt(x) for x in (
-                        r["seqlen"], name, r[f"{pre}_union_ratio"], r[f"{pre}_query_path_ms"],
-                        r[f"{pre}_union_build_ms"], r[f"{pre}_union_kernel_ms"], r.get(auto),
-                        r.get(flex) if flex else None)) + " |")
-    bw = [r for r in res["rows"] if "sparse_fwdbwd_ms" in r]
+                        r["seqlen"], name, r[f"{pre}_union_ratio"], r.get(f"{pre}_query_path_ms"),
+                        r.get(f"{pre}_union_build_ms"), r[f"{pre}_tile_kernel_ms"], r[f"{pre}_tile_kernel_tflops"],
+                        r[f"{pre}_auto_ms"], r[f"{pre}_auto_path"], r[f"{pre}_auto_tflops"],
+                        r.get(f"{pre}_tile_kernel_vs_flex"))) + " |")
+    bw = [r for r in res["rows"] if "dense_fwdbwd_ms" in r]
     if bw:
-        lines += ["", "| L | dense fwd+bwd ms | sparse fwd+bwd ms (indexer idx) | speedup | "
-                  "sparse fwd+bwd ms (block idx) | union bwd: indexer idx | union bwd: block idx |",
+        lines += ["", "Forward + backward (ms): backward `atomic` (per query, fp32 atomics) vs `tile` (dq per tile, "
+                  "dk/dv key-major, no atomics); speedup = dense / auto", "",
+                  "| L | dense | pattern | atomic bwd | tile bwd | auto | speedup vs dense |",
                   "|---|---|---|---|---|---|---|"]
         for r in bw:
-            lines.append(f"| {r['seqlen']} | {fmt(r['dense_fwdbwd_ms'])} ({r['dense_fwdbwd_label']}) | "
-                         f"{fmt(r['sparse_fwdbwd_ms'])} | {fmt(r['fwdbwd_speedup'])} | {fmt(r.get('block_fwdbwd_ms'))} | "
-                         f"{fmt(r.get('sparse_fwdbwd_union_ms'))} | {fmt(r.get('block_fwdbwd_union_ms'))} |")
+            for pre, name in pats:
+                if f"{pre}_fwdbwd_auto_ms" in r:
+                    lines.append("| " + " | ".join(fmt(x) for x in (
+                        r["seqlen"], f"{fmt(r['dense_fwdbwd_ms'])} ({r['dense_fwdbwd_label']})", name,
+                        r.get(f"{pre}_fwdbwd_atomic_ms"), r.get(f"{pre}_fwdbwd_tile_ms"), r[f"{pre}_fwdbwd_auto_ms"],
+                        r[f"{pre}_fwdbwd_speedup"])) + " |")
     lines += ["", "Dense = the fastest SDPA variant per length: " + "; ".join(
         f"{r['seqlen']}: " + ", ".join(f"{a} {fmt(b)} ms" for a, b in r.get("dense_all_ms", {}).items())
         for r in res["rows"])]

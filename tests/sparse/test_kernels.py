@@ -41,15 +41,16 @@ CASES = [  # (H, H_kv, D, dtype, tol): GQA 1, 4, 7; head dims 64, 128, 16
 ]
 
 
+@pytest.mark.parametrize("paths", [("query", "atomic"), ("tile", "tile")])
 @pytest.mark.parametrize("H,H_kv,D,dtype,tol", CASES)
-def test_sparse_attention_forward_and_gradients(H, H_kv, D, dtype, tol):
+def test_sparse_attention_forward_and_gradients(H, H_kv, D, dtype, tol, paths):
     g = torch.Generator().manual_seed(H * 100 + D)
     B, T, S, K = 2, 11, 37, 45  # K > S: trailing -1 everywhere
     q = torch.randn(B, H, T, D, generator=g).to(dtype).transpose(1, 2).requires_grad_()  # non-contiguous
     k = torch.randn(B, S, H_kv, D, generator=g).to(dtype).requires_grad_()
     v = torch.randn(B, S, H_kv, D, generator=g).to(dtype).requires_grad_()
     idx = _indices(B, T, S, K, g)
-    out, lse = sparse_attention(q, k, v, idx, backend="triton")
+    out, lse = sparse_attention(q, k, v, idx, backend="triton", fwd_path=paths[0], bwd_path=paths[1])
     qr, kr, vr = (x.detach().float().requires_grad_() for x in (q, k, v))
     ro, rl = sparse_attention_naive(qr, kr, vr, idx)
     assert out.dtype == dtype and lse.dtype == torch.float32
@@ -385,8 +386,8 @@ def test_scale_argument_is_used():
     assert not math.isclose(0.3, 1 / math.sqrt(16))
 
 
-@pytest.mark.parametrize("H,H_kv,D,T", [(8, 2, 64, 37), (7, 1, 32, 19), (3, 3, 16, 70)])
-def test_union_path_builds_the_tile_union_and_matches_reference(monkeypatch, H, H_kv, D, T):
+@pytest.mark.parametrize("H,H_kv,D,T", [(8, 2, 64, 37), (7, 1, 32, 19), (3, 3, 16, 41)])
+def test_tile_path_builds_the_tile_union_and_matches_reference(H, H_kv, D, T):
     from sparse_rl.sparse.ops.sparse_attention import union
 
     g = torch.Generator().manual_seed(T)
@@ -395,39 +396,147 @@ def test_union_path_builds_the_tile_union_and_matches_reference(monkeypatch, H, 
     k, v = torch.randn(B, S, H_kv, D, generator=g), torch.randn(B, S, H_kv, D, generator=g)
     idx = _indices(B, T, S, K, g)
     BT = union.tile_queries(H // H_kv)
-    ukey, qmask, ulen = union.build_union(idx, S, BT)
+    sel = union.build_union(idx, S, BT)
     for b in range(B):
         for tile in range(-(-T // BT)):
             rows = idx[b, tile * BT:(tile + 1) * BT]
             want = sorted(set(rows[rows >= 0].tolist()))
-            got = ukey[b, tile, :int(ulen[b, tile])].tolist()
+            got = sel.ukey[b, tile, :int(sel.ulen[b, tile])].tolist()
             assert got == want
             for j, key in enumerate(got):
-                m = int(qmask[b, tile, j]) & 0xFFFFFFFF
+                m = int(sel.qmask[b, tile, j]) & 0xFFFFFFFF
                 assert m == sum(1 << i for i in range(rows.shape[0]) if key in rows[i].tolist())
-    monkeypatch.setattr(sa, "FWD_PATH", "union")
-    monkeypatch.setattr(sa, "BWD_PATH", "union")
     qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
-    with mock.patch.object(sa, "_fwd", wraps=sa._fwd) as spy:
-        out, lse = sparse_attention(qs, ks, vs, idx, backend="triton")
+    with mock.patch.object(sa, "_fwd", wraps=sa._fwd) as spy, mock.patch.object(sa, "_bwd_kernel") as atomic:
+        out, lse = sparse_attention(qs, ks, vs, idx, backend="triton", fwd_path="tile", bwd_path="tile")
         assert spy.call_count == 0  # the per-query kernel did not run
-    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
-    ref, rl = sparse_attention_naive(qr, kr, vr, idx)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    fin = torch.isfinite(rl)
-    assert torch.equal(fin, torch.isfinite(lse))
-    torch.testing.assert_close(lse[fin], rl[fin], atol=1e-5, rtol=1e-5)
-    # the union-tile backward (opt-in), with an lse gradient too
-    go = torch.randn(out.shape, generator=g)
-    gl = torch.randn(lse.shape, generator=g).masked_fill(~fin, 0)
-    ((out * go).sum() + (lse.masked_fill(~fin, 0) * gl).sum()).backward()
+        qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+        ref, rl = sparse_attention_naive(qr, kr, vr, idx)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        fin = torch.isfinite(rl)
+        assert torch.equal(fin, torch.isfinite(lse))
+        torch.testing.assert_close(lse[fin], rl[fin], atol=1e-5, rtol=1e-5)
+        # the tile backward (dq per tile, dk/dv key-major, no atomics), with an lse gradient too
+        go = torch.randn(out.shape, generator=g)
+        gl = torch.randn(lse.shape, generator=g).masked_fill(~fin, 0)
+        ((out * go).sum() + (lse.masked_fill(~fin, 0) * gl).sum()).backward()
+        assert atomic.call_count == 0  # the per-query (atomic) backward did not run
     ((ref * go).sum() + (rl.masked_fill(~fin, 0) * gl).sum()).backward()
     for a, b in ((qs, qr), (ks, kr), (vs, vr)):
         assert _rel(a.grad, b.grad) < 1e-5
 
 
-@pytest.mark.parametrize("path", ["query", "union"])
-def test_out_of_range_indices_are_ignored_not_read(monkeypatch, path):
+@pytest.mark.parametrize("fwd_path,bwd_path", [("query", "tile"), ("tile", "atomic")])
+def test_mixed_paths_match_reference(fwd_path, bwd_path):
+    """Each forward with the other backward (the tile backward then builds the union itself, and its
+    dq comes from the per-query kernel without atomics)."""
+    g = torch.Generator().manual_seed(3)
+    B, T, S, H, H_kv, D, K = 1, 23, 29, 8, 2, 16, 11
+    q, k, v = (torch.randn(B, n, h, D, generator=g).requires_grad_() for n, h in ((T, H), (S, H_kv), (S, H_kv)))
+    idx = _indices(B, T, S, K, g)
+    out, _ = sparse_attention(q, k, v, idx, backend="triton", fwd_path=fwd_path, bwd_path=bwd_path)
+    qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    ref, _ = sparse_attention_naive(qr, kr, vr, idx)
+    go = torch.randn(out.shape, generator=g)
+    (out * go).sum().backward()
+    (ref * go).sum().backward()
+    assert _rel(out, ref) < 1e-5
+    for a, b in ((q, qr), (k, kr), (v, vr)):
+        assert _rel(a.grad, b.grad) < 1e-5
+
+
+@pytest.mark.parametrize("H,H_kv,group,T,left", [(8, 2, 8, 37, 0), (7, 1, 16, 40, 5), (3, 3, 4, 13, 3), (4, 1, 3, 17, 2)])
+def test_shared_selection_matches_per_query_reference(H, H_kv, group, T, left):
+    """A selection shared by `group` consecutive queries `[B, ceil(T/group), K]`: the tile kernels read
+    it directly (no union build), mask causality themselves, and match the reference on the per-query
+    selection it means; keys are shifted by q_offset (prefix) and a left-padded row selects no pad keys.
+    group 3 is not a multiple of a tile: it is expanded to the per-query selection."""
+    from sparse_rl.sparse.ops import shared_to_per_query
+    from sparse_rl.sparse.ops.sparse_attention import union
+
+    g = torch.Generator().manual_seed(group * T)
+    B, D, K, q_off = 2, 16, 24, 9
+    S = T + q_off
+    q = torch.randn(B, T, H, D, generator=g)
+    k, v = torch.randn(B, S, H_kv, D, generator=g), torch.randn(B, S, H_kv, D, generator=g)
+    NG = -(-T // group)
+    sh = torch.rand(B, NG, S, generator=g)
+    last = (torch.arange(NG) * group + group - 1).clamp(max=T - 1) + q_off
+    sh = sh.masked_fill(torch.arange(S) > last[:, None], -1.0)  # a group selects keys its last query sees
+    sh[1, :, :left] = -1.0  # row 1 is left-padded: its selector never names the pad keys
+    vals, sh = sh.topk(min(K, S), -1)
+    sh = torch.where(vals >= 0, sh, -1).to(torch.int32)
+    per = shared_to_per_query(sh, group, T, q_off)
+    qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
+    with mock.patch.object(union, "build_union", wraps=union.build_union) as built:
+        out, lse = sparse_attention(qs, ks, vs, sh, query_group=group, q_offset=q_off, backend="triton")
+        go = torch.randn(out.shape, generator=g)
+        (out * go).sum().backward()
+        if group != 3:
+            assert built.call_count == 0
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    ref, rl = sparse_attention_naive(qr, kr, vr, per)
+    (ref * go).sum().backward()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    fin = torch.isfinite(rl)
+    torch.testing.assert_close(lse[fin], rl[fin], atol=1e-5, rtol=1e-5)
+    for a, b in ((qs, qr), (ks, kr), (vs, vr)):
+        assert _rel(a.grad, b.grad) < 1e-5
+    # the public op's reference backend takes the same shared selection
+    out2, _ = sparse_attention(q, k, v, sh, query_group=group, q_offset=q_off, backend="torch")
+    torch.testing.assert_close(out2, ref.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fwd_path,bwd_path", [("query", "atomic"), ("tile", "tile")])
+def test_full_selection_equals_dense_on_both_paths(fwd_path, bwd_path):
+    """k >= L still equals dense causal attention, gradients included, on each path."""
+    from sparse_rl.sparse.ops import dense_attention_naive, visible_mask
+
+    g = torch.Generator().manual_seed(8)
+    B, T, H, H_kv, D = 1, 35, 8, 2, 16
+    q, k, v = (torch.randn(B, T, h, D, generator=g, dtype=torch.float64).float().requires_grad_()
+               for h in (H, H_kv, H_kv))
+    idx = torch.arange(T + 4).expand(T, T + 4).clone()
+    idx = torch.where(idx <= torch.arange(T)[:, None], idx, -1)[None].to(torch.int32)  # K = T + 4 > L
+    out, _ = sparse_attention(q, k, v, idx, backend="triton", fwd_path=fwd_path, bwd_path=bwd_path)
+    qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    ref, _ = dense_attention_naive(qr, kr, vr, visible_mask(B, T, T))
+    go = torch.randn(out.shape, generator=g)
+    (out * go).sum().backward()
+    (ref * go).sum().backward()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for a, b in ((q, qr), (k, kr), (v, vr)):
+        assert _rel(a.grad, b.grad) < 1e-5
+
+
+def test_bad_paths_and_shapes_are_one_line_errors():
+    q, k = torch.randn(1, 5, 2, 16), torch.randn(1, 9, 1, 16)
+    idx = torch.zeros(1, 5, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="fwd_path"):
+        sa.sparse_attention(q, k, k, idx, fwd_path="fast")
+    with pytest.raises(ValueError, match="query_group 2"):
+        sa.sparse_attention(q, k, k, idx, query_group=2)
+
+
+def test_auto_plan_prefers_tiles_when_neighbours_share_keys():
+    """The cheap estimate (paths.plan) on a block selection picks the tile paths; on independent
+    random selections at long range it keeps the per-query forward."""
+    from sparse_rl.sparse.ops.sparse_attention import paths
+
+    T, K = 512, 64
+    t = torch.arange(T)[:, None]
+    block = (t // 64) * 64 - torch.arange(K)[None]  # each 64-query block shares its 64 previous keys
+    block = torch.where(block >= 0, block, -1)[None].to(torch.int32)
+    p = paths.plan(block, T, 8, 32, is_cuda=True)
+    assert (p.fwd, p.bwd, p.dq) == ("tile", "tile", "tile") and p.estimate_ms["tile_fwd"] < p.estimate_ms["query_fwd"]
+    g = torch.Generator().manual_seed(0)
+    S = 1 << 15
+    rnd = torch.rand(1, T, S, generator=g).topk(K, -1).indices.to(torch.int32)  # independent, far apart
+    assert paths.plan(rnd, S, 8, 32, is_cuda=True).fwd == "query"
+
+
+@pytest.mark.parametrize("path", ["query", "tile"])
+def test_out_of_range_indices_are_ignored_not_read(path):
     g = torch.Generator().manual_seed(11)
     B, T, S, H, H_kv, D, K = 1, 40, 30, 4, 1, 16, 12
     q = torch.randn(B, T, H, D, generator=g, requires_grad=True)
@@ -437,12 +546,15 @@ def test_out_of_range_indices_are_ignored_not_read(monkeypatch, path):
     bad = idx.clone()
     bad[:, ::3, 0] = S + 1000  # outside the contract: must behave like -1, not read/write out of bounds
     clean = torch.where(bad >= S, -1, bad)
-    monkeypatch.setattr(sa, "FWD_PATH", path)
-    out, _ = sparse_attention(q, k, v, bad, backend="triton")
+    bwd = "atomic" if path == "query" else "tile"
+    out, _ = sparse_attention(q, k, v, bad, backend="triton", fwd_path=path, bwd_path=bwd)
     out.sum().backward()
-    ref, _ = sparse_attention_naive(q.detach(), k.detach(), v.detach(), clean)
-    torch.testing.assert_close(out.detach(), ref, atol=1e-5, rtol=1e-5)
-    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    ref, _ = sparse_attention_naive(qr, kr, vr, clean)
+    ref.sum().backward()
+    torch.testing.assert_close(out.detach(), ref.detach(), atol=1e-5, rtol=1e-5)
+    for a, b in ((q, qr), (k, kr), (v, vr)):
+        assert _rel(a.grad, b.grad) < 1e-5
 
 
 @pytest.mark.parametrize("HI,DI,rope_dim,affine,dtype", [

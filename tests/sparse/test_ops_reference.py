@@ -118,3 +118,49 @@ def test_block_select_properties(bs, kb, sink_b, recent_b):
             assert len(blocks) == min(kb, cur + 1)
             for j in blocks:  # whole blocks (up to the query) are taken
                 assert set(range(st + j * bs, min(st + (j + 1) * bs, pos + 1))) <= set(sel)
+
+
+def test_reference_memory_is_bounded_by_the_chunk_not_the_sequence():
+    """Issue 19: the reference must not keep every query chunk's gathered K/V for the backward (a CPU
+    distillation grew to 23 GB). What autograd saves is the inputs and outputs only, the peak RSS of a
+    forward + backward at T = K = 1024 stays below what the gathered blocks would take (268 MB), and
+    gradients do not depend on the chunking. (The former reference grew by ~560 MB on the same input.)"""
+    import subprocess
+    import sys
+
+    from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
+
+    g = torch.Generator().manual_seed(4)
+    B, T, H, H_kv, D = 1, 300, 4, 2, 16
+    q, k, v = (torch.randn(B, T, h, D, generator=g, requires_grad=True) for h in (H, H_kv, H_kv))
+    idx = torch.arange(T).expand(T, T).clone()
+    idx = torch.where(idx <= torch.arange(T)[:, None], idx, -1)[None].to(torch.int32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel() * x.element_size()) or x,
+                                                  lambda x: x):
+        out, lse = sparse_attention_naive(q, k, v, idx, budget=30000)  # ~3 queries a chunk
+    io_bytes = sum(x.numel() * x.element_size() for x in (q, k, v, idx, out, lse))
+    assert sum(saved) <= io_bytes  # a gathered block alone would be T*K*H_kv*D*4 = 23 MB
+    go = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad((out * go).sum(), (q, k, v))
+    ref, _ = dense_attention_naive(q, k, v, visible_mask(B, T, T))
+    gref = torch.autograd.grad((ref * go).sum(), (q, k, v))
+    for a, b in zip(grads, gref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    code = """
+import resource, torch
+from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
+T, H, Hkv, D = 1024, 2, 2, 16
+q, k, v = (torch.randn(1, T, h, D, requires_grad=True) for h in (H, Hkv, Hkv))
+idx = torch.arange(T).expand(T, T).clone()
+idx = torch.where(idx <= torch.arange(T)[:, None], idx, -1)[None].to(torch.int32)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out, _ = sparse_attention_naive(q, k, v, idx)
+out.sum().backward()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr
+    grown_mb = int(res.stdout.strip().splitlines()[-1])
+    assert grown_mb < 300, f"reference forward+backward grew RSS by {grown_mb} MB"

@@ -18,7 +18,8 @@ from sparse_rl.sparse.ops.indexer_kl.naive import KLStats, dense_lse, selected_k
 from sparse_rl.sparse.ops.indexer_kl.naive import warmup_kl as warmup_kl_naive
 from sparse_rl.sparse.ops.indexer_topk.naive import (indexer_scores_naive, indexer_topk_decode_naive, indexer_topk_naive,
                                                      visible_mask)
-from sparse_rl.sparse.ops.sparse_attention.naive import dense_attention_naive, sparse_attention_naive
+from sparse_rl.sparse.ops.sparse_attention.naive import (dense_attention_naive, shared_to_per_query,
+                                                         sparse_attention_naive)
 
 __all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_topk_decode", "indexer_scores", "indexer_decode",
            "block_select", "visible_mask", "dense_attention_naive", "kernel", "warmup_kl", "selected_kl", "dense_lse",
@@ -36,12 +37,19 @@ def kernel(op: str, name: str | None = None):
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                     scale: float | None = None, *, backend: str = "auto"):
+                     scale: float | None = None, *, query_group: int = 1, q_offset: int = 0,
+                     fwd_path: str = "auto", bwd_path: str = "auto", backend: str = "auto"):
     """Attention over selected keys. q `[B, T, H, D]`, k/v `[B, S, H_kv, D]`, indices `[B, T, K]`
-    int32 (-1 = none) -> (out `[B, T, H, D]`, lse `[B, T, H]` float32). Differentiable in q, k, v."""
+    int32 (-1 = none), or `[B, ceil(T/g), K]` rows shared by g = `query_group` consecutive queries
+    (each query sees its row's keys <= q_offset + t) -> (out `[B, T, H, D]`, lse `[B, T, H]` float32).
+    Differentiable in q, k, v. `fwd_path` (auto/query/tile) and `bwd_path` (auto/atomic/tile) pick
+    the Triton kernels (ops/sparse_attention/paths.py); the reference ignores them."""
     fn = kernel("sparse_attention")
     if resolve_backend(backend, q, fn is not None) == "triton":
-        return fn(q, k, v, indices, scale)
+        return fn(q, k, v, indices, scale, query_group=query_group, q_offset=q_offset, fwd_path=fwd_path,
+                  bwd_path=bwd_path)
+    if query_group > 1:
+        indices = shared_to_per_query(indices, query_group, q.shape[1], q_offset)
     return sparse_attention_naive(q, k, v, indices, scale)
 
 

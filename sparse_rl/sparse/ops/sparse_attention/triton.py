@@ -11,17 +11,16 @@ Design (why):
   selected key costs 4*D bytes of K+V for 4*G*D FLOPs (G FLOP/byte), far below the ~200 FLOP/byte
   at which an H200 becomes compute bound. The grid runs every query of one kv head before the next
   head, so the working set in L2 is one head's K/V (S*D*4 bytes: 16 MB at 32K).
-- Query-tile union path (union.py): when neighbouring queries share keys, a tile of 16 queries x 4
-  heads streams the union of its index rows once (64 MMA rows), cutting the gathered bytes by the
-  overlap. Measured on an H200 at 32K: 4.4 ms + 1.2 ms to build the union vs 32 ms per-query on a
-  block-structured selection; no gain on independent random selections at >= 64K. `FWD_PATH`
-  "auto" builds the union (one sync to read its size) and takes it when it pays.
+- GQA-packed query tiles (union.py): a tile of 32 queries x 4 heads = 128 MMA rows streams the
+  union of its index rows once, cutting the gathered bytes by the overlap; shared selections
+  (`query_group`) ARE the union, so they skip the build. paths.py decides `auto` from a sampled
+  estimate of each path's time.
 - Online softmax in the exp2 domain; out is normalised at the end, lse is natural-log.
-- Backward: one program per (query, kv head) recomputes P from lse, writes dq directly and
-  scatters dk/dv with fp32 atomics into `[B, S, H_kv, D]` scratch. The alternative, a transposed
-  pass over an inverse index (sort the (query, slot) pairs by key), would need the sort plus a
-  gather of q and dO (4*G*D bytes per pair) instead of 8*D bytes of atomics per pair; atomics also
-  need no extra memory of size T*K. Cost: summation order is not deterministic (fp32, ~1e-7 rel).
+- Backward, path "tile" (default where it pays): dq from a query-major pass, dk/dv from a
+  key-major pass over the transposed union (union.py), each written once, no atomics. Path
+  "atomic": one program per (query, kv head) recomputes P from lse, writes dq directly and
+  scatters dk/dv with fp32 atomics into `[B, S, H_kv, D]` scratch (8*D bytes of atomics per pair
+  and KV head; 174 ms at 32K on an H200, NOTES.md item 6).
 - Decode (T = 1) splits the index list over several programs when B * H_kv alone would not fill
   the GPU, then merges the partial (out, lse) pairs in a second small kernel.
 
@@ -42,25 +41,11 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
-from sparse_rl.sparse.ops.sparse_attention import union
+from sparse_rl.sparse.ops.sparse_attention import paths, union
+from sparse_rl.sparse.ops.sparse_attention.naive import shared_to_per_query, sparse_attention_naive
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 LOG2E = 1.4426950408889634
-# (BLOCK_K, num_warps, num_stages) override for the backward; the benchmark sweeps it.
-BWD_TUNE: tuple[int, int, int] | None = None
-# Forward path: "auto" builds the query-tile union (union.py) and takes it when the tiles' unions
-# hold fewer than UNION_RATIO of the selected pairs (i.e. neighbouring queries share keys);
-# "union" / "query" force a path (tests, benchmarks).
-FWD_PATH = "auto"
-# H200, bf16, G=4, D=128 (benchmarks/NOTES.md): union-kernel time / per-query time ~ 2.1 x (|U| / pairs)
-# over |U|/pairs in 0.06..0.69, plus ~5% to build the union, so the union pays below ~0.4.
-UNION_RATIO = 0.4
-# Backward path: "query" (per-query kernel, measured on the H200) or "union" (the union-tile
-# backward: one atomic per union key and tile; verified against the reference on the CPU and
-# compiled for sm_90, NOT yet run on a GPU, hence opt-in). "union" reuses the forward's union,
-# or builds one if the forward took the per-query path.
-BWD_PATH = "query"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -155,9 +140,10 @@ def _bwd_kernel(Q, K, V, IDX, O, DO, LSE, DLSE, DQ, DK, DV,
                 sib, sit, sik, sob, sot, soh, sod, sdob, sdot, sdoh, sdod, slb, slt, slh,
                 sdqb, sdqt, sdqh, sdqd, sab, sas, sah,
                 NK, S, G, D, scale, qk_scale,
-                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
-    """dq (stored) and dk/dv (fp32 atomics into DK/DV `[B, S, H_kv, D]`, last dim contiguous,
-    strides sab/sas/sah) for one (query, kv head). DLSE is the upstream grad of lse (zeros if none)."""
+                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+                DKDV: tl.constexpr):
+    """dq (stored) and, when DKDV, dk/dv (fp32 atomics into DK/DV `[B, S, H_kv, D]`, last dim
+    contiguous, strides sab/sas/sah) for one (query, kv head). DLSE is the upstream grad of lse."""
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -194,12 +180,13 @@ def _bwd_kernel(Q, K, V, IDX, O, DO, LSE, DLSE, DQ, DK, DV,
         p = tl.where(valid[None, :] & row_ok[:, None], p, 0.0)
         ds = p * (dp - delta[:, None])
         dq += dot(ds.to(kk.dtype), kk, PREC)
-        dv_c = dot(tl.trans(p.to(do.dtype)), do, PREC)
-        dk_c = dot(tl.trans(ds.to(q.dtype)), q, PREC)
-        amask = valid[:, None] & dmask[None, :]
-        aoff = b * sab + idx[:, None] * sas + kvh * sah + offs_d[None, :]
-        tl.atomic_add(DV + aoff, dv_c, mask=amask, sem="relaxed")
-        tl.atomic_add(DK + aoff, dk_c * scale, mask=amask, sem="relaxed")
+        if DKDV:
+            dv_c = dot(tl.trans(p.to(do.dtype)), do, PREC)
+            dk_c = dot(tl.trans(ds.to(q.dtype)), q, PREC)
+            amask = valid[:, None] & dmask[None, :]
+            aoff = b * sab + idx[:, None] * sas + kvh * sah + offs_d[None, :]
+            tl.atomic_add(DV + aoff, dv_c, mask=amask, sem="relaxed")
+            tl.atomic_add(DK + aoff, dk_c * scale, mask=amask, sem="relaxed")
     tl.store(DQ + b * sdqb + t * sdqt + heads[:, None] * sdqh + offs_d[None, :] * sdqd,
              (dq * scale).to(DQ.dtype.element_ty), mask=hd)
 
@@ -240,84 +227,144 @@ def _fwd(q, k, v, indices, scale, nsplit: int = 1, out=None, tune: tuple[int, in
     return o, lse, nsplit
 
 
-def _fwd_auto(q, k, v, indices, scale, out=None, keep_union: list | None = None):
-    """The forward through the union path when it pays (see FWD_PATH), else the per-query kernel.
-    A union that was built is appended to `keep_union` (for the backward)."""
-    T = q.shape[1]
-    G = q.shape[2] // k.shape[2]
+def _query_bwd(q, k, v, indices, o, lse, do, dlse, scale, dkdv: bool = True, tune=None):
+    """The per-query backward: dq, and with `dkdv` fp32 atomics for dk/dv (else None, None)."""
+    B, T, H, D = q.shape
+    S, H_kv = k.shape[1], k.shape[2]
+    G, D, BH, BD = _meta(q, k)
+    dq = torch.empty_like(q)
+    dk = torch.zeros(B, S, H_kv, D, device=q.device, dtype=torch.float32) if dkdv else dq
+    dv = torch.zeros_like(dk) if dkdv else dq
+    BK, warps, stages = tune or ((32 if BD > 64 else 64), 4, 2 if q.is_cuda else 1)
+    _bwd_kernel[(T, H_kv, B)](q, k, v, indices, o, do, lse, dlse, dq, dk, dv,
+                              *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *o.stride(),
+                              *do.stride(), *lse.stride(), *dq.stride(), *dk.stride()[:3],
+                              indices.shape[-1], S, G, D, scale, scale * LOG2E,
+                              BLOCK_H=BH, BLOCK_K=BK, BLOCK_D=BD, PREC=dot_precision(q.dtype), DKDV=dkdv,
+                              num_warps=warps, num_stages=stages)
+    return (dq, dk.to(k.dtype), dv.to(v.dtype)) if dkdv else (dq, None, None)
+
+
+def _pow2_divisor(n: int) -> int:
+    return n & -n
+
+
+class _Call:
+    """One call's arguments besides the tensors: scale, sharing, requested paths, launch overrides
+    (`tune`: {"fwd" | "dq" | "dkdv" | "bwd": (block, num_warps, num_stages)}, benchmarks)."""
+
+    def __init__(self, scale, query_group, q_offset, fwd_path, bwd_path, tune):
+        self.scale, self.group, self.q_offset = scale, query_group, q_offset
+        self.fwd_path, self.bwd_path, self.tune = fwd_path, bwd_path, tune or {}
+
+
+def _forward(q, k, v, indices, call: _Call, out=None):
+    """-> (out, lse, per-query indices or None, TileSelection or None, Plan)."""
+    S, H_kv = k.shape[1], k.shape[2]
+    G = q.shape[2] // H_kv
     BT = union.tile_queries(G)
-    path = FWD_PATH
-    if path == "auto" and (T < 2 * BT or not q.is_cuda):
-        path = "query"  # too few queries to share anything; the interpreter takes the simple path
-    if path != "query":
-        un = union.build_union(indices, k.shape[1], BT)
-        if keep_union is not None:
-            keep_union.append(un)
-        if path == "auto":
-            pairs = int((indices >= 0).sum())
-            path = "union" if int(un[2].sum()) < UNION_RATIO * max(pairs, 1) else "query"
-        if path == "union":
-            return union.union_fwd(q, k, v, un, scale, dot_precision(q.dtype), out=out)
-    o, lse, _ = _fwd(q, k, v, indices, scale, out=out)
-    return o, lse
+    prec = dot_precision(q.dtype)
+    sel = None
+    if call.group > 1:
+        bts = min(BT, _pow2_divisor(call.group))
+        if call.fwd_path != "query" and bts >= min(BT, 4):
+            sel = union.shared_tiles(indices, S, call.group, bts, call.q_offset)
+            pl = paths.plan(indices, S, H_kv, bts, call.fwd_path, call.bwd_path, shared=True)
+            o, lse = union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
+            return o, lse, None, sel, pl
+        indices = shared_to_per_query(indices, call.group, q.shape[1], call.q_offset)
+    pl = paths.plan(indices, S, H_kv, BT, call.fwd_path, call.bwd_path, is_cuda=q.is_cuda)
+    if pl.fwd == "tile":
+        sel = union.build_union(indices, S, BT)
+        o, lse = union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
+    else:
+        o, lse, _ = _fwd(q, k, v, indices, call.scale, out=out, tune=call.tune.get("fwd"))
+    return o, lse, indices, sel, pl
 
 
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, indices, scale):
-        built = []
-        o, lse = _fwd_auto(q, k, v, indices, scale, keep_union=built if BWD_PATH == "union" else None)
-        ctx.save_for_backward(q, k, v, indices, o, lse, *(built[0] if built else ()))
-        ctx.scale = scale
+    def forward(ctx, q, k, v, indices, call):
+        o, lse, per_query, sel, pl = _forward(q, k, v, indices, call)
+        ctx.call, ctx.plan = call, pl
+        ctx.sel_meta = (sel.BT, sel.group, sel.q_offset, len(sel.tensors())) if sel is not None else None
+        ctx.has_per_query = per_query is not None
+        saved = [q, k, v, o, lse, per_query if per_query is not None else indices]
+        ctx.save_for_backward(*saved, *(sel.tensors() if sel is not None else ()))
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, indices, o, lse, *un = ctx.saved_tensors
-        B, T, H, D = q.shape
-        S, H_kv = k.shape[1], k.shape[2]
-        G, D, BH, BD = _meta(q, k)
+        q, k, v, o, lse, idx, *st = ctx.saved_tensors
+        call, pl = ctx.call, ctx.plan
+        sel = union.TileSelection.from_tensors(*ctx.sel_meta[:3], st) if ctx.sel_meta else None
         do = do if do is not None else torch.zeros_like(o)
         dlse = torch.zeros_like(lse) if dlse is None else dlse.float().contiguous()
         lse = lse.contiguous()
-        if BWD_PATH == "union":
-            un = un or list(union.build_union(indices, S, union.tile_queries(G)))
-            dq, dk, dv = union.union_bwd(q, k, v, un, o, lse, do, dlse, ctx.scale, dot_precision(q.dtype))
-            return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
-        dq = torch.empty_like(q)
-        dk = torch.zeros(B, S, H_kv, D, device=q.device, dtype=torch.float32)
-        dv = torch.zeros_like(dk)
-        BK, warps, stages = BWD_TUNE or ((32 if BD > 64 else 64), 4, 2 if q.is_cuda else 1)
-        _bwd_kernel[(T, H_kv, B)](q, k, v, indices, o, do, lse, dlse, dq, dk, dv,
-                                  *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *o.stride(),
-                                  *do.stride(), *lse.stride(), *dq.stride(), *dk.stride()[:3],
-                                  indices.shape[-1], S, G, D, ctx.scale, ctx.scale * LOG2E,
-                                  BLOCK_H=BH, BLOCK_K=BK, BLOCK_D=BD, PREC=dot_precision(q.dtype),
-                                  num_warps=warps, num_stages=stages)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
+        prec = dot_precision(q.dtype)
+        per_query = idx if ctx.has_per_query else None
+        if pl.bwd == "atomic":
+            if per_query is None:
+                per_query = shared_to_per_query(idx, call.group, q.shape[1], call.q_offset)
+            dq, dk, dv = _query_bwd(q, k, v, per_query, o, lse, do, dlse, call.scale, tune=call.tune.get("bwd"))
+            return dq, dk, dv, None, None
+        if sel is None:
+            sel = union.build_union(per_query, k.shape[1], union.tile_queries(q.shape[2] // k.shape[2]))
+        delta = ((o.float() * do.float()).sum(-1) - dlse).contiguous()
+        if pl.dq == "tile" or per_query is None:
+            dq = union.tile_dq(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dq"))
+        else:
+            dq = _query_bwd(q, k, v, per_query, o, lse, do, dlse, call.scale, dkdv=False, tune=call.tune.get("bwd"))[0]
+        dk, dv = union.key_major_dkdv(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dkdv"))
+        return dq, dk, dv, None, None
 
 
-def _check(q, k, v, indices):
+def _check(q, k, v, indices, query_group: int = 1):
     B, T, H, D = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[-1] != D or H % k.shape[2]:
         raise ValueError(f"sparse_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} "
                          "must be [B, T, H, D] and [B, S, H_kv, D] with H a multiple of H_kv")
-    if indices.shape[:2] != (B, T):
-        raise ValueError(f"indices shape {tuple(indices.shape)} does not match q {tuple(q.shape)}")
+    rows = -(-T // query_group)
+    if query_group < 1 or indices.dim() != 3 or tuple(indices.shape[:2]) != (B, rows):
+        raise ValueError(f"indices shape {tuple(indices.shape)} does not match q {tuple(q.shape)} "
+                         f"with query_group {query_group} (expected [{B}, {rows}, K])")
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                     scale: float | None = None):
+                     scale: float | None = None, *, query_group: int = 1, q_offset: int = 0,
+                     fwd_path: str = "auto", bwd_path: str = "auto", tune: dict | None = None):
     """Sparse attention, Triton. q `[B, T, H, D]`, k/v `[B, S, H_kv, D]`, indices `[B, T, K]` int
-    (-1 = none) -> (out `[B, T, H, D]`, lse `[B, T, H]` fp32). Differentiable in q, k, v.
-    Falls back to the reference for unsupported shapes/dtypes (see `supported`)."""
-    _check(q, k, v, indices)
+    (-1 = none), or with `query_group` g > 1 one row per g consecutive queries `[B, ceil(T/g), K]`
+    shared by them (each query then sees the row's keys <= q_offset + t) -> (out `[B, T, H, D]`,
+    lse `[B, T, H]` fp32). Differentiable in q, k, v. `fwd_path` in auto/query/tile, `bwd_path` in
+    auto/atomic/tile (paths.py). Falls back to the reference for unsupported shapes/dtypes."""
+    _check(q, k, v, indices, query_group)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if not supported(q, k) or indices.shape[-1] == 0 or q.shape[1] == 0 or v.dtype != q.dtype:
-        return sparse_attention_naive(q, k, v, indices, scale)
+    if fwd_path not in paths.FWD_PATHS or bwd_path not in paths.BWD_PATHS:
+        raise ValueError(f"fwd_path {fwd_path!r} / bwd_path {bwd_path!r}: expected one of "
+                         f"{paths.FWD_PATHS} / {paths.BWD_PATHS}")
     if indices.dtype != torch.int32:
         indices = indices.to(torch.int32)
-    return _SparseAttention.apply(q, k, v, indices, scale)
+    if not supported(q, k) or indices.shape[-1] == 0 or q.shape[1] == 0 or v.dtype != q.dtype:
+        if query_group > 1:
+            indices = shared_to_per_query(indices, query_group, q.shape[1], q_offset)
+        return sparse_attention_naive(q, k, v, indices, scale)
+    call = _Call(scale, query_group, q_offset, fwd_path, bwd_path, tune)
+    return _SparseAttention.apply(q, k, v, indices, call)
+
+
+def sparse_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
+                             scale: float | None = None, *, query_group: int = 1, q_offset: int = 0,
+                             fwd_path: str = "auto", out: tuple | None = None, tune: dict | None = None):
+    """The forward alone, no autograd (benchmarks, checks): same arguments as `sparse_attention`;
+    `out=(o, lse)` writes into given buffers. Returns (out, lse, paths.Plan actually taken)."""
+    _check(q, k, v, indices, query_group)
+    if not supported(q, k) or indices.shape[-1] == 0 or q.shape[1] == 0:
+        raise ValueError("sparse_attention_forward: shape/dtype not supported by the kernels")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    call = _Call(scale, query_group, q_offset, fwd_path, "auto", tune)
+    o, lse, _, _, pl = _forward(q, k, v, indices.to(torch.int32), call, out=out)
+    return o, lse, pl
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,93 @@
+"""Which kernel path the sparse attention takes: the one place where `auto` is decided.
+
+Paths. Forward: "query" (one program per (query, KV head), `triton._fwd_kernel`) or "tile" (GQA-packed
+query tiles over the union of their selections, `union.tile_fwd`). Backward: "atomic" (the per-query
+kernel: dq stored, dk/dv by fp32 atomics) or "tile" (dq from a query-major pass, per tile or per
+query, and dk/dv from the key-major pass, no atomics).
+
+`auto` estimates each path's time from a sample of query tiles (at most SAMPLE_TILES tiles' bitmaps:
+~1/30 of a union build at 32K) and a per-unit cost of each kernel: a few numbers, below, measured on
+an H200 (bf16, G = 4, D = 128; benchmarks/NOTES.md) and re-checked by `sparse-rl bench attention`,
+which prints the estimate beside the measured times. Shared selections (`query_group`) take the tile
+path without an estimate: their union is the selection, so nothing is built and nothing is wasted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# ns per unit and KV head, H200, bf16, G=4, D=128, 32K (benchmarks/NOTES.md items 6 and 9, run 1)
+NS_QUERY_FWD = 0.069  # per (query, selected key): per-query forward, L2 gather bound (37 ms)
+NS_QUERY_BWD = 0.32  # per (query, selected key): per-query backward with fp32 atomics (174 ms)
+NS_QUERY_DQ = 0.09  # per (query, selected key): per-query dq only (no atomics); not timed alone yet
+NS_TILE_FWD = 0.27  # per (tile, union key): tile forward, 128 rows (block, trained, random all 0.27)
+NS_TILE_DQ = 0.27  # per (tile, union key): tile dq pass (4.5 ms on the block pattern)
+NS_KEYMAJOR = 25.0  # per (key tile of 32, query tile) touched: key-major dk/dv (12.8 ms, block pattern)
+NS_BUILD = 0.022  # per selected (query, key), once (not per KV head): the union build (1.3-1.6 ms)
+KEY_TILE = 32  # keys per key-major program (the default launch of union.key_major_dkdv)
+SAMPLE_TILES = 32
+FWD_PATHS = ("auto", "query", "tile")
+BWD_PATHS = ("auto", "atomic", "tile")
+
+
+@dataclass
+class Plan:
+    fwd: str  # "query" | "tile"
+    bwd: str  # "atomic" | "tile"
+    dq: str  # "query" | "tile" (with bwd == "tile")
+    estimate_ms: dict
+
+
+def _popcount_sum(bits: torch.Tensor) -> int:
+    table = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int32, device=bits.device)
+    return int(table[bits.contiguous().view(torch.uint8).long()].sum())
+
+
+def sample_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE) -> tuple[float, float, float]:
+    """From SAMPLE_TILES evenly spread tiles: (selected pairs, union keys, touched key tiles), each per
+    tile and averaged (one small bitmap build and one host sync)."""
+    from sparse_rl.sparse.ops.sparse_attention.union import _bitmap
+
+    B, T, K = indices.shape
+    NT = -(-T // BT)
+    tiles = torch.linspace(0, NT - 1, min(NT, SAMPLE_TILES), device=indices.device).round().long().unique()
+    rows = (tiles[:, None] * BT + torch.arange(BT, device=indices.device)).flatten()
+    rows = rows[rows < T]
+    sub = indices[:, rows]
+    bits = _bitmap(sub, S, BT)
+    n = bits.shape[0] * bits.shape[1]
+    pairs = float(((sub >= 0) & (sub < S)).sum()) / n
+    touched = float(bits.view(bits.shape[0], bits.shape[1], -1, BN // 32).ne(0).any(-1).sum()) / n
+    return pairs, _popcount_sum(bits) / n, touched
+
+
+def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", bwd: str = "auto",
+         shared: bool = False, is_cuda: bool = True) -> Plan:
+    """Resolve `auto` paths for one call. indices `[B, T, K]` per query (or shared rows when `shared`)."""
+    if fwd not in FWD_PATHS:
+        raise ValueError(f"fwd_path {fwd!r}: expected one of {', '.join(FWD_PATHS)}")
+    if bwd not in BWD_PATHS:
+        raise ValueError(f"bwd_path {bwd!r}: expected one of {', '.join(BWD_PATHS)}")
+    if shared:
+        return Plan("tile" if fwd == "auto" else fwd, "tile" if bwd == "auto" else bwd, "tile", {})
+    T = indices.shape[1]
+    if (fwd != "auto" and bwd != "auto") or T < 2 * BT or not is_cuda:
+        # nothing to estimate, too few queries to share keys, or the interpreter (the simple paths)
+        f = "query" if fwd == "auto" else fwd
+        b = "atomic" if bwd == "auto" else bwd
+        return Plan(f, b, f if b == "tile" else "query", {})
+    pairs, ukeys, touched = sample_stats(indices, S, BT)
+    nt = -(-T // BT) * indices.shape[0]
+    est = {"query_fwd": pairs * nt * H_kv * NS_QUERY_FWD * 1e-6,
+           "tile_fwd": (ukeys * nt * H_kv * NS_TILE_FWD + pairs * nt * NS_BUILD) * 1e-6,
+           "atomic_bwd": pairs * nt * H_kv * NS_QUERY_BWD * 1e-6,
+           "query_dq": pairs * nt * H_kv * NS_QUERY_DQ * 1e-6,
+           "tile_dq": ukeys * nt * H_kv * NS_TILE_DQ * 1e-6,
+           "keymajor_dkdv": (touched * nt * H_kv * NS_KEYMAJOR + pairs * nt * NS_BUILD) * 1e-6}
+    f = fwd if fwd != "auto" else ("tile" if est["tile_fwd"] < est["query_fwd"] else "query")
+    dq = "tile" if est["tile_dq"] < est["query_dq"] else "query"
+    if bwd == "auto":
+        bwd = "tile" if est[f"{dq}_dq"] + est["keymajor_dkdv"] < est["atomic_bwd"] else "atomic"
+    return Plan(f, bwd, dq, est)
