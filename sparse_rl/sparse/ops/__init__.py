@@ -15,12 +15,13 @@ from sparse_rl.sparse.ops.block_select.naive import block_select_naive
 from sparse_rl.sparse.ops.indexer_decode.naive import indexer_decode_naive
 from sparse_rl.sparse.ops.indexer_kl.naive import KLStats, dense_lse, selected_kl
 from sparse_rl.sparse.ops.indexer_kl.naive import warmup_kl as warmup_kl_naive
-from sparse_rl.sparse.ops.indexer_topk.naive import (indexer_scores_naive, indexer_topk_decode_naive, indexer_topk_naive,
+from sparse_rl.sparse.ops.indexer_topk.naive import (granular_topk_decode_naive, granular_topk_naive,
+                                                     indexer_scores_naive, indexer_topk_decode_naive, indexer_topk_naive,
                                                      visible_mask)
 from sparse_rl.sparse.ops.sparse_attention.naive import dense_attention_naive, sparse_attention_naive
 
 __all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_topk_decode", "indexer_scores", "indexer_decode",
-           "block_select", "visible_mask", "dense_attention_naive", "kernel", "warmup_kl", "selected_kl", "dense_lse",
+           "block_select", "visible_mask", "granular_topk", "granular_topk_decode", "dense_attention_naive", "kernel", "warmup_kl", "selected_kl", "dense_lse",
            "KLStats"]
 
 
@@ -75,6 +76,27 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     if resolve_backend(backend, q_idx, fn is not None) == "triton":
         return fn(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start)
     return indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start)
+
+
+def granular_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk: int, *, q_offset: int = 0,
+                  sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None, key_block: int = 1,
+                  query_group: int = 1, block_score: str = "max", history: tuple | None = None,
+                  backend: str = "auto"):
+    """Indexer selection at a granularity: whole key blocks of `key_block` tokens, one selection per
+    group of `query_group` queries (docs/DESIGN.md "Selection granularity"). Shapes as `indexer_topk`
+    (history: the earlier positions' (q_I, w) when a group started before q_offset) -> `[B, T, topk]`
+    int32 token positions. The PyTorch reference only, on every backend, until a kernel is written."""
+    return granular_topk_naive(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window, kv_start=kv_start,
+                               key_block=key_block, query_group=query_group, block_score=block_score, history=history)
+
+
+def granular_topk_decode(q_rep: torch.Tensor, w_rep: torch.Tensor, k_idx: torch.Tensor, pos: torch.Tensor, topk: int,
+                         *, sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None, key_block: int = 1,
+                         query_group: int = 1, block_score: str = "max", backend: str = "auto"):
+    """Decode form of `granular_topk`: q_rep `[B, H_I, D_I]`, w_rep `[B, H_I]` of each row's group
+    representative, k_idx `[B, S, D_I]`, pos `[B]` -> `[B, topk]` int32 (PyTorch reference only)."""
+    return granular_topk_decode_naive(q_rep, w_rep, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start,
+                                      key_block=key_block, query_group=query_group, block_score=block_score)
 
 
 def indexer_decode(zq: torch.Tensor, zk: torch.Tensor, zw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -1,0 +1,180 @@
+"""Selection granularity (key blocks, query groups): the reference rule, its decode form, and every
+path that honours it (HF forward with left padding, incremental decoding, the rollout engine)."""
+
+import pytest
+import torch
+
+from sparse_rl.errors import UsageError
+from sparse_rl.modelinit import ModelInitConfig, init_model
+from sparse_rl.sparse.config import SparseConfig
+from sparse_rl.sparse.convert import ConvertConfig, convert
+from sparse_rl.sparse.layer import LayerState, select, set_granularity, set_topk
+from sparse_rl.sparse.loader import load_model, set_attention
+from sparse_rl.sparse.ops.indexer_topk.naive import (granular_topk_decode_naive, granular_topk_naive, group_start,
+                                                     indexer_topk_naive)
+from sparse_rl.sparse.patch import cache_kwarg
+
+GRANULARITIES = [(1, 1), (4, 1), (1, 4), (4, 4), (2, 8)]
+L = 24
+
+
+def _index(B=2, T=37, H=3, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, H, D, generator=g), torch.randn(B, T, H, generator=g), torch.randn(B, T, D, generator=g)
+
+
+def test_token_level_equals_indexer_topk():
+    q, w, k = _index()
+    for ks in (None, torch.tensor([0, 5])):
+        ref = indexer_topk_naive(q, w, k, 12, sink=2, window=3, kv_start=ks)
+        assert torch.equal(granular_topk_naive(q, w, k, 12, sink=2, window=3, kv_start=ks), ref)
+
+
+def test_hand_computed_blocks_and_groups():
+    """One row, 12 keys, scores chosen by hand: key_block 4 picks the block with the best max (or mean)."""
+    T, S = 12, 12
+    k = torch.eye(S)[:, :S]  # key s is the unit vector e_s: the score of key s is relu(q_s) * w
+    base = torch.tensor([0, 5, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0], dtype=torch.float32)
+    q = base.expand(T, S).reshape(1, T, 1, S).clone()
+    w = torch.ones(1, T, 1)
+    # topk 8, sink 1, window 3: at query 11 (not short) the sink {0}, the window {9, 10, 11} and one block of 4
+    got = granular_topk_naive(q, w, k[None], 8, sink=1, window=3, key_block=4, block_score="max")[0, 11]
+    assert got.tolist() == [0, 1, 2, 3, 9, 10, 11, -1]  # block 0 (max 5) beats block 1 (max 2)
+    got = granular_topk_naive(q, w, k[None], 8, sink=1, window=3, key_block=4, block_score="mean")[0, 11]
+    assert got.tolist() == [0, 4, 5, 6, 7, 9, 10, 11]  # by mean block 1 (2.0) beats block 0 (1.25)
+    # query groups of 4: queries 8..11 share query 8's selection (budget 8 - 3 = 5: sink 0, window 6..8,
+    # the best other key 1) and add the group's keys after 8 up to themselves
+    rows = granular_topk_naive(q, w, k[None], 8, sink=1, window=3, query_group=4)[0]
+    assert rows[8].tolist() == [0, 1, 6, 7, 8, -1, -1, -1]
+    assert rows[11].tolist() == [0, 1, 6, 7, 8, 9, 10, 11]
+    # a query group whose last query sees <= topk keys keeps every visible key
+    assert rows[7].tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("kb,G", GRANULARITIES)
+@pytest.mark.parametrize("score", ["max", "mean"])
+def test_rule_properties_and_decode_form(kb, G, score):
+    q, w, k = _index()
+    ks = torch.tensor([0, 5])
+    topk, sink, window = 16, 2, 3
+    rows = granular_topk_naive(q, w, k, topk, sink=sink, window=window, kv_start=ks, key_block=kb,
+                               query_group=G, block_score=score)
+    T = q.shape[1]
+    for b in range(2):
+        for t in range(T):
+            got = [x for x in rows[b, t].tolist() if x >= 0]
+            visible = list(range(int(ks[b]), t + 1))
+            assert got == sorted(set(got)) and set(got) <= set(visible)
+            if len(visible) <= topk:
+                continue
+            assert set(visible[:sink]) | set(visible[-window:]) <= set(got)
+            r = int(group_start(torch.tensor(t), ks[b], G))
+            assert set(range(r, t + 1)) <= set(got)
+            last = min(T - 1, r + G - 1)  # members share the selection: t's row is the last member's up to t
+            assert got == [x for x in rows[b, last].tolist() if 0 <= x <= t]
+    for t in (20, 31, 36):  # decode form: the representative's index query, the sequence's row
+        pos = torch.full((2,), t)
+        rep = group_start(pos, ks, G)
+        d = granular_topk_decode_naive(q[torch.arange(2), rep], w[torch.arange(2), rep], k[:, :t + 1], pos, topk,
+                                       sink=sink, window=window, kv_start=ks, key_block=kb, query_group=G,
+                                       block_score=score)
+        assert torch.equal(d, rows[:, t])
+    # incremental: a chunk after q_offset with the earlier positions as history
+    inc = granular_topk_naive(q[:, 30:], w[:, 30:], k, topk, q_offset=30, sink=sink, window=window, kv_start=ks,
+                              key_block=kb, query_group=G, block_score=score, history=(q[:, :30], w[:, :30]))
+    assert torch.equal(inc, rows[:, 30:])
+
+
+def test_select_dispatch_and_its_decode_form_with_group_buffers():
+    cfg = SparseConfig(topk=16, sink=2, window=3, key_block=4, query_group=4, index_heads=3, index_dim=8)
+    st = LayerState(cfg=cfg, dense_layer=False, mode="sparse", backend="torch")
+    q, w, k = _index(B=1)
+    rows = select(st, None, None, (q, w, k))
+    assert torch.equal(rows, granular_topk_naive(q, w, k, 16, sink=2, window=3, key_block=4, query_group=4))
+    group = (torch.zeros(1, 3, 8), torch.zeros(1, 3))
+    for t in range(q.shape[1]):  # decode one position after the other: the buffers carry the representative
+        got = select(st, None, None, (q[:, t], w[:, t], k), pos=torch.tensor([t]), S=t + 1, group=group)
+        assert torch.equal(got, rows[:, t]), t
+
+
+def test_config_validation_names_the_flag():
+    for kw, flag in [(dict(key_block=3), "--key-block"), (dict(topk=72, query_group=16), "--query-group"),
+                     (dict(selector="block", key_block=4), "--key-block"), (dict(block_score="sum"), "--block-score"),
+                     (dict(topk=16, sink=4, window=8, query_group=8), "--query-group")]:
+        with pytest.raises(UsageError, match=flag):
+            SparseConfig(**kw)
+
+
+def test_old_config_files_load_as_token_level(tmp_path):
+    import json
+
+    SparseConfig(topk=128).save(tmp_path)
+    data = json.loads((tmp_path / "sparse_config.json").read_text())
+    for key in ("key_block", "query_group", "block_score"):
+        data.pop(key)
+    (tmp_path / "sparse_config.json").write_text(json.dumps(data))
+    c = SparseConfig.load(tmp_path)
+    assert (c.key_block, c.query_group, c.block_score) == (1, 1, "max")
+
+
+# ---------------------------------------------------------------------------------------------
+# the model paths
+
+
+@pytest.fixture(scope="module")
+def sparse_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gran")
+    init_model(root / "dense", ModelInitConfig(arch="qwen2", size="tiny", seed=1))
+    sc = SparseConfig(topk=32, index_heads=2, index_dim=16, rope_dim=8, sink=1, window=2, dense_layers=[0])
+    convert(root / "dense", root / "sparse", ConvertConfig(sparse=sc, seed=3))
+    return root / "sparse"
+
+
+def _batch(seed=0, pad=6):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 500, (2, L), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _logits(model, ids, mask, pos):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+
+
+@pytest.mark.parametrize("kb,G", [(4, 1), (1, 4), (4, 4), (16, 16)])
+def test_full_topk_equals_dense_every_granularity(sparse_dir, kb, G):
+    model = load_model(sparse_dir, attention="sparse")
+    set_granularity(model, kb, G)
+    ids, mask, pos = _batch()
+    sparse = _logits(model, ids, mask, pos)
+    set_attention(model, "dense")
+    valid = mask.bool()
+    torch.testing.assert_close(sparse[valid], _logits(model, ids, mask, pos)[valid], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kb,G", [(4, 1), (1, 4), (4, 4)])
+def test_incremental_decoding_equals_full_forward(sparse_dir, kb, G):
+    """Left padding, a prefill that ends inside a query group, then one token at a time."""
+    from transformers import DynamicCache
+
+    model = load_model(sparse_dir, attention="sparse")
+    set_topk(model, 8)
+    set_granularity(model, kb, G)
+    ids, mask, pos = _batch(seed=2, pad=3)
+    full = _logits(model, ids, mask, pos)
+    set_attention(model, "dense")
+    assert (full[0, 12:] - _logits(model, ids, mask, pos)[0, 12:]).abs().max() > 1e-3  # it really selects
+    set_attention(model, "sparse")
+    P, cache, ck = 10, DynamicCache(), cache_kwarg(model)
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :P], attention_mask=mask[:, :P], position_ids=pos[:, :P], use_cache=True,
+                    **{ck: cache})
+        steps = [out.logits]
+        for t in range(P, L):
+            out = model(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1],
+                        use_cache=True, **{ck: cache})
+            steps.append(out.logits)
+    valid = mask.bool()
+    torch.testing.assert_close(torch.cat(steps, 1)[valid], full[valid], atol=3e-5, rtol=1e-5)
