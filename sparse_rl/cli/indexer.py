@@ -80,6 +80,7 @@ def eval_(
     seed: Optional[int] = typer.Option(None, help="Data seed; synthetic rows depend on it [default: 12345]"),
     topk: Optional[int] = typer.Option(None, help="Evaluate at this k instead of the model's"),
     lm_loss: Optional[bool] = typer.Option(None, "--lm-loss/--no-lm-loss", help="Also LM loss dense vs sparse [default: on]"),
+    granularities: Optional[bool] = typer.Option(None, "--granularities/--no-granularities", help="Also recall at key blocks 1/4/16/64 x query groups 1/4/16, same token budget [default: on]"),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda[:N] [default: auto]"),
     dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 [default: auto]"),
     config: Optional[Path] = typer.Option(None, "--config", help="YAML (keys: the flags)."),
@@ -92,9 +93,13 @@ def eval_(
 
         cfg = load_config(IndexerEvalConfig, config, dict(model=str(model) if model else None, data=data,
                                                           seq_len=seq_len, rows=rows, seed=seed, topk=topk,
-                                                          lm_loss=lm_loss, device=device, dtype=dtype))
+                                                          lm_loss=lm_loss, granularities=granularities,
+                                                          device=device, dtype=dtype))
         with console.status("evaluating the indexer"):
             res = run_eval(cfg)
         console.print(f"kl {res['kl']:.4f}  attn_recall {res['attn_recall']:.3f}  (oracle {res['oracle_recall']:.3f}, "
                       f"k={res['topk']}, L={res['seq_len']})")
+        for row in res.get("granularity", []):
+            console.print(f"  key_block {row['key_block']:>2}  query_group {row['query_group']:>2}  "
+                          f"attn_recall {row['attn_recall']:.3f}  oracle {row['oracle_recall']:.3f}")
         typer.echo(json.dumps(res))

@@ -132,16 +132,20 @@ def block_select(q: torch.Tensor, k: torch.Tensor, block_size: int, topk_blocks:
 def warmup_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, *,
               scale: float, indices: torch.Tensor | None = None, q_offset: int = 0,
               kv_start: torch.Tensor | None = None, chunk: int | None = None, grad_scale: float | None = None,
-              lse: torch.Tensor | None = None, oracle: bool = False, backend: str = "auto") -> KLStats:
+              lse: torch.Tensor | None = None, oracle: bool = False, key_block: int = 1, query_group: int = 1,
+              block_score: str = "max", backend: str = "auto") -> KLStats:
     """The indexer's warm-up loss of one layer, KL(dense attention || softmax(indexer scores)) summed over
     queries (contract: `indexer_kl/naive.py:warmup_kl`). q `[B, H, T, D]`, k `[B, H_kv, S, D]`, q_idx
     `[B, T, H_I, D_I]`, w `[B, T, H_I]`, k_idx `[B, S, D_I]` -> KLStats; with grad_scale the gradients
     are back-propagated into the indexer outputs. Triton: the fused kernel (rows without left padding,
     no oracle; lse `[B, H, T]`, the dense log-sum-exp, skips its dense pass when given); torch: the
-    query-chunked reference (chunk: queries per chunk)."""
+    query-chunked reference (chunk: queries per chunk). key_block / query_group / block_score: the target
+    at a selection granularity (`naive.granular_target`), on the reference (the fused kernel is token-level)."""
     fn = kernel("indexer_kl", "warmup_kl_triton")
-    if kv_start is None and not oracle and resolve_backend(backend, q, fn is not None) == "triton":
+    gran = key_block > 1 or query_group > 1
+    if kv_start is None and not oracle and not gran and resolve_backend(backend, q, fn is not None) == "triton":
         return fn(q, k, q_idx, w, k_idx, scale=scale, indices=indices, q_offset=q_offset, grad_scale=grad_scale,
                   lse=lse)
     return warmup_kl_naive(q, k, q_idx, w, k_idx, scale=scale, indices=indices, q_offset=q_offset, kv_start=kv_start,
-                           chunk=chunk, grad_scale=grad_scale, oracle=oracle)
+                           chunk=chunk, grad_scale=grad_scale, oracle=oracle, key_block=key_block,
+                           query_group=query_group, block_score=block_score)

@@ -159,12 +159,12 @@ def pool_blocks(scores: torch.Tensor, visible: torch.Tensor, bid: torch.Tensor, 
     B, T, S = scores.shape
     b = bid.clamp(min=0).expand(B, T, S)
     keep = visible & (bid >= 0)
-    s = scores.float()
+    s = scores if scores.dtype == torch.float64 else scores.float()
     if block_score == "max":
         out = s.new_full((B, T, n_blocks), float("-inf"))
         return out.scatter_reduce(-1, b, s.masked_fill(~keep, float("-inf")), "amax", include_self=True)
     tot = s.new_zeros(B, T, n_blocks).scatter_add(-1, b, s.masked_fill(~keep, 0.0))
-    cnt = s.new_zeros(B, T, n_blocks).scatter_add(-1, b, keep.float())
+    cnt = s.new_zeros(B, T, n_blocks).scatter_add(-1, b, keep.to(s.dtype))
     return torch.where(cnt > 0, tot / cnt.clamp(min=1), torch.full_like(tot, float("-inf")))
 
 
