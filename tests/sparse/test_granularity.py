@@ -79,6 +79,10 @@ def test_rule_properties_and_decode_form(kb, G, score):
                                        sink=sink, window=window, kv_start=ks, key_block=kb, query_group=G,
                                        block_score=score)
         assert torch.equal(d, rows[:, t])
+    # the once-per-group evaluation (rows without left padding) equals the per-query one
+    kw = dict(sink=sink, window=window, key_block=kb, query_group=G, block_score=score)
+    assert torch.equal(granular_topk_naive(q, w, k, topk, **kw),
+                       granular_topk_naive(q, w, k, topk, kv_start=torch.zeros(2, dtype=torch.long), **kw))
     # incremental: a chunk after q_offset with the earlier positions as history
     inc = granular_topk_naive(q[:, 30:], w[:, 30:], k, topk, q_offset=30, sink=sink, window=window, kv_start=ks,
                               key_block=kb, query_group=G, block_score=score, history=(q[:, :30], w[:, :30]))

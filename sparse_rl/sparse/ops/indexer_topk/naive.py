@@ -243,19 +243,36 @@ def granular_topk_naive(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: 
         q_all, w_all, first = q_idx, w, q_offset
     if bool((rep < first).any()):
         raise ValueError(f"query_group {query_group}: a group starts before q_offset {q_offset}; pass history")
-    j = (rep - first).clamp(min=0)
+    # A member's row is its group's last member's row cut at its own position, so the rule runs once
+    # per group (G x fewer rows) where groups line up across the batch (no left padding).
+    inv = None
+    if kv_start is None and query_group > 1:
+        last = (rep[0] + query_group - 1).clamp(max=q_offset + T - 1)
+        ev_pos, inv = torch.unique(last, return_inverse=True)
+        ev_pos = ev_pos.view(1, -1).expand(B, -1)
+        ev_rep = group_start(ev_pos, start, query_group)
+    else:
+        ev_pos, ev_rep = pos, rep
+    j = (ev_rep - first).clamp(min=0)
+    N = ev_pos.shape[1]
     chunk = max(1, _SCORE_BUDGET // max(1, B * H_I * S))
     out = []
     with torch.no_grad():
-        for t0 in range(0, T, chunk):
-            t1 = min(T, t0 + chunk)
+        for t0 in range(0, N, chunk):
+            t1 = min(N, t0 + chunk)
             jj = j[:, t0:t1]
             qr = q_all.gather(1, jj[..., None, None].expand(-1, -1, H_I, q_all.shape[-1]))
             wr = w_all.gather(1, jj[..., None].expand(-1, -1, H_I))
-            out.append(granular_select_core(_raw_scores(qr, wr, k_idx), pos[:, t0:t1], rep[:, t0:t1], start, topk,
-                                            sink=sink, window=window, key_block=key_block,
+            out.append(granular_select_core(_raw_scores(qr, wr, k_idx), ev_pos[:, t0:t1], ev_rep[:, t0:t1], start,
+                                            topk, sink=sink, window=window, key_block=key_block,
                                             query_group=query_group, block_score=block_score))
-    return torch.cat(out, 1) if out else torch.empty(B, 0, topk, dtype=torch.int32, device=dev)
+    if not out:
+        return torch.empty(B, 0, topk, dtype=torch.int32, device=dev)
+    rows = torch.cat(out, 1)
+    if inv is None:
+        return rows
+    rows = rows[:, inv]
+    return torch.where(rows <= pos[..., None], rows, torch.full_like(rows, -1))
 
 
 def granular_topk_decode_naive(q_rep, w_rep, k_idx, pos, topk: int, *, sink: int = 0, window: int = 0,
