@@ -223,6 +223,23 @@ def update_group(pos: torch.Tensor, q_i: torch.Tensor, w: torch.Tensor, group: t
     return q_rep, w_rep
 
 
+def _group_rows(q_rep, w_rep, k_cache, pos, S: int, c: SparseConfig, backend: str, ops) -> torch.Tensor:
+    """Decode rows of token-level query groups (key_block 1): the representative r's top-(topk - G + 1)
+    from the indexer's decode op at position r, then the group's keys r+1..pos; `[B, topk]` int32, the
+    reference's row (`ops.granular_topk_decode`), ascending, -1 padded."""
+    from sparse_rl.sparse.ops.indexer_topk.naive import group_start
+
+    G = c.query_group
+    rep = group_start(pos, torch.zeros_like(pos), G)
+    rows = ops.indexer_topk_decode(q_rep, w_rep, k_cache, rep, S, c.topk - G + 1, c.sink, c.window, backend)
+    extra = rep[:, None] + torch.arange(1, G, device=pos.device)
+    extra = torch.where(extra <= pos[:, None], extra, -1).to(rows.dtype)
+    big = torch.iinfo(torch.int32).max
+    both = torch.cat([rows, extra], -1)
+    both = torch.where(both < 0, big, both).sort(-1).values
+    return torch.where(both == big, -1, both)
+
+
 def select(st: LayerState, q: torch.Tensor, k: torch.Tensor, index: tuple | None = None, *, q_offset: int = 0,
            kv_start: torch.Tensor | None = None, pos=None, S: int | None = None, visible: torch.Tensor | None = None,
            ops=DecodeOps, history: tuple | None = None, group: tuple | None = None) -> torch.Tensor:
@@ -267,6 +284,8 @@ def select(st: LayerState, q: torch.Tensor, k: torch.Tensor, index: tuple | None
             q_i, w = update_group(torch.as_tensor(pos, device=q_i.device), q_i, w, group, c.query_group)
         if visible is not None:
             return visible
+        if c.key_block == 1:  # token-level groups: the indexer's own decode top-k at the representative
+            return _group_rows(q_i, w, k_cache, torch.as_tensor(pos, device=q_i.device), S, c, st.backend, ops)
         return granular_topk_decode(q_i, w, k_cache[:, :S], torch.as_tensor(pos, device=q_i.device), c.topk,
                                     sink=c.sink, window=c.window, key_block=c.key_block,
                                     query_group=c.query_group, block_score=c.block_score, backend=st.backend)

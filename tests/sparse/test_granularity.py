@@ -89,12 +89,16 @@ def test_rule_properties_and_decode_form(kb, G, score):
     assert torch.equal(inc, rows[:, 30:])
 
 
-def test_select_dispatch_and_its_decode_form_with_group_buffers():
-    cfg = SparseConfig(topk=16, sink=2, window=3, key_block=4, query_group=4, index_heads=3, index_dim=8)
-    st = LayerState(cfg=cfg, dense_layer=False, mode="sparse", backend="torch")
+@pytest.mark.parametrize("kb,backend", [(4, "torch"), (1, "torch")])
+def test_select_dispatch_and_its_decode_form_with_group_buffers(kb, backend):
+    """Decode of token-level groups runs the indexer's decode top-k op at the representative (its
+    Triton kernel is checked against the reference elsewhere); key blocks the reference; both give
+    the sequence's rows."""
+    cfg = SparseConfig(topk=16, sink=2, window=3, key_block=kb, query_group=4, index_heads=3, index_dim=8)
+    st = LayerState(cfg=cfg, dense_layer=False, mode="sparse", backend=backend)
     q, w, k = _index(B=1)
     rows = select(st, None, None, (q, w, k))
-    assert torch.equal(rows, granular_topk_naive(q, w, k, 16, sink=2, window=3, key_block=4, query_group=4))
+    assert torch.equal(rows, granular_topk_naive(q, w, k, 16, sink=2, window=3, key_block=kb, query_group=4))
     group = (torch.zeros(1, 3, 8), torch.zeros(1, 3))
     for t in range(q.shape[1]):  # decode one position after the other: the buffers carry the representative
         got = select(st, None, None, (q[:, t], w[:, t], k), pos=torch.tensor([t]), S=t + 1, group=group)
