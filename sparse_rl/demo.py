@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from sparse_rl.cli.common import console
+from sparse_rl.console import console
 
 
 @dataclass
@@ -164,8 +164,8 @@ def _grpo(run: Path, cfg: DemoConfig) -> dict:
     gcfg = GRPOConfig(model=str(run / "indexer"), out=str(run / "grpo"), steps=cfg.grpo_steps, seed=cfg.seed,
                       device="cpu", plot_every=cfg.grpo_steps,
                       data=DataConfig(tasks=str(run / "tasks.jsonl"), prompts_per_step=4),
-                      rollout=RolloutConfig(mode="sparse+distill", m=4, n=2, max_new_tokens=cfg.max_new_tokens),
-                      optim=OptimConfig(lr=1e-4, micro_batch=8), distill=DistillConfig(rank=4, alpha=8, lr=1e-3),
+                      rollout=RolloutConfig(mode="sparse+distill", samples=4, keep=2, max_new_tokens=cfg.max_new_tokens),
+                      optim=OptimConfig(lr=1e-4, micro_batch=8), distill=DistillConfig(lora_r=4, lora_alpha=8, lr=1e-3),
                       checkpoint=CheckpointConfig(every=cfg.grpo_steps))
     return grpo(gcfg)
 

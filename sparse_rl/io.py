@@ -82,7 +82,7 @@ def open_output(path: str | Path | None, force: bool = True):
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        with writing(p), os.fdopen(fd, "w", encoding="utf-8") as fh:
             yield fh
         os.replace(tmp, p)
     except BaseException:
@@ -101,11 +101,67 @@ def write_jsonl(path: str | Path | None, records: Iterable[dict]) -> int:
 
 
 def append_jsonl(path: str | Path, rec: dict) -> None:
-    """Append one record and flush it to disk (metrics logs: a crash loses at most the current line)."""
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(dumps(rec) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    """Append one record and flush it to disk (metrics logs: a crash loses at most the current line,
+    which `drop_cut_last_line` removes when the writer resumes)."""
+    with writing(path):
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(dumps(rec) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def drop_cut_last_line(path: str | Path, log: Callable[[str], None] | None = None) -> Path:
+    """Make an append-only JSONL file whole again before a writer resumes it; returns `path`.
+
+    A crash or a full disk during `append_jsonl` can leave the last line cut short: that line is
+    removed (and `log` told so in one line; default: stderr). A last line that parses but lacks its
+    newline gets one, so the next append starts a line of its own. Earlier bad lines are left for
+    the reader to report (they are damage, not an interruption)."""
+    p = Path(path)
+    if not p.is_file():
+        return p
+    data = p.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return p
+    head, _, last = data.rpartition(b"\n")
+    lineno = data.count(b"\n") + 1
+    try:
+        json.loads(last)
+        fixed = data + b"\n"
+    except ValueError:  # JSONDecodeError, or bytes cut inside a UTF-8 sequence
+        fixed = head + b"\n" if head else b""
+        say = log or (lambda msg: print(msg, file=sys.stderr))
+        say(f"{p}: dropped its cut last line (line {lineno}, left by an interrupted write)")
+    with writing(p), open_output(p) as fh:
+        fh.write(fixed.decode("utf-8"))
+    return p
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, what: str = ""):
+    """Name the file being written in a write error (a full disk says only `[Errno 28]`, torch's
+    serializer only `inline_container.cc ... unexpected pos`)."""
+    try:
+        yield
+    except SparseRLError:
+        raise
+    except Exception as e:  # OSError, torch's RuntimeError, safetensors' SafetensorError
+        if not _is_write_error(e):  # e.g. the caller failing to read an input inside the block: not ours to name
+            raise
+        why = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())[:160]
+        raise SparseRLError(f"{what + ' ' if what else ''}{path}: cannot write it ({why}); free disk space and "
+                            "rerun (runs resume with --resume)") from None
+
+
+def _is_write_error(e: Exception) -> bool:
+    import errno
+
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EIO)
+    msg = str(e)  # torch.save / safetensors report a failed write as a RuntimeError
+    return any(s in msg for s in ("inline_container", "unexpected pos", "PytorchStreamWriter", "file write failed",
+                                  "No space left", "File too large", "Disk quota", "StorageFull", "FileTooLarge",
+                                  "code: 28", "code: 27"))
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -142,19 +198,3 @@ def atomic_dir(path: str | Path, force: bool = False, flag: str = "OUT"):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-
-def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints `run_dir/checkpoints/step-N/` (those with a meta.json) as `(N, path)`,
-    oldest first. A checkpoint dir appears only once fully written (atomic rename), so a listed one
-    is whole."""
-    import re
-
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    out = []
-    for p in root.iterdir():
-        m = re.match(r"^step-(\d+)$", p.name)
-        if m and (p / "meta.json").is_file():
-            out.append((int(m.group(1)), p))
-    return sorted(out)

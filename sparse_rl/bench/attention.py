@@ -45,16 +45,6 @@ class BenchAttentionConfig:
 
 # ----------------------------------------------------------------------------------------- helpers
 
-def torch_dtype(name: str):
-    import torch
-
-    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-             "float32": torch.float32, "fp32": torch.float32}
-    if name not in table:
-        raise UsageError(f"--dtype {name}: expected bfloat16, float16 or float32")
-    return table[name]
-
-
 def dense_variants(q, k, v, causal: bool = True):
     """Dense SDPA candidates in `[B, H, L, D]` layout: on CUDA the flash and cuDNN backends, each with
     GQA through `enable_gqa` and with K/V repeated beforehand (outside the timed region); those that
@@ -270,14 +260,14 @@ def bench_setup(cfg):
 
     import torch
 
-    from sparse_rl.cli.common import resolve_device
+    from sparse_rl.devices import resolve_device, resolve_dtype
 
     dev = torch.device(resolve_device(cfg.device))
     if cfg.heads % cfg.kv_heads:
         raise UsageError(f"--heads {cfg.heads} must be a multiple of --kv-heads {cfg.kv_heads}")
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET", "") != "1":
         raise UsageError("bench on a CPU needs TRITON_INTERPRET=1 (Triton kernels run in the interpreter)")
-    return dev, torch_dtype(cfg.dtype)
+    return dev, resolve_dtype(cfg.dtype, dev.type)
 
 
 def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:

@@ -87,16 +87,15 @@ def _sync(dev):
 def run_rollout_bench(cfg: BenchRolloutConfig, log=print, on_result=None) -> dict:
     import torch
 
-    from sparse_rl.cli.common import resolve_device
-    from sparse_rl.bench.attention import torch_dtype
     from sparse_rl.bench.timing import device_name
+    from sparse_rl.devices import resolve_device, resolve_dtype
     from sparse_rl.rl.rollout import RolloutEngine, SamplingParams
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.ops import kernel
     from sparse_rl.sparse.patch import attach_sparse
 
     dev = torch.device(resolve_device(cfg.device))
-    dtype = torch_dtype(cfg.dtype)
+    dtype = resolve_dtype(cfg.dtype, dev.type)
     model = build_model(cfg, dev, dtype)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -289,9 +288,8 @@ def compile_step_bench(shape: str = "qwen2-0.5b", batches=(16, 64), contexts=(10
     (the first call of each variant: S <= top-k and S > top-k are two variants in sparse mode)."""
     import torch
 
-    from sparse_rl.cli.common import resolve_device
-    from sparse_rl.bench.attention import torch_dtype
     from sparse_rl.bench.timing import device_name
+    from sparse_rl.devices import resolve_device, resolve_dtype
     from sparse_rl.rl.rollout import RolloutEngine
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.ops import kernel
@@ -300,7 +298,7 @@ def compile_step_bench(shape: str = "qwen2-0.5b", batches=(16, 64), contexts=(10
     dev = torch.device(resolve_device(device))
     cfg = BenchRolloutConfig(shape=shape, long_new_tokens=[max(contexts)], long_prompt_len=1, topk=topk,
                              index_heads=index_heads, index_dim=index_dim, dtype=dtype, device=device, seed=seed)
-    dt = torch_dtype(dtype)
+    dt = resolve_dtype(dtype, dev.type)
     model = build_model(cfg, dev, dt)
     attach_sparse(model, SparseConfig(topk=topk, index_heads=index_heads, index_dim=index_dim,
                                       rope_dim=min(32, index_dim), dense_layers=[0, 1], sink=min(4, topk // 4),

@@ -203,7 +203,7 @@ def run(cfg: FidelityConfig, force: bool = False, progress: bool = True) -> dict
     records = read_jsonl(cfg.data)
     if cfg.limit:
         records = records[:cfg.limit]
-    from sparse_rl.cli.common import resolve_device
+    from sparse_rl.devices import resolve_device
 
     device = resolve_device(cfg.device)
     tok = load_tokenizer(cfg.model)

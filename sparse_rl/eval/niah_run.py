@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 
 from sparse_rl.errors import SparseRLError
 from sparse_rl.eval.niah import string_match_all
-from sparse_rl.io import append_jsonl, atomic_write_json, iter_jsonl
+from sparse_rl.io import append_jsonl, atomic_write_json, drop_cut_last_line, iter_jsonl
 
 GenerateFn = Callable[[list[str], int], list[str]]
 Responder = Callable[[list[dict]], list[str]]
@@ -81,7 +81,7 @@ def load_cells(out_dir: str | Path) -> dict[tuple, dict]:
     path = Path(out_dir) / CELLS_FILE
     if not path.exists():
         return {}
-    return {(c["mode"], c["task"], int(c["length"]), float(c["depth"])): c for c in iter_jsonl(path)}
+    return {(c["mode"], c["task"], int(c["length"]), float(c["depth"])): c for c in iter_jsonl(drop_cut_last_line(path))}
 
 
 def run_niah(prompts: list[dict], generate_fns: Mapping[str, GenerateFn], out_dir: str | Path,
@@ -224,7 +224,7 @@ def model_generate_fns(model_dir: str, modes: list[str], device: str = "auto", d
     """Greedy generate_fns, one per attention mode, over ONE loaded rollout engine (switched
     between modes per call, so the weights are in memory once). Prompts are encoded as plain
     text with the tokenizer's special tokens, as the NIAH lengths were measured."""
-    from sparse_rl.cli.common import resolve_device
+    from sparse_rl.devices import resolve_device
     from sparse_rl.rl.rollout import SamplingParams, encode_prompt, load_engine
 
     eng = load_engine(model_dir, attention=modes[0], device=resolve_device(device), dtype=dtype, max_batch=batch_size)

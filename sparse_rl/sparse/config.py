@@ -56,7 +56,7 @@ class SparseConfig:
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
         if self.sink + self.window > self.topk:
-            raise UsageError(f"--sink ({self.sink}) + --window ({self.window}) must not exceed --topk ({self.topk})")
+            raise UsageError(f"--sink ({self.sink}) + --window ({self.window}) must not exceed --index-topk ({self.topk})")
         if self.sink_blocks + self.recent_blocks > self.topk_blocks:
             raise UsageError(f"--sink-blocks + --recent-blocks must not exceed --topk-blocks ({self.topk_blocks})")
         self._check_granularity()
@@ -74,11 +74,11 @@ class SparseConfig:
             if self.selector == "block" and v != 1:
                 raise UsageError(f"{flag} {v}: applies to --selector indexer (the block selector has --block-size)")
             if self.topk % v:
-                raise UsageError(f"--topk ({self.topk}) must be a multiple of {flag} ({v})")
+                raise UsageError(f"--index-topk ({self.topk}) must be a multiple of {flag} ({v})")
         spare = self.topk - self.sink - self.window - (self.query_group - 1)
         if self.query_group > 1 and spare < 0:
             raise UsageError(f"--sink ({self.sink}) + --window ({self.window}) + --query-group ({self.query_group}) - 1 "
-                             f"must not exceed --topk ({self.topk})")
+                             f"must not exceed --index-topk ({self.topk})")
 
     @property
     def granular(self) -> bool:

@@ -41,7 +41,7 @@ def _check_weights(path: Path) -> None:
 def init_indexers(model_config: dict, cfg: SparseConfig, seed: int) -> dict[str, torch.Tensor]:
     """Fresh indexer weights `layers.{i}.{param}` for every non-dense layer, in the checkpoint dtype."""
     from sparse_rl.sparse.indexer import LightningIndexer
-    from sparse_rl.sparse.loader import resolve_dtype
+    from sparse_rl.devices import resolve_dtype
 
     dtype = resolve_dtype(model_config.get("dtype") or model_config.get("torch_dtype") or "float32")
     hidden, n_layers = model_config["hidden_size"], model_config["num_hidden_layers"]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from sparse_rl.devices import resolve_dtype
 from sparse_rl.errors import SparseRLError
 from sparse_rl.sparse.config import INDEXER_WEIGHTS, SparseConfig
 from sparse_rl.sparse.layer import get_attention, set_attention, set_topk, sparse_config
@@ -19,21 +20,6 @@ from sparse_rl.sparse.patch import SUPPORTED, attach_sparse, indexer_state_dict,
 
 __all__ = ["load_model", "load_tokenizer", "save_model", "set_attention", "get_attention", "set_topk",
            "check_model_dir", "resolve_dtype", "sparse_config_of"]
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
-
-
-def resolve_dtype(dtype, device: str = "cpu"):
-    """"auto" -> bfloat16 on CUDA, float32 on CPU; names or torch dtypes pass through."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    if dtype not in DTYPES:
-        raise SparseRLError(f"--dtype {dtype}: expected auto, float32, bfloat16 or float16")
-    return DTYPES[dtype]
-
 
 def check_model_dir(path: str | Path, flag: str = "MODEL") -> dict:
     """Validate a HF model dir; return its config.json. One-line errors for the usual mistakes."""

@@ -67,7 +67,7 @@ def test_convert_round_trip(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "sparse"
-    res = _run("convert", tiny_model_dir, out, "--topk", "16", "--index-dim", "16", "--rope-dim", "8",
+    res = _run("convert", tiny_model_dir, out, "--index-topk", "16", "--index-dim", "16", "--rope-dim", "8",
                "--window", "4", "--sink", "2", "--dense-layers", "0")
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
@@ -125,8 +125,8 @@ def test_convert_error_paths(tiny_model_dir, tmp_path):
     assert res.exit_code == 2 and "--force" in _err_line(res)
     assert list(out.iterdir()) == []
     # bad options are usage errors
-    res = _run("convert", tiny_model_dir, tmp_path / "o2", "--sink", "10", "--window", "10", "--topk", "8")
-    assert res.exit_code == 2 and "--topk" in _err_line(res)
+    res = _run("convert", tiny_model_dir, tmp_path / "o2", "--sink", "10", "--window", "10", "--index-topk", "8")
+    assert res.exit_code == 2 and "--index-topk" in _err_line(res)
     res = _run("convert", tiny_model_dir, tmp_path / "o3", "--dense-layers", "0,9")
     assert res.exit_code == 1 and "--dense-layers" in _err_line(res)
     res = _run("convert", tiny_model_dir, tmp_path / "o4", "--dense-layers", "a,b")
@@ -158,7 +158,7 @@ def test_convert_granularity_flags_round_trip(tiny_model_dir, tmp_path):
     from sparse_rl.sparse.loader import load_model
 
     out = tmp_path / "gran"
-    res = _run("convert", tiny_model_dir, out, "--topk", "32", "--index-dim", "16", "--rope-dim", "8", "--window", "4",
+    res = _run("convert", tiny_model_dir, out, "--index-topk", "32", "--index-dim", "16", "--rope-dim", "8", "--window", "4",
                "--sink", "2", "--key-block", "4", "--query-group", "8", "--block-score", "mean")
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
@@ -167,8 +167,8 @@ def test_convert_granularity_flags_round_trip(tiny_model_dir, tmp_path):
     assert (cfg["key_block"], cfg["query_group"], cfg["block_score"]) == (4, 8, "mean")
     c = sparse_config(load_model(out, attention="sparse"))
     assert (c.key_block, c.query_group, c.block_score) == (4, 8, "mean")
-    for flags, name in [(["--key-block", "3"], "--key-block"), (["--topk", "72", "--query-group", "16"], "--query-group"),
+    for flags, name in [(["--key-block", "3"], "--key-block"), (["--index-topk", "72", "--query-group", "16"], "--query-group"),
                         (["--block-score", "sum"], "--block-score")]:
-        res = _run("convert", tiny_model_dir, tmp_path / "bad", "--topk", "128", *flags)
+        res = _run("convert", tiny_model_dir, tmp_path / "bad", "--index-topk", "128", *flags)
         assert res.exit_code == 2 and name in _err_line(res), res.output
         assert not (tmp_path / "bad").exists()

@@ -166,3 +166,21 @@ def test_resume_skips_done_cells(bpe, tmp_path):
     cfg.seed = 1  # other prompts for the same cells: refuse to mix them
     with pytest.raises(SparseRLError, match="different prompts"):
         run_niah(build_niah_prompts(bpe, cfg), {"dense": counting}, tmp_path, progress=False)
+
+
+def test_rerun_drops_a_cut_last_cell_and_redoes_it(bpe, tmp_path, capsys):
+    calls = []
+
+    def counting(ps, n):
+        calls.append(len(ps))
+        return oracle(ps, n)
+
+    cfg = NiahConfig(tasks=["single"], lengths=[512], depths=[0.0, 1.0])
+    run_niah(build_niah_prompts(bpe, cfg), {"dense": counting}, tmp_path, batch=1, progress=False)
+    path = tmp_path / CELLS_FILE
+    lines = path.read_text().splitlines()
+    path.write_text(lines[0] + "\n" + lines[1][:40])  # killed while appending the second cell
+    s = run_niah(build_niah_prompts(bpe, cfg), {"dense": counting}, tmp_path, batch=1, progress=False)
+    assert calls == [1, 1, 1] and s["modes"]["dense"]["grid"] == [[1.0]] * 2  # only the cut cell again
+    assert "cut last line" in capsys.readouterr().err
+    assert [json.loads(x)["depth"] for x in path.read_text().splitlines()] == [0.0, 1.0]

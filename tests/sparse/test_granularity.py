@@ -287,7 +287,7 @@ def test_indexer_eval_reports_recall_per_granularity(sparse_dir, tmp_path):
 
     from sparse_rl.cli.main import app
 
-    res = CliRunner().invoke(app, ["indexer", "eval", str(sparse_dir), "--seq-len", "160", "--rows", "1", "--topk",
+    res = CliRunner().invoke(app, ["indexer", "eval", str(sparse_dir), "--seq-len", "160", "--rows", "1", "--index-topk",
                                    "64", "--no-lm-loss", "--device", "cpu"])
     assert res.exit_code == 0, res.output
     ev = json.loads(res.stdout.strip().splitlines()[-1])

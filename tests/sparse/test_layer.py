@@ -31,7 +31,7 @@ def test_set_topk_validates_and_updates_every_layer():
     new = layer.set_topk(model, 5)
     assert new.topk == 5 and layer.sparse_config(model) is new
     assert all(s.cfg is new for s in layer.layer_states(model))
-    with pytest.raises(UsageError, match=r"set_topk\(2\).*--sink \(1\) \+ --window \(2\) must not exceed --topk \(2\)"):
+    with pytest.raises(UsageError, match=r"set_topk\(2\).*--sink \(1\) \+ --window \(2\) must not exceed --index-topk \(2\)"):
         layer.set_topk(model, 2)
     assert layer.sparse_config(model).topk == 5  # a refused top-k leaves the layers as they were
     with pytest.raises(SparseRLError, match="no sparse selector"):

@@ -7,9 +7,9 @@
     rng.pt         per-rank RNG states: python, numpy, torch CPU, every CUDA device
     meta.json      step, data cursor, KL coefficient, dynamic-sampling keep rate, world size, config
 
-The directory is built under a temporary name and renamed into place (`sparse_rl.io.atomic_dir`),
-so a killed run leaves either the whole checkpoint or none; `latest()` only trusts directories
-with a meta.json. Only rank 0 writes; the other ranks' RNG states reach it by all_gather.
+Naming, atomicity (temporary dir renamed into place), pruning, `latest()` and the RNG states are
+the run-dir module's (`sparse_rl.runs`). Only rank 0 writes; the other ranks' RNG states reach it
+by all_gather.
 
 With `parallel: fsdp` (theta sharded, see parallel.FSDPPolicy) the format is the same: the caller
 gathers the full weights (`full_state`) and the policy optimizer's full state (keyed by parameter
@@ -19,44 +19,13 @@ meta.json records the layout, and a checkpoint resumes only under the layout tha
 
 from __future__ import annotations
 
-import random
-import shutil
 from pathlib import Path
 
 import torch
 
 from sparse_rl.errors import SparseRLError
-from sparse_rl.io import list_checkpoints  # noqa: F401  (part of this module's API)
-from sparse_rl.io import atomic_dir, atomic_write_json
-
-
-
-def ckpt_root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def latest(run_dir: str | Path) -> tuple[int, Path] | None:
-    ck = list_checkpoints(run_dir)
-    return ck[-1] if ck else None
-
-
-def rng_state() -> dict:
-    import numpy as np
-
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    import numpy as np
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+from sparse_rl.runs import latest, list_checkpoints, load_rng, rng_state, set_rng_state  # noqa: F401  (API)
+from sparse_rl.runs import read_meta, save_checkpoint, torch_save
 
 
 def _clean_key(k: str) -> str:
@@ -147,23 +116,16 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, optimizers: dict, 
     """Write checkpoints/step-`step` atomically and prune to the newest `keep` (0 = keep all). Rank 0 only.
     FSDP: full_state = the gathered model state dict; optim_states = {name: gathered optimizer state},
     used instead of `optimizers[name].state_dict()`."""
-    root = ckpt_root(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step}"
-    with atomic_dir(final, force=True, flag="checkpoint") as tmp:
+    def write(tmp: Path) -> None:
         (tmp / "policy").mkdir()
         save_policy(model, tokenizer, tmp / "policy", full_state)
         if hasattr(model, "peft_config"):
             model.save_pretrained(str(tmp / "adapter"))
         gathered = optim_states or {}
-        torch.save({k: gathered[k] if k in gathered else o.state_dict() for k, o in optimizers.items()
+        torch_save({k: gathered[k] if k in gathered else o.state_dict() for k, o in optimizers.items()
                     if o is not None}, tmp / "optimizer.pt")
-        torch.save(rng_states, tmp / "rng.pt")
-        atomic_write_json(tmp / "meta.json", {"step": step, **meta})
-    if keep > 0:
-        for _, old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
+
+    return save_checkpoint(run_dir, step, write, meta, rng_states=rng_states, keep=keep)
 
 
 def load(path: Path, *, model, optimizers: dict, rank: int, world: int, parallel: str = "ddp",
@@ -171,9 +133,7 @@ def load(path: Path, *, model, optimizers: dict, rank: int, world: int, parallel
     """Restore weights, adapter and optimizer states in place; return (meta, this rank's RNG state).
     parallel: the resuming run's layout (must be the checkpoint's); optim_loaders: {name: fn(optimizer,
     state)} for optimizers whose state is not loaded by `load_state_dict` (FSDP's full state)."""
-    import json
-
-    meta = json.loads((path / "meta.json").read_text())
+    meta = read_meta(path)
     if int(meta.get("world_size", 1)) != world:
         raise SparseRLError(f"{path}: saved by {meta.get('world_size')} processes, resumed with {world}; "
                             "resume with the same number of processes")
@@ -201,5 +161,4 @@ def load(path: Path, *, model, optimizers: dict, rank: int, world: int, parallel
             loader(opt, states[k])
         else:
             opt.load_state_dict(states[k])
-    rngs = torch.load(path / "rng.pt", map_location="cpu", weights_only=False)
-    return meta, rngs[rank]
+    return meta, load_rng(path)[rank]

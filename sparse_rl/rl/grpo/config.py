@@ -9,6 +9,7 @@ before any model is loaded, with the key and the valid names in the message.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from sparse_rl.errors import UsageError
 
@@ -27,8 +28,8 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     mode: str = "dense"  # dense | sparse (naive: no distillation) | sparse+distill
-    m: int = 8  # completions sampled per prompt
-    n: int = 4  # completions kept per prompt (top-n by reward; n == m disables oversampling)
+    samples: int = 8  # completions sampled per prompt (M)
+    keep: int = 4  # completions kept per prompt (top-n by reward; keep == samples disables oversampling)
     temperature: float = 1.0
     # mu's recorded log-probs are those of the distribution sampled from (after top-k/top-p
     # filtering); pi's are of logits / temperature, so filtering shows up as rollout mismatch
@@ -84,11 +85,15 @@ class OptimConfig:
 
 @dataclass
 class DistillConfig:
+    """LoRA settings are spelled as in indexer training (`lora_r`, `lora_alpha`, `lora_targets`); the
+    old `rank` / `alpha` / `target_modules` still load (run dirs written before), with a warning."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"rank": "lora_r", "alpha": "lora_alpha", "target_modules": "lora_targets"}
     loss: str = "k3"  # k3 | k2 (sampled-token reverse KL) | full (full-vocabulary reverse KL)
-    rank: int = 16
-    alpha: float = 32.0
+    lora_r: int = 16
+    lora_alpha: float = 32.0
     dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     lr: float = 1e-4
     steps: int = 1  # adapter updates per GRPO step on the step's rollout tokens
     micro_batch: int = 8
@@ -167,11 +172,11 @@ def validate(c: GRPOConfig) -> None:
         raise UsageError(f"rollout.mode: {r.mode!r} is not one of {', '.join(MODES)}")
     _positive(c.steps, "steps")
     _positive(c.data.prompts_per_step, "data.prompts_per_step")
-    _positive(r.n, "rollout.n")
-    if r.m < r.n:
-        raise UsageError(f"rollout.m ({r.m}) must be >= rollout.n ({r.n}): m are sampled, the best n kept")
-    if r.n < 2:
-        raise UsageError("rollout.n must be >= 2: group-relative advantages need at least two completions a prompt")
+    _positive(r.keep, "rollout.keep")
+    if r.samples < r.keep:
+        raise UsageError(f"rollout.samples ({r.samples}) must be >= rollout.keep ({r.keep}): samples are drawn, the best keep kept")
+    if r.keep < 2:
+        raise UsageError("rollout.keep must be >= 2: group-relative advantages need at least two completions a prompt")
     _positive(r.max_new_tokens, "rollout.max_new_tokens")
     _positive(r.temperature, "rollout.temperature")  # 0 (greedy) would make the m samples identical
     _positive(r.max_batch, "rollout.max_batch")
@@ -196,13 +201,13 @@ def validate(c: GRPOConfig) -> None:
     _positive(o.grad_clip, "optim.grad_clip", allow_zero=True)
     if len(o.betas) != 2:
         raise UsageError(f"optim.betas: expected two numbers, got {o.betas}")
-    _positive(d.rank, "distill.rank")
-    _positive(d.alpha, "distill.alpha")
+    _positive(d.lora_r, "distill.lora_r")
+    _positive(d.lora_alpha, "distill.lora_alpha")
     _positive(d.lr, "distill.lr", allow_zero=True)
     _positive(d.steps, "distill.steps")
     _positive(d.micro_batch, "distill.micro_batch")
-    if not d.target_modules:
-        raise UsageError("distill.target_modules: name at least one module (e.g. q_proj)")
+    if not d.lora_targets:
+        raise UsageError("distill.lora_targets: name at least one module (e.g. q_proj)")
     if c.eval.attention not in ("rollout", "dense"):
         raise UsageError(f"eval.attention: {c.eval.attention!r} is not one of rollout, dense")
     _positive(c.eval.every, "eval.every", allow_zero=True)

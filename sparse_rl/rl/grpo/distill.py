@@ -40,15 +40,15 @@ def attach_adapter(model, cfg):
 
     from peft import LoraConfig, get_peft_model
 
-    lc = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                    target_modules=list(cfg.target_modules), bias="none")
+    lc = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.dropout,
+                    target_modules=list(cfg.lora_targets), bias="none")
     try:
         with warnings.catch_warnings():
             # peft probes a deprecated transformers property while wrapping; not ours to fix
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             pm = get_peft_model(model, lc)
     except ValueError as e:
-        raise UsageError(f"distill.target_modules {list(cfg.target_modules)}: {' '.join(str(e).split())[:200]}") from None
+        raise UsageError(f"distill.lora_targets {list(cfg.lora_targets)}: {' '.join(str(e).split())[:200]}") from None
     for p in theta_params(pm):
         p.requires_grad_(True)
     return pm

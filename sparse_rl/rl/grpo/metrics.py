@@ -1,28 +1,97 @@
 """`run_dir/metrics.jsonl` (one record per step) and the curves plot `run_dir/curves.png`.
 
-Every record has `step`; the keys are listed in `STEP_KEYS` (always present; `null` where a
-quantity does not apply, e.g. distillation metrics outside sparse+distill mode) plus `eval_*` keys
-on steps with a held-out eval.
+`StepMetrics` is the one list of the per-step metric names: its fields are the keys of every
+record, in order (always present; `null` where a quantity does not apply, e.g. distillation
+metrics outside sparse+distill mode), plus `EVAL_KEYS` on steps with a held-out eval. A field's
+metadata says how the trainer reduces it over processes: "token_mean" quantities are summed per
+response token and divided by the global token count; `source` names where the update takes
+them from (the policy loss's statistics, or the mismatch correction's under `key`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparse_rl.io import append_jsonl, atomic_write_text
+from sparse_rl.io import append_jsonl
+from sparse_rl.runs import truncate_metrics
 
-STEP_KEYS = (
-    "step", "epoch", "prompts_seen", "groups", "groups_sampled", "groups_skipped", "refills",
-    "reward", "reward_kept", "accuracy", "accuracy_kept", "response_length", "response_length_kept",
-    "truncated_frac", "loss", "entropy", "kl_ref", "kl_coef", "clip_frac", "clip_frac_low", "clip_frac_high",
-    "approx_kl", "ratio_mean", "grad_norm", "mismatch_kl", "mismatch_kl_k1", "mismatch_p5_ratio",
-    "is_mean_weight", "is_frac_masked", "is_frac_truncated",
-    "distill_loss_before", "distill_loss_after", "distill_kl_before", "distill_kl_after", "distill_grad_norm",
-    "rollout_tokens", "rollout_tokens_per_s", "time_rollout", "time_reward", "time_dense_forward", "time_update",
-    "time_distill", "time_distill_measure", "time_step", "distill_time_frac",
-)
+
+def _tok(source: str = "update", key: str | None = None):
+    return field(default=None, metadata={"reduce": "token_mean", "source": source, "key": key})
+
+
+@dataclass
+class StepMetrics:
+    """One GRPO step's record (see the module doc). Rollout-side rates cover all M samples of the
+    scored groups; `*_kept` ones the kept n of the groups trained on."""
+
+    step: int = 0
+    epoch: int | None = None
+    prompts_seen: int | None = None
+    groups: int | None = None
+    groups_sampled: int | None = None
+    groups_skipped: int | None = None
+    refills: int | None = None
+    reward: float | None = None
+    reward_kept: float | None = None
+    accuracy: float | None = None
+    accuracy_kept: float | None = None
+    response_length: float | None = None
+    response_length_kept: float | None = None
+    truncated_frac: float | None = None
+    loss: float | None = None
+    entropy: float | None = _tok()
+    kl_ref: float | None = _tok()
+    kl_coef: float | None = None
+    clip_frac: float | None = _tok("loss")
+    clip_frac_low: float | None = _tok("loss")
+    clip_frac_high: float | None = _tok("loss")
+    approx_kl: float | None = _tok("loss")
+    ratio_mean: float | None = _tok("loss")
+    grad_norm: float | None = None
+    mismatch_kl: float | None = None
+    mismatch_kl_k1: float | None = None
+    mismatch_p5_ratio: float | None = None
+    is_mean_weight: float | None = _tok("correction", "mean_weight")
+    is_frac_masked: float | None = _tok("correction", "frac_masked")
+    is_frac_truncated: float | None = _tok("correction", "frac_truncated")
+    distill_loss_before: float | None = None
+    distill_loss_after: float | None = None
+    distill_kl_before: float | None = None
+    distill_kl_after: float | None = None
+    distill_grad_norm: float | None = None
+    rollout_tokens: int | None = None
+    rollout_tokens_per_s: float | None = None
+    time_rollout: float | None = None
+    time_reward: float | None = None
+    time_dense_forward: float | None = None
+    time_update: float | None = None
+    time_distill: float | None = None
+    time_distill_measure: float | None = None
+    time_step: float | None = None
+    distill_time_frac: float | None = None
+
+    def set(self, values: dict) -> None:
+        """Set fields from a dict of metric values (e.g. distillation's); an unknown name is a bug."""
+        for k, v in values.items():
+            if k not in _NAMES:
+                raise KeyError(f"{k!r} is not a StepMetrics field")
+            setattr(self, k, v)
+
+    def record(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+STEP_KEYS = tuple(f.name for f in dataclasses.fields(StepMetrics))
+_NAMES = frozenset(STEP_KEYS)
+TOKEN_MEAN = tuple(f.name for f in dataclasses.fields(StepMetrics) if f.metadata.get("reduce") == "token_mean")
+LOSS_STATS = tuple(f.name for f in dataclasses.fields(StepMetrics) if f.metadata.get("source") == "loss")
+CORRECTION_STATS = {f.name: f.metadata["key"] for f in dataclasses.fields(StepMetrics)
+                    if f.metadata.get("source") == "correction"}
 EVAL_KEYS = ("eval_accuracy", "eval_reward", "eval_response_length", "eval_tasks")
 
 PLOT_FILE = "curves.png"
@@ -46,13 +115,9 @@ def read(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
-def truncate(run_dir: str | Path, last_step: int) -> None:
-    """Drop records after `last_step` (steps logged after the checkpoint a run resumes from)."""
-    p = Path(run_dir) / "metrics.jsonl"
-    if not p.is_file():
-        return
-    keep = [line for line in p.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
-    atomic_write_text(p, "".join(line + "\n" for line in keep))
+def truncate(run_dir: str | Path, last_step: int, log=None) -> None:
+    """Drop a cut last line and the records after `last_step` (see `sparse_rl.runs.truncate_metrics`)."""
+    truncate_metrics(run_dir, last_step, log)
 
 
 _PANELS = (

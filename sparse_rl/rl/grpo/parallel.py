@@ -1,16 +1,18 @@
-"""Process plumbing for the GRPO trainer: the data-parallel group, FSDP sharding of the policy,
-per-phase timers, step seeds.
+"""Process plumbing for the GRPO trainer: FSDP sharding of the policy, per-phase timers, step seeds.
+The process group itself is `sparse_rl.distributed.Dist` (shared with indexer training).
 
-`Dist` uses accelerate's `PartialState`, so `torchrun` and `accelerate launch` both work (gloo on CPU,
-NCCL on GPUs). Two layouts, chosen by the config key `parallel`:
+Two layouts, chosen by the config key `parallel`:
 
-- `ddp` (default): every process holds the whole policy; gradients are summed with one flat
-  all-reduce per update (`reduce_grads`) instead of wrapping the model in DDP: theta and the LoRA
-  adapter phi train in turn on the same model object, and DDP's hooks assume one fixed set of
-  trainable parameters.
+- `ddp` (default): every process holds the whole policy; gradients are averaged with one flat
+  all-reduce per update (`Dist.reduce_grads`) instead of wrapping the model in DDP: theta and the
+  LoRA adapter phi train in turn on the same model object, and DDP's hooks assume one fixed set of
+  trainable parameters. The loss uses global normalisers, so the trainer scales it by
+  `Dist.grad_scale` (= world) before the backward: the average is then the sum of the processes'
+  shares, the single-process gradient on the union of their data.
 - `fsdp`: theta is sharded over the processes with PyTorch's FSDP2 (`fully_shard`); see `FSDPPolicy`.
-  Same math as `ddp` (global normalisers, summed gradients), so the two reach the same weights up
-  to float rounding (the gradient-norm clip is computed shard-wise; see tests/rl/test_grpo_fsdp.py).
+  Same math as `ddp` (global normalisers, scaled loss, averaged gradients), so the two reach the same
+  weights up to float rounding (the gradient-norm clip is computed shard-wise; see
+  tests/rl/test_grpo_fsdp.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import time
 import zlib
 
 import torch
+
+from sparse_rl.distributed import Dist  # noqa: F401  (the trainers' process group)
 
 
 def mix_seed(*parts: int) -> int:
@@ -51,99 +55,6 @@ class Timer:
                 timer.t[name] = timer.t.get(name, 0.0) + time.perf_counter() - self.t0
 
         return _Ctx()
-
-
-# ----------------------------------------------------------------------------- processes
-
-
-class Dist:
-    """Process group through accelerate's PartialState (torchrun / `accelerate launch` set it up);
-    a single process needs none. CPU runs use gloo."""
-
-    def __init__(self, device: str):
-        import os
-
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        if self.world > 1:
-            from accelerate import PartialState
-
-            state = PartialState(cpu=(device == "cpu"))
-            self.rank, self.world = state.process_index, state.num_processes
-            # plain "cpu" (not "cpu:0", which safetensors rejects); "cuda:<local rank>" on GPUs
-            self.device = torch.device("cpu") if state.device.type == "cpu" else state.device
-        else:
-            from sparse_rl.cli.common import resolve_device
-
-            self.rank = 0
-            self.device = torch.device(resolve_device(device))
-            if self.device.type == "cuda" and self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def sum(self, values: list[float]) -> list[float]:
-        if self.world == 1:
-            return list(values)
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
-        dist.all_reduce(t)
-        return t.tolist()
-
-    def max(self, values: list[float]) -> list[float]:
-        if self.world == 1:
-            return list(values)
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.tolist()
-
-    def gather(self, obj) -> list:
-        if self.world == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-    def close(self) -> None:
-        """Leave together: every rank waits for the last writes of rank 0 (plots, checkpoints), then the
-        process group is torn down explicitly rather than by interpreter exit, where a rank that leaves
-        first can break its peer's teardown."""
-        if self.world > 1:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.barrier()
-                dist.destroy_process_group()
-
-    def reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum the gradients of `params` over processes (missing grads count as zero), one all-reduce."""
-        if self.world == 1:
-            return
-        import torch.distributed as dist
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat)
-        for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
-            p.grad = g
-
-    def _comm_device(self):
-        import torch.distributed as dist
-
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 # ----------------------------------------------------------------------------- FSDP
@@ -185,9 +96,9 @@ class FSDPPolicy:
 
     Training. The policy loss and the distillation run the model's normal forward, so FSDP's hooks
     all-gather each layer before its forward/backward and free it after. The backward reduce-scatters
-    theta's gradients with a SUM (gradient divide factor 1, sum-only collectives: gloo has no
-    PREMUL_SUM/AVG): the loss already uses global token/sequence normalisers, so a sum is what
-    `ddp` mode's all-reduce computes; the trainer therefore skips its manual all-reduce for theta.
+    theta's gradients as an AVERAGE (gradient divide factor = world, done as a sum and a division
+    because gloo has no PREMUL_SUM/AVG), the same as `Dist.reduce_grads` in `ddp` mode (the trainer
+    scaled the loss by `Dist.grad_scale`); the trainer therefore skips its manual all-reduce for theta.
     AdamW and `clip_grad_norm_` run on the local shards (DTensors; the norm is a collective).
     Distillation freezes theta (requires_grad off on the sharded params; FSDP copies the flag to
     the unsharded ones on every all-gather), so only phi gets gradients.
@@ -232,8 +143,8 @@ class FSDPPolicy:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         fully_shard(base, mesh=self.mesh, ignored_params=ignored)
         for m in _fsdp_modules(model):
-            m.set_gradient_divide_factor(1.0)  # gradients are summed, the loss is globally normalised
-            m.set_force_sum_reduction_for_comms(True)
+            m.set_gradient_divide_factor(float(self.dist.world))  # an average, as Dist.reduce_grads
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no AVG/PREMUL_SUM: sum, then divide
 
     def gathered(self, model):
         """Context: every FSDP unit of `model` unsharded (full parameters in the modules) inside."""

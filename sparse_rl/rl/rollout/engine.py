@@ -1,7 +1,7 @@
 """The rollout engine: batched prefill + decode over a slot KV cache, continuous batching, log-probs.
 
     engine = RolloutEngine(model, tokenizer, max_batch=64, max_seq_len=4096)
-    outs = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=512))
+    outs = engine.generate(prompts, SamplingParams(samples=4, temperature=1.0, max_new_tokens=512))
 
 Scheduling: `max_batch` slots. A prompt is admitted when `n` slots are free; its prompt is
 prefilled once (batched with the other prompts admitted in the same round, right-padded) and the
@@ -306,7 +306,7 @@ class RolloutEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str], params: SamplingParams | None = None,
                  on_complete: Callable[[Completion], None] | None = None) -> list[Completion]:
-        """Sample `params.n` completions per prompt. Returns them ordered by (prompt, sample);
+        """Sample `params.samples` completions per prompt. Returns them ordered by (prompt, sample);
         `on_complete` is called as each one finishes. The model runs in eval mode (no dropout, e.g.
         peft's lora_dropout) and is put back in its previous mode afterwards."""
         was_training = self.model.training
@@ -319,8 +319,8 @@ class RolloutEngine:
     @torch.inference_mode()
     def _generate(self, prompts, params, on_complete) -> list[Completion]:
         p = params or SamplingParams()
-        if p.n > self.max_batch:
-            raise UsageError(f"--n {p.n} exceeds the batch of {self.max_batch} slots (raise --batch-size)")
+        if p.samples > self.max_batch:
+            raise UsageError(f"--samples {p.samples} exceeds the batch of {self.max_batch} slots (raise --max-batch)")
         if p.stop and self.tokenizer is None:
             raise UsageError("stop strings need a tokenizer")
         toks = self._encode(prompts)
@@ -331,7 +331,7 @@ class RolloutEngine:
             if len(t) >= cap:
                 raise SparseRLError(f"prompt {i}: {len(t)} tokens leave no room to generate within max_seq_len {cap}")
         cache = self._ensure_cache(max(len(t) for t in toks) + p.max_new_tokens)
-        s_max, B, n = cache.s_max, self.max_batch, p.n
+        s_max, B, n = cache.s_max, self.max_batch, p.samples
         queue = deque(range(len(toks)))
         free = deque(range(B))
         live: dict[int, _Seq] = {}
@@ -461,7 +461,7 @@ class RolloutEngine:
             lengths.append(len(t))
         logits = self.runner.prefill(cache, batch.to(self.device), lengths, [sl[0] for _, sl in admit], self.mode)
         self.stats["prefill_tokens"] += sum(lengths)
-        n = p.n
+        n = p.samples
         rids, rows, slots = [], [], []
         for r, (pi, sls) in enumerate(admit):
             cache.copy_prefix(sls[0], sls[1:], lengths[r])
@@ -480,10 +480,10 @@ def load_engine(model_dir, attention: str = "dense", device: str = "auto", dtype
                 max_seq_len: int | None = None, use_cuda_graphs: bool | None = None,
                 compile: bool | None = None) -> RolloutEngine:
     """Open a model dir (dense or sparse) and wrap it in an engine (compile: see RolloutEngine)."""
+    from sparse_rl.devices import resolve_device
     from sparse_rl.sparse.loader import load_model, load_tokenizer
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     model = load_model(model_dir, attention=attention, device=device, dtype=dtype)
     tok = load_tokenizer(model_dir)
     eng = RolloutEngine(model, tok, max_batch=max_batch, max_seq_len=max_seq_len, device=device,

@@ -111,7 +111,7 @@ class IndexerTrainConfig:
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise UsageError(f"--min-lr-ratio {self.min_lr_ratio}: must be in [0, 1]")
         if self.topk is not None and self.topk < 1:
-            raise UsageError(f"--topk must be >= 1 (got {self.topk})")
+            raise UsageError(f"--index-topk must be >= 1 (got {self.topk})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,44 +127,13 @@ def _lr_lambda(cfg: IndexerTrainConfig):
     return f
 
 
-def _all_reduce_grads(params: list[torch.Tensor], world: int) -> None:
-    """Average the gradients of `params` over the processes with one flat all-reduce."""
-    import torch.distributed as dist
-
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
-    dist.all_reduce(flat)
-    flat /= world
-    off = 0
-    for p, g in zip(params, grads):
-        n = g.numel()
-        p.grad = flat[off:off + n].view_as(p).to(p.dtype)
-        off += n
-
-
-def _state(cfg: IndexerTrainConfig):
-    """Process state from accelerate (single process when not launched by `accelerate launch`)."""
-    from accelerate import PartialState
-
-    from sparse_rl.cli.common import resolve_device
-
-    if cfg.device == "auto" or cfg.device == "cpu":
-        state = PartialState(cpu=cfg.device == "cpu")
-        dev = str(state.device)
-        return state, "cpu" if dev.startswith("cpu") else dev  # multi-process CPU reports "cpu:0"
-    device = resolve_device(cfg.device)
-    state = PartialState()
-    if state.num_processes > 1:
-        return state, str(state.device)  # one GPU per process, chosen by the launcher
-    return state, device
-
-
 def _prepare_run_dir(cfg: IndexerTrainConfig, run_dir: Path, resume: bool, force: bool):
     """Validate the run dir against resume/force; returns the checkpoint to resume from (or None)."""
     from sparse_rl.config import load_config, to_dict
-    from sparse_rl.sparse.train import checkpoint
+    from sparse_rl.runs import latest, list_checkpoints
 
-    ckpt = checkpoint.latest(run_dir) if resume else None
+    found = latest(run_dir) if resume else None
+    ckpt = found[1] if found else None
     if ckpt is not None:
         saved_file = run_dir / "config.yaml"
         if saved_file.is_file():
@@ -175,7 +144,7 @@ def _prepare_run_dir(cfg: IndexerTrainConfig, run_dir: Path, resume: bool, force
                     raise UsageError(f"--resume: {key} is {now[key]!r} but the run in {run_dir} used {saved[key]!r} "
                                      "(keep it, or start a new run dir)")
         return ckpt
-    busy = run_dir.exists() and ((run_dir / "metrics.jsonl").exists() or checkpoint.list_checkpoints(run_dir))
+    busy = run_dir.exists() and ((run_dir / "metrics.jsonl").exists() or list_checkpoints(run_dir))
     if busy and not (force or resume):  # --resume without a checkpoint yet: nothing to continue, start over
         raise UsageError(f"--run-dir {run_dir}: holds a run already (pass --resume to continue it or --force to "
                          "start over)")
@@ -189,30 +158,14 @@ def _reset_run_dir(run_dir: Path) -> None:
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines past `step` (written after the checkpoint by an interrupted run)."""
-    import json
-
-    from sparse_rl.io import atomic_write_text
-
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                keep.append(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by the interruption
-    atomic_write_text(path, "".join(x + "\n" for x in keep))
-
-
 def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, console=None) -> dict:
     """Train the indexers (and, in the sparse stage, the model); write `cfg.out`. Returns a summary."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from sparse_rl import runs
     from sparse_rl.config import save_config
-    from sparse_rl.io import append_jsonl, atomic_dir, atomic_write_json
+    from sparse_rl.distributed import Dist
+    from sparse_rl.io import append_jsonl, atomic_dir, atomic_write_json, writing
     from sparse_rl.sparse.loader import check_model_dir, load_model, load_tokenizer, save_model, set_attention
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.train import checkpoint
@@ -239,25 +192,26 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
     if cfg.topk is not None:
         sc = dataclasses.replace(sc, topk=cfg.topk)  # re-validated (sink + window <= topk)
 
-    state, device = _state(cfg)
-    world, rank, main = state.num_processes, state.process_index, state.is_main_process
+    pg = Dist(cfg.device)
+    device = str(pg.device)
+    world, rank, main = pg.world, pg.rank, pg.main
     ckpt, err = None, None
     if main:
         try:
             ckpt = _prepare_run_dir(cfg, run_dir, resume, force)
         except SparseRLError as e:
             err = e
-    if world > 1:  # rank 0 decides; every process stops on its error instead of hanging in a collective
-        import torch.distributed as dist
-
-        box = [(str(ckpt) if ckpt else None, None if err is None else (type(err).__name__, str(err)))]
-        dist.broadcast_object_list(box, src=0)
-        ckpt = Path(box[0][0]) if box[0][0] else None
-        if box[0][1] is not None and err is None:
-            kind, msg = box[0][1]
-            err = (UsageError if kind == "UsageError" else SparseRLError)(msg)
+    # rank 0 decides; every process stops on its error instead of hanging in a collective
+    box = pg.broadcast((str(ckpt) if ckpt else None, None if err is None else (type(err).__name__, str(err))))
+    ckpt = Path(box[0]) if box[0] else None
+    if box[1] is not None and err is None:
+        kind, msg = box[1]
+        err = (UsageError if kind == "UsageError" else SparseRLError)(msg)
     if err is not None:
         raise err
+    say = (lambda msg: console.print(f"[yellow]{msg}")) if console is not None else None
+    if main:
+        runs.clean_orphans(run_dir, outputs=(out,), log=say)
     if main and ckpt is None and run_dir.exists():
         _reset_run_dir(run_dir)  # allowed by _prepare_run_dir: empty, --force, or --resume with no checkpoint
     if cfg.kl_impl == "auto":  # the fused kernels on CUDA (2-3x faster on an H200), the query-chunked torch path else
@@ -311,10 +265,10 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
                 p.copy_(ck["trainable"][n])
         opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])
-        checkpoint.set_rng_state(ck["rng"])
+        runs.set_rng_state(ck["rng"])
         step, cursor = int(ck["meta"]["step"]), int(ck["meta"]["cursor"])
         if main:
-            _truncate_metrics(run_dir / "metrics.jsonl", step)
+            runs.truncate_metrics(run_dir, step, log=say)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
@@ -322,8 +276,9 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
     n_layers = len(indexed_attention(model))
     B, L = cfg.batch_size, cfg.seq_len
     grad_scale = 1.0 / (n_layers * B * L)  # the loss is the mean KL over layers and queries
-    metrics_file = run_dir / "metrics.jsonl"
-    last: dict = {}
+    metrics_file = run_dir / runs.METRICS
+    # a run killed after its last checkpoint resumes at the end: its final record is the summary's
+    last: dict = runs.last_metrics(run_dir, step) if main and ckpt is not None else {}
     lse_attention = AttentionWithLse()  # its kernel choice, made on the first step, holds for the run
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console,
@@ -346,19 +301,21 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
                 stats.v[4] += loss.detach().double()
             params = [p for p in model.parameters() if p.requires_grad]
             if world > 1:
-                _all_reduce_grads(params, world)
-                import torch.distributed as dist
-
-                dist.all_reduce(stats.v)
+                pg.reduce_grads(params)  # averaged: the loss is this process's mean
+                pg.all_sum_(stats.v)
                 stats.v[4] /= world
             gnorm = {}
             for name, group in (("indexer", idx_params), ("model", model_params)):
                 if group:
                     gnorm[name] = float(torch.nn.utils.clip_grad_norm_(group, cfg.grad_clip or float("inf")))
             lrs = [g["lr"] for g in opt.param_groups]
+            _check_finite(step + 1, stats.v, gnorm, run_dir)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
+            _check_finite(step + 1, None, {n: float(_nonfinite(g)) for n, g in (("indexer", idx_params),
+                                                                              ("model", model_params)) if g}, run_dir,
+                          what="the updated weights")
             cursor += B * world
             step += 1
             if device.startswith("cuda"):
@@ -385,10 +342,7 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
                     checkpoint.save(run_dir, step, {n: p for n, p in named_trainable.items()}, opt, sched,
                                     {"cursor": cursor, "stage": cfg.stage, "world": world, "time": time.time()},
                                     keep=cfg.keep_checkpoints)
-                if world > 1:
-                    import torch.distributed as dist
-
-                    dist.barrier()
+                pg.barrier()
 
     summary = {"out": str(out), "run_dir": str(run_dir), "stage": cfg.stage, "steps": step, "processes": world,
                "topk": sc.topk, "sparse_layers": n_layers, "last": last}
@@ -396,14 +350,31 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
         if cfg.stage == "sparse" and cfg.finetune == "lora":
             model = model.merge_and_unload()
         set_attention(model, "dense")
-        with atomic_dir(out, force=force, flag="--out") as tmp:
+        with atomic_dir(out, force=force, flag="--out") as tmp, writing(out, "--out"):
             save_model(model, tmp, tokenizer, sc)
         atomic_write_json(run_dir / "summary.json", summary)
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
+    pg.barrier()
     return summary
+
+
+def _nonfinite(params: list[torch.Tensor]) -> torch.Tensor:
+    """0.0 if every element of `params` is finite, else inf (one reduction per tensor, one sync)."""
+    bad = torch.stack([~torch.isfinite(p.detach()).all() for p in params]).any()
+    return torch.where(bad, float("inf"), 0.0)
+
+
+def _check_finite(step: int, stats, gnorm: dict, run_dir: Path, what: str = "the loss or its gradient") -> None:
+    """Stop before a non-finite value reaches the weights, a checkpoint or --out (GRPO stops the same way).
+    Every process sees the same reduced values, so all of them stop together."""
+    values = list(gnorm.values()) + ([] if stats is None else stats[[0, 4]].tolist())  # kl sum, lm loss
+    if all(math.isfinite(v) for v in values):
+        return
+    from sparse_rl.runs import latest
+
+    found = latest(run_dir)
+    where = f"the last good checkpoint is {found[1]}" if found else "no checkpoint was saved yet"
+    raise SparseRLError(f"step {step}: {what} is NaN/inf; the run stopped, {where} and nothing was written to "
+                        "--out (lower --lr, set --grad-clip, or use --dtype float32)")
 
 
 @dataclass
@@ -433,12 +404,12 @@ class IndexerEvalConfig:
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
         if self.topk is not None and self.topk < 1:
-            raise UsageError(f"--topk must be >= 1 (got {self.topk})")
+            raise UsageError(f"--index-topk must be >= 1 (got {self.topk})")
 
 
 def run_eval(cfg: IndexerEvalConfig) -> dict:
     """KL, attn_recall, oracle recall (per layer and mean) and LM loss dense vs sparse; see `hooks.evaluate`."""
-    from sparse_rl.cli.common import resolve_device
+    from sparse_rl.devices import resolve_device
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.loader import check_model_dir, load_model, load_tokenizer
     from sparse_rl.sparse.train.data import build_data
