@@ -199,7 +199,7 @@ def _prompts(seed=0, lengths=(5, 11, 3, 14, 8)):
 
 @pytest.mark.parametrize("kb,G", [(1, 4), (4, 4)])
 def test_engine_greedy_equals_hf_generate_and_logprobs_teacher_forced(sparse_dir, kb, G):
-    """More prompts than slots (continuous batching, shared prefixes with n=2), prompts ending inside a
+    """More prompts than slots (continuous batching, shared prefixes with samples=2), prompts ending inside a
     query group; the engine's decode equals HF's generate and a teacher-forced full forward."""
     from sparse_rl.rl.rollout import RolloutEngine, SamplingParams, process_logits
 
@@ -212,7 +212,7 @@ def test_engine_greedy_equals_hf_generate_and_logprobs_teacher_forced(sparse_dir
     for p, c in zip(prompts, outs):
         ref = model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert c.tokens == ref[0, len(p):].tolist()
-    params = SamplingParams(n=2, temperature=0.8, max_new_tokens=12, seed=1)
+    params = SamplingParams(samples=2, temperature=0.8, max_new_tokens=12, seed=1)
     for c in eng.generate(_prompts(1, (9, 4, 13)), params):
         ids = torch.tensor([c.prompt_tokens + c.tokens])
         with torch.no_grad():
