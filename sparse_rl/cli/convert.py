@@ -29,6 +29,9 @@ def command(
     topk_blocks: Optional[int] = typer.Option(None, help="Block selector: blocks kept per query [default: 32]"),
     sink_blocks: Optional[int] = typer.Option(None, help="Block selector: first blocks always kept [default: 1]"),
     recent_blocks: Optional[int] = typer.Option(None, help="Block selector: last blocks always kept [default: 2]"),
+    key_block: Optional[int] = typer.Option(None, help="Indexer: select keys in aligned blocks of N tokens (1 = token-level; 4, 16, 64 = page-level) [default: 1]"),
+    query_group: Optional[int] = typer.Option(None, help="Indexer: G consecutive queries share one selection (1 = per query) [default: 1]"),
+    block_score: Optional[str] = typer.Option(None, help="Indexer: a key block's score, max | mean over its tokens [default: max]"),
     seed: Optional[int] = seed_option(),
     config: Optional[Path] = CONFIG,
     set_: Optional[list[str]] = SET,
@@ -43,11 +46,14 @@ def command(
         flags = dict(selector=selector, topk=index_topk, index_heads=index_heads, index_dim=index_dim, rope_dim=rope_dim,
                      sink=sink, window=window, dense_layers=ints("--dense-layers", dense_layers),
                      block_size=block_size, topk_blocks=topk_blocks, sink_blocks=sink_blocks,
-                     recent_blocks=recent_blocks)
+                     recent_blocks=recent_blocks, key_block=key_block, query_group=query_group,
+                     block_score=block_score)
         overrides = {f"sparse.{k}": v for k, v in flags.items()}
         overrides["seed"] = seed
         cfg = load_config(ConvertConfig, config, overrides, sets=set_)
         summary = convert(src, out, cfg, force=force)
-        console.print(f"[green]wrote[/] {out}  (selector {summary['selector']}, {summary['budget']} keys/query, "
+        gran = (f", key blocks of {summary['key_block']}, query groups of {summary['query_group']}"
+                if summary["selector"] == "indexer" else "")
+        console.print(f"[green]wrote[/] {out}  (selector {summary['selector']}, {summary['budget']} keys/query{gran}, "
                       f"{len(summary['sparse_layers'])} sparse layers)")
         typer.echo(json.dumps(summary))

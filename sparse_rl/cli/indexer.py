@@ -88,6 +88,7 @@ def eval_(
                                              help="Evaluate with this many keys per query instead of the model's [default: the model's]"),
     topk_old: Optional[int] = old_spelling("--topk", "--index-topk"),
     lm_loss: Optional[bool] = typer.Option(None, "--lm-loss/--no-lm-loss", help="Also LM loss dense vs sparse [default: on]"),
+    granularities: Optional[bool] = typer.Option(None, "--granularities/--no-granularities", help="Also recall at key blocks 1/4/16/64 x query groups 1/4/16, same token budget [default: on]"),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
     config: Optional[Path] = CONFIG,
@@ -102,9 +103,13 @@ def eval_(
         index_topk = renamed(index_topk, topk_old, "--topk", "--index-topk")
         cfg = load_config(IndexerEvalConfig, config, dict(model=str(model) if model else None, data=data,
                                                           seq_len=seq_len, rows=rows, seed=seed, topk=index_topk,
-                                                          lm_loss=lm_loss, device=device, dtype=dtype), sets=set_)
+                                                          lm_loss=lm_loss, granularities=granularities, device=device,
+                                                          dtype=dtype), sets=set_)
         with console.status("evaluating the indexer"):
             res = run_eval(cfg)
         console.print(f"kl {res['kl']:.4f}  attn_recall {res['attn_recall']:.3f}  (oracle {res['oracle_recall']:.3f}, "
                       f"k={res['topk']}, L={res['seq_len']})")
+        for row in res.get("granularity", []):
+            console.print(f"  key_block {row['key_block']:>2}  query_group {row['query_group']:>2}  "
+                          f"attn_recall {row['attn_recall']:.3f}  oracle {row['oracle_recall']:.3f}")
         typer.echo(json.dumps(res))

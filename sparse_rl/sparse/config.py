@@ -11,6 +11,7 @@ from sparse_rl.errors import SparseRLError, UsageError
 SPARSE_CONFIG = "sparse_config.json"
 INDEXER_WEIGHTS = "indexer.safetensors"
 SELECTORS = ("indexer", "block")
+BLOCK_SCORES = ("max", "mean")
 
 
 @dataclass
@@ -23,6 +24,10 @@ class SparseConfig:
     sink / window: tokens always kept: the first `sink` and the last `window` (own position included).
     dense_layers: layer indices that always run dense attention (DistillSparse keeps the first two).
     block_size / topk_blocks / sink_blocks / recent_blocks: block selector (topk_blocks counts all kept blocks).
+    key_block / query_group / block_score: the indexer's selection granularity (docs/DESIGN.md, "Selection
+    granularity"): keys picked in aligned blocks of `key_block` tokens (1 = token-level DSA), scored by the
+    max or mean of their tokens' scores; `query_group` consecutive queries share one selection (1 = per
+    query). Files written before these fields existed load as 1, 1, "max".
     """
 
     selector: str = "indexer"
@@ -37,6 +42,9 @@ class SparseConfig:
     topk_blocks: int = 32
     sink_blocks: int = 1
     recent_blocks: int = 2
+    key_block: int = 1
+    query_group: int = 1
+    block_score: str = "max"
 
     def __post_init__(self):
         if self.selector not in SELECTORS:
@@ -51,8 +59,31 @@ class SparseConfig:
             raise UsageError(f"--sink ({self.sink}) + --window ({self.window}) must not exceed --index-topk ({self.topk})")
         if self.sink_blocks + self.recent_blocks > self.topk_blocks:
             raise UsageError(f"--sink-blocks + --recent-blocks must not exceed --topk-blocks ({self.topk_blocks})")
+        self._check_granularity()
         if self.rope_dim is not None and (self.rope_dim > self.index_dim or self.rope_dim % 2):
             raise UsageError(f"--rope-dim ({self.rope_dim}) must be even and <= --index-dim ({self.index_dim})")
+
+    def _check_granularity(self) -> None:
+        if self.block_score not in BLOCK_SCORES:
+            raise UsageError(f"--block-score {self.block_score}: expected one of {', '.join(BLOCK_SCORES)}")
+        for name in ("key_block", "query_group"):
+            v = getattr(self, name)
+            flag = "--" + name.replace("_", "-")
+            if v < 1 or v & (v - 1):
+                raise UsageError(f"{flag} must be a power of two >= 1 (got {v})")
+            if self.selector == "block" and v != 1:
+                raise UsageError(f"{flag} {v}: applies to --selector indexer (the block selector has --block-size)")
+            if self.topk % v:
+                raise UsageError(f"--index-topk ({self.topk}) must be a multiple of {flag} ({v})")
+        spare = self.topk - self.sink - self.window - (self.query_group - 1)
+        if self.query_group > 1 and spare < 0:
+            raise UsageError(f"--sink ({self.sink}) + --window ({self.window}) + --query-group ({self.query_group}) - 1 "
+                             f"must not exceed --index-topk ({self.topk})")
+
+    @property
+    def granular(self) -> bool:
+        """The indexer selects by key blocks or query groups (not token-level, per query)."""
+        return self.key_block > 1 or self.query_group > 1
 
     def resolved(self, head_dim: int) -> "SparseConfig":
         """A copy with defaults that depend on the model filled in (rope_dim)."""

@@ -95,5 +95,5 @@ def convert(src: str | Path, out: str | Path, cfg: ConvertConfig, force: bool = 
             n_params = sum(v.numel() for v in state.values())
             save_file(state, str(tmp / INDEXER_WEIGHTS))
     sparse_layers = [i for i in range(n_layers) if i not in sc.dense_layers]
-    return {"out": str(out), "selector": sc.selector, "budget": sc.budget, "sparse_layers": sparse_layers,
-            "indexer_params": n_params}
+    return {"out": str(out), "selector": sc.selector, "budget": sc.budget, "key_block": sc.key_block,
+            "query_group": sc.query_group, "sparse_layers": sparse_layers, "indexer_params": n_params}

@@ -8,8 +8,8 @@ else goes through the functions here:
 - `layer_state(module)`, `layer_states(model)`, `sparse_layers(model)`, `sparse_config(model)`;
 - `set_attention(model, mode, backend)` / `get_attention(model)`: the attention mode ("dense" or
   "sparse") of the whole model; the HF forward and the rollout engine both read it from here;
-- `set_topk(model, topk)`: a new top-k for every layer, validated like the config itself
-  (`sink + window <= topk`);
+- `set_topk(model, topk)`, `set_granularity(model, key_block, query_group)`: new selection settings
+  for every layer, validated like the config itself (`sink + window <= topk`, ...);
 - `select(state, q, k, index, ...)`: THE selector dispatch (indexer or block, sinks, window, left
   padding, and the ops' tie rule: among equal scores the later key wins). The registered HF attention
   (`patch.py`), the rollout engine's prefill and decode (`rl/rollout/forward.py`) and indexer training
@@ -25,7 +25,7 @@ import torch
 
 from sparse_rl.errors import SparseRLError, UsageError
 from sparse_rl.sparse.config import SparseConfig
-from sparse_rl.sparse.ops import block_select, indexer_topk, indexer_topk_decode
+from sparse_rl.sparse.ops import block_select, granular_topk, granular_topk_decode, indexer_topk, indexer_topk_decode
 
 MODES = ("dense", "sparse")
 _ATTR = "sparse_rl_layer"  # the one attribute name; read and written only here
@@ -147,13 +147,25 @@ def get_attention(model) -> str:
 def set_topk(model, topk: int) -> SparseConfig:
     """Set the indexer's top-k of every layer; returns the new config. Validated like the config
     itself: a top-k below sink + window (or below 1) is a UsageError naming the numbers."""
+    return set_selection(model, f"set_topk({topk})", topk=int(topk))
+
+
+def set_granularity(model, key_block: int = 1, query_group: int = 1, block_score: str | None = None) -> SparseConfig:
+    """Set the selection granularity of every layer (validated like the config); returns the new config."""
+    extra = {} if block_score is None else {"block_score": block_score}
+    return set_selection(model, f"set_granularity({key_block}, {query_group})", key_block=int(key_block),
+                         query_group=int(query_group), **extra)
+
+
+def set_selection(model, what: str, **changes) -> SparseConfig:
+    """Replace config fields of every layer (`dataclasses.replace`, so validated); returns the new config."""
     cfg = sparse_config(model)
     if cfg is None:
-        raise SparseRLError("set_topk: this model has no sparse selector: convert it with `sparse-rl convert` first")
+        raise SparseRLError(f"{what}: this model has no sparse selector: convert it with `sparse-rl convert` first")
     try:
-        new = replace(cfg, topk=int(topk))
+        new = replace(cfg, **changes)
     except UsageError as e:
-        raise UsageError(f"set_topk({topk}): {e}") from None
+        raise UsageError(f"{what}: {e}") from None
     for s in layer_states(model):
         if s is not None:
             s.cfg = new
@@ -199,9 +211,38 @@ class DecodeOps:
     block_select_rows = staticmethod(block_select_rows)
 
 
+def update_group(pos: torch.Tensor, q_i: torch.Tensor, w: torch.Tensor, group: tuple, query_group: int):
+    """Decode with query groups: rows whose position starts a group store their index query and
+    weights in `group` = (q_rep `[B, H_I, d_I]`, w_rep `[B, H_I]`, updated in place); the others read
+    their representative's from there. -> (q_rep, w_rep) for this step."""
+    starts = (pos % query_group == 0)
+    q_rep = torch.where(starts[:, None, None], q_i, group[0])
+    w_rep = torch.where(starts[:, None], w, group[1])
+    group[0].copy_(q_rep)
+    group[1].copy_(w_rep)
+    return q_rep, w_rep
+
+
+def _group_rows(q_rep, w_rep, k_cache, pos, S: int, c: SparseConfig, backend: str, ops) -> torch.Tensor:
+    """Decode rows of token-level query groups (key_block 1): the representative r's top-(topk - G + 1)
+    from the indexer's decode op at position r, then the group's keys r+1..pos; `[B, topk]` int32, the
+    reference's row (`ops.granular_topk_decode`), ascending, -1 padded."""
+    from sparse_rl.sparse.ops.indexer_topk.naive import group_start
+
+    G = c.query_group
+    rep = group_start(pos, torch.zeros_like(pos), G)
+    rows = ops.indexer_topk_decode(q_rep, w_rep, k_cache, rep, S, c.topk - G + 1, c.sink, c.window, backend)
+    extra = rep[:, None] + torch.arange(1, G, device=pos.device)
+    extra = torch.where(extra <= pos[:, None], extra, -1).to(rows.dtype)
+    big = torch.iinfo(torch.int32).max
+    both = torch.cat([rows, extra], -1)
+    both = torch.where(both < 0, big, both).sort(-1).values
+    return torch.where(both == big, -1, both)
+
+
 def select(st: LayerState, q: torch.Tensor, k: torch.Tensor, index: tuple | None = None, *, q_offset: int = 0,
            kv_start: torch.Tensor | None = None, pos=None, S: int | None = None, visible: torch.Tensor | None = None,
-           ops=DecodeOps) -> torch.Tensor:
+           ops=DecodeOps, history: tuple | None = None, group: tuple | None = None) -> torch.Tensor:
     """The layer's selector: which keys each query attends to (causal; the first `sink` and last
     `window` keys forced for the indexer, sink/recent blocks for the block selector).
 
@@ -215,15 +256,39 @@ def select(st: LayerState, q: torch.Tensor, k: torch.Tensor, index: tuple | None
     tensor, or host ints for the eager block selector. visible: every visible key `[B, S]`, given
     when the caller knows S <= topk (the indexer then keeps them all). ops: `DecodeOps` or the
     compiled step's equivalents.
+
+    Granularity (`cfg.key_block`, `cfg.query_group`, docs/DESIGN.md "Selection granularity"): the
+    granular selection of `ops.granular_topk`; a sequence whose first group started before q_offset
+    needs `history` = (q_I `[B, q_offset, H_I, d_I]`, w `[B, q_offset, H_I]`) of the earlier
+    positions; decode with query_group > 1 needs `group` = the rows' representative buffers
+    (`update_group`; decode rows then start at key 0, as in the rollout engine).
     """
     c = st.cfg
     if pos is None:
+        if c.selector == "indexer" and c.granular:
+            q_i, w, k_i = index
+            return granular_topk(q_i, w, k_i, c.topk, q_offset=q_offset, sink=c.sink, window=c.window,
+                                 kv_start=kv_start, key_block=c.key_block, query_group=c.query_group,
+                                 block_score=c.block_score, history=history, backend=st.backend)
         if c.selector == "indexer":
             q_i, w, k_i = index
             return indexer_topk(q_i, w, k_i, c.topk, q_offset=q_offset, sink=c.sink, window=c.window,
                                 kv_start=kv_start, backend=st.backend)
         return block_select(q, k, c.block_size, c.topk_blocks, q_offset=q_offset, sink_blocks=c.sink_blocks,
                             recent_blocks=c.recent_blocks, kv_start=kv_start, backend=st.backend)
+    if c.selector == "indexer" and c.granular:
+        q_i, w, k_cache = index
+        if c.query_group > 1:
+            if group is None:
+                raise SparseRLError(f"query_group {c.query_group}: decode needs the rows' group buffers")
+            q_i, w = update_group(torch.as_tensor(pos, device=q_i.device), q_i, w, group, c.query_group)
+        if visible is not None:
+            return visible
+        if c.key_block == 1:  # token-level groups: the indexer's own decode top-k at the representative
+            return _group_rows(q_i, w, k_cache, torch.as_tensor(pos, device=q_i.device), S, c, st.backend, ops)
+        return granular_topk_decode(q_i, w, k_cache[:, :S], torch.as_tensor(pos, device=q_i.device), c.topk,
+                                    sink=c.sink, window=c.window, key_block=c.key_block,
+                                    query_group=c.query_group, block_score=c.block_score, backend=st.backend)
     if c.selector == "indexer":
         if visible is not None:
             return visible

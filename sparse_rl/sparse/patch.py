@@ -31,6 +31,8 @@ ATTN_NAME = "sparse_rl"
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 # the indexer keys of a transformers cache that has no `srl_index_keys` method: {layer_idx: [B, S, d_I]}
 _CACHE_KEYS = "sparse_rl_index_keys"
+# with query groups, the index queries and weights of the earlier positions: {layer_idx: (q_I, w)}
+_CACHE_QUERIES = "sparse_rl_index_queries"
 
 
 _registered = False
@@ -141,6 +143,18 @@ def _index_keys(cache, layer_idx: int, k_new: torch.Tensor, S: int) -> torch.Ten
     return k_all
 
 
+def _index_history(cache, layer_idx: int, q_new: torch.Tensor, w_new: torch.Tensor):
+    """Query groups in incremental decoding: the (q_I, w) of the positions before this call (None
+    without a cache or before the first call); this call's are appended for the next one."""
+    if cache is None:
+        return None
+    store = cache.__dict__.setdefault(_CACHE_QUERIES, {})
+    prev = store.get(layer_idx)
+    store[layer_idx] = (q_new, w_new) if prev is None else (torch.cat([prev[0], q_new], 1),
+                                                            torch.cat([prev[1], w_new], 1))
+    return prev
+
+
 def select_indices(module, query, key, attention_mask, inputs: LayerInputs):
     """The layer's selection inside the HF forward. query `[B, H, T, D]`, key `[B, H_kv, S, D]` ->
     (`[B, T, K]` int32, kv_start `[B]` or None)."""
@@ -148,13 +162,15 @@ def select_indices(module, query, key, attention_mask, inputs: LayerInputs):
     h, pe, cache = inputs
     T, S = query.shape[2], key.shape[2]
     kv_start = _kv_start(attention_mask, S)
-    index = None
+    index = history = None
     if st.cfg.selector == "indexer":
         with torch.no_grad():
             q_i, w, k_i = module.indexer(h.detach(), *pe)
         index = (q_i, w, _index_keys(cache, module.layer_idx, k_i, S))
+        if st.cfg.query_group > 1:
+            history = _index_history(cache, module.layer_idx, q_i, w)
     idx = select(st, query.detach().transpose(1, 2), key.detach().transpose(1, 2), index, q_offset=S - T,
-                 kv_start=kv_start)
+                 kv_start=kv_start, history=history)
     return idx, kv_start
 
 
@@ -169,8 +185,10 @@ def sparse_rl_attention(module, query, key, value, attention_mask, dropout: floa
         if ctx is not None and getattr(module, "indexer", None) is not None and ctx.cache is not None:
             # keep the indexer key cache in step, so a dense prefill can be followed by sparse decoding
             with torch.no_grad():
-                k_i = module.indexer(ctx.hidden.detach(), *ctx.position_embeddings)[2]
+                q_i, w, k_i = module.indexer(ctx.hidden.detach(), *ctx.position_embeddings)
                 _index_keys(ctx.cache, module.layer_idx, k_i, key.shape[2])
+                if st is not None and st.cfg.query_group > 1:
+                    _index_history(ctx.cache, module.layer_idx, q_i, w)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     if ctx is None:

@@ -151,3 +151,24 @@ def test_usage_errors_are_one_line_through_the_entry_point():
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == ["error: No such option: --bogus (see 'sparse-rl convert --help')"] or \
         (len(res.stderr.strip().splitlines()) == 1 and "--bogus" in res.stderr)
+
+
+def test_convert_granularity_flags_round_trip(tiny_model_dir, tmp_path):
+    from sparse_rl.sparse.layer import sparse_config
+    from sparse_rl.sparse.loader import load_model
+
+    out = tmp_path / "gran"
+    res = _run("convert", tiny_model_dir, out, "--index-topk", "32", "--index-dim", "16", "--rope-dim", "8", "--window", "4",
+               "--sink", "2", "--key-block", "4", "--query-group", "8", "--block-score", "mean")
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert (summary["key_block"], summary["query_group"]) == (4, 8)
+    cfg = json.loads((out / "sparse_config.json").read_text())
+    assert (cfg["key_block"], cfg["query_group"], cfg["block_score"]) == (4, 8, "mean")
+    c = sparse_config(load_model(out, attention="sparse"))
+    assert (c.key_block, c.query_group, c.block_score) == (4, 8, "mean")
+    for flags, name in [(["--key-block", "3"], "--key-block"), (["--index-topk", "72", "--query-group", "16"], "--query-group"),
+                        (["--block-score", "sum"], "--block-score")]:
+        res = _run("convert", tiny_model_dir, tmp_path / "bad", "--index-topk", "128", *flags)
+        assert res.exit_code == 2 and name in _err_line(res), res.output
+        assert not (tmp_path / "bad").exists()

@@ -18,6 +18,21 @@ class KVCache:
     k: torch.Tensor
     v: torch.Tensor
     idx: torch.Tensor | None
+    # query groups (`SparseConfig.query_group` > 1): each slot's group representative's index query
+    # `[layers, slots, H_I, d_I]` and weights `[layers, slots, H_I]` (`layer.update_group`)
+    rep_q: torch.Tensor | None = None
+    rep_w: torch.Tensor | None = None
+
+    def ensure_groups(self, heads: int, dim: int) -> None:
+        """Allocate the query-group buffers (once)."""
+        if self.rep_q is None:
+            L, n = self.k.shape[:2]
+            self.rep_q = self.k.new_zeros(L, n, heads, dim)
+            self.rep_w = self.k.new_zeros(L, n, heads)
+
+    def group(self, layer: int) -> tuple | None:
+        """The layer's (q_rep, w_rep) buffers, None without query groups."""
+        return None if self.rep_q is None else (self.rep_q[layer], self.rep_w[layer])
 
     @classmethod
     def allocate(cls, layers: int, slots: int, s_max: int, kv_heads: int, head_dim: int, index_dim: int | None,
@@ -44,3 +59,6 @@ class KVCache:
         for t in (self.k, self.v, self.idx):
             if t is not None:
                 t[:, d, :length] = t[:, src:src + 1, :length]
+        for t in (self.rep_q, self.rep_w):
+            if t is not None:
+                t[:, d] = t[:, src:src + 1]

@@ -188,6 +188,8 @@ class ModelRunner:
                     q_i, w, k_i = attn.indexer(x, cos, sin)
                     cache.idx[i][slot_t, :T] = k_i
                     index = (q_i, w, k_i)
+                    if st.cfg.query_group > 1:
+                        self._store_groups(cache, i, slot_t, q_i, w, lengths, st.cfg.query_group)
                 sel = select(st, q, k, index)
                 o, _ = sparse_attention(q, k, v, sel, scale=attn.scaling, backend=st.backend)
             else:
@@ -199,8 +201,19 @@ class ModelRunner:
         last = torch.tensor([n - 1 for n in lengths], device=tokens.device)
         return self._logits(h[torch.arange(P, device=tokens.device), last])
 
+    @staticmethod
+    def _store_groups(cache, i, slot_t, q_i, w, lengths, G):
+        """Query groups: each prompt's last token's group representative (its index query and weights)
+        into the slot's group buffers, for the decode steps of the same group (`layer.update_group`)."""
+        cache.ensure_groups(q_i.shape[2], q_i.shape[3])
+        rows = torch.arange(len(lengths), device=q_i.device)
+        rep = torch.tensor([(n - 1) // G * G for n in lengths], device=q_i.device)
+        cache.rep_q[i][slot_t] = q_i[rows, rep]
+        cache.rep_w[i][slot_t] = w[rows, rep]
+
     # ---------------------------------------------------------------- decode
-    def _decode_core(self, tokens, pos, keys, k_all, v_all, idx_all, mode: str, short: bool, compiled: bool):
+    def _decode_core(self, tokens, pos, keys, k_all, v_all, idx_all, mode: str, short: bool, compiled: bool,
+                     cache=None):
         """The decode step shared by the eager and the compiled path.
 
         tokens `[B]`, pos `[B]`, keys `[S]` = arange(S) (S, the bucket, is read from its shape so
@@ -210,6 +223,7 @@ class ModelRunner:
         compiled: call our sparse ops through their opaque custom ops, and write the cache with
         `index_put_` on the whole cache tensor, which inductor does in place (through a per-layer
         view, functionalization would copy the layer's whole cache every step).
+        cache: the KVCache, for its query-group buffers (eager only: granular selection is never compiled).
         """
         B = tokens.shape[0]
         S = keys.shape[0]
@@ -261,7 +275,8 @@ class ModelRunner:
                     pos_list = pos.tolist() if pos_list is None else pos_list
                 # with no more visible keys than top-k the indexer keeps them all (`short`)
                 sel = select(st, q, k_all[i], index, pos=pos if compiled or index is not None else pos_list,
-                             S=S, visible=all_idx if short else None, ops=C if compiled else DecodeOps)
+                             S=S, visible=all_idx if short else None, ops=C if compiled else DecodeOps,
+                             group=cache.group(i) if cache is not None else None)
                 o = self._attend(q, k_all[i], v_all[i], sel, attn.scaling, st.backend, compiled)
             elif self.dense_impl == "index":
                 o = self._attend(q, k_all[i], v_all[i], all_idx, attn.scaling, "auto", compiled)
@@ -315,7 +330,7 @@ class ModelRunner:
     def decode_eager(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, S: int, mode: str) -> torch.Tensor:
         """tokens `[B]` (B = all slots), pos `[B]` (each slot's position for this token) -> logits `[B, V]`."""
         return self._decode_core(tokens, pos, torch.arange(S, device=tokens.device), cache.k, cache.v, cache.idx, mode,
-                                 self._short(S, mode), False)
+                                 self._short(S, mode), False, cache=cache)
 
     def _compiled_fn(self, mode: str, short: bool):
         key = (mode, short)
@@ -356,7 +371,7 @@ class ModelRunner:
     def _step(self, cache, tokens, pos, S, mode):
         """One decode step, compiled when enabled; a failed compilation falls back to the eager step
         for good and leaves its reason in `compile_error`."""
-        if self.compile:
+        if self.compile and not self._granular(mode):
             try:
                 return self.decode_compiled(cache, tokens, pos, S, mode)
             except Exception as e:
@@ -373,9 +388,14 @@ class ModelRunner:
         if self.is_cuda:
             torch.cuda.synchronize()
 
+    def _granular(self, mode: str) -> bool:
+        """Granular selection (key blocks, query groups) runs its eager PyTorch reference: no compile, no graphs."""
+        return mode == "sparse" and any(s is not None and s.cfg.granular for s in self.states)
+
     def graphable(self, mode: str) -> bool:
-        """Block selection is per row with host-side positions, so it runs without graphs."""
-        if not self.use_graphs:
+        """Block selection is per row with host-side positions, so it runs without graphs; nor does
+        granular selection (`_granular`)."""
+        if not self.use_graphs or self._granular(mode):
             return False
         return not (mode == "sparse" and any(s is not None and s.cfg.selector == "block" for s in self.states))
 

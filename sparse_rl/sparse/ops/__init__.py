@@ -16,14 +16,15 @@ from sparse_rl.sparse.ops.decode_fused.naive import add_rmsnorm_naive, qk_norm_r
 from sparse_rl.sparse.ops.indexer_decode.naive import indexer_decode_naive
 from sparse_rl.sparse.ops.indexer_kl.naive import KLStats, dense_lse, selected_kl
 from sparse_rl.sparse.ops.indexer_kl.naive import warmup_kl as warmup_kl_naive
-from sparse_rl.sparse.ops.indexer_topk.naive import (indexer_scores_naive, indexer_topk_decode_naive, indexer_topk_naive,
+from sparse_rl.sparse.ops.indexer_topk.naive import (granular_topk_decode_naive, granular_topk_naive,
+                                                     indexer_scores_naive, indexer_topk_decode_naive, indexer_topk_naive,
                                                      visible_mask)
 from sparse_rl.sparse.ops.sparse_attention.naive import (dense_attention_naive, shared_to_per_query,
                                                          sparse_attention_naive)
 
 __all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_topk_decode", "indexer_scores", "indexer_decode",
-           "block_select", "visible_mask", "dense_attention_naive", "kernel", "warmup_kl", "selected_kl", "dense_lse",
-           "KLStats", "add_rmsnorm", "qk_norm_rope_cache"]
+           "block_select", "visible_mask", "granular_topk", "granular_topk_decode", "dense_attention_naive", "kernel",
+           "warmup_kl", "selected_kl", "dense_lse", "KLStats", "add_rmsnorm", "qk_norm_rope_cache"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,6 +87,27 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     return indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start)
 
 
+def granular_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk: int, *, q_offset: int = 0,
+                  sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None, key_block: int = 1,
+                  query_group: int = 1, block_score: str = "max", history: tuple | None = None,
+                  backend: str = "auto"):
+    """Indexer selection at a granularity: whole key blocks of `key_block` tokens, one selection per
+    group of `query_group` queries (docs/DESIGN.md "Selection granularity"). Shapes as `indexer_topk`
+    (history: the earlier positions' (q_I, w) when a group started before q_offset) -> `[B, T, topk]`
+    int32 token positions. The PyTorch reference only, on every backend, until a kernel is written."""
+    return granular_topk_naive(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window, kv_start=kv_start,
+                               key_block=key_block, query_group=query_group, block_score=block_score, history=history)
+
+
+def granular_topk_decode(q_rep: torch.Tensor, w_rep: torch.Tensor, k_idx: torch.Tensor, pos: torch.Tensor, topk: int,
+                         *, sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None, key_block: int = 1,
+                         query_group: int = 1, block_score: str = "max", backend: str = "auto"):
+    """Decode form of `granular_topk`: q_rep `[B, H_I, D_I]`, w_rep `[B, H_I]` of each row's group
+    representative, k_idx `[B, S, D_I]`, pos `[B]` -> `[B, topk]` int32 (PyTorch reference only)."""
+    return granular_topk_decode_naive(q_rep, w_rep, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start,
+                                      key_block=key_block, query_group=query_group, block_score=block_score)
+
+
 def indexer_decode(zq: torch.Tensor, zk: torch.Tensor, zw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, eps: float, rope_dim: int,
                    pos: torch.Tensor, k_cache: torch.Tensor, *, backend: str = "auto"):
@@ -119,19 +141,23 @@ def block_select(q: torch.Tensor, k: torch.Tensor, block_size: int, topk_blocks:
 def warmup_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, *,
               scale: float, indices: torch.Tensor | None = None, q_offset: int = 0,
               kv_start: torch.Tensor | None = None, chunk: int | None = None, grad_scale: float | None = None,
-              lse: torch.Tensor | None = None, oracle: bool = False, backend: str = "auto") -> KLStats:
+              lse: torch.Tensor | None = None, oracle: bool = False, key_block: int = 1, query_group: int = 1,
+              block_score: str = "max", backend: str = "auto") -> KLStats:
     """The indexer's warm-up loss of one layer, KL(dense attention || softmax(indexer scores)) summed over
     queries (contract: `indexer_kl/naive.py:warmup_kl`). q `[B, H, T, D]`, k `[B, H_kv, S, D]`, q_idx
     `[B, T, H_I, D_I]`, w `[B, T, H_I]`, k_idx `[B, S, D_I]` -> KLStats; with grad_scale the gradients
     are back-propagated into the indexer outputs. Triton: the fused kernel (rows without left padding,
     no oracle; lse `[B, H, T]`, the dense log-sum-exp, skips its dense pass when given); torch: the
-    query-chunked reference (chunk: queries per chunk)."""
+    query-chunked reference (chunk: queries per chunk). key_block / query_group / block_score: the target
+    at a selection granularity (`naive.granular_target`), on the reference (the fused kernel is token-level)."""
     fn = kernel("indexer_kl", "warmup_kl_triton")
-    if kv_start is None and not oracle and resolve_backend(backend, q, fn is not None) == "triton":
+    gran = key_block > 1 or query_group > 1
+    if kv_start is None and not oracle and not gran and resolve_backend(backend, q, fn is not None) == "triton":
         return fn(q, k, q_idx, w, k_idx, scale=scale, indices=indices, q_offset=q_offset, grad_scale=grad_scale,
                   lse=lse)
     return warmup_kl_naive(q, k, q_idx, w, k_idx, scale=scale, indices=indices, q_offset=q_offset, kv_start=kv_start,
-                           chunk=chunk, grad_scale=grad_scale, oracle=oracle)
+                           chunk=chunk, grad_scale=grad_scale, oracle=oracle, key_block=key_block,
+                           query_group=query_group, block_score=block_score)
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,

@@ -187,6 +187,12 @@ def indexed_attention(model) -> list:
     return [m for m in sparse_layers(model) if getattr(m, "indexer", None) is not None]
 
 
+def granularity(module) -> dict:
+    """The layer's selection granularity as `ops.warmup_kl` keywords (its target follows the selection)."""
+    c = layer_state(module).cfg
+    return dict(key_block=c.key_block, query_group=c.query_group, block_score=c.block_score)
+
+
 def _select(module, query, key, index, q_offset: int) -> torch.Tensor:
     """The layer's own selection (`layer.select`) for a captured call: query `[B, H, T, D]`, key
     `[B, H_kv, S, D]`, index = the indexer's (q_I, w, k_I) -> `[B, T, K]` int32."""
@@ -209,7 +215,7 @@ class StepStats:
         self.v[1] += st.n
         if st.recall is not None:
             self.v[2] += st.recall
-            self.v[3] += st.n
+            self.v[3] += st.n_recall
 
 
 def warmup_forward(model, ids: torch.Tensor, stats: StepStats, grad_scale: float, chunk: int | None = None,
@@ -237,7 +243,8 @@ def warmup_forward(model, ids: torch.Tensor, stats: StepStats, grad_scale: float
                 idx = _select(module, query, key, (q_i.detach(), w.detach(), k_i.detach()), q_offset)
         with torch.enable_grad():
             st = warmup_kl(query.detach(), key.detach(), q_i, w, k_i, scale=module.scaling, indices=idx,
-                           q_offset=q_offset, chunk=chunk, grad_scale=grad_scale, lse=lse, backend=impl)
+                           q_offset=q_offset, chunk=chunk, grad_scale=grad_scale, lse=lse, backend=impl,
+                           **granularity(module))
         stats.add(st)
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -268,21 +275,47 @@ def sparse_forward(model, ids: torch.Tensor, stats: StepStats, grad_scale: float
     return out.loss
 
 
+# the granularities `evaluate` reports recall at (the same token budget each): key blocks x query groups
+GRID_KEY_BLOCKS, GRID_QUERY_GROUPS = (1, 4, 16, 64), (1, 4, 16)
+
+
+def _granular_states(st) -> dict:
+    """{(key_block, query_group): a copy of the layer state at that granularity} for the grid points
+    the layer's config allows (top-k a multiple of both, room for the group)."""
+    from dataclasses import replace
+
+    from sparse_rl.errors import UsageError
+
+    out = {}
+    for kb in GRID_KEY_BLOCKS:
+        for g in GRID_QUERY_GROUPS:
+            try:
+                out[(kb, g)] = replace(st, cfg=replace(st.cfg, key_block=kb, query_group=g))
+            except UsageError:
+                continue
+    return out
+
+
 @torch.no_grad()
-def evaluate(model, rows: torch.Tensor, *, chunk: int | None = None, lm_loss: bool = True) -> dict:
+def evaluate(model, rows: torch.Tensor, *, chunk: int | None = None, lm_loss: bool = True,
+             granularities: bool = True) -> dict:
     """Indexer quality on token rows `[N, L]` (one row at a time, model left in dense mode).
 
-    Returns mean `kl` (warm-up KL to the dense target), `attn_recall` (dense attention mass inside
-    the indexer's selection: top-k + sinks + window), `oracle_recall` (the best any k keys could
-    reach: the target's own top-k), per layer and averaged over layers and queries; with `lm_loss`,
-    the LM loss of the same rows in dense and in sparse mode.
+    Returns mean `kl` (warm-up KL to the dense target, at the model's granularity), `attn_recall`
+    (dense attention mass inside the indexer's selection: top-k + sinks + window), `oracle_recall`
+    (the best any selection of that granularity and budget could reach), per layer and averaged over
+    layers and queries; with `granularities`, `granularity`: the same two recalls at every key block
+    x query group of the grid the top-k allows, at the same token budget (what speed costs); with
+    `lm_loss`, the LM loss of the same rows in dense and in sparse mode.
     """
     from sparse_rl.sparse.layer import get_attention, set_attention
     from sparse_rl.sparse.ops import warmup_kl
+    from sparse_rl.sparse.ops.indexer_kl.naive import recall_table
 
     was = get_attention(model)
     set_attention(model, "dense")
     per_layer: dict[int, torch.Tensor] = {}
+    grid: dict[tuple, list] = {}
 
     def on_layer(module, query, key, stash):
         h, pe, _ = stash
@@ -290,10 +323,19 @@ def evaluate(model, rows: torch.Tensor, *, chunk: int | None = None, lm_loss: bo
         q_offset = key.shape[2] - query.shape[2]
         idx = _select(module, query, key, (q_i, w, k_i), q_offset)
         st = warmup_kl(query, key, q_i, w, k_i, scale=module.scaling, indices=idx, q_offset=q_offset, chunk=chunk,
-                       oracle=True, backend="torch")
-        acc = per_layer.setdefault(module.layer_idx, torch.zeros(4, dtype=torch.float64, device=query.device))
-        acc += torch.stack([st.kl, st.recall, st.oracle, torch.tensor(float(st.n), dtype=torch.float64,
-                                                                         device=query.device)])
+                       oracle=True, backend="torch", **granularity(module))
+        acc = per_layer.setdefault(module.layer_idx, torch.zeros(5, dtype=torch.float64, device=query.device))
+        acc += torch.tensor([float(st.kl), float(st.recall), float(st.oracle), st.n, st.n_recall],
+                            dtype=torch.float64, device=query.device)
+        if granularities:
+            q, k = query.transpose(1, 2), key.transpose(1, 2)
+            sel = {g: select(s, q, k, (q_i, w, k_i), q_offset=q_offset)
+                   for g, s in _granular_states(layer_state(module)).items()}
+            sums, n = recall_table(query, key, module.scaling, sel, layer_state(module).cfg.topk, q_offset=q_offset,
+                                   chunk=chunk)
+            for g, (r, o) in sums.items():
+                a = grid.setdefault(g, [0.0, 0.0, 0])
+                a[0], a[1], a[2] = a[0] + r, a[1] + o, a[2] + n
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     dense_loss, sparse_loss = [], []
@@ -308,10 +350,13 @@ def evaluate(model, rows: torch.Tensor, *, chunk: int | None = None, lm_loss: bo
             sparse_loss.append(float(model(input_ids=ids, labels=ids, use_cache=False).loss))
             set_attention(model, "dense")
     set_attention(model, was)
-    layers = {i: {"kl": float(v[0] / v[3]), "attn_recall": float(v[1] / v[3]), "oracle_recall": float(v[2] / v[3])}
+    layers = {i: {"kl": float(v[0] / v[3]), "attn_recall": float(v[1] / v[4]), "oracle_recall": float(v[2] / v[4])}
               for i, v in sorted(per_layer.items())}
     out = {k: sum(x[k] for x in layers.values()) / len(layers) for k in ("kl", "attn_recall", "oracle_recall")}
     out["layers"] = layers
+    if granularities:
+        out["granularity"] = [{"key_block": kb, "query_group": g, "attn_recall": a[0] / a[2],
+                               "oracle_recall": a[1] / a[2]} for (kb, g), a in sorted(grid.items())]
     if lm_loss:
         out["lm_loss_dense"] = sum(dense_loss) / len(dense_loss)
         out["lm_loss_sparse"] = sum(sparse_loss) / len(sparse_loss)

@@ -383,6 +383,7 @@ class IndexerEvalConfig:
 
     seed: data seed (for `synthetic`, pick one the training run did not use: rows depend on it).
     topk: evaluate at this k instead of the model's (e.g. L/8).
+    granularities: also report recall at every key block x query group the top-k allows (`hooks.evaluate`).
     """
 
     model: str = ""
@@ -393,6 +394,7 @@ class IndexerEvalConfig:
     topk: int | None = None
     chunk_size: int = 0
     lm_loss: bool = True
+    granularities: bool = True
     device: str = "auto"
     dtype: str = "auto"
     backend: str = "auto"
@@ -430,6 +432,6 @@ def run_eval(cfg: IndexerEvalConfig) -> dict:
     rows = data.rows(0, min(cfg.rows, len(data))).to(device)
     model = load_model(cfg.model, attention="dense", device=device, dtype=cfg.dtype, backend=cfg.backend)
     set_topk(model, sc.topk)
-    res = evaluate(model, rows, chunk=cfg.chunk_size or None, lm_loss=cfg.lm_loss)
+    res = evaluate(model, rows, chunk=cfg.chunk_size or None, lm_loss=cfg.lm_loss, granularities=cfg.granularities)
     return {"model": cfg.model, "data": cfg.data, "rows": int(rows.shape[0]), "seq_len": cfg.seq_len,
             "topk": sc.topk, **res}

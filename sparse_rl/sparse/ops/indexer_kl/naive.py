@@ -15,6 +15,12 @@ against softmax over Sel(t) of the indexer scores.
 attn_recall of a query: the share of its dense attention mass inside the selected set, averaged
 over heads: (1/H) sum_h exp(lse_sel_h - lse_dense_h) = sum_{s in Sel} p_t(s).
 
+Granularity (`key_block` kb, `query_group` G; docs/DESIGN.md "Selection granularity"): the target is
+aggregated the way the selection is made. A group's representative r (its first query) is trained
+on the group's target, the members' mean dense distribution over the keys r sees, renormalised;
+with key blocks the target of block j is the sum of that over j's tokens, against the softmax over
+blocks of the representative's pooled (max | mean) indexer scores. One loss term per group.
+
 Queries are processed in chunks of Tc; a chunk only sees the keys up to its last query, so the
 largest live block is `[B, H, Tc, S]`, linear in S at a fixed Tc. When gradients are wanted the
 indexer outputs are cut into leaf tensors, every chunk is back-propagated at once into them, and
@@ -28,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_rl.sparse.ops.indexer_topk.naive import indexer_scores_naive as indexer_scores, visible_mask
+from sparse_rl.sparse.ops.indexer_topk.naive import indexer_scores_naive as indexer_scores, pool_blocks, visible_mask
 
 # Elements of the largest fp32 block per chunk (`[B, H, Tc, S]`): 256 MiB on the CPU, 1 GiB on CUDA.
 CPU_BUDGET, CUDA_BUDGET = 1 << 26, 1 << 28
@@ -42,6 +48,11 @@ class KLStats:
     recall: torch.Tensor | None
     n: int
     oracle: torch.Tensor | None = None  # recall of the best possible K keys (top-K of the target itself)
+    n_queries: int | None = None  # queries the recall sums run over, where it differs from n (query groups)
+
+    @property
+    def n_recall(self) -> int:
+        return self.n if self.n_queries is None else self.n_queries
 
 
 def auto_chunk(B: int, width: int, S: int, device: torch.device, budget: int | None = None) -> int:
@@ -145,10 +156,56 @@ class _Leaves:
             torch.autograd.backward([s for s, _ in pairs], [g for _, g in pairs])
 
 
+def granular_target(p: torch.Tensor, scores: torch.Tensor, pos0: int, key_block: int, query_group: int,
+                    block_score: str = "max"):
+    """The warm-up KL's rows at a granularity (module docstring), for queries at pos0.. (pos0 a multiple
+    of G, no left padding). p `[B, Tc, S]` dense targets, scores `[B, Tc, S]` indexer scores (-inf
+    where not visible) -> (target, scores, valid), each `[B, ceil(Tc / G), N]`: N = S keys, or blocks."""
+    B, Tc, S = p.shape
+    G, kb = query_group, key_block
+    ng = -(-Tc // G)
+    pad = ng * G - Tc
+    members = torch.ones(Tc, device=p.device, dtype=p.dtype)
+    if pad:
+        p = torch.cat([p, p.new_zeros(B, pad, S)], 1)
+        members = torch.cat([members, members.new_zeros(pad)])
+    tgt = p.view(B, ng, G, S).sum(2) / members.view(ng, G).sum(1)[None, :, None]
+    rep = scores[:, ::G]  # [B, ng, S]
+    s = torch.arange(S, device=p.device)
+    vis = s[None, None] <= (pos0 + torch.arange(ng, device=p.device) * G)[None, :, None]
+    tgt = tgt * vis
+    tgt = tgt / tgt.sum(-1, keepdim=True).clamp(min=torch.finfo(tgt.dtype).tiny)
+    if kb == 1:
+        return tgt, rep, vis.expand(B, ng, S)
+    nb = -(-S // kb)
+    bid = (s // kb).view(1, 1, S)
+    tgt_b = tgt.new_zeros(B, ng, nb).scatter_add(-1, bid.expand(B, ng, S), tgt)
+    vis_b = tgt.new_zeros(1, ng, nb).scatter_add(-1, bid.expand(1, ng, S), vis.to(tgt.dtype)) > 0  # r sees a token
+    return tgt_b, pool_blocks(rep, vis.expand(B, ng, S), bid, nb, block_score), vis_b.expand(B, ng, nb)
+
+
+def granular_oracle(p: torch.Tensor, budget: int, key_block: int, query_group: int) -> torch.Tensor:
+    """Recall sum of the best selection of `budget // key_block` whole key blocks shared by each group
+    of `query_group` queries (chosen by the group's summed target mass): the ceiling of a selection
+    at that granularity. p `[B, Tc, S]` dense targets of queries starting a group -> scalar sum."""
+    B, Tc, S = p.shape
+    G, kb = query_group, key_block
+    ng, nb = -(-Tc // G), -(-S // kb)
+    pp = torch.cat([p, p.new_zeros(B, ng * G - Tc, S)], 1) if ng * G > Tc else p
+    bid = (torch.arange(S, device=p.device) // kb).view(1, 1, S)
+    mass = pp.view(B, ng, G, S).sum(2)
+    mass_b = mass.new_zeros(B, ng, nb).scatter_add(-1, bid.expand(B, ng, S), mass)
+    top = mass_b.topk(min(nb, max(1, budget // kb)), -1).indices
+    chosen = torch.zeros(B, ng, nb, dtype=torch.bool, device=p.device).scatter(-1, top, True)
+    keep = chosen.gather(-1, bid.expand(B, ng, S)).repeat_interleave(G, 1)[:, :Tc]
+    return (p * keep).sum().double()
+
+
 def warmup_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, *,
               scale: float, indices: torch.Tensor | None = None, q_offset: int = 0,
               kv_start: torch.Tensor | None = None, chunk: int | None = None,
-              grad_scale: float | None = None, oracle: bool = False) -> KLStats:
+              grad_scale: float | None = None, oracle: bool = False, key_block: int = 1, query_group: int = 1,
+              block_score: str = "max") -> KLStats:
     """Dense warm-up loss of one layer: sum over queries of KL(dense target || softmax(indexer)).
 
     Args:
@@ -159,18 +216,26 @@ def warmup_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Te
         grad_scale: if set (and the indexer outputs require grad), back-propagate
             `grad_scale * KL-sum` into the indexer chunk by chunk, before returning.
         oracle: with `indices`, also sum the recall of the K keys of highest target mass (the
-            ceiling for any selection of K keys).
+            ceiling for any selection of K keys; at a granularity: `granular_oracle`).
+        key_block / query_group / block_score: the granularity of the target (module docstring);
+            query groups need rows without left padding and q_offset a multiple of query_group.
     Returns:
-        KLStats with the KL sum, the recall sum (or None) and the number of queries with a key.
+        KLStats with the KL sum, the recall sum (or None) and the number of queries with a key (of
+        groups, with query_group > 1; recall and oracle stay per query).
     """
     B, H, T, _ = q.shape
+    G, gran = query_group, key_block > 1 or query_group > 1
+    if gran and (kv_start is not None or q_offset % G):
+        raise ValueError("a granular warm-up KL needs rows without left padding and q_offset a multiple of query_group")
     chunk = chunk or auto_chunk(B, H, k.shape[2], q.device)
+    chunk = -(-chunk // G) * G
     lv = _Leaves((q_idx, w, k_idx), grad_scale is not None)
     qi, wi, ki = lv.leaves
     kl_sum = torch.zeros((), dtype=torch.float64, device=q.device)
     rec_sum = torch.zeros((), dtype=torch.float64, device=q.device) if indices is not None else None
     orc_sum = torch.zeros((), dtype=torch.float64, device=q.device) if indices is not None and oracle else None
     n = torch.zeros((), dtype=torch.long, device=q.device)  # on the device: no host sync per chunk
+    nq = torch.zeros((), dtype=torch.long, device=q.device)
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
         Sc = min(k.shape[2], q_offset + t1)
@@ -178,19 +243,27 @@ def warmup_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Te
             p = dense_target(q.detach(), k.detach(), scale, t0, t1, q_offset, kv_start)
             vis = visible_mask(B, t1 - t0, Sc, q_offset, kv_start, q.device, t0)
             has = vis.any(-1)
-            n += has.sum()
+            nq += has.sum()
             if indices is not None:
                 idx = indices[:, t0:t1].long()
                 got = p.gather(-1, idx.clamp(0, Sc - 1)) * (idx >= 0)
                 rec_sum += (got.sum(-1) * has).sum().double()
-                if orc_sum is not None:
+                if orc_sum is not None and gran:
+                    orc_sum += granular_oracle(p, indices.shape[-1], key_block, G)
+                elif orc_sum is not None:
                     orc_sum += p.topk(min(indices.shape[-1], Sc), -1).values.sum().double()
         scores = indexer_scores(qi[:, t0:t1], wi[:, t0:t1], ki[:, :Sc], q_offset=q_offset, kv_start=kv_start, t0=t0)
-        kl = _kl_rows(p, scores, vis).sum()
+        if gran:
+            tgt, scores, vis = granular_target(p, scores, q_offset + t0, key_block, G, block_score)
+            n += B * tgt.shape[1]
+            kl = _kl_rows(tgt, scores, vis).sum()
+        else:
+            n += has.sum()
+            kl = _kl_rows(p, scores, vis).sum()
         kl_sum += kl.detach().double()
         lv.backward_chunk(kl * grad_scale if grad_scale is not None else kl)
     lv.finish()
-    return KLStats(kl_sum, rec_sum, int(n), orc_sum)
+    return KLStats(kl_sum, rec_sum, int(n), orc_sum, int(nq) if gran else None)
 
 
 def selected_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor,
@@ -245,3 +318,26 @@ def selected_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.
         lv.backward_chunk(kl * grad_scale if grad_scale is not None else kl)
     lv.finish()
     return KLStats(kl_sum, rec_sum, int(n))
+
+
+def recall_table(q: torch.Tensor, k: torch.Tensor, scale: float, selections: dict, budget: int, *,
+                 q_offset: int = 0, chunk: int | None = None) -> tuple[dict, int]:
+    """attn_recall sums of several selections and of their granularity's oracle, over one dense pass.
+
+    q `[B, H, T, D]`, k `[B, H_kv, S, D]` (no left padding); selections {(key_block, query_group):
+    indices `[B, T, K]`}; budget: the token budget of the oracles (`granular_oracle`) ->
+    ({key: (recall sum, oracle sum)} float, number of queries)."""
+    B, H, T, _ = q.shape
+    G = max(g for _, g in selections) if selections else 1
+    chunk = -(-(chunk or auto_chunk(B, H, k.shape[2], q.device)) // G) * G
+    sums = {key: [0.0, 0.0] for key in selections}
+    with torch.no_grad():
+        for t0 in range(0, T, chunk):
+            t1 = min(T, t0 + chunk)
+            p = dense_target(q, k, scale, t0, t1, q_offset)
+            Sc = p.shape[-1]
+            for (kb, g), indices in selections.items():
+                idx = indices[:, t0:t1].long()
+                sums[(kb, g)][0] += float((p.gather(-1, idx.clamp(0, Sc - 1)) * (idx >= 0)).sum())
+                sums[(kb, g)][1] += float(granular_oracle(p, budget, kb, g))
+    return {key: tuple(v) for key, v in sums.items()}, B * T

@@ -125,3 +125,170 @@ def indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk: int, *, sink: int = 0,
         _, s, start = _positions(B, 1, S, 0, kv_start, k_idx.device)
         p = torch.as_tensor(pos, device=k_idx.device).long().view(B, 1, 1)
         return select_topk(scores, *_visible_forced(p, s, start, sink, window), topk)[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# granular selection (key blocks, query groups): the reference of docs/DESIGN.md "Selection granularity"
+
+
+def group_start(pos: torch.Tensor, start: torch.Tensor, query_group: int) -> torch.Tensor:
+    """The representative (first) position of each query's group: groups of `query_group` positions
+    counted from the row's first valid key `start` (so left padding does not move them)."""
+    rel = (pos - start).clamp(min=0)
+    return torch.where(pos >= start, start + rel // query_group * query_group, pos)
+
+
+def mask_to_rows(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """`[..., S]` bool -> `[..., width]` int32 positions of the set entries, ascending, -1 padded
+    (at most `width` entries may be set)."""
+    S = mask.shape[-1]
+    big = torch.iinfo(torch.int32).max
+    s = torch.arange(S, device=mask.device, dtype=torch.int32)
+    idx = torch.where(mask, s, torch.full_like(s, big)).sort(-1).values[..., :width]
+    idx = torch.where(idx == big, torch.full_like(idx, -1), idx)
+    if idx.shape[-1] < width:
+        idx = torch.cat([idx, idx.new_full((*idx.shape[:-1], width - idx.shape[-1]), -1)], -1)
+    return idx
+
+
+def pool_blocks(scores: torch.Tensor, visible: torch.Tensor, bid: torch.Tensor, n_blocks: int,
+                block_score: str) -> torch.Tensor:
+    """Block scores `[B, T, NB]` from token scores `[B, T, S]` over each block's `visible` tokens
+    (max or mean); bid `[B, 1, S]` the block of every key (-1 = before the row's start); -inf for a
+    block with no visible token."""
+    B, T, S = scores.shape
+    b = bid.clamp(min=0).expand(B, T, S)
+    keep = visible & (bid >= 0)
+    s = scores if scores.dtype == torch.float64 else scores.float()
+    if block_score == "max":
+        out = s.new_full((B, T, n_blocks), float("-inf"))
+        return out.scatter_reduce(-1, b, s.masked_fill(~keep, float("-inf")), "amax", include_self=True)
+    tot = s.new_zeros(B, T, n_blocks).scatter_add(-1, b, s.masked_fill(~keep, 0.0))
+    cnt = s.new_zeros(B, T, n_blocks).scatter_add(-1, b, keep.to(s.dtype))
+    return torch.where(cnt > 0, tot / cnt.clamp(min=1), torch.full_like(tot, float("-inf")))
+
+
+def granular_select_core(scores: torch.Tensor, pos: torch.Tensor, rep: torch.Tensor, start: torch.Tensor, topk: int,
+                         *, sink: int, window: int, key_block: int, query_group: int,
+                         block_score: str) -> torch.Tensor:
+    """The granular rule, given the representative queries' scores.
+
+    scores `[B, T, S]`: indexer scores of each query's representative (group start) `rep [B, T]` over
+    all keys; pos `[B, T]` the queries' positions; start `[B, 1]` the rows' first valid key.
+    A group whose last member sees <= topk keys keeps every visible key. Otherwise the representative
+    keeps its `sink` first and `window` last visible keys plus the best `(topk - G + 1 - sink - window)
+    // key_block` whole key blocks (aligned from `start`, scored by max/mean over the block's tokens it
+    sees; ties to the later block) among blocks with a token it sees and does not force; every member
+    then adds the group's keys after the representative up to itself. -> `[B, T, topk]` int32.
+    """
+    B, T, S = scores.shape
+    G, kb = query_group, key_block
+    s = torch.arange(S, device=scores.device).view(1, 1, S)
+    p, r, st = pos[..., None], rep[..., None], start.view(B, 1, 1)
+    vis_r = (s <= r) & (s >= st)
+    forced = vis_r & ((s < st + sink) | (s > r - window))
+    budget = topk - (G - 1)
+    if kb == 1:
+        top = select_topk(scores, vis_r, forced, budget).long()
+        sel = torch.zeros(B, T, S + 1, dtype=torch.bool, device=scores.device)
+        sel.scatter_(-1, torch.where(top >= 0, top, S), True)
+        sel = sel[..., :S]
+    else:
+        n_blocks = (S + kb - 1) // kb
+        bid = torch.where(s >= st, (s - st) // kb, -1)
+        cand = torch.zeros(B, T, n_blocks + 1, dtype=torch.bool, device=scores.device)
+        cand.scatter_(-1, torch.where((vis_r & ~forced) & (bid >= 0), bid, n_blocks).expand(B, T, S), True)
+        pooled = pool_blocks(scores, vis_r, bid, n_blocks, block_score)
+        nb = max(0, (budget - sink - window) // kb)
+        chosen = select_topk(pooled, cand[..., :n_blocks], torch.zeros_like(cand[..., :n_blocks]), nb).long()
+        blk = torch.zeros(B, T, n_blocks + 1, dtype=torch.bool, device=scores.device)
+        blk.scatter_(-1, torch.where(chosen >= 0, chosen, n_blocks), True)
+        sel = forced | (blk.gather(-1, bid.clamp(min=0).expand(B, T, S)) & vis_r & (bid >= 0))
+    short = (r + G - 1 - st + 1) <= topk
+    sel = torch.where(short, vis_r, sel) | (s > r)
+    return mask_to_rows(sel & (s <= p) & (s >= st), topk)
+
+
+def _raw_scores(q_idx, w, k_idx) -> torch.Tensor:
+    """Indexer scores without masks: q_idx `[B, T, H_I, D_I]`, w `[B, T, H_I]`, k_idx `[B, S, D_I]` -> `[B, T, S]`."""
+    acc = torch.promote_types(q_idx.dtype, torch.float32)
+    dots = torch.einsum("bthd,bsd->bths", q_idx.to(acc), k_idx.to(acc)).relu()
+    return torch.einsum("bths,bth->bts", dots, w.to(acc))
+
+
+def granular_topk_naive(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 0, window: int = 0,
+                        kv_start=None, key_block: int = 1, query_group: int = 1, block_score: str = "max",
+                        history=None) -> torch.Tensor:
+    """Granular causal selection (see `granular_select_core`) of queries at q_offset...
+
+    Args:
+        q_idx: `[B, T, H_I, D_I]`, w: `[B, T, H_I]` the queries' index queries and weights; k_idx: `[B, S, D_I]`.
+        history: (q_I `[B, q_offset, H_I, D_I]`, w `[B, q_offset, H_I]`) of the earlier positions, needed
+            when a group started before q_offset (incremental decoding with query_group > 1).
+    Returns:
+        `[B, T, topk]` int32 key positions, ascending, -1 padded. With key_block = query_group = 1 it
+        equals `indexer_topk_naive`.
+    """
+    B, T, H_I, _ = q_idx.shape
+    S = k_idx.shape[1]
+    dev = q_idx.device
+    start = (torch.zeros(B, 1, dtype=torch.long, device=dev) if kv_start is None
+             else torch.as_tensor(kv_start, device=dev).long().view(B, 1))
+    pos = (torch.arange(T, device=dev) + q_offset).view(1, T).expand(B, T)
+    rep = group_start(pos, start, query_group)
+    if history is not None:
+        q_all, w_all = torch.cat([history[0], q_idx], 1), torch.cat([history[1], w], 1)
+        first = 0
+    else:
+        q_all, w_all, first = q_idx, w, q_offset
+    if bool((rep < first).any()):
+        raise ValueError(f"query_group {query_group}: a group starts before q_offset {q_offset}; pass history")
+    # A member's row is its group's last member's row cut at its own position, so the rule runs once
+    # per group (G x fewer rows) where groups line up across the batch (no left padding).
+    inv = None
+    if kv_start is None and query_group > 1:
+        last = (rep[0] + query_group - 1).clamp(max=q_offset + T - 1)
+        ev_pos, inv = torch.unique(last, return_inverse=True)
+        ev_pos = ev_pos.view(1, -1).expand(B, -1)
+        ev_rep = group_start(ev_pos, start, query_group)
+    else:
+        ev_pos, ev_rep = pos, rep
+    j = (ev_rep - first).clamp(min=0)
+    N = ev_pos.shape[1]
+    chunk = max(1, _SCORE_BUDGET // max(1, B * H_I * S))
+    out = []
+    with torch.no_grad():
+        for t0 in range(0, N, chunk):
+            t1 = min(N, t0 + chunk)
+            jj = j[:, t0:t1]
+            qr = q_all.gather(1, jj[..., None, None].expand(-1, -1, H_I, q_all.shape[-1]))
+            wr = w_all.gather(1, jj[..., None].expand(-1, -1, H_I))
+            out.append(granular_select_core(_raw_scores(qr, wr, k_idx), ev_pos[:, t0:t1], ev_rep[:, t0:t1], start,
+                                            topk, sink=sink, window=window, key_block=key_block,
+                                            query_group=query_group, block_score=block_score))
+    if not out:
+        return torch.empty(B, 0, topk, dtype=torch.int32, device=dev)
+    rows = torch.cat(out, 1)
+    if inv is None:
+        return rows
+    rows = rows[:, inv]
+    return torch.where(rows <= pos[..., None], rows, torch.full_like(rows, -1))
+
+
+def granular_topk_decode_naive(q_rep, w_rep, k_idx, pos, topk: int, *, sink: int = 0, window: int = 0,
+                               kv_start=None, key_block: int = 1, query_group: int = 1,
+                               block_score: str = "max") -> torch.Tensor:
+    """Decode form: one query per row at `pos [B]`; q_rep `[B, H_I, D_I]`, w_rep `[B, H_I]` the index
+    query and weights of each row's group representative (`group_start(pos)`; the query itself when
+    query_group = 1); k_idx `[B, S, D_I]` the index-key cache -> `[B, topk]` int32, the row a full
+    forward gives that query."""
+    B = k_idx.shape[0]
+    dev = k_idx.device
+    start = (torch.zeros(B, 1, dtype=torch.long, device=dev) if kv_start is None
+             else torch.as_tensor(kv_start, device=dev).long().view(B, 1))
+    p = torch.as_tensor(pos, device=dev).long().view(B, 1)
+    with torch.no_grad():
+        scores = _raw_scores(q_rep[:, None], w_rep[:, None], k_idx)
+        return granular_select_core(scores, p, group_start(p, start, query_group), start, topk, sink=sink,
+                                    window=window, key_block=key_block, query_group=query_group,
+                                    block_score=block_score)[:, 0]
