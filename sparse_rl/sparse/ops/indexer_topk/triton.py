@@ -11,13 +11,17 @@ Design (why):
 - Queries are processed in chunks so the score buffer is `[B, Tc, Sc]` with
   `B*Tc*Sc*4 <= budget` bytes (default 1 GiB on CUDA), never `[T, S]` at long context; a chunk
   only covers keys up to its last query's position (`Sc = q_offset + t1`), which halves the causal work.
+- Default on CUDA (`topk_impl="auto"` or "stream", T > 1): the streaming select of `stream.py`,
+  which never materialises the scores (per query tile: sampled statistics, a threshold, a candidate
+  buffer, an exact select among the candidates; see its docstring and benchmarks/NOTES.md item 9).
+  The materialising paths below stay selectable ("radix", "torch") and are what "auto" runs under
+  the CPU interpreter.
 - Top-k per chunk: `torch.topk(sorted=False)` + a sort of the k indices, or our radix select
   (`radix_topk.py`, output already ascending). On an H200 (bf16 inputs, k = 2048) the radix kernel
   was faster for rows up to 32K keys (8K prefill: 0.84 vs 1.60 ms; 32K: 11.5 vs 12.2 ms; decode
   at 32K: 0.21 ms for scores + top-k) and slower beyond (64K: 46 vs 40 ms; 128K: 186 vs 143 ms;
-  benchmarks/NOTES.md), so `topk_impl="auto"` takes radix on CUDA for rows of <= 32K keys and
-  torch.topk otherwise. Top-k is the bottleneck of the whole sparse prefill at long context.
-  Under the CPU interpreter "auto" means torch.topk (the radix kernel has its own tests).
+  benchmarks/NOTES.md), so the materialising path takes radix for rows of <= 32K keys and
+  torch.topk otherwise ("materialise" picks between them; "radix" and "torch" force one).
 - Ties: the radix select and the decode select keep the reference's rule (among equal scores the later
   key wins), so a padded row and the same row unpadded select the same keys; `torch.topk` (rows over
   32K keys, or `topk_impl="torch"`) breaks exact ties its own way.
@@ -33,10 +37,12 @@ import triton.language as tl
 from sparse_rl.sparse.ops.indexer_topk.decode import indexer_topk_decode
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_naive
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
+from sparse_rl.sparse.ops.indexer_topk.stream import indexer_topk_stream
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORE_BUDGET_BYTES = 1 << 30
+TOPK_IMPLS = ("auto", "stream", "materialise", "radix", "torch")
 RADIX_MAX_KEYS = 32768  # rows longer than this take torch.topk on CUDA (measured, see module docstring)
 
 
@@ -113,9 +119,10 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
                  budget_bytes: int | None = None, topk_impl: str = "auto") -> torch.Tensor:
     """Indexer top-k, Triton scores. q_idx `[B, T, H_I, D_I]`, w `[B, T, H_I]`, k_idx `[B, S, D_I]`
     -> `[B, T, topk]` int32 ascending, -1 padded. Index dims above 128, more than 64 index heads
-    or float64 take the reference. `topk_impl`: "radix" | "torch" | "auto" (see module docstring)."""
-    if topk_impl not in ("auto", "radix", "torch"):
-        raise ValueError(f"topk_impl {topk_impl!r}: expected auto, radix or torch")
+    or float64 take the reference. `topk_impl`: "auto" | "stream" | "materialise" | "radix" | "torch"
+    (see module docstring)."""
+    if topk_impl not in TOPK_IMPLS:
+        raise ValueError(f"topk_impl {topk_impl!r}: expected one of {', '.join(TOPK_IMPLS)}")
     if sink + window > topk:
         raise ValueError(f"sink ({sink}) + window ({window}) must not exceed topk ({topk})")
     B, T, HI, DI = q_idx.shape
@@ -129,6 +136,9 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
         pos = torch.full((B,), q_offset, dtype=torch.int32, device=dev)
         return indexer_topk_decode(q_idx[:, 0], w[:, 0], k_idx, pos, topk, sink=sink, window=window,
                                    kv_start=kv_start)[:, None]
+    if topk_impl == "stream" or (topk_impl == "auto" and q_idx.is_cuda):
+        return indexer_topk_stream(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
+                                   kv_start=kv_start)
     kvs = (torch.zeros(B, dtype=torch.int32, device=dev) if kv_start is None
            else torch.as_tensor(kv_start, device=dev).to(torch.int32).reshape(B))
     budget = budget_bytes or (SCORE_BUDGET_BYTES if q_idx.is_cuda else 1 << 24)
@@ -136,7 +146,8 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
     S_max = max(1, min(S, q_offset + T))
     chunk = max(1, min(T, budget // (4 * B * S_max)))
     out = torch.empty(B, T, topk, dtype=torch.int32, device=dev)
-    radix = topk_impl == "radix" or (topk_impl == "auto" and q_idx.is_cuda and min(S, q_offset + T) <= RADIX_MAX_KEYS)
+    radix = topk_impl == "radix" or (topk_impl == "materialise" and q_idx.is_cuda
+                                     and min(S, q_offset + T) <= RADIX_MAX_KEYS)
     with torch.no_grad():
         for t0 in range(0, T, chunk):
             t1 = min(T, t0 + chunk)
