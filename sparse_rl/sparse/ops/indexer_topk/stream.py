@@ -298,6 +298,7 @@ def _kv_start(kv_start, B, dev):
             else torch.as_tensor(kv_start, device=dev).to(torch.int32).reshape(B))
 
 
+@torch.no_grad()
 def indexer_topk_stream(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk: int, *, q_offset: int = 0,
                         sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None,
                         budget_bytes: int | None = None, slots: int | None = None, config: StreamConfig | None = None,

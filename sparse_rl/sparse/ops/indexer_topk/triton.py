@@ -11,11 +11,13 @@ Design (why):
 - Queries are processed in chunks so the score buffer is `[B, Tc, Sc]` with
   `B*Tc*Sc*4 <= budget` bytes (default 1 GiB on CUDA), never `[T, S]` at long context; a chunk
   only covers keys up to its last query's position (`Sc = q_offset + t1`), which halves the causal work.
-- Default on CUDA (`topk_impl="auto"` or "stream", T > 1): the streaming select of `stream.py`,
-  which never materialises the scores (per query tile: sampled statistics, a threshold, a candidate
-  buffer, an exact select among the candidates; see its docstring and benchmarks/NOTES.md item 9).
-  The materialising paths below stay selectable ("radix", "torch") and are what "auto" runs under
-  the CPU interpreter.
+- Long rows on CUDA (`topk_impl="auto"` with more than STREAM_MIN_KEYS visible keys, or "stream"):
+  the streaming select of `stream.py`, which never materialises the scores (per query tile: sampled
+  statistics, a threshold, a candidate buffer, an exact select among the candidates; see its
+  docstring). On the H200 (benchmarks/NOTES.md item 9) it took 9.25 ms against 13.3 for the
+  materialising path at 32K and 83 against 143 ms at 128K, but 1.83 against 0.98 ms at 8K: "auto"
+  keeps the materialising path up to 16K keys (the crossover interpolated between 8K and 32K, not
+  measured) and under the CPU interpreter.
 - Top-k per chunk: `torch.topk(sorted=False)` + a sort of the k indices, or our radix select
   (`radix_topk.py`, output already ascending). On an H200 (bf16 inputs, k = 2048) the radix kernel
   was faster for rows up to 32K keys (8K prefill: 0.84 vs 1.60 ms; 32K: 11.5 vs 12.2 ms; decode
@@ -43,6 +45,7 @@ from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORE_BUDGET_BYTES = 1 << 30
 TOPK_IMPLS = ("auto", "stream", "materialise", "radix", "torch")
+STREAM_MIN_KEYS = 16384  # "auto" streams rows longer than this on CUDA (see module docstring)
 RADIX_MAX_KEYS = 32768  # rows longer than this take torch.topk on CUDA (measured, see module docstring)
 
 
@@ -136,7 +139,7 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
         pos = torch.full((B,), q_offset, dtype=torch.int32, device=dev)
         return indexer_topk_decode(q_idx[:, 0], w[:, 0], k_idx, pos, topk, sink=sink, window=window,
                                    kv_start=kv_start)[:, None]
-    if topk_impl == "stream" or (topk_impl == "auto" and q_idx.is_cuda):
+    if topk_impl == "stream" or (topk_impl == "auto" and q_idx.is_cuda and min(S, q_offset + T) > STREAM_MIN_KEYS):
         return indexer_topk_stream(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
                                    kv_start=kv_start)
     kvs = (torch.zeros(B, dtype=torch.int32, device=dev) if kv_start is None
@@ -146,7 +149,7 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
     S_max = max(1, min(S, q_offset + T))
     chunk = max(1, min(T, budget // (4 * B * S_max)))
     out = torch.empty(B, T, topk, dtype=torch.int32, device=dev)
-    radix = topk_impl == "radix" or (topk_impl == "materialise" and q_idx.is_cuda
+    radix = topk_impl == "radix" or (topk_impl in ("auto", "materialise") and q_idx.is_cuda
                                      and min(S, q_offset + T) <= RADIX_MAX_KEYS)
     with torch.no_grad():
         for t0 in range(0, T, chunk):
