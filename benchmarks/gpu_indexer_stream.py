@@ -199,7 +199,8 @@ def main():
             "dense_ms"]
     print("| " + " | ".join(keys) + " |")
     for r in res["rows"]:
-        print("| " + " | ".join(f"{r[k]:.3g}" if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys) + " |")
+        cells = (f"{r[k]:.3g}" if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys)
+        print("| " + " | ".join(cells) + " |")
     for r in res["rows"]:
         print({k: v for k, v in r.items() if k.startswith("stream_") and k.endswith("_ms")})
     for c in res["checks"]:

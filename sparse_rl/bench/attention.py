@@ -457,7 +457,8 @@ def markdown_attention(res: dict) -> str:
         g = r.get
         lines.append("| " + " | ".join(fmt(x) for x in (
             r["seqlen"], g("dense_ms"), g("dense_tflops"), g("indexer_rowmax_ms"), g("indexer_topk_ms"),
-            g("indexer_topk_over_scores"), g("indexer_scores_ms"), g("topk_ms"), g("topk_torch_ms"), g("sparse_attn_ms"), g("sparse_attn_tflops"), g("sparse_prefill_ms"),
+            g("indexer_topk_over_scores"), g("indexer_scores_ms"), g("topk_ms"), g("topk_torch_ms"),
+            g("sparse_attn_ms"), g("sparse_attn_tflops"), g("sparse_prefill_ms"),
             g("prefill_speedup"), g("block_attn_ms"), g("flex_ms"), g("block_attn_vs_flex"))) + " |")
     if any("idx_query_path_ms" in r for r in res["rows"]):
         lines += ["", "Forward paths (ms): per-query kernel vs query-tile union (build + kernel); `auto` is what "

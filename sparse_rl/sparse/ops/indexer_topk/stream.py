@@ -53,7 +53,7 @@ BUFFER_BUDGET_BYTES = 1 << 30
 
 
 @triton.jit
-def _tile_scores(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
+def score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
                  sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
                  HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                  PREC: tl.constexpr):
@@ -110,7 +110,7 @@ def _threshold_kernel(Q, W, KI, KVS, TH, sqb, sqt, sqh, sqd, swb, swt, swh, skb,
         mean = tl.zeros([BM], tl.float32)
         m2 = tl.zeros([BM], tl.float32)
         for n0 in range(first, last + 1, BN * R):
-            s, vis, forced, offs_n = _tile_scores(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
+            s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
                                                   sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
                                                   HI, DI, BM, BN, BD, PREC)
             fin = vis & ~forced
@@ -127,7 +127,7 @@ def _threshold_kernel(Q, W, KI, KVS, TH, sqb, sqt, sqh, sqd, swb, swt, swh, skb,
         zc = tl.arange(0, NZ)
         cnt = tl.zeros([BM, NZ], tl.float32)
         for n0 in range(first, last + 1, BN * R):
-            s, vis, forced, offs_n = _tile_scores(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
+            s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
                                                   sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
                                                   HI, DI, BM, BN, BD, PREC)
             fin = vis & ~forced
@@ -164,7 +164,7 @@ def _gather_kernel(Q, W, KI, KVS, TH, VAL, IDX, NROW, sqb, sqt, sqh, sqd, swb, s
     if DOT_SCAN:
         tri = (tl.arange(0, BN)[:, None] <= tl.arange(0, BN)[None, :]).to(tl.float16)  # inclusive prefix
     for n0 in range(first, last + 1, BN):
-        s, vis, forced, offs_n = _tile_scores(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
+        s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
                                               sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
                                               HI, DI, BM, BN, BD, PREC)
         cand = vis & (forced | (s >= th[:, None]))
@@ -194,7 +194,7 @@ def _row_max_kernel(Q, W, KI, KVS, RMAX, sqb, sqt, sqh, sqd, swb, swt, swh, skb,
     b, offs_m, tq, mmask, pos, start, first, last, nvis, nf = _rows(KVS, T, S, 0, q_offset, 0, 0, BM, BN)
     mx = tl.full([BM], float("-inf"), tl.float32)
     for n0 in range(first, last + 1, BN):
-        s, vis, forced, offs_n = _tile_scores(Q, W, KI, b, tq, mmask, pos, start, n0, S, 0, 0,
+        s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, 0, 0,
                                               sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
                                               HI, DI, BM, BN, BD, PREC)
         mx = tl.maximum(mx, tl.max(tl.where(vis, s, float("-inf")), 1))

@@ -39,8 +39,8 @@ import triton.language as tl
 from sparse_rl.sparse.ops.indexer_topk.decode import indexer_topk_decode
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_naive
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
-from sparse_rl.sparse.ops.indexer_topk.stream import indexer_topk_stream
-from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
+from sparse_rl.sparse.ops.indexer_topk.stream import score_tile, indexer_topk_stream
+from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORE_BUDGET_BYTES = 1 << 30
@@ -55,35 +55,28 @@ def _score_kernel(Q, W, KI, KVS, OUT,
                   T, S, t0, q_offset, sink, window,
                   HI: tl.constexpr, DI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, PREC: tl.constexpr):
-    """OUT `[B, Tc, Sc]` fp32 for queries t0 + m of this chunk: +inf forced, -inf not visible."""
+    """OUT `[B, Tc, Sc]` fp32 for queries t0 + m of this chunk: +inf forced, -inf not visible. The
+    tile's scores are `stream.score_tile`, the streaming path's: both paths select from the same values."""
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)  # row in the chunk
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     tq = t0 + offs_m
     mmask = tq < T
-    nmask = offs_n < S
     start = tl.load(KVS + b)
     pos = q_offset + tq
     last = q_offset + tl.minimum(t0 + pm * BLOCK_M + BLOCK_M, T) - 1  # last visible key of the tile
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if pn * BLOCK_N <= last:  # tiles wholly in the future need no arithmetic, only -inf
-        kt = tl.load(KI + b * skb + offs_n[None, :] * sks + offs_d[:, None] * skd,
-                     mask=nmask[None, :] & (offs_d[:, None] < DI), other=0.0)  # [BLOCK_D, BLOCK_N]
-        for j in tl.static_range(HI):
-            qj = tl.load(Q + b * sqb + tq[:, None] * sqt + j * sqh + offs_d[None, :] * sqd,
-                         mask=mmask[:, None] & (offs_d[None, :] < DI), other=0.0)
-            wj = tl.load(W + b * swb + tq * swt + j * swh, mask=mmask, other=0.0).to(tl.float32)
-            acc += wj[:, None] * tl.maximum(dot(qj, kt, PREC), 0.0)
-    s = offs_n[None, :]
-    vis = (s <= pos[:, None]) & (s >= start)
-    forced = vis & ((s < start + sink) | (s > pos[:, None] - window))
-    acc = tl.where(vis, acc, float("-inf"))
-    acc = tl.where(forced, float("inf"), acc)
+        acc, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, pn * BLOCK_N, S, sink, window,
+                                                sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
+                                                HI, DI, BLOCK_M, BLOCK_N, BLOCK_D, PREC)
+        acc = tl.where(vis, acc, float("-inf"))
+        acc = tl.where(forced, float("inf"), acc)
+    else:
+        acc = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
     tl.store(OUT + b * sob + offs_m[:, None] * sot + offs_n[None, :] * sos, acc,
-             mask=mmask[:, None] & nmask[None, :])
+             mask=mmask[:, None] & (offs_n[None, :] < S))
 
 
 def indexer_scores_chunk(q_idx, w, k_idx, kv_start, t0: int, t1: int, S_c: int, q_offset: int,
