@@ -365,6 +365,7 @@ def test_cli_bench_attention_and_decode_write_json_and_table(tmp_path):
     data = json.loads(out.read_text())
     row = data["rows"][0]
     assert row["seqlen"] == 24 and row["sparse_attn_ms"] > 0 and row["sparse_fwdbwd_ms"] > 0
+    assert row["indexer_rowmax_ms"] > 0 and row["indexer_topk_over_scores"] > 0
     assert "| 24 |" in res.stdout and data["markdown"].startswith("### Sparse prefill")
     out = tmp_path / "dec.json"
     res = CliRunner().invoke(app, ["bench", "decode", "--contexts", "40", "--batch", "2", "--dtype", "float32", "--out", str(out),

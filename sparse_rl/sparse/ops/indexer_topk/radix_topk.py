@@ -31,6 +31,56 @@ def _okey(x):
 
 
 @triton.jit
+def _pick_digit(hist, kk, prefix, shift: tl.constexpr):
+    """One radix level from its 256-bin histogram `hist` of the keys that match `prefix` above bit
+    shift + 8: the digit d* holding the kk-th largest key goes into the prefix; returns (prefix, the
+    rank left to place inside d*, the number of keys with digit d*)."""
+    bins = tl.arange(0, 256)
+    total = tl.sum(hist, 0)
+    suf = total - tl.cumsum(hist, 0) + hist  # entries in bins >= b
+    dstar = tl.sum((suf >= kk).to(tl.int32), 0) - 1
+    kk = kk - tl.sum(tl.where(bins > dstar, hist, 0), 0)
+    n_eq = tl.sum(tl.where(bins == dstar, hist, 0), 0)
+    return prefix | (dstar.to(tl.uint32) << shift), kk, n_eq
+
+
+@triton.jit
+def select_row(x, idx, live, K, OUT_ROW, KB: tl.constexpr):
+    """Exact top-K of one register-resident row: x `[CB]` fp32 (+inf allowed), idx `[CB]` int32
+    positions in ascending order, live `[CB]` bool. Writes the positions of the K largest (ties to the
+    later entries, the reference's rule) in ascending order to OUT_ROW[0:K], then -1 up to K."""
+    bins = tl.arange(0, 256)
+    key = _okey(x)
+    n = tl.sum(live.to(tl.int32), 0)
+    tau = tl.zeros([], tl.uint32)  # keep key > tau, plus the last `need` of the n_eq keys == tau
+    need = 0
+    n_eq = 0
+    if n > K:
+        kk = K
+        prefix = tl.zeros([], tl.uint32)
+        for level in tl.static_range(4):
+            shift = 24 - 8 * level
+            if level == 0:
+                m = live
+            else:
+                m = live & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+            d = tl.where(m, (key >> shift) & 0xFF, 0).to(tl.int32)
+            hist = tl.histogram(d, 256) - tl.where(bins == 0, tl.sum((~m).to(tl.int32), 0), 0)
+            prefix, kk, n_eq = _pick_digit(hist, kk, prefix, shift)
+        tau = prefix
+        need = kk
+    eq = live & (key == tau)
+    eq_rank = tl.cumsum(eq.to(tl.int32), 0) - 1
+    sel = live & ((key > tau) | (eq & (eq_rank >= n_eq - need)))
+    slot = tl.cumsum(sel.to(tl.int32), 0) - 1
+    tl.store(OUT_ROW + slot, idx, mask=sel)
+    cnt = tl.sum(sel.to(tl.int32), 0)
+    for c in range(cnt, K, KB):
+        offs = c + tl.arange(0, KB)
+        tl.store(OUT_ROW + offs, tl.full([KB], -1, tl.int32), mask=offs < K)
+
+
+@triton.jit
 def _radix_topk_kernel(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot, K,
                        BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -66,13 +116,7 @@ def _radix_topk_kernel(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot, K,
                     m = (x > float("-inf")) & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
                     d = tl.where(m, (key >> shift) & 0xFF, 0).to(tl.int32)
                     hist += tl.histogram(d, 256) - tl.where(bins == 0, tl.sum((~m).to(tl.int32), 0), 0)
-            total = tl.sum(hist, 0)
-            suf = total - tl.cumsum(hist, 0) + hist  # entries in bins >= b
-            bstar = tl.sum((suf >= kk).to(tl.int32), 0) - 1
-            kk -= tl.sum(tl.where(bins > bstar, hist, 0), 0)
-            prefix = prefix | (bstar.to(tl.uint32) << shift)
-            if level == 3:
-                n_eq = tl.sum(tl.where(bins == bstar, hist, 0), 0)
+            prefix, kk, n_eq = _pick_digit(hist, kk, prefix, shift)
         tau = prefix
         need = kk
     # collect: ascending column order, output slot = running count of selected entries

@@ -11,13 +11,19 @@ Design (why):
 - Queries are processed in chunks so the score buffer is `[B, Tc, Sc]` with
   `B*Tc*Sc*4 <= budget` bytes (default 1 GiB on CUDA), never `[T, S]` at long context; a chunk
   only covers keys up to its last query's position (`Sc = q_offset + t1`), which halves the causal work.
+- Long rows on CUDA (`topk_impl="auto"` with more than STREAM_MIN_KEYS visible keys, or "stream"):
+  the streaming select of `stream.py`, which never materialises the scores (per query tile: sampled
+  statistics, a threshold, a candidate buffer, an exact select among the candidates; see its
+  docstring). On the H200 (benchmarks/NOTES.md item 9) it took 9.25 ms against 13.3 for the
+  materialising path at 32K and 83 against 143 ms at 128K, but 1.83 against 0.98 ms at 8K: "auto"
+  keeps the materialising path up to 16K keys (the crossover interpolated between 8K and 32K, not
+  measured) and under the CPU interpreter.
 - Top-k per chunk: `torch.topk(sorted=False)` + a sort of the k indices, or our radix select
   (`radix_topk.py`, output already ascending). On an H200 (bf16 inputs, k = 2048) the radix kernel
   was faster for rows up to 32K keys (8K prefill: 0.84 vs 1.60 ms; 32K: 11.5 vs 12.2 ms; decode
   at 32K: 0.21 ms for scores + top-k) and slower beyond (64K: 46 vs 40 ms; 128K: 186 vs 143 ms;
-  benchmarks/NOTES.md), so `topk_impl="auto"` takes radix on CUDA for rows of <= 32K keys and
-  torch.topk otherwise. Top-k is the bottleneck of the whole sparse prefill at long context.
-  Under the CPU interpreter "auto" means torch.topk (the radix kernel has its own tests).
+  benchmarks/NOTES.md), so the materialising path takes radix for rows of <= 32K keys and
+  torch.topk otherwise ("materialise" picks between them; "radix" and "torch" force one).
 - Ties: the radix select and the decode select keep the reference's rule (among equal scores the later
   key wins), so a padded row and the same row unpadded select the same keys; `torch.topk` (rows over
   32K keys, or `topk_impl="torch"`) breaks exact ties its own way.
@@ -33,10 +39,13 @@ import triton.language as tl
 from sparse_rl.sparse.ops.indexer_topk.decode import indexer_topk_decode
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_naive
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
-from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
+from sparse_rl.sparse.ops.indexer_topk.stream import score_tile, indexer_topk_stream
+from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORE_BUDGET_BYTES = 1 << 30
+TOPK_IMPLS = ("auto", "stream", "materialise", "radix", "torch")
+STREAM_MIN_KEYS = 16384  # "auto" streams rows longer than this on CUDA (see module docstring)
 RADIX_MAX_KEYS = 32768  # rows longer than this take torch.topk on CUDA (measured, see module docstring)
 
 
@@ -46,35 +55,28 @@ def _score_kernel(Q, W, KI, KVS, OUT,
                   T, S, t0, q_offset, sink, window,
                   HI: tl.constexpr, DI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, PREC: tl.constexpr):
-    """OUT `[B, Tc, Sc]` fp32 for queries t0 + m of this chunk: +inf forced, -inf not visible."""
+    """OUT `[B, Tc, Sc]` fp32 for queries t0 + m of this chunk: +inf forced, -inf not visible. The
+    tile's scores are `stream.score_tile`, the streaming path's: both paths select from the same values."""
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)  # row in the chunk
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     tq = t0 + offs_m
     mmask = tq < T
-    nmask = offs_n < S
     start = tl.load(KVS + b)
     pos = q_offset + tq
     last = q_offset + tl.minimum(t0 + pm * BLOCK_M + BLOCK_M, T) - 1  # last visible key of the tile
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if pn * BLOCK_N <= last:  # tiles wholly in the future need no arithmetic, only -inf
-        kt = tl.load(KI + b * skb + offs_n[None, :] * sks + offs_d[:, None] * skd,
-                     mask=nmask[None, :] & (offs_d[:, None] < DI), other=0.0)  # [BLOCK_D, BLOCK_N]
-        for j in tl.static_range(HI):
-            qj = tl.load(Q + b * sqb + tq[:, None] * sqt + j * sqh + offs_d[None, :] * sqd,
-                         mask=mmask[:, None] & (offs_d[None, :] < DI), other=0.0)
-            wj = tl.load(W + b * swb + tq * swt + j * swh, mask=mmask, other=0.0).to(tl.float32)
-            acc += wj[:, None] * tl.maximum(dot(qj, kt, PREC), 0.0)
-    s = offs_n[None, :]
-    vis = (s <= pos[:, None]) & (s >= start)
-    forced = vis & ((s < start + sink) | (s > pos[:, None] - window))
-    acc = tl.where(vis, acc, float("-inf"))
-    acc = tl.where(forced, float("inf"), acc)
+        acc, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, pn * BLOCK_N, S, sink, window,
+                                                sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
+                                                HI, DI, BLOCK_M, BLOCK_N, BLOCK_D, PREC)
+        acc = tl.where(vis, acc, float("-inf"))
+        acc = tl.where(forced, float("inf"), acc)
+    else:
+        acc = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
     tl.store(OUT + b * sob + offs_m[:, None] * sot + offs_n[None, :] * sos, acc,
-             mask=mmask[:, None] & nmask[None, :])
+             mask=mmask[:, None] & (offs_n[None, :] < S))
 
 
 def indexer_scores_chunk(q_idx, w, k_idx, kv_start, t0: int, t1: int, S_c: int, q_offset: int,
@@ -113,9 +115,10 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
                  budget_bytes: int | None = None, topk_impl: str = "auto") -> torch.Tensor:
     """Indexer top-k, Triton scores. q_idx `[B, T, H_I, D_I]`, w `[B, T, H_I]`, k_idx `[B, S, D_I]`
     -> `[B, T, topk]` int32 ascending, -1 padded. Index dims above 128, more than 64 index heads
-    or float64 take the reference. `topk_impl`: "radix" | "torch" | "auto" (see module docstring)."""
-    if topk_impl not in ("auto", "radix", "torch"):
-        raise ValueError(f"topk_impl {topk_impl!r}: expected auto, radix or torch")
+    or float64 take the reference. `topk_impl`: "auto" | "stream" | "materialise" | "radix" | "torch"
+    (see module docstring)."""
+    if topk_impl not in TOPK_IMPLS:
+        raise ValueError(f"topk_impl {topk_impl!r}: expected one of {', '.join(TOPK_IMPLS)}")
     if sink + window > topk:
         raise ValueError(f"sink ({sink}) + window ({window}) must not exceed topk ({topk})")
     B, T, HI, DI = q_idx.shape
@@ -129,6 +132,9 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
         pos = torch.full((B,), q_offset, dtype=torch.int32, device=dev)
         return indexer_topk_decode(q_idx[:, 0], w[:, 0], k_idx, pos, topk, sink=sink, window=window,
                                    kv_start=kv_start)[:, None]
+    if topk_impl == "stream" or (topk_impl == "auto" and q_idx.is_cuda and min(S, q_offset + T) > STREAM_MIN_KEYS):
+        return indexer_topk_stream(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
+                                   kv_start=kv_start)
     kvs = (torch.zeros(B, dtype=torch.int32, device=dev) if kv_start is None
            else torch.as_tensor(kv_start, device=dev).to(torch.int32).reshape(B))
     budget = budget_bytes or (SCORE_BUDGET_BYTES if q_idx.is_cuda else 1 << 24)
@@ -136,7 +142,8 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
     S_max = max(1, min(S, q_offset + T))
     chunk = max(1, min(T, budget // (4 * B * S_max)))
     out = torch.empty(B, T, topk, dtype=torch.int32, device=dev)
-    radix = topk_impl == "radix" or (topk_impl == "auto" and q_idx.is_cuda and min(S, q_offset + T) <= RADIX_MAX_KEYS)
+    radix = topk_impl == "radix" or (topk_impl in ("auto", "materialise") and q_idx.is_cuda
+                                     and min(S, q_offset + T) <= RADIX_MAX_KEYS)
     with torch.no_grad():
         for t0 in range(0, T, chunk):
             t1 = min(T, t0 + chunk)
