@@ -9,18 +9,18 @@ dev=(--device cpu)
 
 # 1. a tiny model, converted to DSA: k = 32 keys per query (L/8 at 256 tokens), layer 0 kept dense
 sparse-rl model init "$W/dense" --arch qwen2 --size tiny --force
-sparse-rl convert "$W/dense" "$W/sparse" --topk 32 --index-heads 4 --index-dim 32 --sink 2 --window 4 --dense-layers 0 --force
+sparse-rl convert "$W/dense" "$W/sparse" --index-topk 32 --index-heads 4 --index-dim 32 --sink 2 --window 4 --dense-layers 0 --force
 
 # 2. give the random model attention structure (LM training, sparse stage with k = L, i.e. dense),
 #    then the indexer warm-up at k = 32 (KL to the dense attention), and measure it
-sparse-rl indexer train "$W/sparse" --out "$W/pretrained" --stage sparse --topk 256 --seq-len 256 --batch-size 4 \
+sparse-rl indexer train "$W/sparse" --out "$W/pretrained" --stage sparse --index-topk 256 --seq-len 256 --batch-size 4 \
   --steps 100 --model-lr 3e-3 --lr 0 "${dev[@]}" --force > /dev/null
-sparse-rl indexer train "$W/pretrained" --out "$W/indexer" --stage warmup --topk 32 --seq-len 256 --batch-size 4 \
+sparse-rl indexer train "$W/pretrained" --out "$W/indexer" --stage warmup --index-topk 32 --seq-len 256 --batch-size 4 \
   --steps 60 --lr 3e-3 "${dev[@]}" --force > /dev/null
 sparse-rl indexer eval "$W/indexer" --seq-len 256 --rows 4 "${dev[@]}" > "$W/indexer_eval.json"
 
 # 3. verifiable tasks, sparse generation piped into math scoring
-sparse-rl synth math --n 32 --seed 0 --families arith --max-level 1 --out "$W/tasks.jsonl" --stats "$W/tasks_stats.json"
+sparse-rl synth math --num-tasks 32 --seed 0 --families arith --max-level 1 --out "$W/tasks.jsonl" --stats "$W/tasks_stats.json" --force
 sparse-rl generate "$W/indexer" --prompts "$W/tasks.jsonl" --attention sparse --max-new-tokens 24 --temperature 0 "${dev[@]}" \
   | tee "$W/completions.jsonl" | sparse-rl eval math --score - --problems "$W/tasks.jsonl" > "$W/eval_math.json"
 
@@ -30,6 +30,6 @@ sparse-rl grpo "$W/indexer" --tasks "$W/tasks.jsonl" --out "$W/grpo" --mode spar
 sparse-rl eval fidelity "$W/indexer" --data "$W/completions.jsonl" --out "$W/fidelity" --max-tokens 256 "${dev[@]}" --force > /dev/null
 
 # 5. needle in a haystack, dense and sparse side by side (heatmaps in $W/niah)
-sparse-rl eval niah --model "$W/indexer" --tasks single --lengths 256,512 --depths 0.1,0.5,0.9 --samples 2 \
+sparse-rl eval niah "$W/indexer" --kinds single --lengths 256,512 --depths 0.1,0.5,0.9 --per-cell 2 \
   --max-new-tokens 8 --out "$W/niah" "${dev[@]}" --force > /dev/null
 echo "pipeline done: $W"

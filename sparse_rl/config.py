@@ -125,11 +125,28 @@ def to_dict(obj) -> dict:
     return dataclasses.asdict(obj)
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: dict | None = None) -> T:
-    """Resolve a stage config: dataclass defaults < YAML file < command-line overrides.
+def parse_sets(items: list[str] | None, flag: str = "--set") -> dict:
+    """`["loss.eps_high=0.28", "seed=1"]` -> `{"loss.eps_high": 0.28, "seed": 1}`: the values are
+    YAML, so numbers, booleans, lists (`[1, 2]`) and null read as they would in a recipe."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"{flag} {item}: expected KEY=VALUE, e.g. {flag} seed=1")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise UsageError(f"{flag} {item}: the value is not valid YAML") from None
+    return out
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: dict | None = None,
+                sets: list[str] | None = None) -> T:
+    """Resolve a stage config: dataclass defaults < YAML file < `--set KEY=VALUE` < flags.
 
     `overrides` maps field names (dots for nested fields) to values; None values are ignored so that
-    unset Typer options leave the recipe alone.
+    unset Typer options leave the recipe alone. `sets` are the raw `--set` items (see `parse_sets`);
+    a flag given explicitly wins over a `--set` of the same key.
     """
     data: dict = {}
     where = "config"
@@ -149,13 +166,15 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: dict | 
         if not isinstance(loaded, dict):
             raise UsageError(f"{p}: the top level must be a mapping of option names to values")
         data = loaded
-    for key, value in (overrides or {}).items():
-        if value is None:
-            continue
+    merged = parse_sets(sets)
+    merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    for key, value in merged.items():
         node = data
         parts = key.split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UsageError(f"--set {key}: '{part}' is not a section of the config")
         node[parts[-1]] = value
     return from_dict(cls, data, where)
 

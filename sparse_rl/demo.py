@@ -63,7 +63,7 @@ def _convert(run: Path, cfg: DemoConfig) -> dict:
 def agreement_table(model_dir: Path, texts: list[str], seq_len: int, topks: list[int]) -> list[dict]:
     """Dense vs sparse next-token agreement and mean token KL(dense || sparse) at each top-k."""
     from sparse_rl.sparse.loader import load_model, load_tokenizer, set_attention
-    from sparse_rl.sparse.patch import decoder_layers
+    from sparse_rl.sparse.layer import set_topk
 
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir, attention="dense")
@@ -74,9 +74,7 @@ def agreement_table(model_dir: Path, texts: list[str], seq_len: int, topks: list
     rows = []
     set_attention(model, "sparse")
     for k in topks:
-        for layer in decoder_layers(model):
-            if getattr(layer.self_attn, "srl", None) is not None:
-                layer.self_attn.srl.cfg.topk = k
+        set_topk(model, k)
         with torch.no_grad():
             sparse = torch.log_softmax(model(input_ids=ids).logits.float(), -1)
         agree = (sparse.argmax(-1) == dense.argmax(-1)).float().mean().item()
@@ -166,7 +164,7 @@ def _grpo(run: Path, cfg: DemoConfig) -> dict:
     gcfg = GRPOConfig(model=str(run / "indexer"), out=str(run / "grpo"), steps=cfg.grpo_steps, seed=cfg.seed,
                       device="cpu", plot_every=cfg.grpo_steps,
                       data=DataConfig(tasks=str(run / "tasks.jsonl"), prompts_per_step=4),
-                      rollout=RolloutConfig(mode="sparse+distill", m=4, n=2, max_new_tokens=cfg.max_new_tokens),
+                      rollout=RolloutConfig(mode="sparse+distill", samples=4, keep=2, max_new_tokens=cfg.max_new_tokens),
                       optim=OptimConfig(lr=1e-4, micro_batch=8), distill=DistillConfig(lora_r=4, lora_alpha=8, lr=1e-3),
                       checkpoint=CheckpointConfig(every=cfg.grpo_steps))
     return grpo(gcfg)

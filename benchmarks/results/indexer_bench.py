@@ -141,8 +141,8 @@ def part_a(out: Path, quick: bool, device: str, impls: list[str], time_impls: li
                                          "recall": [a["recall"], b["recall"]], "max_rel_grad_diff": rel,
                                          "capture_lse_forward_max_abs_diff": float((plain - capt).abs().max()),
                                          "forward_max_abs": float(plain.abs().max())}
-            from sparse_rl.sparse.train import hooks, kl_triton
-            RESULTS["A"]["agreement"]["lse_backend"] = hooks.LSE_BACKEND
+            from sparse_rl.sparse.ops.indexer_kl import triton as kl_triton
+            # the lse kernel choice is no longer a module global (train/hooks.AttentionWithLse, per run)
             RESULTS["A"]["kl_triton_configs"] = {"fused": kl_triton.FUSED_CONFIG, "index_lse": kl_triton.INDEX_LSE_CONFIG}
             print(f"[A] agreement at L={L}: {RESULTS['A']['agreement']}", flush=True)
         reps = 3 if L <= 8192 else 2
@@ -171,8 +171,8 @@ def part_k(out: Path, quick: bool, device: str, deadline: float) -> None:
     import triton
 
     from sparse_rl.sparse.ops import indexer_topk
-    from sparse_rl.sparse.train import kl_triton
-    from sparse_rl.sparse.train.kl_triton import warmup_kl_fused
+    from sparse_rl.sparse.ops.indexer_kl import triton as kl_triton
+    from sparse_rl.sparse.ops.indexer_kl.triton import warmup_kl_fused
 
     L = 64 if quick else 32768
     H, HKV, D, HI, DI = (4, 2, 16, 2, 16) if quick else (14, 2, 64, 4, 64)

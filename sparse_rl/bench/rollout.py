@@ -247,12 +247,11 @@ def consistency_checks(device: str = "cuda", seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(10, 500, (n,), generator=gen).tolist() for n in (5, 17, 33, 9)]
     out: dict = {}
-    from sparse_rl.sparse.patch import set_attention
+    from sparse_rl.sparse.layer import set_attention, set_topk
 
-    sc = model.model.layers[1].self_attn.srl.cfg  # shared by every layer
     for name, mode, topk in (("dense", "dense", 4096), ("sparse_full_topk", "sparse", 4096),
                              ("sparse_topk64", "sparse", 64)):
-        sc.topk = topk
+        set_topk(model, topk)
         set_attention(model, mode)  # the HF reference runs the same attention
         eng = RolloutEngine(model, None, max_batch=4, max_seq_len=512, device=dev, eos_token_ids=[])
         eng.set_attention(mode)

@@ -11,29 +11,10 @@ from typing import Optional
 
 import typer
 
-from sparse_rl.cli.common import cli_errors, console
-from sparse_rl.errors import UsageError
+from sparse_rl.cli.common import (CONFIG, FORCE, INDEX_DIM, INDEX_HEADS, SET, cli_errors, compile_option, console,
+                                  device_option, group, ints, old_spelling, refuse_existing, renamed)
 
-app = typer.Typer(no_args_is_help=True, help="Speed benchmarks (markdown table to stdout, JSON with --out).")
-
-
-def _ints(value: Optional[str], flag: str) -> Optional[list[int]]:
-    """`8192,32K` -> [8192, 32768] (K = 1024)."""
-    if value is None:
-        return None
-    out = []
-    for item in value.split(","):
-        item = item.strip().upper()
-        if not item:
-            continue
-        mult = 1024 if item.endswith("K") else 1
-        try:
-            out.append(int(item.removesuffix("K")) * mult)
-        except ValueError:
-            raise UsageError(f"{flag} {value!r}: expected comma-separated integers, e.g. 8192,32K") from None
-    if not out or any(x <= 0 for x in out):
-        raise UsageError(f"{flag} {value!r}: expected positive integers, e.g. 8192,32K")
-    return out
+app = group("Speed benchmarks (markdown table to stdout, JSON with --out).")
 
 
 def _finish(res: dict, table: str, out: Optional[Path]) -> None:
@@ -50,9 +31,11 @@ _common = dict(
     heads=typer.Option(None, help="Query heads [default: 32]"),
     kv_heads=typer.Option(None, help="KV heads [default: 8]"),
     head_dim=typer.Option(None, help="Head dim [default: 128]"),
-    topk=typer.Option(None, help="Selected keys per query [default: 2048]"),
-    index_heads=typer.Option(None, help="Indexer heads [default: 4]"),
-    index_dim=typer.Option(None, help="Indexer dim [default: 64]"),
+    index_topk=typer.Option(None, "--index-topk", help="Keys each query attends to [default: 2048]"),
+    topk_old=old_spelling("--topk", "--index-topk"),
+    index_heads=INDEX_HEADS,
+    index_dim=INDEX_DIM,
+    out=typer.Option(None, "--out", "-o", metavar="FILE", help="Write the results as JSON here [default: none]"),
 )
 
 
@@ -61,26 +44,32 @@ def attention(
     seqlens: Optional[str] = typer.Option(None, help="Sequence lengths, e.g. 8K,32K [default: 8K,16K,32K,64K,128K]"),
     backward_seqlens: Optional[str] = typer.Option(None, help="Lengths also timed forward+backward [default: 32K]"),
     heads: Optional[int] = _common["heads"], kv_heads: Optional[int] = _common["kv_heads"],
-    head_dim: Optional[int] = _common["head_dim"], topk: Optional[int] = _common["topk"],
+    head_dim: Optional[int] = _common["head_dim"], index_topk: Optional[int] = _common["index_topk"],
+    topk_old: Optional[int] = _common["topk_old"],
     index_heads: Optional[int] = _common["index_heads"], index_dim: Optional[int] = _common["index_dim"],
     batch: Optional[int] = typer.Option(None, help="Batch [default: 1]"),
     flex: Optional[bool] = typer.Option(None, "--flex/--no-flex", help="Time FlexAttention block-sparse [default: on]"),
     check: Optional[bool] = typer.Option(None, "--check/--no-check", help="Compare with the fp32 reference [default: on]"),
     dtype: Optional[str] = typer.Option(None, help="bfloat16 | float16 | float32 [default: bfloat16]"),
     rep_ms: Optional[int] = typer.Option(None, help="Timing budget per measurement, ms [default: 100]"),
-    device: Optional[str] = typer.Option(None, help="auto | cuda | cpu (cpu needs TRITON_INTERPRET=1) [default: auto]"),
-    config: Optional[Path] = typer.Option(None, "--config", help="YAML recipe with BenchAttentionConfig keys."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
+    device: Optional[str] = device_option(),
+    config: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET,
+    out: Optional[Path] = _common["out"], force: bool = FORCE,
 ) -> None:
-    """Sparse prefill (indexer + top-k + attention), fwd+bwd, FlexAttention block-sparse vs dense SDPA."""
+    """Sparse prefill (indexer + top-k + attention), fwd+bwd, FlexAttention block-sparse vs dense SDPA.
+    On a CPU the kernels need TRITON_INTERPRET=1."""
     with cli_errors():
         from sparse_rl.config import load_config
+
+        refuse_existing(force, out=out)
+        index_topk = renamed(index_topk, topk_old, "--topk", "--index-topk")
         from sparse_rl.bench.attention import BenchAttentionConfig, markdown_attention, run_attention_bench
 
         cfg = load_config(BenchAttentionConfig, config, dict(
-            seqlens=_ints(seqlens, "--seqlens"), backward_seqlens=_ints(backward_seqlens, "--backward-seqlens"),
-            heads=heads, kv_heads=kv_heads, head_dim=head_dim, topk=topk, index_heads=index_heads,
-            index_dim=index_dim, batch=batch, flex=flex, check=check, dtype=dtype, rep_ms=rep_ms, device=device))
+            seqlens=ints("--seqlens", seqlens, positive=True),
+            backward_seqlens=ints("--backward-seqlens", backward_seqlens, positive=True),
+            heads=heads, kv_heads=kv_heads, head_dim=head_dim, topk=index_topk, index_heads=index_heads,
+            index_dim=index_dim, batch=batch, flex=flex, check=check, dtype=dtype, rep_ms=rep_ms, device=device), sets=set_)
         res = run_attention_bench(cfg, log=lambda m: console.print(f"[dim]{m}[/]"))
         _finish(res, markdown_attention(res), out)
 
@@ -90,25 +79,30 @@ def decode(
     contexts: Optional[str] = typer.Option(None, help="Context lengths, e.g. 32K,128K [default: 32K,128K]"),
     batch: Optional[int] = typer.Option(None, help="Sequences decoded together [default: 32]"),
     heads: Optional[int] = _common["heads"], kv_heads: Optional[int] = _common["kv_heads"],
-    head_dim: Optional[int] = _common["head_dim"], topk: Optional[int] = _common["topk"],
+    head_dim: Optional[int] = _common["head_dim"], index_topk: Optional[int] = _common["index_topk"],
+    topk_old: Optional[int] = _common["topk_old"],
     index_heads: Optional[int] = _common["index_heads"], index_dim: Optional[int] = _common["index_dim"],
-    splits: Optional[str] = typer.Option(None, help="Also time these split-K counts, e.g. 1,2,4,8"),
+    splits: Optional[str] = typer.Option(None, help="Also time these split-K counts, e.g. 1,2,4,8 [default: none]"),
     check: Optional[bool] = typer.Option(None, "--check/--no-check", help="Compare with the fp32 reference [default: on]"),
     dtype: Optional[str] = typer.Option(None, help="bfloat16 | float16 | float32 [default: bfloat16]"),
     rep_ms: Optional[int] = typer.Option(None, help="Timing budget per measurement, ms [default: 100]"),
-    device: Optional[str] = typer.Option(None, help="auto | cuda | cpu (cpu needs TRITON_INTERPRET=1) [default: auto]"),
-    config: Optional[Path] = typer.Option(None, "--config", help="YAML recipe with BenchDecodeConfig keys."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
+    device: Optional[str] = device_option(),
+    config: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET,
+    out: Optional[Path] = _common["out"], force: bool = FORCE,
 ) -> None:
-    """One sparse decode step (indexer + top-k + sparse attention) vs one dense SDPA decode step."""
+    """One sparse decode step (indexer + top-k + sparse attention) vs one dense SDPA decode step.
+    On a CPU the kernels need TRITON_INTERPRET=1."""
     with cli_errors():
         from sparse_rl.config import load_config
+
+        refuse_existing(force, out=out)
+        index_topk = renamed(index_topk, topk_old, "--topk", "--index-topk")
         from sparse_rl.bench.decode import BenchDecodeConfig, markdown_decode, run_decode_bench
 
         cfg = load_config(BenchDecodeConfig, config, dict(
-            contexts=_ints(contexts, "--contexts"), batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-            topk=topk, index_heads=index_heads, index_dim=index_dim, splits=_ints(splits, "--splits"), check=check,
-            dtype=dtype, rep_ms=rep_ms, device=device))
+            contexts=ints("--contexts", contexts, positive=True), batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+            topk=index_topk, index_heads=index_heads, index_dim=index_dim, splits=ints("--splits", splits, positive=True),
+            check=check, dtype=dtype, rep_ms=rep_ms, device=device), sets=set_)
         res = run_decode_bench(cfg, log=lambda m: console.print(f"[dim]{m}[/]"))
         _finish(res, markdown_decode(res), out)
 
@@ -122,27 +116,28 @@ def rollout(
     hf: Optional[bool] = typer.Option(None, "--hf/--no-hf", help="Time HF generate [default: on]"),
     hf_new_tokens: Optional[int] = typer.Option(None, help="New tokens for the HF run, 0 = --new-tokens [default: 0]"),
     eager: Optional[bool] = typer.Option(None, "--eager/--no-eager", help="Also time the engine without CUDA graphs [default: on]"),
-    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile",
-                                           help="torch.compile the engine's decode step [default: off]"),
+    compile: Optional[bool] = compile_option(),
     long_new_tokens: Optional[str] = typer.Option(None, help="Sparse vs dense: generation lengths, e.g. 8K,16K or none [default: 8K,16K]"),
     long_batch: Optional[int] = typer.Option(None, help="Sparse vs dense: sequences [default: 16]"),
-    topk: Optional[int] = _common["topk"],
+    index_topk: Optional[int] = _common["index_topk"], topk_old: Optional[int] = _common["topk_old"],
     index_heads: Optional[int] = _common["index_heads"], index_dim: Optional[int] = _common["index_dim"],
     dtype: Optional[str] = typer.Option(None, help="bfloat16 | float16 | float32 [default: bfloat16]"),
-    device: Optional[str] = typer.Option(None, help="auto | cuda | cpu [default: auto]"),
-    config: Optional[Path] = typer.Option(None, "--config", help="YAML recipe with BenchRolloutConfig keys."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
+    device: Optional[str] = device_option(),
+    config: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET,
+    out: Optional[Path] = _common["out"], force: bool = FORCE,
 ) -> None:
     """Rollout engine tokens/s vs HF generate (dense), and sparse vs dense mode for long generations."""
     with cli_errors():
         from sparse_rl.config import load_config
+
+        refuse_existing(force, out=out)
+        index_topk = renamed(index_topk, topk_old, "--topk", "--index-topk")
         from sparse_rl.bench.rollout import BenchRolloutConfig, markdown_rollout, run_rollout_bench
 
-        longs = [] if long_new_tokens is not None and long_new_tokens.strip().lower() == "none" else \
-            _ints(long_new_tokens, "--long-new-tokens")
+        longs = ints("--long-new-tokens", long_new_tokens, positive=True)
         cfg = load_config(BenchRolloutConfig, config, dict(
             shape=shape, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, hf=hf, hf_new_tokens=hf_new_tokens,
-            eager=eager, long_new_tokens=longs, long_batch=long_batch, topk=topk, index_heads=index_heads,
-            index_dim=index_dim, dtype=dtype, device=device, compile=compile))
+            eager=eager, long_new_tokens=longs, long_batch=long_batch, topk=index_topk, index_heads=index_heads,
+            index_dim=index_dim, dtype=dtype, device=device, compile=compile), sets=set_)
         res = run_rollout_bench(cfg, log=lambda m: console.print(f"[dim]{m}[/]"))
         _finish(res, markdown_rollout(res), out)

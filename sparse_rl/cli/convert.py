@@ -8,28 +8,19 @@ from typing import Optional
 
 import typer
 
-from sparse_rl.cli.common import cli_errors, console
-from sparse_rl.errors import UsageError
-
-
-def parse_int_list(value: str | None, flag: str) -> list[int] | None:
-    if value is None:
-        return None
-    if value.strip().lower() in ("", "none"):
-        return []
-    try:
-        return [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"{flag} {value!r}: expected comma-separated layer numbers, e.g. 0,1 (or 'none')") from None
+from sparse_rl.cli.common import (CONFIG, FORCE, INDEX_DIM, INDEX_HEADS, SET, cli_errors, console, ints, old_spelling,
+                                  renamed, seed_option)
 
 
 def command(
     src: Path = typer.Argument(..., metavar="IN", help="Dense HF model dir (llama, qwen2, qwen3, mistral)."),
     out: Path = typer.Argument(..., metavar="OUT", help="Sparse model dir to write."),
     selector: Optional[str] = typer.Option(None, help="indexer (DSA lightning indexer) | block (training-free) [default: indexer]"),
-    topk: Optional[int] = typer.Option(None, help="Keys per query, sinks and window included [default: 2048]"),
-    index_heads: Optional[int] = typer.Option(None, help="Indexer heads H_I [default: 4]"),
-    index_dim: Optional[int] = typer.Option(None, help="Indexer dim d_I [default: 64]"),
+    index_topk: Optional[int] = typer.Option(None, "--index-topk",
+                                             help="Keys each query attends to, sinks and window included (DSA's index_topk) [default: 2048]"),
+    topk_old: Optional[int] = old_spelling("--topk", "--index-topk"),
+    index_heads: Optional[int] = INDEX_HEADS,
+    index_dim: Optional[int] = INDEX_DIM,
     rope_dim: Optional[int] = typer.Option(None, help="RoPE'd dims of d_I [default: min(32, index dim, head dim)]"),
     sink: Optional[int] = typer.Option(None, help="First tokens always kept [default: 4]"),
     window: Optional[int] = typer.Option(None, help="Most recent tokens always kept [default: 64]"),
@@ -38,22 +29,24 @@ def command(
     topk_blocks: Optional[int] = typer.Option(None, help="Block selector: blocks kept per query [default: 32]"),
     sink_blocks: Optional[int] = typer.Option(None, help="Block selector: first blocks always kept [default: 1]"),
     recent_blocks: Optional[int] = typer.Option(None, help="Block selector: last blocks always kept [default: 2]"),
-    seed: Optional[int] = typer.Option(None, help="Indexer init seed [default: 0]"),
-    config: Optional[Path] = typer.Option(None, "--config", help="YAML recipe (keys: sparse.*, seed)."),
-    force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
+    seed: Optional[int] = seed_option(),
+    config: Optional[Path] = CONFIG,
+    set_: Optional[list[str]] = SET,
+    force: bool = FORCE,
 ) -> None:
     """Turn a dense checkpoint into a sparse model dir (base weights copied untouched)."""
     with cli_errors():
         from sparse_rl.config import load_config
         from sparse_rl.sparse.convert import ConvertConfig, convert
 
-        flags = dict(selector=selector, topk=topk, index_heads=index_heads, index_dim=index_dim, rope_dim=rope_dim,
-                     sink=sink, window=window, dense_layers=parse_int_list(dense_layers, "--dense-layers"),
+        index_topk = renamed(index_topk, topk_old, "--topk", "--index-topk")
+        flags = dict(selector=selector, topk=index_topk, index_heads=index_heads, index_dim=index_dim, rope_dim=rope_dim,
+                     sink=sink, window=window, dense_layers=ints("--dense-layers", dense_layers),
                      block_size=block_size, topk_blocks=topk_blocks, sink_blocks=sink_blocks,
                      recent_blocks=recent_blocks)
         overrides = {f"sparse.{k}": v for k, v in flags.items()}
         overrides["seed"] = seed
-        cfg = load_config(ConvertConfig, config, overrides)
+        cfg = load_config(ConvertConfig, config, overrides, sets=set_)
         summary = convert(src, out, cfg, force=force)
         console.print(f"[green]wrote[/] {out}  (selector {summary['selector']}, {summary['budget']} keys/query, "
                       f"{len(summary['sparse_layers'])} sparse layers)")

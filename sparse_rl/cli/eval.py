@@ -14,42 +14,14 @@ from typing import Optional
 
 import typer
 
-from sparse_rl.cli.common import cli_errors, console
+from sparse_rl.cli.common import (BATCH_SIZE_OLD, CONFIG, FORCE, SET, cli_errors, console, device_option, dtype_option,
+                                  floats, group, ints, max_batch_option, max_new_tokens_option, old_spelling,
+                                  refuse_existing, renamed, samples_option, seed_option, strs, temperature_option,
+                                  top_p_option)
 from sparse_rl.errors import UsageError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
-                  help="Evaluate: math accuracy/pass@k from completions; NIAH prompt grids and their scores.")
-
-_CONFIG = typer.Option(None, "--config", help="YAML recipe; flags given here override it.")
-
-
-def _ints(flag: str, value: Optional[str]) -> Optional[list[int]]:
-    """'1k,4096,8K' -> [1024, 4096, 8192]."""
-    if value is None:
-        return None
-    out = []
-    for part in value.split(","):
-        p = part.strip().lower()
-        mult = 1024 if p.endswith("k") else 1
-        try:
-            out.append(int(p[:-1] if mult > 1 else p) * mult)
-        except ValueError:
-            raise UsageError(f"{flag} {value}: expected comma-separated integers (e.g. 1,4,8 or 1k,4k)") from None
-    return out
-
-
-def _floats(flag: str, value: Optional[str]) -> Optional[list[float]]:
-    if value is None:
-        return None
-    try:
-        return [float(p) for p in value.split(",")]
-    except ValueError:
-        raise UsageError(f"{flag} {value}: expected comma-separated numbers (e.g. 0,0.5,1)") from None
-
-
-def _strs(value: Optional[str]) -> Optional[list[str]]:
-    return None if value is None else [p.strip() for p in value.split(",") if p.strip()]
-
+app = group("Evaluate: math accuracy/pass@k from completions; NIAH prompt grids and their scores.")
+_MODEL_OLD = typer.Option(None, "--model", hidden=True, help="Deprecated: give the model dir as the first argument.")
 
 def _fmt(v) -> str:
     return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
@@ -57,38 +29,56 @@ def _fmt(v) -> str:
 
 @app.command("math")
 def math_cmd(
-    score: Optional[str] = typer.Option(None, "--score", help="Completions JSONL to score ('-' = stdin)."),
-    problems: Optional[str] = typer.Option(None, "--problems",
+    model: Optional[str] = typer.Argument(None, metavar="MODEL",
+                                          help="Sample answers from this model dir (instead of --score) [default: none]"),
+    score: Optional[str] = typer.Option(None, "--score", metavar="FILE",
+                                        help="Completions JSONL to score, - = stdin [default: none]"),
+    problems: Optional[str] = typer.Option(None, "--problems", metavar="FILE",
                                            help="Problems JSONL with gold answers, joined on id (not needed when "
-                                                "completions carry 'answer')."),
-    out: Optional[str] = typer.Option(None, "--out", help="Write per-problem results JSONL here."),
-    summary: Optional[str] = typer.Option(None, "--summary", help="Also write the summary JSON here."),
-    k: Optional[str] = typer.Option(None, "--k", help="pass@k values, e.g. 1,4,8 (default: 1,2,4,... up to n)."),
-    model: Optional[str] = typer.Option(None, "--model", help="Sample answers from this model dir instead of --score."),
-    attention: Optional[str] = typer.Option(None, "--attention", help="With --model: dense or sparse."),
-    n: Optional[int] = typer.Option(None, "--n", help="With --model: samples per problem."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="With --model: 0 = greedy."),
-    top_p: Optional[float] = typer.Option(None, "--top-p"),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
-    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Send plain prompts through the chat template."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Decode slots of the rollout engine."),
-    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16."),
-    completions_out: Optional[str] = typer.Option(None, "--completions-out", help="With --model: save the samples."),
-    config: Optional[Path] = _CONFIG,
+                                                "completions carry 'answer') [default: none]"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", metavar="FILE",
+                                      help="Per-problem results JSONL [default: none]"),
+    summary: Optional[str] = typer.Option(None, "--summary", metavar="FILE",
+                                          help="Also write the summary JSON here [default: none]"),
+    pass_at: Optional[str] = typer.Option(None, "--pass-at", help="pass@k values, e.g. 1,4,8 [default: 1,2,4,... up to "
+                                                                  "the fewest samples of a problem]"),
+    k_old: Optional[str] = old_spelling("--k", "--pass-at"),
+    model_old: Optional[str] = _MODEL_OLD,
+    attention: Optional[str] = typer.Option(None, "--attention", help="With MODEL: dense | sparse [default: dense]"),
+    samples: Optional[int] = samples_option(1),
+    n_old: Optional[int] = old_spelling("--n", "--samples"),
+    temperature: Optional[float] = temperature_option(0.0),
+    top_p: Optional[float] = top_p_option(),
+    max_new_tokens: Optional[int] = max_new_tokens_option(512),
+    seed: Optional[int] = seed_option(),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat",
+                                        help="Send plain prompts through the chat template [default: no-chat]"),
+    max_batch: Optional[int] = max_batch_option(32),
+    batch_size_old: Optional[int] = BATCH_SIZE_OLD,
+    device: Optional[str] = device_option(),
+    dtype: Optional[str] = dtype_option(),
+    completions_out: Optional[str] = typer.Option(None, "--completions-out", metavar="FILE",
+                                                  help="With MODEL: also save the sampled completions [default: none]"),
+    config: Optional[Path] = CONFIG,
+    set_: Optional[list[str]] = SET,
+    force: bool = FORCE,
 ) -> None:
-    """Score completions (--score FILE|-) or sample them (--model DIR): answer extraction,
+    """Score completions (--score FILE|-) or sample them (MODEL): answer extraction,
     math-verify equivalence, accuracy, pass@1, pass@k."""
     with cli_errors():
         from sparse_rl.config import load_config
         from sparse_rl.eval.math_eval import MathEvalConfig, run
 
+        model = renamed(model, model_old, "--model DIR", "DIR as the first argument")
+        pass_at = renamed(pass_at, k_old, "--k", "--pass-at")
+        samples = renamed(samples, n_old, "--n", "--samples")
+        max_batch = renamed(max_batch, batch_size_old, "--batch-size", "--max-batch")
         cfg = load_config(MathEvalConfig, config, {
-            "score": score, "problems": problems, "out": out, "summary": summary, "k": _ints("--k", k),
-            "model": model, "attention": attention, "n": n, "temperature": temperature, "top_p": top_p,
-            "max_new_tokens": max_new_tokens, "seed": seed, "chat": chat, "batch_size": batch_size,
-            "device": device, "dtype": dtype, "completions_out": completions_out})
+            "score": score, "problems": problems, "out": out, "summary": summary, "k": ints("--pass-at", pass_at),
+            "model": model, "attention": attention, "samples": samples, "temperature": temperature, "top_p": top_p,
+            "max_new_tokens": max_new_tokens, "seed": seed, "chat": chat, "batch_size": max_batch,
+            "device": device, "dtype": dtype, "completions_out": completions_out}, sets=set_)
+        refuse_existing(force, out=cfg.out, summary=cfg.summary, completions_out=cfg.completions_out)
         result, _ = run(cfg)
         from rich.markup import escape
         from rich.table import Table
@@ -111,49 +101,67 @@ def math_cmd(
 
 @app.command("niah")
 def niah_cmd(
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Local tokenizer or model dir (for building)."),
-    tasks: Optional[str] = typer.Option(None, "--tasks", help="single,multikey,multivalue,multiquery,vt"),
-    lengths: Optional[str] = typer.Option(None, "--lengths", help="Prompt lengths in tokens, e.g. 1k,4k,16k."),
-    depths: Optional[str] = typer.Option(None, "--depths", help="Needle depths in [0,1], e.g. 0,0.25,0.5,0.75,1."),
-    samples: Optional[int] = typer.Option(None, "--samples", help="Prompts per (task, length, depth) cell."),
-    seed: Optional[int] = typer.Option(None, "--seed"),
-    haystack: Optional[str] = typer.Option(None, "--haystack", help="Filler text file (default: repeated sentences)."),
-    prompts_out: Optional[str] = typer.Option(None, "--prompts-out",
-                                              help="Build the grid: write prompts JSONL ('-' = stdout)."),
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="Prompts JSONL (from --prompts-out) to score."),
-    score: Optional[list[str]] = typer.Option(None, "--score", help="MODE=completions.jsonl, repeatable "
-                                                                    "(dense=..., sparse=...)."),
-    out: Optional[str] = typer.Option(None, "--out", help="Results dir: cells.jsonl, summary.json, heatmaps."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing --out dir (with --score)."),
-    model: Optional[str] = typer.Option(None, "--model", help="Run the grid on this model dir (greedy), resumably."),
-    modes: Optional[str] = typer.Option(None, "--modes", help="With --model: dense,sparse (default: both for a "
-                                                             "sparse dir, else dense)."),
-    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Decode slots of the rollout engine."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens",
-                                                 help="Generation budget (default: RULER's, 128; vt 30)."),
-    config: Optional[Path] = _CONFIG,
+    model: Optional[str] = typer.Argument(None, metavar="MODEL",
+                                          help="Run the grid on this model dir (greedy), resumably [default: none]"),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", metavar="DIR",
+                                            help="Local tokenizer or model dir (for building) [default: none]"),
+    kinds: Optional[str] = typer.Option(None, "--kinds", help="NIAH task kinds: single,multikey,multivalue,multiquery,vt "
+                                                              "[default: single]"),
+    tasks_old: Optional[str] = old_spelling("--tasks", "--kinds"),
+    lengths: Optional[str] = typer.Option(None, "--lengths", help="Prompt lengths in tokens, e.g. 1k,4k,16k "
+                                                                  "[default: 1k,2k,4k]"),
+    depths: Optional[str] = typer.Option(None, "--depths", help="Needle depths in [0,1], e.g. 0,0.5,1 "
+                                                                "[default: 0,0.25,0.5,0.75,1]"),
+    per_cell: Optional[int] = typer.Option(None, "--per-cell", help="Prompts per (kind, length, depth) cell [default: 1]"),
+    samples_old: Optional[int] = old_spelling("--samples", "--per-cell"),
+    seed: Optional[int] = seed_option(),
+    haystack: Optional[str] = typer.Option(None, "--haystack", metavar="FILE",
+                                           help="Filler text file [default: RULER's repeated noise sentences]"),
+    prompts_out: Optional[str] = typer.Option(None, "--prompts-out", metavar="FILE",
+                                              help="Build the grid: write prompts JSONL, - = stdout [default: none]"),
+    prompts: Optional[str] = typer.Option(None, "--prompts", metavar="FILE",
+                                          help="Prompts JSONL (from --prompts-out) to score [default: none]"),
+    score: Optional[list[str]] = typer.Option(None, "--score", metavar="MODE=FILE",
+                                              help="Completions of one attention mode, repeatable (dense=..., "
+                                                   "sparse=...) [default: none]"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", metavar="DIR",
+                                      help="Results dir: cells.jsonl, summary.json, heatmaps [default: none]"),
+    force: bool = FORCE,
+    model_old: Optional[str] = _MODEL_OLD,
+    modes: Optional[str] = typer.Option(None, "--modes", help="With MODEL: dense,sparse [default: both for a "
+                                                             "sparse dir, else dense]"),
+    device: Optional[str] = device_option(),
+    dtype: Optional[str] = dtype_option(),
+    max_batch: Optional[int] = max_batch_option(16),
+    batch_size_old: Optional[int] = BATCH_SIZE_OLD,
+    max_new_tokens: Optional[int] = max_new_tokens_option("RULER's budget, 128; vt 30"),
+    config: Optional[Path] = CONFIG,
+    set_: Optional[list[str]] = SET,
 ) -> None:
     """Build RULER-style NIAH prompts at exact token lengths, or score completions into heatmaps.
 
     Build: --tokenizer DIR --prompts-out FILE|-. Score: --prompts FILE --score dense=FILE
     [--score sparse=FILE] --out DIR (cells.jsonl, summary.json, heatmap_<mode>.png, difference map).
-    Run: --model DIR [--modes dense,sparse] --out DIR (greedy; re-running skips finished cells).
+    Run: MODEL [--modes dense,sparse] --out DIR (greedy; re-running skips finished cells).
     """
     with cli_errors():
         from sparse_rl.config import load_config
         from sparse_rl.eval.niah import NiahConfig
 
+        model = renamed(model, model_old, "--model DIR", "DIR as the first argument")
+        kinds = renamed(kinds, tasks_old, "--tasks", "--kinds")
+        per_cell = renamed(per_cell, samples_old, "--samples", "--per-cell")
+        max_batch = renamed(max_batch, batch_size_old, "--batch-size", "--max-batch")
         cfg = load_config(NiahConfig, config, {
-            "tokenizer": tokenizer, "tasks": _strs(tasks), "lengths": _ints("--lengths", lengths),
-            "depths": _floats("--depths", depths), "samples": samples, "seed": seed, "haystack": haystack,
+            "tokenizer": tokenizer, "tasks": strs(kinds), "lengths": ints("--lengths", lengths),
+            "depths": floats("--depths", depths), "samples": per_cell, "seed": seed, "haystack": haystack,
             "prompts_out": prompts_out, "prompts": prompts, "score": score or None, "out": out, "model": model,
-            "modes": _strs(modes), "device": device, "dtype": dtype, "batch_size": batch_size,
-            "max_new_tokens": max_new_tokens})
+            "modes": strs(modes), "device": device, "dtype": dtype, "batch_size": max_batch,
+            "max_new_tokens": max_new_tokens}, sets=set_)
+        refuse_existing(force, prompts_out=cfg.prompts_out)
         if sum(map(bool, (cfg.prompts_out, cfg.score, cfg.model))) != 1:
             raise UsageError("give one of --prompts-out FILE (build prompts), --prompts FILE --score MODE=FILE --out DIR "
-                             "(score completions) or --model DIR --out DIR (run the grid)")
+                             "(score completions) or MODEL --out DIR (run the grid)")
         if cfg.prompts_out:
             _niah_build(cfg)
         elif cfg.score:
@@ -234,17 +242,24 @@ def _niah_table(summary: dict) -> None:
 
 @app.command("fidelity")
 def fidelity_cmd(
-    model: Optional[str] = typer.Argument(None, help="Sparse model dir (from `sparse-rl convert` / `indexer train`)."),
-    data: Optional[str] = typer.Option(None, "--data", help="JSONL of {'text'} or completion records ('-' = stdin)."),
-    out: Optional[str] = typer.Option(None, "--out", help="Results dir: records.jsonl, summary.json, plots."),
-    adapter: Optional[str] = typer.Option(None, "--adapter", help="LoRA adapter dir of the sparse policy (peft), "
-                                                                    "e.g. a grpo checkpoint's adapter/."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Truncate each sequence to this many tokens."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Score at most this many records (0 = all)."),
-    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing --out dir."),
-    config: Optional[Path] = _CONFIG,
+    model: Optional[str] = typer.Argument(None, metavar="MODEL",
+                                          help="Sparse model dir (from `sparse-rl convert` / `indexer train`) "
+                                               "[default: the recipe's model]"),
+    data: Optional[str] = typer.Option(None, "--data", metavar="FILE",
+                                       help="JSONL of {'text'} or completion records, - = stdin [default: none]"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", metavar="DIR",
+                                      help="Results dir: records.jsonl, summary.json, plots [default: none]"),
+    adapter: Optional[str] = typer.Option(None, "--adapter", metavar="DIR",
+                                          help="LoRA adapter dir of the sparse policy (peft), e.g. a grpo checkpoint's "
+                                               "adapter/ [default: none]"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Truncate each sequence to this many tokens "
+                                                                        "[default: 4096]"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Score at most this many records, 0 = all [default: 0]"),
+    device: Optional[str] = device_option(),
+    dtype: Optional[str] = dtype_option(),
+    force: bool = FORCE,
+    config: Optional[Path] = CONFIG,
+    set_: Optional[list[str]] = SET,
 ) -> None:
     """Sparse vs dense on the same tokens: KL by position, top-1 agreement, acceptance min(1, p/q),
     per-layer attention recall of the selector."""
@@ -254,7 +269,7 @@ def fidelity_cmd(
 
         cfg = load_config(FidelityConfig, config, {"model": model, "adapter": adapter, "data": data, "out": out,
                                                    "max_tokens": max_tokens,
-                                                   "limit": limit, "device": device, "dtype": dtype})
+                                                   "limit": limit, "device": device, "dtype": dtype}, sets=set_)
         summary = run(cfg, force=force)
         from rich.table import Table
 

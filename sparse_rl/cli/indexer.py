@@ -8,16 +8,17 @@ from typing import Optional
 
 import typer
 
-from sparse_rl.cli.common import cli_errors, console
+from sparse_rl.cli.common import (CONFIG, FORCE, RESUME, SET, cli_errors, console, device_option, dtype_option, group,
+                                  old_spelling, renamed, seed_option)
 
-app = typer.Typer(no_args_is_help=True, help="Train the lightning indexers of a sparse model dir.")
+app = group("Train the lightning indexers of a sparse model dir.")
 
 
 @app.command("train")
 def train(
     model: Optional[Path] = typer.Argument(None, metavar="MODEL", help="Sparse model dir (from `sparse-rl convert`)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output sparse model dir."),
-    run_dir: Optional[Path] = typer.Option(None, help="Run dir: config, metrics.jsonl, checkpoints [default: OUT.run]"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", metavar="DIR", help="Sparse model dir to write [default: none, required]"),
+    run_dir: Optional[Path] = typer.Option(None, metavar="DIR", help="Run dir: config, metrics.jsonl, checkpoints [default: OUT.run]"),
     data: Optional[str] = typer.Option(None, help=".jsonl (text|messages), .txt, a datasets dir, or 'synthetic' [default: synthetic]"),
     stage: Optional[str] = typer.Option(None, help="warmup (dense, indexers only) | sparse (LM loss + selected-set KL) [default: warmup]"),
     seq_len: Optional[int] = typer.Option(None, help="Tokens per packed row [default: 1024]"),
@@ -28,38 +29,43 @@ def train(
     lr_warmup: Optional[int] = typer.Option(None, help="Linear LR warm-up steps before cosine decay [default: 0]"),
     finetune: Optional[str] = typer.Option(None, help="Sparse stage: full | lora [default: full]"),
     lora_r: Optional[int] = typer.Option(None, help="LoRA rank [default: 16]"),
-    topk: Optional[int] = typer.Option(None, help="Override the model's top-k (saved into OUT)"),
+    index_topk: Optional[int] = typer.Option(None, "--index-topk",
+                                             help="Keys each query attends to, overriding the model's (saved into OUT) [default: the model's]"),
+    topk_old: Optional[int] = old_spelling("--topk", "--index-topk"),
     chunk_size: Optional[int] = typer.Option(None, help="Queries per KL chunk, 0 = from a memory budget [default: 0]"),
     kl_impl: Optional[str] = typer.Option(None, help="Warm-up loss: auto (triton on CUDA) | torch (query chunks) | triton (fused kernels) [default: auto]"),
     synthetic_rows: Optional[int] = typer.Option(None, help="Rows generated for --data synthetic [default: 256]"),
     grad_clip: Optional[float] = typer.Option(None, help="Gradient-norm clip per parameter group, 0 = off [default: 1.0]"),
-    seed: Optional[int] = typer.Option(None, help="Seed for data order and synthetic text [default: 0]"),
+    seed: Optional[int] = seed_option(),
     log_every: Optional[int] = typer.Option(None, help="Metrics line every N steps [default: 1]"),
     save_every: Optional[int] = typer.Option(None, help="Checkpoint every N steps [default: 100]"),
     keep_checkpoints: Optional[int] = typer.Option(None, help="Newest checkpoints kept, 0 = all [default: 2]"),
-    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda[:N] [default: auto]"),
-    dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 [default: auto]"),
+    device: Optional[str] = device_option(),
+    dtype: Optional[str] = dtype_option(),
     backend: Optional[str] = typer.Option(None, help="Sparse ops: auto | torch | triton [default: auto]"),
-    config: Optional[Path] = typer.Option(None, "--config", help="YAML recipe (flags override it)."),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the run dir's last checkpoint."),
-    force: bool = typer.Option(False, "--force", help="Overwrite OUT and start the run dir over."),
+    config: Optional[Path] = CONFIG,
+    set_: Optional[list[str]] = SET,
+    resume: bool = RESUME,
+    force: bool = FORCE,
 ) -> None:
     """Train the indexers: stage warmup (KL to dense attention), or stage sparse (LM loss, sparse model).
 
     Prints a JSON summary on stdout; progress goes to stderr; metrics to RUN_DIR/metrics.jsonl.
+    --force replaces OUT and starts the run dir over.
     Multi-GPU (data parallel): `accelerate launch --multi_gpu --num_processes N -m sparse_rl.cli.main indexer train ...`.
     """
     with cli_errors():
         from sparse_rl.config import load_config
         from sparse_rl.sparse.train.trainer import IndexerTrainConfig, run
 
+        index_topk = renamed(index_topk, topk_old, "--topk", "--index-topk")
         overrides = dict(model=str(model) if model else None, out=str(out) if out else None,
                          run_dir=str(run_dir) if run_dir else None, data=data, stage=stage, seq_len=seq_len,
                          batch_size=batch_size, steps=steps, lr=lr, model_lr=model_lr, lr_warmup=lr_warmup,
-                         finetune=finetune, lora_r=lora_r, topk=topk, chunk_size=chunk_size, kl_impl=kl_impl, seed=seed,
+                         finetune=finetune, lora_r=lora_r, topk=index_topk, chunk_size=chunk_size, kl_impl=kl_impl, seed=seed,
                          synthetic_rows=synthetic_rows, grad_clip=grad_clip, log_every=log_every,
                          save_every=save_every, keep_checkpoints=keep_checkpoints, device=device, dtype=dtype, backend=backend)
-        cfg = load_config(IndexerTrainConfig, config, overrides)
+        cfg = load_config(IndexerTrainConfig, config, overrides, sets=set_)
         summary = run(cfg, resume=resume, force=force, console=console)
         from accelerate import PartialState
 
@@ -77,12 +83,15 @@ def eval_(
     data: Optional[str] = typer.Option(None, help=".jsonl, .txt, a datasets dir, or 'synthetic' [default: synthetic]"),
     seq_len: Optional[int] = typer.Option(None, help="Tokens per row [default: 1024]"),
     rows: Optional[int] = typer.Option(None, help="Rows evaluated [default: 8]"),
-    seed: Optional[int] = typer.Option(None, help="Data seed; synthetic rows depend on it [default: 12345]"),
-    topk: Optional[int] = typer.Option(None, help="Evaluate at this k instead of the model's"),
+    seed: Optional[int] = seed_option(12345),
+    index_topk: Optional[int] = typer.Option(None, "--index-topk",
+                                             help="Evaluate with this many keys per query instead of the model's [default: the model's]"),
+    topk_old: Optional[int] = old_spelling("--topk", "--index-topk"),
     lm_loss: Optional[bool] = typer.Option(None, "--lm-loss/--no-lm-loss", help="Also LM loss dense vs sparse [default: on]"),
-    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda[:N] [default: auto]"),
-    dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 [default: auto]"),
-    config: Optional[Path] = typer.Option(None, "--config", help="YAML (keys: the flags)."),
+    device: Optional[str] = device_option(),
+    dtype: Optional[str] = dtype_option(),
+    config: Optional[Path] = CONFIG,
+    set_: Optional[list[str]] = SET,
 ) -> None:
     """Indexer quality on held-out rows: KL to dense attention, attn_recall of its top-k selection, the
     oracle recall (best possible k keys), per layer, and the LM loss dense vs sparse. JSON on stdout."""
@@ -90,9 +99,10 @@ def eval_(
         from sparse_rl.config import load_config
         from sparse_rl.sparse.train.trainer import IndexerEvalConfig, run_eval
 
+        index_topk = renamed(index_topk, topk_old, "--topk", "--index-topk")
         cfg = load_config(IndexerEvalConfig, config, dict(model=str(model) if model else None, data=data,
-                                                          seq_len=seq_len, rows=rows, seed=seed, topk=topk,
-                                                          lm_loss=lm_loss, device=device, dtype=dtype))
+                                                          seq_len=seq_len, rows=rows, seed=seed, topk=index_topk,
+                                                          lm_loss=lm_loss, device=device, dtype=dtype), sets=set_)
         with console.status("evaluating the indexer"):
             res = run_eval(cfg)
         console.print(f"kl {res['kl']:.4f}  attn_recall {res['attn_recall']:.3f}  (oracle {res['oracle_recall']:.3f}, "

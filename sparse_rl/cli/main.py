@@ -30,9 +30,10 @@ STAGES: list[tuple[str, str, str]] = [
 app = typer.Typer(
     name="sparse-rl",
     help="LLM post-training with trainable sparse attention (DSA) and sparse-rollout GRPO.",
-    no_args_is_help=True,
+    invoke_without_command=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: `[default: X]` stays visible (Rich would eat it as markup)
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -45,10 +46,14 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True,
                                            help="Print the version and exit."),
 ) -> None:
     """sparse-rl: each stage reads and writes files, so stages chain in shell scripts."""
+    if ctx.invoked_subcommand is None:  # bare `sparse-rl`: the help, on stdout, exit 0 (like --help)
+        typer.echo(ctx.get_help())
+        raise typer.Exit(0)
 
 
 for _name, _module, _help in STAGES:
@@ -70,9 +75,6 @@ def main() -> None:
 
     try:
         rv = app(standalone_mode=False)
-    except getattr(click_exc, "NoArgsIsHelpError", ()) as e:
-        print(e.ctx.get_help() if e.ctx else "", file=sys.stderr)
-        sys.exit(2)
     except click_exc.UsageError as e:
         path = e.ctx.command_path if e.ctx else "sparse-rl"
         msg = " ".join(e.format_message().split())

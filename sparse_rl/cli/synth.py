@@ -13,19 +13,15 @@ from typing import Optional
 
 import typer
 
-from sparse_rl.cli.common import cli_errors, console
+from sparse_rl.cli.common import (CONFIG, FORCE, SET, cli_errors, console, group, old_spelling, refuse_existing,
+                                  renamed, seed_option, strs, temperature_option)
 from sparse_rl.errors import UsageError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
-                  help="Synthesise verifiable math tasks and tool-use trajectories.")
+app = group("Synthesise verifiable math tasks and tool-use trajectories.")
 
-_CONFIG = typer.Option(None, "--config", help="YAML recipe; flags given here override it.")
-
-
-def _list(value: Optional[str]) -> Optional[list[str]]:
-    if value is None:
-        return None
-    return [v.strip() for v in value.split(",") if v.strip()]
+_NUM_OLD = old_spelling("--n", "--num-tasks")
+_K_OLD = old_spelling("-k", "--attempts")
+_ATTEMPTS = typer.Option(None, "--attempts", help="Attempts per task, K (for the pass rate) [default: 4]")
 
 
 def _table(stats: dict) -> None:
@@ -73,25 +69,29 @@ def _check_outputs(*paths: Optional[str]) -> None:
 
 @app.command("math")
 def math_cmd(
-    config: Optional[Path] = _CONFIG,
-    n: Optional[int] = typer.Option(None, "--n", help="Tasks to write [default: 100]"),
-    seed: Optional[int] = typer.Option(None, help="Seed; same seed, same file [default: 0]"),
+    config: Optional[Path] = CONFIG,
+    set_: Optional[list[str]] = SET,
+    num_tasks: Optional[int] = typer.Option(None, "--num-tasks", help="Tasks to generate [default: 100]"),
+    n_old: Optional[int] = _NUM_OLD,
+    seed: Optional[int] = seed_option(),
     families: Optional[str] = typer.Option(None, help="Comma list of arith,word,vartrack [default: all]"),
     reasoning_gym: Optional[str] = typer.Option(None, "--reasoning-gym",
-                                                help="Comma list of reasoning-gym dataset names (needs reasoning-gym)"),
+                                                help="Comma list of reasoning-gym dataset names (needs reasoning-gym) [default: none]"),
     min_level: Optional[int] = typer.Option(None, help="Lowest difficulty level [default: 1]"),
     max_level: Optional[int] = typer.Option(None, help="Highest difficulty level [default: 5]"),
     length: Optional[int] = typer.Option(None, help="vartrack: filler words in the context [default: 512]"),
     dedup_threshold: Optional[float] = typer.Option(None, help="Near-duplicate Jaccard threshold [default: 0.85]"),
     policy: Optional[str] = typer.Option(None, help="none | endpoint: calibrate difficulty by pass rate [default: none]"),
-    endpoint: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"),
-    model: Optional[str] = typer.Option(None, help="Model name sent to the endpoint"),
-    temperature: Optional[float] = typer.Option(None, help="Sampling temperature [default: 0.7]"),
-    attempts: Optional[int] = typer.Option(None, "--attempts", "-k", help="Attempts per task (K) [default: 4]"),
+    endpoint: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 [default: none]"),
+    model: Optional[str] = typer.Option(None, help="Model name sent to the endpoint [default: none]"),
+    temperature: Optional[float] = temperature_option(0.7),
+    attempts: Optional[int] = _ATTEMPTS,
+    k_old: Optional[int] = _K_OLD,
     min_pass: Optional[float] = typer.Option(None, help="Keep tasks with pass rate >= this [default: 0]"),
     max_pass: Optional[float] = typer.Option(None, help="Keep tasks with pass rate <= this [default: 1]"),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="Tasks JSONL, '-' = stdout [default: -]"),
-    stats: Optional[str] = typer.Option(None, help="Stats JSON file [default: stdout if --out is a file]"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", metavar="FILE", help="Tasks JSONL, - = stdout [default: -]"),
+    stats: Optional[str] = typer.Option(None, metavar="FILE", help="Stats JSON file [default: stdout if --out is a file]"),
+    force: bool = FORCE,
 ) -> None:
     """Math/reasoning tasks with exact answers: prompt/task JSONL for grpo, sft and eval math."""
     with cli_errors():
@@ -99,12 +99,15 @@ def math_cmd(
         from sparse_rl.io import write_jsonl
         from sparse_rl.synth.pipeline import SynthMathConfig, run_math
 
+        num_tasks = renamed(num_tasks, n_old, "--n", "--num-tasks")
+        attempts = renamed(attempts, k_old, "-k", "--attempts")
         cfg = load_config(SynthMathConfig, config, dict(
-            n=n, seed=seed, families=_list(families), reasoning_gym=_list(reasoning_gym), min_level=min_level,
+            n=num_tasks, seed=seed, families=strs(families), reasoning_gym=strs(reasoning_gym), min_level=min_level,
             max_level=max_level, length=length, dedup_threshold=dedup_threshold, policy=policy, endpoint=endpoint,
             model=model, temperature=temperature, attempts=attempts, min_pass=min_pass, max_pass=max_pass,
-            out=out, stats=stats))
+            out=out, stats=stats), sets=set_)
         _check_outputs(cfg.out, cfg.stats)
+        refuse_existing(force, out=cfg.out, stats=cfg.stats)
         tasks, st = run_math(cfg)
         write_jsonl(cfg.out, tasks)
         _emit(st, cfg.stats, cfg.out)
@@ -157,29 +160,33 @@ def lookup_cmd(
 
 @app.command("agent")
 def agent_cmd(
-    config: Optional[Path] = _CONFIG,
-    n: Optional[int] = typer.Option(None, "--n", help="Tool tasks to generate [default: 20]"),
-    seed: Optional[int] = typer.Option(None, help="Seed [default: 0]"),
+    config: Optional[Path] = CONFIG,
+    set_: Optional[list[str]] = SET,
+    num_tasks: Optional[int] = typer.Option(None, "--num-tasks", help="Tasks to generate [default: 20]"),
+    n_old: Optional[int] = _NUM_OLD,
+    seed: Optional[int] = seed_option(),
     envs: Optional[str] = typer.Option(None, help="Comma list of fs,sql,calendar,code,combo [default: all]"),
-    min_level: Optional[int] = typer.Option(None, help="Lowest composition level [default: 1]"),
-    max_level: Optional[int] = typer.Option(None, help="Highest composition level [default: 4]"),
-    tasks_in: Optional[str] = typer.Option(None, "--tasks-in", help="Sample trajectories for these tool tasks instead"),
+    min_level: Optional[int] = typer.Option(None, help="Lowest difficulty level [default: 1]"),
+    max_level: Optional[int] = typer.Option(None, help="Highest difficulty level [default: 4]"),
+    tasks_in: Optional[str] = typer.Option(None, "--tasks-in", metavar="FILE", help="Sample trajectories for these tool tasks instead [default: none]"),
     policy: Optional[str] = typer.Option(None, help="scripted (replay each task's solution) | endpoint [default: scripted]"),
-    endpoint: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"),
-    model: Optional[str] = typer.Option(None, help="Model name sent to the endpoint"),
-    temperature: Optional[float] = typer.Option(None, help="Sampling temperature [default: 0.7]"),
-    attempts: Optional[int] = typer.Option(None, "--attempts", "-k", help="Attempts per task (K) [default: 4]"),
+    endpoint: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 [default: none]"),
+    model: Optional[str] = typer.Option(None, help="Model name sent to the endpoint [default: none]"),
+    temperature: Optional[float] = temperature_option(0.7),
+    attempts: Optional[int] = _ATTEMPTS,
+    k_old: Optional[int] = _K_OLD,
     max_turns: Optional[int] = typer.Option(None, help="Assistant turns per attempt [default: 12]"),
     keep_failures: Optional[bool] = typer.Option(None, "--keep-failures/--no-keep-failures",
                                                  help="Keep informative failures, labelled [default: keep]"),
     min_pass: Optional[float] = typer.Option(None, help="Keep tasks with pass rate >= this [default: 0]"),
     max_pass: Optional[float] = typer.Option(None, help="Keep tasks with pass rate <= this [default: 1]"),
-    reviewer: Optional[bool] = typer.Option(None, "--reviewer/--no-reviewer", help="Score trajectories with a reviewer model"),
+    reviewer: Optional[bool] = typer.Option(None, "--reviewer/--no-reviewer", help="Score trajectories with a reviewer model [default: no-reviewer]"),
     reviewer_model: Optional[str] = typer.Option(None, help="Reviewer model name [default: --model]"),
     min_review: Optional[float] = typer.Option(None, help="Reviewer score (0-1) to keep [default: 0.5]"),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="Kept tasks JSONL, '-' = stdout [default: -]"),
-    trajectories: Optional[str] = typer.Option(None, help="Kept trajectories JSONL"),
-    stats: Optional[str] = typer.Option(None, help="Stats JSON file [default: stdout if --out is a file]"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", metavar="FILE", help="Kept tasks JSONL, - = stdout [default: -]"),
+    trajectories: Optional[str] = typer.Option(None, metavar="FILE", help="Kept trajectories JSONL [default: none]"),
+    stats: Optional[str] = typer.Option(None, metavar="FILE", help="Stats JSON file [default: stdout if --out is a file]"),
+    force: bool = FORCE,
 ) -> None:
     """Tool tasks in sandboxed environments, K trajectories each, filtered and calibrated."""
     with cli_errors():
@@ -189,13 +196,16 @@ def agent_cmd(
         from sparse_rl.io import write_jsonl
         from sparse_rl.synth.pipeline import SynthAgentConfig, generate_tool_tasks, run_agent
 
+        num_tasks = renamed(num_tasks, n_old, "--n", "--num-tasks")
+        attempts = renamed(attempts, k_old, "-k", "--attempts")
         cfg = load_config(SynthAgentConfig, config, dict(
-            n=n, seed=seed, envs=_list(envs), min_level=min_level, max_level=max_level, tasks_in=tasks_in,
+            n=num_tasks, seed=seed, envs=strs(envs), min_level=min_level, max_level=max_level, tasks_in=tasks_in,
             policy=policy, endpoint=endpoint, model=model, temperature=temperature, attempts=attempts,
             max_turns=max_turns, keep_failures=keep_failures, min_pass=min_pass, max_pass=max_pass,
             reviewer=reviewer, reviewer_model=reviewer_model, min_review=min_review, out=out,
-            trajectories=trajectories, stats=stats))
+            trajectories=trajectories, stats=stats), sets=set_)
         _check_outputs(cfg.out, cfg.trajectories, cfg.stats)
+        refuse_existing(force, out=cfg.out, trajectories=cfg.trajectories, stats=cfg.stats)
         if cfg.tasks_in:
             tasks, drops = _read_tool_tasks(cfg.tasks_in), None
         else:

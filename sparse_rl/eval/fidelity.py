@@ -92,27 +92,24 @@ def _recall_hooks(model, start: int, sink: dict):
     over heads): the share of the layer's dense attention
     mass that falls inside the selected keys, exp(lse_selected - lse_dense), from the log-sum-exps
     the patch hands its `recorder` hook. Layers kept dense are not sparse and report nothing."""
-    from sparse_rl.sparse.patch import decoder_layers
-    from sparse_rl.sparse.train.kl import dense_lse
+    from sparse_rl.sparse.layer import set_recorder, sparse_layers
+    from sparse_rl.sparse.ops import dense_lse
 
     hooked = []
-    for i, layer in enumerate(decoder_layers(model)):
-        st = getattr(layer.self_attn, "srl", None)
-        if st is None or st.dense_layer:
-            continue
+    for m in sparse_layers(model):
+        i = m.layer_idx
 
         def rec(module, query, key, kv_start, lse, _i=i, **_):
             # query [B, H, T, D], key [B, H_kv, S, D]; lse and the dense lse are [B, T, H]
             lse_d = dense_lse(query, key, module.scaling, q_offset=key.shape[2] - query.shape[2], kv_start=kv_start)
             sink[_i] = (lse.float() - lse_d).exp()[0, start:-1].mean(-1).cpu()
 
-        hooked.append((st, st.recorder))
-        st.recorder = rec
+        hooked.append((m, set_recorder(m, rec)))
     try:
         yield
     finally:
-        for st, prev in hooked:
-            st.recorder = prev
+        for m, prev in hooked:
+            set_recorder(m, prev)
 
 
 def compare_sequence(model, input_ids, start: int = 0, chunk: int = 512, recall: bool = True) -> dict:

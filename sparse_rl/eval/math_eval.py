@@ -36,7 +36,7 @@ class MathEvalConfig:
     # Sampling from a model instead of --score (through the rollout engine):
     model: Optional[str] = None  # model dir (dense or sparse)
     attention: str = "dense"  # dense | sparse
-    n: int = 1  # samples per problem
+    samples: int = 1  # completions sampled per problem
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     max_new_tokens: int = 512
@@ -169,7 +169,7 @@ def summarize(results: list[dict], ks: list[int] | None = None, problems: dict |
 
 
 def sample_completions(cfg: MathEvalConfig, problems: dict[str, dict], progress: bool = True) -> list[dict]:
-    """`cfg.n` completions per problem from `cfg.model` through the rollout engine, as completion
+    """`cfg.samples` completions per problem from `cfg.model` through the rollout engine, as completion
     records `{"id", "prompt", "completion", "tokens", "finish_reason"}` (the problem's id repeated)."""
     from rich.console import Console
     from rich.progress import Progress
@@ -186,13 +186,13 @@ def sample_completions(cfg: MathEvalConfig, problems: dict[str, dict], progress:
         if cfg.chat and "messages" not in inp:
             inp = {"messages": [{"role": "user", "content": inp["prompt"]}]}
         inputs.append(inp)
-    params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+    params = SamplingParams(samples=cfg.samples, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                             seed=cfg.seed, logprobs=False)
     eng = load_engine(cfg.model, attention=cfg.attention, device=resolve_device(cfg.device), dtype=cfg.dtype,
-                      max_batch=max(cfg.batch_size, cfg.n))
+                      max_batch=max(cfg.batch_size, cfg.samples))
     tokens = [encode_prompt(eng.tokenizer, inp) for inp in inputs]
     with Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar:
-        job = bar.add_task(f"sampling ({cfg.attention})", total=len(ids) * cfg.n)
+        job = bar.add_task(f"sampling ({cfg.attention})", total=len(ids) * cfg.samples)
         outs = eng.generate(tokens, params, on_complete=lambda c: bar.advance(job))
     return [{"id": ids[c.prompt_index], "sample": c.sample_index,
              "prompt": inputs[c.prompt_index].get("prompt", inputs[c.prompt_index].get("messages")),
@@ -204,7 +204,7 @@ def run(cfg: MathEvalConfig) -> tuple[dict, list[dict]]:
     is read and scored before `out`/`summary` are written (so bad input writes nothing).
     Returns (summary, per-problem results)."""
     if (cfg.score is None) == (cfg.model is None):
-        raise UsageError("give --score FILE|- (completions to score, e.g. from `sparse-rl generate`) or --model DIR "
+        raise UsageError("give --score FILE|- (completions to score, e.g. from `sparse-rl generate`) or MODEL "
                          "with --problems (sample and score), not both")
     for flag, value in (("--out", cfg.out), ("--summary", cfg.summary), ("--completions-out", cfg.completions_out)):
         if value == "-":
@@ -218,7 +218,7 @@ def run(cfg: MathEvalConfig) -> tuple[dict, list[dict]]:
         completions = sample_completions(cfg, problems)
         results = score_completions(completions, problems, source="sampled completions")
         summary = summarize(results, cfg.k, problems)
-        summary["sampling"] = {"model": cfg.model, "attention": cfg.attention, "n": cfg.n,
+        summary["sampling"] = {"model": cfg.model, "attention": cfg.attention, "n": cfg.samples,
                                "temperature": cfg.temperature, "top_p": cfg.top_p,
                                "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed}
         from sparse_rl.io import write_jsonl

@@ -48,7 +48,7 @@ class SparseConfig:
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
         if self.sink + self.window > self.topk:
-            raise UsageError(f"--sink ({self.sink}) + --window ({self.window}) must not exceed --topk ({self.topk})")
+            raise UsageError(f"--sink ({self.sink}) + --window ({self.window}) must not exceed --index-topk ({self.topk})")
         if self.sink_blocks + self.recent_blocks > self.topk_blocks:
             raise UsageError(f"--sink-blocks + --recent-blocks must not exceed --topk-blocks ({self.topk_blocks})")
         if self.rope_dim is not None and (self.rope_dim > self.index_dim or self.rope_dim % 2):

@@ -15,11 +15,11 @@ import torch
 from sparse_rl.devices import resolve_dtype
 from sparse_rl.errors import SparseRLError
 from sparse_rl.sparse.config import INDEXER_WEIGHTS, SparseConfig
-from sparse_rl.sparse.patch import (SUPPORTED, attach_sparse, decoder_layers, get_attention, indexer_state_dict,
-                                    load_indexer_state_dict, set_attention)
+from sparse_rl.sparse.layer import get_attention, set_attention, set_topk, sparse_config
+from sparse_rl.sparse.patch import SUPPORTED, attach_sparse, indexer_state_dict, load_indexer_state_dict
 
-__all__ = ["load_model", "load_tokenizer", "save_model", "set_attention", "get_attention", "check_model_dir",
-           "resolve_dtype", "sparse_config_of"]
+__all__ = ["load_model", "load_tokenizer", "save_model", "set_attention", "get_attention", "set_topk",
+           "check_model_dir", "resolve_dtype", "sparse_config_of"]
 
 def check_model_dir(path: str | Path, flag: str = "MODEL") -> dict:
     """Validate a HF model dir; return its config.json. One-line errors for the usual mistakes."""
@@ -117,8 +117,7 @@ def save_model(model, out: str | Path, tokenizer=None, sparse: SparseConfig | No
         tokenizer.save_pretrained(out)
     cfg = sparse
     if cfg is None:
-        states = [getattr(layer.self_attn, "srl", None) for layer in decoder_layers(model)]
-        cfg = next((s.cfg for s in states if s is not None), None)
+        cfg = sparse_config(model)
     if cfg is not None:
         cfg.save(out)
         if idx_state:

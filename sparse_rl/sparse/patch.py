@@ -7,7 +7,8 @@ the registry call does not receive (the layer's input hidden state, the rotary t
 cache) so the function can run the selector. In dense mode, and in layers kept dense, it simply
 delegates to PyTorch SDPA, so a sparse model dir in dense mode is the dense model.
 
-Per layer, sparse mode: selector -> `[B, T, K]` int32 indices (causal, sinks + window kept,
+The layer's state and its selector belong to `sparse_rl.sparse.layer`; this module is the HF side.
+Per layer, sparse mode: `layer.select` -> `[B, T, K]` int32 indices (causal, sinks + window kept,
 left padding skipped) -> `sparse_attention` over the selected keys. In incremental decoding the
 indexer keys are cached beside the KV cache (attribute on the cache object, or the cache's own
 `srl_index_keys(layer_idx, k_new)` method if it defines one, as the rollout engine's cache does).
@@ -15,31 +16,21 @@ indexer keys are cached beside the KV cache (attribute on the cache object, or t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
-
 import torch
 
 from sparse_rl.errors import SparseRLError
 from sparse_rl.sparse.config import SparseConfig
 from sparse_rl.sparse.indexer import LightningIndexer
-from sparse_rl.sparse.ops import block_select, indexer_topk, sparse_attention
+from sparse_rl.sparse.layer import LayerInputs, attach_layer, decoder_layers, layer_state, select, take_inputs
+from sparse_rl.sparse.ops import sparse_attention
+
+__all__ = ["ATTN_NAME", "SUPPORTED", "register", "attach_sparse", "cache_kwarg", "decoder_layers",
+           "indexer_state_dict", "load_indexer_state_dict", "sparse_rl_attention"]
 
 ATTN_NAME = "sparse_rl"
-MODES = ("dense", "sparse")
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
-
-
-@dataclass
-class LayerState:
-    """Per-attention-module sparse settings, stored as `module.srl`."""
-
-    cfg: SparseConfig
-    dense_layer: bool
-    mode: str = "dense"
-    backend: str = "auto"
-    # Optional callback(module, **tensors) invoked on every sparse forward (indexer training).
-    recorder: Callable | None = field(default=None, repr=False)
+# the indexer keys of a transformers cache that has no `srl_index_keys` method: {layer_idx: [B, S, d_I]}
+_CACHE_KEYS = "sparse_rl_index_keys"
 
 
 _registered = False
@@ -56,19 +47,6 @@ def register() -> None:
     AttentionInterface.register(ATTN_NAME, sparse_rl_attention)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     _registered = True
-
-
-def decoder_layers(model) -> list:
-    """The decoder layers of a (possibly peft-wrapped) HF causal LM."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return list(base.get_decoder().layers)
-
-
-def _stash_inputs(module, args, kwargs):
-    h = kwargs.get("hidden_states", args[0] if args else None)
-    pe = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
-    cache = kwargs.get("cache", kwargs.get("past_key_values", kwargs.get("past_key_value")))
-    module._srl_ctx = (h, pe, cache)
 
 
 def attach_sparse(model, cfg: SparseConfig) -> None:
@@ -88,31 +66,14 @@ def attach_sparse(model, cfg: SparseConfig) -> None:
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         dense = i in cfg.dense_layers
-        attn.srl = LayerState(cfg=cfg, dense_layer=dense)
+        attach_layer(attn, cfg, dense)
         if not dense and cfg.selector == "indexer" and not hasattr(attn, "indexer"):
             attn.indexer = LightningIndexer(config.hidden_size, cfg.index_heads, cfg.index_dim, cfg.rope_dim).to(
                 device=ref.device, dtype=ref.dtype)
-        if not dense and not getattr(attn, "_srl_hooked", False):
-            attn.register_forward_pre_hook(_stash_inputs, with_kwargs=True)
-            attn._srl_hooked = True
     config._attn_implementation = ATTN_NAME
     for module in model.modules():  # sub-configs (peft wrappers share the same config object)
         if hasattr(module, "config") and hasattr(module.config, "_attn_implementation"):
             module.config._attn_implementation = ATTN_NAME
-
-
-def set_attention(model, mode: str, backend: str | None = None) -> None:
-    """Switch a loaded model between "dense" and "sparse" attention in place."""
-    if mode not in MODES:
-        raise SparseRLError(f"attention mode {mode!r}: expected dense or sparse")
-    states = [getattr(layer.self_attn, "srl", None) for layer in decoder_layers(model)]
-    if mode == "sparse" and not any(s is not None for s in states):
-        raise SparseRLError("this model has no sparse selector: convert it with `sparse-rl convert` first")
-    for s in states:
-        if s is not None:
-            s.mode = mode
-            if backend is not None:
-                s.backend = backend
 
 
 def cache_kwarg(model) -> str:
@@ -123,14 +84,6 @@ def cache_kwarg(model) -> str:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     params = inspect.signature(type(base).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
-
-
-def get_attention(model) -> str:
-    for layer in decoder_layers(model):
-        s = getattr(layer.self_attn, "srl", None)
-        if s is not None:
-            return s.mode
-    return "dense"
 
 
 def indexer_state_dict(model) -> dict[str, torch.Tensor]:
@@ -178,7 +131,7 @@ def _index_keys(cache, layer_idx: int, k_new: torch.Tensor, S: int) -> torch.Ten
     elif hasattr(cache, "srl_index_keys"):
         k_all = cache.srl_index_keys(layer_idx, k_new)
     else:
-        store = cache.__dict__.setdefault("_srl_index_keys", {})
+        store = cache.__dict__.setdefault(_CACHE_KEYS, {})
         prev = store.get(layer_idx)
         k_all = k_new if prev is None else torch.cat([prev, k_new], 1)
         store[layer_idx] = k_all
@@ -188,24 +141,20 @@ def _index_keys(cache, layer_idx: int, k_new: torch.Tensor, S: int) -> torch.Ten
     return k_all
 
 
-def select_indices(module, query, key, attention_mask, ctx):
-    """Run the layer's selector. query `[B, H, T, D]`, key `[B, H_kv, S, D]` -> `[B, T, K]` int32."""
-    st: LayerState = module.srl
-    cfg = st.cfg
-    h, pe, cache = ctx
+def select_indices(module, query, key, attention_mask, inputs: LayerInputs):
+    """The layer's selection inside the HF forward. query `[B, H, T, D]`, key `[B, H_kv, S, D]` ->
+    (`[B, T, K]` int32, kv_start `[B]` or None)."""
+    st = layer_state(module)
+    h, pe, cache = inputs
     T, S = query.shape[2], key.shape[2]
     kv_start = _kv_start(attention_mask, S)
-    if cfg.selector == "indexer":
-        cos, sin = pe
+    index = None
+    if st.cfg.selector == "indexer":
         with torch.no_grad():
-            q_i, w, k_i = module.indexer(h.detach(), cos, sin)
-        k_all = _index_keys(cache, module.layer_idx, k_i, S)
-        idx = indexer_topk(q_i, w, k_all, cfg.topk, q_offset=S - T, sink=cfg.sink, window=cfg.window,
-                           kv_start=kv_start, backend=st.backend)
-    else:
-        idx = block_select(query.detach().transpose(1, 2), key.detach().transpose(1, 2), cfg.block_size,
-                           cfg.topk_blocks, q_offset=S - T, sink_blocks=cfg.sink_blocks,
-                           recent_blocks=cfg.recent_blocks, kv_start=kv_start, backend=st.backend)
+            q_i, w, k_i = module.indexer(h.detach(), *pe)
+        index = (q_i, w, _index_keys(cache, module.layer_idx, k_i, S))
+    idx = select(st, query.detach().transpose(1, 2), key.detach().transpose(1, 2), index, q_offset=S - T,
+                 kv_start=kv_start)
     return idx, kv_start
 
 
@@ -214,13 +163,14 @@ def sparse_rl_attention(module, query, key, value, attention_mask, dropout: floa
     returns (out `[B, T, H, D]`, None) like transformers' SDPA integration."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    st: LayerState | None = getattr(module, "srl", None)
-    ctx = module.__dict__.pop("_srl_ctx", None)
-    if st is None or st.dense_layer or st.mode == "dense":
-        if ctx is not None and getattr(module, "indexer", None) is not None and ctx[2] is not None:
+    st = layer_state(module)
+    ctx = take_inputs(module)
+    if st is None or not st.sparse:
+        if ctx is not None and getattr(module, "indexer", None) is not None and ctx.cache is not None:
             # keep the indexer key cache in step, so a dense prefill can be followed by sparse decoding
             with torch.no_grad():
-                _index_keys(ctx[2], module.layer_idx, module.indexer(ctx[0].detach(), *ctx[1])[2], key.shape[2])
+                k_i = module.indexer(ctx.hidden.detach(), *ctx.position_embeddings)[2]
+                _index_keys(ctx.cache, module.layer_idx, k_i, key.shape[2])
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     if ctx is None:
@@ -229,6 +179,6 @@ def sparse_rl_attention(module, query, key, value, attention_mask, dropout: floa
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     out, lse = sparse_attention(q, k, v, idx, scale=scaling, backend=st.backend)
     if st.recorder is not None:
-        st.recorder(module, hidden=ctx[0], position_embeddings=ctx[1], query=query, key=key, indices=idx,
-                    kv_start=kv_start, lse=lse)
+        st.recorder(module, hidden=ctx.hidden, position_embeddings=ctx.position_embeddings, query=query, key=key,
+                    indices=idx, kv_start=kv_start, lse=lse)
     return out, None

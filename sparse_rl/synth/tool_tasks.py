@@ -20,6 +20,7 @@ from sparse_rl.synth.envs import fs as fs_mod
 from sparse_rl.synth.envs import sql as sql_mod
 from sparse_rl.synth.envs.base import (SYSTEM_PROMPT, calls_from_messages, corrupt, extract_final, replay_calls,
                                        run_calls, score_state)
+from sparse_rl.synth.messages import message_from_text
 
 TEMPLATES = {"fs": fs_mod.TEMPLATES, "sql": sql_mod.TEMPLATES, "calendar": cal_mod.TEMPLATES,
              "code": code_mod.TEMPLATES, "combo": combo_mod.TEMPLATES}
@@ -98,8 +99,6 @@ def _parse_completion(text: str) -> tuple[list[dict], str | None]:
             msgs = None
         if isinstance(msgs, list) and all(isinstance(m, dict) for m in msgs):
             return calls_from_messages(msgs)
-    from sparse_rl.synth.agent import message_from_text
-
     msg = message_from_text(text)
     calls, _ = calls_from_messages([msg])
     tail = text.rsplit("</tool_call>", 1)[-1]

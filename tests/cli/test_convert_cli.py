@@ -67,7 +67,7 @@ def test_convert_round_trip(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "sparse"
-    res = _run("convert", tiny_model_dir, out, "--topk", "16", "--index-dim", "16", "--rope-dim", "8",
+    res = _run("convert", tiny_model_dir, out, "--index-topk", "16", "--index-dim", "16", "--rope-dim", "8",
                "--window", "4", "--sink", "2", "--dense-layers", "0")
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
@@ -78,10 +78,11 @@ def test_convert_round_trip(tiny_model_dir, tmp_path):
     assert (out / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
     keys = load_file(out / "indexer.safetensors").keys()
     assert {k.split(".")[1] for k in keys} == {"1", "2", "3"}
+    from sparse_rl.sparse.layer import layer_state
     from sparse_rl.sparse.loader import load_model
 
     m = load_model(out, attention="sparse")
-    assert m.model.layers[1].self_attn.srl.cfg.topk == 16
+    assert layer_state(m.model.layers[1].self_attn).cfg.topk == 16
     # converting the sparse dir again with the block selector replaces the selector
     res = _run("convert", out, tmp_path / "block", "--selector", "block", "--block-size", "8", "--topk-blocks", "4")
     assert res.exit_code == 0, res.output
@@ -124,8 +125,8 @@ def test_convert_error_paths(tiny_model_dir, tmp_path):
     assert res.exit_code == 2 and "--force" in _err_line(res)
     assert list(out.iterdir()) == []
     # bad options are usage errors
-    res = _run("convert", tiny_model_dir, tmp_path / "o2", "--sink", "10", "--window", "10", "--topk", "8")
-    assert res.exit_code == 2 and "--topk" in _err_line(res)
+    res = _run("convert", tiny_model_dir, tmp_path / "o2", "--sink", "10", "--window", "10", "--index-topk", "8")
+    assert res.exit_code == 2 and "--index-topk" in _err_line(res)
     res = _run("convert", tiny_model_dir, tmp_path / "o3", "--dense-layers", "0,9")
     assert res.exit_code == 1 and "--dense-layers" in _err_line(res)
     res = _run("convert", tiny_model_dir, tmp_path / "o4", "--dense-layers", "a,b")

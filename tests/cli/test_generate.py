@@ -20,7 +20,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def sparse_model(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("gen") / "sparse"
-    res = CliRunner().invoke(app, ["convert", str(tiny_model_dir), str(out), "--topk", "8", "--index-heads", "2",
+    res = CliRunner().invoke(app, ["convert", str(tiny_model_dir), str(out), "--index-topk", "8", "--index-heads", "2",
                                    "--index-dim", "16", "--rope-dim", "8", "--sink", "1", "--window", "2",
                                    "--dense-layers", "0"])
     assert res.exit_code == 0, res.output
@@ -36,8 +36,8 @@ def test_generate_file_to_file(sparse_model, tmp_path):
     src = _write(tmp_path / "p.jsonl", PROMPTS)
     out = tmp_path / "c.jsonl"
     res = CliRunner().invoke(app, ["generate", str(sparse_model), "--prompts", str(src), "--out", str(out),
-                                   "--attention", "sparse", "--n", "2", "--temperature", "0.8", "--top-k", "40",
-                                   "--max-new-tokens", "12", "--batch-size", "4", "--logprobs", "--seed", "1",
+                                   "--attention", "sparse", "--samples", "2", "--temperature", "0.8", "--top-k", "40",
+                                   "--max-new-tokens", "12", "--max-batch", "4", "--logprobs", "--seed", "1",
                                    "--device", "cpu"])
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -50,8 +50,8 @@ def test_generate_file_to_file(sparse_model, tmp_path):
     # same seed, same completions
     out2 = tmp_path / "c2.jsonl"
     res = CliRunner().invoke(app, ["generate", str(sparse_model), "--prompts", str(src), "--out", str(out2),
-                                   "--attention", "sparse", "--n", "2", "--temperature", "0.8", "--top-k", "40",
-                                   "--max-new-tokens", "12", "--batch-size", "2", "--logprobs", "--seed", "1",
+                                   "--attention", "sparse", "--samples", "2", "--temperature", "0.8", "--top-k", "40",
+                                   "--max-new-tokens", "12", "--max-batch", "2", "--logprobs", "--seed", "1",
                                    "--device", "cpu"])
     assert res.exit_code == 0, res.output
     assert [json.loads(x)["tokens"] for x in out2.read_text().splitlines()] == [r["tokens"] for r in rows]
@@ -66,7 +66,7 @@ def test_generate_streams_stdin_to_stdout(sparse_model):
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     # --batch-size 1 -> chunks of 4 prompts
     proc = subprocess.Popen([sys.executable, "-m", "sparse_rl.cli.main", "generate", str(sparse_model), "--prompts",
-                             "-", "--temperature", "0", "--max-new-tokens", "6", "--batch-size", "1", "--device", "cpu"],
+                             "-", "--temperature", "0", "--max-new-tokens", "6", "--max-batch", "1", "--device", "cpu"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         first = [dict(p, id=f"{p['id']}-{i}") for i, p in enumerate(PROMPTS + PROMPTS[:1])]
@@ -117,7 +117,7 @@ def test_bad_flags(sparse_model, tmp_path):
     src = _write(tmp_path / "p.jsonl", PROMPTS)
     res = CliRunner().invoke(app, ["generate", str(sparse_model), "--prompts", str(src), "--top-p", "1.5"])
     assert res.exit_code == 2 and "--top-p" in res.output
-    res = CliRunner().invoke(app, ["generate", str(sparse_model), "--prompts", str(src), "--n", "8", "--batch-size", "4"])
-    assert res.exit_code == 2 and "--batch-size" in res.output
+    res = CliRunner().invoke(app, ["generate", str(sparse_model), "--prompts", str(src), "--samples", "8", "--max-batch", "4"])
+    assert res.exit_code == 2 and "--max-batch" in res.output
     res = CliRunner().invoke(app, ["generate", str(tmp_path / "nope"), "--prompts", str(src)])
     assert res.exit_code == 1 and "no such directory" in res.output

@@ -45,7 +45,7 @@ def test_eval_math_score_file(tmp_path):
 def test_eval_math_score_stdin_with_inline_answers(tmp_path):
     comps = [{**c, "answer": {"g1": "72", "m1": "1/2", "s1": "1000"}[c["id"]]} for c in COMPLETIONS]
     stdin = "".join(json.dumps(r) + "\n" for r in comps)
-    res = CliRunner().invoke(app, ["eval", "math", "--score", "-", "--k", "1"], input=stdin)
+    res = CliRunner().invoke(app, ["eval", "math", "--score", "-", "--pass-at", "1"], input=stdin)
     assert res.exit_code == 0, res.output
     s = json.loads(res.stdout)
     assert s["accuracy"] == pytest.approx(0.5) and list(s["pass@k"]) == ["1"]
@@ -85,16 +85,16 @@ def test_eval_math_unknown_id_and_usage_errors(tmp_path):
     assert res.exit_code == 1 and "id 'zz' is not in the problems file" in res.stderr
     res = CliRunner().invoke(app, ["eval", "math", "--problems", str(p)])
     assert res.exit_code == 2 and "--score" in res.stderr
-    res = CliRunner().invoke(app, ["eval", "math", "--score", str(c), "--problems", str(p), "--k", "x"])
-    assert res.exit_code == 2 and "--k" in res.stderr
+    res = CliRunner().invoke(app, ["eval", "math", "--score", str(c), "--problems", str(p), "--pass-at", "x"])
+    assert res.exit_code == 2 and "--pass-at" in res.stderr
     c2 = _jsonl(tmp_path / "c2.jsonl", COMPLETIONS)
-    res = CliRunner().invoke(app, ["eval", "math", "--score", str(c2), "--problems", str(p), "--k", "3"])
+    res = CliRunner().invoke(app, ["eval", "math", "--score", str(c2), "--problems", str(p), "--pass-at", "3"])
     assert res.exit_code == 2 and "pass@k" in res.stderr
 
 
 def test_eval_niah_build_then_score(tmp_path, bpe_dir):
     prompts = tmp_path / "niah.jsonl"
-    res = CliRunner().invoke(app, ["eval", "niah", "--tokenizer", str(bpe_dir), "--tasks", "single,multivalue",
+    res = CliRunner().invoke(app, ["eval", "niah", "--tokenizer", str(bpe_dir), "--kinds", "single,multivalue",
                                    "--lengths", "300,1k", "--depths", "0,0.5,1", "--prompts-out", str(prompts)])
     assert res.exit_code == 0, res.output
     recs = [json.loads(line) for line in prompts.read_text().splitlines()]
@@ -125,7 +125,7 @@ def test_eval_niah_build_then_score(tmp_path, bpe_dir):
 
 
 def test_eval_niah_bad_inputs(tmp_path, bpe_dir):
-    res = CliRunner().invoke(app, ["eval", "niah", "--tokenizer", str(bpe_dir), "--tasks", "nope", "--prompts-out", "-"])
+    res = CliRunner().invoke(app, ["eval", "niah", "--tokenizer", str(bpe_dir), "--kinds", "nope", "--prompts-out", "-"])
     assert res.exit_code == 2 and "unknown task 'nope'" in res.stderr
     res = CliRunner().invoke(app, ["eval", "niah", "--tokenizer", str(bpe_dir)])
     assert res.exit_code == 2 and "--prompts-out" in res.stderr

@@ -34,7 +34,7 @@ def test_model_generate_fns_are_the_engine_greedy(full_sparse_dir):
 
 def test_cli_niah_model_runs_and_resumes(full_sparse_dir, tmp_path):
     out = tmp_path / "niah"
-    args = ["eval", "niah", "--model", str(full_sparse_dir), "--tasks", "single", "--lengths", "200",
+    args = ["eval", "niah", str(full_sparse_dir), "--kinds", "single", "--lengths", "200",
             "--depths", "0,1", "--max-new-tokens", "8", "--out", str(out), "--device", "cpu"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
@@ -57,8 +57,8 @@ def test_cli_math_model_samples_then_scores_the_same(full_sparse_dir, tmp_path):
         {"id": "b", "question": "What is 10 - 4?", "answer": "Ten minus four. #### 6"},
     ]))
     comp = tmp_path / "c.jsonl"
-    args = ["eval", "math", "--model", str(full_sparse_dir), "--attention", "sparse", "--problems", str(p),
-            "--n", "2", "--temperature", "1.0", "--max-new-tokens", "6", "--seed", "1", "--device", "cpu",
+    args = ["eval", "math", str(full_sparse_dir), "--attention", "sparse", "--problems", str(p),
+            "--samples", "2", "--temperature", "1.0", "--max-new-tokens", "6", "--seed", "1", "--device", "cpu",
             "--completions-out", str(comp)]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
@@ -66,13 +66,13 @@ def test_cli_math_model_samples_then_scores_the_same(full_sparse_dir, tmp_path):
     assert s["problems"] == 2 and s["samples"] == 4 and s["sampling"]["attention"] == "sparse"
     recs = [json.loads(line) for line in comp.read_text().splitlines()]
     assert [r["id"] for r in recs] == ["a", "a", "b", "b"] and all(len(r["tokens"]) <= 6 for r in recs)
-    again = CliRunner().invoke(app, args)  # same seed, same samples
+    again = CliRunner().invoke(app, args + ["--force"])  # same seed, same samples (--force: the file exists)
     assert json.loads(again.stdout) == s and [json.loads(x) for x in comp.read_text().splitlines()] == recs
     scored = CliRunner().invoke(app, ["eval", "math", "--problems", str(p), "--score", str(comp)])
     assert scored.exit_code == 0, scored.output
     t = json.loads(scored.stdout)
     assert (t["accuracy"], t["pass@k"]) == (s["accuracy"], s["pass@k"])
-    both = CliRunner().invoke(app, args + ["--score", str(comp)])
+    both = CliRunner().invoke(app, args + ["--score", str(comp), "--force"])
     assert both.exit_code == 2 and "not both" in both.stderr
 
 
@@ -84,7 +84,7 @@ def test_generate_pipes_into_eval_math(full_sparse_dir, tmp_path):
         {"id": "b", "prompt": "10 - 4 =", "answer": "#### 6", "task": "arith"},
     ]))
     comp = tmp_path / "c.jsonl"
-    res = CliRunner().invoke(app, ["generate", str(full_sparse_dir), "--prompts", str(p), "--out", str(comp), "--n", "2",
+    res = CliRunner().invoke(app, ["generate", str(full_sparse_dir), "--prompts", str(p), "--out", str(comp), "--samples", "2",
                                    "--max-new-tokens", "4", "--device", "cpu"])
     assert res.exit_code == 0, res.output
     for extra in ([], ["--problems", str(p)]):  # gold carried by the completions, or joined from the problems

@@ -134,7 +134,7 @@ def test_sparse_naive_mode_with_tis(env, tmp_path):
 
 def test_sparse_distill_resume_continues_exactly(env, tmp_path):
     args = ("--mode", "sparse+distill", "--reward", f"{env / 'rewards.py'}:varied", "--checkpoint-every", "2",
-            "--set", "distill.lr=0.003", "--set", "loss.mismatch=mis_token", "--set", "rollout.m=3",
+            "--set", "distill.lr=0.003", "--set", "loss.mismatch=mis_token", "--set", "rollout.samples=3",
             "--eval-tasks", env / "tasks.jsonl", "--eval-every", "1", "--set", "eval.limit=2", "--set", "eval.attention=dense",
             "--set", "eval.greedy=false", "--set", "eval.samples=2")
     full, part = tmp_path / "full", tmp_path / "part"
@@ -235,7 +235,7 @@ def test_bad_inputs_give_one_line_errors(env, tmp_path, case):
         code, needle = 2, "loss.mismatch: unknown mismatch correction 'is'"
     elif case == "m_lt_n":
         args += ["--keep", "5"]
-        code, needle = 2, "rollout.m (4) must be >= rollout.n (5)"
+        code, needle = 2, "rollout.samples (4) must be >= rollout.keep (5)"
     elif case == "out_exists":
         out.mkdir()
         (out / "x").write_text("")

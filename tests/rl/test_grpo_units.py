@@ -88,7 +88,7 @@ def test_trainer_logprobs_equal_the_rollout_engines(sparse_dir, mode):
     backend = InProcessRollout(model, load_tokenizer(sparse_dir), max_batch=8)
     assert isinstance(backend, RolloutBackend)
     prompts = [[5, 17, 90, 33, 4, 250], [7, 8, 9], [300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310]]
-    comps = backend.generate(prompts, SamplingParams(n=2, temperature=0.9, max_new_tokens=12, seed=3), mode)
+    comps = backend.generate(prompts, SamplingParams(samples=2, temperature=0.9, max_new_tokens=12, seed=3), mode)
     batch = make_batch([c.prompt_tokens for c in comps], [c.tokens for c in comps], [c.logprobs for c in comps],
                        [0.0] * len(comps), 0, "cpu")
     with torch.no_grad(), policy_mode(model, mode):
@@ -162,7 +162,7 @@ def test_every_recipe_loads_and_config_errors_name_the_key():
     assert modes == {"dense", "sparse", "sparse+distill"}
     for header in (open(f).read().splitlines()[:6] for f in files):
         assert any("sparse-rl grpo" in line for line in header)  # launch command in the header comment
-    for over, msg in [({"rollout.mode": "fast"}, "rollout.mode"), ({"rollout.n": 1}, "rollout.n"),
+    for over, msg in [({"rollout.mode": "fast"}, "rollout.mode"), ({"rollout.keep": 1}, "rollout.keep"),
                       ({"distill.loss": "kl"}, "distill.loss: unknown distillation loss 'kl'"),
                       ({"reward.shaping": "short"}, "reward.shaping"),
                       ({"loss.kl_target": 0.1}, "loss.kl_target"), ({"optim.betas": [0.9]}, "optim.betas")]:
@@ -192,7 +192,7 @@ def test_a_custom_rollout_backend_plugs_in(sparse_dir, tmp_path):
     (tmp_path / "rw.py").write_text("def r(c, t):\n    return [len(x['completion']) % 5 / 5 for x in c]\n")
     cfg = load_config(GRPOConfig, None, {"model": str(sparse_dir), "out": str(tmp_path / "run"), "steps": 1,
                                          "device": "cpu", "data.tasks": str(tasks), "reward.fn": f"{tmp_path}/rw.py:r",
-                                         "rollout.m": 2, "rollout.n": 2, "rollout.max_new_tokens": 4,
+                                         "rollout.samples": 2, "rollout.keep": 2, "rollout.max_new_tokens": 4,
                                          "data.prompts_per_step": 2, "rollout.mode": "sparse"})
 
     class Counting:
@@ -200,7 +200,7 @@ def test_a_custom_rollout_backend_plugs_in(sparse_dir, tmp_path):
             self.calls, self.syncs, self.inner = [], 0, None
 
         def generate(self, prompts, params, attention):
-            self.calls.append((len(prompts), params.n, attention))
+            self.calls.append((len(prompts), params.samples, attention))
             return self.inner.generate(prompts, params, attention)
 
         def sync_weights(self, model):

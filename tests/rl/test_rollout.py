@@ -11,6 +11,7 @@ from sparse_rl.modelinit import ModelInitConfig, init_model
 from sparse_rl.rl.rollout import RolloutEngine, SamplingParams, make_generate_fn, process_logits
 from sparse_rl.sparse.config import SparseConfig
 from sparse_rl.sparse.convert import ConvertConfig, convert
+from sparse_rl.sparse.layer import set_topk
 from sparse_rl.sparse.loader import load_model, load_tokenizer, set_attention
 
 LENGTHS = (5, 11, 3, 14, 8)
@@ -74,7 +75,7 @@ def test_logprobs_equal_teacher_forced_forward(llama_dir, mode):
     """mu = log-prob under the processed distribution (temperature, top-k, top-p), in both modes;
     the HF reference runs the same attention (sparse_rl's registered sparse path in sparse mode)."""
     model = load_model(llama_dir, attention=mode)
-    params = SamplingParams(n=2, temperature=0.7, top_k=60, top_p=0.9, max_new_tokens=30, seed=3)
+    params = SamplingParams(samples=2, temperature=0.7, top_k=60, top_p=0.9, max_new_tokens=30, seed=3)
     outs = _engine(model, max_batch=3).generate(_prompts(1), params)
     assert len(outs) == 2 * len(LENGTHS)
     for c in outs:
@@ -103,9 +104,7 @@ def test_sparse_engine_on_triton_kernels_equals_reference_forward(llama_dir, mon
 
 def test_sparse_with_topk_above_length_equals_dense(llama_dir):
     model = load_model(llama_dir, attention="sparse")
-    for layer in model.model.layers:
-        if getattr(layer.self_attn, "srl", None) is not None:
-            layer.self_attn.srl.cfg.topk = 200
+    set_topk(model, 200)
     eng = _engine(model)
     p = SamplingParams(temperature=0, max_new_tokens=30)
     sparse = eng.generate(_prompts(2), p)
@@ -132,12 +131,12 @@ def test_continuous_batching_equals_one_at_a_time(llama_dir, mode):
 def test_seeded_sampling_is_batch_invariant(llama_dir):
     model = load_model(llama_dir, attention="dense")
     prompts = _prompts(4, (5, 11, 3))
-    p = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=7)
+    p = SamplingParams(samples=3, temperature=1.0, max_new_tokens=12, seed=7)
     a = _engine(model, max_batch=3).generate(prompts, p)
     b = _engine(model, max_batch=8).generate(prompts, p)
     assert [c.tokens for c in a] == [c.tokens for c in b]
     assert len({tuple(c.tokens) for c in a}) == len(a)  # the n samples differ
-    other = _engine(model, max_batch=8).generate(prompts, SamplingParams(n=3, max_new_tokens=12, seed=8))
+    other = _engine(model, max_batch=8).generate(prompts, SamplingParams(samples=3, max_new_tokens=12, seed=8))
     assert [c.tokens for c in other] != [c.tokens for c in a]
 
 

@@ -140,7 +140,7 @@ def test_cli_end_to_end_with_recipe_and_flags(sharp_sparse, tmp_path):
     recipe.write_text("seq_len: 64\nbatch_size: 1\nsteps: 50\nsynthetic_rows: 4\ndevice: cpu\nlog_every: 1\n")
     out = tmp_path / "m"
     res = CliRunner().invoke(app, ["indexer", "train", str(sharp_sparse), "--out", str(out), "--config", str(recipe),
-                                   "--steps", "2", "--topk", "12"])
+                                   "--steps", "2", "--index-topk", "12"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["topk"] == 12 and len(_metrics(out.with_name("m.run"))) == 2
@@ -154,7 +154,7 @@ def test_cli_end_to_end_with_recipe_and_flags(sharp_sparse, tmp_path):
     assert res.exit_code == 2 and "--resume" in res.output and not (tmp_path / "m2").exists()
     # --resume of a finished run writes the output again only with --force
     res = CliRunner().invoke(app, ["indexer", "train", str(sharp_sparse), "--out", str(out), "--config", str(recipe),
-                                   "--steps", "3", "--topk", "12", "--resume", "--force"])
+                                   "--steps", "3", "--index-topk", "12", "--resume", "--force"])
     assert res.exit_code == 0, res.output
     assert [r["step"] for r in _metrics(out.with_name("m.run"))] == [1, 2, 3]
     # the trained dir evaluates: JSON on stdout, per-layer numbers, recall bounded by the oracle

@@ -355,7 +355,7 @@ def test_cli_bench_attention_and_decode_write_json_and_table(tmp_path):
 
     from sparse_rl.cli.main import app
 
-    small = ["--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--topk", "8", "--index-heads", "1",
+    small = ["--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--index-topk", "8", "--index-heads", "1",
              "--index-dim", "16", "--device", "cpu"]
     out = tmp_path / "att.json"
     res = CliRunner().invoke(app, ["bench", "attention", "--seqlens", "24", "--backward-seqlens", "24",

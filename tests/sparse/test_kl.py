@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparse_rl.sparse.ops import indexer_topk, sparse_attention
-from sparse_rl.sparse.train.kl import dense_lse, dense_target, selected_kl, warmup_kl
+from sparse_rl.sparse.ops.indexer_kl.naive import dense_lse, dense_target, selected_kl, warmup_kl
 
 B, H, HKV, D, HI, DI = 2, 4, 2, 8, 3, 6
 

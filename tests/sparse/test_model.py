@@ -6,6 +6,7 @@ import torch
 from sparse_rl.modelinit import ModelInitConfig, init_model
 from sparse_rl.sparse.config import SparseConfig
 from sparse_rl.sparse.convert import ConvertConfig, convert
+from sparse_rl.sparse.layer import set_recorder, set_topk, sparse_layers
 from sparse_rl.sparse.loader import load_model, set_attention
 from sparse_rl.sparse.patch import cache_kwarg
 
@@ -36,13 +37,6 @@ def _logits(model, ids, mask, pos):
         return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
 
 
-def _set_topk(model, k):
-    for layer in model.model.layers:
-        st = getattr(layer.self_attn, "srl", None)
-        if st is not None:
-            st.cfg.topk = k
-
-
 def test_sparse_full_topk_equals_dense_with_left_padding(sparse_dir):
     model = load_model(sparse_dir, attention="sparse")
     ids, mask, pos = _batch()
@@ -60,7 +54,7 @@ def test_sparse_full_topk_equals_dense_with_left_padding(sparse_dir):
 
 def test_small_topk_differs_and_padding_is_invisible(sparse_dir):
     model = load_model(sparse_dir, attention="sparse")
-    _set_topk(model, 6)
+    set_topk(model, 6)
     ids, mask, pos = _batch(pad=6)
     sparse = _logits(model, ids, mask, pos)
     set_attention(model, "dense")
@@ -79,7 +73,7 @@ def test_incremental_decoding_matches_full_forward(sparse_dir, mode):
     from transformers import DynamicCache
 
     model = load_model(sparse_dir, attention=mode)
-    _set_topk(model, 7)
+    set_topk(model, 7)
     ids, mask, pos = _batch(seed=2, pad=4)
     full = _logits(model, ids, mask, pos)
     P = 10
@@ -119,16 +113,15 @@ def test_gradients_reach_model_and_indexer(sparse_dir):
     from sparse_rl.sparse.ops import indexer_scores
 
     model = load_model(sparse_dir, attention="sparse")
-    _set_topk(model, 6)
+    set_topk(model, 6)
     model.train()
     rec = {}
 
     def recorder(module, **t):
         rec.setdefault("calls", []).append((module, t))
 
-    for layer in model.model.layers:
-        if getattr(layer.self_attn, "indexer", None) is not None:
-            layer.self_attn.srl.recorder = recorder
+    for m in sparse_layers(model):
+        set_recorder(m, recorder)
     ids, mask, pos = _batch()
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=ids)
     out.loss.backward()

@@ -32,13 +32,13 @@ def _jsonl(p):
 
 def test_math_to_file_deterministic_and_verifiable(tmp_path):
     a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
-    res = _run("synth", "math", "--n", 30, "--seed", 3, "--out", a, "--length", 200)
+    res = _run("synth", "math", "--num-tasks", 30, "--seed", 3, "--out", a, "--length", 200)
     assert res.exit_code == 0, res.output
     stats = json.loads(res.stdout)
     assert stats["tasks"]["kept"] == 30 and sum(stats["by_task"].values()) == 30
-    assert _run("synth", "math", "--n", 30, "--seed", 3, "-o", b, "--length", 200).exit_code == 0
+    assert _run("synth", "math", "--num-tasks", 30, "--seed", 3, "-o", b, "--length", 200).exit_code == 0
     assert a.read_bytes() == b.read_bytes()
-    assert _run("synth", "math", "--n", 30, "--seed", 4, "-o", c, "--length", 200).exit_code == 0
+    assert _run("synth", "math", "--num-tasks", 30, "--seed", 4, "-o", c, "--length", 200).exit_code == 0
     assert a.read_bytes() != c.read_bytes()
     recs = _jsonl(a)
     assert len({r["id"] for r in recs}) == 30
@@ -48,7 +48,7 @@ def test_math_to_file_deterministic_and_verifiable(tmp_path):
 
 
 def test_math_to_stdout_with_families():
-    res = _run("synth", "math", "--n", 4, "--families", "arith,word")
+    res = _run("synth", "math", "--num-tasks", 4, "--families", "arith,word")
     assert res.exit_code == 0, res.output
     recs = [json.loads(x) for x in res.stdout.splitlines()]
     assert [r["task"] for r in recs] == ["math/arith"] * 2 + ["math/word"] * 2
@@ -56,7 +56,7 @@ def test_math_to_stdout_with_families():
 
 def test_agent_end_to_end(tmp_path):
     out, trj, st = tmp_path / "t.jsonl", tmp_path / "tr.jsonl", tmp_path / "st.json"
-    res = _run("synth", "agent", "--n", 6, "--envs", "fs,sql,calendar", "-k", 2, "--out", out,
+    res = _run("synth", "agent", "--num-tasks", 6, "--envs", "fs,sql,calendar", "--attempts", 2, "--out", out,
                "--trajectories", trj, "--stats", st)
     assert res.exit_code == 0, res.output
     stats = json.loads(st.read_text())
@@ -68,7 +68,7 @@ def test_agent_end_to_end(tmp_path):
         assert tr["reward"] == 1.0 and tr["label"] == "success" and tr["checks"]["execution"]
         assert any(m.get("tool_calls") for m in tr["messages"]) and tr["messages"][-1]["role"] == "assistant"
     # Seed tasks in: the same tasks, sampled again.
-    res = _run("synth", "agent", "--tasks-in", out, "-k", 1, "--out", tmp_path / "t2.jsonl")
+    res = _run("synth", "agent", "--tasks-in", out, "--attempts", 1, "--out", tmp_path / "t2.jsonl")
     assert res.exit_code == 0, res.output
     assert [t["id"] for t in _jsonl(tmp_path / "t2.jsonl")] == [t["id"] for t in tasks]
 
@@ -79,8 +79,8 @@ def test_agent_with_endpoint_and_reviewer(tmp_path, stub_endpoint):
     StubServer, solver = stub_endpoint
     tasks, _ = generate_tool_tasks(SynthAgentConfig(n=3, envs=["fs", "sql", "calendar"]))
     with StubServer(solver(tasks, wrong_every=2)) as srv:
-        res = _run("synth", "agent", "--n", 3, "--envs", "fs,sql,calendar", "--policy", "endpoint",
-                   "--endpoint", srv.url, "--model", "stub", "-k", 2, "--reviewer", "--out", tmp_path / "t.jsonl",
+        res = _run("synth", "agent", "--num-tasks", 3, "--envs", "fs,sql,calendar", "--policy", "endpoint",
+                   "--endpoint", srv.url, "--model", "stub", "--attempts", 2, "--reviewer", "--out", tmp_path / "t.jsonl",
                    "--trajectories", tmp_path / "tr.jsonl")
     assert res.exit_code == 0, res.output
     stats = json.loads(res.stdout)
@@ -110,7 +110,7 @@ def test_errors_are_one_line_and_write_nothing(tmp_path):
     res = _run("synth", "agent", "--envs", "fs,moon", "--out", out)
     assert res.exit_code == 2 and "moon" in _err_line(res)
     res = _run("synth", "agent", "--policy", "endpoint", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m",
-               "--n", 1, "--out", out, "--trajectories", trj)
+               "--num-tasks", 1, "--out", out, "--trajectories", trj)
     assert res.exit_code == 1 and "cannot reach" in _err_line(res)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "c.yaml"]
 
@@ -123,7 +123,7 @@ def test_reasoning_gym_optional(tmp_path):
         assert res.exit_code == 2 and "pip install reasoning-gym" in _err_line(res)
         assert not (tmp_path / "o.jsonl").exists()
     else:
-        res = _run("synth", "math", "--n", 4, "--families", "arith", "--reasoning-gym", "leg_counting")
+        res = _run("synth", "math", "--num-tasks", 4, "--families", "arith", "--reasoning-gym", "leg_counting")
         assert res.exit_code == 0, res.output
         recs = [json.loads(x) for x in res.stdout.splitlines()]
         rg = [r for r in recs if r["task"] == "rg/leg_counting"]
@@ -143,14 +143,14 @@ def test_recipes_load(recipe):
 def test_recipes_run_small(tmp_path, stub_endpoint):
     from sparse_rl.synth.pipeline import generate_tool_tasks
 
-    res = _run("synth", "math", "--config", RECIPES / "synth_math.yaml", "--n", 6, "--length", 100, "-o", tmp_path / "m.jsonl")
+    res = _run("synth", "math", "--config", RECIPES / "synth_math.yaml", "--num-tasks", 6, "--length", 100, "-o", tmp_path / "m.jsonl")
     assert res.exit_code == 0, res.output
-    res = _run("synth", "agent", "--config", RECIPES / "synth_agent.yaml", "--n", 4, "-o", tmp_path / "a.jsonl")
+    res = _run("synth", "agent", "--config", RECIPES / "synth_agent.yaml", "--num-tasks", 4, "-o", tmp_path / "a.jsonl")
     assert res.exit_code == 0, res.output
     teacher = load_config(SynthAgentConfig, RECIPES / "synth_agent_teacher.yaml", {"endpoint": "x", "model": "m", "n": 2})
     StubServer, solver = stub_endpoint
     with StubServer(solver(generate_tool_tasks(teacher)[0], wrong_every=2)) as srv:
-        res = _run("synth", "agent", "--config", RECIPES / "synth_agent_teacher.yaml", "--n", 2, "--endpoint", srv.url,
+        res = _run("synth", "agent", "--config", RECIPES / "synth_agent_teacher.yaml", "--num-tasks", 2, "--endpoint", srv.url,
                    "--model", "stub", "-o", tmp_path / "t.jsonl")
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["tasks"]["kept"] == 2  # pass rate 4/8 lies inside the recipe's band
@@ -161,7 +161,7 @@ def test_math_calibration_through_endpoint(tmp_path, stub_endpoint):
     StubServer, _ = stub_endpoint
     calls = {"n": 0}
     golds = {}
-    for line in _run("synth", "math", "--n", 3, "--families", "arith").stdout.splitlines():
+    for line in _run("synth", "math", "--num-tasks", 3, "--families", "arith").stdout.splitlines():
         r = json.loads(line)
         golds[r["prompt"]] = r["answer"]
 
@@ -172,8 +172,8 @@ def test_math_calibration_through_endpoint(tmp_path, stub_endpoint):
         return {"role": "assistant", "content": f"\\boxed{{{ans}}}"}
 
     with StubServer(behave) as srv:
-        res = _run("synth", "math", "--n", 3, "--families", "arith", "--policy", "endpoint", "--endpoint", srv.url,
-                   "--model", "stub", "-k", 4, "--min-pass", 0.25, "--max-pass", 0.75, "-o", tmp_path / "m.jsonl")
+        res = _run("synth", "math", "--num-tasks", 3, "--families", "arith", "--policy", "endpoint", "--endpoint", srv.url,
+                   "--model", "stub", "--attempts", 4, "--min-pass", 0.25, "--max-pass", 0.75, "-o", tmp_path / "m.jsonl")
     assert res.exit_code == 0, res.output
     stats = json.loads(res.stdout)
     assert stats["pass_rate_histogram"] == {"0/4": 0, "1/4": 0, "2/4": 3, "3/4": 0, "4/4": 0}
@@ -204,7 +204,7 @@ def test_reasoning_gym_adapter_plumbing(monkeypatch):
     from sparse_rl.synth import rg_adapter
 
     rg_adapter._dataset.cache_clear()
-    res = _run("synth", "math", "--n", 4, "--families", "arith", "--reasoning-gym", "toy")
+    res = _run("synth", "math", "--num-tasks", 4, "--families", "arith", "--reasoning-gym", "toy")
     rg_adapter._dataset.cache_clear()
     assert res.exit_code == 0, res.output
     recs = [json.loads(x) for x in res.stdout.splitlines()]

@@ -7,7 +7,8 @@ import os
 import pytest
 
 from sparse_rl.synth import verify
-from sparse_rl.synth.agent import ReplayPolicy, ScriptedPolicy, run_episode, tool_call
+from sparse_rl.synth.agent import ReplayPolicy, ScriptedPolicy, run_episode
+from sparse_rl.synth.messages import tool_call
 from sparse_rl.synth.envs import CalendarEnv, FsEnv, SqlEnv, ToolError
 from sparse_rl.synth.envs.base import corrupt
 from sparse_rl.synth.tool_tasks import TEMPLATES, make_tool_task, self_check, solution_score

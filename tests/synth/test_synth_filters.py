@@ -8,7 +8,8 @@ import pytest
 
 import sparse_rl.synth.pipeline as P
 from sparse_rl.synth import filters as F
-from sparse_rl.synth.agent import OpenAIChatPolicy, ReplayPolicy, ScriptedPolicy, run_episode, tool_call
+from sparse_rl.synth.agent import OpenAIChatPolicy, ReplayPolicy, ScriptedPolicy, run_episode
+from sparse_rl.synth.messages import tool_call
 from sparse_rl.synth.schema import SchemaError, tool, validate
 from sparse_rl.synth.tool_tasks import make_tool_task
 
@@ -139,7 +140,7 @@ def test_scripted_policy_roundtrip_is_deterministic():
 
 
 def test_message_from_text_for_local_models():
-    from sparse_rl.synth.agent import message_from_text
+    from sparse_rl.synth.messages import message_from_text
 
     task = make_tool_task("sql", 0, 3, 2, template="aggregate")
     text = "Let me look.\n" + "".join(f'<tool_call>{json.dumps(c)}</tool_call>' for c in task["meta"]["solution"])
@@ -152,7 +153,7 @@ def test_message_from_text_for_local_models():
 
 
 def test_normalize_message_variants():
-    from sparse_rl.synth.agent import normalize_message
+    from sparse_rl.synth.messages import normalize_message
 
     m = normalize_message({"role": "assistant", "content": [{"type": "text", "text": "hi"}],
                            "tool_calls": [{"function": {"name": "list_dir", "arguments": {"path": "."}}}]})

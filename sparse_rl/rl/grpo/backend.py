@@ -20,7 +20,7 @@ from sparse_rl.rl.rollout import Completion, RolloutEngine, SamplingParams
 @runtime_checkable
 class RolloutBackend(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, attention: str) -> list[Completion]:
-        """`params.n` samples per prompt (token ids), ordered (prompt, sample). attention: "dense" = pi_theta
+        """`params.samples` samples per prompt (token ids), ordered (prompt, sample). attention: "dense" = pi_theta
         (no adapter), "sparse" = mu (sparse attention with the LoRA adapter if the policy has one)."""
         ...
 

@@ -60,15 +60,15 @@ def save_policy(model, tokenizer, out: Path, full_state: dict | None = None) -> 
     from safetensors.torch import save_file
 
     from sparse_rl.sparse.config import INDEXER_WEIGHTS
-    from sparse_rl.sparse.patch import decoder_layers, indexer_state_dict
+    from sparse_rl.sparse.layer import sparse_config
+    from sparse_rl.sparse.patch import indexer_state_dict
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     plain = policy_state_dict(model, full_state)
     state = {k: v for k, v in plain.items() if ".indexer." not in k}
     base.save_pretrained(out, state_dict=state)
     tokenizer.save_pretrained(out)
-    states = [getattr(layer.self_attn, "srl", None) for layer in decoder_layers(model)]
-    cfg = next((s.cfg for s in states if s is not None), None)
+    cfg = sparse_config(model)
     if cfg is not None:
         cfg.save(out)
         idx = indexer_state_dict(model) if full_state is None else _indexers_of(plain)

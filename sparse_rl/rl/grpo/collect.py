@@ -65,7 +65,7 @@ def sampling_params(cfg: GRPOConfig, seed: int, n: int, greedy: bool = False, ma
     from sparse_rl.rl.rollout import SamplingParams
 
     r = cfg.rollout
-    return SamplingParams(n=n, temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
+    return SamplingParams(samples=n, temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
                           top_k=0 if greedy else r.top_k, max_new_tokens=max_new or r.max_new_tokens,
                           stop=list(r.stop), seed=seed, logprobs=True)
 
@@ -81,7 +81,7 @@ def collect_round(c: Collector, idx: list[int], step: int, rnd: int, st: Rollout
     from sparse_rl.rl.oversample import select_top_n
     from sparse_rl.rl.rewards import SHAPING
 
-    cfg, m, n = c.cfg, c.cfg.rollout.m, c.cfg.rollout.n
+    cfg, m, n = c.cfg, c.cfg.rollout.samples, c.cfg.rollout.keep
     if not idx:
         return []
     prompts = [c.prompt_ids(i) for i in idx]

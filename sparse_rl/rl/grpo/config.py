@@ -28,8 +28,8 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     mode: str = "dense"  # dense | sparse (naive: no distillation) | sparse+distill
-    m: int = 8  # completions sampled per prompt
-    n: int = 4  # completions kept per prompt (top-n by reward; n == m disables oversampling)
+    samples: int = 8  # completions sampled per prompt (M)
+    keep: int = 4  # completions kept per prompt (top-n by reward; keep == samples disables oversampling)
     temperature: float = 1.0
     # mu's recorded log-probs are those of the distribution sampled from (after top-k/top-p
     # filtering); pi's are of logits / temperature, so filtering shows up as rollout mismatch
@@ -172,11 +172,11 @@ def validate(c: GRPOConfig) -> None:
         raise UsageError(f"rollout.mode: {r.mode!r} is not one of {', '.join(MODES)}")
     _positive(c.steps, "steps")
     _positive(c.data.prompts_per_step, "data.prompts_per_step")
-    _positive(r.n, "rollout.n")
-    if r.m < r.n:
-        raise UsageError(f"rollout.m ({r.m}) must be >= rollout.n ({r.n}): m are sampled, the best n kept")
-    if r.n < 2:
-        raise UsageError("rollout.n must be >= 2: group-relative advantages need at least two completions a prompt")
+    _positive(r.keep, "rollout.keep")
+    if r.samples < r.keep:
+        raise UsageError(f"rollout.samples ({r.samples}) must be >= rollout.keep ({r.keep}): samples are drawn, the best keep kept")
+    if r.keep < 2:
+        raise UsageError("rollout.keep must be >= 2: group-relative advantages need at least two completions a prompt")
     _positive(r.max_new_tokens, "rollout.max_new_tokens")
     _positive(r.temperature, "rollout.temperature")  # 0 (greedy) would make the m samples identical
     _positive(r.max_batch, "rollout.max_batch")

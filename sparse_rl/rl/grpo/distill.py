@@ -30,7 +30,7 @@ import torch
 from sparse_rl.errors import UsageError
 from sparse_rl.rl.algos import DISTILL_LOSSES, lookup
 from sparse_rl.rl.grpo.batch import Batch, forward_logits, logprobs_of
-from sparse_rl.sparse.patch import get_attention, set_attention
+from sparse_rl.sparse.layer import get_attention, set_attention, sparse_config
 
 
 def attach_adapter(model, cfg):
@@ -69,9 +69,7 @@ def lora_params(model) -> list[torch.nn.Parameter]:
 
 
 def _has_selector(model) -> bool:
-    from sparse_rl.sparse.patch import decoder_layers
-
-    return any(getattr(layer.self_attn, "srl", None) is not None for layer in decoder_layers(model))
+    return sparse_config(model) is not None
 
 
 @contextlib.contextmanager

@@ -68,8 +68,8 @@ class Trainer:
             raise UsageError(f"data.prompts_per_step ({cfg.data.prompts_per_step}) must be divisible by the number "
                              f"of processes ({self.dist.world})")
         self.per_rank = cfg.data.prompts_per_step // self.dist.world
-        if cfg.rollout.max_batch < cfg.rollout.m:
-            raise UsageError(f"rollout.max_batch ({cfg.rollout.max_batch}) must be >= rollout.m ({cfg.rollout.m})")
+        if cfg.rollout.max_batch < cfg.rollout.samples:
+            raise UsageError(f"rollout.max_batch ({cfg.rollout.max_batch}) must be >= rollout.samples ({cfg.rollout.samples})")
         resume = self._check_run_dir(resume)
 
         check_model_dir(cfg.model, "MODEL")
@@ -86,7 +86,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model)
         model = load_model(cfg.model, attention="dense", device=str(self.device), dtype=cfg.dtype)
         if cfg.rollout.backend is not None and cfg.sparse_rollout:
-            from sparse_rl.sparse.patch import set_attention
+            from sparse_rl.sparse.layer import set_attention
 
             set_attention(model, "dense", backend=cfg.rollout.backend)
         self.model = attach_adapter(model, cfg.distill) if cfg.distill_on else model
@@ -257,10 +257,10 @@ class Trainer:
             "reward_kept": sum(sum(g.rewards) for g in groups),
             "correct_kept": sum(sum(r >= cfg.reward.correct_threshold for r in g.raw) for g in groups),
             "length_kept": sum(len(t) for g in groups for t in g.tokens)})
-        scored = s["sampled"] - cfg.rollout.m * s["groups_skipped"]  # completions of groups with a verdict
+        scored = s["sampled"] - cfg.rollout.samples * s["groups_skipped"]  # completions of groups with a verdict
         rec.step, rec.epoch = self.step, self.cursor.epoch
         rec.prompts_seen = self.cursor.epoch * len(self.tasks) + self.cursor.pos
-        rec.groups, rec.refills = int(round(n_seq / cfg.rollout.n)), st.refills
+        rec.groups, rec.refills = int(round(n_seq / cfg.rollout.keep)), st.refills
         rec.groups_sampled, rec.groups_skipped = int(s["groups_sampled"]), int(s["groups_skipped"])
         rec.reward = s["reward"] / scored if scored else None
         rec.accuracy = s["correct"] / scored if scored else None

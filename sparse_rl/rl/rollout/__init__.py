@@ -4,7 +4,7 @@
     eng = RolloutEngine(model, tokenizer, max_batch=64, max_seq_len=4096)   # model: loader.load_model(...)
     eng.set_attention("sparse")                                             # or "dense"
     outs = eng.generate(prompt_token_lists_or_strings,
-                        SamplingParams(n=8, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024,
+                        SamplingParams(samples=8, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024,
                                        stop=[], seed=step, logprobs=True))
     for c in outs:  # ordered by (prompt_index, sample_index)
         c.tokens, c.logprobs, c.text, c.finish_reason, c.prompt_index, c.sample_index, c.prompt_tokens

@@ -5,7 +5,8 @@ the KV-cache writes) between the matmuls; `ModelRunner` then captures the *compi
 own per-bucket CUDA graphs, so a replay launches far fewer kernels.
 
 What lives here:
-- Our sparse ops as opaque `torch.library.custom_op`s. Their Python sides pick backends, split-K
+- Our sparse ops as opaque `torch.library.custom_op`s (the decode selectors among them with the
+  signatures of `layer.DecodeOps`: this module is what the compiled step passes `layer.select` as `ops`). Their Python sides pick backends, split-K
   counts and Triton launch grids from shapes; dynamo must not trace into them, it only needs each
   op's output shape (`register_fake`). `sparse_rl.sparse.ops` is called unchanged inside.
 - `fresh_function`: a copy of a function with its own code object. Dynamo keeps its compiled
@@ -23,7 +24,7 @@ import types
 
 import torch
 
-from sparse_rl.sparse import ops
+from sparse_rl.sparse import layer, ops
 
 NS = "sparse_rl_rollout"
 
@@ -56,21 +57,11 @@ def _(q_idx, w, k_idx, pos, S, topk, sink, window, backend):
     return q_idx.new_empty(q_idx.shape[0], topk, dtype=torch.int32)
 
 
-def block_select_rows_eager(q: torch.Tensor, k_cache: torch.Tensor, pos: list[int], block_size: int,
-                            topk_blocks: int, sink_blocks: int, recent_blocks: int, backend: str) -> torch.Tensor:
-    """Block selection per row (rows sit at different positions): q `[B, H, D]`, k_cache
-    `[B, S_max, H_kv, D]`, pos host ints `[B]` -> `[B, topk_blocks * block_size]` int32."""
-    rows = [ops.block_select(q[b:b + 1, None], k_cache[b:b + 1, :p + 1], block_size, topk_blocks, q_offset=p,
-                             sink_blocks=sink_blocks, recent_blocks=recent_blocks, backend=backend)[0, 0]
-            for b, p in enumerate(pos)]
-    return torch.stack(rows)
-
-
 @torch.library.custom_op(f"{NS}::block_select_rows", mutates_args=())
 def block_select_rows(q: torch.Tensor, k_cache: torch.Tensor, pos: torch.Tensor, block_size: int, topk_blocks: int,
                       sink_blocks: int, recent_blocks: int, backend: str) -> torch.Tensor:
-    """`block_select_rows_eager` with device positions (reads them to the host: no CUDA graphs)."""
-    return block_select_rows_eager(q, k_cache, pos.tolist(), block_size, topk_blocks, sink_blocks, recent_blocks,
+    """`layer.block_select_rows` with device positions (reads them to the host: no CUDA graphs)."""
+    return layer.block_select_rows(q, k_cache, pos.tolist(), block_size, topk_blocks, sink_blocks, recent_blocks,
                                    backend)
 
 

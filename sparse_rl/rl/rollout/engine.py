@@ -1,7 +1,7 @@
 """The rollout engine: batched prefill + decode over a slot KV cache, continuous batching, log-probs.
 
     engine = RolloutEngine(model, tokenizer, max_batch=64, max_seq_len=4096)
-    outs = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=512))
+    outs = engine.generate(prompts, SamplingParams(samples=4, temperature=1.0, max_new_tokens=512))
 
 Scheduling: `max_batch` slots. A prompt is admitted when `n` slots are free; its prompt is
 prefilled once (batched with the other prompts admitted in the same round, right-padded) and the
@@ -34,6 +34,7 @@ from sparse_rl.errors import SparseRLError, UsageError
 from sparse_rl.rl.rollout.cache import KVCache
 from sparse_rl.rl.rollout.forward import ModelRunner, _base
 from sparse_rl.rl.rollout.sampler import Sampler, SamplingParams, to_device
+from sparse_rl.sparse.layer import get_attention, set_attention
 
 
 @dataclass
@@ -114,21 +115,20 @@ class RolloutEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
         self.sampler = Sampler(self.runner.vocab, dev)
-        from sparse_rl.sparse.patch import get_attention
-
-        self.mode = get_attention(model)
         self.cache: KVCache | None = None
         self._lora_base: dict[str, torch.Tensor] | None = None
         self.stats = {"prefill_tokens": 0, "decode_steps": 0, "generated_tokens": 0}
 
     # ------------------------------------------------------------------ config
+    @property
+    def mode(self) -> str:
+        """The attention mode, read from the model's sparse layers (`sparse.layer.get_attention`)."""
+        return get_attention(self.model)
+
     def set_attention(self, mode: str) -> None:
-        """Switch this engine between "dense" and "sparse" attention (the model's own HF mode is untouched)."""
-        if mode not in ("dense", "sparse"):
-            raise UsageError(f"attention mode {mode!r}: expected dense or sparse")
-        if mode == "sparse" and not any(s is not None for s in self.runner.states):
-            raise SparseRLError("this model has no sparse selector: convert it with `sparse-rl convert` first")
-        self.mode = mode
+        """Switch the engine's model between "dense" and "sparse" attention (`sparse.layer.set_attention`:
+        the model's HF forward follows too)."""
+        set_attention(self.model, mode)
 
     def refresh(self) -> None:
         """Forget captured CUDA graphs (recaptured lazily). Needed only when parameters were replaced by
@@ -306,7 +306,7 @@ class RolloutEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str], params: SamplingParams | None = None,
                  on_complete: Callable[[Completion], None] | None = None) -> list[Completion]:
-        """Sample `params.n` completions per prompt. Returns them ordered by (prompt, sample);
+        """Sample `params.samples` completions per prompt. Returns them ordered by (prompt, sample);
         `on_complete` is called as each one finishes. The model runs in eval mode (no dropout, e.g.
         peft's lora_dropout) and is put back in its previous mode afterwards."""
         was_training = self.model.training
@@ -319,8 +319,8 @@ class RolloutEngine:
     @torch.inference_mode()
     def _generate(self, prompts, params, on_complete) -> list[Completion]:
         p = params or SamplingParams()
-        if p.n > self.max_batch:
-            raise UsageError(f"--n {p.n} exceeds the batch of {self.max_batch} slots (raise --batch-size)")
+        if p.samples > self.max_batch:
+            raise UsageError(f"--samples {p.samples} exceeds the batch of {self.max_batch} slots (raise --max-batch)")
         if p.stop and self.tokenizer is None:
             raise UsageError("stop strings need a tokenizer")
         toks = self._encode(prompts)
@@ -331,7 +331,7 @@ class RolloutEngine:
             if len(t) >= cap:
                 raise SparseRLError(f"prompt {i}: {len(t)} tokens leave no room to generate within max_seq_len {cap}")
         cache = self._ensure_cache(max(len(t) for t in toks) + p.max_new_tokens)
-        s_max, B, n = cache.s_max, self.max_batch, p.n
+        s_max, B, n = cache.s_max, self.max_batch, p.samples
         queue = deque(range(len(toks)))
         free = deque(range(B))
         live: dict[int, _Seq] = {}
@@ -461,7 +461,7 @@ class RolloutEngine:
             lengths.append(len(t))
         logits = self.runner.prefill(cache, batch.to(self.device), lengths, [sl[0] for _, sl in admit], self.mode)
         self.stats["prefill_tokens"] += sum(lengths)
-        n = p.n
+        n = p.samples
         rids, rows, slots = [], [], []
         for r, (pi, sls) in enumerate(admit):
             cache.copy_prefix(sls[0], sls[1:], lengths[r])

@@ -14,10 +14,10 @@ Two passes:
   keeps shapes static for CUDA graphs). Keys are read from `cache[:, :S]`, S a bucket of the
   longest live sequence, and masked per slot by its own position.
 
-Sparse semantics are those of `sparse_rl.sparse.patch` (layers in `dense_layers` dense; indexer:
-scores over all visible keys, first `sink` and last `window` forced, top-k; block selector per row
-through `ops.block_select`). In decode every row sits at its own position: the indexer selection is
-`ops.indexer_topk_decode` (the reference's tie rule: among equal scores the later key wins).
+Sparse semantics are those of the HF path: the attention mode, each layer's config and the selector
+itself come from `sparse_rl.sparse.layer` (`layer.select`, the one selector dispatch; layers in
+`dense_layers` dense). In decode every row sits at its own position: `select` is given the positions
+(the indexer's `ops.indexer_topk_decode`, the block selector per row).
 
 Dense decode attention: PyTorch SDPA with a per-slot mask on CPU; on CUDA the split-K Triton
 decode kernel (`ops.sparse_decode`) given every visible position as its index list, so it reads
@@ -33,7 +33,6 @@ sets the default).
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import torch
@@ -42,12 +41,24 @@ import torch.nn.functional as F
 from sparse_rl.errors import SparseRLError
 from sparse_rl.rl.rollout.cache import KVCache
 from sparse_rl.rl.rollout import compiled as C
-from sparse_rl.sparse.ops import (block_select, indexer_decode, indexer_topk, indexer_topk_decode, sparse_attention,
-                                  sparse_decode)
+from sparse_rl.sparse.layer import DecodeOps, layer_states, select
+from sparse_rl.sparse.ops import indexer_decode, sparse_attention, sparse_decode
 
 
 def _base(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """RoPE as the llama/qwen2/qwen3/mistral modules apply it (rotate_half, cos/sin layout cat(f, f)):
+    q `[B, T, H, D]`, k `[B, T, H_kv, D]`, cos/sin `[B, T, D]` -> rotated (q, k)."""
+    cos, sin = cos[:, :, None], sin[:, :, None]
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
 
 
 def default_compile(device) -> bool:
@@ -88,8 +99,7 @@ class ModelRunner:
         attn0 = self.layers[0].self_attn
         self.D = attn0.head_dim
         self.vocab = self.lm_head.out_features
-        self.rope = sys.modules[type(attn0).__module__].apply_rotary_pos_emb
-        self.states = [getattr(layer.self_attn, "srl", None) for layer in self.layers]
+        self.states = layer_states(model)
         self.index_dim = next((layer.self_attn.indexer.index_dim for layer in self.layers
                                if getattr(layer.self_attn, "indexer", None) is not None), None)
         self.device = torch.device(device)
@@ -118,12 +128,12 @@ class ModelRunner:
         v = attn.v_proj(x).view(B, T, -1, self.D)
         if getattr(attn, "q_norm", None) is not None:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = self.rope(q, k, cos, sin, unsqueeze_dim=2)
+        q, k = apply_rotary(q, k, cos, sin)
         return q, k, v
 
     def _sparse(self, i: int, mode: str) -> bool:
         st = self.states[i]
-        return mode == "sparse" and st is not None and not st.dense_layer
+        return mode == "sparse" and st is not None and not st.dense_layer  # st.sparse, for the mode asked
 
     def _mlp_out(self, layer, h):
         return h + layer.mlp(layer.post_attention_layernorm(h))
@@ -150,15 +160,12 @@ class ModelRunner:
             cache.v[i][slot_t, :T] = v
             if self._sparse(i, mode):
                 st = self.states[i]
-                c = st.cfg
-                if c.selector == "indexer":
+                index = None
+                if st.cfg.selector == "indexer":
                     q_i, w, k_i = attn.indexer(x, cos, sin)
                     cache.idx[i][slot_t, :T] = k_i
-                    sel = indexer_topk(q_i, w, k_i, c.topk, q_offset=0, sink=c.sink, window=c.window,
-                                       backend=st.backend)
-                else:
-                    sel = block_select(q, k, c.block_size, c.topk_blocks, q_offset=0, sink_blocks=c.sink_blocks,
-                                       recent_blocks=c.recent_blocks, backend=st.backend)
+                    index = (q_i, w, k_i)
+                sel = select(st, q, k, index)
                 o, _ = sparse_attention(q, k, v, sel, scale=attn.scaling, backend=st.backend)
             else:
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -207,29 +214,20 @@ class ModelRunner:
             write(v_all, i, v[:, 0])
             if self._sparse(i, mode):
                 st = self.states[i]
-                c = st.cfg
-                if c.selector == "indexer":
+                index = None
+                if st.cfg.selector == "indexer":
                     if compiled:  # inductor fuses the module's elementwise ops itself
                         q_i, w, k_i = attn.indexer(x, cos, sin)
                         write(idx_all, i, k_i[:, 0])
                         q_i, w = q_i[:, 0], w[:, 0]
                     else:
                         q_i, w = self._indexer_step(attn.indexer, x, cos, sin, pos, idx_all[i], st.backend)
-                    # with no more visible keys than top-k the selector keeps them all
-                    if short:
-                        sel = all_idx
-                    elif compiled:
-                        sel = C.indexer_topk_decode(q_i, w, idx_all[i], pos, S, c.topk, c.sink, c.window, st.backend)
-                    else:
-                        sel = indexer_topk_decode(q_i, w, idx_all[i][:, :S], pos, c.topk, sink=c.sink,
-                                                  window=c.window, backend=st.backend)
-                elif compiled:
-                    sel = C.block_select_rows(q[:, 0], k_all[i], pos, c.block_size, c.topk_blocks, c.sink_blocks,
-                                              c.recent_blocks, st.backend)
-                else:
+                    index = (q_i, w, idx_all[i])
+                elif not compiled:  # the eager block selector reads positions on the host, once per step
                     pos_list = pos.tolist() if pos_list is None else pos_list
-                    sel = C.block_select_rows_eager(q[:, 0], k_all[i], pos_list, c.block_size, c.topk_blocks,
-                                                    c.sink_blocks, c.recent_blocks, st.backend)
+                # with no more visible keys than top-k the indexer keeps them all (`short`)
+                sel = select(st, q[:, 0], k_all[i], index, pos=pos if compiled or index is not None else pos_list,
+                             S=S, visible=all_idx if short else None, ops=C if compiled else DecodeOps)
                 o = self._attend(q[:, 0], k_all[i], v_all[i], sel, attn.scaling, st.backend, compiled)
             elif self.dense_impl == "index":
                 o = self._attend(q[:, 0], k_all[i], v_all[i], all_idx, attn.scaling, "auto", compiled)

@@ -30,7 +30,7 @@ class GenerateConfig:
     """Options of `sparse-rl generate` (YAML keys = these names)."""
 
     attention: str = "dense"
-    n: int = 1
+    samples: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -48,14 +48,14 @@ class GenerateConfig:
         if self.attention not in ("dense", "sparse"):
             raise UsageError(f"--attention {self.attention}: expected dense or sparse")
         if self.batch_size < 1:
-            raise UsageError(f"--batch-size must be >= 1 (got {self.batch_size})")
-        if self.n > self.batch_size:
-            raise UsageError(f"--n {self.n} exceeds --batch-size {self.batch_size} (the n samples of a prompt decode together)")
+            raise UsageError(f"--max-batch must be >= 1 (got {self.batch_size})")
+        if self.samples > self.batch_size:
+            raise UsageError(f"--samples {self.samples} exceeds --max-batch {self.batch_size} (the samples of a prompt decode together)")
 
     def sampling(self):
         from sparse_rl.rl.rollout.sampler import SamplingParams
 
-        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+        return SamplingParams(samples=self.samples, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               max_new_tokens=self.max_new_tokens, stop=list(self.stop), seed=self.seed,
                               logprobs=self.logprobs)
 
@@ -119,7 +119,7 @@ def run_generate(model_dir: str | Path, prompts: str | Path, out: str | Path | N
     eng = load_engine(model_dir, cfg.attention, resolve_device(cfg.device), cfg.dtype, cfg.batch_size,
                       cfg.max_seq_len, compile=cfg.compile)
     params = cfg.sampling()
-    chunk = max(1, (4 * cfg.batch_size) // cfg.n)  # prompts per engine call: a queue for the free slots
+    chunk = max(1, (4 * cfg.batch_size) // cfg.samples)  # prompts per engine call: a queue for the free slots
     it = iter(records)
     done = n_tokens = 0
     with open_output(out) as fh:
@@ -134,7 +134,7 @@ def run_generate(model_dir: str | Path, prompts: str | Path, out: str | Path | N
                 raise SparseRLError(f"--prompts {prompts}: cannot render a prompt of records {recs[0]['id']!r}.."
                                     f"{recs[-1]['id']!r} ({str(e).splitlines()[0][:160]})") from None
             outs = eng.generate(ids, params)
-            for row in completion_records(recs, outs, texts, cfg.n, cfg.logprobs):
+            for row in completion_records(recs, outs, texts, cfg.samples, cfg.logprobs):
                 fh.write(dumps(row) + "\n")
             fh.flush()
             done += len(recs)
@@ -143,4 +143,4 @@ def run_generate(model_dir: str | Path, prompts: str | Path, out: str | Path | N
                 progress(done, total)
         if done == 0:  # inside the `with`: an output file is not created
             raise SparseRLError(f"--prompts {prompts}: no prompt records")
-    return {"prompts": done, "completions": done * cfg.n, "generated_tokens": n_tokens, "attention": cfg.attention}
+    return {"prompts": done, "completions": done * cfg.samples, "generated_tokens": n_tokens, "attention": cfg.attention}

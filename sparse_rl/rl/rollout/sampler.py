@@ -33,11 +33,11 @@ from sparse_rl.errors import UsageError
 
 @dataclass
 class SamplingParams:
-    """n: samples per prompt (sharing one prefill); temperature 0 = greedy; top_k 0 = off;
+    """samples: completions per prompt (sharing one prefill); temperature 0 = greedy; top_k 0 = off;
     top_p 1 = off; stop: strings that end a completion (cut from the text); ignore_eos: run to
     max_new_tokens (benchmarks); logprobs: record per-token log-probs."""
 
-    n: int = 1
+    samples: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -48,8 +48,8 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if self.n < 1:
-            raise UsageError(f"--n must be >= 1 (got {self.n})")
+        if self.samples < 1:
+            raise UsageError(f"--samples must be >= 1 (got {self.samples})")
         if self.temperature < 0:
             raise UsageError(f"--temperature must be >= 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:

@@ -13,12 +13,15 @@ import torch
 from sparse_rl.sparse.ops._backend import resolve_backend
 from sparse_rl.sparse.ops.block_select.naive import block_select_naive
 from sparse_rl.sparse.ops.indexer_decode.naive import indexer_decode_naive
+from sparse_rl.sparse.ops.indexer_kl.naive import KLStats, dense_lse, selected_kl
+from sparse_rl.sparse.ops.indexer_kl.naive import warmup_kl as warmup_kl_naive
 from sparse_rl.sparse.ops.indexer_topk.naive import (indexer_scores_naive, indexer_topk_decode_naive, indexer_topk_naive,
                                                      visible_mask)
 from sparse_rl.sparse.ops.sparse_attention.naive import dense_attention_naive, sparse_attention_naive
 
 __all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_topk_decode", "indexer_scores", "indexer_decode",
-           "block_select", "visible_mask", "dense_attention_naive", "kernel"]
+           "block_select", "visible_mask", "dense_attention_naive", "kernel", "warmup_kl", "selected_kl", "dense_lse",
+           "KLStats"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,3 +105,21 @@ def block_select(q: torch.Tensor, k: torch.Tensor, block_size: int, topk_blocks:
                   recent_blocks=recent_blocks, kv_start=kv_start)
     return block_select_naive(q, k, block_size, topk_blocks, q_offset=q_offset, sink_blocks=sink_blocks,
                               recent_blocks=recent_blocks, kv_start=kv_start)
+
+
+def warmup_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, *,
+              scale: float, indices: torch.Tensor | None = None, q_offset: int = 0,
+              kv_start: torch.Tensor | None = None, chunk: int | None = None, grad_scale: float | None = None,
+              lse: torch.Tensor | None = None, oracle: bool = False, backend: str = "auto") -> KLStats:
+    """The indexer's warm-up loss of one layer, KL(dense attention || softmax(indexer scores)) summed over
+    queries (contract: `indexer_kl/naive.py:warmup_kl`). q `[B, H, T, D]`, k `[B, H_kv, S, D]`, q_idx
+    `[B, T, H_I, D_I]`, w `[B, T, H_I]`, k_idx `[B, S, D_I]` -> KLStats; with grad_scale the gradients
+    are back-propagated into the indexer outputs. Triton: the fused kernel (rows without left padding,
+    no oracle; lse `[B, H, T]`, the dense log-sum-exp, skips its dense pass when given); torch: the
+    query-chunked reference (chunk: queries per chunk)."""
+    fn = kernel("indexer_kl", "warmup_kl_triton")
+    if kv_start is None and not oracle and resolve_backend(backend, q, fn is not None) == "triton":
+        return fn(q, k, q_idx, w, k_idx, scale=scale, indices=indices, q_offset=q_offset, grad_scale=grad_scale,
+                  lse=lse)
+    return warmup_kl_naive(q, k, q_idx, w, k_idx, scale=scale, indices=indices, q_offset=q_offset, kv_start=kv_start,
+                           chunk=chunk, grad_scale=grad_scale, oracle=oracle)

@@ -8,6 +8,8 @@ import contextlib
 
 import torch
 
+from sparse_rl.sparse.layer import layer_state, select, set_capture, set_recorder, sparse_layers
+
 CAPTURE = "sparse_rl_capture"
 
 
@@ -18,34 +20,36 @@ CAPTURE = "sparse_rl_capture"
 def _capture_attention(module, query, key, value, attention_mask, *args, **kwargs):
     """Registered as "sparse_rl_capture": report (q, k) to the module's callback, then run the
     normal "sparse_rl" attention. query `[B, H, T, D]`, key `[B, H_kv, S, D]` after RoPE.
-    A callback registered with `lse=True` also gets the dense log-sum-exp `[B, H, T]` (or None where
-    it is not available): the attention then runs through an ATen kernel that returns it."""
+    A callback registered with an lse attention (`AttentionWithLse`) also gets the dense log-sum-exp
+    `[B, H, T]` (or None where it is not available): the attention then runs through that kernel."""
+    from sparse_rl.sparse.layer import take_inputs
     from sparse_rl.sparse.patch import sparse_rl_attention
 
-    fn = module.__dict__.get("_srl_capture")
-    stash = module.__dict__.get("_srl_ctx")
-    if fn is not None and stash is not None:
-        if not module.__dict__.get("_srl_capture_lse"):
+    st = layer_state(module)
+    stash = st.inputs if st is not None else None
+    if st is not None and st.capture is not None and stash is not None:
+        fn = st.capture
+        if not st.capture_lse:
             fn(module, query, key, stash)
         else:
-            res = _dense_with_lse(module, query, key, value, attention_mask, stash, *args, **kwargs)
+            res = _dense_with_lse(module, st.capture_lse, query, key, value, attention_mask, stash, *args, **kwargs)
             if res is None:
                 fn(module, query, key, stash, None)
             else:
-                module.__dict__.pop("_srl_ctx", None)  # consumed, as sparse_rl_attention would have
+                take_inputs(module)  # consumed, as sparse_rl_attention would have
                 fn(module, query, key, stash, res[1])
                 return res[0], None
     return sparse_rl_attention(module, query, key, value, attention_mask, *args, **kwargs)
 
 
-def _dense_with_lse(module, query, key, value, attention_mask, stash, dropout: float = 0.0, scaling=None,
-                    **kwargs):
-    """Dense causal attention through ATen's cuDNN or flash kernel (`attention_with_lse`), which also
+def _dense_with_lse(module, lse_attention, query, key, value, attention_mask, stash, dropout: float = 0.0,
+                    scaling=None, **kwargs):
+    """Dense causal attention through ATen's cuDNN or flash kernel (`lse_attention`), which also
     returns the log-sum-exp the fused warm-up KL needs: (out `[B, T, H, D]`, lse `[B, H, T]` fp32).
     None where the plain path must run instead: not CUDA fp16/bf16, a mask (padding), a KV cache,
     sliding window, dropout, a head dim flash does not take, or a layer in sparse mode."""
-    st = getattr(module, "srl", None)
-    if st is not None and not (st.dense_layer or st.mode == "dense"):
+    st = layer_state(module)
+    if st is not None and st.sparse:
         return None
     B, H, T, D = query.shape
     if (not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16) or attention_mask is not None
@@ -54,14 +58,11 @@ def _dense_with_lse(module, query, key, value, attention_mask, stash, dropout: f
             or kwargs.get("is_causal", getattr(module, "is_causal", True)) is False):
         return None
     scale = scaling if scaling is not None else module.scaling
-    out, lse = attention_with_lse(query, key, value, scale)
+    out, lse = lse_attention(query, key, value, scale)
     return out.transpose(1, 2).contiguous(), lse
 
 
-# Which ATen kernel gives the dense attention with its lse: decided on the first call. Flash's took 6.4 ms
-# against plain SDPA's 4.3 ms at 32K (Qwen2-0.5B heads, H200), so cuDNN's is tried first and kept once it
-# has matched flash's output and lse on that first call; otherwise flash.
-LSE_BACKEND: str | None = None
+LSE_BACKENDS = ("auto", "cudnn", "flash")
 
 
 def _flash(query, key, value, scale):
@@ -92,25 +93,37 @@ def _checked(out, lse, query, value):
     return out, lse[:, :, :T].float()
 
 
-def attention_with_lse(query, key, value, scale: float):
-    """Causal dense attention (no mask, T == S) and its natural-log lse. query `[B, H, T, D]`, key/value
-    `[B, H_kv, T, D]` (CUDA, fp16/bf16) -> (out `[B, H, T, D]`, lse `[B, H, T]` fp32)."""
-    global LSE_BACKEND
-    if LSE_BACKEND in (None, "cudnn"):
-        try:
-            out, lse = _checked(*_cudnn(query, key, value, scale), query, value)
-        except RuntimeError:
-            LSE_BACKEND = "flash"
-        else:
-            if LSE_BACKEND is None:
-                ref, ref_lse = _checked(*_flash(query, key, value, scale), query, value)
-                same = (float((out.float() - ref.float()).abs().max()) <= 2e-2 * max(1.0, float(ref.abs().max()))
-                        and float((lse - ref_lse).abs().max()) <= 1e-2)
-                LSE_BACKEND = "cudnn" if same else "flash"
-                if not same:
-                    return ref, ref_lse
-            return out, lse
-    return _checked(*_flash(query, key, value, scale), query, value)
+class AttentionWithLse:
+    """Causal dense attention (no mask, T == S) and its natural-log lse through an ATen kernel: query
+    `[B, H, T, D]`, key/value `[B, H_kv, T, D]` (CUDA, fp16/bf16) -> (out `[B, H, T, D]`, lse `[B, H, T]` fp32).
+
+    backend: "cudnn", "flash", or "auto": cuDNN's, kept once it has matched flash's output and lse on
+    the first call, else flash's (flash took 6.4 ms against plain SDPA's 4.3 ms at 32K, Qwen2-0.5B
+    heads, H200, so cuDNN is tried first). The choice "auto" makes is kept in this object (`backend`
+    after the first call): one object serves a whole training run. A cuDNN kernel that raises moves
+    the object to flash for good."""
+
+    def __init__(self, backend: str = "auto"):
+        if backend not in LSE_BACKENDS:
+            raise ValueError(f"lse attention backend {backend!r}: expected one of {', '.join(LSE_BACKENDS)}")
+        self.backend = backend
+
+    def __call__(self, query, key, value, scale: float):
+        if self.backend in ("auto", "cudnn"):
+            try:
+                out, lse = _checked(*_cudnn(query, key, value, scale), query, value)
+            except RuntimeError:
+                self.backend = "flash"
+            else:
+                if self.backend == "auto":
+                    ref, ref_lse = _checked(*_flash(query, key, value, scale), query, value)
+                    same = (float((out.float() - ref.float()).abs().max()) <= 2e-2 * max(1.0, float(ref.abs().max()))
+                            and float((lse - ref_lse).abs().max()) <= 1e-2)
+                    self.backend = "cudnn" if same else "flash"
+                    if not same:
+                        return ref, ref_lse
+                return out, lse
+        return _checked(*_flash(query, key, value, scale), query, value)
 
 
 _capture_registered = False
@@ -132,10 +145,12 @@ def _register_capture() -> None:
 
 
 @contextlib.contextmanager
-def capture_dense(model, fn, lse: bool = False):
+def capture_dense(model, fn, lse: "bool | AttentionWithLse" = False):
     """While active, `fn(module, query, key, (hidden, position_embeddings, cache))` runs in every
-    layer that has an indexer, on each forward (dense mode included). With `lse`, it is called with a
-    fifth argument: the layer's dense log-sum-exp `[B, H, T]` fp32 from its own attention, or None."""
+    layer that has an indexer, on each forward (dense mode included). With `lse` (True: a fresh
+    `AttentionWithLse()`, or the caller's), it is called with a fifth argument: the layer's dense
+    log-sum-exp `[B, H, T]` fp32 from its own attention, or None."""
+    lse_attention = (AttentionWithLse() if lse is True else lse) or None
     _register_capture()
     configs = {id(m.config): m.config for m in model.modules()
                if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}
@@ -145,15 +160,13 @@ def capture_dense(model, fn, lse: bool = False):
         for c in configs.values():
             c._attn_implementation = CAPTURE
         for m in mods:
-            m._srl_capture = fn
-            m._srl_capture_lse = lse
+            set_capture(m, fn, lse_attention)
         yield
     finally:
         for k, c in configs.items():
             c._attn_implementation = old[k]
         for m in mods:
-            m.__dict__.pop("_srl_capture", None)
-            m.__dict__.pop("_srl_capture_lse", None)
+            set_capture(m, None)
 
 
 @contextlib.contextmanager
@@ -162,19 +175,23 @@ def recording(model, fn):
     mods = indexed_attention(model)
     try:
         for m in mods:
-            m.srl.recorder = fn
+            set_recorder(m, fn)
         yield
     finally:
         for m in mods:
-            m.srl.recorder = None
+            set_recorder(m, None)
 
 
 def indexed_attention(model) -> list:
     """The attention modules that carry a trainable indexer (non-dense layers)."""
-    from sparse_rl.sparse.patch import decoder_layers
+    return [m for m in sparse_layers(model) if getattr(m, "indexer", None) is not None]
 
-    return [layer.self_attn for layer in decoder_layers(model)
-            if getattr(layer.self_attn, "indexer", None) is not None and not layer.self_attn.srl.dense_layer]
+
+def _select(module, query, key, index, q_offset: int) -> torch.Tensor:
+    """The layer's own selection (`layer.select`) for a captured call: query `[B, H, T, D]`, key
+    `[B, H_kv, S, D]`, index = the indexer's (q_I, w, k_I) -> `[B, T, K]` int32."""
+    return select(layer_state(module), query.detach().transpose(1, 2), key.detach().transpose(1, 2), index,
+                  q_offset=q_offset)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,43 +213,36 @@ class StepStats:
 
 
 def warmup_forward(model, ids: torch.Tensor, stats: StepStats, grad_scale: float, chunk: int | None = None,
-                   impl: str = "torch", measure_recall: bool = True) -> None:
+                   impl: str = "torch", measure_recall: bool = True,
+                   lse_attention: AttentionWithLse | None = None) -> None:
     """Dense frozen forward of the decoder stack; each indexed layer trains its indexer on the warm-up KL.
 
-    impl: "torch" (`kl.warmup_kl`, query chunks) or "triton" (`kl_triton.warmup_kl_triton`, fused tiles;
-    unpadded rows only, which is what the packed training data is).
+    impl: the `ops.warmup_kl` backend, "torch" (query chunks) or "triton" (fused tiles; unpadded rows
+    only, which is what the packed training data is).
     measure_recall: select the top-k to report attn_recall (the loss itself needs no selection); the
     trainer asks for it on logged steps only.
     With "triton" the dense log-sum-exp comes from each layer's own flash attention where available
-    (`capture_dense(lse=True)`), so the fused KL skips its dense-lse pass."""
-    from sparse_rl.sparse.ops import indexer_topk
-    from sparse_rl.sparse.train.kl import warmup_kl
-
-    if impl == "triton":
-        from sparse_rl.sparse.train.kl_triton import warmup_kl_triton
+    (`capture_dense(lse=...)`), so the fused KL skips its dense-lse pass; lse_attention: the kernel
+    choice for that (default: a fresh `AttentionWithLse()`; pass one object for every step of a run)."""
+    from sparse_rl.sparse.ops import warmup_kl
 
     def on_layer(module, query, key, stash, lse=None):
         h, pe, _ = stash
-        sc = module.srl.cfg
         with torch.enable_grad():
             q_i, w, k_i = module.indexer(h.detach(), pe[0].detach(), pe[1].detach())
         q_offset = key.shape[2] - query.shape[2]
         idx = None
         if measure_recall:
             with torch.no_grad():
-                idx = indexer_topk(q_i.detach(), w.detach(), k_i.detach(), sc.topk, q_offset=q_offset, sink=sc.sink,
-                                   window=sc.window, backend=module.srl.backend)
+                idx = _select(module, query, key, (q_i.detach(), w.detach(), k_i.detach()), q_offset)
         with torch.enable_grad():
-            if impl == "triton":
-                st = warmup_kl_triton(query.detach(), key.detach(), q_i, w, k_i, scale=module.scaling, indices=idx,
-                                      q_offset=q_offset, grad_scale=grad_scale, lse=lse)
-            else:
-                st = warmup_kl(query.detach(), key.detach(), q_i, w, k_i, scale=module.scaling, indices=idx,
-                               q_offset=q_offset, chunk=chunk, grad_scale=grad_scale)
+            st = warmup_kl(query.detach(), key.detach(), q_i, w, k_i, scale=module.scaling, indices=idx,
+                           q_offset=q_offset, chunk=chunk, grad_scale=grad_scale, lse=lse, backend=impl)
         stats.add(st)
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    with capture_dense(model, on_layer, lse=impl == "triton"), torch.no_grad():
+    lse = (lse_attention or AttentionWithLse()) if impl == "triton" else False
+    with capture_dense(model, on_layer, lse=lse), torch.no_grad():
         base.get_decoder()(input_ids=ids, use_cache=False)
 
 
@@ -240,7 +250,7 @@ def sparse_forward(model, ids: torch.Tensor, stats: StepStats, grad_scale: float
                    chunk: int | None = None) -> torch.Tensor:
     """Sparse forward + LM loss (returned, not yet back-propagated); each indexed layer trains its
     indexer on `selected_kl` from the recorder hook."""
-    from sparse_rl.sparse.train.kl import dense_lse, selected_kl
+    from sparse_rl.sparse.ops import dense_lse, selected_kl
 
     def recorder(module, hidden, position_embeddings, query, key, indices, kv_start, lse):
         q, k = query.detach(), key.detach()
@@ -267,9 +277,8 @@ def evaluate(model, rows: torch.Tensor, *, chunk: int | None = None, lm_loss: bo
     reach: the target's own top-k), per layer and averaged over layers and queries; with `lm_loss`,
     the LM loss of the same rows in dense and in sparse mode.
     """
-    from sparse_rl.sparse.loader import get_attention, set_attention
-    from sparse_rl.sparse.ops import indexer_topk
-    from sparse_rl.sparse.train.kl import warmup_kl
+    from sparse_rl.sparse.layer import get_attention, set_attention
+    from sparse_rl.sparse.ops import warmup_kl
 
     was = get_attention(model)
     set_attention(model, "dense")
@@ -277,13 +286,11 @@ def evaluate(model, rows: torch.Tensor, *, chunk: int | None = None, lm_loss: bo
 
     def on_layer(module, query, key, stash):
         h, pe, _ = stash
-        sc = module.srl.cfg
         q_i, w, k_i = module.indexer(h, *pe)
         q_offset = key.shape[2] - query.shape[2]
-        idx = indexer_topk(q_i, w, k_i, sc.topk, q_offset=q_offset, sink=sc.sink, window=sc.window,
-                           backend=module.srl.backend)
+        idx = _select(module, query, key, (q_i, w, k_i), q_offset)
         st = warmup_kl(query, key, q_i, w, k_i, scale=module.scaling, indices=idx, q_offset=q_offset, chunk=chunk,
-                       oracle=True)
+                       oracle=True, backend="torch")
         acc = per_layer.setdefault(module.layer_idx, torch.zeros(4, dtype=torch.float64, device=query.device))
         acc += torch.stack([st.kl, st.recall, st.oracle, torch.tensor(float(st.n), dtype=torch.float64,
                                                                          device=query.device)])

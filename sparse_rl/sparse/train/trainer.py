@@ -111,7 +111,7 @@ class IndexerTrainConfig:
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise UsageError(f"--min-lr-ratio {self.min_lr_ratio}: must be in [0, 1]")
         if self.topk is not None and self.topk < 1:
-            raise UsageError(f"--topk must be >= 1 (got {self.topk})")
+            raise UsageError(f"--index-topk must be >= 1 (got {self.topk})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,7 +170,9 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.train import checkpoint
     from sparse_rl.sparse.train.data import build_data
-    from sparse_rl.sparse.train.hooks import StepStats, indexed_attention, sparse_forward, warmup_forward
+    from sparse_rl.sparse.layer import set_topk
+    from sparse_rl.sparse.train.hooks import (AttentionWithLse, StepStats, indexed_attention, sparse_forward,
+                                              warmup_forward)
 
     if not cfg.model:
         raise UsageError("MODEL: give the sparse model dir to train (argument or 'model:' in the recipe)")
@@ -223,8 +225,7 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
     tokenizer = load_tokenizer(cfg.model)
     data = build_data(cfg.data, tokenizer, cfg.seq_len, cfg.seed, cfg.synthetic_rows)
     model = load_model(cfg.model, attention="dense", device=device, dtype=cfg.dtype, backend=cfg.backend)
-    for m in indexed_attention(model):
-        m.srl.cfg = sc
+    set_topk(model, sc.topk)
     if not indexed_attention(model):
         raise SparseRLError(f"MODEL {cfg.model}: every layer is dense (dense_layers); no indexer to train")
     model.requires_grad_(False)
@@ -278,6 +279,7 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
     metrics_file = run_dir / runs.METRICS
     # a run killed after its last checkpoint resumes at the end: its final record is the summary's
     last: dict = runs.last_metrics(run_dir, step) if main and ckpt is not None else {}
+    lse_attention = AttentionWithLse()  # its kernel choice, made on the first step, holds for the run
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console,
                         disable=not main or console is None, transient=False)
@@ -291,7 +293,8 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
             stats = StepStats(device)
             log_now = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps
             if cfg.stage == "warmup":
-                warmup_forward(model, rows, stats, grad_scale, cfg.chunk_size or None, cfg.kl_impl, log_now)
+                warmup_forward(model, rows, stats, grad_scale, cfg.chunk_size or None, cfg.kl_impl, log_now,
+                               lse_attention=lse_attention)
             else:
                 loss = sparse_forward(model, rows, stats, grad_scale, log_now, cfg.chunk_size or None)
                 loss.backward()
@@ -399,7 +402,7 @@ class IndexerEvalConfig:
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
         if self.topk is not None and self.topk < 1:
-            raise UsageError(f"--topk must be >= 1 (got {self.topk})")
+            raise UsageError(f"--index-topk must be >= 1 (got {self.topk})")
 
 
 def run_eval(cfg: IndexerEvalConfig) -> dict:
@@ -408,7 +411,8 @@ def run_eval(cfg: IndexerEvalConfig) -> dict:
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.loader import check_model_dir, load_model, load_tokenizer
     from sparse_rl.sparse.train.data import build_data
-    from sparse_rl.sparse.train.hooks import evaluate, indexed_attention
+    from sparse_rl.sparse.layer import set_topk
+    from sparse_rl.sparse.train.hooks import evaluate
 
     if not cfg.model:
         raise UsageError("MODEL: give the sparse model dir to evaluate")
@@ -425,8 +429,7 @@ def run_eval(cfg: IndexerEvalConfig) -> dict:
     data = build_data(cfg.data, tok, cfg.seq_len, cfg.seed, synthetic_n=cfg.rows)
     rows = data.rows(0, min(cfg.rows, len(data))).to(device)
     model = load_model(cfg.model, attention="dense", device=device, dtype=cfg.dtype, backend=cfg.backend)
-    for m in indexed_attention(model):
-        m.srl.cfg = sc
+    set_topk(model, sc.topk)
     res = evaluate(model, rows, chunk=cfg.chunk_size or None, lm_loss=cfg.lm_loss)
     return {"model": cfg.model, "data": cfg.data, "rows": int(rows.shape[0]), "seq_len": cfg.seq_len,
             "topk": sc.topk, **res}

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from sparse_rl.sparse.ops import indexer_topk
-from sparse_rl.sparse.train.kl import dense_lse, warmup_kl
-from sparse_rl.sparse.train.kl_triton import warmup_kl_fused, warmup_kl_triton
+from sparse_rl.sparse.ops.indexer_kl.naive import dense_lse, warmup_kl
+from sparse_rl.sparse.ops.indexer_kl.triton import warmup_kl_fused, warmup_kl_triton
 
 B, D = 2, 8
 
@@ -73,3 +73,32 @@ def test_more_indexer_heads_than_the_kernel_holds_use_the_torch_path():
         torch.testing.assert_close(x.grad, g, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="at most 8"):
         warmup_kl_fused(q, k, qi, w, ki, scale=0.3)
+
+
+def test_public_entry_takes_the_backend():
+    """`ops.warmup_kl(backend=...)`: "triton" is the fused kernel, "torch" the chunked reference (both
+    back-propagate the same gradients); rows with left padding (kv_start) always take the reference."""
+    from sparse_rl.sparse import ops
+
+    T, q_offset = 13, 2
+    q, k, qi, w, ki = _inputs(T, T + q_offset, 4, 2, 3, 8, seed=5)
+    ref, g_ref = _reference(q, k, qi, w, ki, q_offset)
+    for backend in ("triton", "torch"):
+        got = ops.warmup_kl(q, k, qi, w, ki, scale=0.3, q_offset=q_offset, grad_scale=0.5, chunk=5, backend=backend)
+        torch.testing.assert_close(got.kl, ref.kl, rtol=1e-5, atol=1e-4)
+        for x, g in zip((qi, w, ki), g_ref):
+            torch.testing.assert_close(x.grad, g, rtol=1e-4, atol=1e-5)
+            x.grad = None
+    kv_start = torch.tensor([0, 3])
+    want = warmup_kl(q, k, qi.detach(), w.detach(), ki.detach(), scale=0.3, q_offset=q_offset, kv_start=kv_start)
+    got = ops.warmup_kl(q, k, qi.detach(), w.detach(), ki.detach(), scale=0.3, q_offset=q_offset, kv_start=kv_start,
+                        backend="triton")
+    assert torch.equal(got.kl, want.kl)
+
+
+def test_lse_attention_backend_is_an_argument():
+    from sparse_rl.sparse.train.hooks import AttentionWithLse
+
+    assert AttentionWithLse().backend == "auto" and AttentionWithLse("flash").backend == "flash"
+    with pytest.raises(ValueError, match="expected one of auto, cudnn, flash"):
+        AttentionWithLse("sdpa")

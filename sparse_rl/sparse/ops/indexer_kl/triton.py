@@ -1,9 +1,9 @@
-"""Fused Triton version of the warm-up KL (`kl.warmup_kl`): no `[H, Tc, S]` block ever reaches memory.
+"""Fused Triton version of the warm-up KL (`naive.warmup_kl`, the reference beside it): no `[H, Tc, S]` block ever reaches memory.
 
 Kernels, flash-attention style (tiles of BLOCK_M queries x BLOCK_N keys stay in registers):
   0. `_dense_lse` (only when the caller has no dense log-sum-exp): per query and head, the lse of the
      causal dense logits `[B, H, T]`. The warm-up hook normally passes the one the dense forward's own
-     flash attention returns (`hooks._capture_attention`), so this pass is skipped there.
+     flash attention returns (`train/hooks.py`, `_capture_attention`), so this pass is skipped there.
   1. `_index_lse`: per query, the log-sum-exp of the indexer scores I(t, s) `[B, T]`.
   2. `_kl_fused`: per query tile, streams the keys once; rebuilds p(t, s) = (1/H) sum_h exp(l_h - lse_h)
      (each K tile loaded once per KV head and reused by the G query heads of its group) and
@@ -284,7 +284,7 @@ def warmup_kl_fused(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: to
                     scale: float, q_offset: int = 0, grad_scale: float | None = None, lse: torch.Tensor | None = None,
                     config: tuple[int, int, int, int] | None = None,
                     index_config: tuple[int, int, int, int] | None = None):
-    """Same contract as `kl.warmup_kl` without indices/kv_start: q `[B, H, T, D]`, k `[B, H_kv, S, D]`,
+    """Same contract as `naive.warmup_kl` without indices/kv_start: q `[B, H, T, D]`, k `[B, H_kv, S, D]`,
     q_idx `[B, T, H_I, D_I]` (H_I <= 8), w `[B, T, H_I]`, k_idx `[B, S, D_I]`.
 
     lse: optional `[B, H, T]` natural-log dense log-sum-exp of `scale * q . k` over the causal keys
@@ -337,13 +337,13 @@ def warmup_kl_fused(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: to
 def warmup_kl_triton(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, *,
                      scale: float, indices: torch.Tensor | None = None, q_offset: int = 0,
                      grad_scale: float | None = None, lse: torch.Tensor | None = None):
-    """Drop-in for `kl.warmup_kl` (kv_start None): returns KLStats and, with `grad_scale`, back-propagates
+    """Drop-in for `naive.warmup_kl` (kv_start None): returns KLStats and, with `grad_scale`, back-propagates
     the fused gradients through the indexer outputs. lse: optional `[B, H, T]` dense log-sum-exp (see
     `warmup_kl_fused`). attn_recall comes from log-sum-exps instead of a gather:
     (1/H) sum_h exp(lse_selected_h - lse_dense_h), lse_selected from the sparse-attention kernel.
-    More than 8 indexer heads: the chunked torch path (`kl.warmup_kl`)."""
+    More than 8 indexer heads: the chunked torch path (`naive.warmup_kl`)."""
     from sparse_rl.sparse.ops import sparse_attention
-    from sparse_rl.sparse.train.kl import KLStats, warmup_kl
+    from sparse_rl.sparse.ops.indexer_kl.naive import KLStats, warmup_kl
 
     if q_idx.shape[2] > MAX_INDEX_HEADS:
         return warmup_kl(q, k, q_idx, w, k_idx, scale=scale, indices=indices, q_offset=q_offset,

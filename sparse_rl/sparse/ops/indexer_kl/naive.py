@@ -1,4 +1,6 @@
-"""The indexer's training losses, computed in query chunks so no `[T, S, H]` tensor ever exists.
+"""The indexer's training losses (the PyTorch reference of `ops.warmup_kl`, and `selected_kl`,
+`dense_lse`), computed in query chunks so no `[T, S, H]` tensor ever exists. The fused Triton
+warm-up KL is `triton.py` beside this file.
 
 Warm-up (DeepSeek-V3.2, dense stage): for every query t the target is the layer's dense attention
 distribution summed over heads and L1-normalised over the causal keys,
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_rl.sparse.ops import indexer_scores, visible_mask
+from sparse_rl.sparse.ops.indexer_topk.naive import indexer_scores_naive as indexer_scores, visible_mask
 
 # Elements of the largest fp32 block per chunk (`[B, H, Tc, S]`): 256 MiB on the CPU, 1 GiB on CUDA.
 CPU_BUDGET, CUDA_BUDGET = 1 << 26, 1 << 28
