@@ -132,27 +132,27 @@ def _read_tool_tasks(path: str) -> list[dict]:
 
 @app.command("lookup")
 def lookup_cmd(
-    config: Optional[Path] = _CONFIG,
-    n: Optional[int] = typer.Option(None, "--n", help="Tasks to generate [default: 100]"),
-    seed: Optional[int] = typer.Option(None, help="Seed; held-out sets use another [default: 0]"),
+    config: Optional[Path] = CONFIG,
+    set_: Optional[list[str]] = SET,
+    num_tasks: Optional[int] = typer.Option(None, "--num-tasks", help="Tasks to generate [default: 100]"),
+    seed: Optional[int] = seed_option(),
     keys: Optional[int] = typer.Option(None, help="Table rows: sets the context length, ~12 tokens a row [default: 64]"),
     hops: Optional[int] = typer.Option(None, help="Chained look-ups: sets the generation length [default: 2]"),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="Tasks JSONL, '-' = stdout [default: -]"),
-    stats: Optional[str] = typer.Option(None, help="Stats JSON file [default: stdout if --out is a file]"),
-    force: bool = typer.Option(False, "--force", help="Overwrite --out / --stats if they exist."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", metavar="FILE", help="Tasks JSONL, - = stdout [default: -]"),
+    stats: Optional[str] = typer.Option(None, metavar="FILE", help="Stats JSON file [default: stdout if --out is a file]"),
+    force: bool = FORCE,
 ) -> None:
     """Chained look-ups over a table in the prompt (retrieval during generation), with worked solutions
-    (`solution`, for `sft`) and an exact-match verifier (task `retrieval/lookup`, for grpo and eval)."""
+    (`solution`, for sft) and an exact-match verifier (task retrieval/lookup, for grpo and eval)."""
     with cli_errors():
         from sparse_rl.config import load_config
         from sparse_rl.io import write_jsonl
         from sparse_rl.synth.lookup import LookupConfig, make_tasks
 
-        cfg = load_config(LookupConfig, config, dict(n=n, seed=seed, keys=keys, hops=hops, out=out, stats=stats))
+        cfg = load_config(LookupConfig, config, dict(n=num_tasks, seed=seed, keys=keys, hops=hops, out=out,
+                                                     stats=stats), sets=set_)
         _check_outputs(cfg.out, cfg.stats)
-        for flag, p in (("--out", cfg.out), ("--stats", cfg.stats)):
-            if p and p != "-" and Path(p).exists() and not force:
-                raise UsageError(f"{flag} {p}: exists already (pass --force to overwrite)")
+        refuse_existing(force, out=cfg.out, stats=cfg.stats)
         tasks, st = make_tasks(cfg)
         write_jsonl(cfg.out, tasks)
         _emit(st, cfg.stats, cfg.out)

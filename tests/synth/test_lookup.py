@@ -51,7 +51,7 @@ def test_config_rejects_impossible_tables():
 
 def test_synth_lookup_cli_writes_tasks_and_refuses_to_overwrite(tmp_path):
     out = tmp_path / "t.jsonl"
-    args = ["synth", "lookup", "--n", "3", "--keys", "10", "--hops", "2", "--seed", "5", "--out", str(out)]
+    args = ["synth", "lookup", "--num-tasks", "3", "--keys", "10", "--hops", "2", "--seed", "5", "--out", str(out)]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     recs = [json.loads(x) for x in out.read_text().splitlines()]
