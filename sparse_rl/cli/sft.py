@@ -16,6 +16,7 @@ def command(
     data: Optional[Path] = typer.Option(None, "--data", metavar="FILE", help="JSONL records: messages | prompt + completion (or solution) | text [default: none, required]"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", metavar="DIR", help="Model dir to write [default: none, required]"),
     run_dir: Optional[Path] = typer.Option(None, metavar="DIR", help="Run dir: config, metrics.jsonl, checkpoints [default: OUT.run]"),
+    loss_on: Optional[str] = typer.Option(None, help="assistant (assistant turns; every token of text records) | all (every token: pre-training) [default: assistant]"),
     seq_len: Optional[int] = typer.Option(None, help="Tokens per packed row [default: 2048]"),
     batch_size: Optional[int] = typer.Option(None, help="Rows per process per step [default: 8]"),
     steps: Optional[int] = typer.Option(None, help="Optimizer steps, 0 = --epochs over the rows [default: 0]"),
@@ -53,7 +54,7 @@ def command(
             return str(p) if p is not None else None
 
         cfg = load_config(SFTConfig, config, dict(
-            model=s(model), data=s(data), out=s(out), run_dir=s(run_dir), seq_len=seq_len, batch_size=batch_size,
+            model=s(model), data=s(data), out=s(out), run_dir=s(run_dir), loss_on=loss_on, seq_len=seq_len, batch_size=batch_size,
             steps=steps, epochs=epochs, lr=lr, lr_warmup=lr_warmup, weight_decay=weight_decay, grad_clip=grad_clip,
             finetune=finetune, lora_r=lora_r, seed=seed, log_every=log_every, save_every=save_every,
             keep_checkpoints=keep_checkpoints, device=device, dtype=dtype), sets=set_)

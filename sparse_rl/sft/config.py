@@ -9,7 +9,7 @@ from sparse_rl.errors import UsageError
 
 FINETUNE = ("full", "lora")
 # a resumed run must train the same thing on the same rows
-FIXED_ON_RESUME = ("model", "data", "seq_len", "batch_size", "seed", "finetune", "lora_r", "lora_alpha",
+FIXED_ON_RESUME = ("model", "data", "loss_on", "seq_len", "batch_size", "seed", "finetune", "lora_r", "lora_alpha",
                    "lora_targets")
 
 
@@ -23,6 +23,7 @@ class SFTConfig:
     data: Optional[str] = None
     out: Optional[str] = None
     run_dir: Optional[str] = None
+    loss_on: str = "assistant"      # assistant (assistant turns; all of `text` records) | all (every token: pre-training)
     seq_len: int = 2048             # tokens per packed row
     batch_size: int = 8             # rows per process per step
     steps: int = 0                  # optimizer steps; 0 = `epochs` passes over the packed rows
@@ -44,6 +45,8 @@ class SFTConfig:
     dtype: str = "auto"             # weights during training; the optimizer state follows them
 
     def __post_init__(self):
+        if self.loss_on not in ("assistant", "all"):
+            raise UsageError(f"--loss-on {self.loss_on}: expected assistant or all")
         if self.finetune not in FINETUNE:
             raise UsageError(f"--finetune {self.finetune}: expected full or lora")
         for name in ("seq_len", "batch_size", "log_every", "save_every", "lora_r"):

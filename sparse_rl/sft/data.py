@@ -4,7 +4,8 @@ Record formats (one JSON object per line; the first field present wins):
   * `messages`: chat turns rendered with the tokenizer's chat template; the loss is on the
     assistant turns only (their content and the end-of-turn token, not the role header);
   * `prompt` + `completion` (strings): the prompt as a user turn, the completion as the assistant
-    turn (a synth task with a worked `solution` is read the same way: `prompt` + `solution`);
+    turn (a synth task with a worked `solution` is read the same way: `prompt` + `solution`, or
+    `messages` ending in a user turn + `solution`, which becomes the assistant turn);
   * `text`: plain language modelling, loss on every token (this is how the recipe pre-trains).
 
 Assistant spans are found by rendering prefixes: the tokens of turn i are the difference between
@@ -83,15 +84,17 @@ def _through_eos(span: list[int], eos: int | None) -> int:
 
 
 def _messages_of(rec: dict, where: str) -> list[dict] | None:
+    target = "completion" if "completion" in rec else "solution" if "solution" in rec else None
     if "messages" in rec:
         msgs = rec["messages"]
         if not isinstance(msgs, list) or not msgs or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
             raise SparseRLError(f"{where}: field 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+        if msgs[-1]["role"] != "assistant" and isinstance(rec.get(target), str):
+            msgs = msgs + [{"role": "assistant", "content": rec[target]}]  # a chat task with its worked solution
         if not any(m["role"] == "assistant" for m in msgs):
             raise SparseRLError(f"{where}: 'messages' has no assistant turn (nothing to train on)")
         return msgs
-    target = "completion" if "completion" in rec else "solution" if "solution" in rec else None
     if "prompt" in rec and target:
         if not isinstance(rec["prompt"], str) or not isinstance(rec[target], str):
             raise SparseRLError(f"{where}: 'prompt' and '{target}' must be strings")
@@ -113,8 +116,9 @@ def encode_record(rec: dict, tokenizer, where: str) -> Document:
     raise SparseRLError(f"{where}: needs 'messages', 'prompt' + 'completion' (or 'solution'), or 'text'")
 
 
-def read_documents(path: str | Path, tokenizer) -> list[Document]:
-    """Every record of a JSONL file, encoded; an unreadable or malformed record names its line."""
+def read_documents(path: str | Path, tokenizer, loss_on: str = "assistant") -> list[Document]:
+    """Every record of a JSONL file, encoded; an unreadable or malformed record names its line.
+    loss_on "all" makes every token a target (pre-training on the rendered conversations)."""
     from sparse_rl.io import iter_jsonl
 
     p = Path(path)
@@ -123,7 +127,8 @@ def read_documents(path: str | Path, tokenizer) -> list[Document]:
     docs: list[Document] = []
 
     def check(rec: dict, name: str, lineno: int) -> dict:
-        docs.append(encode_record(rec, tokenizer, f"{name} line {lineno}"))
+        doc = encode_record(rec, tokenizer, f"{name} line {lineno}")
+        docs.append(Document(doc.ids, [True] * len(doc.ids)) if loss_on == "all" else doc)
         return rec
 
     for _ in iter_jsonl(p, check=check, flag="--data"):

@@ -138,7 +138,7 @@ def run(cfg: SFTConfig, resume: bool = False, force: bool = False, console=None)
 
     tokenizer = load_tokenizer(cfg.model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    docs = read_documents(cfg.data, tokenizer)
+    docs = read_documents(cfg.data, tokenizer, cfg.loss_on)
     tensors, dropped = pack(docs, cfg.seq_len, pad)
     if dropped == len(docs):
         raise SparseRLError(f"--data {cfg.data}: every record is longer than --seq-len {cfg.seq_len} tokens")

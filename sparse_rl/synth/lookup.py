@@ -54,7 +54,9 @@ class LookupConfig:
 
 
 def make_task(seed: int, index: int, keys: int, hops: int) -> dict:
-    """One task record `{"id","prompt","answer","solution","task","difficulty","meta"}`; deterministic."""
+    """One task record `{"id","prompt","messages","answer","solution","task","difficulty","meta"}`;
+    deterministic. `messages` is the prompt as one user turn, so `generate`, `grpo` and `sft` all see
+    it through the chat template."""
     rng = random.Random(f"{seed}:lookup:{index}")
     per_chain = hops + 1
     n_chains = -(-keys // hops)
@@ -67,7 +69,8 @@ def make_task(seed: int, index: int, keys: int, hops: int) -> dict:
     prompt = (f"Table:\n{table}\n\nStart at {asked[0]} and follow the table for {hops} "
               f"step{'s' if hops > 1 else ''}. Write each step, then the answer.")
     steps = "\n".join(f"{asked[j]} -> {asked[j + 1]}" for j in range(hops))
-    return {"id": f"lookup-s{seed}-k{keys}-h{hops}-{index:06d}", "prompt": prompt, "answer": asked[-1],
+    return {"id": f"lookup-s{seed}-k{keys}-h{hops}-{index:06d}", "prompt": prompt,
+            "messages": [{"role": "user", "content": prompt}], "answer": asked[-1],
             "solution": f"{steps}\nAnswer: {asked[-1]}", "task": TASK, "difficulty": hops,
             "meta": {"keys": keys, "hops": hops, "start": asked[0], "chain": asked,
                      "positions": [next(i for i, r in enumerate(rows) if r[0] == asked[j]) for j in range(hops)]}}
