@@ -79,8 +79,8 @@ class Recipe:
 
     def python(self, name: str, fn, *args) -> None:
         """A bookkeeping step of sparse_rl.eval.evidence (scoring, hand-off), with the same skip rule."""
-        self.commands.append(f"python -c 'from sparse_rl.eval import evidence; evidence.{fn.__name__}"
-                             f"{tuple(str(a) for a in args)!r}'")
+        call = f"{fn.__name__}({', '.join(repr(str(a)) for a in args if a is not None)})"
+        self.commands.append(shlex.join(["python", "-c", f"from sparse_rl.eval import evidence; evidence.{call}"]))
         self._write_commands()
         if (self.out / ".done" / name).exists():
             return
@@ -165,7 +165,7 @@ class Recipe:
                 self.stage(f"p3-{pol}-generate-{att}", ["generate", str(model), "--prompts", str(tasks), "--out", str(comp),
                                                         "--attention", att, "--temperature", "0", "--max-new-tokens",
                                                         str(s["max_new"]), "--max-batch", str(s["max_batch"]), *dev])
-                self.python(f"p3-{pol}-score-{att}", _score_to, comp, tasks, d / f"acc-{att}.json")
+                self.python(f"p3-{pol}-score-{att}", evidence.score_file, comp, tasks, d / f"acc-{att}.json")
             adapter = ["--adapter", str(model / "adapter")] if (model / "adapter").is_dir() else []
             self.stage(f"p3-{pol}-fidelity", ["eval", "fidelity", str(model), "--data", str(d / "completions-sparse.jsonl"),
                                               "--out", str(d / "fidelity"), *adapter, *dev])
@@ -173,15 +173,6 @@ class Recipe:
                                           s["niah_lengths"], "--depths", s["niah_depths"], "--per-cell",
                                           str(s["niah_per_cell"]), "--max-new-tokens", "8", "--out", str(d / "niah"), *dev])
         self.python("p3-report", evidence.report, self.out)
-
-
-def _score_to(completions, tasks, dst):
-    from sparse_rl.eval.evidence import score
-    from sparse_rl.io import atomic_write_json
-
-    res = score(completions, tasks)
-    atomic_write_json(dst, res)
-    return res
 
 
 def main(argv: list[str]) -> None:

@@ -46,6 +46,15 @@ def score(completions: str | Path, tasks: str | Path) -> dict:
     return {"accuracy": sum(scores) / len(scores), "n": len(scores), "completions": str(completions)}
 
 
+def score_file(completions: str | Path, tasks: str | Path, dst: str | Path) -> dict:
+    """`score`, written to the JSON file `dst` (atomically)."""
+    from sparse_rl.io import atomic_write_json
+
+    res = score(completions, tasks)
+    atomic_write_json(dst, res)
+    return res
+
+
 def handoff(src: str | Path, dst: str | Path, adapter: str | Path | None = None) -> dict:
     """Copy a model dir as bf16 safetensors shards of <= 16 MB (the next part's input), atomically;
     the sparse config, indexer weights (as bf16) and a LoRA adapter dir (to `dst/adapter/`) come along."""
