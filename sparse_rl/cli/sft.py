@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from sparse_rl.cli.common import CONFIG, FORCE, RESUME, SET, cli_errors, console, device_option, dtype_option, seed_option
+from sparse_rl.cli.common import (CONFIG, FORCE, GRAD_CLIP, KEEP_CHECKPOINTS, LOG_EVERY, LR_WARMUP, SAVE_EVERY,
+                                  RESUME, SET, cli_errors, console, device_option, dtype_option, seed_option)
 
 
 def command(
@@ -22,15 +23,15 @@ def command(
     steps: Optional[int] = typer.Option(None, help="Optimizer steps, 0 = --epochs over the rows [default: 0]"),
     epochs: Optional[float] = typer.Option(None, help="Passes over the packed rows when --steps is 0 [default: 1]"),
     lr: Optional[float] = typer.Option(None, help="Peak learning rate [default: 2e-5]"),
-    lr_warmup: Optional[int] = typer.Option(None, help="Linear LR warm-up steps before cosine decay [default: 0]"),
+    lr_warmup: Optional[int] = LR_WARMUP,
     weight_decay: Optional[float] = typer.Option(None, help="AdamW weight decay [default: 0]"),
-    grad_clip: Optional[float] = typer.Option(None, help="Gradient-norm clip per parameter group, 0 = off [default: 1.0]"),
+    grad_clip: Optional[float] = GRAD_CLIP,
     finetune: Optional[str] = typer.Option(None, help="full (all weights) | lora (a peft adapter, merged into OUT) [default: full]"),
     lora_r: Optional[int] = typer.Option(None, help="LoRA rank [default: 16]"),
     seed: Optional[int] = seed_option(),
-    log_every: Optional[int] = typer.Option(None, help="Metrics line every N steps [default: 1]"),
-    save_every: Optional[int] = typer.Option(None, help="Checkpoint every N steps [default: 100]"),
-    keep_checkpoints: Optional[int] = typer.Option(None, help="Newest checkpoints kept, 0 = all [default: 2]"),
+    log_every: Optional[int] = LOG_EVERY,
+    save_every: Optional[int] = SAVE_EVERY,
+    keep_checkpoints: Optional[int] = KEEP_CHECKPOINTS,
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
     config: Optional[Path] = CONFIG,
