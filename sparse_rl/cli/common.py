@@ -22,7 +22,7 @@ from sparse_rl.errors import SparseRLError, UsageError
 
 __all__ = ["console", "cli_errors", "debug", "UsageError", "SparseRLError", "resolve_device", "group", "ints", "floats",
            "strs", "refuse_existing", "deprecated", "old_spelling", "renamed", "CONFIG", "SET", "FORCE", "RESUME",
-           "INDEX_HEADS", "INDEX_DIM", "BATCH_SIZE_OLD"]
+           "INDEX_HEADS", "INDEX_DIM", "LR_WARMUP", "GRAD_CLIP", "LOG_EVERY", "SAVE_EVERY", "KEEP_CHECKPOINTS", "BATCH_SIZE_OLD"]
 
 
 def group(help: str) -> typer.Typer:
@@ -49,6 +49,12 @@ SET = typer.Option(None, "--set", metavar="KEY=VALUE",
 FORCE = typer.Option(False, "--force", help="Replace outputs (files and dirs) that exist already [default: off]")
 RESUME = typer.Option(False, "--resume", help="Continue the run from its last checkpoint [default: off]")
 INDEX_HEADS = typer.Option(None, "--index-heads", help="Indexer heads H_I [default: 4]")
+# the trainers' (indexer train, sft) loop options
+LR_WARMUP = typer.Option(None, "--lr-warmup", help="Linear LR warm-up steps before cosine decay [default: 0]")
+GRAD_CLIP = typer.Option(None, "--grad-clip", help="Gradient-norm clip per parameter group, 0 = off [default: 1.0]")
+LOG_EVERY = typer.Option(None, "--log-every", help="Metrics line every N steps [default: 1]")
+SAVE_EVERY = typer.Option(None, "--save-every", help="Checkpoint every N steps [default: 100]")
+KEEP_CHECKPOINTS = typer.Option(None, "--keep-checkpoints", help="Newest checkpoints kept, 0 = all [default: 2]")
 INDEX_DIM = typer.Option(None, "--index-dim", help="Indexer dim d_I [default: 64]")
 
 

@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from sparse_rl.cli.common import (CONFIG, FORCE, RESUME, SET, cli_errors, console, device_option, dtype_option, group,
+from sparse_rl.cli.common import (CONFIG, FORCE, GRAD_CLIP, KEEP_CHECKPOINTS, LOG_EVERY, LR_WARMUP, RESUME, SAVE_EVERY, SET,
+                                  cli_errors, console, device_option, dtype_option, group,
                                   old_spelling, renamed, seed_option)
 
 app = group("Train the lightning indexers of a sparse model dir.")
@@ -26,7 +27,7 @@ def train(
     steps: Optional[int] = typer.Option(None, help="Optimizer steps [default: 200]"),
     lr: Optional[float] = typer.Option(None, help="Indexer learning rate [default: 1e-3]"),
     model_lr: Optional[float] = typer.Option(None, help="Model / LoRA learning rate, sparse stage [default: 2e-5]"),
-    lr_warmup: Optional[int] = typer.Option(None, help="Linear LR warm-up steps before cosine decay [default: 0]"),
+    lr_warmup: Optional[int] = LR_WARMUP,
     finetune: Optional[str] = typer.Option(None, help="Sparse stage: full | lora [default: full]"),
     lora_r: Optional[int] = typer.Option(None, help="LoRA rank [default: 16]"),
     index_topk: Optional[int] = typer.Option(None, "--index-topk",
@@ -35,11 +36,11 @@ def train(
     chunk_size: Optional[int] = typer.Option(None, help="Queries per KL chunk, 0 = from a memory budget [default: 0]"),
     kl_impl: Optional[str] = typer.Option(None, help="Warm-up loss: auto (triton on CUDA) | torch (query chunks) | triton (fused kernels) [default: auto]"),
     synthetic_rows: Optional[int] = typer.Option(None, help="Rows generated for --data synthetic [default: 256]"),
-    grad_clip: Optional[float] = typer.Option(None, help="Gradient-norm clip per parameter group, 0 = off [default: 1.0]"),
+    grad_clip: Optional[float] = GRAD_CLIP,
     seed: Optional[int] = seed_option(),
-    log_every: Optional[int] = typer.Option(None, help="Metrics line every N steps [default: 1]"),
-    save_every: Optional[int] = typer.Option(None, help="Checkpoint every N steps [default: 100]"),
-    keep_checkpoints: Optional[int] = typer.Option(None, help="Newest checkpoints kept, 0 = all [default: 2]"),
+    log_every: Optional[int] = LOG_EVERY,
+    save_every: Optional[int] = SAVE_EVERY,
+    keep_checkpoints: Optional[int] = KEEP_CHECKPOINTS,
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
     backend: Optional[str] = typer.Option(None, help="Sparse ops: auto | torch | triton [default: auto]"),

@@ -16,6 +16,7 @@ from sparse_rl import __version__
 # (name, module, help). Only stages that exist are listed: nothing here is a stub.
 STAGES: list[tuple[str, str, str]] = [
     ("model", "sparse_rl.cli.model", "Create small offline models (random init + local tokenizer)."),
+    ("sft", "sparse_rl.cli.sft", "Supervised fine-tuning (full or LoRA): assistant-only loss, packed documents."),
     ("convert", "sparse_rl.cli.convert", "Add a sparse-attention selector to a dense HF checkpoint."),
     ("indexer", "sparse_rl.cli.indexer", "Train the lightning indexers: dense KL warm-up, then sparse training."),
     ("generate", "sparse_rl.cli.generate", "Sample completions with the rollout engine (dense or sparse), with log-probs."),

@@ -1,4 +1,4 @@
-"""`sparse-rl synth math|agent`: verifiable tasks, tool environments, trajectories, filtering.
+"""`sparse-rl synth math|lookup|agent`: verifiable tasks, tool environments, trajectories, filtering.
 
 Thin layer: flags -> `SynthMathConfig` / `SynthAgentConfig` (sparse_rl/synth/pipeline.py), run,
 write every output atomically at the end (a failed run writes nothing), stats as JSON (to --stats,
@@ -138,6 +138,34 @@ def _read_tool_tasks(path: str) -> list[dict]:
     if not tasks:
         raise SparseRLError(f"{path}: no tasks")
     return tasks
+
+
+@app.command("lookup")
+def lookup_cmd(
+    config: Optional[Path] = CONFIG,
+    set_: Optional[list[str]] = SET,
+    num_tasks: Optional[int] = typer.Option(None, "--num-tasks", help="Tasks to generate [default: 100]"),
+    seed: Optional[int] = seed_option(),
+    keys: Optional[int] = typer.Option(None, help="Table rows: sets the context length, ~12 tokens a row [default: 64]"),
+    hops: Optional[int] = typer.Option(None, help="Chained look-ups: sets the generation length [default: 2]"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", metavar="FILE", help="Tasks JSONL, - = stdout [default: -]"),
+    stats: Optional[str] = typer.Option(None, metavar="FILE", help="Stats JSON file [default: stdout if --out is a file]"),
+    force: bool = FORCE,
+) -> None:
+    """Chained look-ups over a table in the prompt (retrieval during generation), with worked solutions
+    (`solution`, for sft) and an exact-match verifier (task retrieval/lookup, for grpo and eval)."""
+    with cli_errors():
+        from sparse_rl.config import load_config
+        from sparse_rl.io import write_jsonl
+        from sparse_rl.synth.lookup import LookupConfig, make_tasks
+
+        cfg = load_config(LookupConfig, config, dict(n=num_tasks, seed=seed, keys=keys, hops=hops, out=out,
+                                                     stats=stats), sets=set_)
+        _check_outputs(cfg.out, cfg.stats)
+        refuse_existing(force, out=cfg.out, stats=cfg.stats)
+        tasks, st = make_tasks(cfg)
+        write_jsonl(cfg.out, tasks)
+        _emit(st, cfg.stats, cfg.out)
 
 
 @app.command("agent")

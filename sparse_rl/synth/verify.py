@@ -5,7 +5,8 @@ Dispatches on the task record's `task` field:
     rule (sparse_rl/eval/answers.py: math-verify, boxed answers first);
   - `tool/*`: replays the completion's tool calls in a fresh environment built from `meta.state`
     and checks the final state and answer (see tool_tasks.verify_tool for the accepted formats);
-  - `rg/*`: reasoning-gym's own scorer (needs the optional reasoning-gym package).
+  - `rg/*`: reasoning-gym's own scorer (needs the optional reasoning-gym package);
+  - `retrieval/lookup`: the last `Answer:` code equals the gold code exactly (synth/lookup.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ def verify(task: dict, completion: str) -> float:
         from sparse_rl.synth.tool_tasks import verify_tool
 
         return verify_tool(task, completion)
+    if kind == "retrieval/lookup":
+        from sparse_rl.synth.lookup import verify_lookup
+
+        return verify_lookup(task, completion)
     if kind.startswith("rg/"):
         from sparse_rl.synth.rg_adapter import verify_rg
 

@@ -26,6 +26,7 @@ SAME_CONCEPT = {
     "--attention": "dense or sparse attention",
     "--steps": "optimiser steps of the stage",
     "--lr": "the learning rate of what the stage trains",
+    "--finetune": "full weights or a LoRA adapter (indexer train's sparse stage, sft)",
     "--prompts": "a prompts JSONL the stage reads",
     "--score": "completions to score",
     "--batch": "the benchmark's batch",

@@ -49,3 +49,21 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> dict:
                             "delete it to resume from the one before") from None
     return {"trainable": trainable, "optimizer": opt["optimizer"], "scheduler": opt["scheduler"], "rng": rng,
             "meta": meta}
+
+
+def restore(path: str | Path, named: dict[str, torch.Tensor], optimizer, scheduler, device) -> dict:
+    """Load checkpoint `path` into a run: the trainable tensors `named` (copied in place), the optimizer,
+    the scheduler and this process's RNG states. Returns its meta.json (step, cursor, ...)."""
+    from sparse_rl.runs import set_rng_state
+
+    ck = load(path, device)
+    missing = set(named) - set(ck["trainable"])
+    if missing:
+        raise SparseRLError(f"checkpoint {path}: lacks {sorted(missing)[0]} (it was written by another setup)")
+    with torch.no_grad():
+        for n, p in named.items():
+            p.copy_(ck["trainable"][n])
+    optimizer.load_state_dict(ck["optimizer"])
+    scheduler.load_state_dict(ck["scheduler"])
+    set_rng_state(ck["rng"])
+    return ck["meta"]

@@ -256,17 +256,8 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
 
     step, cursor = 0, 0
     if ckpt is not None:
-        ck = checkpoint.load(ckpt, device)
-        missing = set(named_trainable) - set(ck["trainable"])
-        if missing:
-            raise SparseRLError(f"checkpoint {ckpt}: lacks {sorted(missing)[0]} (it was written by another setup)")
-        with torch.no_grad():
-            for n, p in named_trainable.items():
-                p.copy_(ck["trainable"][n])
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])
-        runs.set_rng_state(ck["rng"])
-        step, cursor = int(ck["meta"]["step"]), int(ck["meta"]["cursor"])
+        meta = checkpoint.restore(ckpt, named_trainable, opt, sched, device)
+        step, cursor = int(meta["step"]), int(meta["cursor"])
         if main:
             runs.truncate_metrics(run_dir, step, log=say)
     if main:

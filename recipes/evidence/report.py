@@ -1,0 +1,14 @@
+"""Write OUT/results.json and a RESULTS.md from an evidence run's files (sparse_rl.eval.evidence).
+Launch: python recipes/evidence/report.py OUT [--md docs/RESULTS.md]"""
+
+import argparse
+
+from sparse_rl.eval.evidence import report
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("out", help="the run's OUT dir")
+    ap.add_argument("--md", default=None, help="where RESULTS.md goes [default: OUT/RESULTS.md]")
+    a = ap.parse_args()
+    res = report(a.out, a.md)
+    print(f"wrote {a.out}/results.json and {a.md or a.out + '/RESULTS.md'} ({len(res['policies'])} policies)")

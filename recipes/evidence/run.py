@@ -1,0 +1,193 @@
+"""The evidence recipe's driver (run it through run.sh): three parts of `sparse-rl` stages, each
+stage skipped when its marker `OUT/.done/<stage>` exists, so a killed run continues where it stopped
+and each part can run on another machine from the previous part's hand-off dir.
+
+The stages are the real CLI commands, invoked in one Python process through the Typer app (one
+torch import instead of one per stage: the CPU smoke run would otherwise spend its budget importing).
+Every command is also written, as a shell line, to OUT/commands.sh: running those lines one by one
+in a shell does the same thing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+SIZES = {
+    # CPU smoke (a test of the plumbing; it claims nothing): tiny model, tiny tables, a few steps.
+    "cpu": dict(model="tiny", device="cpu", train_dtype="float32",
+                pre_keys=4, pre_n=64, pre_steps=6, pre_seq=256, pre_bs=8, pre_lr=3e-3,
+                keys=6, hops=2, sft_n=48, sft_steps=4, sft_seq=256, sft_bs=8, sft_lr=3e-3,
+                heldout_n=4, grpo_n=16, topk=16, sink=2, window=4, index_heads=2, index_dim=16,
+                idx_steps=3, idx_seq=128, idx_bs=2, idx_lr=3e-3,
+                grpo_steps=2, prompts=2, samples=2, distill_samples=4, max_new=40, grpo_lr=1e-4, max_batch=8,
+                niah_lengths="256", niah_depths="0.5", niah_per_cell=1),
+    # One H200 (not yet run: sizes chosen from the CPU pilots and the token counts in synth/lookup.py).
+    "gpu": dict(model="small", device="cuda", train_dtype="float32",
+                pre_keys=32, pre_n=20000, pre_steps=1500, pre_seq=2048, pre_bs=32, pre_lr=1e-3,
+                keys=160, hops=4, sft_n=6000, sft_steps=500, sft_seq=4096, sft_bs=16, sft_lr=5e-4,
+                heldout_n=128, grpo_n=2048, topk=128, sink=4, window=16, index_heads=4, index_dim=32,
+                idx_steps=200, idx_seq=2048, idx_bs=8, idx_lr=1e-3,
+                grpo_steps=40, prompts=16, samples=8, distill_samples=12, max_new=64, grpo_lr=1e-5, max_batch=256,
+                niah_lengths="1k,2k", niah_depths="0.1,0.5,0.9", niah_per_cell=4),
+}
+MODES = {"dense": ["--mode", "dense"], "sparse": ["--mode", "sparse"],
+         "sparse-tis": ["--mode", "sparse", "--set", "loss.mismatch=tis"],
+         "sparse-distill": ["--mode", "sparse+distill"]}
+
+
+class Recipe:
+    def __init__(self, out: Path, size: str):
+        self.out, self.s = out, dict(SIZES[size])
+        for k, v in list(self.s.items()):  # EV_<KEY>=value overrides one size
+            env = os.environ.get(f"EV_{k.upper()}")
+            if env is not None:
+                self.s[k] = type(v)(env)
+        self.s["SIZE"] = size
+        self.commands: list[str] = []
+        (out / ".done").mkdir(parents=True, exist_ok=True)
+        (out / "logs").mkdir(exist_ok=True)
+        (out / "sizes.json").write_text(json.dumps(self.s, indent=1))
+
+    def stage(self, name: str, args: list[str], resumable: Path | None = None) -> None:
+        """Run `sparse-rl ARGS` unless done; stdout goes to logs/<name>.out. A trainer whose run dir
+        exists continues with --resume; any other stage restarts with --force (its outputs are atomic)."""
+        self.commands.append(shlex.join(["sparse-rl", *args]) + f" > {shlex.quote(str(self.out / 'logs' / name))}.out")
+        self._write_commands()
+        if (self.out / ".done" / name).exists():
+            print(f"[evidence] {name}: done already", file=sys.stderr)
+            return
+        extra = ["--resume"] if resumable is not None and resumable.exists() else ["--force"]
+        if resumable is not None and "--resume" in extra and args[0] == "grpo":
+            pass
+        elif resumable is not None and args[0] == "grpo":
+            extra = []  # a fresh grpo run dir
+        from sparse_rl.cli.main import app
+
+        t0 = time.time()
+        print(f"[evidence] {name}: sparse-rl {shlex.join(args)}", file=sys.stderr)
+        with open(self.out / "logs" / f"{name}.out", "w") as fh, contextlib.redirect_stdout(fh):
+            rc = app([*args, *extra], standalone_mode=False, prog_name="sparse-rl")
+        if rc not in (None, 0):
+            raise SystemExit(f"[evidence] {name} failed (exit {rc}); fix and re-run: finished stages are kept")
+        (self.out / ".done" / name).write_text(json.dumps({"seconds": time.time() - t0}))
+
+    def python(self, name: str, fn, *args) -> None:
+        """A bookkeeping step of sparse_rl.eval.evidence (scoring, hand-off), with the same skip rule."""
+        call = f"{fn.__name__}({', '.join(repr(str(a)) for a in args if a is not None)})"
+        self.commands.append(shlex.join(["python", "-c", f"from sparse_rl.eval import evidence; evidence.{call}"]))
+        self._write_commands()
+        if (self.out / ".done" / name).exists():
+            return
+        res = fn(*args)
+        (self.out / ".done" / name).write_text(json.dumps(res))
+
+    def _write_commands(self) -> None:
+        (self.out / "commands.sh").write_text("\n".join(self.commands) + "\n")
+
+    # ------------------------------------------------------------------ part 1
+    def part1(self) -> None:
+        s, o = self.s, self.out / "part1"
+        dev = ["--device", s["device"]]
+        o.mkdir(exist_ok=True)
+        self.stage("p1-model", ["model", "init", str(o / "base"), "--size", s["model"], "--seed", "0"])
+        for name, seed, keys, n in (("pretrain", 1, s["pre_keys"], s["pre_n"]), ("sft", 2, s["keys"], s["sft_n"]),
+                                    ("heldout", 3, s["keys"], s["heldout_n"]), ("grpo", 4, s["keys"], s["grpo_n"])):
+            self.stage(f"p1-tasks-{name}", ["synth", "lookup", "--num-tasks", str(n), "--seed", str(seed), "--keys",
+                                            str(keys), "--hops", str(s["hops"]), "--out", str(o / f"{name}.jsonl")])
+        # pre-training from scratch: every token of short tables (recall first, then lengthen: Zoology)
+        self.stage("p1-pretrain", ["sft", str(o / "base"), "--data", str(o / "pretrain.jsonl"), "--out", str(o / "pre"),
+                                   "--loss-on", "all", "--seq-len", str(s["pre_seq"]), "--batch-size", str(s["pre_bs"]),
+                                   "--steps", str(s["pre_steps"]), "--lr", str(s["pre_lr"]), "--lr-warmup", "2",
+                                   "--dtype", s["train_dtype"], "--save-every", "100", *dev], resumable=o / "pre.run")
+        self.stage("p1-sft", ["sft", str(o / "pre"), "--data", str(o / "sft.jsonl"), "--out", str(o / "sft"),
+                              "--run-dir", str(o / "sft.run"), "--seq-len", str(s["sft_seq"]), "--batch-size",
+                              str(s["sft_bs"]), "--steps", str(s["sft_steps"]), "--lr", str(s["sft_lr"]),
+                              "--dtype", s["train_dtype"], "--save-every", "100", *dev], resumable=o / "sft.run")
+        self.stage("p1-convert", ["convert", str(o / "sft"), str(o / "sparse"), "--index-topk", str(s["topk"]),
+                                  "--index-heads", str(s["index_heads"]), "--index-dim", str(s["index_dim"]),
+                                  "--sink", str(s["sink"]), "--window", str(s["window"]), "--dense-layers", "0"])
+        self.stage("p1-indexer", ["indexer", "train", str(o / "sparse"), "--out", str(o / "indexer"), "--stage", "warmup",
+                                  "--data", str(o / "sft.jsonl"), "--seq-len", str(s["idx_seq"]), "--batch-size",
+                                  str(s["idx_bs"]), "--steps", str(s["idx_steps"]), "--lr", str(s["idx_lr"]), *dev],
+                   resumable=o / "indexer.run")
+        from sparse_rl.eval import evidence
+
+        self.python("p1-handoff", evidence.handoff, o / "indexer", o / "handoff")
+        for f in ("heldout.jsonl", "grpo.jsonl"):  # the tasks travel with the hand-off
+            (o / "handoff" / f).write_bytes((o / f).read_bytes())
+
+    # ------------------------------------------------------------------ part 2
+    def part2(self) -> None:
+        from sparse_rl import runs
+        from sparse_rl.eval import evidence
+
+        s, h, o = self.s, self.out / "part1" / "handoff", self.out / "part2"
+        o.mkdir(exist_ok=True)
+        for mode, flags in MODES.items():
+            samples = s["distill_samples"] if mode == "sparse-distill" else s["samples"]
+            run = o / f"grpo-{mode}"
+            self.stage(f"p2-grpo-{mode}", ["grpo", str(h), "--tasks", str(h / "grpo.jsonl"), "--out", str(run), *flags,
+                                           "--samples", str(samples), "--keep", str(s["samples"]),
+                                           "--prompts-per-step", str(s["prompts"]), "--max-new-tokens", str(s["max_new"]),
+                                           "--steps", str(s["grpo_steps"]), "--lr", str(s["grpo_lr"]), "--reward", "synth",
+                                           "--eval-tasks", str(h / "heldout.jsonl"), "--checkpoint-every",
+                                           str(s["grpo_steps"]), "--seed", "0", "--device", s["device"],
+                                           "--set", f"rollout.max_batch={s['max_batch']}"], resumable=run)
+            found = runs.latest(run)
+            if found is None:
+                raise SystemExit(f"[evidence] {run}: no checkpoint after GRPO")
+            adapter = found[1] / "adapter"
+            self.python(f"p2-handoff-{mode}", evidence.handoff, found[1] / "policy", o / "handoff" / mode,
+                        adapter if adapter.is_dir() else None)
+        (o / "handoff" / "heldout.jsonl").write_bytes((h / "heldout.jsonl").read_bytes())
+        mb = evidence.dir_mb(o / "handoff")
+        print(f"[evidence] part 2 hand-off: {mb:.1f} MB in {o / 'handoff'}", file=sys.stderr)
+
+    # ------------------------------------------------------------------ part 3
+    def part3(self) -> None:
+        from sparse_rl.eval import evidence
+
+        s, o = self.s, self.out / "part3"
+        dev = ["--device", s["device"]]
+        policies = {"sft": self.out / "part1" / "handoff", **{m: self.out / "part2" / "handoff" / m for m in MODES}}
+        tasks = self.out / "part2" / "handoff" / "heldout.jsonl"
+        for pol, model in policies.items():
+            d = o / pol
+            d.mkdir(parents=True, exist_ok=True)
+            for att in ("dense", "sparse"):
+                comp = d / f"completions-{att}.jsonl"
+                self.stage(f"p3-{pol}-generate-{att}", ["generate", str(model), "--prompts", str(tasks), "--out", str(comp),
+                                                        "--attention", att, "--temperature", "0", "--max-new-tokens",
+                                                        str(s["max_new"]), "--max-batch", str(s["max_batch"]), *dev])
+                self.python(f"p3-{pol}-score-{att}", evidence.score_file, comp, tasks, d / f"acc-{att}.json")
+            adapter = ["--adapter", str(model / "adapter")] if (model / "adapter").is_dir() else []
+            self.stage(f"p3-{pol}-fidelity", ["eval", "fidelity", str(model), "--data", str(d / "completions-sparse.jsonl"),
+                                              "--out", str(d / "fidelity"), *adapter, *dev])
+            self.stage(f"p3-{pol}-niah", ["eval", "niah", str(model), "--kinds", "single", "--lengths",
+                                          s["niah_lengths"], "--depths", s["niah_depths"], "--per-cell",
+                                          str(s["niah_per_cell"]), "--max-new-tokens", "8", "--out", str(d / "niah"), *dev])
+        self.python("p3-report", evidence.report, self.out)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        raise SystemExit("usage: [SIZE=cpu|gpu] [PART=1|2|3|all] bash recipes/evidence/run.sh OUT")
+    size, part = os.environ.get("SIZE", "gpu"), os.environ.get("PART", "all")
+    if size not in SIZES or part not in ("1", "2", "3", "all"):
+        raise SystemExit(f"SIZE={size} PART={part}: expected SIZE in cpu|gpu and PART in 1|2|3|all")
+    r = Recipe(Path(argv[0]), size)
+    for p, fn in (("1", r.part1), ("2", r.part2), ("3", r.part3)):
+        if part in (p, "all"):
+            t0 = time.time()
+            fn()
+            print(f"[evidence] part {p}: {time.time() - t0:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,182 @@
+"""The evidence recipe's own bookkeeping (recipes/evidence/): held-out accuracy from completion
+files, the bf16 hand-off between parts, and results.json + RESULTS.md built from the runs' files.
+
+Nothing here measures a model: every number in the report is read from a file a stage wrote
+(metrics.jsonl, summary.json, the scored completions), and `report` names the file of each.
+
+Layout of the recipe's OUT dir (what `report` reads):
+
+    part1/sft.run/metrics.jsonl          SFT loss curve
+    part1/handoff/                       the sparse SFT policy, bf16 shards (part 2's input)
+    part2/grpo-<mode>/metrics.jsonl      GRPO curves: reward, mismatch_kl, mismatch_p5_ratio, eval_accuracy
+    part2/handoff/<policy>/              each final policy, bf16 shards (+ adapter/ for sparse+distill)
+    part3/<policy>/acc-<attention>.json  held-out accuracy, dense and sparse inference
+    part3/<policy>/fidelity/summary.json token KL, acceptance mean / p5 (overall and by position)
+    part3/<policy>/niah/summary.json     NIAH grid, dense vs sparse
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from sparse_rl.errors import SparseRLError
+
+MODES = {"dense": "dense rollouts", "sparse": "sparse rollouts, no correction",
+         "sparse-tis": "sparse + truncated IS", "sparse-distill": "sparse + LoRA distillation + oversampling"}
+POLICIES = ["sft", *MODES]
+SHARD = "16MB"
+
+
+def score(completions: str | Path, tasks: str | Path) -> dict:
+    """Held-out accuracy of a completions JSONL against its tasks (joined on id) with the synth verifier
+    (for `retrieval/lookup`: the last `Answer:` code equals the gold code exactly)."""
+    from sparse_rl.io import iter_jsonl
+    from sparse_rl.synth.verify import verify
+
+    gold = {t["id"]: t for t in iter_jsonl(tasks, required=("id",))}
+    scores = []
+    for c in iter_jsonl(completions, required=("id", "completion")):
+        if c["id"] not in gold:
+            raise SparseRLError(f"{completions}: completion id {c['id']!r} is not in {tasks}")
+        scores.append(verify(gold[c["id"]], c["completion"]))
+    if not scores:
+        raise SparseRLError(f"{completions}: no completions")
+    return {"accuracy": sum(scores) / len(scores), "n": len(scores), "completions": str(completions)}
+
+
+def score_file(completions: str | Path, tasks: str | Path, dst: str | Path) -> dict:
+    """`score`, written to the JSON file `dst` (atomically)."""
+    from sparse_rl.io import atomic_write_json
+
+    res = score(completions, tasks)
+    atomic_write_json(dst, res)
+    return res
+
+
+def handoff(src: str | Path, dst: str | Path, adapter: str | Path | None = None) -> dict:
+    """Copy a model dir as bf16 safetensors shards of <= 16 MB (the next part's input), atomically;
+    the sparse config, indexer weights (as bf16) and a LoRA adapter dir (to `dst/adapter/`) come along."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from sparse_rl.io import atomic_dir
+    from sparse_rl.sparse.config import INDEXER_WEIGHTS
+    from sparse_rl.sparse.loader import load_tokenizer
+
+    src, dst = Path(src), Path(dst)
+    with atomic_dir(dst, force=True, flag="handoff") as tmp:
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16)
+        model.save_pretrained(tmp, max_shard_size=SHARD)
+        load_tokenizer(src).save_pretrained(tmp)
+        for name in ("sparse_config.json", "generation_config.json"):
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)
+        if (src / INDEXER_WEIGHTS).is_file():
+            idx = load_file(str(src / INDEXER_WEIGHTS))
+            save_file({k: v.to(torch.bfloat16) for k, v in idx.items()}, str(tmp / INDEXER_WEIGHTS))
+        if adapter is not None:
+            shutil.copytree(adapter, tmp / "adapter")
+    return {"dir": str(dst), "mb": dir_mb(dst)}
+
+
+def dir_mb(path: str | Path) -> float:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) / 2**20
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+
+
+def _json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def collect(out: str | Path) -> dict:
+    """Every number of the report, each with the file it came from."""
+    out = Path(out)
+    res: dict = {"out": str(out), "policies": {}, "grpo": {}}
+    sft = _jsonl(out / "part1" / "sft.run" / "metrics.jsonl")
+    res["sft"] = {"first_loss": sft[0]["loss"] if sft else None, "final_loss": sft[-1]["loss"] if sft else None,
+                  "steps": sft[-1]["step"] if sft else None, "file": "part1/sft.run/metrics.jsonl"}
+    res["sizes"] = _json(out / "sizes.json")
+    for mode in MODES:
+        m = _jsonl(out / "part2" / f"grpo-{mode}" / "metrics.jsonl")
+        if not m:
+            continue
+        evals = [r["eval_accuracy"] for r in m if r.get("eval_accuracy") is not None]
+        res["grpo"][mode] = {
+            "steps": m[-1]["step"], "reward_first": m[0].get("reward"), "reward_last": m[-1].get("reward"),
+            "mismatch_kl_mean": _mean(r.get("mismatch_kl") for r in m),
+            "mismatch_p5_ratio_min": min((r["mismatch_p5_ratio"] for r in m if r.get("mismatch_p5_ratio") is not None),
+                                         default=None),
+            "eval_accuracy_last": evals[-1] if evals else None,
+            "file": f"part2/grpo-{mode}/metrics.jsonl"}
+    for pol in POLICIES:
+        d = out / "part3" / pol
+        if not d.is_dir():
+            continue
+        acc = {a: (_json(d / f"acc-{a}.json") or {}).get("accuracy") for a in ("dense", "sparse")}
+        fid = _json(d / "fidelity" / "summary.json") or {}
+        niah = _json(d / "niah" / "summary.json") or {}
+        res["policies"][pol] = {
+            "accuracy_dense": acc["dense"], "accuracy_sparse": acc["sparse"],
+            "token_kl": fid.get("kl"), "acceptance_mean": fid.get("acceptance_mean"),
+            "acceptance_p5": fid.get("acceptance_p5"),
+            "acceptance_p5_by_position": [(b["from"], b["to"], b.get("acceptance_p5")) for b in fid.get("by_position", [])],
+            "niah_dense": (niah.get("modes", {}).get("dense") or {}).get("mean"),
+            "niah_sparse": (niah.get("modes", {}).get("sparse") or {}).get("mean"),
+            "files": f"part3/{pol}/"}
+    return res
+
+
+def _f(x, digits: int = 3) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def render(res: dict, commands: str) -> str:
+    """RESULTS.md from `collect`'s output and the commands that produced it."""
+    s = res.get("sizes") or {}
+    lines = ["# Evidence: sparse rollouts, dense training (DistillSparse / Sparrow), one GPU", "",
+             f"Generated by `python recipes/evidence/report.py {res['out']}` from the run's own files "
+             f"(SIZE={s.get('SIZE', '?')}); no number below was typed by hand.", "",
+             "## Held-out accuracy and fidelity of each final policy", "",
+             "| policy | acc dense | acc sparse | token KL | acceptance mean | acceptance p5 | NIAH dense | NIAH sparse |",
+             "|---|---|---|---|---|---|---|---|"]
+    for pol, p in res["policies"].items():
+        name = "SFT (start of GRPO)" if pol == "sft" else MODES[pol]
+        lines.append(f"| {name} | {_f(p['accuracy_dense'])} | {_f(p['accuracy_sparse'])} | {_f(p['token_kl'], 4)} | "
+                     f"{_f(p['acceptance_mean'])} | {_f(p['acceptance_p5'])} | {_f(p['niah_dense'])} | {_f(p['niah_sparse'])} |")
+    lines += ["", "## GRPO runs (same seed, data and step budget)", "",
+              "| mode | steps | reward first → last | mismatch KL (mean over steps) | min p5 of π/μ | eval acc (last) |",
+              "|---|---|---|---|---|---|"]
+    for mode, g in res["grpo"].items():
+        lines.append(f"| {MODES[mode]} | {g['steps']} | {_f(g['reward_first'])} → {_f(g['reward_last'])} | "
+                     f"{_f(g['mismatch_kl_mean'], 5)} | {_f(g['mismatch_p5_ratio_min'])} | {_f(g['eval_accuracy_last'])} |")
+    lines += ["", "## Acceptance p5 by position (sparse policy's own completions)", ""]
+    for pol, p in res["policies"].items():
+        cells = ", ".join(f"{a}–{b}: {_f(v)}" for a, b, v in p["acceptance_p5_by_position"])
+        lines.append(f"- {pol}: {cells or '—'}")
+    sft = res["sft"]
+    lines += ["", f"SFT: loss {_f(sft['first_loss'])} → {_f(sft['final_loss'])} in {sft['steps']} steps "
+              f"({sft['file']}).", "", "## Commands", "", "```bash", commands.rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def report(out: str | Path, md: str | Path | None = None) -> dict:
+    """Write OUT/results.json and RESULTS.md (OUT/RESULTS.md, or `md`)."""
+    from sparse_rl.io import atomic_write_json, atomic_write_text
+
+    out = Path(out)
+    res = collect(out)
+    atomic_write_json(out / "results.json", res)
+    cmds = (out / "commands.sh").read_text() if (out / "commands.sh").is_file() else ""
+    atomic_write_text(Path(md) if md else out / "RESULTS.md", render(res, cmds))
+    return res

@@ -1,0 +1,94 @@
+"""Chained look-ups over a table in the prompt: a task that sparse attention must solve by retrieval
+while it generates.
+
+The prompt is a table of `keys` entries `KEY -> VALUE` (4-digit codes; digits are single tokens for
+the project's tokenizers) followed by the question "follow H hops from S". The worked solution writes
+each hop out, one line per step, and ends with `Answer: CODE`:
+
+    4821 -> 1930
+    1930 -> 7714
+    Answer: 7714
+
+so every generated line must find, thousands of tokens back, the one table row whose key is the
+code just written. The table is made of chains of `hops` entries (the asked one and distractor
+chains of the same shape, shuffled together), every code occurs at most once as a key and once as a
+value, so each step has exactly one right row. `keys` sets the context length (about 12 tokens a
+row with the tiny-model tokenizer: 180 rows = 2.2K tokens, 700 = 8.4K, measured) and `hops` the
+generation length (~12 tokens a hop).
+
+Verification is an exact string match of the last `Answer:` line's code with the gold code (no
+math parsing: the answer is a token string).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from sparse_rl.errors import UsageError
+
+TASK = "retrieval/lookup"
+_ANSWER_RE = re.compile(r"Answer:\s*(\S+)")
+_CODES = 9000  # 1000..9999
+
+
+@dataclass
+class LookupConfig:
+    n: int = 100            # tasks
+    seed: int = 0
+    keys: int = 64          # table rows
+    hops: int = 2           # look-ups chained in the solution
+    out: str = "-"          # tasks JSONL
+    stats: str | None = None
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise UsageError(f"--n: must be at least 1, got {self.n}")
+        if self.hops < 1:
+            raise UsageError(f"--hops: must be at least 1, got {self.hops}")
+        if self.keys < self.hops:
+            raise UsageError(f"--keys {self.keys}: the table needs at least --hops ({self.hops}) rows")
+        if 2 * self.keys > _CODES:
+            raise UsageError(f"--keys {self.keys}: at most {_CODES // 2} rows (4-digit codes)")
+
+
+def make_task(seed: int, index: int, keys: int, hops: int) -> dict:
+    """One task record `{"id","prompt","messages","answer","solution","task","difficulty","meta"}`;
+    deterministic. `messages` is the prompt as one user turn, so `generate`, `grpo` and `sft` all see
+    it through the chat template."""
+    rng = random.Random(f"{seed}:lookup:{index}")
+    per_chain = hops + 1
+    n_chains = -(-keys // hops)
+    codes = [str(1000 + c) for c in rng.sample(range(_CODES), n_chains * per_chain)]
+    chains = [codes[i * per_chain:(i + 1) * per_chain] for i in range(n_chains)]
+    rows = [(c[j], c[j + 1]) for c in chains for j in range(hops)][:keys]
+    asked = chains[0]  # its rows come first, so the cut above never drops them
+    rng.shuffle(rows)
+    table = "\n".join(f"{k} -> {v}" for k, v in rows)
+    prompt = (f"Table:\n{table}\n\nStart at {asked[0]} and follow the table for {hops} "
+              f"step{'s' if hops > 1 else ''}. Write each step, then the answer.")
+    steps = "\n".join(f"{asked[j]} -> {asked[j + 1]}" for j in range(hops))
+    return {"id": f"lookup-s{seed}-k{keys}-h{hops}-{index:06d}", "prompt": prompt,
+            "messages": [{"role": "user", "content": prompt}], "answer": asked[-1],
+            "solution": f"{steps}\nAnswer: {asked[-1]}", "task": TASK, "difficulty": hops,
+            "meta": {"keys": keys, "hops": hops, "start": asked[0], "chain": asked,
+                     "positions": [next(i for i, r in enumerate(rows) if r[0] == asked[j]) for j in range(hops)]}}
+
+
+def make_tasks(cfg: LookupConfig) -> tuple[list[dict], dict]:
+    tasks = [make_task(cfg.seed, i, cfg.keys, cfg.hops) for i in range(cfg.n)]
+    stats = {"stage": "synth lookup", "seed": cfg.seed, "keys": cfg.keys, "hops": cfg.hops,
+             "tasks": {"generated": cfg.n, "kept": cfg.n, "dropped": {}}}
+    return tasks, stats
+
+
+def final_answer(completion: str) -> str | None:
+    """The code on the last `Answer:` line, or None."""
+    found = _ANSWER_RE.findall(completion)
+    return found[-1].rstrip(".") if found else None
+
+
+def verify_lookup(task: dict, completion: str) -> float:
+    """1.0 if the completion's last `Answer:` is exactly the gold code, else 0.0."""
+    return 1.0 if final_answer(completion) == str(task["answer"]) else 0.0
