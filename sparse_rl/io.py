@@ -103,6 +103,11 @@ def _umask() -> int:
     return mask
 
 
+def file_mode() -> int:
+    """The mode a new output file gets under the umask (what `open` would give; mkstemp gives 0600)."""
+    return 0o666 & ~_umask()
+
+
 def _replaceable(p: Path) -> bool:
     """Whether the output may be written beside and renamed over `p`: only a regular file (or a
     new name). A device, FIFO, socket or /dev/stdout is written in place: renaming over
@@ -130,7 +135,7 @@ def _open_one(path: str | Path | None, force: bool):
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; an output file follows the umask
+        os.fchmod(fd, file_mode())  # mkstemp makes 0600; an output file follows the umask
         with writing(p), os.fdopen(fd, "w", encoding="utf-8") as fh:
             def commit():
                 with writing(p):

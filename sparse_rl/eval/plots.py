@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from sparse_rl.io import file_mode
+
 
 @dataclass(frozen=True)
 class HeatmapInfo:
@@ -34,6 +36,7 @@ def _save(fig, path: str | Path) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".png", dir=p.parent)
+    os.fchmod(fd, file_mode())  # a plot follows the umask like every other output, not mkstemp's 0600
     os.close(fd)
     try:
         fig.savefig(tmp, format="png", dpi=fig.dpi)

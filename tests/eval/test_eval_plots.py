@@ -67,3 +67,16 @@ def test_line_plot(tmp_path):
     assert img.shape[0] > 100 and img.std() > 0
     with pytest.raises(ValueError):
         line_plot([1, 2], {"kl": [1.0]}, tmp_path / "bad.png")
+
+
+def test_plots_follow_the_umask(tmp_path):
+    """A PNG is created like any other output file (0666 less the umask), not mkstemp's 0600."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        p = line_plot([1, 2], {"kl": [0.1, 0.2]}, tmp_path / "m.png")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o644
