@@ -3,6 +3,10 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (`-n 2`, as .ci/run runs) each worker takes one core: one torch thread each, set before
+# torch is imported, so two workers do not oversubscribe a 2-core machine.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Triton kernels run on the CPU through the interpreter; it must be set before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -156,7 +156,6 @@ def lookup_cmd(
     (`solution`, for sft) and an exact-match verifier (task retrieval/lookup, for grpo and eval)."""
     with cli_errors():
         from sparse_rl.config import load_config
-        from sparse_rl.io import write_jsonl
         from sparse_rl.synth.lookup import LookupConfig, make_tasks
 
         cfg = load_config(LookupConfig, config, dict(n=num_tasks, seed=seed, keys=keys, hops=hops, out=out,
@@ -164,8 +163,7 @@ def lookup_cmd(
         _check_outputs(cfg.out, cfg.stats)
         refuse_existing(force, out=cfg.out, stats=cfg.stats)
         tasks, st = make_tasks(cfg)
-        write_jsonl(cfg.out, tasks)
-        _emit(st, cfg.stats, cfg.out)
+        _emit(st, cfg.stats, cfg.out, tasks)
 
 
 @app.command("agent")
