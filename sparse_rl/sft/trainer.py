@@ -106,7 +106,6 @@ def _wrap_lora(model, cfg: SFTConfig):
 def run(cfg: SFTConfig, resume: bool = False, force: bool = False, console=None) -> dict:
     """Train; write `cfg.out` (and the run dir). Returns a summary dict."""
     from sparse_rl import runs
-    from sparse_rl.config import save_config
     from sparse_rl.distributed import Dist
     from sparse_rl.io import append_jsonl, atomic_dir, atomic_write_json, writing
     from sparse_rl.sft.data import Rows, pack, read_documents
@@ -159,15 +158,7 @@ def run(cfg: SFTConfig, resume: bool = False, force: bool = False, console=None)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
 
-    step, cursor = 0, 0
-    if ckpt is not None:
-        meta = checkpoint.restore(ckpt, named, opt, sched, device)
-        step, cursor = int(meta["step"]), int(meta["cursor"])
-        if main:
-            runs.truncate_metrics(run_dir, step, log=say)
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+    step, cursor = checkpoint.begin_run(run_dir, ckpt, cfg, named, opt, sched, device, main, say)
 
     B = cfg.batch_size
     metrics_file = run_dir / runs.METRICS

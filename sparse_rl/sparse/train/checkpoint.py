@@ -67,3 +67,22 @@ def restore(path: str | Path, named: dict[str, torch.Tensor], optimizer, schedul
     scheduler.load_state_dict(ck["scheduler"])
     set_rng_state(ck["rng"])
     return ck["meta"]
+
+
+def begin_run(run_dir: Path, ckpt: Path | None, cfg, named: dict[str, torch.Tensor], optimizer, scheduler, device,
+              main: bool, log) -> tuple[int, int]:
+    """Start or resume a run in `run_dir`: restore checkpoint `ckpt` (if any) and drop metrics lines
+    past its step, then (rank 0) write the resolved config. Returns (step, data cursor)."""
+    from sparse_rl.config import save_config
+    from sparse_rl.runs import truncate_metrics
+
+    step, cursor = 0, 0
+    if ckpt is not None:
+        meta = restore(ckpt, named, optimizer, scheduler, device)
+        step, cursor = int(meta["step"]), int(meta["cursor"])
+        if main:
+            truncate_metrics(run_dir, step, log=log)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    return step, cursor

@@ -163,7 +163,6 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from sparse_rl import runs
-    from sparse_rl.config import save_config
     from sparse_rl.distributed import Dist
     from sparse_rl.io import append_jsonl, atomic_dir, atomic_write_json, writing
     from sparse_rl.sparse.loader import check_model_dir, load_model, load_tokenizer, save_model, set_attention
@@ -254,15 +253,7 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
     named_trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
 
-    step, cursor = 0, 0
-    if ckpt is not None:
-        meta = checkpoint.restore(ckpt, named_trainable, opt, sched, device)
-        step, cursor = int(meta["step"]), int(meta["cursor"])
-        if main:
-            runs.truncate_metrics(run_dir, step, log=say)
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+    step, cursor = checkpoint.begin_run(run_dir, ckpt, cfg, named_trainable, opt, sched, device, main, say)
 
     n_layers = len(indexed_attention(model))
     B, L = cfg.batch_size, cfg.seq_len
