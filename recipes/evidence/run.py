@@ -21,7 +21,7 @@ from pathlib import Path
 SIZES = {
     # CPU smoke (a test of the plumbing; it claims nothing): tiny model, tiny tables, a few steps.
     "cpu": dict(model="tiny", device="cpu", train_dtype="float32",
-                pre_keys=4, pre_n=64, pre_steps=6, pre_seq=256, pre_bs=8, pre_lr=3e-3,
+                pre_keys=4, pre_hops=2, pre_n=64, pre_steps=6, pre_seq=256, pre_bs=8, pre_lr=3e-3,
                 keys=6, hops=2, sft_n=48, sft_steps=4, sft_seq=256, sft_bs=8, sft_lr=3e-3,
                 heldout_n=4, grpo_n=16, topk=16, sink=2, window=4, index_heads=2, index_dim=16,
                 idx_steps=3, idx_seq=128, idx_bs=2, idx_lr=3e-3,
@@ -29,7 +29,7 @@ SIZES = {
                 niah_lengths="256", niah_depths="0.5", niah_per_cell=1),
     # One H200 (not yet run: sizes chosen from the CPU pilots and the token counts in synth/lookup.py).
     "gpu": dict(model="small", device="cuda", train_dtype="float32",
-                pre_keys=32, pre_n=20000, pre_steps=1500, pre_seq=2048, pre_bs=32, pre_lr=1e-3,
+                pre_keys=32, pre_hops=4, pre_n=20000, pre_steps=1500, pre_seq=2048, pre_bs=32, pre_lr=1e-3,
                 keys=160, hops=4, sft_n=6000, sft_steps=500, sft_seq=4096, sft_bs=16, sft_lr=5e-4,
                 heldout_n=128, grpo_n=2048, topk=128, sink=4, window=16, index_heads=4, index_dim=32,
                 idx_steps=200, idx_seq=2048, idx_bs=8, idx_lr=1e-3,
@@ -96,10 +96,12 @@ class Recipe:
         dev = ["--device", s["device"]]
         o.mkdir(exist_ok=True)
         self.stage("p1-model", ["model", "init", str(o / "base"), "--size", s["model"], "--seed", "0"])
-        for name, seed, keys, n in (("pretrain", 1, s["pre_keys"], s["pre_n"]), ("sft", 2, s["keys"], s["sft_n"]),
-                                    ("heldout", 3, s["keys"], s["heldout_n"]), ("grpo", 4, s["keys"], s["grpo_n"])):
+        for name, seed, keys, hops, n in (("pretrain", 1, s["pre_keys"], s["pre_hops"], s["pre_n"]),
+                                          ("sft", 2, s["keys"], s["hops"], s["sft_n"]),
+                                          ("heldout", 3, s["keys"], s["hops"], s["heldout_n"]),
+                                          ("grpo", 4, s["keys"], s["hops"], s["grpo_n"])):
             self.stage(f"p1-tasks-{name}", ["synth", "lookup", "--num-tasks", str(n), "--seed", str(seed), "--keys",
-                                            str(keys), "--hops", str(s["hops"]), "--out", str(o / f"{name}.jsonl")])
+                                            str(keys), "--hops", str(hops), "--out", str(o / f"{name}.jsonl")])
         # pre-training from scratch: every token of short tables (recall first, then lengthen: Zoology)
         self.stage("p1-pretrain", ["sft", str(o / "base"), "--data", str(o / "pretrain.jsonl"), "--out", str(o / "pre"),
                                    "--loss-on", "all", "--seq-len", str(s["pre_seq"]), "--batch-size", str(s["pre_bs"]),
