@@ -20,25 +20,40 @@ from pathlib import Path
 
 SIZES = {
     # CPU smoke (a test of the plumbing; it claims nothing): tiny model, tiny tables, a few steps.
-    "cpu": dict(model="tiny", device="cpu", train_dtype="float32",
-                pre_keys=4, pre_hops=2, pre_n=64, pre_steps=6, pre_seq=256, pre_bs=8, pre_lr=3e-3,
+    "cpu": dict(model="tiny", device="cpu", train_dtype="float32", mixed="no",
+                pre_keys=4, pre_hops=2, pre_loss="all", pre_n=64, pre_steps=6, pre_seq=256, pre_bs=8, pre_lr=3e-3,
                 keys=6, hops=2, sft_n=48, sft_steps=4, sft_seq=256, sft_bs=8, sft_lr=3e-3,
                 heldout_n=4, grpo_n=16, topk=16, sink=2, window=4, index_heads=2, index_dim=16,
                 idx_steps=3, idx_seq=128, idx_bs=2, idx_lr=3e-3,
                 grpo_steps=2, prompts=2, samples=2, distill_samples=4, max_new=40, grpo_lr=1e-4, max_batch=8,
                 niah_lengths="256", niah_depths="0.5", niah_per_cell=1),
-    # One H200 (not yet run: sizes chosen from the CPU pilots and the token counts in synth/lookup.py).
-    "gpu": dict(model="small", device="cuda", train_dtype="float32",
-                pre_keys=32, pre_hops=4, pre_n=20000, pre_steps=1500, pre_seq=2048, pre_bs=32, pre_lr=1e-3,
+    # One H200. Pilot 1 (benchmarks/results/2026-12-01-h200-evidence.md): float32 without autocast ran
+    # 0.21 s a step at 32 x 2048 tokens and the loss sat on its plateau from step 100 to 695, so the
+    # pre-training now packs 1024-token rows under bf16 autocast (more steps in the same minutes).
+    "gpu": dict(model="small", device="cuda", train_dtype="float32", mixed="bf16",
+                pre_keys=32, pre_hops=4, pre_loss="all", pre_n=20000, pre_steps=1500, pre_seq=1024, pre_bs=64, pre_lr=1e-3,
                 keys=160, hops=4, sft_n=6000, sft_steps=500, sft_seq=4096, sft_bs=16, sft_lr=5e-4,
                 heldout_n=128, grpo_n=2048, topk=128, sink=4, window=16, index_heads=4, index_dim=32,
                 idx_steps=200, idx_seq=2048, idx_bs=8, idx_lr=1e-3,
-                grpo_steps=40, prompts=16, samples=8, distill_samples=12, max_new=64, grpo_lr=1e-5, max_batch=256,
+                grpo_steps=30, prompts=16, samples=8, distill_samples=12, max_new=64, grpo_lr=3e-5, max_batch=256,
                 niah_lengths="1k,2k", niah_depths="0.1,0.5,0.9", niah_per_cell=4),
 }
 MODES = {"dense": ["--mode", "dense"], "sparse": ["--mode", "sparse"],
          "sparse-tis": ["--mode", "sparse", "--set", "loss.mismatch=tis"],
          "sparse-distill": ["--mode", "sparse+distill"]}
+
+
+def _only(items: dict) -> dict:
+    """ONLY=name,name runs those GRPO modes / part-3 policies alone (several processes can share a GPU);
+    a last run without ONLY skips every finished stage and writes the report and the whole commands.sh."""
+    want = os.environ.get("ONLY")
+    if want is None:
+        return items
+    names = want.split(",")
+    bad = [n for n in names if n not in {"sft", *MODES}]
+    if bad:
+        raise SystemExit(f"ONLY={want}: unknown {bad[0]!r}; expected names among sft, {', '.join(MODES)}")
+    return {k: v for k, v in items.items() if k in names}
 
 
 class Recipe:
@@ -53,6 +68,7 @@ class Recipe:
         (out / ".done").mkdir(parents=True, exist_ok=True)
         (out / "logs").mkdir(exist_ok=True)
         (out / "sizes.json").write_text(json.dumps(self.s, indent=1))
+        self.sub = "ONLY" in os.environ  # a share of the work: commands.sh is left to the whole run
 
     def stage(self, name: str, args: list[str], resumable: Path | None = None) -> None:
         """Run `sparse-rl ARGS` unless done; stdout goes to logs/<name>.out. A trainer whose run dir
@@ -88,6 +104,8 @@ class Recipe:
         (self.out / ".done" / name).write_text(json.dumps(res))
 
     def _write_commands(self) -> None:
+        if self.sub:
+            return
         (self.out / "commands.sh").write_text("\n".join(self.commands) + "\n")
 
     # ------------------------------------------------------------------ part 1
@@ -104,13 +122,15 @@ class Recipe:
                                             str(keys), "--hops", str(hops), "--out", str(o / f"{name}.jsonl")])
         # pre-training from scratch: every token of short tables (recall first, then lengthen: Zoology)
         self.stage("p1-pretrain", ["sft", str(o / "base"), "--data", str(o / "pretrain.jsonl"), "--out", str(o / "pre"),
-                                   "--loss-on", "all", "--seq-len", str(s["pre_seq"]), "--batch-size", str(s["pre_bs"]),
+                                   "--loss-on", s["pre_loss"], "--seq-len", str(s["pre_seq"]), "--batch-size", str(s["pre_bs"]),
                                    "--steps", str(s["pre_steps"]), "--lr", str(s["pre_lr"]), "--lr-warmup", "2",
-                                   "--dtype", s["train_dtype"], "--save-every", "100", *dev], resumable=o / "pre.run")
+                                   "--dtype", s["train_dtype"], "--mixed-precision", s["mixed"], "--save-every", "250", *dev],
+                   resumable=o / "pre.run")
         self.stage("p1-sft", ["sft", str(o / "pre"), "--data", str(o / "sft.jsonl"), "--out", str(o / "sft"),
                               "--run-dir", str(o / "sft.run"), "--seq-len", str(s["sft_seq"]), "--batch-size",
                               str(s["sft_bs"]), "--steps", str(s["sft_steps"]), "--lr", str(s["sft_lr"]),
-                              "--dtype", s["train_dtype"], "--save-every", "100", *dev], resumable=o / "sft.run")
+                              "--dtype", s["train_dtype"], "--mixed-precision", s["mixed"], "--save-every", "250", *dev],
+                   resumable=o / "sft.run")
         self.stage("p1-convert", ["convert", str(o / "sft"), str(o / "sparse"), "--index-topk", str(s["topk"]),
                                   "--index-heads", str(s["index_heads"]), "--index-dim", str(s["index_dim"]),
                                   "--sink", str(s["sink"]), "--window", str(s["window"]), "--dense-layers", "0"])
@@ -131,15 +151,16 @@ class Recipe:
 
         s, h, o = self.s, self.out / "part1" / "handoff", self.out / "part2"
         o.mkdir(exist_ok=True)
-        for mode, flags in MODES.items():
+        for mode, flags in _only(MODES).items():
             samples = s["distill_samples"] if mode == "sparse-distill" else s["samples"]
             run = o / f"grpo-{mode}"
             self.stage(f"p2-grpo-{mode}", ["grpo", str(h), "--tasks", str(h / "grpo.jsonl"), "--out", str(run), *flags,
                                            "--samples", str(samples), "--keep", str(s["samples"]),
                                            "--prompts-per-step", str(s["prompts"]), "--max-new-tokens", str(s["max_new"]),
                                            "--steps", str(s["grpo_steps"]), "--lr", str(s["grpo_lr"]), "--reward", "synth",
-                                           "--eval-tasks", str(h / "heldout.jsonl"), "--checkpoint-every",
-                                           str(s["grpo_steps"]), "--seed", "0", "--device", s["device"],
+                                           "--eval-tasks", str(h / "heldout.jsonl"), "--eval-every", "10",
+                                           "--checkpoint-every", "10", "--seed", "0", "--device", s["device"],
+                                           "--dtype", s["train_dtype"],
                                            "--set", f"rollout.max_batch={s['max_batch']}"], resumable=run)
             found = runs.latest(run)
             if found is None:
@@ -157,7 +178,7 @@ class Recipe:
 
         s, o = self.s, self.out / "part3"
         dev = ["--device", s["device"]]
-        policies = {"sft": self.out / "part1" / "handoff", **{m: self.out / "part2" / "handoff" / m for m in MODES}}
+        policies = _only({"sft": self.out / "part1" / "handoff", **{m: self.out / "part2" / "handoff" / m for m in MODES}})
         tasks = self.out / "part2" / "handoff" / "heldout.jsonl"
         for pol, model in policies.items():
             d = o / pol
@@ -174,7 +195,8 @@ class Recipe:
             self.stage(f"p3-{pol}-niah", ["eval", "niah", str(model), "--kinds", "single", "--lengths",
                                           s["niah_lengths"], "--depths", s["niah_depths"], "--per-cell",
                                           str(s["niah_per_cell"]), "--max-new-tokens", "8", "--out", str(d / "niah"), *dev])
-        self.python("p3-report", evidence.report, self.out)
+        if "ONLY" not in os.environ:
+            self.python("p3-report", evidence.report, self.out)
 
 
 def main(argv: list[str]) -> None:

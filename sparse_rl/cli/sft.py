@@ -34,6 +34,7 @@ def command(
     keep_checkpoints: Optional[int] = KEEP_CHECKPOINTS,
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
+    mixed_precision: Optional[str] = typer.Option(None, help="no | bf16 (autocast: bf16 matmuls and attention over the --dtype weights, as accelerate's mixed_precision) [default: no]"),
     config: Optional[Path] = CONFIG,
     set_: Optional[list[str]] = SET,
     resume: bool = RESUME,
@@ -58,7 +59,8 @@ def command(
             model=s(model), data=s(data), out=s(out), run_dir=s(run_dir), loss_on=loss_on, seq_len=seq_len, batch_size=batch_size,
             steps=steps, epochs=epochs, lr=lr, lr_warmup=lr_warmup, weight_decay=weight_decay, grad_clip=grad_clip,
             finetune=finetune, lora_r=lora_r, seed=seed, log_every=log_every, save_every=save_every,
-            keep_checkpoints=keep_checkpoints, device=device, dtype=dtype), sets=set_)
+            keep_checkpoints=keep_checkpoints, device=device, dtype=dtype,
+            mixed_precision=mixed_precision), sets=set_)
         summary = run(cfg, resume=resume, force=force, console=console)
         import os
 

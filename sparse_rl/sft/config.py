@@ -43,10 +43,13 @@ class SFTConfig:
     keep_checkpoints: int = 2
     device: str = "auto"
     dtype: str = "auto"             # weights during training; the optimizer state follows them
+    mixed_precision: str = "no"     # no | bf16: matmuls and attention under bf16 autocast, float32 weights kept
 
     def __post_init__(self):
         if self.loss_on not in ("assistant", "all"):
             raise UsageError(f"--loss-on {self.loss_on}: expected assistant or all")
+        if self.mixed_precision not in ("no", "bf16"):
+            raise UsageError(f"--mixed-precision {self.mixed_precision}: expected no or bf16")
         if self.finetune not in FINETUNE:
             raise UsageError(f"--finetune {self.finetune}: expected full or lora")
         for name in ("seq_len", "batch_size", "log_every", "save_every", "lora_r"):

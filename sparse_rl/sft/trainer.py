@@ -43,10 +43,13 @@ def targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return tgt
 
 
-def token_nll_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """(sum of target-token NLL, number of targets) for one packed batch; no attention mask is given,
-    so transformers derives the block-diagonal causal mask from the position ids."""
-    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+def token_nll_sum(model, batch: dict[str, torch.Tensor], autocast: str = "no") -> tuple[torch.Tensor, int]:
+    """(sum of target-token NLL, number of targets) for one packed batch `[B, T]`; no attention mask is
+    given, so transformers derives the block-diagonal causal mask from the position ids. autocast
+    "bf16": the forward runs under bf16 autocast (the loss is still taken on float32 logits)."""
+    dev = batch["input_ids"].device.type
+    with torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast == "bf16"):
+        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
     tgt = targets(batch)
     logits = out.logits[:, :-1].float()
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
@@ -170,7 +173,7 @@ def run(cfg: SFTConfig, resume: bool = False, force: bool = False, console=None)
             batch = {k: v[rank::world] for k, v in batch.items()}
             n_local = int((targets(batch) != IGNORE).sum())
             n_global = pg.sum([float(n_local)])[0]
-            nll, _ = token_nll_sum(model, batch)
+            nll, _ = token_nll_sum(model, batch, cfg.mixed_precision)
             (nll * (pg.grad_scale / max(1.0, n_global))).backward()
             pg.reduce_grads(params)
             gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf")))

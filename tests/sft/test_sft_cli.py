@@ -142,3 +142,18 @@ def test_lora_writes_the_merged_model_and_the_adapter(tiny_model_dir, tmp_path):
     changed = [k for k in base if not torch.equal(base[k], merged[k])]
     assert changed and all(any(t in k for t in ("q_proj", "k_proj", "v_proj", "o_proj")) for k in changed)
     AutoModelForCausalLM.from_pretrained(str(tmp_path / "o"))
+
+
+def test_bf16_mixed_precision_keeps_float32_weights_and_tracks_the_float32_loss(tiny_model_dir, tmp_path):
+    data = _write(tmp_path / "d.jsonl", RECORDS * 2)
+    losses = {}
+    for mp in ("no", "bf16"):
+        res = _sft(tiny_model_dir, data, tmp_path / mp, "--mixed-precision", mp, "--dtype", "float32", "--steps", "2")
+        assert res.exit_code == 0, res.output
+        rows = [json.loads(x) for x in (tmp_path / f"{mp}.run" / "metrics.jsonl").read_text().splitlines()]
+        losses[mp] = rows[0]["loss"]
+        assert all(v.dtype == torch.float32 for v in _weights(tmp_path / mp).values())
+    # the same first batch under autocast: bf16 rounding only (a different loss would mean other data or masks)
+    assert losses["bf16"] != losses["no"] and abs(losses["bf16"] - losses["no"]) < 0.05 * losses["no"]
+    res = _sft(tiny_model_dir, data, tmp_path / "x", "--mixed-precision", "fp8")
+    assert res.exit_code != 0 and "--mixed-precision fp8" in res.output
