@@ -27,16 +27,19 @@ SIZES = {
                 idx_steps=3, idx_seq=128, idx_bs=2, idx_lr=3e-3,
                 grpo_steps=2, prompts=2, samples=2, distill_samples=4, max_new=40, grpo_lr=1e-4, max_batch=8,
                 niah_lengths="256", niah_depths="0.5", niah_per_cell=1),
-    # One H200. Pilot 1 (benchmarks/results/2026-12-01-h200-evidence.md): float32 without autocast ran
-    # 0.21 s a step at 32 x 2048 tokens and the loss sat on its plateau from step 100 to 695, so the
-    # pre-training now packs 1024-token rows under bf16 autocast (more steps in the same minutes).
+    # One H200 (benchmarks/results/2026-12-01-h200-evidence.md). Pilot 1: float32 without autocast,
+    # every token of 32-row tables, 0.21 s a step and a flat loss from step 100 to 695. Pilot 2: with
+    # bf16 autocast, the loss on the solutions alone over 16-row tables fell from 1.40 to 0.97 in 1236
+    # steps while every-token pre-training stayed flat: so pre-training trains the look-ups of short
+    # tables, then SFT lengthens them to 96 rows (~1.2K tokens; k = 64). The GPU script sizes the
+    # pre-training and SFT steps to its time budget with a speed probe (sizes.json holds what ran).
     "gpu": dict(model="small", device="cuda", train_dtype="float32", mixed="bf16",
-                pre_keys=32, pre_hops=4, pre_loss="all", pre_n=20000, pre_steps=1500, pre_seq=1024, pre_bs=64, pre_lr=1e-3,
-                keys=160, hops=4, sft_n=6000, sft_steps=500, sft_seq=4096, sft_bs=16, sft_lr=5e-4,
-                heldout_n=128, grpo_n=2048, topk=128, sink=4, window=16, index_heads=4, index_dim=32,
-                idx_steps=200, idx_seq=2048, idx_bs=8, idx_lr=1e-3,
-                grpo_steps=30, prompts=16, samples=8, distill_samples=12, max_new=64, grpo_lr=3e-5, max_batch=256,
-                niah_lengths="1k,2k", niah_depths="0.1,0.5,0.9", niah_per_cell=4),
+                pre_keys=16, pre_hops=4, pre_loss="assistant", pre_n=8000, pre_steps=3000, pre_seq=1024, pre_bs=64,
+                pre_lr=2e-3, keys=96, hops=4, sft_n=3000, sft_steps=300, sft_seq=4096, sft_bs=16, sft_lr=5e-4,
+                heldout_n=128, grpo_n=1024, topk=64, sink=4, window=16, index_heads=4, index_dim=32,
+                idx_steps=150, idx_seq=2048, idx_bs=8, idx_lr=1e-3,
+                grpo_steps=20, prompts=16, samples=8, distill_samples=12, max_new=80, grpo_lr=3e-5, max_batch=256,
+                niah_lengths="512,1k", niah_depths="0.1,0.5,0.9", niah_per_cell=4),
 }
 MODES = {"dense": ["--mode", "dense"], "sparse": ["--mode", "sparse"],
          "sparse-tis": ["--mode", "sparse", "--set", "loss.mismatch=tis"],
