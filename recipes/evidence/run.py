@@ -46,6 +46,25 @@ MODES = {"dense": ["--mode", "dense"], "sparse": ["--mode", "sparse"],
          "sparse-distill": ["--mode", "sparse+distill"]}
 
 
+def _provenance() -> dict:
+    """Date, device, torch and the code's commit (EV_COMMIT, else git's HEAD of this checkout: a copied
+    work tree may carry an older .git, so a launcher that knows better passes EV_COMMIT)."""
+    import subprocess
+
+    import torch
+
+    commit = os.environ.get("EV_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                                    capture_output=True, text=True, timeout=10).stdout.strip() or None
+        except OSError:
+            commit = None
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": dev, "torch": torch.__version__,
+            "commit": commit}
+
+
 def _only(items: dict) -> dict:
     """ONLY=name,name runs those GRPO modes / part-3 policies alone (several processes can share a GPU);
     a last run without ONLY skips every finished stage and writes the report and the whole commands.sh."""
@@ -72,6 +91,8 @@ class Recipe:
         (out / "logs").mkdir(exist_ok=True)
         (out / "sizes.json").write_text(json.dumps(self.s, indent=1))
         self.sub = "ONLY" in os.environ  # a share of the work: commands.sh is left to the whole run
+        if not (out / "provenance.json").exists():
+            (out / "provenance.json").write_text(json.dumps(_provenance(), indent=1))
 
     def stage(self, name: str, args: list[str], resumable: Path | None = None) -> None:
         """Run `sparse-rl ARGS` unless done; stdout goes to logs/<name>.out. A trainer whose run dir
@@ -186,13 +207,15 @@ class Recipe:
         for pol, model in policies.items():
             d = o / pol
             d.mkdir(parents=True, exist_ok=True)
+            # the sparse policy of sparse+distill is theta + phi (its LoRA adapter); the dense one is theta
+            adapter = ["--adapter", str(model / "adapter")] if (model / "adapter").is_dir() else []
             for att in ("dense", "sparse"):
                 comp = d / f"completions-{att}.jsonl"
                 self.stage(f"p3-{pol}-generate-{att}", ["generate", str(model), "--prompts", str(tasks), "--out", str(comp),
                                                         "--attention", att, "--temperature", "0", "--max-new-tokens",
-                                                        str(s["max_new"]), "--max-batch", str(s["max_batch"]), *dev])
+                                                        str(s["max_new"]), "--max-batch", str(s["max_batch"]), *dev,
+                                                        *(adapter if att == "sparse" else [])])
                 self.python(f"p3-{pol}-score-{att}", evidence.score_file, comp, tasks, d / f"acc-{att}.json")
-            adapter = ["--adapter", str(model / "adapter")] if (model / "adapter").is_dir() else []
             self.stage(f"p3-{pol}-fidelity", ["eval", "fidelity", str(model), "--data", str(d / "completions-sparse.jsonl"),
                                               "--out", str(d / "fidelity"), *adapter, *dev])
             self.stage(f"p3-{pol}-niah", ["eval", "niah", str(model), "--kinds", "single", "--lengths",

@@ -31,6 +31,9 @@ def command(
                                             help="Record each token's log-prob under the sampling distribution [default: off]"),
     stop: Optional[List[str]] = typer.Option(None, "--stop", help="Stop string (repeatable); cut from the text [default: none]"),
     max_seq_len: Optional[int] = typer.Option(None, help="Cache rows per sequence [default: as needed]"),
+    adapter: Optional[str] = typer.Option(None, "--adapter", metavar="DIR",
+                                          help="LoRA adapter dir (peft) merged into the weights, e.g. a grpo "
+                                               "checkpoint's adapter/ (the sparse+distill policy) [default: none]"),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
     compile: Optional[bool] = compile_option(),
@@ -51,7 +54,7 @@ def command(
             attention=attention, samples=samples, temperature=temperature, top_p=top_p, top_k=top_k,
             max_new_tokens=max_new_tokens, batch_size=max_batch, seed=seed, logprobs=logprobs,
             stop=list(stop) if stop else None, max_seq_len=max_seq_len, device=device, dtype=dtype,
-            compile=compile), sets=set_)
+            compile=compile, adapter=adapter), sets=set_)
         cfg.sampling()  # flag errors before loading anything
         check_model_dir(model)
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

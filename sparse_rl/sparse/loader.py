@@ -142,3 +142,25 @@ def save_model(model, out: str | Path, tokenizer=None, sparse: SparseConfig | No
         data.pop("_attn_implementation", None)
         data.pop("attn_implementation", None)
         cfg_file.write_text(json.dumps(data, indent=2))
+
+
+def load_adapter(path: str | Path, flag: str = "--adapter") -> tuple[dict[str, torch.Tensor], float]:
+    """A peft LoRA adapter dir (`adapter_config.json` + `adapter_model.safetensors`) as (state dict
+    with peft's key names, scaling): W = W_base + scaling * B @ A, scaling = lora_alpha / r (or
+    lora_alpha / sqrt(r) for rsLoRA), as peft's `LoraLayer` sets it."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    conf_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not conf_file.is_file() or not weights.is_file():
+        raise SparseRLError(f"{flag} {path}: expected a peft adapter dir (adapter_config.json and "
+                            "adapter_model.safetensors), e.g. a grpo checkpoint's adapter/")
+    try:
+        conf = json.loads(conf_file.read_text())
+        r, alpha = int(conf["r"]), float(conf["lora_alpha"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise SparseRLError(f"{flag} {conf_file}: unreadable LoRA config ({e})") from None
+    if conf.get("rank_pattern") or conf.get("alpha_pattern"):
+        raise SparseRLError(f"{flag} {conf_file}: per-module rank/alpha patterns are not supported")
+    scaling = alpha / (r ** 0.5) if conf.get("use_rslora") else alpha / r
+    return load_file(str(weights)), scaling

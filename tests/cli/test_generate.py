@@ -121,3 +121,43 @@ def test_bad_flags(sparse_model, tmp_path):
     assert res.exit_code == 2 and "--max-batch" in res.output
     res = CliRunner().invoke(app, ["generate", str(tmp_path / "nope"), "--prompts", str(src)])
     assert res.exit_code == 1 and "no such directory" in res.output
+
+
+def test_adapter_is_merged_as_peft_merges_it(sparse_model, tmp_path):
+    """`--adapter DIR` samples from W + scaling * B @ A: the same tokens and log-probs as the model that
+    peft's own merge_and_unload writes; a dir without an adapter is named in a one-line error."""
+    import shutil
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(sparse_model), dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)  # peft starts B at zero: a non-trivial adapter
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    merged = tmp_path / "merged"
+    shutil.copytree(sparse_model, merged)
+    peft_model.merge_and_unload().save_pretrained(str(merged))
+    src = _write(tmp_path / "p.jsonl", PROMPTS)
+    rows = {}
+    for name, model, extra in (("adapter", sparse_model, ["--adapter", str(tmp_path / "adapter")]),
+                               ("merged", merged, []), ("plain", sparse_model, [])):
+        out = tmp_path / f"{name}.jsonl"
+        res = CliRunner().invoke(app, ["generate", str(model), "--prompts", str(src), "--out", str(out), "--attention",
+                                       "sparse", "--temperature", "0", "--max-new-tokens", "10", "--logprobs",
+                                       "--device", "cpu", *extra])
+        assert res.exit_code == 0, res.output
+        rows[name] = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["tokens"] for r in rows["adapter"]] == [r["tokens"] for r in rows["merged"]]
+    for a, m in zip(rows["adapter"], rows["merged"]):
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], m["logprobs"])) < 1e-4
+    assert [r["logprobs"] for r in rows["adapter"]] != [r["logprobs"] for r in rows["plain"]]
+    res = CliRunner().invoke(app, ["generate", str(sparse_model), "--prompts", str(src), "--out", str(tmp_path / "x"),
+                                   "--adapter", str(tmp_path), "--device", "cpu"])
+    assert res.exit_code != 0 and "--adapter" in res.output and "adapter_config.json" in res.output
+    assert not (tmp_path / "x").exists()

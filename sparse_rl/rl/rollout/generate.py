@@ -43,6 +43,7 @@ class GenerateConfig:
     dtype: str = "auto"
     max_seq_len: int | None = None
     compile: bool | None = None  # torch.compile the decode step (None: SPARSE_RL_COMPILE, else off)
+    adapter: str | None = None  # a peft LoRA adapter dir merged into the engine's weights (grpo's distill phi)
 
     def __post_init__(self):
         if self.attention not in ("dense", "sparse"):
@@ -128,8 +129,15 @@ def run_generate(model_dir: str | Path, prompts: str | Path, out: str | Path | N
         raise SparseRLError(f"--prompts {prompts}: no prompt records")
     from sparse_rl.devices import resolve_device
 
+    adapter = None
+    if cfg.adapter:
+        from sparse_rl.sparse.loader import load_adapter
+
+        adapter = load_adapter(cfg.adapter)  # before the model loads: a bad dir fails fast
     eng = load_engine(model_dir, cfg.attention, resolve_device(cfg.device), cfg.dtype, cfg.batch_size,
                       cfg.max_seq_len, compile=cfg.compile)
+    if adapter is not None:
+        eng.load_lora(adapter[0], scaling=adapter[1])
     params = cfg.sampling()
     chunk = max(1, (4 * cfg.batch_size) // cfg.samples)  # prompts per engine call: a queue for the free slots
     it = iter(records)
