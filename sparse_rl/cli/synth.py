@@ -148,6 +148,8 @@ def lookup_cmd(
     seed: Optional[int] = seed_option(),
     keys: Optional[int] = typer.Option(None, help="Table rows: sets the context length, ~12 tokens a row [default: 64]"),
     hops: Optional[int] = typer.Option(None, help="Chained look-ups: sets the generation length [default: 2]"),
+    digits: Optional[int] = typer.Option(None, help="Code length, one token per digit: how many tokens a key "
+                                                    "is matched on [default: 4]"),
     out: Optional[str] = typer.Option(None, "--out", "-o", metavar="FILE", help="Tasks JSONL, - = stdout [default: -]"),
     stats: Optional[str] = typer.Option(None, metavar="FILE", help="Stats JSON file [default: stdout if --out is a file]"),
     force: bool = FORCE,
@@ -158,8 +160,8 @@ def lookup_cmd(
         from sparse_rl.config import load_config
         from sparse_rl.synth.lookup import LookupConfig, make_tasks
 
-        cfg = load_config(LookupConfig, config, dict(n=num_tasks, seed=seed, keys=keys, hops=hops, out=out,
-                                                     stats=stats), sets=set_)
+        cfg = load_config(LookupConfig, config, dict(n=num_tasks, seed=seed, keys=keys, hops=hops,
+                                                     digits=digits, out=out, stats=stats), sets=set_)
         _check_outputs(cfg.out, cfg.stats)
         refuse_existing(force, out=cfg.out, stats=cfg.stats)
         tasks, st = make_tasks(cfg)

@@ -30,7 +30,6 @@ from sparse_rl.errors import UsageError
 
 TASK = "retrieval/lookup"
 _ANSWER_RE = re.compile(r"Answer:\s*(\S+)")
-_CODES = 9000  # 1000..9999
 
 
 @dataclass
@@ -39,6 +38,7 @@ class LookupConfig:
     seed: int = 0
     keys: int = 64          # table rows
     hops: int = 2           # look-ups chained in the solution
+    digits: int = 4         # code length (one token per digit): a key matches only on all of them
     out: str = "-"          # tasks JSONL
     stats: str | None = None
 
@@ -49,18 +49,25 @@ class LookupConfig:
             raise UsageError(f"--hops: must be at least 1, got {self.hops}")
         if self.keys < self.hops:
             raise UsageError(f"--keys {self.keys}: the table needs at least --hops ({self.hops}) rows")
-        if 2 * self.keys > _CODES:
-            raise UsageError(f"--keys {self.keys}: at most {_CODES // 2} rows (4-digit codes)")
+        if not 2 <= self.digits <= 8:
+            raise UsageError(f"--digits: expected 2..8, got {self.digits}")
+        if 2 * self.keys > _codes(self.digits):
+            raise UsageError(f"--keys {self.keys}: at most {_codes(self.digits) // 2} rows ({self.digits}-digit codes)")
 
 
-def make_task(seed: int, index: int, keys: int, hops: int) -> dict:
+def _codes(digits: int) -> int:
+    """How many codes of `digits` digits without a leading zero (1000..9999 for 4)."""
+    return 9 * 10 ** (digits - 1)
+
+
+def make_task(seed: int, index: int, keys: int, hops: int, digits: int = 4) -> dict:
     """One task record `{"id","prompt","messages","answer","solution","task","difficulty","meta"}`;
     deterministic. `messages` is the prompt as one user turn, so `generate`, `grpo` and `sft` all see
     it through the chat template."""
     rng = random.Random(f"{seed}:lookup:{index}")
     per_chain = hops + 1
     n_chains = -(-keys // hops)
-    codes = [str(1000 + c) for c in rng.sample(range(_CODES), n_chains * per_chain)]
+    codes = [str(10 ** (digits - 1) + c) for c in rng.sample(range(_codes(digits)), n_chains * per_chain)]
     chains = [codes[i * per_chain:(i + 1) * per_chain] for i in range(n_chains)]
     rows = [(c[j], c[j + 1]) for c in chains for j in range(hops)][:keys]
     asked = chains[0]  # its rows come first, so the cut above never drops them
@@ -69,16 +76,17 @@ def make_task(seed: int, index: int, keys: int, hops: int) -> dict:
     prompt = (f"Table:\n{table}\n\nStart at {asked[0]} and follow the table for {hops} "
               f"step{'s' if hops > 1 else ''}. Write each step, then the answer.")
     steps = "\n".join(f"{asked[j]} -> {asked[j + 1]}" for j in range(hops))
-    return {"id": f"lookup-s{seed}-k{keys}-h{hops}-{index:06d}", "prompt": prompt,
+    tag = "" if digits == 4 else f"-d{digits}"  # 4-digit ids as before
+    return {"id": f"lookup-s{seed}-k{keys}-h{hops}{tag}-{index:06d}", "prompt": prompt,
             "messages": [{"role": "user", "content": prompt}], "answer": asked[-1],
             "solution": f"{steps}\nAnswer: {asked[-1]}", "task": TASK, "difficulty": hops,
-            "meta": {"keys": keys, "hops": hops, "start": asked[0], "chain": asked,
+            "meta": {"keys": keys, "hops": hops, "digits": digits, "start": asked[0], "chain": asked,
                      "positions": [next(i for i, r in enumerate(rows) if r[0] == asked[j]) for j in range(hops)]}}
 
 
 def make_tasks(cfg: LookupConfig) -> tuple[list[dict], dict]:
-    tasks = [make_task(cfg.seed, i, cfg.keys, cfg.hops) for i in range(cfg.n)]
-    stats = {"stage": "synth lookup", "seed": cfg.seed, "keys": cfg.keys, "hops": cfg.hops,
+    tasks = [make_task(cfg.seed, i, cfg.keys, cfg.hops, cfg.digits) for i in range(cfg.n)]
+    stats = {"stage": "synth lookup", "seed": cfg.seed, "keys": cfg.keys, "hops": cfg.hops, "digits": cfg.digits,
              "tasks": {"generated": cfg.n, "kept": cfg.n, "dropped": {}}}
     return tasks, stats
 

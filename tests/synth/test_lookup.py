@@ -60,3 +60,19 @@ def test_synth_lookup_cli_writes_tasks_and_refuses_to_overwrite(tmp_path):
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 2 and "--force" in res.output
     assert CliRunner().invoke(app, args + ["--force"]).exit_code == 0
+
+
+@pytest.mark.parametrize("digits", [2, 3, 6])
+def test_code_length_is_a_difficulty_knob(digits):
+    t = make_task(5, 2, 40, 3, digits)
+    rows = [x.split(" -> ") for x in t["prompt"].split("\n\n")[0].splitlines()[1:]]
+    assert all(len(k) == len(v) == digits and k[0] != "0" for k, v in rows)
+    assert t["meta"]["digits"] == digits and f"-d{digits}-" in t["id"]
+    assert make_task(5, 2, 40, 3) == make_task(5, 2, 40, 3, 4) and "-d4" not in make_task(5, 2, 40, 3)["id"]
+
+
+def test_too_many_rows_for_the_code_length_is_a_usage_error():
+    res = CliRunner().invoke(app, ["synth", "lookup", "--num-tasks", "1", "--keys", "46", "--digits", "2"])
+    assert res.exit_code == 2 and "--keys 46: at most 45 rows (2-digit codes)" in res.output
+    res = CliRunner().invoke(app, ["synth", "lookup", "--num-tasks", "1", "--digits", "1"])
+    assert res.exit_code == 2 and "--digits" in res.output
