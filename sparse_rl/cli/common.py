@@ -48,6 +48,9 @@ SET = typer.Option(None, "--set", metavar="KEY=VALUE",
                         "a flag of the same key wins [default: none]")
 FORCE = typer.Option(False, "--force", help="Replace outputs (files and dirs) that exist already [default: off]")
 RESUME = typer.Option(False, "--resume", help="Continue the run from its last checkpoint [default: off]")
+# the sparse policy's LoRA (grpo's sparse+distill phi); generate merges it, eval fidelity wraps it with peft
+ADAPTER = typer.Option(None, "--adapter", metavar="DIR", help="LoRA adapter dir of the sparse policy (peft), e.g. a "
+                                                               "grpo checkpoint's adapter/ [default: none]")
 INDEX_HEADS = typer.Option(None, "--index-heads", help="Indexer heads H_I [default: 4]")
 # the trainers' (indexer train, sft) loop options
 LR_WARMUP = typer.Option(None, "--lr-warmup", help="Linear LR warm-up steps before cosine decay [default: 0]")

@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from sparse_rl.cli.common import (BATCH_SIZE_OLD, CONFIG, FORCE, SET, cli_errors, console, device_option, dtype_option,
+from sparse_rl.cli.common import (ADAPTER, BATCH_SIZE_OLD, CONFIG, FORCE, SET, cli_errors, console, device_option, dtype_option,
                                   floats, group, ints, max_batch_option, max_new_tokens_option, old_spelling,
                                   refuse_existing, renamed, samples_option, seed_option, strs, temperature_option,
                                   top_p_option)
@@ -269,9 +269,7 @@ def fidelity_cmd(
                                        help="JSONL of {'text'} or completion records, - = stdin [default: none]"),
     out: Optional[str] = typer.Option(None, "--out", "-o", metavar="DIR",
                                       help="Results dir: records.jsonl, summary.json, plots [default: none]"),
-    adapter: Optional[str] = typer.Option(None, "--adapter", metavar="DIR",
-                                          help="LoRA adapter dir of the sparse policy (peft), e.g. a grpo checkpoint's "
-                                               "adapter/ [default: none]"),
+    adapter: Optional[str] = ADAPTER,
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Truncate each sequence to this many tokens "
                                                                         "[default: 4096]"),
     limit: Optional[int] = typer.Option(None, "--limit", help="Score at most this many records, 0 = all [default: 0]"),

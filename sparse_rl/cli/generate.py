@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from sparse_rl.cli.common import (BATCH_SIZE_OLD, CONFIG, FORCE, SET, cli_errors, compile_option, console,
+from sparse_rl.cli.common import (ADAPTER, BATCH_SIZE_OLD, CONFIG, FORCE, SET, cli_errors, compile_option, console,
                                   device_option, dtype_option, max_batch_option, max_new_tokens_option, old_spelling,
                                   refuse_existing, renamed, samples_option, seed_option, temperature_option,
                                   top_p_option)
@@ -31,9 +31,7 @@ def command(
                                             help="Record each token's log-prob under the sampling distribution [default: off]"),
     stop: Optional[List[str]] = typer.Option(None, "--stop", help="Stop string (repeatable); cut from the text [default: none]"),
     max_seq_len: Optional[int] = typer.Option(None, help="Cache rows per sequence [default: as needed]"),
-    adapter: Optional[str] = typer.Option(None, "--adapter", metavar="DIR",
-                                          help="LoRA adapter dir (peft) merged into the weights, e.g. a grpo "
-                                               "checkpoint's adapter/ (the sparse+distill policy) [default: none]"),
+    adapter: Optional[str] = ADAPTER,
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
     compile: Optional[bool] = compile_option(),
