@@ -22,7 +22,7 @@ SIZES = {
     # CPU smoke (a test of the plumbing; it claims nothing): tiny model, tiny tables, a few steps.
     "cpu": dict(model="tiny", device="cpu", train_dtype="float32", mixed="no",
                 pre_keys=4, pre_hops=2, pre_loss="all", pre_n=64, pre_steps=6, pre_seq=256, pre_bs=8, pre_lr=3e-3,
-                keys=6, hops=2, sft_n=48, sft_steps=4, sft_seq=256, sft_bs=8, sft_lr=3e-3,
+                keys=6, hops=2, digits=4, sft_n=48, sft_steps=4, sft_seq=256, sft_bs=8, sft_lr=3e-3,
                 heldout_n=4, grpo_n=16, topk=16, sink=2, window=4, index_heads=2, index_dim=16,
                 idx_steps=3, idx_seq=128, idx_bs=2, idx_lr=3e-3,
                 grpo_steps=2, prompts=2, samples=2, distill_samples=4, max_new=40, grpo_lr=1e-4, max_batch=8,
@@ -35,7 +35,7 @@ SIZES = {
     # pre-training and SFT steps to its time budget with a speed probe (sizes.json holds what ran).
     "gpu": dict(model="small", device="cuda", train_dtype="float32", mixed="bf16",
                 pre_keys=16, pre_hops=4, pre_loss="assistant", pre_n=8000, pre_steps=3000, pre_seq=1024, pre_bs=64,
-                pre_lr=2e-3, keys=96, hops=4, sft_n=3000, sft_steps=300, sft_seq=4096, sft_bs=16, sft_lr=5e-4,
+                pre_lr=2e-3, keys=96, hops=4, digits=4, sft_n=3000, sft_steps=300, sft_seq=4096, sft_bs=16, sft_lr=5e-4,
                 heldout_n=128, grpo_n=1024, topk=64, sink=4, window=16, index_heads=4, index_dim=32,
                 idx_steps=150, idx_seq=2048, idx_bs=8, idx_lr=1e-3,
                 grpo_steps=20, prompts=16, samples=8, distill_samples=12, max_new=80, grpo_lr=3e-5, max_batch=256,
@@ -143,7 +143,7 @@ class Recipe:
                                           ("heldout", 3, s["keys"], s["hops"], s["heldout_n"]),
                                           ("grpo", 4, s["keys"], s["hops"], s["grpo_n"])):
             self.stage(f"p1-tasks-{name}", ["synth", "lookup", "--num-tasks", str(n), "--seed", str(seed), "--keys",
-                                            str(keys), "--hops", str(hops), "--out", str(o / f"{name}.jsonl")])
+                                            str(keys), "--hops", str(hops), "--digits", str(s["digits"]), "--out", str(o / f"{name}.jsonl")])
         # pre-training from scratch: every token of short tables (recall first, then lengthen: Zoology)
         self.stage("p1-pretrain", ["sft", str(o / "base"), "--data", str(o / "pretrain.jsonl"), "--out", str(o / "pre"),
                                    "--loss-on", s["pre_loss"], "--seq-len", str(s["pre_seq"]), "--batch-size", str(s["pre_bs"]),
