@@ -49,8 +49,8 @@ import torch.nn.functional as F
 from sparse_rl.errors import SparseRLError
 from sparse_rl.rl.rollout.cache import KVCache
 from sparse_rl.rl.rollout import compiled as C
-from sparse_rl.sparse.layer import DecodeOps, layer_states, select
-from sparse_rl.sparse.ops import add_rmsnorm, indexer_decode, qk_norm_rope_cache, sparse_attention, sparse_decode
+from sparse_rl.sparse.layer import DecodeOps, attend, layer_states, select, select_rows
+from sparse_rl.sparse.ops import add_rmsnorm, indexer_decode, qk_norm_rope_cache, sparse_decode
 
 
 def _base(model):
@@ -190,8 +190,7 @@ class ModelRunner:
                     index = (q_i, w, k_i)
                     if st.cfg.query_group > 1:
                         self._store_groups(cache, i, slot_t, q_i, w, lengths, st.cfg.query_group)
-                sel = select(st, q, k, index)
-                o, _ = sparse_attention(q, k, v, sel, scale=attn.scaling, backend=st.backend)
+                o, _ = attend(st, select_rows(st, q, k, index), q, k, v, attn.scaling)
             else:
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                    is_causal=True, scale=attn.scaling,
