@@ -35,6 +35,7 @@ from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 NO_BLOCK = -(2 ** 63)  # the key of a block that is not a candidate (below every real key)
 _BIG = torch.iinfo(torch.int32).max
+TOPK_IMPLS = ("keys", "threshold")
 
 
 @triton.jit
@@ -42,10 +43,11 @@ def _block_keys_kernel(Q, W, K, REP, START, OUT,
                        sqb, sqn, sqh, sqd, swb, swn, swh, skb, sks, skd, sob, son, sok,
                        N, S, NBC, DI, sink, window,
                        HI: tl.constexpr, KB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
-                       BLOCK_D: tl.constexpr, MEAN: tl.constexpr, PREC: tl.constexpr):
-    """OUT `[B, N, NBC]` int64: for row n (representative position REP `[B, N]`, contiguous) and key block
-    c (keys START[b] + c*KB ...), (ordered score bits << 32) | c, or the smallest int64 when the block
-    holds no key the representative sees and does not force."""
+                       BLOCK_D: tl.constexpr, MEAN: tl.constexpr, KEYS: tl.constexpr, PREC: tl.constexpr):
+    """OUT `[B, N, NBC]`: for row n (representative position REP `[B, N]`, contiguous) and key block c
+    (keys START[b] + c*KB ...), with KEYS the int64 (ordered score bits << 32) | c, or the smallest int64
+    when the block holds no key the representative sees and does not force; without KEYS the fp32
+    block score, -inf for such a block."""
     pm = tl.program_id(0)
     pk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -58,7 +60,10 @@ def _block_keys_kernel(Q, W, K, REP, START, OUT,
     s = st + pk * BN + tl.arange(0, BN)
     optr = OUT + b * sob + rows[:, None] * son + blk[None, :] * sok
     omask = rmask[:, None] & (blk < NBC)[None, :]
-    none = tl.full([BLOCK_M, BLOCK_B], -2147483648, tl.int32).to(tl.int64) << 32
+    if KEYS:
+        none = tl.full([BLOCK_M, BLOCK_B], -2147483648, tl.int32).to(tl.int64) << 32
+    else:
+        none = tl.full([BLOCK_M, BLOCK_B], float("-inf"), tl.float32)
     if st + pk * BN <= tl.max(r, 0):  # some row of the tile sees a key of this tile
         offs_d = tl.arange(0, BLOCK_D)
         dmask = offs_d < DI
@@ -85,10 +90,13 @@ def _block_keys_kernel(Q, W, K, REP, START, OUT,
                 score = tl.math.div_rn(tot, tl.maximum(cnt, 1.0))
             else:
                 score = tl.max(tl.reshape(tl.where(vis, acc, float("-inf")), [BLOCK_M, BLOCK_B, KB]), 2)
-        bits = score.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int order == float order
-        key = (ordered.to(tl.int64) << 32) | blk.to(tl.int64)[None, :]
-        tl.store(optr, tl.where(cb, key, none), mask=omask)
+        if KEYS:
+            bits = score.to(tl.int32, bitcast=True)
+            ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int order == float order
+            key = (ordered.to(tl.int64) << 32) | blk.to(tl.int64)[None, :]
+            tl.store(optr, tl.where(cb, key, none), mask=omask)
+        else:
+            tl.store(optr, tl.where(cb, score, none), mask=omask)
     else:
         tl.store(optr, none, mask=omask)
 
@@ -99,11 +107,12 @@ def _launch(key_block: int, cuda: bool) -> tuple[int, int, int]:
 
 
 def block_keys(qr, wr, k_idx, rep, start, n_blocks: int, *, key_block: int, sink: int, window: int,
-               block_score: str) -> torch.Tensor:
+               block_score: str, keys: bool = True) -> torch.Tensor:
     """qr `[B, N, H_I, D_I]`, wr `[B, N, H_I]` the rows' representatives, rep `[B, N]` their positions,
-    start `[B, 1]`, k_idx `[B, S, D_I]` -> `[B, N, n_blocks]` int64 block keys (`_block_keys_kernel`)."""
+    start `[B, 1]`, k_idx `[B, S, D_I]` -> `[B, N, n_blocks]` int64 block keys, or with keys=False fp32
+    block scores (`_block_keys_kernel`)."""
     B, N, HI, DI = qr.shape
-    out = torch.empty(B, N, n_blocks, dtype=torch.int64, device=qr.device)
+    out = torch.empty(B, N, n_blocks, dtype=torch.int64 if keys else torch.float32, device=qr.device)
     BM, BN, warps = _launch(key_block, qr.is_cuda)
     BB = BN // key_block
     grid = (triton.cdiv(N, BM), triton.cdiv(n_blocks, BB), B)
@@ -111,8 +120,35 @@ def block_keys(qr, wr, k_idx, rep, start, n_blocks: int, *, key_block: int, sink
                              *qr.stride(), *wr.stride(), *k_idx.stride(), *out.stride(),
                              N, k_idx.shape[1], n_blocks, DI, sink, window,
                              HI=HI, KB=key_block, BLOCK_M=BM, BLOCK_B=BB, BLOCK_D=max(16, triton.next_power_of_2(DI)),
-                             MEAN=block_score == "mean", PREC=dot_precision(qr.dtype), num_warps=warps)
+                             MEAN=block_score == "mean", KEYS=keys, PREC=dot_precision(qr.dtype), num_warps=warps)
     return out
+
+
+def top_blocks(x: torch.Tensor, kk: int, impl: str) -> torch.Tensor:
+    """The kk best blocks of each row `[B, N, kk]` int64, ascending, -1 padded, ties to the later block.
+
+    impl "keys": x the int64 block keys (distinct: the index is in the low bits), `torch.topk` then a
+    sort of the kk indices. impl "threshold": x the fp32 scores (-inf = not a candidate); `torch.topk`
+    gives the kk-th best score, every block above it is kept and, of the blocks equal to it, the latest
+    ones that fill the budget (the reference's tie rule); the kept mask compacts to ascending indices by
+    one prefix sum. The threshold form moves 4-byte scores instead of 8-byte keys through the top-k."""
+    if kk == 0:
+        return torch.empty(*x.shape[:-1], 0, dtype=torch.long, device=x.device)
+    if impl == "keys":
+        top = x.topk(kk, dim=-1, sorted=False).values
+        blocks = torch.where(top == NO_BLOCK, _BIG, top & 0xFFFFFFFF).sort(-1).values
+        return torch.where(blocks == _BIG, -1, blocks)
+    thr = x.topk(kk, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    gt = x > thr
+    eq = (x == thr) & (thr > float("-inf"))
+    need = kk - gt.sum(-1, keepdim=True, dtype=torch.int32)
+    eqi = eq.to(torch.int32)
+    later = eqi.sum(-1, keepdim=True, dtype=torch.int32) - eqi.cumsum(-1, dtype=torch.int32) + eqi  # equal ones at >= i
+    keep = gt | (eq & (later <= need))
+    dest = torch.where(keep, keep.cumsum(-1, dtype=torch.int32) - 1, kk).long()
+    out = torch.full((*x.shape[:-1], kk + 1), -1, dtype=torch.long, device=x.device)
+    out.scatter_(-1, dest, torch.arange(x.shape[-1], device=x.device).expand_as(dest))
+    return out[..., :kk]
 
 
 def _span(first: torch.Tensor, n: int, ok_lo, ok_hi):
@@ -148,9 +184,14 @@ def _chunk_rows(B: int, width: int, budget: int) -> int:
 
 def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 0, window: int = 0,
                   kv_start=None, key_block: int = 1, query_group: int = 1, block_score: str = "max",
-                  history=None, shared: bool = False, budget: int | None = None) -> torch.Tensor:
+                  history=None, shared: bool = False, budget: int | None = None,
+                  topk_impl: str = "keys") -> torch.Tensor:
     """`naive.granular_topk_naive` (same arguments, rows and `shared`) on the kernel.
-    budget: bytes of one chunk's block keys and row buffers (default 1 GiB on CUDA, 4 MiB elsewhere)."""
+    budget: bytes of one chunk's block keys and row buffers (default 1 GiB on CUDA, 4 MiB elsewhere);
+    topk_impl: "keys" or "threshold" (`top_blocks`; the same rows, timed against each other by
+    benchmarks/gpu_granular_session5.py)."""
+    if topk_impl not in TOPK_IMPLS:
+        raise ValueError(f"topk_impl {topk_impl!r}: expected one of {', '.join(TOPK_IMPLS)}")
     if sink + window > topk:
         raise ValueError(f"sink ({sink}) + window ({window}) must not exceed topk ({topk})")
     if key_block & (key_block - 1) or query_group < 1:
@@ -176,12 +217,10 @@ def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 
             nbc = min(n_all, last_rep // kb + 1)
             rep_c = ev_rep[:, n0:n1]
             qr, wr = rep_queries(q_all, w_all, j[:, n0:n1])
-            keys = block_keys(qr, wr, k_idx, rep_c, start, nbc, key_block=kb, sink=sink, window=window,
-                              block_score=block_score)
-            kk = min(nb, nbc)
-            top = keys.topk(kk, dim=-1, sorted=False).values if kk else keys[..., :0]
-            blocks = torch.where(top == NO_BLOCK, _BIG, top & 0xFFFFFFFF).sort(-1).values
-            blocks = torch.where(blocks == _BIG, -1, blocks)
+            x = block_keys(qr, wr, k_idx, rep_c, start, nbc, key_block=kb, sink=sink, window=window,
+                           block_score=block_score, keys=topk_impl == "keys")
+            blocks = top_blocks(x, min(nb, nbc), topk_impl)
+            del x
             out.append(assemble_rows(blocks, ev_pos[:, n0:n1], rep_c, start, topk, key_block=kb,
                                      query_group=G, sink=sink, window=window))
     rows = torch.cat(out, 1) if out else torch.empty(B, 0, topk, dtype=torch.int32, device=dev)
