@@ -14,7 +14,10 @@ Checks (before any timing):
 Timings (bf16, B = 1, 32 heads, 8 KV heads, D = 128, k = 2048, index 4 x 64, sink 4, window 64):
 `bench.granular.granular_rows` for kb16, g16 and kb16g16 on random index inputs and on an indexer
 trained here (bench/patterns.py), against the fastest dense SDPA of the same run; fwd+bwd at 32K only.
-Writes $OUT/granular.json (+ log lines on stdout) and prints the table last.
+Then, per length and granularity on the random inputs, where the selection's time goes
+(`stage_times`: the block-score kernel alone, the whole selection with each top-k form, "keys" and
+"threshold", which must give equal rows). Writes $OUT/granular.json (+ log lines on stdout) and
+prints the table last.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 
 from sparse_rl.bench import patterns
 from sparse_rl.bench.attention import best_dense, dense_variants
-from sparse_rl.bench.granular import granular_rows, markdown_granular
+from sparse_rl.bench.granular import granular_rows, markdown_granular, parse_granularity
 from sparse_rl.bench.timing import bench_ms, rel_err
 from sparse_rl.sparse.config import SparseConfig
 from sparse_rl.sparse.layer import LayerState, attend, select, select_rows
@@ -37,6 +40,8 @@ from sparse_rl.sparse.ops.indexer_topk.naive import granular_topk_naive
 from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
 
 DEV = torch.device("cuda")
+SHAPE = (1, 32, 8, 128, 2048)  # B, heads, KV heads, head dim, top-k (docs/BENCHMARKS.md)
+TRAIN = (150, 1024)  # steps and crop of the trained-pattern indexer
 T0 = time.time()
 
 
@@ -106,6 +111,33 @@ def attention_checks(T: int = 301, K: int = 128) -> list[dict]:
     return out
 
 
+def stage_times(qi, wi, ki, K: int, kb: int, G: int, W: dict) -> dict:
+    """Where the selection's time goes (random inputs, all rows in one launch): the block-score kernel
+    alone (int64 keys / fp32 scores out), and the whole selection with each top-k form."""
+    from sparse_rl.sparse.ops.indexer_topk import granular as gr
+
+    B, L = qi.shape[:2]
+    rep = torch.arange(0, L, G, device=DEV)[None].expand(B, -1).contiguous()
+    qr, wr = qi[:, ::G].contiguous(), wi[:, ::G].contiguous()
+    start = torch.zeros(B, 1, dtype=torch.long, device=DEV)
+    nbc = -(-L // kb)
+    kw = dict(key_block=kb, sink=4, window=64, block_score="max")
+    res = {"seqlen": L, "key_block": kb, "query_group": G}
+    for keys in (True, False):
+        res[f"block_kernel_{'keys' if keys else 'scores'}_ms"] = bench_ms(
+            lambda: gr.block_keys(qr, wr, ki, rep, start, nbc, keys=keys, **kw), DEV, **W)
+    for impl in gr.TOPK_IMPLS:
+        res[f"select_{impl}_ms"] = bench_ms(
+            lambda: granular_topk(qi, wi, ki, K, sink=4, window=64, key_block=kb, query_group=G, shared=G > 1,
+                                  topk_impl=impl, backend="triton"), DEV, **W)
+    a = granular_topk(qi, wi, ki, K, sink=4, window=64, key_block=kb, query_group=G, shared=G > 1, backend="triton")
+    b = granular_topk(qi, wi, ki, K, sink=4, window=64, key_block=kb, query_group=G, shared=G > 1,
+                      topk_impl="threshold", backend="triton")
+    res["impls_equal"] = bool(torch.equal(a, b))
+    res["index_score_tflop"] = 2.0 * B * (L / G) * L / 2 * qi.shape[2] * qi.shape[3] / 1e12
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -127,10 +159,10 @@ def main():
     W = dict(warmup_ms=10, rep_ms=a.rep_ms)
     gen = torch.Generator(device=DEV).manual_seed(0)
     log("training the trained-pattern indexer")
-    ix, kl = patterns.train_indexer(DEV, gen, steps=150, crop=1024)
+    ix, kl = patterns.train_indexer(DEV, gen, steps=TRAIN[0], crop=TRAIN[1])
     res["trained_indexer_kl"] = kl
-    rows, skipped = [], []
-    B, H, Hkv, D, K = 1, 32, 8, 128, 2048
+    rows, skipped, stages = [], [], []
+    B, H, Hkv, D, K = SHAPE
     for L in a.seqlens:
         if time.time() - T0 > a.budget_s * 0.55 and L > 32768:
             skipped.append(f"L={L}: over budget before it started ({time.time() - T0:.0f} s)")
@@ -164,9 +196,15 @@ def main():
                 r["dense_label"] = label
                 log(", ".join(f"{x}={y:.4g}" if isinstance(y, float) else f"{x}={y}" for x, y in r.items()))
             rows += got
+        if time.time() - T0 < a.budget_s * 0.9:
+            for spec in a.specs:
+                kb, G = parse_granularity(spec)
+                log(f"L={L}: selection stages {spec}")
+                stages.append(stage_times(*inputs["random"], K, kb, G, W))
+                log(str(stages[-1]))
         del q, k, v, qd, kd, vd, inputs, kw
         torch.cuda.empty_cache()
-    res["rows"], res["skipped"], res["wall_s"] = rows, skipped, time.time() - T0
+    res["rows"], res["stages"], res["skipped"], res["wall_s"] = rows, stages, skipped, time.time() - T0
     res["markdown"] = "\n".join(markdown_granular(rows))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "granular.json"), "w") as f:
@@ -174,6 +212,8 @@ def main():
     print(f"selection exact: {res['selection_exact_ok']}  attention ok: {res['attention_ok']}  "
           f"skipped: {skipped}  wall {res['wall_s']:.0f} s")
     print(res["markdown"])
+    for st in stages:
+        print(st)
 
 
 if __name__ == "__main__":

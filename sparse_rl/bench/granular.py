@@ -118,7 +118,6 @@ def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int,
                 r.update(check_selection(rows, qi, wi, ki, topk, kw, min(n, L // G * G)))
                 r.update(check_output(q, k, v, rows, G, min(n, L)))
             out.append(r)
-            del rows
     return out
 
 
