@@ -10,7 +10,9 @@ Checks (before any timing):
   on random bf16 inputs the fraction of equal rows and the key recall (summation order may split
   near-ties there);
 - `layer.select_rows` + `layer.attend` (query groups: shared rows) against the reference attention over
-  the per-query rows, forward and q/k/v gradients, fp32, GQA 1/4/7, odd T.
+  the per-query rows, forward and q/k/v gradients, fp32, GQA 1/4/7, odd T;
+- the rollout engine's decode with CUDA graphs (now allowed for granular configs) against the same
+  engine without graphs, greedy tokens equal (`engine_checks`).
 Timings (bf16, B = 1, 32 heads, 8 KV heads, D = 128, k = 2048, index 4 x 64, sink 4, window 64):
 `bench.granular.granular_rows` for kb16, g16 and kb16g16 on random index inputs and on an indexer
 trained here (bench/patterns.py), against the fastest dense SDPA of the same run; fwd+bwd at 32K only.
@@ -111,6 +113,44 @@ def attention_checks(T: int = 301, K: int = 128) -> list[dict]:
     return out
 
 
+def engine_checks() -> list[dict]:
+    """The rollout engine's decode with CUDA graphs (granular configs are captured now) against the same
+    engine without graphs: greedy tokens equal, graphs really used (no graph_error), on a tiny
+    converted qwen2 whose top-k is below the contexts (so the granular decode select runs)."""
+    import tempfile
+    from pathlib import Path
+
+    from sparse_rl.modelinit import ModelInitConfig, init_model
+    from sparse_rl.rl.rollout import RolloutEngine, SamplingParams
+    from sparse_rl.sparse.convert import ConvertConfig, convert
+    from sparse_rl.sparse.layer import set_granularity
+    from sparse_rl.sparse.loader import load_model
+
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        init_model(root / "dense", ModelInitConfig(arch="qwen2", size="tiny", seed=1))
+        sc = SparseConfig(topk=64, index_heads=2, index_dim=16, rope_dim=8, sink=1, window=4, dense_layers=[0])
+        convert(root / "dense", root / "sparse", ConvertConfig(sparse=sc, seed=3))
+        model = load_model(root / "sparse", attention="sparse", device="cuda")
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (70, 131, 95, 200)]
+        for kb, G in ((16, 1), (1, 16), (4, 4)):
+            set_granularity(model, kb, G)
+            toks = {}
+            for graphs in (False, True):
+                eng = RolloutEngine(model, None, max_batch=4, max_seq_len=512, eos_token_ids=[],
+                                    use_cuda_graphs=graphs, compile=False)
+                res = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=48))
+                toks[graphs] = [c.tokens for c in res]
+                if graphs:
+                    err, n_graphs = eng.runner.graph_error, len(eng.runner._graphs)
+            out.append({"key_block": kb, "query_group": G, "tokens_equal": toks[True] == toks[False],
+                        "graph_error": err, "graphs_captured": n_graphs})
+            log(str(out[-1]))
+    return out
+
+
 def stage_times(qi, wi, ki, K: int, kb: int, G: int, W: dict) -> dict:
     """Where the selection's time goes (random inputs, all rows in one launch): the block-score kernel
     alone (int64 keys / fp32 scores out), and the whole selection with each top-k form."""
@@ -156,6 +196,14 @@ def main():
     res["attention_ok"] = all(c["rows_equal_per_query"] and max(c[x] for x in c if x.endswith("rel_err")) < 1e-3
                               for c in res["attention_checks"])
     log(f"attention + gradients vs reference: {res['attention_ok']}")
+    log("engine: CUDA graphs vs eager decode, granular configs")
+    try:
+        res["engine_checks"] = engine_checks()
+        res["engine_ok"] = all(c["tokens_equal"] and c["graph_error"] is None and c["graphs_captured"] > 0
+                               for c in res["engine_checks"])
+    except Exception as e:  # reported, and the timings still run
+        res["engine_checks"], res["engine_ok"] = f"{type(e).__name__}: {e}", False
+    log(f"engine graphs ok: {res['engine_ok']}")
     W = dict(warmup_ms=10, rep_ms=a.rep_ms)
     gen = torch.Generator(device=DEV).manual_seed(0)
     log("training the trained-pattern indexer")
@@ -210,6 +258,7 @@ def main():
     with open(os.path.join(a.out, "granular.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(f"selection exact: {res['selection_exact_ok']}  attention ok: {res['attention_ok']}  "
+          f"engine graphs ok: {res['engine_ok']}  "
           f"skipped: {skipped}  wall {res['wall_s']:.0f} s")
     print(res["markdown"])
     for st in stages:

@@ -108,3 +108,29 @@ def test_select_rows_left_padding_falls_back_to_per_query_rows():
     sel = select_rows(st, None, None, (qi, w, ki), kv_start=ks)
     assert sel.query_group == 1
     assert torch.equal(sel.indices, select(st, None, None, (qi, w, ki), kv_start=ks))
+
+
+@pytest.mark.parametrize("kb,G,score", [(4, 1, "max"), (4, 4, "mean"), (16, 2, "max")])
+def test_decode_kernel_equals_reference(kb, G, score):
+    """The decode form (one row per batch row at its own position, left padding) equals the reference's
+    decode rows and the sequence's rows; `select` takes it on the Triton backend."""
+    from sparse_rl.sparse.ops import granular_topk_decode
+    from sparse_rl.sparse.ops.indexer_topk.naive import granular_topk_decode_naive, group_start
+
+    q, w, k = _index(B=2, T=29, seed=kb + G)
+    ks = torch.tensor([0, 3])
+    kw = dict(sink=1, window=2, key_block=kb, query_group=G, block_score=score, kv_start=ks)
+    rows = granular_topk_naive(q, w, k, 24, **kw)
+    for t in (17, 22, 28):
+        pos = torch.tensor([t, t - 1])
+        rep = group_start(pos, ks, G)
+        qr, wr = q[torch.arange(2), rep], w[torch.arange(2), rep]
+        got = granular_topk_decode(qr, wr, k[:, :t + 1], pos, 24, backend="triton", **kw)
+        assert torch.equal(got, granular_topk_decode_naive(qr, wr, k[:, :t + 1], pos, 24, **kw))
+        assert torch.equal(got, rows[torch.arange(2), pos])
+    st = _layer(kb, G)
+    seq = select(st, None, None, (q[:1], w[:1], k[:1]))
+    group = (torch.zeros(1, 3, 16), torch.zeros(1, 3))
+    for t in range(q.shape[1]):
+        got = select(st, None, None, (q[:1, t], w[:1, t], k[:1]), pos=torch.tensor([t]), S=t + 1, group=group)
+        assert torch.equal(got, seq[:, t]), t

@@ -113,9 +113,14 @@ def granular_topk_decode(q_rep: torch.Tensor, w_rep: torch.Tensor, k_idx: torch.
                          *, sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None, key_block: int = 1,
                          query_group: int = 1, block_score: str = "max", backend: str = "auto"):
     """Decode form of `granular_topk`: q_rep `[B, H_I, D_I]`, w_rep `[B, H_I]` of each row's group
-    representative, k_idx `[B, S, D_I]`, pos `[B]` -> `[B, topk]` int32 (PyTorch reference only)."""
-    return granular_topk_decode_naive(q_rep, w_rep, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start,
-                                      key_block=key_block, query_group=query_group, block_score=block_score)
+    representative, k_idx `[B, S, D_I]`, pos `[B]` -> `[B, topk]` int32. Triton: `granular.py`
+    (static shapes, no host reads: CUDA-graph capturable)."""
+    kw = dict(sink=sink, window=window, kv_start=kv_start, key_block=key_block, query_group=query_group,
+              block_score=block_score)
+    fn = kernel("indexer_topk", "granular_topk_decode", "granular") if q_rep.dtype != torch.float64 else None
+    if resolve_backend(backend, q_rep, fn is not None) == "triton":
+        return fn(q_rep, w_rep, k_idx, pos, topk, **kw)
+    return granular_topk_decode_naive(q_rep, w_rep, k_idx, pos, topk, **kw)
 
 
 def indexer_decode(zq: torch.Tensor, zk: torch.Tensor, zw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

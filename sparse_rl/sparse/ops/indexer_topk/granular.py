@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.naive import group_rows, per_query_rows, rep_inputs, rep_queries
+from sparse_rl.sparse.ops.indexer_topk.naive import group_rows, group_start, per_query_rows, rep_inputs, rep_queries
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 NO_BLOCK = -(2 ** 63)  # the key of a block that is not a candidate (below every real key)
@@ -225,3 +225,26 @@ def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 
                                      query_group=G, sink=sink, window=window))
     rows = torch.cat(out, 1) if out else torch.empty(B, 0, topk, dtype=torch.int32, device=dev)
     return rows if shared else per_query_rows(rows, pos, inv)
+
+
+def granular_topk_decode(q_rep, w_rep, k_idx, pos, topk: int, *, sink: int = 0, window: int = 0, kv_start=None,
+                         key_block: int = 1, query_group: int = 1, block_score: str = "max",
+                         topk_impl: str = "keys") -> torch.Tensor:
+    """`naive.granular_topk_decode_naive` (same arguments and rows) on the kernel: one row per batch row at
+    `pos [B]`, its representative's q_rep `[B, H_I, D_I]`, w_rep `[B, H_I]`, over k_idx `[B, S, D_I]`.
+    Shapes depend on S and the config only and nothing is read back to the host, so a decode step
+    running it can be captured in a CUDA graph."""
+    B, S = k_idx.shape[:2]
+    dev = k_idx.device
+    start = (torch.zeros(B, 1, dtype=torch.long, device=dev) if kv_start is None
+             else torch.as_tensor(kv_start, device=dev).long().view(B, 1))
+    p = torch.as_tensor(pos, device=dev).long().view(B, 1)
+    rep = group_start(p, start, query_group)
+    n_blocks = triton.cdiv(S, key_block)
+    with torch.no_grad():
+        x = block_keys(q_rep[:, None], w_rep[:, None], k_idx, rep, start, n_blocks, key_block=key_block, sink=sink,
+                       window=window, block_score=block_score, keys=topk_impl == "keys")
+        nb = max(0, (topk - (query_group - 1) - sink - window) // key_block)
+        blocks = top_blocks(x, min(nb, n_blocks), topk_impl)
+        return assemble_rows(blocks, p, rep, start, topk, key_block=key_block, query_group=query_group, sink=sink,
+                             window=window)[:, 0]
