@@ -17,8 +17,8 @@ Timings (bf16, B = 1, 32 heads, 8 KV heads, D = 128, k = 2048, index 4 x 64, sin
 `bench.granular.granular_rows` for kb16, g16 and kb16g16 on random index inputs and on an indexer
 trained here (bench/patterns.py), against the fastest dense SDPA of the same run; fwd+bwd at 32K only.
 Then, per length and granularity on the random inputs, where the selection's time goes
-(`stage_times`: the block-score kernel alone, the whole selection with each top-k form, "keys" and
-"threshold", which must give equal rows). Writes $OUT/granular.json (+ log lines on stdout) and
+(`stage_times`: the block-score kernel alone, the whole selection with each top-k form, "keys",
+"threshold", "radix" and what "auto" takes, which must all give equal rows). Writes $OUT/granular.json (+ log lines on stdout) and
 prints the table last.
 """
 
@@ -166,14 +166,15 @@ def stage_times(qi, wi, ki, K: int, kb: int, G: int, W: dict) -> dict:
     for keys in (True, False):
         res[f"block_kernel_{'keys' if keys else 'scores'}_ms"] = bench_ms(
             lambda: gr.block_keys(qr, wr, ki, rep, start, nbc, keys=keys, **kw), DEV, **W)
+    sel = {}
     for impl in gr.TOPK_IMPLS:
-        res[f"select_{impl}_ms"] = bench_ms(
-            lambda: granular_topk(qi, wi, ki, K, sink=4, window=64, key_block=kb, query_group=G, shared=G > 1,
-                                  topk_impl=impl, backend="triton"), DEV, **W)
-    a = granular_topk(qi, wi, ki, K, sink=4, window=64, key_block=kb, query_group=G, shared=G > 1, backend="triton")
-    b = granular_topk(qi, wi, ki, K, sink=4, window=64, key_block=kb, query_group=G, shared=G > 1,
-                      topk_impl="threshold", backend="triton")
-    res["impls_equal"] = bool(torch.equal(a, b))
+        def run(impl=impl):
+            return granular_topk(qi, wi, ki, K, sink=4, window=64, key_block=kb, query_group=G, shared=G > 1,
+                                 topk_impl=impl, backend="triton")
+        res[f"select_{impl}_ms"] = bench_ms(run, DEV, **W)
+        sel[impl] = run()
+    res["auto_impl"] = gr.resolve_topk_impl("auto", nbc)
+    res["impls_equal"] = all(torch.equal(sel["keys"], x) for x in sel.values())
     res["index_score_tflop"] = 2.0 * B * (L / G) * L / 2 * qi.shape[2] * qi.shape[3] / 1e12
     return res
 

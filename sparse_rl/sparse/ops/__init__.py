@@ -90,14 +90,14 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
 def granular_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk: int, *, q_offset: int = 0,
                   sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None, key_block: int = 1,
                   query_group: int = 1, block_score: str = "max", history: tuple | None = None,
-                  shared: bool = False, topk_impl: str = "keys", backend: str = "auto"):
+                  shared: bool = False, topk_impl: str = "auto", backend: str = "auto"):
     """Indexer selection at a granularity: whole key blocks of `key_block` tokens, one selection per
     group of `query_group` queries (docs/DESIGN.md "Selection granularity"). Shapes as `indexer_topk`
     (history: the earlier positions' (q_I, w) when a group started before q_offset) -> `[B, T, topk]`
     int32 token positions; shared: one row per group `[B, ceil(T / G), topk]` for `sparse_attention(...,
     query_group=G, q_offset=)` (only where `shared_rows_ok(kv_start, q_offset, G)`: no left padding,
     q_offset a multiple of G). Triton: `indexer_topk/granular.py` (float64 inputs take the reference;
-    topk_impl "keys" | "threshold": its block top-k, `granular.top_blocks`)."""
+    topk_impl auto | keys | threshold | radix: its block top-k, `granular.top_blocks`)."""
     if shared and not shared_rows_ok(kv_start, q_offset, query_group):
         raise ValueError(f"granular_topk(shared=True): needs query_group > 1, no left padding and q_offset "
                          f"({q_offset}) a multiple of query_group ({query_group})")

@@ -30,12 +30,25 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
 from sparse_rl.sparse.ops.indexer_topk.naive import group_rows, group_start, per_query_rows, rep_inputs, rep_queries
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 NO_BLOCK = -(2 ** 63)  # the key of a block that is not a candidate (below every real key)
 _BIG = torch.iinfo(torch.int32).max
-TOPK_IMPLS = ("keys", "threshold")
+TOPK_IMPLS = ("auto", "keys", "threshold", "radix")
+RADIX_MAX_BLOCKS = 32768  # "auto": radix select for rows up to this many blocks, "threshold" beyond
+
+
+def resolve_topk_impl(impl: str, n_blocks: int) -> str:
+    """`auto` -> "radix" for rows of <= RADIX_MAX_BLOCKS blocks, "threshold" beyond: the token-level
+    path's rule (benchmarks/NOTES.md item 4, H200: radix 2x faster than torch.topk on 8K-key rows,
+    equal at 32K, slower beyond; the threshold form's fp32 torch.topk moves half the bytes of "keys")."""
+    if impl not in TOPK_IMPLS:
+        raise ValueError(f"topk_impl {impl!r}: expected one of {', '.join(TOPK_IMPLS)}")
+    if impl == "auto":
+        return "radix" if n_blocks <= RADIX_MAX_BLOCKS else "threshold"
+    return impl
 
 
 @triton.jit
@@ -131,9 +144,13 @@ def top_blocks(x: torch.Tensor, kk: int, impl: str) -> torch.Tensor:
     sort of the kk indices. impl "threshold": x the fp32 scores (-inf = not a candidate); `torch.topk`
     gives the kk-th best score, every block above it is kept and, of the blocks equal to it, the latest
     ones that fill the budget (the reference's tie rule); the kept mask compacts to ascending indices by
-    one prefix sum. The threshold form moves 4-byte scores instead of 8-byte keys through the top-k."""
+    one prefix sum. The threshold form moves 4-byte scores instead of 8-byte keys through the top-k.
+    impl "radix": x the fp32 scores, the token-level path's radix select (`radix_topk.py`, same tie
+    rule, output already ascending)."""
     if kk == 0:
         return torch.empty(*x.shape[:-1], 0, dtype=torch.long, device=x.device)
+    if impl == "radix":
+        return radix_topk(x, kk).long()
     if impl == "keys":
         top = x.topk(kk, dim=-1, sorted=False).values
         blocks = torch.where(top == NO_BLOCK, _BIG, top & 0xFFFFFFFF).sort(-1).values
@@ -185,13 +202,11 @@ def _chunk_rows(B: int, width: int, budget: int) -> int:
 def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 0, window: int = 0,
                   kv_start=None, key_block: int = 1, query_group: int = 1, block_score: str = "max",
                   history=None, shared: bool = False, budget: int | None = None,
-                  topk_impl: str = "keys") -> torch.Tensor:
+                  topk_impl: str = "auto") -> torch.Tensor:
     """`naive.granular_topk_naive` (same arguments, rows and `shared`) on the kernel.
     budget: bytes of one chunk's block keys and row buffers (default 1 GiB on CUDA, 4 MiB elsewhere);
-    topk_impl: "keys" or "threshold" (`top_blocks`; the same rows, timed against each other by
-    benchmarks/gpu_granular_session5.py)."""
-    if topk_impl not in TOPK_IMPLS:
-        raise ValueError(f"topk_impl {topk_impl!r}: expected one of {', '.join(TOPK_IMPLS)}")
+    topk_impl: the block top-k (`top_blocks`, `resolve_topk_impl`; every form gives the same rows,
+    timed against each other by benchmarks/gpu_granular_session5.py)."""
     if sink + window > topk:
         raise ValueError(f"sink ({sink}) + window ({window}) must not exceed topk ({topk})")
     if key_block & (key_block - 1) or query_group < 1:
@@ -207,6 +222,7 @@ def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 
     nb = max(0, (topk - (G - 1) - sink - window) // kb)
     budget = budget or ((1 << 30) if q_idx.is_cuda else (1 << 22))
     n_all = triton.cdiv(S, kb)
+    impl = resolve_topk_impl(topk_impl, n_all)
     step = _chunk_rows(B, max(n_all, topk + sink + window + G), budget)
     out = []
     with torch.no_grad():
@@ -218,8 +234,8 @@ def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 
             rep_c = ev_rep[:, n0:n1]
             qr, wr = rep_queries(q_all, w_all, j[:, n0:n1])
             x = block_keys(qr, wr, k_idx, rep_c, start, nbc, key_block=kb, sink=sink, window=window,
-                           block_score=block_score, keys=topk_impl == "keys")
-            blocks = top_blocks(x, min(nb, nbc), topk_impl)
+                           block_score=block_score, keys=impl == "keys")
+            blocks = top_blocks(x, min(nb, nbc), impl)
             del x
             out.append(assemble_rows(blocks, ev_pos[:, n0:n1], rep_c, start, topk, key_block=kb,
                                      query_group=G, sink=sink, window=window))
@@ -229,7 +245,7 @@ def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 
 
 def granular_topk_decode(q_rep, w_rep, k_idx, pos, topk: int, *, sink: int = 0, window: int = 0, kv_start=None,
                          key_block: int = 1, query_group: int = 1, block_score: str = "max",
-                         topk_impl: str = "keys") -> torch.Tensor:
+                         topk_impl: str = "auto") -> torch.Tensor:
     """`naive.granular_topk_decode_naive` (same arguments and rows) on the kernel: one row per batch row at
     `pos [B]`, its representative's q_rep `[B, H_I, D_I]`, w_rep `[B, H_I]`, over k_idx `[B, S, D_I]`.
     Shapes depend on S and the config only and nothing is read back to the host, so a decode step
@@ -241,10 +257,11 @@ def granular_topk_decode(q_rep, w_rep, k_idx, pos, topk: int, *, sink: int = 0, 
     p = torch.as_tensor(pos, device=dev).long().view(B, 1)
     rep = group_start(p, start, query_group)
     n_blocks = triton.cdiv(S, key_block)
+    impl = resolve_topk_impl(topk_impl, n_blocks)
     with torch.no_grad():
         x = block_keys(q_rep[:, None], w_rep[:, None], k_idx, rep, start, n_blocks, key_block=key_block, sink=sink,
-                       window=window, block_score=block_score, keys=topk_impl == "keys")
+                       window=window, block_score=block_score, keys=impl == "keys")
         nb = max(0, (topk - (query_group - 1) - sink - window) // key_block)
-        blocks = top_blocks(x, min(nb, n_blocks), topk_impl)
+        blocks = top_blocks(x, min(nb, n_blocks), impl)
         return assemble_rows(blocks, p, rep, start, topk, key_block=key_block, query_group=query_group, sink=sink,
                              window=window)[:, 0]
