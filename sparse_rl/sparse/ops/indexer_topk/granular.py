@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
-from sparse_rl.sparse.ops.indexer_topk.naive import group_rows, group_start, per_query_rows, rep_inputs, rep_queries
+from sparse_rl.sparse.ops.indexer_topk.naive import group_plan, group_start, per_query_rows, rep_queries
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 NO_BLOCK = -(2 ** 63)  # the key of a block that is not a candidate (below every real key)
@@ -214,10 +214,7 @@ def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 
     G, kb = query_group, key_block
     B, T = q_idx.shape[:2]
     S = k_idx.shape[1]
-    dev = q_idx.device
-    start, pos, ev_pos, ev_rep, inv = group_rows(B, T, q_offset, kv_start, G, dev)
-    q_all, w_all, first = rep_inputs(q_idx, w, q_offset, history, ev_rep, G)
-    j = (ev_rep - first).clamp(min=0)
+    start, pos, ev_pos, ev_rep, inv, q_all, w_all, j = group_plan(q_idx, w, q_offset, kv_start, G, history)
     N = ev_pos.shape[1]
     nb = max(0, (topk - (G - 1) - sink - window) // kb)
     budget = budget or ((1 << 30) if q_idx.is_cuda else (1 << 22))
@@ -239,7 +236,7 @@ def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 
             del x
             out.append(assemble_rows(blocks, ev_pos[:, n0:n1], rep_c, start, topk, key_block=kb,
                                      query_group=G, sink=sink, window=window))
-    rows = torch.cat(out, 1) if out else torch.empty(B, 0, topk, dtype=torch.int32, device=dev)
+    rows = torch.cat(out, 1) if out else torch.empty(B, 0, topk, dtype=torch.int32, device=q_idx.device)
     return rows if shared else per_query_rows(rows, pos, inv)
 
 

@@ -10,6 +10,8 @@ exists (never `[B, T, H_I, S]` at full length).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 # Budget (elements) for one `[B, Tc, H_I, S]` score block of the reference.
@@ -244,17 +246,34 @@ def group_rows(B: int, T: int, q_offset: int, kv_start, query_group: int, device
     return start, pos, pos, group_start(pos, start, G), None
 
 
-def rep_inputs(q_idx, w, q_offset: int, history, ev_rep, query_group: int):
-    """(q_all, w_all, first): the index queries and weights the representatives are read from (history
-    prepended when given) and the position of their first row; a ValueError when a representative
-    lies before them."""
+class GroupPlan(NamedTuple):
+    """Where a granular selection is evaluated (`group_plan`): start `[B, 1]`, pos `[B, T]`, the
+    evaluation rows ev_pos / ev_rep `[B, N]` and inv (`group_rows`), the index queries and weights the
+    representatives are read from (q_all, w_all: history prepended when given) and each row's
+    representative's row in them, j `[B, N]`."""
+
+    start: torch.Tensor
+    pos: torch.Tensor
+    ev_pos: torch.Tensor
+    ev_rep: torch.Tensor
+    inv: torch.Tensor | None
+    q_all: torch.Tensor
+    w_all: torch.Tensor
+    j: torch.Tensor
+
+
+def group_plan(q_idx, w, q_offset: int, kv_start, query_group: int, history) -> GroupPlan:
+    """The `GroupPlan` of queries q_idx `[B, T, H_I, D_I]`, w `[B, T, H_I]` at q_offset..; a ValueError
+    when a representative lies before q_offset and no history is given."""
+    B, T = q_idx.shape[:2]
+    start, pos, ev_pos, ev_rep, inv = group_rows(B, T, q_offset, kv_start, query_group, q_idx.device)
     if history is not None:
         q_all, w_all, first = torch.cat([history[0], q_idx], 1), torch.cat([history[1], w], 1), 0
     else:
         q_all, w_all, first = q_idx, w, q_offset
     if bool((ev_rep < first).any()):
         raise ValueError(f"query_group {query_group}: a group starts before q_offset {q_offset}; pass history")
-    return q_all, w_all, first
+    return GroupPlan(start, pos, ev_pos, ev_rep, inv, q_all, w_all, (ev_rep - first).clamp(min=0))
 
 
 def rep_queries(q_all, w_all, j):
@@ -289,9 +308,7 @@ def granular_topk_naive(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: 
     B, T, H_I, _ = q_idx.shape
     S = k_idx.shape[1]
     dev = q_idx.device
-    start, pos, ev_pos, ev_rep, inv = group_rows(B, T, q_offset, kv_start, query_group, dev)
-    q_all, w_all, first = rep_inputs(q_idx, w, q_offset, history, ev_rep, query_group)
-    j = (ev_rep - first).clamp(min=0)
+    start, pos, ev_pos, ev_rep, inv, q_all, w_all, j = group_plan(q_idx, w, q_offset, kv_start, query_group, history)
     N = ev_pos.shape[1]
     chunk = max(1, _SCORE_BUDGET // max(1, B * H_I * S))
     out = []
