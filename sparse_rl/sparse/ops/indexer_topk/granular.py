@@ -10,11 +10,13 @@ Why this shape:
 - Rows are query groups: the rule is evaluated at each group's representative (its first query), once
   per group where groups line up across the batch (`naive.group_rows`), so query_group G scores G x
   fewer rows; with left padding every query is its own row (its group differs per batch row).
-- Exact top-k with the reference's tie rule: each candidate block's key is one int64, the fp32 score's
-  order-preserving bits above the block index (the later block wins a tie; -0.0 is made +0.0 first,
-  as the reference's sort treats them as equal), and `torch.topk` runs over these distinct keys in
-  row chunks bounded by `budget` bytes (at 128K keys and key_block 16 a row has 8K blocks). Blocks
-  that are not candidates (no visible key that is not forced) get the smallest key and are dropped.
+- Exact top-k over blocks with the reference's tie rule (the later block wins; -0.0 counts as +0.0),
+  in row chunks bounded by `budget` bytes (at 128K keys and key_block 16 a row has 8K blocks), in one
+  of three forms (`top_blocks`, `topk_impl`): the token-level path's radix select on the fp32 block
+  scores; an fp32 `torch.topk` threshold with the ties settled by a prefix sum; or `torch.topk` on
+  int64 keys, the score's order-preserving bits above the block index. `auto` takes radix for rows
+  of <= 32K blocks and the threshold beyond, the token-level path's measured rule. Blocks that are
+  not candidates (no visible key that is not forced) score -inf (the smallest key) and are dropped.
 - The row is then assembled without a sort of tokens: the sink keys, the chosen blocks' keys (blocks
   sorted, then expanded; forced keys cut out), the window and the group's keys after the
   representative are ascending and disjoint in that order, so one prefix sum compacts them.
