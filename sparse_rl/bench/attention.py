@@ -10,6 +10,8 @@ heads of 64 dims, bf16. Index patterns timed for the sparse attention kernels (`
   also timed as a shared selection (`query_group` = block size: one row per query block, no union);
 - `local`: sinks + local window + shared retrieval spans + per-query noise (bench/patterns.py);
 - `trained`: the top-k of an indexer trained in the same run on synthetic data (bench/patterns.py).
+Granular rows (`granular`, bench/granular.py): prefill at key_block / query_group granularities (the
+granular selection kernel + the attention over its rows) on the random and the trained index inputs.
 Each pattern prints union/pairs (the tiles' union over the selected pairs: lower = more sharing),
 every forward path, the path `auto` took, and TFLOP/s counted on selected pairs.
 Times are medians of `triton.testing.do_bench` (CUDA events, L2 flushed between repeats).
@@ -22,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 from sparse_rl.bench import patterns
+from sparse_rl.bench.granular import granular_rows, markdown_granular, parse_granularity
 from sparse_rl.bench.timing import bench_ms, device_name, fmt, rel_err, table_title
 from sparse_rl.errors import UsageError
 
@@ -42,6 +45,7 @@ class BenchAttentionConfig:
     flex_min_seqlen: int = 32768  # each sequence length costs one FlexAttention compile
     patterns: list[str] = field(default_factory=lambda: ["indexer", "block", "local", "trained"])
     trained_steps: int = 200  # training steps of the `trained` pattern's indexer
+    granular: list[str] = field(default_factory=lambda: ["kb16", "g16"])  # bench/granular.py specs
     check: bool = True
     check_queries: int = 256  # rows compared with the float32 reference at each length
     dtype: str = "bfloat16"
@@ -315,10 +319,12 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
     from sparse_rl.sparse.ops.indexer_topk import triton as it
 
     dev, dtype = bench_setup(cfg)
+    for spec in cfg.granular:
+        parse_granularity(spec)
     B, H, Hkv, D, K = cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.topk
     HI, DI = cfg.index_heads, cfg.index_dim
     W = dict(warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms)
-    rows, checks = [], []
+    rows, checks, gran_rows = [], [], []
     flex = None
     if cfg.flex and dev.type == "cuda":
         from torch.nn.attention.flex_attention import flex_attention
@@ -458,6 +464,18 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
                 row["fwdbwd_speedup"] = row["dense_fwdbwd_ms"] / row["sparse_fwdbwd_ms"]
             del g, gd
         del pats
+        if cfg.granular:
+            log(f"L={L}: granular selection")
+            inputs = {"random": (qi, wi, ki)}
+            if trained is not None:
+                inputs["trained"] = patterns.trained_index(trained[0], L, dev, gen)
+            fb_args = {}
+            if "dense_fwdbwd_ms" in row:
+                fb_args = dict(dense_fwdbwd_ms=row["dense_fwdbwd_ms"], grad=torch.randn_like(q))
+            gran_rows += granular_rows(q, k, v, inputs, cfg.granular, K, min(4, K // 4), min(64, K // 2), dev, W,
+                                       row["dense_ms"], check_n=min(cfg.check_queries, L) if cfg.check else 0,
+                                       **fb_args)
+            del inputs, fb_args
         rows.append(row)
         log(f"L={L}: " + ", ".join(f"{a}={b:.3g}" for a, b in row.items() if isinstance(b, float)))
         del q, k, v, qd, kd, vd, kg0, vg0, qi, ki, wi, idx
@@ -470,7 +488,7 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
             checks.append({"pattern": f"backward-{path}",
                            **check_backward(dev, dtype, H, Hkv, D, seed=cfg.seed, bwd_path=path)})
     return {"bench": "attention", "config": dataclasses.asdict(cfg), "device": device_name(dev), "rows": rows,
-            "checks": checks}
+            "checks": checks, "granular": gran_rows}
 
 
 def markdown_attention(res: dict) -> str:
@@ -518,6 +536,7 @@ def markdown_attention(res: dict) -> str:
                         r["seqlen"], f"{fmt(r['dense_fwdbwd_ms'])} ({r['dense_fwdbwd_label']})", name,
                         r.get(f"{pre}_fwdbwd_atomic_ms"), r.get(f"{pre}_fwdbwd_tile_ms"), r[f"{pre}_fwdbwd_auto_ms"],
                         r[f"{pre}_fwdbwd_speedup"])) + " |")
+    lines += markdown_granular(res.get("granular", []))
     lines += ["", "Dense = the fastest SDPA variant per length: " + "; ".join(
         f"{r['seqlen']}: " + ", ".join(f"{a} {fmt(b)} ms" for a, b in r.get("dense_all_ms", {}).items())
         for r in res["rows"])]

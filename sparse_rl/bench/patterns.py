@@ -130,15 +130,21 @@ def train_indexer(device, generator=None, index_heads: int = 4, index_dim: int =
     return ix, kl
 
 
-def trained_selection(ix, L: int, K: int, device, generator=None, d: int = 128):
-    """Top-K `[1, L, K]` int32 of the trained indexer on fresh synthetic hidden states of length L."""
+def trained_index(ix, L: int, device, generator=None, d: int = 128):
+    """The trained indexer's (q_I `[1, L, H_I, d_I]`, w `[1, L, H_I]`, k_I `[1, L, d_I]`) on fresh synthetic
+    hidden states of length L (bf16 on CUDA)."""
     import torch
-
-    from sparse_rl.sparse.ops import indexer_topk
 
     x = synthetic_hidden(L, d, device, generator)
     ones = torch.ones(1, L, 2, device=device)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.no_grad():
-        qi, w, ki = (t.to(dt) for t in ix(x, ones, ones))
-        return indexer_topk(qi, w, ki, K, sink=min(4, K // 4), window=min(64, K // 2))
+        return tuple(t.to(dt) for t in ix(x, ones, ones))
+
+
+def trained_selection(ix, L: int, K: int, device, generator=None, d: int = 128):
+    """Top-K `[1, L, K]` int32 of the trained indexer on fresh synthetic hidden states of length L."""
+    from sparse_rl.sparse.ops import indexer_topk
+
+    qi, w, ki = trained_index(ix, L, device, generator, d)
+    return indexer_topk(qi, w, ki, K, sink=min(4, K // 4), window=min(64, K // 2))

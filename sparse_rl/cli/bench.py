@@ -52,6 +52,8 @@ def attention(
     check: Optional[bool] = typer.Option(None, "--check/--no-check", help="Compare with the fp32 reference [default: on]"),
     dtype: Optional[str] = typer.Option(None, help="bfloat16 | float16 | float32 [default: bfloat16]"),
     rep_ms: Optional[int] = typer.Option(None, help="Timing budget per measurement, ms [default: 100]"),
+    granular: Optional[str] = typer.Option(None, help="Granular prefill rows, kb<N> / g<N> / kb<N>g<M> or none "
+                                           "[default: kb16,g16]"),
     device: Optional[str] = device_option(),
     config: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET,
     out: Optional[Path] = _common["out"], force: bool = FORCE,
@@ -69,7 +71,9 @@ def attention(
             seqlens=ints("--seqlens", seqlens, positive=True),
             backward_seqlens=ints("--backward-seqlens", backward_seqlens, positive=True),
             heads=heads, kv_heads=kv_heads, head_dim=head_dim, topk=index_topk, index_heads=index_heads,
-            index_dim=index_dim, batch=batch, flex=flex, check=check, dtype=dtype, rep_ms=rep_ms, device=device), sets=set_)
+            index_dim=index_dim, batch=batch, flex=flex, check=check, dtype=dtype, rep_ms=rep_ms, device=device,
+            granular=None if granular is None else [x for x in granular.split(",") if x.strip() not in ("", "none")]),
+            sets=set_)
         res = run_attention_bench(cfg, log=lambda m: console.print(f"[dim]{m}[/]"))
         _finish(res, markdown_attention(res), out)
 

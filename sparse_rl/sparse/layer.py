@@ -13,7 +13,8 @@ else goes through the functions here:
 - `select(state, q, k, index, ...)`: THE selector dispatch (indexer or block, sinks, window, left
   padding, and the ops' tie rule: among equal scores the later key wins). The registered HF attention
   (`patch.py`), the rollout engine's prefill and decode (`rl/rollout/forward.py`) and indexer training
-  (`train/hooks.py`) all call it.
+  (`train/hooks.py`) all call it; `select_rows` / `attend` are its form for the attention itself
+  (query groups as one shared row per group, read by the shared-rows attention kernels).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 
 from sparse_rl.errors import SparseRLError, UsageError
 from sparse_rl.sparse.config import SparseConfig
-from sparse_rl.sparse.ops import block_select, granular_topk, granular_topk_decode, indexer_topk, indexer_topk_decode
+from sparse_rl.sparse.ops import (block_select, granular_topk, granular_topk_decode, indexer_topk, indexer_topk_decode,
+                                  shared_rows_ok, shared_to_per_query, sparse_attention)
 
 MODES = ("dense", "sparse")
 _ATTR = "sparse_rl_layer"  # the one attribute name; read and written only here
@@ -238,6 +240,46 @@ def _group_rows(q_rep, w_rep, k_cache, pos, S: int, c: SparseConfig, backend: st
     both = torch.cat([rows, extra], -1)
     both = torch.where(both < 0, big, both).sort(-1).values
     return torch.where(both == big, -1, both)
+
+
+class Selection(NamedTuple):
+    """A sequence's selection as the attention reads it: indices `[B, T, K]` per query (query_group 1),
+    or `[B, ceil(T / G), K]` one row per group of G = query_group consecutive queries, each query seeing
+    its row's keys <= q_offset + t (`ops.sparse_attention(..., query_group=, q_offset=)`)."""
+
+    indices: torch.Tensor
+    query_group: int = 1
+    q_offset: int = 0
+
+    def per_query(self, T: int) -> torch.Tensor:
+        """The per-query rows `[B, T, K]` (what `select` returns)."""
+        if self.query_group == 1:
+            return self.indices
+        return shared_to_per_query(self.indices, self.query_group, T, self.q_offset)
+
+
+def select_rows(st: LayerState, q: torch.Tensor, k: torch.Tensor, index: tuple | None = None, *, q_offset: int = 0,
+                kv_start: torch.Tensor | None = None, history: tuple | None = None) -> Selection:
+    """`select` for a sequence (same arguments), in the form the attention reads fastest: an indexer
+    with query groups returns one row per group where the groups start at query 0 of every row
+    (`ops.shared_rows_ok`: no left padding, q_offset a multiple of the group), so the attention
+    streams each group's keys once per tile (no union build); everything else per-query rows."""
+    c = st.cfg
+    if c.selector == "indexer" and shared_rows_ok(kv_start, q_offset, c.query_group):
+        q_i, w, k_i = index
+        rows = granular_topk(q_i, w, k_i, c.topk, q_offset=q_offset, sink=c.sink, window=c.window,
+                             key_block=c.key_block, query_group=c.query_group, block_score=c.block_score,
+                             shared=True, backend=st.backend)
+        return Selection(rows, c.query_group, q_offset)
+    return Selection(select(st, q, k, index, q_offset=q_offset, kv_start=kv_start, history=history), 1, q_offset)
+
+
+def attend(st: LayerState, sel: Selection, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           scale: float | None = None):
+    """Sparse attention of the layer over `sel`: q `[B, T, H, D]`, k/v `[B, S, H_kv, D]` -> (out
+    `[B, T, H, D]`, lse `[B, T, H]` fp32), on the layer's op backend."""
+    return sparse_attention(q, k, v, sel.indices, scale, query_group=sel.query_group, q_offset=sel.q_offset,
+                            backend=st.backend)
 
 
 def select(st: LayerState, q: torch.Tensor, k: torch.Tensor, index: tuple | None = None, *, q_offset: int = 0,

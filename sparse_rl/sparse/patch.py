@@ -8,8 +8,8 @@ cache) so the function can run the selector. In dense mode, and in layers kept d
 delegates to PyTorch SDPA, so a sparse model dir in dense mode is the dense model.
 
 The layer's state and its selector belong to `sparse_rl.sparse.layer`; this module is the HF side.
-Per layer, sparse mode: `layer.select` -> `[B, T, K]` int32 indices (causal, sinks + window kept,
-left padding skipped) -> `sparse_attention` over the selected keys. In incremental decoding the
+Per layer, sparse mode: `layer.select_rows` -> `[B, T, K]` int32 indices (causal, sinks + window kept,
+left padding skipped; one row per query group where groups line up) -> `layer.attend` over the selected keys. In incremental decoding the
 indexer keys are cached beside the KV cache (attribute on the cache object, or the cache's own
 `srl_index_keys(layer_idx, k_new)` method if it defines one, as the rollout engine's cache does).
 """
@@ -21,8 +21,8 @@ import torch
 from sparse_rl.errors import SparseRLError
 from sparse_rl.sparse.config import SparseConfig
 from sparse_rl.sparse.indexer import LightningIndexer
-from sparse_rl.sparse.layer import LayerInputs, attach_layer, decoder_layers, layer_state, select, take_inputs
-from sparse_rl.sparse.ops import sparse_attention
+from sparse_rl.sparse.layer import (LayerInputs, attach_layer, attend, decoder_layers, layer_state, select_rows,
+                                    take_inputs)
 
 __all__ = ["ATTN_NAME", "SUPPORTED", "register", "attach_sparse", "cache_kwarg", "decoder_layers",
            "indexer_state_dict", "load_indexer_state_dict", "sparse_rl_attention"]
@@ -157,7 +157,7 @@ def _index_history(cache, layer_idx: int, q_new: torch.Tensor, w_new: torch.Tens
 
 def select_indices(module, query, key, attention_mask, inputs: LayerInputs):
     """The layer's selection inside the HF forward. query `[B, H, T, D]`, key `[B, H_kv, S, D]` ->
-    (`[B, T, K]` int32, kv_start `[B]` or None)."""
+    (`layer.Selection`, kv_start `[B]` or None)."""
     st = layer_state(module)
     h, pe, cache = inputs
     T, S = query.shape[2], key.shape[2]
@@ -169,9 +169,9 @@ def select_indices(module, query, key, attention_mask, inputs: LayerInputs):
         index = (q_i, w, _index_keys(cache, module.layer_idx, k_i, S))
         if st.cfg.query_group > 1:
             history = _index_history(cache, module.layer_idx, q_i, w)
-    idx = select(st, query.detach().transpose(1, 2), key.detach().transpose(1, 2), index, q_offset=S - T,
-                 kv_start=kv_start, history=history)
-    return idx, kv_start
+    sel = select_rows(st, query.detach().transpose(1, 2), key.detach().transpose(1, 2), index, q_offset=S - T,
+                      kv_start=kv_start, history=history)
+    return sel, kv_start
 
 
 def sparse_rl_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -193,10 +193,10 @@ def sparse_rl_attention(module, query, key, value, attention_mask, dropout: floa
                                       scaling=scaling, **kwargs)
     if ctx is None:
         raise SparseRLError("sparse attention called without the layer's inputs (model not prepared by sparse_rl)")
-    idx, kv_start = select_indices(module, query, key, attention_mask, ctx)
+    sel, kv_start = select_indices(module, query, key, attention_mask, ctx)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    out, lse = sparse_attention(q, k, v, idx, scale=scaling, backend=st.backend)
+    out, lse = attend(st, sel, q, k, v, scaling)
     if st.recorder is not None:
         st.recorder(module, hidden=ctx.hidden, position_embeddings=ctx.position_embeddings, query=query, key=key,
-                    indices=idx, kv_start=kv_start, lse=lse)
+                    indices=sel.per_query(q.shape[1]), kv_start=kv_start, lse=lse)
     return out, None

@@ -49,8 +49,8 @@ import torch.nn.functional as F
 from sparse_rl.errors import SparseRLError
 from sparse_rl.rl.rollout.cache import KVCache
 from sparse_rl.rl.rollout import compiled as C
-from sparse_rl.sparse.layer import DecodeOps, layer_states, select
-from sparse_rl.sparse.ops import add_rmsnorm, indexer_decode, qk_norm_rope_cache, sparse_attention, sparse_decode
+from sparse_rl.sparse.layer import DecodeOps, attend, layer_states, select, select_rows
+from sparse_rl.sparse.ops import add_rmsnorm, indexer_decode, qk_norm_rope_cache, sparse_decode
 
 
 def _base(model):
@@ -190,8 +190,7 @@ class ModelRunner:
                     index = (q_i, w, k_i)
                     if st.cfg.query_group > 1:
                         self._store_groups(cache, i, slot_t, q_i, w, lengths, st.cfg.query_group)
-                sel = select(st, q, k, index)
-                o, _ = sparse_attention(q, k, v, sel, scale=attn.scaling, backend=st.backend)
+                o, _ = attend(st, select_rows(st, q, k, index), q, k, v, attn.scaling)
             else:
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                    is_causal=True, scale=attn.scaling,
@@ -223,7 +222,8 @@ class ModelRunner:
         compiled: call our sparse ops through their opaque custom ops, and write the cache with
         `index_put_` on the whole cache tensor, which inductor does in place (through a per-layer
         view, functionalization would copy the layer's whole cache every step).
-        cache: the KVCache, for its query-group buffers (eager only: granular selection is never compiled).
+        cache: the KVCache, for its query-group buffers (eager only: granular selection is never compiled,
+        its eager step is graph-captured).
         """
         B = tokens.shape[0]
         S = keys.shape[0]
@@ -389,13 +389,15 @@ class ModelRunner:
             torch.cuda.synchronize()
 
     def _granular(self, mode: str) -> bool:
-        """Granular selection (key blocks, query groups) runs its eager PyTorch reference: no compile, no graphs."""
+        """Granular selection (key blocks, query groups) runs the eager step, never the compiled one: the
+        compiled step's inputs do not carry the query-group buffers (`cache.group`). Its decode select
+        has static shapes per bucket and reads nothing back to the host (`ops.granular_topk_decode`,
+        the indexer's decode top-k for token-level groups), so the eager step is captured in CUDA graphs."""
         return mode == "sparse" and any(s is not None and s.cfg.granular for s in self.states)
 
     def graphable(self, mode: str) -> bool:
-        """Block selection is per row with host-side positions, so it runs without graphs; nor does
-        granular selection (`_granular`)."""
-        if not self.use_graphs or self._granular(mode):
+        """Block selection is per row with host-side positions, so it runs without graphs."""
+        if not self.use_graphs:
             return False
         return not (mode == "sparse" and any(s is not None and s.cfg.selector == "block" for s in self.states))
 
@@ -438,7 +440,7 @@ class ModelRunner:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # no fallback inside a capture: a compiled step that fails here is handled by `decode`
-        step = self.decode_compiled if self.compile else self.decode_eager
+        step = self.decode_compiled if self.compile and not self._granular(mode) else self.decode_eager
         with torch.cuda.graph(graph, pool=self._pool):
             out = step(cache, tok, pos, S, mode)
         return graph, out

@@ -18,20 +18,20 @@ from sparse_rl.sparse.ops.indexer_kl.naive import KLStats, dense_lse, selected_k
 from sparse_rl.sparse.ops.indexer_kl.naive import warmup_kl as warmup_kl_naive
 from sparse_rl.sparse.ops.indexer_topk.naive import (granular_topk_decode_naive, granular_topk_naive,
                                                      indexer_scores_naive, indexer_topk_decode_naive, indexer_topk_naive,
-                                                     visible_mask)
+                                                     shared_rows_ok, visible_mask)
 from sparse_rl.sparse.ops.sparse_attention.naive import (dense_attention_naive, shared_to_per_query,
                                                          sparse_attention_naive)
 
 __all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_topk_decode", "indexer_scores", "indexer_decode",
-           "block_select", "visible_mask", "granular_topk", "granular_topk_decode", "dense_attention_naive", "kernel",
-           "warmup_kl", "selected_kl", "dense_lse", "KLStats", "add_rmsnorm", "qk_norm_rope_cache"]
+           "block_select", "visible_mask", "granular_topk", "granular_topk_decode", "shared_rows_ok",
+           "dense_attention_naive", "kernel", "warmup_kl", "selected_kl", "dense_lse", "KLStats", "add_rmsnorm", "qk_norm_rope_cache"]
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(op: str, name: str | None = None):
-    """The Triton implementation `ops/<op>/triton.py:<name>`, or None when it does not exist."""
+def kernel(op: str, name: str | None = None, module: str = "triton"):
+    """The Triton implementation `ops/<op>/<module>.py:<name>`, or None when it does not exist."""
     try:
-        mod = importlib.import_module(f"sparse_rl.sparse.ops.{op}.triton")
+        mod = importlib.import_module(f"sparse_rl.sparse.ops.{op}.{module}")
     except ImportError:
         return None
     return getattr(mod, name or op, None)
@@ -90,22 +90,37 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
 def granular_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk: int, *, q_offset: int = 0,
                   sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None, key_block: int = 1,
                   query_group: int = 1, block_score: str = "max", history: tuple | None = None,
-                  backend: str = "auto"):
+                  shared: bool = False, topk_impl: str = "auto", backend: str = "auto"):
     """Indexer selection at a granularity: whole key blocks of `key_block` tokens, one selection per
     group of `query_group` queries (docs/DESIGN.md "Selection granularity"). Shapes as `indexer_topk`
     (history: the earlier positions' (q_I, w) when a group started before q_offset) -> `[B, T, topk]`
-    int32 token positions. The PyTorch reference only, on every backend, until a kernel is written."""
-    return granular_topk_naive(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window, kv_start=kv_start,
-                               key_block=key_block, query_group=query_group, block_score=block_score, history=history)
+    int32 token positions; shared: one row per group `[B, ceil(T / G), topk]` for `sparse_attention(...,
+    query_group=G, q_offset=)` (only where `shared_rows_ok(kv_start, q_offset, G)`: no left padding,
+    q_offset a multiple of G). Triton: `indexer_topk/granular.py` (float64 inputs take the reference;
+    topk_impl auto | keys | threshold | radix: its block top-k, `granular.top_blocks`)."""
+    if shared and not shared_rows_ok(kv_start, q_offset, query_group):
+        raise ValueError(f"granular_topk(shared=True): needs query_group > 1, no left padding and q_offset "
+                         f"({q_offset}) a multiple of query_group ({query_group})")
+    kw = dict(q_offset=q_offset, sink=sink, window=window, kv_start=kv_start, key_block=key_block,
+              query_group=query_group, block_score=block_score, history=history, shared=shared)
+    fn = kernel("indexer_topk", "granular_topk", "granular") if q_idx.dtype != torch.float64 else None
+    if resolve_backend(backend, q_idx, fn is not None) == "triton":
+        return fn(q_idx, w, k_idx, topk, topk_impl=topk_impl, **kw)
+    return granular_topk_naive(q_idx, w, k_idx, topk, **kw)
 
 
 def granular_topk_decode(q_rep: torch.Tensor, w_rep: torch.Tensor, k_idx: torch.Tensor, pos: torch.Tensor, topk: int,
                          *, sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None, key_block: int = 1,
                          query_group: int = 1, block_score: str = "max", backend: str = "auto"):
     """Decode form of `granular_topk`: q_rep `[B, H_I, D_I]`, w_rep `[B, H_I]` of each row's group
-    representative, k_idx `[B, S, D_I]`, pos `[B]` -> `[B, topk]` int32 (PyTorch reference only)."""
-    return granular_topk_decode_naive(q_rep, w_rep, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start,
-                                      key_block=key_block, query_group=query_group, block_score=block_score)
+    representative, k_idx `[B, S, D_I]`, pos `[B]` -> `[B, topk]` int32. Triton: `granular.py`
+    (static shapes, no host reads: CUDA-graph capturable)."""
+    kw = dict(sink=sink, window=window, kv_start=kv_start, key_block=key_block, query_group=query_group,
+              block_score=block_score)
+    fn = kernel("indexer_topk", "granular_topk_decode", "granular") if q_rep.dtype != torch.float64 else None
+    if resolve_backend(backend, q_rep, fn is not None) == "triton":
+        return fn(q_rep, w_rep, k_idx, pos, topk, **kw)
+    return granular_topk_decode_naive(q_rep, w_rep, k_idx, pos, topk, **kw)
 
 
 def indexer_decode(zq: torch.Tensor, zk: torch.Tensor, zw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

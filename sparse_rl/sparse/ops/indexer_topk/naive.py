@@ -10,6 +10,8 @@ exists (never `[B, T, H_I, S]` at full length).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 # Budget (elements) for one `[B, Tc, H_I, S]` score block of the reference.
@@ -216,63 +218,111 @@ def _raw_scores(q_idx, w, k_idx) -> torch.Tensor:
     return torch.einsum("bths,bth->bts", dots, w.to(acc))
 
 
+def shared_rows_ok(kv_start, q_offset: int, query_group: int) -> bool:
+    """Whether the selection can be returned as one row per group of `query_group` consecutive queries
+    (the rows `ops.sparse_attention(..., query_group=)` takes): groups must start at query 0 of every
+    row, so no left padding and q_offset a multiple of the group."""
+    return query_group > 1 and kv_start is None and q_offset % query_group == 0
+
+
+def group_rows(B: int, T: int, q_offset: int, kv_start, query_group: int, device):
+    """Where the granular rule is evaluated for queries at q_offset..q_offset+T-1.
+
+    Returns start `[B, 1]` (first valid key per row), pos `[B, T]` (the queries' positions) and the
+    evaluation rows ev_pos / ev_rep `[B, N]` (a row's position and its group representative), with
+    inv `[T]` the evaluation row of each query, or None when every query is its own row (N = T).
+    A member's row is its group's last member's row cut at its own position, so without left padding
+    (groups line up across the batch) the rule runs once per group: G x fewer rows."""
+    start = (torch.zeros(B, 1, dtype=torch.long, device=device) if kv_start is None
+             else torch.as_tensor(kv_start, device=device).long().view(B, 1))
+    pos = (torch.arange(T, device=device) + q_offset).view(1, T).expand(B, T)
+    G = query_group
+    if kv_start is None and G > 1:
+        g0 = q_offset // G
+        groups = torch.arange(g0, (q_offset + T - 1) // G + 1 if T else g0, device=device)
+        ev_rep = (groups * G).view(1, -1).expand(B, -1)
+        ev_pos = (ev_rep + G - 1).clamp(max=q_offset + T - 1)
+        return start, pos, ev_pos, ev_rep, pos[0] // G - g0
+    return start, pos, pos, group_start(pos, start, G), None
+
+
+class GroupPlan(NamedTuple):
+    """Where a granular selection is evaluated (`group_plan`): start `[B, 1]`, pos `[B, T]`, the
+    evaluation rows ev_pos / ev_rep `[B, N]` and inv (`group_rows`), the index queries and weights the
+    representatives are read from (q_all, w_all: history prepended when given) and each row's
+    representative's row in them, j `[B, N]`."""
+
+    start: torch.Tensor
+    pos: torch.Tensor
+    ev_pos: torch.Tensor
+    ev_rep: torch.Tensor
+    inv: torch.Tensor | None
+    q_all: torch.Tensor
+    w_all: torch.Tensor
+    j: torch.Tensor
+
+
+def group_plan(q_idx, w, q_offset: int, kv_start, query_group: int, history) -> GroupPlan:
+    """The `GroupPlan` of queries q_idx `[B, T, H_I, D_I]`, w `[B, T, H_I]` at q_offset..; a ValueError
+    when a representative lies before q_offset and no history is given."""
+    B, T = q_idx.shape[:2]
+    start, pos, ev_pos, ev_rep, inv = group_rows(B, T, q_offset, kv_start, query_group, q_idx.device)
+    if history is not None:
+        q_all, w_all, first = torch.cat([history[0], q_idx], 1), torch.cat([history[1], w], 1), 0
+    else:
+        q_all, w_all, first = q_idx, w, q_offset
+    if bool((ev_rep < first).any()):
+        raise ValueError(f"query_group {query_group}: a group starts before q_offset {q_offset}; pass history")
+    return GroupPlan(start, pos, ev_pos, ev_rep, inv, q_all, w_all, (ev_rep - first).clamp(min=0))
+
+
+def rep_queries(q_all, w_all, j):
+    """The representatives' index queries `[B, N, H_I, D_I]` and weights `[B, N, H_I]` at rows j `[B, N]`."""
+    H_I = q_all.shape[2]
+    return (q_all.gather(1, j[..., None, None].expand(-1, -1, H_I, q_all.shape[-1])),
+            w_all.gather(1, j[..., None].expand(-1, -1, H_I)))
+
+
+def per_query_rows(rows: torch.Tensor, pos: torch.Tensor, inv) -> torch.Tensor:
+    """Evaluation rows `[B, N, K]` -> each query's row `[B, T, K]` (its row cut at its position pos `[B, T]`)."""
+    if inv is None:
+        return rows
+    rows = rows[:, inv]
+    return torch.where(rows <= pos[..., None], rows, torch.full_like(rows, -1))
+
+
 def granular_topk_naive(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 0, window: int = 0,
                         kv_start=None, key_block: int = 1, query_group: int = 1, block_score: str = "max",
-                        history=None) -> torch.Tensor:
+                        history=None, shared: bool = False) -> torch.Tensor:
     """Granular causal selection (see `granular_select_core`) of queries at q_offset...
 
     Args:
         q_idx: `[B, T, H_I, D_I]`, w: `[B, T, H_I]` the queries' index queries and weights; k_idx: `[B, S, D_I]`.
         history: (q_I `[B, q_offset, H_I, D_I]`, w `[B, q_offset, H_I]`) of the earlier positions, needed
             when a group started before q_offset (incremental decoding with query_group > 1).
+        shared: return one row per query group instead (`shared_rows_ok` must hold): the last member's.
     Returns:
-        `[B, T, topk]` int32 key positions, ascending, -1 padded. With key_block = query_group = 1 it
-        equals `indexer_topk_naive`.
+        `[B, T, topk]` int32 key positions, ascending, -1 padded (shared: `[B, ceil(T / G), topk]`).
+        With key_block = query_group = 1 it equals `indexer_topk_naive`.
     """
     B, T, H_I, _ = q_idx.shape
     S = k_idx.shape[1]
     dev = q_idx.device
-    start = (torch.zeros(B, 1, dtype=torch.long, device=dev) if kv_start is None
-             else torch.as_tensor(kv_start, device=dev).long().view(B, 1))
-    pos = (torch.arange(T, device=dev) + q_offset).view(1, T).expand(B, T)
-    rep = group_start(pos, start, query_group)
-    if history is not None:
-        q_all, w_all = torch.cat([history[0], q_idx], 1), torch.cat([history[1], w], 1)
-        first = 0
-    else:
-        q_all, w_all, first = q_idx, w, q_offset
-    if bool((rep < first).any()):
-        raise ValueError(f"query_group {query_group}: a group starts before q_offset {q_offset}; pass history")
-    # A member's row is its group's last member's row cut at its own position, so the rule runs once
-    # per group (G x fewer rows) where groups line up across the batch (no left padding).
-    inv = None
-    if kv_start is None and query_group > 1:
-        last = (rep[0] + query_group - 1).clamp(max=q_offset + T - 1)
-        ev_pos, inv = torch.unique(last, return_inverse=True)
-        ev_pos = ev_pos.view(1, -1).expand(B, -1)
-        ev_rep = group_start(ev_pos, start, query_group)
-    else:
-        ev_pos, ev_rep = pos, rep
-    j = (ev_rep - first).clamp(min=0)
+    start, pos, ev_pos, ev_rep, inv, q_all, w_all, j = group_plan(q_idx, w, q_offset, kv_start, query_group, history)
     N = ev_pos.shape[1]
     chunk = max(1, _SCORE_BUDGET // max(1, B * H_I * S))
     out = []
     with torch.no_grad():
         for t0 in range(0, N, chunk):
             t1 = min(N, t0 + chunk)
-            jj = j[:, t0:t1]
-            qr = q_all.gather(1, jj[..., None, None].expand(-1, -1, H_I, q_all.shape[-1]))
-            wr = w_all.gather(1, jj[..., None].expand(-1, -1, H_I))
+            qr, wr = rep_queries(q_all, w_all, j[:, t0:t1])
             out.append(granular_select_core(_raw_scores(qr, wr, k_idx), ev_pos[:, t0:t1], ev_rep[:, t0:t1], start,
                                             topk, sink=sink, window=window, key_block=key_block,
                                             query_group=query_group, block_score=block_score))
     if not out:
         return torch.empty(B, 0, topk, dtype=torch.int32, device=dev)
     rows = torch.cat(out, 1)
-    if inv is None:
-        return rows
-    rows = rows[:, inv]
-    return torch.where(rows <= pos[..., None], rows, torch.full_like(rows, -1))
+    return rows if shared else per_query_rows(rows, pos, inv)
 
 
 def granular_topk_decode_naive(q_rep, w_rep, k_idx, pos, topk: int, *, sink: int = 0, window: int = 0,

@@ -1,0 +1,152 @@
+"""Granular rows of `sparse-rl bench attention`: sparse prefill at a selection granularity
+(docs/DESIGN.md "Selection granularity") against dense SDPA in the same run.
+
+For each granularity (`kb16`: key blocks of 16 tokens, per-query selection; `g16`: 16 consecutive
+queries share one token-level selection; `kb16g16`: both) and each index input (`random`: the
+benchmark's random index tensors; `trained`: the indexer trained in the same run, bench/patterns.py):
+- select: the granular selection kernel (`ops.granular_topk`, indexer scores + block pooling + top-k,
+  one row per group for query groups), the path `layer.select_rows` takes;
+- attn: `ops.sparse_attention` over its rows (query groups: the shared-rows tile kernels), `auto` paths;
+- prefill = select + attn in one call, and its speed-up over dense;
+- fwd+bwd of that attention (and select + fwd + bwd) at the backward lengths, against dense fwd+bwd;
+- union/pairs of the selection (tiles of the GQA-packed kernels), and a check of the selection
+  against the PyTorch reference on the last queries (rows equal exactly, key recall).
+"""
+
+from __future__ import annotations
+
+import re
+
+from sparse_rl.bench.timing import bench_ms, fmt, rel_err
+from sparse_rl.errors import UsageError
+
+_SPEC = re.compile(r"^(?:kb(\d+))?(?:g(\d+))?$")
+
+
+def parse_granularity(spec: str) -> tuple[int, int]:
+    """"kb16" -> (16, 1), "g16" -> (1, 16), "kb16g4" -> (16, 4); a UsageError naming the spec otherwise."""
+    m = _SPEC.match(spec)
+    if not spec or m is None:
+        raise UsageError(f"granularity {spec!r}: expected kb<N>, g<N> or kb<N>g<M> (e.g. kb16, g16, kb16g16)")
+    kb, g = int(m.group(1) or 1), int(m.group(2) or 1)
+    if kb & (kb - 1) or g & (g - 1) or kb < 1 or g < 1:
+        raise UsageError(f"granularity {spec!r}: key block and query group must be powers of two")
+    return kb, g
+
+
+def check_selection(rows, qi, wi, ki, topk: int, kw: dict, n: int) -> dict:
+    """The kernel's rows (`[B, L, K]` per query, or one per group when kw's query_group > 1) against
+    `granular_topk_naive` on the last n queries (n a multiple of the group): fraction of rows equal,
+    recall of the reference's keys."""
+    import torch
+
+    from sparse_rl.sparse.ops import shared_to_per_query
+    from sparse_rl.sparse.ops.indexer_topk.naive import granular_topk_naive
+
+    L, G = qi.shape[1], kw["query_group"]
+    per = shared_to_per_query(rows, G, L) if G > 1 else rows
+    t0 = L - n
+    ref = granular_topk_naive(qi[:, t0:].float(), wi[:, t0:].float(), ki.float(), topk, q_offset=t0,
+                              history=(qi[:, :t0].float(), wi[:, :t0].float()), **kw)
+    got = per[:, t0:]
+    B = ref.shape[0]
+    hit = torch.zeros((), dtype=torch.float64, device=ref.device)
+    for b in range(B):  # recall: reference keys the kernel also chose
+        for t in range(ref.shape[1]):
+            r = ref[b, t][ref[b, t] >= 0]
+            hit += torch.isin(r, got[b, t]).sum() if r.numel() else 0
+    return {"select_rows_equal": float((ref == got).all(-1).double().mean()),
+            "select_recall": float(hit) / max(1, int((ref >= 0).sum()))}
+
+
+def _union_ratio(rows, S: int, H: int, H_kv: int, G: int, L: int) -> float:
+    from sparse_rl.sparse.ops import shared_to_per_query
+    from sparse_rl.sparse.ops.sparse_attention import union
+
+    per = shared_to_per_query(rows, G, L) if G > 1 else rows
+    n_pairs = max(1, int((per >= 0).sum()))
+    BT = union.tile_queries(H // H_kv)
+    if G > 1 and G % min(BT, G) == 0:
+        return union.shared_tiles(rows, S, G, min(BT, G)).union_size() / n_pairs
+    return union.build_union(per, S, BT).union_size() / n_pairs
+
+
+def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int, window: int, dev, W: dict,
+                  dense_ms: float, dense_fwdbwd_ms: float | None = None, grad=None, check_n: int = 0) -> list[dict]:
+    """One result per (input, granularity). q `[B, L, H, D]`, k/v `[B, L, H_kv, D]`, inputs {name: (q_I
+    `[B, L, H_I, d_I]`, w `[B, L, H_I]`, k_I `[B, L, d_I]`)}; grad `[B, L, H, D]` (with dense_fwdbwd_ms)
+    times forward + backward; check_n > 0 checks the selection on the last check_n queries."""
+    from sparse_rl.sparse.ops import granular_topk, sparse_attention
+
+    B, L, H, D = q.shape
+    out = []
+    for src, (qi, wi, ki) in inputs.items():
+        for spec in specs:
+            kb, G = parse_granularity(spec)
+            if topk - (G - 1) - sink - window < kb:  # e.g. a tiny smoke-test top-k: said in the row, not timed
+                out.append({"seqlen": L, "input": src, "granularity": spec, "skipped": f"top-k {topk} leaves no "
+                            f"whole block of {kb} after sink {sink}, window {window} and the group of {G}"})
+                continue
+            kw = dict(sink=sink, window=window, key_block=kb, query_group=G, block_score="max")
+            akw = {"query_group": G} if G > 1 else {}
+
+            def select():
+                return granular_topk(qi, wi, ki, topk, shared=G > 1, backend="triton", **kw)
+
+            rows = select()
+            r: dict = {"seqlen": L, "input": src, "granularity": spec, "key_block": kb, "query_group": G}
+            r["select_ms"] = bench_ms(select, dev, **W)
+            r["attn_ms"] = bench_ms(lambda: sparse_attention(q, k, v, rows, backend="triton", **akw), dev, **W)
+            r["prefill_ms"] = bench_ms(lambda: sparse_attention(q, k, v, select(), backend="triton", **akw), dev, **W)
+            r["dense_ms"] = dense_ms
+            r["prefill_speedup"] = dense_ms / r["prefill_ms"]
+            r["union_ratio"] = _union_ratio(rows, k.shape[1], H, k.shape[2], G, L)
+            if dense_fwdbwd_ms is not None and grad is not None:
+                qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+                r["fwdbwd_ms"] = bench_ms(
+                    lambda: sparse_attention(qg, kg, vg, rows, backend="triton", **akw)[0].backward(grad), dev,
+                    grad_to_none=[qg, kg, vg], **W)
+                r["select_fwdbwd_ms"] = bench_ms(
+                    lambda: sparse_attention(qg, kg, vg, select(), backend="triton", **akw)[0].backward(grad), dev,
+                    grad_to_none=[qg, kg, vg], **W)
+                r["dense_fwdbwd_ms"] = dense_fwdbwd_ms
+                r["fwdbwd_speedup"] = dense_fwdbwd_ms / r["fwdbwd_ms"]
+                r["select_fwdbwd_speedup"] = dense_fwdbwd_ms / r["select_fwdbwd_ms"]
+                del qg, kg, vg
+            if check_n:
+                n = max(G, check_n // G * G)
+                r.update(check_selection(rows, qi, wi, ki, topk, kw, min(n, L // G * G)))
+                r.update(check_output(q, k, v, rows, G, min(n, L)))
+            out.append(r)
+    return out
+
+
+def check_output(q, k, v, rows, G: int, n: int) -> dict:
+    """The attention over the granular rows against the float32 reference on the last n queries."""
+    from sparse_rl.sparse.ops import shared_to_per_query, sparse_attention
+    from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
+
+    L = q.shape[1]
+    per = shared_to_per_query(rows, G, L) if G > 1 else rows
+    o, _ = sparse_attention(q, k, v, rows, backend="triton", **({"query_group": G} if G > 1 else {}))
+    ro, _ = sparse_attention_naive(q[:, L - n:].float(), k.float(), v.float(), per[:, L - n:])
+    return {"attn_out_rel_err": rel_err(o[:, L - n:], ro)}
+
+
+def markdown_granular(rows: list[dict]) -> list[str]:
+    """The granular table's lines (empty without granular rows)."""
+    if not rows:
+        return []
+    lines = ["", "Granular selection (docs/DESIGN.md \"Selection granularity\"): select = granular indexer + "
+             "top-k kernel; prefill = select + sparse attention over its rows (query groups: shared rows); "
+             "speed-ups against dense SDPA in the same run", "",
+             "| L | input | granularity | select ms | attn ms | prefill ms | dense ms | prefill speedup | union/pairs "
+             "| fwd+bwd ms | fwd+bwd speedup | select+fwd+bwd speedup | rows equal ref | recall vs ref |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in (r for r in rows if "skipped" not in r):
+        g = r.get
+        lines.append("| " + " | ".join(fmt(x) for x in (
+            r["seqlen"], r["input"], r["granularity"], g("select_ms"), g("attn_ms"), g("prefill_ms"), g("dense_ms"),
+            g("prefill_speedup"), g("union_ratio"), g("fwdbwd_ms"), g("fwdbwd_speedup"), g("select_fwdbwd_speedup"),
+            g("select_rows_equal"), g("select_recall"))) + " |")
+    return lines

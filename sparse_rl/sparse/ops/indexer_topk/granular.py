@@ -1,0 +1,266 @@
+"""Granular indexer selection (key blocks, query groups) in Triton: the fast path of
+`naive.granular_topk_naive`, exact against it (ties included; docs/DESIGN.md "Selection granularity").
+
+Why this shape:
+- The DSA score `I(t, s) = sum_h w_h ReLU(q_h . k_s)` is not linear in k, so a block's max or mean
+  score cannot come from block-pooled keys: `_block_keys_kernel` computes each `[BLOCK_M rows,
+  BLOCK_B * key_block keys]` tile of token scores in registers (one small dot per index head, ReLU,
+  weighted sum, as the token-level kernel) and reduces it to block scores there. Only
+  `[rows, S / key_block]` block keys reach memory, never `[T, S]` token scores.
+- Rows are query groups: the rule is evaluated at each group's representative (its first query), once
+  per group where groups line up across the batch (`naive.group_rows`), so query_group G scores G x
+  fewer rows; with left padding every query is its own row (its group differs per batch row).
+- Exact top-k over blocks with the reference's tie rule (the later block wins; -0.0 counts as +0.0),
+  in row chunks bounded by `budget` bytes (at 128K keys and key_block 16 a row has 8K blocks), in one
+  of three forms (`top_blocks`, `topk_impl`): the token-level path's radix select on the fp32 block
+  scores; an fp32 `torch.topk` threshold with the ties settled by a prefix sum; or `torch.topk` on
+  int64 keys, the score's order-preserving bits above the block index. `auto` takes radix for rows
+  of <= 32K blocks and the threshold beyond, the token-level path's measured rule. Blocks that are
+  not candidates (no visible key that is not forced) score -inf (the smallest key) and are dropped.
+- The row is then assembled without a sort of tokens: the sink keys, the chosen blocks' keys (blocks
+  sorted, then expanded; forced keys cut out), the window and the group's keys after the
+  representative are ascending and disjoint in that order, so one prefix sum compacts them.
+
+Output: per-query rows `[B, T, topk]` int32 (ascending, -1 padded), or with `shared=True` (no left
+padding, q_offset a multiple of query_group) one row per group `[B, ceil(T / G), topk]`: the last
+member's row, which `ops.sparse_attention(..., query_group=G, q_offset=)` takes as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
+from sparse_rl.sparse.ops.indexer_topk.naive import group_plan, group_start, per_query_rows, rep_queries
+from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
+
+NO_BLOCK = -(2 ** 63)  # the key of a block that is not a candidate (below every real key)
+_BIG = torch.iinfo(torch.int32).max
+TOPK_IMPLS = ("auto", "keys", "threshold", "radix")
+RADIX_MAX_BLOCKS = 32768  # "auto": radix select for rows up to this many blocks, "threshold" beyond
+
+
+def resolve_topk_impl(impl: str, n_blocks: int) -> str:
+    """`auto` -> "radix" for rows of <= RADIX_MAX_BLOCKS blocks, "threshold" beyond: the token-level
+    path's rule (benchmarks/NOTES.md item 4, H200: radix 2x faster than torch.topk on 8K-key rows,
+    equal at 32K, slower beyond; the threshold form's fp32 torch.topk moves half the bytes of "keys")."""
+    if impl not in TOPK_IMPLS:
+        raise ValueError(f"topk_impl {impl!r}: expected one of {', '.join(TOPK_IMPLS)}")
+    if impl == "auto":
+        return "radix" if n_blocks <= RADIX_MAX_BLOCKS else "threshold"
+    return impl
+
+
+@triton.jit
+def _block_keys_kernel(Q, W, K, REP, START, OUT,
+                       sqb, sqn, sqh, sqd, swb, swn, swh, skb, sks, skd, sob, son, sok,
+                       N, S, NBC, DI, sink, window,
+                       HI: tl.constexpr, KB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
+                       BLOCK_D: tl.constexpr, MEAN: tl.constexpr, KEYS: tl.constexpr, PREC: tl.constexpr):
+    """OUT `[B, N, NBC]`: for row n (representative position REP `[B, N]`, contiguous) and key block c
+    (keys START[b] + c*KB ...), with KEYS the int64 (ordered score bits << 32) | c, or the smallest int64
+    when the block holds no key the representative sees and does not force; without KEYS the fp32
+    block score, -inf for such a block."""
+    pm = tl.program_id(0)
+    pk = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    BN: tl.constexpr = BLOCK_B * KB
+    rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < N
+    r = tl.load(REP + b * N + rows, mask=rmask, other=-1).to(tl.int64)
+    st = tl.load(START + b).to(tl.int64)
+    blk = pk * BLOCK_B + tl.arange(0, BLOCK_B)
+    s = st + pk * BN + tl.arange(0, BN)
+    optr = OUT + b * sob + rows[:, None] * son + blk[None, :] * sok
+    omask = rmask[:, None] & (blk < NBC)[None, :]
+    if KEYS:
+        none = tl.full([BLOCK_M, BLOCK_B], -2147483648, tl.int32).to(tl.int64) << 32
+    else:
+        none = tl.full([BLOCK_M, BLOCK_B], float("-inf"), tl.float32)
+    if st + pk * BN <= tl.max(r, 0):  # some row of the tile sees a key of this tile
+        offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d < DI
+        smask = s < S
+        kt = tl.load(K + b * skb + s[None, :] * sks + offs_d[:, None] * skd,
+                     mask=dmask[:, None] & smask[None, :], other=0.0)  # [BLOCK_D, BN]
+        acc = tl.zeros([BLOCK_M, BN], tl.float32)
+        for h in tl.static_range(HI):
+            qh = tl.load(Q + b * sqb + rows[:, None] * sqn + h * sqh + offs_d[None, :] * sqd,
+                         mask=rmask[:, None] & dmask[None, :], other=0.0)
+            wh = tl.load(W + b * swb + rows * swn + h * swh, mask=rmask, other=0.0).to(tl.float32)
+            acc += tl.maximum(dot(qh, kt, PREC), 0.0) * wh[:, None]
+        acc = tl.where(acc == 0.0, 0.0, acc)  # -0.0 -> +0.0: equal scores for the tie rule
+        vis = (s[None, :] <= r[:, None]) & smask[None, :]
+        cand = vis & (s[None, :] >= st + sink) & (s[None, :] <= r[:, None] - window)
+        if KB == 1:
+            score = acc
+            cb = cand
+        else:
+            cb = tl.max(tl.reshape(cand.to(tl.int32), [BLOCK_M, BLOCK_B, KB]), 2) > 0
+            if MEAN:
+                tot = tl.sum(tl.reshape(tl.where(vis, acc, 0.0), [BLOCK_M, BLOCK_B, KB]), 2)
+                cnt = tl.sum(tl.reshape(vis.to(tl.float32), [BLOCK_M, BLOCK_B, KB]), 2)
+                score = tl.math.div_rn(tot, tl.maximum(cnt, 1.0))
+            else:
+                score = tl.max(tl.reshape(tl.where(vis, acc, float("-inf")), [BLOCK_M, BLOCK_B, KB]), 2)
+        if KEYS:
+            bits = score.to(tl.int32, bitcast=True)
+            ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int order == float order
+            key = (ordered.to(tl.int64) << 32) | blk.to(tl.int64)[None, :]
+            tl.store(optr, tl.where(cb, key, none), mask=omask)
+        else:
+            tl.store(optr, tl.where(cb, score, none), mask=omask)
+    else:
+        tl.store(optr, none, mask=omask)
+
+
+def _launch(key_block: int, cuda: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, keys per program, num_warps)."""
+    return (64, max(64, key_block), 4) if cuda else (16, max(16, key_block), 1)
+
+
+def block_keys(qr, wr, k_idx, rep, start, n_blocks: int, *, key_block: int, sink: int, window: int,
+               block_score: str, keys: bool = True) -> torch.Tensor:
+    """qr `[B, N, H_I, D_I]`, wr `[B, N, H_I]` the rows' representatives, rep `[B, N]` their positions,
+    start `[B, 1]`, k_idx `[B, S, D_I]` -> `[B, N, n_blocks]` int64 block keys, or with keys=False fp32
+    block scores (`_block_keys_kernel`)."""
+    B, N, HI, DI = qr.shape
+    out = torch.empty(B, N, n_blocks, dtype=torch.int64 if keys else torch.float32, device=qr.device)
+    BM, BN, warps = _launch(key_block, qr.is_cuda)
+    BB = BN // key_block
+    grid = (triton.cdiv(N, BM), triton.cdiv(n_blocks, BB), B)
+    _block_keys_kernel[grid](qr, wr, k_idx, rep.contiguous(), start.contiguous(), out,
+                             *qr.stride(), *wr.stride(), *k_idx.stride(), *out.stride(),
+                             N, k_idx.shape[1], n_blocks, DI, sink, window,
+                             HI=HI, KB=key_block, BLOCK_M=BM, BLOCK_B=BB, BLOCK_D=max(16, triton.next_power_of_2(DI)),
+                             MEAN=block_score == "mean", KEYS=keys, PREC=dot_precision(qr.dtype), num_warps=warps)
+    return out
+
+
+def top_blocks(x: torch.Tensor, kk: int, impl: str) -> torch.Tensor:
+    """The kk best blocks of each row `[B, N, kk]` int64, ascending, -1 padded, ties to the later block.
+
+    impl "keys": x the int64 block keys (distinct: the index is in the low bits), `torch.topk` then a
+    sort of the kk indices. impl "threshold": x the fp32 scores (-inf = not a candidate); `torch.topk`
+    gives the kk-th best score, every block above it is kept and, of the blocks equal to it, the latest
+    ones that fill the budget (the reference's tie rule); the kept mask compacts to ascending indices by
+    one prefix sum. The threshold form moves 4-byte scores instead of 8-byte keys through the top-k.
+    impl "radix": x the fp32 scores, the token-level path's radix select (`radix_topk.py`, same tie
+    rule, output already ascending)."""
+    if kk == 0:
+        return torch.empty(*x.shape[:-1], 0, dtype=torch.long, device=x.device)
+    if impl == "radix":
+        return radix_topk(x, kk).long()
+    if impl == "keys":
+        top = x.topk(kk, dim=-1, sorted=False).values
+        blocks = torch.where(top == NO_BLOCK, _BIG, top & 0xFFFFFFFF).sort(-1).values
+        return torch.where(blocks == _BIG, -1, blocks)
+    thr = x.topk(kk, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    gt = x > thr
+    eq = (x == thr) & (thr > float("-inf"))
+    need = kk - gt.sum(-1, keepdim=True, dtype=torch.int32)
+    eqi = eq.to(torch.int32)
+    later = eqi.sum(-1, keepdim=True, dtype=torch.int32) - eqi.cumsum(-1, dtype=torch.int32) + eqi  # equal ones at >= i
+    keep = gt | (eq & (later <= need))
+    dest = torch.where(keep, keep.cumsum(-1, dtype=torch.int32) - 1, kk).long()
+    out = torch.full((*x.shape[:-1], kk + 1), -1, dtype=torch.long, device=x.device)
+    out.scatter_(-1, dest, torch.arange(x.shape[-1], device=x.device).expand_as(dest))
+    return out[..., :kk]
+
+
+def _span(first: torch.Tensor, n: int, ok_lo, ok_hi):
+    """Keys first + 0..n-1 `[..., n]` and whether each lies in [ok_lo, ok_hi] (broadcast `[..., 1]`)."""
+    x = first + torch.arange(n, device=first.device)
+    return x, (x >= ok_lo) & (x <= ok_hi)
+
+
+def assemble_rows(blocks: torch.Tensor, pos, rep, start, topk: int, *, key_block: int, query_group: int,
+                  sink: int, window: int) -> torch.Tensor:
+    """Chosen blocks `[B, N, nb]` (ascending, -1 padded) of rows at pos / rep `[B, N]` -> the rows
+    `[B, N, topk]` int32: sink, blocks (forced keys cut out), window, the group's keys after rep."""
+    p, r, st = pos[..., None], rep[..., None], start.view(-1, 1, 1)
+    kb = key_block
+    tok = (st[..., None] + blocks.long()[..., None] * kb + torch.arange(kb, device=blocks.device)).flatten(-2)
+    tok_ok = (blocks >= 0).repeat_interleave(kb, -1) & (tok >= st + sink) & (tok <= r - window)
+    parts = [_span(st, sink, st, r), (tok, tok_ok), _span(r - window + 1, window, st + sink, r),
+             _span(r + 1, query_group - 1, r + 1, p)]
+    lead = blocks.shape[:-1]
+    keys = torch.cat([x.expand(*lead, x.shape[-1]) for x, _ in parts], -1)
+    ok = torch.cat([m.expand(*lead, x.shape[-1]) for x, m in parts], -1)
+    dest = torch.where(ok, ok.cumsum(-1) - 1, topk)
+    out = torch.full((*keys.shape[:-1], topk + 1), -1, dtype=torch.long, device=keys.device)
+    out.scatter_(-1, dest, torch.where(ok, keys, -1))
+    full, full_ok = _span(st, topk, st, p)  # a group whose last member sees <= topk keys keeps them all
+    short = (r + query_group - st) <= topk
+    return torch.where(short, torch.where(full_ok, full, -1), out[..., :topk]).to(torch.int32)
+
+
+def _chunk_rows(B: int, width: int, budget: int) -> int:
+    return max(1, budget // max(1, B * width * 8 * 3))
+
+
+def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 0, window: int = 0,
+                  kv_start=None, key_block: int = 1, query_group: int = 1, block_score: str = "max",
+                  history=None, shared: bool = False, budget: int | None = None,
+                  topk_impl: str = "auto") -> torch.Tensor:
+    """`naive.granular_topk_naive` (same arguments, rows and `shared`) on the kernel.
+    budget: bytes of one chunk's block keys and row buffers (default 1 GiB on CUDA, 4 MiB elsewhere);
+    topk_impl: the block top-k (`top_blocks`, `resolve_topk_impl`; every form gives the same rows,
+    timed against each other by benchmarks/gpu_granular_session5.py)."""
+    if sink + window > topk:
+        raise ValueError(f"sink ({sink}) + window ({window}) must not exceed topk ({topk})")
+    if key_block & (key_block - 1) or query_group < 1:
+        raise ValueError(f"key_block {key_block} must be a power of two and query_group {query_group} >= 1")
+    G, kb = query_group, key_block
+    B, T = q_idx.shape[:2]
+    S = k_idx.shape[1]
+    start, pos, ev_pos, ev_rep, inv, q_all, w_all, j = group_plan(q_idx, w, q_offset, kv_start, G, history)
+    N = ev_pos.shape[1]
+    nb = max(0, (topk - (G - 1) - sink - window) // kb)
+    budget = budget or ((1 << 30) if q_idx.is_cuda else (1 << 22))
+    n_all = triton.cdiv(S, kb)
+    impl = resolve_topk_impl(topk_impl, n_all)
+    step = _chunk_rows(B, max(n_all, topk + sink + window + G), budget)
+    out = []
+    with torch.no_grad():
+        for n0 in range(0, N, step):
+            n1 = min(N, n0 + step)
+            # the rows see keys up to their largest representative: blocks past it are never read
+            last_rep = q_offset + n1 - 1 if inv is None else (q_offset // G + n1 - 1) * G
+            nbc = min(n_all, last_rep // kb + 1)
+            rep_c = ev_rep[:, n0:n1]
+            qr, wr = rep_queries(q_all, w_all, j[:, n0:n1])
+            x = block_keys(qr, wr, k_idx, rep_c, start, nbc, key_block=kb, sink=sink, window=window,
+                           block_score=block_score, keys=impl == "keys")
+            blocks = top_blocks(x, min(nb, nbc), impl)
+            del x
+            out.append(assemble_rows(blocks, ev_pos[:, n0:n1], rep_c, start, topk, key_block=kb,
+                                     query_group=G, sink=sink, window=window))
+    rows = torch.cat(out, 1) if out else torch.empty(B, 0, topk, dtype=torch.int32, device=q_idx.device)
+    return rows if shared else per_query_rows(rows, pos, inv)
+
+
+def granular_topk_decode(q_rep, w_rep, k_idx, pos, topk: int, *, sink: int = 0, window: int = 0, kv_start=None,
+                         key_block: int = 1, query_group: int = 1, block_score: str = "max",
+                         topk_impl: str = "auto") -> torch.Tensor:
+    """`naive.granular_topk_decode_naive` (same arguments and rows) on the kernel: one row per batch row at
+    `pos [B]`, its representative's q_rep `[B, H_I, D_I]`, w_rep `[B, H_I]`, over k_idx `[B, S, D_I]`.
+    Shapes depend on S and the config only and nothing is read back to the host, so a decode step
+    running it can be captured in a CUDA graph."""
+    B, S = k_idx.shape[:2]
+    dev = k_idx.device
+    start = (torch.zeros(B, 1, dtype=torch.long, device=dev) if kv_start is None
+             else torch.as_tensor(kv_start, device=dev).long().view(B, 1))
+    p = torch.as_tensor(pos, device=dev).long().view(B, 1)
+    rep = group_start(p, start, query_group)
+    n_blocks = triton.cdiv(S, key_block)
+    impl = resolve_topk_impl(topk_impl, n_blocks)
+    with torch.no_grad():
+        x = block_keys(q_rep[:, None], w_rep[:, None], k_idx, rep, start, n_blocks, key_block=key_block, sink=sink,
+                       window=window, block_score=block_score, keys=impl == "keys")
+        nb = max(0, (topk - (query_group - 1) - sink - window) // key_block)
+        blocks = top_blocks(x, min(nb, n_blocks), impl)
+        return assemble_rows(blocks, p, rep, start, topk, key_block=key_block, query_group=query_group, sink=sink,
+                             window=window)[:, 0]
