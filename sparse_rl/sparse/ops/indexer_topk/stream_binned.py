@@ -248,7 +248,7 @@ def indexer_topk_binned(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     kvs = _kv_start(kv_start, B, dev)
     budget = budget_bytes or (CODE_BUDGET_BYTES if q_idx.is_cuda else 1 << 20)
     BM = cfg.block_m
-    chunk = max(BM, min(T, budget // (B * S)) // BM * BM)
+    chunk = max(BM, min(T, budget // (B * S), (2**31 - 1) // S) // BM * BM)  # int32 offsets in a batch row
     rows = min(T, chunk)
     codes = torch.empty(B, rows, S, device=dev, dtype=torch.uint8)
     th = torch.empty(3, B, rows, device=dev, dtype=torch.float32)
