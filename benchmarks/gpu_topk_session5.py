@@ -100,7 +100,8 @@ def profile(fn, n=3) -> list[dict]:
 VARIANTS = {  # name: BinnedConfig changes (run at 32K)
     "BN64": dict(block_n=64),
     "warps4": dict(warps=4),
-    "R16": dict(sample_stride=16),
+    "R8": dict(sample_stride=8),
+    "R32": dict(sample_stride=32),
     "sel2048w8": dict(select_block=2048, select_warps=8),
     "sel1024w8": dict(select_warps=8),
     "sel512w4": dict(select_block=512),

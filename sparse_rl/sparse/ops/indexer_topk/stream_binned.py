@@ -55,8 +55,9 @@ def _bins_kernel(Q, W, KI, KVS, TH, sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks,
                  T, S, t0, q_offset, sink, window, K, E, E2, dense_keys, NBIN: tl.constexpr,
                  HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                  R: tl.constexpr, NZ: tl.constexpr, Z0: tl.constexpr, DZ: tl.constexpr, PREC: tl.constexpr):
-    """Per row of the chunk: TH[0] the candidate threshold (aimed at E * k keys above it), TH[1] the
-    bins' origin, TH[2] bins per score unit (`[3, B, Tc]` fp32). The bins span [TH[0], the score aimed
+    """Per row of the chunk: TH[0] the candidate threshold (aimed at E * k keys above it), TH[1] bins per
+    score unit, TH[2] the bin of score 0 (`[3, B, Tc]` fp32: a key's bin is floor(s * TH[1] + TH[2]),
+    one FMA: any monotone map keeps the bins exact). The bins span [TH[0], the score aimed
     at E2 * k keys above it]: higher scores share the top bin, which holds the k-th largest key only
     when the sample was far off. Rows of at most k visible keys take every visible key (threshold -inf)."""
     b, offs_m, tq, mmask, pos, start, first, last, nvis, nf = _rows(KVS, T, S, t0, q_offset, sink, window, BM, BN)
@@ -70,29 +71,32 @@ def _bins_kernel(Q, W, KI, KVS, TH, sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks,
     inv = tl.where((hi > lo) & (hi < float("inf")), NBIN / (hi - lo), 0.0)
     base = TH + b * stb + offs_m
     tl.store(base, th, mask=mmask)
-    tl.store(base + stk, lo, mask=mmask)
-    tl.store(base + 2 * stk, inv, mask=mmask)
+    tl.store(base + stk, inv, mask=mmask)
+    tl.store(base + 2 * stk, -lo * inv, mask=mmask)
 
 
 @triton.jit
 def _codes_kernel(Q, W, KI, KVS, TH, CODES, sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, stb, stk, scb, sct,
-                  T, S, t0, q_offset, sink, window, NBIN: tl.constexpr,
+                  T, S, t0, q_offset, sink, window, NBIN: tl.constexpr, FORCED: tl.constexpr,
                   HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                   PREC: tl.constexpr):
-    """Every key tile of the query tile's causal range: CODES `[B, Tc, S]` uint8 (see module docstring)."""
+    """Every key tile of the query tile's causal range: CODES `[B, Tc, S]` uint8 (see module docstring).
+    FORCED: sink + window > 0 (else the forced-key masks are dead code: ~100 fewer integer compares per
+    thread and tile in the SASS)."""
     b, offs_m, tq, mmask, pos, start, first, last, nvis, nf = _rows(KVS, T, S, t0, q_offset, sink, window, BM, BN)
     base = TH + b * stb + offs_m
     th = tl.load(base, mask=mmask, other=float("inf"))
-    lo = tl.load(base + stk, mask=mmask, other=0.0)
-    inv = tl.load(base + 2 * stk, mask=mmask, other=0.0)
+    inv = tl.load(base + stk, mask=mmask, other=0.0)
+    off = tl.load(base + 2 * stk, mask=mmask, other=0.0)
     crow = CODES + b * scb + offs_m[:, None] * sct
     for n0 in range(first, last + 1, BN):
         s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
                                               sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
                                               HI, DI, BM, BN, BD, PREC)
-        z = tl.minimum(tl.maximum((s - lo[:, None]) * inv[:, None], 0.0), NBIN - 1.0)
+        z = tl.minimum(tl.maximum(s * inv[:, None] + off[:, None], 0.0), NBIN - 1.0)
         code = tl.where(vis & (s >= th[:, None]), 1 + z.to(tl.int32), 0)
-        code = tl.where(forced, 255, code)
+        if FORCED:
+            code = tl.where(forced, 255, code)
         tl.store(crow + offs_n[None, :], code.to(tl.uint8), mask=mmask[:, None] & (offs_n[None, :] < S))
 
 
@@ -122,7 +126,7 @@ def _select_kernel(Q, W, KI, KVS, CODES, BPOS, BVAL, FLAG, OUT, BAD, sqb, sqt, s
     """One row of the chunk: its top-k from the codes into OUT `[B, Tc, K]`; BAD `[B * Tc]`: 1 where the
     row must be redone, 2 where its boundary bin was recomputed, 0 where whole bins made the top-k.
     BPOS / BVAL / FLAG `[B, Tc, CAP]`: the boundary keys' positions, scores (RB at a time) and kept flags."""
-    row = tl.program_id(0)
+    row = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows first: less tail imbalance
     b = (row // Tc).to(tl.int64)
     t = (row % Tc).to(tl.int64)
     tq = t0 + t
@@ -196,8 +200,10 @@ class BinnedConfig:
     block_m: int = 64  # queries per program (statistics and code sweep)
     block_n: int = 128  # keys per tile of the code sweep
     stats_block_n: int = 64  # keys per tile of the statistics sweeps
-    sample_stride: int = 8  # the statistics read every R-th key tile ...
-    dense_keys: int = 8192  # ... and every tile of query tiles whose key range is shorter than this
+    # the statistics read every R-th key tile (and every tile where a query tile's key range is shorter than
+    # dense_keys): a count 2x off only widens the bins, so a sparser sample than the stream path's will do
+    sample_stride: int = 16
+    dense_keys: int = 0
     target: float = 2.0  # keys above the threshold, in units of k: the bins cost the same whatever it is
     target_hi: float = 0.5  # keys above the top bin's floor, in units of k
     warps: int = 8
@@ -222,7 +228,7 @@ def _chunk_kernels(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, c
                        cfg.target, cfg.target_hi, cfg.dense_keys, NBIN=cfg.bins, BM=cfg.block_m, BN=cfg.stats_block_n, R=cfg.sample_stride,
                        NZ=NZ, Z0=Z0, DZ=DZ, **meta, num_warps=cfg.warps, num_stages=stages)
     _codes_kernel[grid](*args, th, codes, *strides, th.stride(1), th.stride(0), codes.stride(0), codes.stride(1),
-                        t1, S, t0, q_offset, sink, window, NBIN=cfg.bins, BM=cfg.block_m, BN=cfg.block_n, **meta,
+                        t1, S, t0, q_offset, sink, window, NBIN=cfg.bins, FORCED=sink + window > 0, BM=cfg.block_m, BN=cfg.block_n, **meta,
                         num_warps=cfg.warps, num_stages=stages)
     Tc = t1 - t0
     _select_kernel[(B * Tc,)](*args[:3], kvs, codes, bpos, bval, flag, out, bad, *strides, codes.stride(0),
