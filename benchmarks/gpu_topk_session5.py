@@ -1,7 +1,8 @@
 """One device call for the binned streaming prefill top-k (issue 15 item 1, session 5): exactness on
 the GPU first, then timings against the streamed score dots alone and the buffered stream path.
 
-    PYTHONPATH=. python benchmarks/gpu_topk_session5.py --out $OUT [--budget 250]
+    PYTHONPATH=. python benchmarks/gpu_topk_session5.py --out $OUT [--budget 160]
+    PYTHONPATH=. python benchmarks/gpu_topk_session5.py --report $OUT/topk_session5.json  # markdown tables
 
 Checks (fresh random inputs): odd shapes against the fp32 reference (`indexer_topk_naive`, exact keys)
 and, in bf16, against the materialising radix path (same score arithmetic) with the reference's scores
@@ -54,9 +55,7 @@ def odd_checks() -> list[dict]:
     res = []
     cases = [  # B, T, S, HI, DI, K, sink, window, kv_start, dtype, mixed
         (2, 333, 1111, 3, 20, 100, 2, 5, [0, 217], torch.float32, True),
-        (2, 1000, 3001, 4, 64, 256, 4, 64, [0, 999], torch.float32, False),
         (2, 3000, 5000, 4, 64, 512, 4, 64, [0, 999], torch.bfloat16, False),
-        (2, 777, 2222, 8, 32, 300, 0, 0, [5, 0], torch.bfloat16, True),
         (1, 4096, 4096, 4, 64, 2048, 0, 0, None, torch.bfloat16, False),
     ]
     for i, (B, T, S, HI, DI, k_, sink, window, kvs, dtype, mixed) in enumerate(cases):
@@ -97,21 +96,31 @@ def profile(fn, n=3) -> list[dict]:
     return sorted(out, key=lambda r: -r["ms_per_call"])[:8]
 
 
-VARIANTS = {  # name: BinnedConfig changes (run at 32K)
-    "BN64": dict(block_n=64),
-    "warps4": dict(warps=4),
+VARIANTS = {  # name: BinnedConfig changes (run at 32K, in this order, as the budget allows)
     "R8": dict(sample_stride=8),
-    "R32": dict(sample_stride=32),
+    "BN64": dict(block_n=64),
     "sel2048w8": dict(select_block=2048, select_warps=8),
-    "sel1024w8": dict(select_warps=8),
+    "warps4": dict(warps=4),
+    "R32": dict(sample_stride=32),
     "sel512w4": dict(select_block=512),
 }
 
 
-def timed(L: int, res: dict, budget: float, save, mixed=False):
+def left(budget):
+    return budget - (time.time() - T_START)
+
+
+def weights(L):
+    long = L > (128 if SMOKE else 40000)
+    return dict(warmup_ms=20, rep_ms=200 if long else 100)
+
+
+def core(L: int, res: dict, budget: float, save, mixed=False):
+    """Exactness at the timed shape, then scores alone / binned / stream timings and the binned path's
+    per-kernel profile. Returns (row, (q, w, k), the binned selection)."""
     HI, DI = 4, 64
     long = L > (128 if SMOKE else 40000)
-    W = dict(warmup_ms=30, rep_ms=250 if long else 120)
+    W = weights(L)
     q, w, k = inputs(1, L, L, HI, DI, torch.bfloat16, seed=7 * L + mixed, mixed=mixed)
     row: dict = {"seqlen": L, "mixed_w": mixed}
     res["rows"].append(row)
@@ -120,6 +129,7 @@ def timed(L: int, res: dict, budget: float, save, mixed=False):
     row.update({f"binned_{a}": b for a, b in info.items()})
     old = st.indexer_topk_stream(q, w, k, K)
     row["rows_equal_stream"] = rows_equal(sel, old)
+    del old
     if not long:
         rad = it.indexer_topk(q, w, k, K, topk_impl="radix")
         row["rows_equal_radix"] = rows_equal(sel, rad)
@@ -131,7 +141,6 @@ def timed(L: int, res: dict, budget: float, save, mixed=False):
                 close.append(bool(torch.allclose(cs(sel), cs(rad), rtol=1e-3, atol=1e-3)))
             row["differing_rows_chosen_scores_close"] = close
         del rad
-    del old
     log(f"L={L} mixed={mixed} checks {row}")
     save()
     row["rowmax_ms"] = bench_ms(lambda: st.indexer_row_max(q, w, k), DEV, **W)
@@ -143,29 +152,28 @@ def timed(L: int, res: dict, budget: float, save, mixed=False):
     row["stream_over_rowmax"] = row["stream_ms"] / row["rowmax_ms"]
     log(f"L={L} stream {row['stream_ms']:.3f}")
     save()
-    if mixed:
-        return
-    if time.time() - T_START < budget - 60 and not SMOKE:
-        row["profile_binned"] = profile(lambda: sb.indexer_topk_binned(q, w, k, K), n=2 if long else 3)
+    if not mixed and not SMOKE and left(budget) > 15:
+        row["profile_binned"] = profile(lambda: sb.indexer_topk_binned(q, w, k, K), n=2)
         log(f"profile binned {row['profile_binned']}")
         save()
-    if not long:
-        for name, kw in VARIANTS.items():
-            if time.time() - T_START > budget - 70:
-                row["variants_skipped_from"] = name
-                break
-            c2 = dataclasses.replace(sb.BinnedConfig(), **kw)
-            try:
-                same = torch.equal(sb.indexer_topk_binned(q, w, k, K, config=c2), sel)
-                row[f"binned_{name}_ms"] = bench_ms(lambda: sb.indexer_topk_binned(q, w, k, K, config=c2), DEV, **W)
-                row[f"binned_{name}_same"] = same
-            except Exception as e:  # a config that does not compile (registers, shared memory) is reported
-                row[f"binned_{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            log(f"L={L} {name}: {row.get(f'binned_{name}_ms')}")
-            save()
-        if time.time() - T_START < budget - 50 and not SMOKE:
-            prefill(row, q, w, k, sel, L, W)
-            save()
+    return row, (q, w, k), sel
+
+
+def variants(row, qwk, sel, budget, save):
+    q, w, k = qwk
+    for name, kw in VARIANTS.items():
+        if left(budget) < 12:
+            row["variants_skipped_from"] = name
+            break
+        c2 = dataclasses.replace(sb.BinnedConfig(), **kw)
+        try:
+            row[f"binned_{name}_same"] = torch.equal(sb.indexer_topk_binned(q, w, k, K, config=c2), sel)
+            row[f"binned_{name}_ms"] = bench_ms(lambda: sb.indexer_topk_binned(q, w, k, K, config=c2), DEV,  # noqa: B023
+                                                **weights(row["seqlen"]))
+        except Exception as e:  # a config that does not compile (registers, shared memory) is reported
+            row[f"binned_{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        log(f"variant {name}: {row.get(f'binned_{name}_ms')}")
+        save()
 
 
 def prefill(row, qi, wi, ki, sel, L, W):
@@ -186,8 +194,13 @@ def prefill(row, qi, wi, ki, sel, L, W):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--budget", type=float, default=250.0, help="seconds: steps that would not fit are skipped")
+    ap.add_argument("--budget", type=float, default=160.0, help="seconds: steps that would not fit are skipped")
+    ap.add_argument("--report", help="print the markdown tables of a JSON this script wrote, and exit")
     a = ap.parse_args()
+    if a.report:
+        with open(a.report) as f:
+            print(markdown(json.load(f)))
+        return
     os.makedirs(a.out, exist_ok=True)
     res = {"device": "cpu" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "rows": []}
     path = os.path.join(a.out, "topk_session5.json")
@@ -197,35 +210,67 @@ def main():
             json.dump(res, f, indent=1)
 
     short, long = (96, 160) if SMOKE else (32768, 131072)
-    try:
-        if not SMOKE:
-            res["checks"] = odd_checks()
-            save()
-        timed(short, res, a.budget, save)
-        if time.time() - T_START < a.budget - 70:
-            timed(long, res, a.budget, save)
-        if time.time() - T_START < a.budget - 25:
-            timed(short, res, a.budget, save, mixed=True)
-    except Exception as e:  # keep what was measured
-        import traceback
 
-        res["error"] = traceback.format_exc()
-        log(f"error {type(e).__name__}: {e}")
+    def step(name, fn, *args):
+        """One step; a failure is recorded and the later steps still run."""
+        try:
+            return fn(*args)
+        except Exception:
+            import traceback
+
+            res.setdefault("errors", {})[name] = traceback.format_exc()[-2000:]
+            log(f"error in {name}: {traceback.format_exc()[-400:]}")
+            save()
+
+    if not SMOKE:
+        res["checks"] = step("checks", odd_checks) or []
+        save()
+    first = step("core32k", core, short, res, a.budget, save)
+    if left(a.budget) > 45:
+        step("core128k", core, long, res, a.budget, save)
+    if first is not None:
+        row32, qwk32, sel32 = first
+        if left(a.budget) > 25 and not SMOKE:
+            step("prefill", prefill, row32, *qwk32, sel32, short, weights(short))
+            save()
+        step("variants", variants, row32, qwk32, sel32, a.budget, save)
+    if left(a.budget) > 15:
+        step("mixed32k", core, short, res, a.budget, save, True)
     save()
-    keys = ["seqlen", "mixed_w", "rows_equal_radix", "rows_equal_stream", "binned_redone_rows",
-            "binned_boundary_rows", "rowmax_ms", "binned_ms", "binned_over_rowmax", "stream_ms", "stream_over_rowmax",
-            "sparse_attn_ms", "dense_ms", "prefill_speedup"]
-    print("| " + " | ".join(keys) + " |")
-    for r in res["rows"]:
-        cells = (f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys)
-        print("| " + " | ".join(cells) + " |")
-    for r in res["rows"]:
-        print({k: v for k, v in r.items() if k.startswith("binned_") and ("ms" in k or "error" in k)})
-        for p in r.get("profile_binned", []):
-            print("   ", p)
-    for c in res["checks"]:
-        print({k: c[k] for k in c if k != "shape"}, c["shape"])
+    print(markdown(res))
     print(f"total {time.time() - T_START:.0f}s")
+
+
+def _cell(v):
+    return f"{v:.4g}" if isinstance(v, float) else ("-" if v is None else str(v))
+
+
+def _table(keys, rows):
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    return lines + ["| " + " | ".join(_cell(r.get(k)) for k in keys) + " |" for r in rows]
+
+
+def markdown(res: dict) -> str:
+    """The measured numbers as the markdown tables of a results file (also `--report JSON`)."""
+    out = [f"Device: {res['device']}, torch {res['torch']}.", "", "Checks (odd shapes):", ""]
+    out += _table(["shape", "dtype", "mixed_w", "rows_equal_ref", "chosen_scores_equal_ref", "rows_equal_radix",
+                   "redone_rows", "boundary_rows"], res["checks"])
+    out += ["", "Timed shapes (B = 1, 4 x 64 index heads, k = 2048, bf16, causal; ms, do_bench medians):", ""]
+    out += _table(["seqlen", "mixed_w", "rows_equal_radix", "rows_equal_stream", "binned_redone_rows",
+                   "binned_boundary_rows", "rowmax_ms", "binned_ms", "binned_over_rowmax", "stream_ms",
+                   "stream_over_rowmax", "sparse_attn_ms", "dense_ms", "prefill_sum_ms", "prefill_speedup"], res["rows"])
+    for r in res["rows"]:
+        var = {k: v for k, v in r.items() if k.startswith("binned_") and (k.endswith("_ms") or "error" in k)
+               and k != "binned_ms"}
+        if var:
+            out += ["", f"Variants at {r['seqlen']} (default binned {_cell(r.get('binned_ms'))} ms): "
+                    + ", ".join(f"{k[7:]} {_cell(v)}" for k, v in var.items())]
+        if r.get("profile_binned"):
+            out += ["", f"Per-kernel CUDA time of one binned call at {r['seqlen']} (torch profiler):", ""]
+            out += _table(["name", "ms_per_call", "calls_per_call"], r["profile_binned"])
+    for name, err in res.get("errors", {}).items():
+        out += ["", f"Error in {name}:", "", "```", err[-1500:], "```"]
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
