@@ -31,7 +31,11 @@ instruction shape (the sweep's 64-row tiles against 16-row ones here).
 Cost model (L = 32K, 4 x 64 index heads, k = 2048): the sample sweeps read 1/R of the tiles twice;
 the code sweep is the score sweep plus ~8 operations and one byte stored per score (0.54 GB at
 32K, 8.6 GB at 128K, written once and read twice by the select, mostly from L2 on the second read);
-the select does two byte passes per row plus a CAP-key recompute.
+the select does two or three byte passes per row plus a CAP-key recompute. Measured on an H200
+(benchmarks/results/2026-12-01-h200-topk-session5.md): exact, but 9.24 ms at 32K and 118.5 ms at 128K
+against 9.06 / 79.0 for the buffered stream path; the select is most of it (5.5 / 79 ms: it loads
+the codes one byte per instruction, NOTES item 11), so `triton.indexer_topk`'s "auto" does not take
+this path: it is `topk_impl="binned"`.
 """
 
 from __future__ import annotations

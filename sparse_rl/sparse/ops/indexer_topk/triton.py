@@ -20,7 +20,8 @@ Design (why):
   measured) and under the CPU interpreter.
 - `topk_impl="binned"`: the binned streaming select of `stream_binned.py` (one byte code per score
   written densely by the sweep instead of a candidate buffer, a per-row byte histogram, the boundary
-  bin's scores recomputed; see its docstring).
+  bin's scores recomputed; see its docstring). Exact, but not faster on the H200 (9.24 / 118.5 ms at
+  32K / 128K against 9.06 / 79.0 for "stream"), so "auto" does not take it.
 - Top-k per chunk: `torch.topk(sorted=False)` + a sort of the k indices, or our radix select
   (`radix_topk.py`, output already ascending). On an H200 (bf16 inputs, k = 2048) the radix kernel
   was faster for rows up to 32K keys (8K prefill: 0.84 vs 1.60 ms; 32K: 11.5 vs 12.2 ms; decode
