@@ -45,10 +45,9 @@ def _pick_digit(hist, kk, prefix, shift: tl.constexpr):
 
 
 @triton.jit
-def select_row(x, idx, live, K, OUT_ROW, KB: tl.constexpr):
-    """Exact top-K of one register-resident row: x `[CB]` fp32 (+inf allowed), idx `[CB]` int32
-    positions in ascending order, live `[CB]` bool. Writes the positions of the K largest (ties to the
-    later entries, the reference's rule) in ascending order to OUT_ROW[0:K], then -1 up to K."""
+def select_mask(x, live, K):
+    """The K largest of one register-resident row x `[CB]` fp32 (+inf allowed) among live `[CB]`, as
+    a mask `[CB]`: among equal values the later entries, the reference's rule (all live if fewer)."""
     bins = tl.arange(0, 256)
     key = _okey(x)
     n = tl.sum(live.to(tl.int32), 0)
@@ -71,7 +70,15 @@ def select_row(x, idx, live, K, OUT_ROW, KB: tl.constexpr):
         need = kk
     eq = live & (key == tau)
     eq_rank = tl.cumsum(eq.to(tl.int32), 0) - 1
-    sel = live & ((key > tau) | (eq & (eq_rank >= n_eq - need)))
+    return live & ((key > tau) | (eq & (eq_rank >= n_eq - need)))
+
+
+@triton.jit
+def select_row(x, idx, live, K, OUT_ROW, KB: tl.constexpr):
+    """Exact top-K of one register-resident row: x `[CB]` fp32 (+inf allowed), idx `[CB]` int32
+    positions in ascending order, live `[CB]` bool. Writes the positions of the K largest (ties to the
+    later entries, the reference's rule) in ascending order to OUT_ROW[0:K], then -1 up to K."""
+    sel = select_mask(x, live, K)
     slot = tl.cumsum(sel.to(tl.int32), 0) - 1
     tl.store(OUT_ROW + slot, idx, mask=sel)
     cnt = tl.sum(sel.to(tl.int32), 0)

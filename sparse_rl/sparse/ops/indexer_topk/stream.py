@@ -93,23 +93,35 @@ def _rows(KVS, T, S, t0, q_offset, sink, window, BM: tl.constexpr, BN: tl.conste
 
 
 @triton.jit
-def _threshold_kernel(Q, W, KI, KVS, TH, sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, stb,
-                      T, S, t0, q_offset, sink, window, K, C, E,
-                      HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                      R: tl.constexpr, NZ: tl.constexpr, Z0: tl.constexpr, DZ: tl.constexpr, PREC: tl.constexpr):
-    """Sweeps 1 and 2 over every R-th key tile: each row's threshold TH `[B, Tc]` (-inf: take every
-    visible key, +inf: the forced keys fill the budget)."""
-    b, offs_m, tq, mmask, pos, start, first, last, nvis, nf = _rows(KVS, T, S, t0, q_offset, sink, window, BM, BN)
+def row_threshold(Q, W, KI, b, tq, mmask, pos, start, first, last, nvis, nf, S, sink, window, K, LIM, E, E2, dense_keys,
+                  sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
+                  HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                  R: tl.constexpr, NZ: tl.constexpr, Z0: tl.constexpr, DZ: tl.constexpr, PREC: tl.constexpr,
+                  RANGE: tl.constexpr):
+    """Sweeps 1 and 2 over every R-th key tile (every tile where the program's key range is shorter
+    than `dense_keys`) for the rows of one query tile. Returns th `[BM]`, the threshold aimed at
+    E * (k - forced) keys above it (-inf for rows of at most LIM visible keys: take them all; +inf where
+    the forced keys fill the budget) and, with RANGE, the one aimed at E2 * (k - forced) and the smallest
+    and largest sampled non-forced score of each row (zeros otherwise)."""
     kk = K - nf  # finite keys still to choose
     nu = nvis - nf
-    th = tl.full([BM], float("-inf"), tl.float32)  # rows whose visible keys fit the buffer take all
-    stats = (nvis > C) & (kk > 0)
+    th = tl.full([BM], float("-inf"), tl.float32)
+    th2 = tl.zeros([BM], tl.float32)
+    smin = tl.zeros([BM], tl.float32)
+    smax = tl.zeros([BM], tl.float32)
+    stats = (nvis > LIM) & (kk > 0)
     if tl.max(stats.to(tl.int32), 0) > 0:
+        step = BN * R
+        if last - first < dense_keys:
+            step = BN
         # sweep 1: moments of the sampled tiles (tile mean / M2 merged as in Chan et al.)
         ns = tl.zeros([BM], tl.float32)
         mean = tl.zeros([BM], tl.float32)
         m2 = tl.zeros([BM], tl.float32)
-        for n0 in range(first, last + 1, BN * R):
+        if RANGE:
+            smin = tl.full([BM], float("inf"), tl.float32)
+            smax = tl.full([BM], float("-inf"), tl.float32)
+        for n0 in range(first, last + 1, step):
             s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
                                                   sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
                                                   HI, DI, BM, BN, BD, PREC)
@@ -122,11 +134,14 @@ def _threshold_kernel(Q, W, KI, KVS, TH, sqb, sqt, sqh, sqd, swb, swt, swh, skb,
             mean += delta * nt / tot
             m2 += m2t + delta * delta * ns * nt / tot
             ns += nt
+            if RANGE:
+                smin = tl.minimum(smin, tl.min(tl.where(fin, s, float("inf")), 1))
+                smax = tl.maximum(smax, tl.max(tl.where(fin, s, float("-inf")), 1))
         sd = tl.sqrt(m2 / tl.maximum(ns, 1.0))
         # sweep 2: sample counts above the z grid
         zc = tl.arange(0, NZ)
         cnt = tl.zeros([BM, NZ], tl.float32)
-        for n0 in range(first, last + 1, BN * R):
+        for n0 in range(first, last + 1, step):
             s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
                                                   sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
                                                   HI, DI, BM, BN, BD, PREC)
@@ -135,17 +150,40 @@ def _threshold_kernel(Q, W, KI, KVS, TH, sqb, sqt, sqh, sqd, swb, swt, swh, skb,
                 thj = mean + sd * (Z0 + j * DZ)
                 cj = tl.sum((fin & (s >= thj[:, None])).to(tl.float32), 1)
                 cnt += tl.where(zc[None, :] == j, cj[:, None], 0.0)
-        # the grid point just below the target count and the one above, interpolated in log count
-        target = E * kk.to(tl.float32) * ns / tl.maximum(nu.to(tl.float32), 1.0)
-        ja = tl.sum((cnt >= target[:, None]).to(tl.int32), 1) - 1
-        jb = tl.minimum(ja + 1, NZ - 1)
-        ca = tl.sum(tl.where(zc[None, :] == ja[:, None], cnt, 0.0), 1)
-        cb = tl.maximum(tl.sum(tl.where(zc[None, :] == jb[:, None], cnt, 0.0), 1), 0.5)
-        frac = tl.where((jb > ja) & (ca > cb), tl.log(ca / target) / tl.log(ca / cb), 0.0)
-        z = Z0 + (ja.to(tl.float32) + tl.minimum(tl.maximum(frac, 0.0), 1.0)) * DZ
-        est = tl.where((ja >= 0) & (ns > 0), mean + sd * z, float("-inf"))
-        th = tl.where(stats, est, th)
+        scale = kk.to(tl.float32) * ns / tl.maximum(nu.to(tl.float32), 1.0)  # k - forced, in sampled keys
+        th = tl.where(stats, _grid_threshold(cnt, E * scale, mean, sd, ns, NZ, Z0, DZ), th)
+        if RANGE:
+            th2 = tl.where(stats, _grid_threshold(cnt, E2 * scale, mean, sd, ns, NZ, Z0, DZ), th2)
     th = tl.where(kk > 0, th, float("inf"))  # the forced keys fill the budget
+    return th, th2, smin, smax
+
+
+@triton.jit
+def _grid_threshold(cnt, target, mean, sd, ns, NZ: tl.constexpr, Z0: tl.constexpr, DZ: tl.constexpr):
+    """The score with `target [BM]` sampled keys above it, from the counts cnt `[BM, NZ]` above the z
+    grid: the grid point just below the target count and the one above, interpolated in log count
+    (-inf where even the lowest grid point has fewer)."""
+    zc = tl.arange(0, NZ)
+    ja = tl.sum((cnt >= target[:, None]).to(tl.int32), 1) - 1
+    jb = tl.minimum(ja + 1, NZ - 1)
+    ca = tl.sum(tl.where(zc[None, :] == ja[:, None], cnt, 0.0), 1)
+    cb = tl.maximum(tl.sum(tl.where(zc[None, :] == jb[:, None], cnt, 0.0), 1), 0.5)
+    frac = tl.where((jb > ja) & (ca > cb), tl.log(ca / target) / tl.log(ca / cb), 0.0)
+    z = Z0 + (ja.to(tl.float32) + tl.minimum(tl.maximum(frac, 0.0), 1.0)) * DZ
+    return tl.where((ja >= 0) & (ns > 0), mean + sd * z, float("-inf"))
+
+
+@triton.jit
+def _threshold_kernel(Q, W, KI, KVS, TH, sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, stb,
+                      T, S, t0, q_offset, sink, window, K, C, E,
+                      HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                      R: tl.constexpr, NZ: tl.constexpr, Z0: tl.constexpr, DZ: tl.constexpr, PREC: tl.constexpr):
+    """Each row's threshold TH `[B, Tc]` (`row_threshold`; rows whose visible keys fit the buffer of C
+    slots take them all)."""
+    b, offs_m, tq, mmask, pos, start, first, last, nvis, nf = _rows(KVS, T, S, t0, q_offset, sink, window, BM, BN)
+    th, th2, smin, smax = row_threshold(Q, W, KI, b, tq, mmask, pos, start, first, last, nvis, nf, S, sink, window,
+                                        K, C, E, 0.0, 0, sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
+                                        HI, DI, BM, BN, BD, R, NZ, Z0, DZ, PREC, False)
     tl.store(TH + b * stb + offs_m, th, mask=mmask)
 
 

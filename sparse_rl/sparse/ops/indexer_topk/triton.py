@@ -18,6 +18,10 @@ Design (why):
   materialising path at 32K and 83 against 143 ms at 128K, but 1.83 against 0.98 ms at 8K: "auto"
   keeps the materialising path up to 16K keys (the crossover interpolated between 8K and 32K, not
   measured) and under the CPU interpreter.
+- `topk_impl="binned"`: the binned streaming select of `stream_binned.py` (one byte code per score
+  written densely by the sweep instead of a candidate buffer, a per-row byte histogram, the boundary
+  bin's scores recomputed; see its docstring). Exact, but not faster on the H200 (9.24 / 118.5 ms at
+  32K / 128K against 9.06 / 79.0 for "stream"), so "auto" does not take it.
 - Top-k per chunk: `torch.topk(sorted=False)` + a sort of the k indices, or our radix select
   (`radix_topk.py`, output already ascending). On an H200 (bf16 inputs, k = 2048) the radix kernel
   was faster for rows up to 32K keys (8K prefill: 0.84 vs 1.60 ms; 32K: 11.5 vs 12.2 ms; decode
@@ -40,11 +44,12 @@ from sparse_rl.sparse.ops.indexer_topk.decode import indexer_topk_decode
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_naive
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
 from sparse_rl.sparse.ops.indexer_topk.stream import score_tile, indexer_topk_stream
+from sparse_rl.sparse.ops.indexer_topk.stream_binned import indexer_topk_binned
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORE_BUDGET_BYTES = 1 << 30
-TOPK_IMPLS = ("auto", "stream", "materialise", "radix", "torch")
+TOPK_IMPLS = ("auto", "stream", "binned", "materialise", "radix", "torch")
 STREAM_MIN_KEYS = 16384  # "auto" streams rows longer than this on CUDA (see module docstring)
 RADIX_MAX_KEYS = 32768  # rows longer than this take torch.topk on CUDA (measured, see module docstring)
 
@@ -115,8 +120,8 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
                  budget_bytes: int | None = None, topk_impl: str = "auto") -> torch.Tensor:
     """Indexer top-k, Triton scores. q_idx `[B, T, H_I, D_I]`, w `[B, T, H_I]`, k_idx `[B, S, D_I]`
     -> `[B, T, topk]` int32 ascending, -1 padded. Index dims above 128, more than 64 index heads
-    or float64 take the reference. `topk_impl`: "auto" | "stream" | "materialise" | "radix" | "torch"
-    (see module docstring)."""
+    or float64 take the reference. `topk_impl`: "auto" | "stream" | "binned" | "materialise" | "radix" |
+    "torch" (see module docstring)."""
     if topk_impl not in TOPK_IMPLS:
         raise ValueError(f"topk_impl {topk_impl!r}: expected one of {', '.join(TOPK_IMPLS)}")
     if sink + window > topk:
@@ -132,6 +137,9 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
         pos = torch.full((B,), q_offset, dtype=torch.int32, device=dev)
         return indexer_topk_decode(q_idx[:, 0], w[:, 0], k_idx, pos, topk, sink=sink, window=window,
                                    kv_start=kv_start)[:, None]
+    if topk_impl == "binned":
+        return indexer_topk_binned(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
+                                   kv_start=kv_start)
     if topk_impl == "stream" or (topk_impl == "auto" and q_idx.is_cuda and min(S, q_offset + T) > STREAM_MIN_KEYS):
         return indexer_topk_stream(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
                                    kv_start=kv_start)
