@@ -333,3 +333,39 @@ def test_eos_at_different_steps_with_steps_in_flight(llama_dir, temperature):
             assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
             torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
     assert sum(c.finish_reason == "stop" for c in one) >= 2
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_fused_projections_keep_outputs_and_follow_weight_updates(arch_dir, mode, tmp_path):
+    """One GEMM for q/k/v (+ the indexer's projections) and one for gate/up (qwen2: with biases): the
+    greedy tokens still equal HF generate, log-probs a teacher-forced forward; the modules' parameters
+    are views of the concatenated buffers, so an in-place update is seen, a replaced parameter is
+    concatenated again at the next generation, and the model still saves and reloads."""
+    model = load_model(arch_dir, attention=mode)
+    eng = _engine(model, max_batch=3, fuse_projections=True)
+    attn = model.model.layers[1].self_attn
+    fl = eng.runner.fused_layers[1]
+    assert fl.qkv is not None and fl.gate_up is not None and fl.silu
+    assert len(fl.qkv.sizes) == 6 and attn.k_proj.weight.data_ptr() == fl.qkv.weight[fl.qkv.sizes[0]].data_ptr()
+    prompts = _prompts(9, (6, 13, 4))
+    greedy = SamplingParams(temperature=0, max_new_tokens=16)
+    for pr, c in zip(prompts, eng.generate(prompts, greedy)):
+        assert c.tokens == _hf_greedy(model, pr, 16)
+    params = SamplingParams(temperature=0.8, max_new_tokens=16, seed=2)
+    for c in eng.generate(prompts, params):
+        torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(model, c, params), atol=1e-4, rtol=0)
+    with torch.no_grad():  # in place (an optimizer step): the fused GEMM reads it
+        model.model.layers[1].mlp.up_proj.weight.mul_(-2.0)
+        attn.v_proj.weight.add_(0.05)
+    for pr, c in zip(prompts, eng.generate(prompts, greedy)):
+        assert c.tokens == _hf_greedy(model, pr, 16)
+    attn.q_proj.weight.data = attn.q_proj.weight.data.clone() * 1.5  # new storage: found and re-fused
+    assert not eng.runner.fused_layers[1].valid()
+    for pr, c in zip(prompts, eng.generate(prompts, greedy)):
+        assert c.tokens == _hf_greedy(model, pr, 16)
+    assert eng.runner.fused_layers[1].valid()
+    model.save_pretrained(tmp_path / "saved")
+    from transformers import AutoModelForCausalLM
+
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert torch.equal(back.model.layers[1].self_attn.q_proj.weight, attn.q_proj.weight)

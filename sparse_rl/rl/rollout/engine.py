@@ -94,12 +94,14 @@ class RolloutEngine:
     compile: torch.compile the decode step (inductor), captured in the CUDA graphs; default off
     (`SPARSE_RL_COMPILE=1` turns it on; see forward.default_compile). A failed compilation falls back to
     the eager step: `engine.runner.compile_error` says why. compile_backend: the dynamo backend.
+    fuse_projections: one GEMM for each layer's q/k/v (+ indexer) and gate/up projections in the eager
+    step (default on CUDA); the model's parameters then live in the concatenated buffers (forward.py).
     """
 
     def __init__(self, model, tokenizer=None, max_batch: int = 32, max_seq_len: int | None = None,
                  device=None, use_cuda_graphs: bool | None = None, eos_token_ids: Sequence[int] | None = None,
                  bucket: int = 256, max_prefill_tokens: int = 32768, compile: bool | None = None,
-                 compile_backend="inductor"):
+                 compile_backend="inductor", fuse_projections: bool | None = None):
         if max_batch < 1:
             raise UsageError(f"max_batch must be >= 1 (got {max_batch})")
         self.model = model
@@ -108,7 +110,8 @@ class RolloutEngine:
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
-        self.runner = ModelRunner(model, dev, use_cuda_graphs, compile=compile, compile_backend=compile_backend)
+        self.runner = ModelRunner(model, dev, use_cuda_graphs, compile=compile, compile_backend=compile_backend,
+                                  fuse_projections=fuse_projections)
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.bucket = bucket
@@ -132,8 +135,10 @@ class RolloutEngine:
 
     def refresh(self) -> None:
         """Forget captured CUDA graphs (recaptured lazily). Needed only when parameters were replaced by
-        new tensors; in-place updates are seen without it."""
+        new tensors; in-place updates are seen without it (and fused projections whose parameters were
+        replaced are concatenated again at the next generation anyway)."""
         self.runner.drop_graphs()
+        self.runner.sync_weights()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy `state` (full or partial, HF parameter names; a peft model's `base_model.model.` prefix and
@@ -252,6 +257,7 @@ class RolloutEngine:
     @torch.inference_mode()
     def time_step(self, pos: int, reps: int = 20) -> float:
         """Median milliseconds of one decode step with every slot at position `pos` (CUDA events on a GPU)."""
+        self.runner.sync_weights()
         cache = self._ensure_cache(pos + 1)
         tok = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
         p = torch.full_like(tok, pos)
@@ -309,6 +315,7 @@ class RolloutEngine:
         """Sample `params.samples` completions per prompt. Returns them ordered by (prompt, sample);
         `on_complete` is called as each one finishes. The model runs in eval mode (no dropout, e.g.
         peft's lora_dropout) and is put back in its previous mode afterwards."""
+        self.runner.sync_weights()
         was_training = self.model.training
         self.model.eval()
         try:

@@ -50,7 +50,9 @@ from sparse_rl.errors import SparseRLError
 from sparse_rl.rl.rollout.cache import KVCache
 from sparse_rl.rl.rollout import compiled as C
 from sparse_rl.sparse.layer import DecodeOps, layer_states, select
-from sparse_rl.sparse.ops import add_rmsnorm, indexer_decode, qk_norm_rope_cache, sparse_attention, sparse_decode
+from sparse_rl.rl.rollout.fused_weights import FusedLayer
+from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cache, silu_mul, sparse_attention,
+                                 sparse_decode)
 
 
 def _base(model):
@@ -97,10 +99,12 @@ class ModelRunner:
 
     use_graphs: CUDA graphs of the decode step (default on CUDA). compile: torch.compile the decode
     step (default `default_compile(device)`); compile_backend: the dynamo backend, a name
-    ("inductor"; "aot_eager" traces without generating code) or a backend callable."""
+    ("inductor"; "aot_eager" traces without generating code) or a backend callable.
+    fuse_projections: the eager step's concatenated q/k/v(+indexer) and gate/up GEMMs (default on
+    CUDA; the modules' parameters become views of the concatenated weights, see fused_weights.py)."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
-                 compile_backend="inductor"):
+                 compile_backend="inductor", fuse_projections: bool | None = None):
         base = _base(model)
         dec = base.get_decoder()
         self.model, self.base = model, base
@@ -130,6 +134,11 @@ class ModelRunner:
             getattr(layer.self_attn, "q_norm", None) is None
             or layer.self_attn.q_norm.variance_epsilon == layer.self_attn.k_norm.variance_epsilon
             for layer in self.layers)
+        # one GEMM for q/k/v (+ the indexer's projections) and one for gate/up (fused_weights.py); the
+        # modules' parameters become views of the concatenated buffers. Default: on CUDA, for the eager
+        # fused step
+        self.fuse_projections = self.fused and (self.is_cuda if fuse_projections is None else bool(fuse_projections))
+        self.fused_layers = [FusedLayer.build(layer) for layer in self.layers] if self.fuse_projections else None
         self._graphs: dict = {}
         self._pool = None
         self._static: dict = {}
@@ -247,7 +256,9 @@ class ModelRunner:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x, res = self._add_norm(pending, res, layer.input_layernorm, compiled)
-            q, k, v = (proj(x).view(B, -1, self.D) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+            fl = None if compiled or not self.fused or self.fused_layers is None else self.fused_layers[i]
+            indexed = self._sparse(i, mode) and self.states[i].cfg.selector == "indexer"
+            q, k, v, z = self._projections(attn, fl, x, indexed)
             if compiled or not self.fused:  # the modules (inductor fuses their elementwise ops itself)
                 if getattr(attn, "q_norm", None) is not None:
                     q, k = attn.q_norm(q), attn.k_norm(k)
@@ -269,7 +280,7 @@ class ModelRunner:
                         write(idx_all, i, k_i[:, 0])
                         q_i, w = q_i[:, 0], w[:, 0]
                     else:
-                        q_i, w = self._indexer_step(attn.indexer, x, cos, sin, pos, idx_all[i], st.backend)
+                        q_i, w = self._indexer_step(attn.indexer, x, cos, sin, pos, idx_all[i], st.backend, z)
                     index = (q_i, w, idx_all[i])
                 elif not compiled:  # the eager block selector reads positions on the host, once per step
                     pos_list = pos.tolist() if pos_list is None else pos_list
@@ -289,7 +300,7 @@ class ModelRunner:
                                                    attn_mask=mask[:, None, None, :], scale=attn.scaling,
                                                    enable_gqa=self.H != self.H_kv)[:, :, 0]
             x, res = self._add_norm(attn.o_proj(o.reshape(B, -1)), res, layer.post_attention_layernorm, compiled)
-            pending = layer.mlp(x)
+            pending = self._mlp(layer.mlp, fl, x)
         y, _ = self._add_norm(pending, res, self.norm, compiled)
         return self.lm_head(y).float()
 
@@ -301,13 +312,41 @@ class ModelRunner:
             return norm(h), h
         return add_rmsnorm(x, res, norm.weight, norm.variance_epsilon)
 
+    def _projections(self, attn, fl, x, indexed: bool):
+        """x `[B, hidden]` -> q `[B, H, D]`, k/v `[B, H_kv, D]` and z, the indexer's (wq, wk, ww) outputs
+        when the fused GEMM computed them too (indexed: the layer selects with its indexer this step),
+        else None. fl: the layer's `FusedLayer` (None: the modules, one GEMM each)."""
+        B = x.shape[0]
+        if fl is None or fl.qkv is None:
+            return (*(p(x).view(B, -1, self.D) for p in (attn.q_proj, attn.k_proj, attn.v_proj)), None)
+        with_ix = indexed and len(fl.qkv.sizes) == 6
+        y = fl.qkv(x, None if with_ix else fl.qkv_rows)
+        parts = y.split(fl.qkv.sizes[:len(fl.qkv.sizes) if with_ix else 3], dim=1)
+        q, k, v = (t.view(B, -1, self.D) for t in parts[:3])
+        return q, k, v, (parts[3:] if with_ix else None)
+
     @staticmethod
-    def _indexer_step(ix, x, cos, sin, pos, k_cache, backend):
-        """The indexer for one token per row, eager: its three projections (the modules themselves, so
-        peft wrappers apply), then `ops.indexer_decode` (one Triton launch on a GPU for what the
-        module's elementwise ops take ~20) writing the key into k_cache `[B, S_max, d_I]`. x `[B,
-        hidden]`, cos/sin `[B, 1, D_h]` -> q_I `[B, H_I, d_I]`, w `[B, H_I]`."""
-        return indexer_decode(ix.wq(x), ix.wk(x), ix.ww(x), cos[:, 0], sin[:, 0], ix.k_norm.weight,
+    def _mlp(mlp, fl, x):
+        """The MLP of one token per row: one gate/up GEMM and `ops.silu_mul` when fused, else the module."""
+        if fl is None or fl.gate_up is None:
+            return mlp(x)
+        gu = fl.gate_up(x)
+        if fl.silu:
+            a = silu_mul(gu)
+        else:
+            g, u = gu.split(fl.gate_up.sizes, dim=1)
+            a = mlp.act_fn(g) * u
+        return mlp.down_proj(a)
+
+    @staticmethod
+    def _indexer_step(ix, x, cos, sin, pos, k_cache, backend, z=None):
+        """The indexer for one token per row, eager: its three projections (z, their outputs from the
+        layer's fused GEMM, else the modules themselves, so peft wrappers apply), then
+        `ops.indexer_decode` (one Triton launch on a GPU for what the module's elementwise ops take ~20)
+        writing the key into k_cache `[B, S_max, d_I]`. x `[B, hidden]`, cos/sin `[B, 1, D_h]` -> q_I
+        `[B, H_I, d_I]`, w `[B, H_I]`."""
+        zq, zk, zw = z if z is not None else (ix.wq(x), ix.wk(x), ix.ww(x))
+        return indexer_decode(zq, zk, zw, cos[:, 0], sin[:, 0], ix.k_norm.weight,
                               ix.k_norm.bias, ix.k_norm.eps, ix.rope_dim, pos, k_cache, backend=backend)
 
     @staticmethod
@@ -442,6 +481,19 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             out = step(cache, tok, pos, S, mode)
         return graph, out
+
+    def sync_weights(self) -> bool:
+        """Re-concatenate the fused projections whose parameters were given new storage since (see
+        fused_weights.py; in-place updates need nothing), dropping the CUDA graphs that read the old
+        buffers. Returns whether anything was rebuilt."""
+        if self.fused_layers is None:
+            return False
+        stale = [i for i, fl in enumerate(self.fused_layers) if not fl.valid()]
+        for i in stale:
+            self.fused_layers[i] = FusedLayer.build(self.layers[i])
+        if stale:
+            self.drop_graphs()
+        return bool(stale)
 
     def drop_graphs(self) -> None:
         """Forget captured graphs (compiled steps stay: their parameters and caches are inputs)."""

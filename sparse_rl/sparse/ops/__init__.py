@@ -12,7 +12,7 @@ import torch
 
 from sparse_rl.sparse.ops._backend import resolve_backend
 from sparse_rl.sparse.ops.block_select.naive import block_select_naive
-from sparse_rl.sparse.ops.decode_fused.naive import add_rmsnorm_naive, qk_norm_rope_cache_naive
+from sparse_rl.sparse.ops.decode_fused.naive import add_rmsnorm_naive, qk_norm_rope_cache_naive, silu_mul_naive
 from sparse_rl.sparse.ops.indexer_decode.naive import indexer_decode_naive
 from sparse_rl.sparse.ops.indexer_kl.naive import KLStats, dense_lse, selected_kl
 from sparse_rl.sparse.ops.indexer_kl.naive import warmup_kl as warmup_kl_naive
@@ -24,7 +24,7 @@ from sparse_rl.sparse.ops.sparse_attention.naive import (dense_attention_naive, 
 
 __all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_topk_decode", "indexer_scores", "indexer_decode",
            "block_select", "visible_mask", "granular_topk", "granular_topk_decode", "dense_attention_naive", "kernel",
-           "warmup_kl", "selected_kl", "dense_lse", "KLStats", "add_rmsnorm", "qk_norm_rope_cache"]
+           "warmup_kl", "selected_kl", "dense_lse", "KLStats", "add_rmsnorm", "qk_norm_rope_cache", "silu_mul"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,3 +180,11 @@ def qk_norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
     if resolve_backend(backend, q, fn is not None) == "triton":
         return fn(q, k, v, q_weight, k_weight, eps, cos, sin, pos, k_cache, v_cache)
     return qk_norm_rope_cache_naive(q, k, v, q_weight, k_weight, eps, cos, sin, pos, k_cache, v_cache)
+
+
+def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """The gated MLP's SiLU(gate) * up from one fused gate/up GEMM: gate_up `[B, 2N]` -> `[B, N]`."""
+    fn = kernel("decode_fused", "silu_mul")
+    if resolve_backend(backend, gate_up, fn is not None) == "triton":
+        return fn(gate_up)
+    return silu_mul_naive(gate_up)
