@@ -369,3 +369,38 @@ def test_fused_projections_keep_outputs_and_follow_weight_updates(arch_dir, mode
 
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     assert torch.equal(back.model.layers[1].self_attn.q_proj.weight, attn.q_proj.weight)
+
+
+def test_fp8_index_keys_through_convert_and_the_engine(tmp_path, monkeypatch):
+    """`convert --index-dtype fp8` writes the field; the engine's decode cache then stores e4m3 keys and
+    their scales; the Triton path (interpreter) gives the reference path's tokens (log-probs within 0.02),
+    and both stay near a teacher-forced forward over unquantized keys; a bad value is a usage error."""
+    from typer.testing import CliRunner
+
+    from sparse_rl.cli.main import app
+
+    init_model(tmp_path / "dense", ModelInitConfig(arch="llama", size="tiny", seed=1))
+    args = ["convert", str(tmp_path / "dense"), str(tmp_path / "fp8"), "--index-topk", str(TOPK), "--index-heads", "2",
+            "--index-dim", "16", "--sink", "1", "--window", "2", "--dense-layers", "0", "--seed", "3"]
+    res = CliRunner().invoke(app, args + ["--index-dtype", "fp8"])
+    assert res.exit_code == 0, res.output
+    assert SparseConfig.load(tmp_path / "fp8").index_dtype == "fp8"
+    bad = CliRunner().invoke(app, args[:3] + ["--index-dtype", "int4"])
+    assert bad.exit_code == 2 and "--index-dtype int4" in bad.output
+    with pytest.raises(Exception, match="token-level"):
+        SparseConfig(index_dtype="fp8", key_block=4)
+    model = load_model(tmp_path / "fp8", attention="sparse")
+    prompts = _prompts(5, (14, 9, 13))
+    params = SamplingParams(temperature=0.7, max_new_tokens=10, seed=5)
+    eng = _engine(model, max_batch=2)
+    ref = eng.generate(prompts, params)
+    assert eng.cache.idx.dtype == torch.float8_e4m3fn and eng.cache.idx_scale.dtype == torch.float32
+    monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
+    tri = _engine(model, max_batch=2).generate(prompts, params)
+    monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
+    for a, b in zip(ref, tri):  # the kernel quantizes its fp32 key, the reference the module's: an fp8 value
+        # may round the other way, and a near-tie in the selection with it (log-probs 1e-3 apart, not 1e-5)
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=0.02, rtol=0)
+    for c in ref:  # the HF forward scores unquantized keys: close, not equal
+        torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(model, c, params), atol=0.05, rtol=0)

@@ -231,10 +231,9 @@ class RolloutEngine:
             self.runner.check_supported(s_max)
             self.cache = KVCache.allocate(self.runner.n_layers, self.max_batch, s_max, self.runner.H_kv,
                                           self.runner.D, self.runner.index_dim if self.mode == "sparse" else None,
-                                          self.runner.dtype, self.device)
+                                          self.runner.dtype, self.device, self.runner.index_dtype)
         if self.mode == "sparse" and self.runner.index_dim and self.cache.idx is None:
-            self.cache.idx = torch.zeros(*self.cache.k.shape[:3], self.runner.index_dim, dtype=self.runner.dtype,
-                                         device=self.device)
+            self.cache.add_index(self.runner.index_dim, self.runner.dtype, self.runner.index_dtype)
             self.runner.drop_graphs()
         return self.cache
 

@@ -51,8 +51,8 @@ from sparse_rl.rl.rollout.cache import KVCache
 from sparse_rl.rl.rollout import compiled as C
 from sparse_rl.sparse.layer import DecodeOps, layer_states, select
 from sparse_rl.rl.rollout.fused_weights import FusedLayer
-from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cache, silu_mul, sparse_attention,
-                                 sparse_decode)
+from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cache, quantize_index_keys, silu_mul,
+                                 sparse_attention, sparse_decode)
 
 
 def _base(model):
@@ -121,6 +121,9 @@ class ModelRunner:
         self.states = layer_states(model)
         self.index_dim = next((layer.self_attn.indexer.index_dim for layer in self.layers
                                if getattr(layer.self_attn, "indexer", None) is not None), None)
+        # how the decode cache stores index keys (SparseConfig.index_dtype: one value for the model)
+        self.index_dtype = next((st.cfg.index_dtype for st in self.states
+                                 if st is not None and st.cfg.selector == "indexer"), "bf16")
         self.device = torch.device(device)
         self.dtype = next(base.parameters()).dtype
         self.is_cuda = self.device.type == "cuda"
@@ -195,7 +198,11 @@ class ModelRunner:
                 index = None
                 if st.cfg.selector == "indexer":
                     q_i, w, k_i = attn.indexer(x, cos, sin)
-                    cache.idx[i][slot_t, :T] = k_i
+                    if cache.idx_scale is not None:  # fp8 index keys
+                        k8, sc = quantize_index_keys(k_i)
+                        cache.idx[i][slot_t, :T], cache.idx_scale[i][slot_t, :T] = k8, sc
+                    else:
+                        cache.idx[i][slot_t, :T] = k_i
                     index = (q_i, w, k_i)
                     if st.cfg.query_group > 1:
                         self._store_groups(cache, i, slot_t, q_i, w, lengths, st.cfg.query_group)
@@ -221,13 +228,13 @@ class ModelRunner:
         cache.rep_w[i][slot_t] = w[rows, rep]
 
     # ---------------------------------------------------------------- decode
-    def _decode_core(self, tokens, pos, keys, k_all, v_all, idx_all, mode: str, short: bool, compiled: bool,
-                     cache=None):
+    def _decode_core(self, tokens, pos, keys, k_all, v_all, idx_all, scale_all, mode: str, short: bool,
+                     compiled: bool, cache=None):
         """The decode step shared by the eager and the compiled path.
 
         tokens `[B]`, pos `[B]`, keys `[S]` = arange(S) (S, the bucket, is read from its shape so
         that one compilation serves every bucket), k_all/v_all `[L, B, S_max, H_kv, D]`, idx_all
-        `[L, B, S_max, d_I]` or None -> logits `[B, V]` float32. short: S <= top-k, so the indexer
+        `[L, B, S_max, d_I]` or None, scale_all `[L, B, S_max]` its fp8 scales or None -> logits `[B, V]` float32. short: S <= top-k, so the indexer
         keeps every visible key (decided outside, so the compiled graph holds no guard on S).
         compiled: call our sparse ops through their opaque custom ops, and write the cache with
         `index_put_` on the whole cache tensor, which inductor does in place (through a per-layer
@@ -277,11 +284,17 @@ class ModelRunner:
                 if st.cfg.selector == "indexer":
                     if compiled:
                         q_i, w, k_i = attn.indexer(x[:, None], cos, sin)
-                        write(idx_all, i, k_i[:, 0])
+                        if scale_all is not None:
+                            k8, sc = quantize_index_keys(k_i[:, 0])
+                            write(idx_all, i, k8)
+                            write(scale_all, i, sc)
+                        else:
+                            write(idx_all, i, k_i[:, 0])
                         q_i, w = q_i[:, 0], w[:, 0]
                     else:
-                        q_i, w = self._indexer_step(attn.indexer, x, cos, sin, pos, idx_all[i], st.backend, z)
-                    index = (q_i, w, idx_all[i])
+                        q_i, w = self._indexer_step(attn.indexer, x, cos, sin, pos, idx_all[i], st.backend, z,
+                                                    None if scale_all is None else scale_all[i])
+                    index = (q_i, w, idx_all[i]) if scale_all is None else (q_i, w, idx_all[i], scale_all[i])
                 elif not compiled:  # the eager block selector reads positions on the host, once per step
                     pos_list = pos.tolist() if pos_list is None else pos_list
                 # with no more visible keys than top-k the indexer keeps them all (`short`)
@@ -339,15 +352,15 @@ class ModelRunner:
         return mlp.down_proj(a)
 
     @staticmethod
-    def _indexer_step(ix, x, cos, sin, pos, k_cache, backend, z=None):
+    def _indexer_step(ix, x, cos, sin, pos, k_cache, backend, z=None, k_scale=None):
         """The indexer for one token per row, eager: its three projections (z, their outputs from the
         layer's fused GEMM, else the modules themselves, so peft wrappers apply), then
         `ops.indexer_decode` (one Triton launch on a GPU for what the module's elementwise ops take ~20)
-        writing the key into k_cache `[B, S_max, d_I]`. x `[B, hidden]`, cos/sin `[B, 1, D_h]` -> q_I
-        `[B, H_I, d_I]`, w `[B, H_I]`."""
+        writing the key into k_cache `[B, S_max, d_I]` (fp8: quantized, its scale into k_scale `[B, S_max]`).
+        x `[B, hidden]`, cos/sin `[B, 1, D_h]` -> q_I `[B, H_I, d_I]`, w `[B, H_I]`."""
         zq, zk, zw = z if z is not None else (ix.wq(x), ix.wk(x), ix.ww(x))
-        return indexer_decode(zq, zk, zw, cos[:, 0], sin[:, 0], ix.k_norm.weight,
-                              ix.k_norm.bias, ix.k_norm.eps, ix.rope_dim, pos, k_cache, backend=backend)
+        return indexer_decode(zq, zk, zw, cos[:, 0], sin[:, 0], ix.k_norm.weight, ix.k_norm.bias, ix.k_norm.eps,
+                              ix.rope_dim, pos, k_cache, k_scale, backend=backend)
 
     @staticmethod
     def _attend(q, kc, vc, sel, scale, backend, compiled):
@@ -368,8 +381,8 @@ class ModelRunner:
 
     def decode_eager(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, S: int, mode: str) -> torch.Tensor:
         """tokens `[B]` (B = all slots), pos `[B]` (each slot's position for this token) -> logits `[B, V]`."""
-        return self._decode_core(tokens, pos, torch.arange(S, device=tokens.device), cache.k, cache.v, cache.idx, mode,
-                                 self._short(S, mode), False, cache=cache)
+        return self._decode_core(tokens, pos, torch.arange(S, device=tokens.device), cache.k, cache.v, cache.idx,
+                                 cache.idx_scale, mode, self._short(S, mode), False, cache=cache)
 
     def _compiled_fn(self, mode: str, short: bool):
         key = (mode, short)
@@ -377,8 +390,8 @@ class ModelRunner:
         if fn is None:
             runner = self
 
-            def step(tokens, pos, keys, k_all, v_all, idx_all):
-                return runner._decode_core(tokens, pos, keys, k_all, v_all, idx_all, mode, short, True)
+            def step(tokens, pos, keys, k_all, v_all, idx_all, scale_all):
+                return runner._decode_core(tokens, pos, keys, k_all, v_all, idx_all, scale_all, mode, short, True)
 
             fn = self._compiled[key] = torch.compile(C.fresh_function(step), dynamic=None,
                                                      backend=C.counting_backend(self.compile_backend,
@@ -395,12 +408,12 @@ class ModelRunner:
         # and name, so it is shared by every runner's copy of `step` (and kept on disk between
         # processes); a second engine with another batch would otherwise compile a graph dynamic
         # in B and the cache shapes
-        for t in (tokens, pos, cache.k, cache.v, cache.idx):
+        for t in (tokens, pos, cache.k, cache.v, cache.idx, cache.idx_scale):
             if t is not None:
                 torch._dynamo.mark_static(t)
         first = (mode, short) not in self._compiled
         graphs0, t0 = self.compile_stats["graphs"], time.perf_counter()
-        out = self._compiled_fn(mode, short)(tokens, pos, keys, cache.k, cache.v, cache.idx)
+        out = self._compiled_fn(mode, short)(tokens, pos, keys, cache.k, cache.v, cache.idx, cache.idx_scale)
         if first:
             if self.compile_stats["graphs"] == graphs0:
                 raise RuntimeError("dynamo compiled no graph for the decode step (recompile limit reached?)")

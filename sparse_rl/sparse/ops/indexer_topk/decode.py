@@ -89,9 +89,10 @@ def _bstar(HIST, NF, b, K, NB: tl.constexpr):
 
 
 @triton.jit
-def _score_max(Q, W, KI, POS, KVS, SC, RNG, sqb, sqh, sqd, swb, swh, skb, sks, skd,
+def _score_max(Q, W, KI, KS, POS, KVS, SC, RNG, sqb, sqh, sqd, swb, swh, skb, sks, skd, ssb,
                S, sink, window, HI, DI,
-               HB: tl.constexpr, BD: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+               HB: tl.constexpr, BD: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
+               FP8: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
@@ -110,7 +111,11 @@ def _score_max(Q, W, KI, POS, KVS, SC, RNG, sqb, sqh, sqd, swb, swh, skb, sks, s
             vis = (offs_n <= pos) & (offs_n >= start) & (offs_n < S)
             k = tl.load(KI + b * skb + offs_n[:, None] * sks + offs_d[None, :] * skd,
                         mask=vis[:, None] & (offs_d[None, :] < DI), other=0.0)  # [BN, BD]
-            s = tl.sum(tl.maximum(dot(k, qt, PREC), 0.0) * wv[None, :], 1)
+            if FP8:  # e4m3 keys (exact in bf16/fp32), their per-token scale after the head sum
+                s = tl.sum(tl.maximum(dot(k.to(qt.dtype), qt, PREC), 0.0) * wv[None, :], 1)
+                s = s * tl.load(KS + b * ssb + offs_n, mask=vis, other=0.0)
+            else:
+                s = tl.sum(tl.maximum(dot(k, qt, PREC), 0.0) * wv[None, :], 1)
             forced = vis & ((offs_n < start + sink) | (offs_n > pos - window))
             s = tl.where(vis, s, float("-inf"))
             mx = tl.maximum(mx, tl.max(tl.where(forced, float("-inf"), s), 0))
@@ -287,21 +292,28 @@ def _chunk(B: int, S: int, interpret: bool) -> int:
 
 def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, pos: torch.Tensor, topk: int, *,
                         sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None,
-                        chunk: int | None = None, num_warps: int | None = None, candidates: bool = False):
+                        chunk: int | None = None, num_warps: int | None = None, candidates: bool = False,
+                        k_scale: torch.Tensor | None = None):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference. candidates=True also returns each row's number of second-level
     candidates `[B]` (the keys in the threshold's bin, which the one-program-per-row radix reads;
-    None on the reference path): what the first-level binning costs, for tests and benchmarks."""
+    None on the reference path): what the first-level binning costs, for tests and benchmarks. k_scale
+    `[B, S]` fp32: k_idx is float8_e4m3fn with these per-token scales (`naive.quantize_index_keys`);
+    the score pass then reads half the bytes."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:
         raise ValueError(f"sink ({sink}) + window ({window}) must not exceed topk ({topk})")
     B, HI, DI = q_idx.shape
     S = k_idx.shape[1]
-    if (q_idx.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_idx.dtype != q_idx.dtype
+    fp8 = k_scale is not None
+    if fp8 and k_idx.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"k_scale is given for fp8 index keys, but k_idx is {k_idx.dtype}")
+    if (q_idx.dtype not in (torch.float16, torch.bfloat16, torch.float32) or (k_idx.dtype != q_idx.dtype and not fp8)
             or DI > 128 or HI > 64 or B == 0 or S == 0):
-        ref = indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start)
+        ref = indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start,
+                                        k_scale=k_scale)
         return (ref, None) if candidates else ref
     dev = q_idx.device
     interpret = not q_idx.is_cuda
@@ -327,10 +339,10 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     out = torch.empty(B, topk, device=dev, dtype=torch.int32)
     nw = 1 if interpret else (num_warps or 4)
     grid = (P, B)
-    _score_max[grid](q_idx, w, k_idx, pos, kvs, sc, rng, *q_idx.stride(), *w.stride(), *k_idx.stride(),
-                     S, sink, window, HI, DI, HB=max(16, triton.next_power_of_2(HI)),
-                     BD=max(16, triton.next_power_of_2(DI)), CH=CH, BN=BN, PREC=dot_precision(q_idx.dtype),
-                     num_warps=nw)
+    _score_max[grid](q_idx, w, k_idx, k_scale if fp8 else sc, pos, kvs, sc, rng, *q_idx.stride(), *w.stride(),
+                     *k_idx.stride(), k_scale.stride(0) if fp8 else 0, S, sink, window, HI, DI,
+                     HB=max(16, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), CH=CH, BN=BN,
+                     PREC=dot_precision(q_idx.dtype), FP8=fp8, num_warps=nw)
     _hist[grid](sc, pos, rng, hist_b, nf, S, CH=CH, BN=BN, NB=NB, num_warps=nw)
     _count[grid](sc, pos, rng, hist_b, nf, cnt, S, topk, P, CH=CH, BN=BN, NB=NB, num_warps=nw)
     _gather_cands[grid](sc, pos, rng, hist_b, nf, cnt, cu, ci, S, topk, P, CH=CH, BN=BN, NB=NB,
