@@ -7,9 +7,10 @@ with random values. Sections, each skipped once the budget is spent (results.jso
 1. correctness: logits of the default step (fused ops + fused projections) vs the module step on the
    same cache and tokens (batch 32: dense 2K, sparse 16K); the decode select on fp8 keys (Triton) vs its
    PyTorch reference; selection overlap of fp8 vs bf16 index keys (32 x 16K, LayerNorm'd random keys).
-2. A/B, batch 32, step ms (CUDA-graph replay, median of 20) beside the floor: modules / fused ops /
-   fused ops + fused projections, at 2K and 16K, dense and sparse; then sparse with fp8 index keys.
-3. The decode select alone (32 x 16K): bf16 vs fp8 keys.
+2. A/B, batch 32, step ms (CUDA-graph replay, median of 20) beside the floor: fused ops (the default
+   before this session) / fused ops + fused projections, at 2K and 16K, dense and sparse; the select's radix-only threshold
+   (sort=0, as before) in the step; then sparse with fp8 index keys.
+3. The decode select alone (32 x 16K): bf16 vs fp8 keys, sort vs radix threshold.
 4. Batch 1 steps (fused projections on / off).
 5. `sparse-rl bench rollout --config recipes/rollout_bench_qwen3_4b.yaml` step rows (no whole generations).
 """
@@ -25,7 +26,10 @@ from pathlib import Path
 import torch
 
 T0 = time.time()
-RES: dict = {"sections": {}, "skipped": []}
+RES: dict = {"sections": {}, "skipped": [], "errors": []}
+
+
+OUTDIR = [None]
 
 
 def log(msg):
@@ -74,6 +78,7 @@ def main():
     ap.add_argument("--contexts", default="2048,16384")
     ap.add_argument("--topk", type=int, default=2048)
     a = ap.parse_args()
+    OUTDIR[0] = a.out
     ctxs = [int(c) for c in a.contexts.split(",")]
     B, S, TOPK = a.batch, ctxs[-1], a.topk
     os.makedirs(a.out, exist_ok=True)
@@ -112,17 +117,35 @@ def main():
         r.fused_layers = fused_layers if name == "fused+proj" else None
         r.drop_graphs()
 
+    # 0. the new kernel paths compile and run (else: fall back for the rest of the run, and say so)
+    qs, ws = torch.randn(2, 4, 64, device=dev).bfloat16(), torch.randn(2, 4, device=dev).bfloat16()
+    ks = torch.randn(2, 4096, 64, device=dev).bfloat16()
+    ps = torch.tensor([4095, 3000], device=dev)
+    try:
+        itd.indexer_topk_decode(qs, ws, ks, ps, 512, sink=4, window=64, sort=1024)
+    except Exception as e:
+        RES["errors"].append(f"sort select: {type(e).__name__}: {str(e)[:300]}")
+        itd.SORT_CANDIDATES = 0
+    try:
+        k8s, scs = quantize_index_keys(ks)
+        itd.indexer_topk_decode(qs, ws, k8s, ps, 512, sink=4, window=64, k_scale=scs)
+        fp8_ok = True
+    except Exception as e:
+        RES["errors"].append(f"fp8 select: {type(e).__name__}: {str(e)[:300]}")
+        fp8_ok = False
+    log(f"prechecks: errors {RES['errors']}")
+
     # 1. correctness
     tok = torch.randint(10, shape.vocab, (B,), device=dev, generator=torch.Generator(device=dev).manual_seed(1))
     checks = []
     for ctx, mode in ((ctxs[0], "dense"), (S, "sparse")):
         pos = torch.full((B,), ctx - 1, device=dev)
-        S = eng._bucket(ctx, cache.s_max)
+        Sb = eng._bucket(ctx, cache.s_max)
         out = {}
         for name in ("modules", "fused+proj"):
             variant(name)
             with torch.inference_mode():
-                out[name] = r.decode_eager(cache, tok, pos, S, mode).float()
+                out[name] = r.decode_eager(cache, tok, pos, Sb, mode).float()
         la, lb = out["modules"], out["fused+proj"]
         checks.append({"context": ctx, "mode": mode, "max_abs_diff": round(float((la - lb).abs().max()), 4),
                        "max_abs": round(float(la.abs().max()), 3),
@@ -136,14 +159,22 @@ def main():
     pos = torch.randint(S // 2, S, (B,), device=dev, generator=g)
     pos[0] = S - 1
     k8, sc = quantize_index_keys(k)
-    sel16 = itd.indexer_topk_decode(q, w, k, pos, TOPK, sink=4, window=64)
-    sel8 = itd.indexer_topk_decode(q, w, k8, pos, TOPK, sink=4, window=64, k_scale=sc)
+    if not fp8_ok:  # keep the rest of the run: the bf16 path stands in (and the errors say why)
+        k8, sc = k, None
+    sel16, cand16 = itd.indexer_topk_decode(q, w, k, pos, TOPK, sink=4, window=64, candidates=True)
+    radix16 = itd.indexer_topk_decode(q, w, k, pos, TOPK, sink=4, window=64, sort=0)
+    ref16 = indexer_topk_decode_naive(q, w, k, pos, TOPK, sink=4, window=64)
+    sel8, cand8 = itd.indexer_topk_decode(q, w, k8, pos, TOPK, sink=4, window=64, k_scale=sc, candidates=True)
     ref8 = indexer_topk_decode_naive(q, w, k8, pos, TOPK, sink=4, window=64, k_scale=sc)
     same = [len(set(x.tolist()) & set(y.tolist())) / TOPK for x, y in zip(sel8, ref8)]
     ov = [len(set(x[x >= 0].tolist()) & set(y[y >= 0].tolist())) / max(1, int((x >= 0).sum()))
           for x, y in zip(sel16, sel8)]
     RES["sections"]["correctness"] = {
         "logits_default_vs_modules": checks,
+        "sort_equals_radix": bool(torch.equal(sel16, radix16)),
+        "bf16_select_vs_reference_min": min(len(set(x.tolist()) & set(y.tolist())) / TOPK for x, y in zip(sel16, ref16)),
+        "candidates_bf16_mean_max": [round(float(cand16.float().mean()), 1), int(cand16.max())],
+        "candidates_fp8_mean_max": [round(float(cand8.float().mean()), 1), int(cand8.max())],
         "fp8_select_equals_reference_rows": int(sum(s == 1.0 for s in same)), "fp8_select_vs_reference_min": min(same),
         "fp8_vs_bf16_overlap_mean": round(sum(ov) / len(ov), 4), "fp8_vs_bf16_overlap_min": round(min(ov), 4)}
     log(RES["sections"]["correctness"])
@@ -151,11 +182,11 @@ def main():
 
     # 2. A/B at batch 32
     rows = []
-    for name in ("modules", "fused", "fused+proj"):
+    for name in ("fused", "fused+proj"):  # the module path's times are in the earlier run (10.05 / 13.92 ms)
         variant(name)
         for ctx in ctxs:
             for mode in ("dense", "sparse"):
-                if left() < 60:
+                if left() < 40:
                     RES["skipped"].append(f"ab {name} {ctx} {mode}")
                     continue
                 eng.set_attention(mode)
@@ -164,19 +195,39 @@ def main():
                 rows.append({"variant": name, "mode": mode, "batch": B, "context": ctx, "ms": round(ms, 3),
                              "floor_ms": round(fl, 3), "x_floor": round(ms / fl, 2)})
                 log(rows[-1])
+    # the select's threshold by radix passes only (sort=0: the select as before this session), in the step
+    variant("fused+proj")
+    itd.SORT_CANDIDATES = 0
+    r.drop_graphs()
+    eng.set_attention("sparse")
+    for ctx in ctxs:
+        if left() < 35:
+            RES["skipped"].append(f"ab radix-select {ctx}")
+            continue
+        ms = eng.time_step(ctx - 1)
+        fl = floor_ms(model, shape, bw, B, ctx, "sparse", TOPK, DI)
+        rows.append({"variant": "fused+proj, radix select", "mode": "sparse", "batch": B, "context": ctx,
+                     "ms": round(ms, 3), "floor_ms": round(fl, 3), "x_floor": round(ms / fl, 2)})
+        log(rows[-1])
+    itd.SORT_CANDIDATES = 1024
+    r.drop_graphs()
     RES["sections"]["ab_batch32"] = rows
     save(a.out)
 
     # 3. fp8 index keys: the select alone, then the step
     pos_full = torch.full((B,), S - 1, device=dev)
-    RES["sections"]["select_alone_ms"] = {"batch": B, "keys": S, "bf16": round(bench_ms(
-        lambda: itd.indexer_topk_decode(q, w, k, pos_full, TOPK, sink=4, window=64), dev, rep_ms=100), 4),
-        "fp8": round(bench_ms(lambda: itd.indexer_topk_decode(q, w, k8, pos_full, TOPK, sink=4, window=64, k_scale=sc),
-                              dev, rep_ms=100), 4)}
+
+    def sel_ms(kk, scale, sort):
+        return round(bench_ms(lambda: itd.indexer_topk_decode(q, w, kk, pos_full, TOPK, sink=4, window=64,
+                                                              k_scale=scale, sort=sort), dev, rep_ms=100), 4)
+
+    RES["sections"]["select_alone_ms"] = {"batch": B, "keys": S, "bf16_radix": sel_ms(k, None, 0),
+                                          "bf16_sort": sel_ms(k, None, 1024), "fp8_sort": sel_ms(k8, sc, 1024),
+                                          "fp8_radix": sel_ms(k8, sc, 0)}
     log(RES["sections"]["select_alone_ms"])
     del k, k8, sc
     fp8_rows = []
-    if left() > 50:
+    if left() > 25 and fp8_ok:
         variant("fused+proj")
         with torch.inference_mode():
             cache.add_index(DI, torch.bfloat16, "fp8")
@@ -199,7 +250,7 @@ def main():
 
     # 4. batch 1
     b1 = []
-    if left() > 45:
+    if left() > 30:
         eng1 = RolloutEngine(model, None, max_batch=1, max_seq_len=S, device=dev, eos_token_ids=[], compile=False)
         r1 = eng1.runner
         eng1.set_attention("sparse")
@@ -210,7 +261,7 @@ def main():
             r1.drop_graphs()
             for ctx in ctxs:
                 for mode in ("dense", "sparse"):
-                    if left() < 25:
+                    if left() < 15:
                         RES["skipped"].append(f"b1 {proj} {ctx} {mode}")
                         continue
                     eng1.set_attention(mode)
@@ -234,7 +285,11 @@ def main():
 
         cfg = load_config(BenchRolloutConfig, Path("recipes/rollout_bench_qwen3_4b.yaml"),
                           {"long_new_tokens": [], "long_batches": []})
-        res = run_rollout_bench(cfg, log=log)
+        def partial(part):
+            RES["sections"]["bench_rollout_steps"] = part
+            save(a.out)
+
+        res = run_rollout_bench(cfg, log=log, on_result=partial)
         res["markdown"] = markdown_rollout(res)
         RES["sections"]["bench_rollout_steps"] = res
         print(res["markdown"])
@@ -246,4 +301,13 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Exception:  # keep what was measured, with the reason the rest was not
+        import traceback
+
+        RES["errors"].append(traceback.format_exc()[-3000:])
+        print(RES["errors"][-1], flush=True)
+        if OUTDIR[0]:
+            save(OUTDIR[0])
+        raise

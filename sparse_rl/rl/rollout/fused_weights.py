@@ -12,8 +12,9 @@ No copy of the weights: each module's parameter becomes a view of its group's bu
 view`, the Parameter objects themselves unchanged), so optimizer steps, `load_state_dict` and LoRA
 merges, which write in place, are read by the next fused GEMM, and the CUDA graphs keep their
 addresses. What replaces a parameter's storage instead (`model.to(...)`, `param.data = ...`, a
-sharding wrapper) is found by `FusedLayer.valid` (pointer checks, run before each generation) and the
-group is concatenated again. Only plain `nn.Linear` modules with ordinary tensors join a group; a
+sharding wrapper), or a member module replaced (a peft wrap after the engine was built), is found by
+`FusedLayer.valid` (identity and pointer checks, run before each generation) and the group is built
+again. Only plain `nn.Linear` modules with ordinary tensors join a group; a
 peft LoRA layer (whose adapter must run live) keeps its own GEMM, and so does its whole group.
 """
 
@@ -44,11 +45,13 @@ class FusedLinear:
     weight: torch.Tensor
     bias: torch.Tensor | None
     sizes: list[int]
+    slots: list  # (owner module, attribute name) of each member, to see it replaced (a peft wrap)
 
     @classmethod
-    def build(cls, mods) -> "FusedLinear | None":
-        """Concatenate the members and make their parameters views of the result; None when they cannot
-        share one GEMM (`_plain`)."""
+    def build(cls, slots) -> "FusedLinear | None":
+        """Concatenate the members (`slots`: (owner, attribute name) pairs) and make their parameters views
+        of the result; None when they cannot share one GEMM (`_plain`)."""
+        mods = [getattr(o, n) for o, n in slots]
         if not _plain(mods):
             return None
         # never inference tensors (a generation may rebuild a group under inference_mode): the buffers
@@ -66,10 +69,13 @@ class FusedLinear:
             if m.bias is not None:
                 m.bias.data = bias[off:off + n]
             off += n
-        return cls(list(mods), weight, bias, sizes)
+        return cls(mods, weight, bias, sizes, list(slots))
 
     def valid(self) -> bool:
-        """Whether every member's parameters still live in this group's buffers."""
+        """Whether every member is still in place (not wrapped or swapped since) and its parameters still
+        live in this group's buffers."""
+        if any(getattr(o, n, None) is not m for (o, n), m in zip(self.slots, self.mods)):
+            return False
         off = 0
         for m, n in zip(self.mods, self.sizes):
             w = m.weight
@@ -103,18 +109,18 @@ class FusedLayer:
     def build(cls, layer) -> "FusedLayer":
         attn, mlp = layer.self_attn, layer.mlp
         ix = getattr(attn, "indexer", None)
-        attn_mods = [attn.q_proj, attn.k_proj, attn.v_proj]
+        attn_slots = [(attn, n) for n in ("q_proj", "k_proj", "v_proj")]
         qkv = None
         if ix is not None and all(isinstance(getattr(ix, n, None), nn.Module) for n in ("wq", "wk", "ww")):
-            qkv = FusedLinear.build(attn_mods + [ix.wq, ix.wk, ix.ww])
+            qkv = FusedLinear.build(attn_slots + [(ix, n) for n in ("wq", "wk", "ww")])
         if qkv is None:
-            qkv = FusedLinear.build(attn_mods)
+            qkv = FusedLinear.build(attn_slots)
         gate_up = None
         if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            gate_up = FusedLinear.build([mlp.gate_proj, mlp.up_proj])
+            gate_up = FusedLinear.build([(mlp, "gate_proj"), (mlp, "up_proj")])
         # torch's nn.SiLU, or transformers' SiLUActivation (5.x): both F.silu
         silu = type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
-        return cls(qkv, gate_up, sum(m.out_features for m in attn_mods), silu)
+        return cls(qkv, gate_up, sum(getattr(attn, n).out_features for _, n in attn_slots), silu)
 
     def valid(self) -> bool:
         return all(g is None or g.valid() for g in (self.qkv, self.gate_up))
