@@ -1,5 +1,5 @@
-"""The decode select's threshold by one in-register sort of the candidates (`sort`, the default) and by
-four radix passes (sort=0, and rows with more candidates than `sort`): the same keys as the reference
+"""The decode select's threshold by one in-register sort of the candidates (`sort`, opt-in) and by four
+radix passes (sort=0, the default, and rows with more candidates than `sort`): the same keys as the reference
 (TRITON_INTERPRET=1 on the CPU), with heavy ties (integer scores, ReLU zeros) and without."""
 
 import pytest

@@ -31,8 +31,8 @@ selects exactly, over more candidates.
 4. `_gather_cands`: candidates' u and positions, in key order, to a scratch list.
 5. `_select` (one program per row, over the candidates only): the exact threshold u and the index cut
    among keys equal to it (the later ones are kept, as in the reference), by one in-register sort of
-   the candidates as (u, position) pairs when they are at most `sort` (`_sort_threshold`), else by four
-   8-bit radix levels (`_radix_threshold`); per-chunk output counts become offsets.
+   the candidates as (u, position) pairs when they are at most `sort` (`_sort_threshold`, opt-in), else
+   by four 8-bit radix levels (`_radix_threshold`); per-chunk output counts become offsets.
 6. `_write`: each program emits its selected positions in ascending order at its offset; the row's
    last program pads with -1.
 
@@ -50,9 +50,11 @@ from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 NB = 128  # first-level bins
-# candidates (keys in the threshold's bin, ~300-400 a row at 16K) resolved by one sort rather than four
-# radix passes over them (`_sort_threshold`); measured on the H200: see indexer_topk_decode's `sort`
-SORT_CANDIDATES = 1024
+# candidates (keys in the threshold's bin) resolved by one sort rather than four radix passes over them
+# (`_sort_threshold`) when there are at most this many: off by default, since on the H200 it bought
+# nothing in the step (Qwen3-4B shape, batch 32 at 16K: 9.18 ms with sort=1024 vs 9.17 radix; 299
+# candidates a row on average, up to 2,031; benchmarks/results/2026-12-01-h200-rollout-session5.md)
+SORT_CANDIDATES = 0
 
 
 @triton.jit
@@ -354,7 +356,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     `[B, S]` fp32: k_idx is float8_e4m3fn with these per-token scales (`naive.quantize_index_keys`);
     the score pass then reads half the bytes. sort: the threshold over at most this many candidates
     by one in-register sort instead of four radix passes (a power of two; 0 = always radix; default
-    `SORT_CANDIDATES`, 32 under the interpreter); rows with more candidates take the radix passes."""
+    `SORT_CANDIDATES`); rows with more candidates take the radix passes."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:
@@ -376,7 +378,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
            else torch.as_tensor(kv_start, device=dev).to(torch.int32).reshape(B))
     if k_idx.stride(-1) != 1:
         k_idx = k_idx.contiguous()
-    sort = (32 if interpret else SORT_CANDIDATES) if sort is None else sort
+    sort = SORT_CANDIDATES if sort is None else sort
     if sort and sort & (sort - 1):
         raise ValueError(f"sort ({sort}) must be 0 or a power of two")
     CH = chunk or _chunk(B, S, interpret)
