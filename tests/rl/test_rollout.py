@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from sparse_rl.errors import SparseRLError
+from sparse_rl.errors import SparseRLError, UsageError
 from sparse_rl.modelinit import ModelInitConfig, init_model
 from sparse_rl.rl.rollout import RolloutEngine, SamplingParams, make_generate_fn, process_logits
 from sparse_rl.sparse.config import SparseConfig
@@ -442,3 +442,38 @@ def test_fused_projections_follow_load_state_dict_and_load_lora(llama_dir, tmp_p
         for pr, c in zip(prompts, eng.generate(prompts, p)):
             assert c.tokens == _hf_greedy(wrapped, pr, 16)
     assert eng.runner.fused_layers[0].qkv is None and eng.runner.fused_layers[0].valid()
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_chunked_prefill_keeps_outputs_and_interleaves_decode(llama_dir, mode):
+    """prefill_chunk: no prefill call takes more than the chunk's tokens, a long prompt's chunks alternate
+    with decode steps of the running sequences, and the tokens and log-probs are those of whole-prompt
+    prefill (greedy and seeded sampling, n samples sharing a prompt, more prompts than slots; sparse mode
+    with prompts past the top-k, so chunks attend through the selection over the earlier chunks' keys)."""
+    model = load_model(llama_dir, attention=mode)
+    prompts = _prompts(11, (23, 4, 17, 30, 6))
+    for params in (SamplingParams(temperature=0, max_new_tokens=12),
+                   SamplingParams(samples=2, temperature=0.9, max_new_tokens=12, seed=4)):
+        whole = _engine(model, max_batch=4).generate(prompts, params)
+        eng = _engine(model, max_batch=4, prefill_chunk=7)
+        calls = []
+        prefill, decode = eng.runner.prefill, eng.runner.decode
+
+        def rec_prefill(cache, tokens, lengths, slots, m, start=0):
+            calls.append(("prefill", tokens.numel(), start))
+            return prefill(cache, tokens, lengths, slots, m, start=start)
+
+        def rec_decode(*a, **k):
+            calls.append(("decode", 0, 0))
+            return decode(*a, **k)
+
+        eng.runner.prefill, eng.runner.decode = rec_prefill, rec_decode
+        chunked = eng.generate(prompts, params)
+        assert max(n for kind, n, _ in calls if kind == "prefill") <= 7
+        starts = [i for i, c in enumerate(calls) if c[0] == "prefill" and c[2] > 0]
+        assert starts and any(calls[i - 1][0] == "decode" for i in starts)  # decoding went on between chunks
+        for a, b in zip(whole, chunked):
+            assert a.tokens == b.tokens
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+    with pytest.raises(UsageError, match="prefill_chunk"):
+        _engine(model, prefill_chunk=0)

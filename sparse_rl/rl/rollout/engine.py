@@ -96,14 +96,21 @@ class RolloutEngine:
     the eager step: `engine.runner.compile_error` says why. compile_backend: the dynamo backend.
     fuse_projections: one GEMM for each layer's q/k/v (+ indexer) and gate/up projections in the eager
     step (default on CUDA); the model's parameters then live in the concatenated buffers (forward.py).
+    prefill_chunk: chunked prefill (as vLLM's and SGLang's): no prefill call takes more than this many
+    prompt tokens; a longer prompt is prefilled a chunk at a time, each chunk followed by a decode step
+    of the running sequences, so that long prompts do not stall decoding (None: whole prompts, up to
+    max_prefill_tokens a call; granular selection always prefills whole prompts).
     """
 
     def __init__(self, model, tokenizer=None, max_batch: int = 32, max_seq_len: int | None = None,
                  device=None, use_cuda_graphs: bool | None = None, eos_token_ids: Sequence[int] | None = None,
                  bucket: int = 256, max_prefill_tokens: int = 32768, compile: bool | None = None,
-                 compile_backend="inductor", fuse_projections: bool | None = None):
+                 compile_backend="inductor", fuse_projections: bool | None = None,
+                 prefill_chunk: int | None = None):
         if max_batch < 1:
             raise UsageError(f"max_batch must be >= 1 (got {max_batch})")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise UsageError(f"prefill_chunk must be >= 1 tokens (got {prefill_chunk})")
         self.model = model
         self.tokenizer = tokenizer
         dev = torch.device(device) if device is not None else next(model.parameters()).device
@@ -116,6 +123,7 @@ class RolloutEngine:
         self.max_seq_len = max_seq_len
         self.bucket = bucket
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_chunk = prefill_chunk
         self.eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
         self.sampler = Sampler(self.runner.vocab, dev)
         self.cache: KVCache | None = None
@@ -364,9 +372,12 @@ class RolloutEngine:
             elif len(s.tokens) >= p.max_new_tokens or len(s.prompt) + len(s.tokens) >= s_max:
                 finish(slot, "length")
 
-        def launch(slots: list[int], rids: list[int], steps: list[int], pos: list[int], tokens) -> _Step:
+        def launch(slots: list[int], rids: list[int], steps: list[int], pos: list[int], tokens,
+                   parked: dict[int, int]) -> _Step:
             """Enqueue one decode step for `slots` (the other slots compute on dummies) and its sampling;
-            tokens: host ints, or the device tokens `[len(slots)]` of the step in flight."""
+            tokens: host ints, or the device tokens `[len(slots)]` of the step in flight. parked: slots
+            of a prompt being prefilled in chunks -> the row their dummy writes (its next chunk's first,
+            rewritten by that chunk), so that the dummy never overwrites a prefilled row."""
             full = len(slots) == B  # slots are sorted: then they are 0..B-1
             idx = None if full else to_device(torch.tensor(slots, dtype=torch.long), self.device)
             if isinstance(tokens, list):
@@ -376,7 +387,7 @@ class RolloutEngine:
                 tok_t = tokens
             else:
                 tok_t = torch.zeros(B, dtype=torch.long, device=self.device).index_copy_(0, idx, tokens)
-            pos_host = [0] * B
+            pos_host = [parked.get(sl, 0) for sl in range(B)]
             for sl, q in zip(slots, pos):
                 pos_host[sl] = q
             pos_t = to_device(torch.tensor(pos_host, dtype=torch.long), self.device)
@@ -408,28 +419,36 @@ class RolloutEngine:
 
         # The next step is launched before the host reads the one in flight, so the GPU does not wait on
         # the host's bookkeeping (token lists, stop checks, the next inputs): one step is always queued
-        # ahead. Admissions run between steps with nothing in flight.
+        # ahead. Admissions (and chunks of a chunked prefill) run between steps with nothing in flight.
+        chunk = self.prefill_chunk if self.prefill_chunk and not self.runner._granular(self.mode) else None
+        budget = min(self.max_prefill_tokens, chunk) if chunk else self.max_prefill_tokens
+        pending: deque = deque()  # chunked prompts: [prompt index, slots, rows prefilled so far]
         inflight: _Step | None = None
-        while queue or live or inflight is not None:
+        while queue or live or inflight is not None or pending:
             if inflight is None:
-                # admit waiting prompts into free slots: one batched prefill per round
-                admit: list[tuple[int, list[int]]] = []
-                longest = 0
-                while queue and len(free) >= n:
-                    L = len(toks[queue[0]])
-                    if admit and max(longest, L) * (len(admit) + 1) > self.max_prefill_tokens:
-                        break
-                    longest = max(longest, L)
-                    pi = queue.popleft()
-                    admit.append((pi, [free.popleft() for _ in range(n)]))
-                if admit:
-                    self._prefill(cache, toks, admit, longest, p, live, push)
+                if pending:  # one chunk of the oldest chunked prompt, then a decode step
+                    self._prefill_chunk(cache, toks, pending, chunk, p, live, push)
+                else:  # admit waiting prompts into free slots: one batched prefill per round
+                    admit: list[tuple[int, list[int]]] = []
+                    longest = 0
+                    while queue and len(free) >= n:
+                        L = len(toks[queue[0]])
+                        if chunk and L > chunk:  # prefilled a chunk at a time, from the next round on
+                            pending.append([queue.popleft(), [free.popleft() for _ in range(n)], 0])
+                            break
+                        if admit and max(longest, L) * (len(admit) + 1) > budget:
+                            break
+                        longest = max(longest, L)
+                        pi = queue.popleft()
+                        admit.append((pi, [free.popleft() for _ in range(n)]))
+                    if admit:
+                        self._prefill(cache, toks, admit, longest, p, live, push)
                 if not live:
                     continue
                 slots = sorted(live)
                 inflight = launch(slots, [live[sl].rid for sl in slots], [len(live[sl].tokens) for sl in slots],
                                   [len(live[sl].prompt) + len(live[sl].tokens) - 1 for sl in slots],
-                                  [live[sl].tokens[-1] for sl in slots])
+                                  [live[sl].tokens[-1] for sl in slots], self._parked(pending))
             nxt = None
             keep = [i for i, sl in enumerate(inflight.slots) if goes_on(sl, inflight.rids[i])]
             if keep:
@@ -437,11 +456,12 @@ class RolloutEngine:
                 if len(keep) < len(inflight.slots):
                     tok_dev = tok_dev[to_device(torch.tensor(keep, dtype=torch.long), self.device)]
                 nxt = launch([inflight.slots[i] for i in keep], [inflight.rids[i] for i in keep],
-                             [inflight.steps[i] + 1 for i in keep], [inflight.pos[i] + 1 for i in keep], tok_dev)
+                             [inflight.steps[i] + 1 for i in keep], [inflight.pos[i] + 1 for i in keep], tok_dev,
+                             self._parked(pending))
             process(inflight)
             inflight = nxt
-            if inflight is not None and queue and len(free) >= n:
-                process(inflight)  # drain, so that the freed slots take waiting prompts
+            if inflight is not None and ((queue and len(free) >= n) or pending):
+                process(inflight)  # drain, so that the freed slots take waiting prompts (or the next chunk runs)
                 inflight = None
         return results  # type: ignore[return-value]
 
@@ -457,6 +477,25 @@ class RolloutEngine:
         ev.record()
         return th, lh, ev
 
+    @staticmethod
+    def _parked(pending) -> dict[int, int]:
+        """Slots of prompts being prefilled in chunks -> the next row their prefill writes."""
+        return {sl: done for _, slots, done in pending for sl in slots}
+
+    def _prefill_chunk(self, cache, toks, pending, chunk: int, p, live, push) -> None:
+        """The next chunk of the oldest chunked prompt (its first slot; the samples' slots copy the prefix
+        once the last chunk is in), which starts its samples when it completes the prompt."""
+        pi, slots, done = pending[0]
+        t = toks[pi]
+        T = min(chunk, len(t) - done)
+        logits = self.runner.prefill(cache, torch.tensor([t[done:done + T]], device=self.device), [T], slots[:1],
+                                     self.mode, start=done)
+        self.stats["prefill_tokens"] += T
+        pending[0][2] = done + T
+        if done + T == len(t):
+            pending.popleft()
+            self._start(cache, toks, [(pi, slots)], [len(t)], logits, p, live, push)
+
     def _prefill(self, cache, toks, admit, longest, p, live, push) -> None:
         P = len(admit)
         batch = torch.zeros(P, longest, dtype=torch.long)
@@ -467,6 +506,11 @@ class RolloutEngine:
             lengths.append(len(t))
         logits = self.runner.prefill(cache, batch.to(self.device), lengths, [sl[0] for _, sl in admit], self.mode)
         self.stats["prefill_tokens"] += sum(lengths)
+        self._start(cache, toks, admit, lengths, logits, p, live, push)
+
+    def _start(self, cache, toks, admit, lengths, logits, p, live, push) -> None:
+        """Prefilled prompts (`admit`: (prompt index, slots), logits `[P, V]` at their last tokens): copy
+        each prefix into its samples' slots, register the sequences and sample their first tokens."""
         n = p.samples
         rids, rows, slots = [], [], []
         for r, (pi, sls) in enumerate(admit):

@@ -178,21 +178,25 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- prefill
     def prefill(self, cache: KVCache, tokens: torch.Tensor, lengths: list[int], slots: list[int],
-                mode: str) -> torch.Tensor:
+                mode: str, start: int = 0) -> torch.Tensor:
         """tokens `[P, T]` right-padded, lengths `[P]` -> logits `[P, V]` float32 at each row's last
-        real token. Writes rows 0..T-1 of each slot (rows past a prompt's length are overwritten by
-        decoding before they become visible)."""
+        real token. Writes rows start..start+T-1 of each slot (rows past a prompt's length are
+        overwritten by decoding before they become visible). start > 0 (chunked prefill): the tokens
+        continue sequences whose rows 0..start-1 are already in the cache; they attend to those too."""
         P, T = tokens.shape
-        pos = torch.arange(T, device=tokens.device)[None].expand(P, T)
+        pos = torch.arange(start, start + T, device=tokens.device)[None].expand(P, T)
         slot_t = torch.tensor(slots, device=tokens.device)
+        rows = slice(start, start + T)
         h = self.embed(tokens)
         cos, sin = self.rotary(h, pos)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q, k, v = self._qkv(attn, x, cos, sin)
-            cache.k[i][slot_t, :T] = k
-            cache.v[i][slot_t, :T] = v
+            cache.k[i][slot_t, rows] = k
+            cache.v[i][slot_t, rows] = v
+            if start:  # the keys of the earlier chunks, from the cache
+                k, v = cache.k[i][slot_t, :start + T], cache.v[i][slot_t, :start + T]
             if self._sparse(i, mode):
                 st = self.states[i]
                 index = None
@@ -200,22 +204,35 @@ class ModelRunner:
                     q_i, w, k_i = attn.indexer(x, cos, sin)
                     if cache.idx_scale is not None:  # fp8 index keys
                         k8, sc = quantize_index_keys(k_i)
-                        cache.idx[i][slot_t, :T], cache.idx_scale[i][slot_t, :T] = k8, sc
+                        cache.idx[i][slot_t, rows], cache.idx_scale[i][slot_t, rows] = k8, sc
                     else:
-                        cache.idx[i][slot_t, :T] = k_i
+                        cache.idx[i][slot_t, rows] = k_i
+                    if start:
+                        k_i = self._cached_index_keys(cache, i, slot_t, start, k_i)
                     index = (q_i, w, k_i)
                     if st.cfg.query_group > 1:
                         self._store_groups(cache, i, slot_t, q_i, w, lengths, st.cfg.query_group)
-                sel = select(st, q, k, index)
-                o, _ = sparse_attention(q, k, v, sel, scale=attn.scaling, backend=st.backend)
+                sel = select(st, q, k, index, q_offset=start)
+                o, _ = sparse_attention(q, k, v, sel, scale=attn.scaling, q_offset=start, backend=st.backend)
             else:
+                mask = None if not start else (torch.arange(start + T, device=q.device)[None]
+                                               <= pos[0][:, None])  # [T, start + T]
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                   is_causal=True, scale=attn.scaling,
+                                                   attn_mask=mask, is_causal=not start, scale=attn.scaling,
                                                    enable_gqa=self.H != self.H_kv).transpose(1, 2)
             h = h + attn.o_proj(o.reshape(P, T, -1))
             h = self._mlp_out(layer, h)
         last = torch.tensor([n - 1 for n in lengths], device=tokens.device)
         return self._logits(h[torch.arange(P, device=tokens.device), last])
+
+    @staticmethod
+    def _cached_index_keys(cache, i, slot_t, start, k_i):
+        """A chunk's index keys after those of the earlier chunks: `[P, start + T, d_I]` (earlier fp8 keys
+        dequantized: the unchunked prefill would have scored them unquantized)."""
+        prev = cache.idx[i][slot_t, :start]
+        if cache.idx_scale is not None:
+            prev = (prev.float() * cache.idx_scale[i][slot_t, :start, None]).to(k_i.dtype)
+        return torch.cat([prev, k_i], 1)
 
     @staticmethod
     def _store_groups(cache, i, slot_t, q_i, w, lengths, G):
