@@ -112,6 +112,16 @@ def main():
     fill(cache)
     fused_layers = r.fused_layers
 
+    def step_row(e, name, mode, batch, ctx, fp8=False):
+        """One timed step (CUDA-graph replay, median of 20) beside its floor."""
+        e.set_attention(mode)
+        ms = e.time_step(ctx - 1)
+        fl = floor_ms(model, shape, bw, batch, ctx, mode, TOPK, DI, fp8=fp8)
+        row = {"variant": name, "mode": mode, "batch": batch, "context": ctx, "ms": round(ms, 3),
+               "floor_ms": round(fl, 3), "x_floor": round(ms / fl, 2)}
+        log(row)
+        return row
+
     def variant(name):
         r.fused = name != "modules"
         r.fused_layers = fused_layers if name == "fused+proj" else None
@@ -189,12 +199,7 @@ def main():
                 if left() < 40:
                     RES["skipped"].append(f"ab {name} {ctx} {mode}")
                     continue
-                eng.set_attention(mode)
-                ms = eng.time_step(ctx - 1)
-                fl = floor_ms(model, shape, bw, B, ctx, mode, TOPK, DI)
-                rows.append({"variant": name, "mode": mode, "batch": B, "context": ctx, "ms": round(ms, 3),
-                             "floor_ms": round(fl, 3), "x_floor": round(ms / fl, 2)})
-                log(rows[-1])
+                rows.append(step_row(eng, name, mode, B, ctx))
     # the select's threshold by radix passes only (sort=0: the select as before this session), in the step
     variant("fused+proj")
     itd.SORT_CANDIDATES = 0
@@ -204,11 +209,7 @@ def main():
         if left() < 35:
             RES["skipped"].append(f"ab radix-select {ctx}")
             continue
-        ms = eng.time_step(ctx - 1)
-        fl = floor_ms(model, shape, bw, B, ctx, "sparse", TOPK, DI)
-        rows.append({"variant": "fused+proj, radix select", "mode": "sparse", "batch": B, "context": ctx,
-                     "ms": round(ms, 3), "floor_ms": round(fl, 3), "x_floor": round(ms / fl, 2)})
-        log(rows[-1])
+        rows.append(step_row(eng, "fused+proj, radix select", "sparse", B, ctx))
     itd.SORT_CANDIDATES = 1024
     r.drop_graphs()
     RES["sections"]["ab_batch32"] = rows
@@ -235,11 +236,7 @@ def main():
         r.drop_graphs()
         eng.set_attention("sparse")
         for ctx in ctxs:
-            ms = eng.time_step(ctx - 1)
-            fl = floor_ms(model, shape, bw, B, ctx, "sparse", TOPK, DI, fp8=True)
-            fp8_rows.append({"variant": "fused+proj, fp8 index keys", "mode": "sparse", "batch": B, "context": ctx,
-                             "ms": round(ms, 3), "floor_ms": round(fl, 3), "x_floor": round(ms / fl, 2)})
-            log(fp8_rows[-1])
+            fp8_rows.append(step_row(eng, "fused+proj, fp8 index keys", "sparse", B, ctx, fp8=True))
     else:
         RES["skipped"].append("fp8 steps")
     RES["sections"]["fp8_batch32"] = fp8_rows
@@ -264,12 +261,7 @@ def main():
                     if left() < 15:
                         RES["skipped"].append(f"b1 {proj} {ctx} {mode}")
                         continue
-                    eng1.set_attention(mode)
-                    ms = eng1.time_step(ctx - 1)
-                    fl = floor_ms(model, shape, bw, 1, ctx, mode, TOPK, DI)
-                    b1.append({"variant": "fused+proj" if proj else "fused", "mode": mode, "batch": 1, "context": ctx,
-                               "ms": round(ms, 3), "floor_ms": round(fl, 3), "x_floor": round(ms / fl, 2)})
-                    log(b1[-1])
+                    b1.append(step_row(eng1, "fused+proj" if proj else "fused", mode, 1, ctx))
         del eng1
     else:
         RES["skipped"].append("batch 1")

@@ -190,39 +190,59 @@ def test_eos_and_stop_strings(llama_dir):
     assert c.finish_reason == "length" and len(c.tokens) == 12 - 6
 
 
-def test_weight_refresh_state_dict_and_lora(llama_dir, tmp_path):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_weight_refresh_state_dict_and_lora(llama_dir, tmp_path, fuse):
+    """GRPO syncs the policy (load_state_dict) and the distilled adapter (load_lora) into the engine every
+    step. With fused projections both write the modules' parameters in place, i.e. into the fused GEMMs'
+    buffers: the groups stay valid (nothing re-concatenated) and the outputs follow."""
     peft = pytest.importorskip("peft")
     model = load_model(llama_dir, attention="dense")
-    eng = _engine(copy.deepcopy(model))
+    eng = _engine(copy.deepcopy(model), fuse_projections=fuse)
+    fused = eng.runner.fused_layers or []
+    assert bool(fused) == fuse
     p = SamplingParams(temperature=0, max_new_tokens=20)
     prompts = _prompts(8, (6, 9))
+    eng.generate(prompts, p)
     # full state dict from another model, in place
     init_model(tmp_path / "other", ModelInitConfig(arch="llama", size="tiny", seed=5))
     other = load_model(tmp_path / "other")
     eng.load_state_dict(other.state_dict())
+    assert all(fl.valid() for fl in fused)
     for pr, c in zip(prompts, eng.generate(prompts, p)):
         assert c.tokens == _hf_greedy(other, pr, 20)
     # LoRA from a peft model (random B so the adapter changes the output)
     eng.load_state_dict(model.state_dict())
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj", "up_proj"],
+                          init_lora_weights=False)
     pm = peft.get_peft_model(copy.deepcopy(model), cfg)
-    assert eng.load_lora(pm) == 3 * len(model.model.layers)
+    assert eng.load_lora(pm) == 4 * len(model.model.layers)
+    assert all(fl.valid() for fl in fused)
     got = eng.generate(prompts, p)
     with torch.no_grad():
         for pr, c in zip(prompts, got):
             assert c.tokens == _hf_greedy(pm, pr, 20)
     assert any(c.tokens != _hf_greedy(model, pr, 20) for pr, c in zip(prompts, got))
-    # an engine over the peft model itself runs the adapters live (and refuses to merge into them)
-    live = _engine(pm)
+    # an engine over the peft model itself runs the adapters live (and refuses to merge into them); its
+    # wrapped projections keep their own GEMMs
+    live = _engine(pm, fuse_projections=fuse)
+    if fuse:
+        assert live.runner.fused_layers[0].qkv is None and live.runner.fused_layers[0].gate_up is None
     assert [c.tokens for c in live.generate(prompts, p)] == [c.tokens for c in got]
     with pytest.raises(SparseRLError, match="itself a LoRA layer"):
         live.load_lora(pm)
     # the same adapter as a state dict (peft key names), merged onto the engine's base weights
-    eng2 = _engine(copy.deepcopy(model))
+    eng2 = _engine(copy.deepcopy(model), fuse_projections=fuse)
     eng2.load_lora(peft.get_peft_model_state_dict(pm), scaling=8 / 4)
     assert [c.tokens for c in eng2.generate(prompts, p)] == [c.tokens for c in got]
     eng2.load_lora(peft.get_peft_model_state_dict(pm), scaling=8 / 4)  # idempotent: W = W_base + delta
     assert [c.tokens for c in eng2.generate(prompts, p)] == [c.tokens for c in got]
+    if fuse:  # a peft wrap of the engine's own model after it was built: found, unfused, adapters live
+        wrapped = peft.get_peft_model(eng.model, cfg)
+        assert not eng.runner.fused_layers[0].valid()
+        with torch.no_grad():
+            for pr, c in zip(prompts, eng.generate(prompts, p)):
+                assert c.tokens == _hf_greedy(wrapped, pr, 20)
+        assert eng.runner.fused_layers[0].qkv is None and eng.runner.fused_layers[0].valid()
 
 
 def test_make_generate_fn_is_greedy_text(llama_dir):
@@ -404,44 +424,6 @@ def test_fp8_index_keys_through_convert_and_the_engine(tmp_path, monkeypatch):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=0.02, rtol=0)
     for c in ref:  # the HF forward scores unquantized keys: close, not equal
         torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(model, c, params), atol=0.05, rtol=0)
-
-
-def test_fused_projections_follow_load_state_dict_and_load_lora(llama_dir, tmp_path):
-    """GRPO syncs the policy (load_state_dict) and the distilled adapter (load_lora) into the engine every
-    step: both write the modules' parameters in place, i.e. into the fused GEMMs' buffers, so the fused
-    engine follows them with nothing re-concatenated (the groups stay valid) and equals HF generate."""
-    peft = pytest.importorskip("peft")
-    model = load_model(llama_dir, attention="dense")
-    eng = _engine(copy.deepcopy(model), fuse_projections=True)
-    p = SamplingParams(temperature=0, max_new_tokens=16)
-    prompts = _prompts(8, (6, 9))
-    eng.generate(prompts, p)
-    init_model(tmp_path / "other", ModelInitConfig(arch="llama", size="tiny", seed=5))
-    other = load_model(tmp_path / "other")
-    eng.load_state_dict(other.state_dict())
-    assert all(fl.valid() for fl in eng.runner.fused_layers)
-    for pr, c in zip(prompts, eng.generate(prompts, p)):
-        assert c.tokens == _hf_greedy(other, pr, 16)
-    eng.load_state_dict(model.state_dict())
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "up_proj"], init_lora_weights=False)
-    pm = peft.get_peft_model(copy.deepcopy(model), cfg)
-    assert eng.load_lora(pm) == 3 * len(model.model.layers)
-    assert all(fl.valid() for fl in eng.runner.fused_layers)
-    got = eng.generate(prompts, p)
-    with torch.no_grad():
-        for pr, c in zip(prompts, got):
-            assert c.tokens == _hf_greedy(pm, pr, 16)
-    assert any(c.tokens != _hf_greedy(model, pr, 16) for pr, c in zip(prompts, got))
-    live = _engine(pm, fuse_projections=True)  # peft layers keep their own GEMMs (the adapters run live)
-    assert live.runner.fused_layers[0].qkv is None and live.runner.fused_layers[0].gate_up is None
-    assert [c.tokens for c in live.generate(prompts, p)] == [c.tokens for c in got]
-    # a peft wrap of the engine's own model after it was built: the wrapped groups are found and unfused
-    wrapped = peft.get_peft_model(eng.model, cfg)
-    assert not eng.runner.fused_layers[0].valid()
-    with torch.no_grad():
-        for pr, c in zip(prompts, eng.generate(prompts, p)):
-            assert c.tokens == _hf_greedy(wrapped, pr, 16)
-    assert eng.runner.fused_layers[0].qkv is None and eng.runner.fused_layers[0].valid()
 
 
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
