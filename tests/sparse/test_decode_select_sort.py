@@ -10,7 +10,7 @@ from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
 
 @pytest.mark.parametrize("ints", [True, False])
-@pytest.mark.parametrize("B,S,K,sink,window,chunk", [(3, 150, 24, 2, 3, 32), (2, 97, 40, 0, 0, 64)])
+@pytest.mark.parametrize("B,S,K,sink,window,chunk", [(3, 150, 24, 2, 3, 32)])
 def test_sort_and_radix_thresholds_pick_the_reference_keys(ints, B, S, K, sink, window, chunk):
     g = torch.Generator().manual_seed(S + K + ints)
     HI, DI = 3, 16
