@@ -4,12 +4,13 @@ No copy of the weights: embeddings, norms, q/k/v/o projections (qwen2 biases, qw
 included, since they are the model's modules), MLPs, lm_head, the rotary table and, in sparse mode,
 each layer's indexer are called directly. So a trainer that updates the model's parameters in place
 is seen by the next step, and peft LoRA layers (if the model is wrapped) simply run as part of
-the projections.
+the projections (the fused projections below read the parameters' own storage, concatenated).
 
 Two passes:
 - `prefill`: a batch of prompts, right-padded to a common length (causal attention never lets a
   real token see the padding behind it), writes K/V (and index keys) into the prompts' slots and
-  returns the last real position's logits.
+  returns the last real position's logits; with `start` > 0, a chunk continuing prompts whose first
+  `start` rows are cached (chunked prefill: it attends to, and selects over, those rows too).
 - `decode`: one token for every slot at once (inactive slots compute on dummies: a fixed batch
   keeps shapes static for CUDA graphs). Keys are read from `cache[:, :S]`, S a bucket of the
   longest live sequence, and masked per slot by its own position.
@@ -24,8 +25,12 @@ the RMSNorm after it, the residual stream carried alongside) and `ops.qk_norm_ro
 norms, RoPE and the K/V cache write), one Triton launch each on a GPU where the modules' ops take
 8-20, the references (the HF modules' own arithmetic) on a CPU. On an H200 at Qwen3-4B's shape this
 took the batch-32 step at 2K context from 10.1 to 6.1 ms (benchmarks/results/2026-12-01-h200-rollout-
-qwen3-4b.md). `runner.fused = False` runs the modules instead (for A/B); the compiled step keeps the
-modules, whose elementwise ops inductor fuses itself.
+qwen3-4b.md). On CUDA it also runs each layer's q/k/v (+ the indexer's wq/wk/ww) and gate/up
+projections as one GEMM each, SiLU(gate) * up in `ops.silu_mul` (`fused_weights.py`; the modules'
+parameters become views of the concatenated weights): 6.13 -> 5.63 ms dense at 2K, 10.37 -> 9.18 ms
+sparse at 16K (benchmarks/results/2026-12-01-h200-rollout-session5.md). `runner.fused = False` runs
+the modules instead (for A/B), `runner.fused_layers = None` the separate projections; the compiled
+step keeps the modules, whose elementwise ops inductor fuses itself.
 
 Dense decode attention: PyTorch SDPA with a per-slot mask on CPU; on CUDA the split-K Triton
 decode kernel (`ops.sparse_decode`) given every visible position as its index list, so it reads
