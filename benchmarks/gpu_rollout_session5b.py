@@ -1,7 +1,7 @@
 """Second device run of session 5 (issue 14), inside the lead's combined call: chunked prefill on the GPU,
 then the whole-generation rows of `bench rollout` with this session's step (fused projections).
 
-    PYTHONPATH=. python benchmarks/gpu_rollout_session5b.py --out $OUT/rollout --budget-s 190
+    PYTHONPATH=. python benchmarks/gpu_rollout_session5b.py --out $OUT/rollout --budget-s 190   (--smoke: on a CPU)
 
 1. Chunked prefill, Qwen3-4B shape (random weights, bf16), one 16K-token prompt, dense and sparse:
    the last-token logits of whole-prompt vs 2048-token-chunk prefill (max abs difference, argmax),
@@ -89,15 +89,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=190)
-    # a CPU smoke run of the script: --device cpu --shape tiny --prompt 300 --chunk 64 --topk 80
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--shape", default="qwen3-4b")
-    ap.add_argument("--prompt", type=int, default=16384)
-    ap.add_argument("--chunk", type=int, default=2048)
-    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--smoke", action="store_true", help="a CPU run of the script itself on a tiny shape")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    dev = torch.device(a.device)
+    dev = torch.device("cpu" if a.smoke else "cuda")
+    shape, L, chunk, topk = ("tiny", 300, 64, 80) if a.smoke else ("qwen3-4b", 16384, 2048, 2048)
     RES["device"] = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     RES["torch"] = torch.__version__
 
@@ -105,12 +101,12 @@ def main():
         json.dump(RES, open(f"{a.out}/results.json", "w"), indent=1)
 
     try:
-        RES["sections"]["chunked_prefill"] = chunked_prefill(dev, a.shape, a.prompt, a.chunk, a.topk)
+        RES["sections"]["chunked_prefill"] = chunked_prefill(dev, shape, L, chunk, topk)
     except Exception as e:  # keep the bench below
         RES["errors"].append(f"chunked prefill: {type(e).__name__}: {str(e)[:400]}")
         log(RES["errors"][-1])
     save()
-    if a.budget_s - (time.time() - T0) < 100 or a.shape != "qwen3-4b":
+    if a.budget_s - (time.time() - T0) < 100 or a.smoke:
         RES["skipped"].append("bench rollout --whole integrate")
     else:
         from sparse_rl.bench.rollout import BenchRolloutConfig, markdown_rollout, run_rollout_bench
