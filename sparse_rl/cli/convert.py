@@ -32,6 +32,7 @@ def command(
     key_block: Optional[int] = typer.Option(None, help="Indexer: select keys in aligned blocks of N tokens (1 = token-level; 4, 16, 64 = page-level) [default: 1]"),
     query_group: Optional[int] = typer.Option(None, help="Indexer: G consecutive queries share one selection (1 = per query) [default: 1]"),
     block_score: Optional[str] = typer.Option(None, help="Indexer: a key block's score, max | mean over its tokens [default: max]"),
+    index_dtype: Optional[str] = typer.Option(None, help="Indexer: the decode cache's index keys, bf16 | fp8 (e4m3, a scale per token) [default: bf16]"),
     seed: Optional[int] = seed_option(),
     config: Optional[Path] = CONFIG,
     set_: Optional[list[str]] = SET,
@@ -47,7 +48,7 @@ def command(
                      sink=sink, window=window, dense_layers=ints("--dense-layers", dense_layers),
                      block_size=block_size, topk_blocks=topk_blocks, sink_blocks=sink_blocks,
                      recent_blocks=recent_blocks, key_block=key_block, query_group=query_group,
-                     block_score=block_score)
+                     block_score=block_score, index_dtype=index_dtype)
         overrides = {f"sparse.{k}": v for k, v in flags.items()}
         overrides["seed"] = seed
         cfg = load_config(ConvertConfig, config, overrides, sets=set_)

@@ -12,6 +12,7 @@ SPARSE_CONFIG = "sparse_config.json"
 INDEXER_WEIGHTS = "indexer.safetensors"
 SELECTORS = ("indexer", "block")
 BLOCK_SCORES = ("max", "mean")
+INDEX_DTYPES = ("bf16", "fp8")
 
 
 @dataclass
@@ -28,6 +29,9 @@ class SparseConfig:
     granularity"): keys picked in aligned blocks of `key_block` tokens (1 = token-level DSA), scored by the
     max or mean of their tokens' scores; `query_group` consecutive queries share one selection (1 = per
     query). Files written before these fields existed load as 1, 1, "max".
+    index_dtype: how the rollout engine's decode cache stores the index keys: "bf16" (the model's dtype)
+    or "fp8" (e4m3 with one fp32 scale per token, as DeepSeek-V3.2's indexer: half the bytes the decode
+    select reads; token-level indexer selection only). Training and prefill score unquantized keys.
     """
 
     selector: str = "indexer"
@@ -45,6 +49,7 @@ class SparseConfig:
     key_block: int = 1
     query_group: int = 1
     block_score: str = "max"
+    index_dtype: str = "bf16"
 
     def __post_init__(self):
         if self.selector not in SELECTORS:
@@ -60,6 +65,11 @@ class SparseConfig:
         if self.sink_blocks + self.recent_blocks > self.topk_blocks:
             raise UsageError(f"--sink-blocks + --recent-blocks must not exceed --topk-blocks ({self.topk_blocks})")
         self._check_granularity()
+        if self.index_dtype not in INDEX_DTYPES:
+            raise UsageError(f"--index-dtype {self.index_dtype}: expected one of {', '.join(INDEX_DTYPES)}")
+        if self.index_dtype != "bf16" and (self.selector != "indexer" or self.granular):
+            raise UsageError(f"--index-dtype {self.index_dtype}: applies to token-level indexer selection "
+                             "(--selector indexer, --key-block 1, --query-group 1)")
         if self.rope_dim is not None and (self.rope_dim > self.index_dim or self.rope_dim % 2):
             raise UsageError(f"--rope-dim ({self.rope_dim}) must be even and <= --index-dim ({self.index_dim})")
 

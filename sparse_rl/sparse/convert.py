@@ -96,4 +96,5 @@ def convert(src: str | Path, out: str | Path, cfg: ConvertConfig, force: bool = 
             save_file(state, str(tmp / INDEXER_WEIGHTS))
     sparse_layers = [i for i in range(n_layers) if i not in sc.dense_layers]
     return {"out": str(out), "selector": sc.selector, "budget": sc.budget, "key_block": sc.key_block,
-            "query_group": sc.query_group, "sparse_layers": sparse_layers, "indexer_params": n_params}
+            "query_group": sc.query_group, "index_dtype": sc.index_dtype, "sparse_layers": sparse_layers,
+            "indexer_params": n_params}

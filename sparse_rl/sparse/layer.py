@@ -207,8 +207,10 @@ class DecodeOps:
     its opaque custom ops instead (`rl/rollout/compiled.py`), with the same signatures."""
 
     @staticmethod
-    def indexer_topk_decode(q_idx, w, k_idx, pos, S: int, topk: int, sink: int, window: int, backend: str):
-        return indexer_topk_decode(q_idx, w, k_idx[:, :S], pos, topk, sink=sink, window=window, backend=backend)
+    def indexer_topk_decode(q_idx, w, k_idx, pos, S: int, topk: int, sink: int, window: int, backend: str,
+                            k_scale=None):
+        return indexer_topk_decode(q_idx, w, k_idx[:, :S], pos, topk, sink=sink, window=window,
+                                   k_scale=None if k_scale is None else k_scale[:, :S], backend=backend)
 
     block_select_rows = staticmethod(block_select_rows)
 
@@ -294,7 +296,8 @@ def select(st: LayerState, q: torch.Tensor, k: torch.Tensor, index: tuple | None
 
     Decode (`pos` given: one query per row, each at its own position): q `[B, H, D]`, k the layer's
     key cache `[B, S_max, H_kv, D]`, index = (q_I `[B, H_I, d_I]`, w `[B, H_I]`, index-key cache
-    `[B, S_max, d_I]`), S the bucket (keys read: the first S) -> `[B, K]` int32. pos is a `[B]`
+    `[B, S_max, d_I]`, then its fp8 scales `[B, S_max]` when `cfg.index_dtype` is fp8), S the bucket
+    (keys read: the first S) -> `[B, K]` int32. pos is a `[B]`
     tensor, or host ints for the eager block selector. visible: every visible key `[B, S]`, given
     when the caller knows S <= topk (the indexer then keeps them all). ops: `DecodeOps` or the
     compiled step's equivalents.
@@ -334,6 +337,7 @@ def select(st: LayerState, q: torch.Tensor, k: torch.Tensor, index: tuple | None
     if c.selector == "indexer":
         if visible is not None:
             return visible
-        q_i, w, k_cache = index
-        return ops.indexer_topk_decode(q_i, w, k_cache, pos, S, c.topk, c.sink, c.window, st.backend)
+        q_i, w, k_cache, *scale = index  # fp8 index keys: their per-token scales `[B, S_max]` follow
+        return ops.indexer_topk_decode(q_i, w, k_cache, pos, S, c.topk, c.sink, c.window, st.backend,
+                                       k_scale=scale[0] if scale else None)
     return ops.block_select_rows(q, k, pos, c.block_size, c.topk_blocks, c.sink_blocks, c.recent_blocks, st.backend)

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from sparse_rl.errors import SparseRLError
+from sparse_rl.errors import SparseRLError, UsageError
 from sparse_rl.modelinit import ModelInitConfig, init_model
 from sparse_rl.rl.rollout import RolloutEngine, SamplingParams, make_generate_fn, process_logits
 from sparse_rl.sparse.config import SparseConfig
@@ -91,11 +91,13 @@ def test_logprobs_equal_teacher_forced_forward(llama_dir, mode):
 def test_sparse_engine_on_triton_kernels_equals_reference_forward(llama_dir, monkeypatch):
     """The engine's sparse decode on the Triton kernels (interpreter on the CPU): the indexer's
     per-token step (`ops.indexer_decode`), the decode select and the sparse decode attention give
-    the log-probs of a teacher-forced forward on the PyTorch reference ops."""
+    the log-probs of a teacher-forced forward on the PyTorch reference ops. With fused projections, the
+    CUDA default: the kernels read q/k/v and the indexer's inputs as column views of one GEMM's output,
+    and `ops.silu_mul` runs the MLP."""
     model = load_model(llama_dir, attention="sparse")
     params = SamplingParams(temperature=0.7, max_new_tokens=10, seed=5)
     monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
-    outs = _engine(model, max_batch=2).generate(_prompts(2, lengths=(14, 9, 13)), params)
+    outs = _engine(model, max_batch=2, fuse_projections=True).generate(_prompts(2, lengths=(14, 9, 13)), params)
     monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
     for c in outs:
         assert len(c.tokens) == 10
@@ -190,39 +192,59 @@ def test_eos_and_stop_strings(llama_dir):
     assert c.finish_reason == "length" and len(c.tokens) == 12 - 6
 
 
-def test_weight_refresh_state_dict_and_lora(llama_dir, tmp_path):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_weight_refresh_state_dict_and_lora(llama_dir, tmp_path, fuse):
+    """GRPO syncs the policy (load_state_dict) and the distilled adapter (load_lora) into the engine every
+    step. With fused projections both write the modules' parameters in place, i.e. into the fused GEMMs'
+    buffers: the groups stay valid (nothing re-concatenated) and the outputs follow."""
     peft = pytest.importorskip("peft")
     model = load_model(llama_dir, attention="dense")
-    eng = _engine(copy.deepcopy(model))
+    eng = _engine(copy.deepcopy(model), fuse_projections=fuse)
+    fused = eng.runner.fused_layers or []
+    assert bool(fused) == fuse
     p = SamplingParams(temperature=0, max_new_tokens=20)
     prompts = _prompts(8, (6, 9))
+    eng.generate(prompts, p)
     # full state dict from another model, in place
     init_model(tmp_path / "other", ModelInitConfig(arch="llama", size="tiny", seed=5))
     other = load_model(tmp_path / "other")
     eng.load_state_dict(other.state_dict())
+    assert all(fl.valid() for fl in fused)
     for pr, c in zip(prompts, eng.generate(prompts, p)):
         assert c.tokens == _hf_greedy(other, pr, 20)
     # LoRA from a peft model (random B so the adapter changes the output)
     eng.load_state_dict(model.state_dict())
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj", "up_proj"],
+                          init_lora_weights=False)
     pm = peft.get_peft_model(copy.deepcopy(model), cfg)
-    assert eng.load_lora(pm) == 3 * len(model.model.layers)
+    assert eng.load_lora(pm) == 4 * len(model.model.layers)
+    assert all(fl.valid() for fl in fused)
     got = eng.generate(prompts, p)
     with torch.no_grad():
         for pr, c in zip(prompts, got):
             assert c.tokens == _hf_greedy(pm, pr, 20)
     assert any(c.tokens != _hf_greedy(model, pr, 20) for pr, c in zip(prompts, got))
-    # an engine over the peft model itself runs the adapters live (and refuses to merge into them)
-    live = _engine(pm)
+    # an engine over the peft model itself runs the adapters live (and refuses to merge into them); its
+    # wrapped projections keep their own GEMMs
+    live = _engine(pm, fuse_projections=fuse)
+    if fuse:
+        assert live.runner.fused_layers[0].qkv is None and live.runner.fused_layers[0].gate_up is None
     assert [c.tokens for c in live.generate(prompts, p)] == [c.tokens for c in got]
     with pytest.raises(SparseRLError, match="itself a LoRA layer"):
         live.load_lora(pm)
     # the same adapter as a state dict (peft key names), merged onto the engine's base weights
-    eng2 = _engine(copy.deepcopy(model))
+    eng2 = _engine(copy.deepcopy(model), fuse_projections=fuse)
     eng2.load_lora(peft.get_peft_model_state_dict(pm), scaling=8 / 4)
     assert [c.tokens for c in eng2.generate(prompts, p)] == [c.tokens for c in got]
     eng2.load_lora(peft.get_peft_model_state_dict(pm), scaling=8 / 4)  # idempotent: W = W_base + delta
     assert [c.tokens for c in eng2.generate(prompts, p)] == [c.tokens for c in got]
+    if fuse:  # a peft wrap of the engine's own model after it was built: found, unfused, adapters live
+        wrapped = peft.get_peft_model(eng.model, cfg)
+        assert not eng.runner.fused_layers[0].valid()
+        with torch.no_grad():
+            for pr, c in zip(prompts, eng.generate(prompts, p)):
+                assert c.tokens == _hf_greedy(wrapped, pr, 20)
+        assert eng.runner.fused_layers[0].qkv is None and eng.runner.fused_layers[0].valid()
 
 
 def test_make_generate_fn_is_greedy_text(llama_dir):
@@ -333,3 +355,109 @@ def test_eos_at_different_steps_with_steps_in_flight(llama_dir, temperature):
             assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
             torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
     assert sum(c.finish_reason == "stop" for c in one) >= 2
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_fused_projections_keep_outputs_and_follow_weight_updates(arch_dir, mode, tmp_path):
+    """One GEMM for q/k/v (+ the indexer's projections) and one for gate/up (qwen2: with biases): the
+    greedy tokens still equal HF generate, log-probs a teacher-forced forward; the modules' parameters
+    are views of the concatenated buffers, so an in-place update is seen, a replaced parameter is
+    concatenated again at the next generation, and the model still saves and reloads."""
+    model = load_model(arch_dir, attention=mode)
+    eng = _engine(model, max_batch=3, fuse_projections=True)
+    attn = model.model.layers[1].self_attn
+    fl = eng.runner.fused_layers[1]
+    assert fl.qkv is not None and fl.gate_up is not None and fl.silu
+    assert len(fl.qkv.sizes) == 6 and attn.k_proj.weight.data_ptr() == fl.qkv.weight[fl.qkv.sizes[0]].data_ptr()
+    prompts = _prompts(9, (6, 13, 4))
+    greedy = SamplingParams(temperature=0, max_new_tokens=16)
+    for pr, c in zip(prompts, eng.generate(prompts, greedy)):
+        assert c.tokens == _hf_greedy(model, pr, 16)
+    params = SamplingParams(temperature=0.8, max_new_tokens=16, seed=2)
+    for c in eng.generate(prompts, params):
+        torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(model, c, params), atol=1e-4, rtol=0)
+    with torch.no_grad():  # in place (an optimizer step): the fused GEMM reads it
+        model.model.layers[1].mlp.up_proj.weight.mul_(-2.0)
+        attn.v_proj.weight.add_(0.05)
+    for pr, c in zip(prompts, eng.generate(prompts, greedy)):
+        assert c.tokens == _hf_greedy(model, pr, 16)
+    attn.q_proj.weight.data = attn.q_proj.weight.data.clone() * 1.5  # new storage: found and re-fused
+    assert not eng.runner.fused_layers[1].valid()
+    for pr, c in zip(prompts, eng.generate(prompts, greedy)):
+        assert c.tokens == _hf_greedy(model, pr, 16)
+    assert eng.runner.fused_layers[1].valid()
+    model.save_pretrained(tmp_path / "saved")
+    from transformers import AutoModelForCausalLM
+
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert torch.equal(back.model.layers[1].self_attn.q_proj.weight, attn.q_proj.weight)
+
+
+def test_fp8_index_keys_through_convert_and_the_engine(tmp_path, monkeypatch):
+    """`convert --index-dtype fp8` writes the field; the engine's decode cache then stores e4m3 keys and
+    their scales; the Triton path (interpreter) gives the reference path's tokens (log-probs within 0.02),
+    and both stay near a teacher-forced forward over unquantized keys; a bad value is a usage error."""
+    from typer.testing import CliRunner
+
+    from sparse_rl.cli.main import app
+
+    init_model(tmp_path / "dense", ModelInitConfig(arch="llama", size="tiny", seed=1))
+    args = ["convert", str(tmp_path / "dense"), str(tmp_path / "fp8"), "--index-topk", str(TOPK), "--index-heads", "2",
+            "--index-dim", "16", "--sink", "1", "--window", "2", "--dense-layers", "0", "--seed", "3"]
+    res = CliRunner().invoke(app, args + ["--index-dtype", "fp8"])
+    assert res.exit_code == 0, res.output
+    assert SparseConfig.load(tmp_path / "fp8").index_dtype == "fp8"
+    bad = CliRunner().invoke(app, args[:3] + ["--index-dtype", "int4"])
+    assert bad.exit_code == 2 and "--index-dtype int4" in bad.output
+    with pytest.raises(Exception, match="token-level"):
+        SparseConfig(index_dtype="fp8", key_block=4)
+    model = load_model(tmp_path / "fp8", attention="sparse")
+    prompts = _prompts(5, (14, 9))
+    params = SamplingParams(temperature=0.7, max_new_tokens=6, seed=5)
+    eng = _engine(model, max_batch=2)
+    ref = eng.generate(prompts, params)
+    assert eng.cache.idx.dtype == torch.float8_e4m3fn and eng.cache.idx_scale.dtype == torch.float32
+    monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
+    tri = _engine(model, max_batch=2).generate(prompts, params)
+    monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
+    for a, b in zip(ref, tri):  # the kernel quantizes its fp32 key, the reference the module's: an fp8 value
+        # may round the other way, and a near-tie in the selection with it (log-probs 1e-3 apart, not 1e-5)
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=0.02, rtol=0)
+    for c in ref:  # the HF forward scores unquantized keys: close, not equal
+        torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(model, c, params), atol=0.05, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_chunked_prefill_keeps_outputs_and_interleaves_decode(llama_dir, mode):
+    """prefill_chunk: no prefill call takes more than the chunk's tokens, a long prompt's chunks alternate
+    with decode steps of the running sequences, and the tokens and log-probs are those of whole-prompt
+    prefill (greedy and seeded sampling, n samples sharing a prompt, more prompts than slots; sparse mode
+    with prompts past the top-k, so chunks attend through the selection over the earlier chunks' keys)."""
+    model = load_model(llama_dir, attention=mode)
+    prompts = _prompts(11, (23, 4, 17, 30, 6))
+    for params in (SamplingParams(temperature=0, max_new_tokens=12),
+                   SamplingParams(samples=2, temperature=0.9, max_new_tokens=12, seed=4)):
+        whole = _engine(model, max_batch=4).generate(prompts, params)
+        eng = _engine(model, max_batch=4, prefill_chunk=7)
+        calls = []
+        prefill, decode = eng.runner.prefill, eng.runner.decode
+
+        def rec_prefill(cache, tokens, lengths, slots, m, start=0):
+            calls.append(("prefill", tokens.numel(), start))
+            return prefill(cache, tokens, lengths, slots, m, start=start)
+
+        def rec_decode(*a, **k):
+            calls.append(("decode", 0, 0))
+            return decode(*a, **k)
+
+        eng.runner.prefill, eng.runner.decode = rec_prefill, rec_decode
+        chunked = eng.generate(prompts, params)
+        assert max(n for kind, n, _ in calls if kind == "prefill") <= 7
+        starts = [i for i, c in enumerate(calls) if c[0] == "prefill" and c[2] > 0]
+        assert starts and any(calls[i - 1][0] == "decode" for i in starts)  # decoding went on between chunks
+        for a, b in zip(whole, chunked):
+            assert a.tokens == b.tokens
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+    with pytest.raises(UsageError, match="prefill_chunk"):
+        _engine(model, prefill_chunk=0)

@@ -203,3 +203,22 @@ def test_compile_step_bench_cpu():
                                                                 ("sparse", 40)]
     assert all(r["logits_max_abs_diff"] == 0 and r["compiled_ok"] for r in res["rows"])
     assert "| 2 | sparse | 40 |" in markdown_compile(res)
+
+
+def test_fp8_index_keys_compiled_equal_eager(tmp_path):
+    """fp8 index keys in the compiled step: the key quantized in the graph (`ops.quantize_index_keys`,
+    written with its scale by index_put_) gives the eager step's tokens and log-probs."""
+    init_model(tmp_path / "dense", ModelInitConfig(arch="qwen2", size="tiny", seed=1))
+    sc = SparseConfig(topk=12, index_heads=2, index_dim=16, rope_dim=8, sink=1, window=2, dense_layers=[0],
+                      index_dtype="fp8")
+    convert(tmp_path / "dense", tmp_path / "fp8", ConvertConfig(sparse=sc, seed=3))
+    model = load_model(tmp_path / "fp8", attention="sparse")
+    p = SamplingParams(temperature=0, max_new_tokens=20)
+    prompts = _prompts(2, (14, 6))
+    ref = _engine(model, compile=False).generate(prompts, p)
+    eng = _engine(model, compile=True)
+    got = eng.generate(prompts, p)
+    assert eng.runner.compile and eng.runner.compile_error is None and eng.cache.idx_scale is not None
+    for a, b in zip(ref, got):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)

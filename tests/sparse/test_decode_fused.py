@@ -79,3 +79,21 @@ def test_qk_norm_rope_cache_equals_the_module(dtype, backend, norm):
     written = torch.zeros(B, S, dtype=torch.bool)
     written[ar, pos] = True
     assert torch.isnan(kc[~written]).all() and torch.isnan(vc[~written]).all()  # nothing else written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_silu_mul_equals_the_mlp(dtype, backend):
+    """One gate/up GEMM's output through `ops.silu_mul`, then down_proj: the Qwen3 MLP's output."""
+    from sparse_rl.sparse.ops import silu_mul
+
+    conf, layer, _, _ = _qwen3_layer(dtype)
+    mlp = layer.mlp
+    x = torch.randn(5, 48, generator=torch.Generator().manual_seed(4)).to(dtype)
+    with torch.no_grad():
+        gu = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], 1)
+        got = silu_mul(gu, backend=backend)
+        ref = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+    tol = dict(atol=0, rtol=0) if backend == "torch" else _tol(dtype)
+    torch.testing.assert_close(got, ref, **tol)
+    torch.testing.assert_close(mlp.down_proj(got), mlp(x), **tol)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import types
 
+from typing import Optional
+
 import torch
 
 from sparse_rl.sparse import layer, ops
@@ -45,15 +47,17 @@ def _(q, k_cache, v_cache, indices, scale, backend):
 
 @torch.library.custom_op(f"{NS}::indexer_topk_decode", mutates_args=())
 def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, pos: torch.Tensor, S: int,
-                        topk: int, sink: int, window: int, backend: str) -> torch.Tensor:
+                        topk: int, sink: int, window: int, backend: str,
+                        k_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`ops.indexer_topk_decode` over the first S rows of the index-key cache: q_idx `[B, H_I, d_I]`,
-    w `[B, H_I]`, k_idx `[B, S_max, d_I]`, pos `[B]` -> `[B, topk]` int32 (ascending, -1 padded)."""
+    w `[B, H_I]`, k_idx `[B, S_max, d_I]` (fp8: k_scale `[B, S_max]`), pos `[B]` -> `[B, topk]` int32
+    (ascending, -1 padded)."""
     return ops.indexer_topk_decode(q_idx, w, k_idx[:, :S], pos, topk, sink=sink, window=window,
-                                   backend=backend).contiguous()
+                                   k_scale=None if k_scale is None else k_scale[:, :S], backend=backend).contiguous()
 
 
 @indexer_topk_decode.register_fake
-def _(q_idx, w, k_idx, pos, S, topk, sink, window, backend):
+def _(q_idx, w, k_idx, pos, S, topk, sink, window, backend, k_scale=None):
     return q_idx.new_empty(q_idx.shape[0], topk, dtype=torch.int32)
 
 

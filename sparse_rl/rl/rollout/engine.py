@@ -94,25 +94,36 @@ class RolloutEngine:
     compile: torch.compile the decode step (inductor), captured in the CUDA graphs; default off
     (`SPARSE_RL_COMPILE=1` turns it on; see forward.default_compile). A failed compilation falls back to
     the eager step: `engine.runner.compile_error` says why. compile_backend: the dynamo backend.
+    fuse_projections: one GEMM for each layer's q/k/v (+ indexer) and gate/up projections in the eager
+    step (default on CUDA); the model's parameters then live in the concatenated buffers (forward.py).
+    prefill_chunk: chunked prefill (as vLLM's and SGLang's): no prefill call takes more than this many
+    prompt tokens; a longer prompt is prefilled a chunk at a time, each chunk followed by a decode step
+    of the running sequences, so that long prompts do not stall decoding (None: whole prompts, up to
+    max_prefill_tokens a call; granular selection always prefills whole prompts).
     """
 
     def __init__(self, model, tokenizer=None, max_batch: int = 32, max_seq_len: int | None = None,
                  device=None, use_cuda_graphs: bool | None = None, eos_token_ids: Sequence[int] | None = None,
                  bucket: int = 256, max_prefill_tokens: int = 32768, compile: bool | None = None,
-                 compile_backend="inductor"):
+                 compile_backend="inductor", fuse_projections: bool | None = None,
+                 prefill_chunk: int | None = None):
         if max_batch < 1:
             raise UsageError(f"max_batch must be >= 1 (got {max_batch})")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise UsageError(f"prefill_chunk must be >= 1 tokens (got {prefill_chunk})")
         self.model = model
         self.tokenizer = tokenizer
         dev = torch.device(device) if device is not None else next(model.parameters()).device
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
-        self.runner = ModelRunner(model, dev, use_cuda_graphs, compile=compile, compile_backend=compile_backend)
+        self.runner = ModelRunner(model, dev, use_cuda_graphs, compile=compile, compile_backend=compile_backend,
+                                  fuse_projections=fuse_projections)
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.bucket = bucket
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_chunk = prefill_chunk
         self.eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
         self.sampler = Sampler(self.runner.vocab, dev)
         self.cache: KVCache | None = None
@@ -132,8 +143,10 @@ class RolloutEngine:
 
     def refresh(self) -> None:
         """Forget captured CUDA graphs (recaptured lazily). Needed only when parameters were replaced by
-        new tensors; in-place updates are seen without it."""
+        new tensors; in-place updates are seen without it (and fused projections whose parameters were
+        replaced are concatenated again at the next generation anyway)."""
         self.runner.drop_graphs()
+        self.runner.sync_weights()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy `state` (full or partial, HF parameter names; a peft model's `base_model.model.` prefix and
@@ -226,10 +239,9 @@ class RolloutEngine:
             self.runner.check_supported(s_max)
             self.cache = KVCache.allocate(self.runner.n_layers, self.max_batch, s_max, self.runner.H_kv,
                                           self.runner.D, self.runner.index_dim if self.mode == "sparse" else None,
-                                          self.runner.dtype, self.device)
+                                          self.runner.dtype, self.device, self.runner.index_dtype)
         if self.mode == "sparse" and self.runner.index_dim and self.cache.idx is None:
-            self.cache.idx = torch.zeros(*self.cache.k.shape[:3], self.runner.index_dim, dtype=self.runner.dtype,
-                                         device=self.device)
+            self.cache.add_index(self.runner.index_dim, self.runner.dtype, self.runner.index_dtype)
             self.runner.drop_graphs()
         return self.cache
 
@@ -252,6 +264,7 @@ class RolloutEngine:
     @torch.inference_mode()
     def time_step(self, pos: int, reps: int = 20) -> float:
         """Median milliseconds of one decode step with every slot at position `pos` (CUDA events on a GPU)."""
+        self.runner.sync_weights()
         cache = self._ensure_cache(pos + 1)
         tok = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
         p = torch.full_like(tok, pos)
@@ -309,6 +322,7 @@ class RolloutEngine:
         """Sample `params.samples` completions per prompt. Returns them ordered by (prompt, sample);
         `on_complete` is called as each one finishes. The model runs in eval mode (no dropout, e.g.
         peft's lora_dropout) and is put back in its previous mode afterwards."""
+        self.runner.sync_weights()
         was_training = self.model.training
         self.model.eval()
         try:
@@ -358,9 +372,12 @@ class RolloutEngine:
             elif len(s.tokens) >= p.max_new_tokens or len(s.prompt) + len(s.tokens) >= s_max:
                 finish(slot, "length")
 
-        def launch(slots: list[int], rids: list[int], steps: list[int], pos: list[int], tokens) -> _Step:
+        def launch(slots: list[int], rids: list[int], steps: list[int], pos: list[int], tokens,
+                   parked: dict[int, int]) -> _Step:
             """Enqueue one decode step for `slots` (the other slots compute on dummies) and its sampling;
-            tokens: host ints, or the device tokens `[len(slots)]` of the step in flight."""
+            tokens: host ints, or the device tokens `[len(slots)]` of the step in flight. parked: slots
+            of a prompt being prefilled in chunks -> the row their dummy writes (its next chunk's first,
+            rewritten by that chunk), so that the dummy never overwrites a prefilled row."""
             full = len(slots) == B  # slots are sorted: then they are 0..B-1
             idx = None if full else to_device(torch.tensor(slots, dtype=torch.long), self.device)
             if isinstance(tokens, list):
@@ -370,7 +387,7 @@ class RolloutEngine:
                 tok_t = tokens
             else:
                 tok_t = torch.zeros(B, dtype=torch.long, device=self.device).index_copy_(0, idx, tokens)
-            pos_host = [0] * B
+            pos_host = [parked.get(sl, 0) for sl in range(B)]
             for sl, q in zip(slots, pos):
                 pos_host[sl] = q
             pos_t = to_device(torch.tensor(pos_host, dtype=torch.long), self.device)
@@ -402,28 +419,36 @@ class RolloutEngine:
 
         # The next step is launched before the host reads the one in flight, so the GPU does not wait on
         # the host's bookkeeping (token lists, stop checks, the next inputs): one step is always queued
-        # ahead. Admissions run between steps with nothing in flight.
+        # ahead. Admissions (and chunks of a chunked prefill) run between steps with nothing in flight.
+        chunk = self.prefill_chunk if self.prefill_chunk and not self.runner._granular(self.mode) else None
+        budget = min(self.max_prefill_tokens, chunk) if chunk else self.max_prefill_tokens
+        pending: deque = deque()  # chunked prompts: [prompt index, slots, rows prefilled so far]
         inflight: _Step | None = None
-        while queue or live or inflight is not None:
+        while queue or live or inflight is not None or pending:
             if inflight is None:
-                # admit waiting prompts into free slots: one batched prefill per round
-                admit: list[tuple[int, list[int]]] = []
-                longest = 0
-                while queue and len(free) >= n:
-                    L = len(toks[queue[0]])
-                    if admit and max(longest, L) * (len(admit) + 1) > self.max_prefill_tokens:
-                        break
-                    longest = max(longest, L)
-                    pi = queue.popleft()
-                    admit.append((pi, [free.popleft() for _ in range(n)]))
-                if admit:
-                    self._prefill(cache, toks, admit, longest, p, live, push)
+                if pending:  # one chunk of the oldest chunked prompt, then a decode step
+                    self._prefill_chunk(cache, toks, pending, chunk, p, live, push)
+                else:  # admit waiting prompts into free slots: one batched prefill per round
+                    admit: list[tuple[int, list[int]]] = []
+                    longest = 0
+                    while queue and len(free) >= n:
+                        L = len(toks[queue[0]])
+                        if chunk and L > chunk:  # prefilled a chunk at a time, from the next round on
+                            pending.append([queue.popleft(), [free.popleft() for _ in range(n)], 0])
+                            break
+                        if admit and max(longest, L) * (len(admit) + 1) > budget:
+                            break
+                        longest = max(longest, L)
+                        pi = queue.popleft()
+                        admit.append((pi, [free.popleft() for _ in range(n)]))
+                    if admit:
+                        self._prefill(cache, toks, admit, longest, p, live, push)
                 if not live:
                     continue
                 slots = sorted(live)
                 inflight = launch(slots, [live[sl].rid for sl in slots], [len(live[sl].tokens) for sl in slots],
                                   [len(live[sl].prompt) + len(live[sl].tokens) - 1 for sl in slots],
-                                  [live[sl].tokens[-1] for sl in slots])
+                                  [live[sl].tokens[-1] for sl in slots], self._parked(pending))
             nxt = None
             keep = [i for i, sl in enumerate(inflight.slots) if goes_on(sl, inflight.rids[i])]
             if keep:
@@ -431,11 +456,12 @@ class RolloutEngine:
                 if len(keep) < len(inflight.slots):
                     tok_dev = tok_dev[to_device(torch.tensor(keep, dtype=torch.long), self.device)]
                 nxt = launch([inflight.slots[i] for i in keep], [inflight.rids[i] for i in keep],
-                             [inflight.steps[i] + 1 for i in keep], [inflight.pos[i] + 1 for i in keep], tok_dev)
+                             [inflight.steps[i] + 1 for i in keep], [inflight.pos[i] + 1 for i in keep], tok_dev,
+                             self._parked(pending))
             process(inflight)
             inflight = nxt
-            if inflight is not None and queue and len(free) >= n:
-                process(inflight)  # drain, so that the freed slots take waiting prompts
+            if inflight is not None and ((queue and len(free) >= n) or pending):
+                process(inflight)  # drain, so that the freed slots take waiting prompts (or the next chunk runs)
                 inflight = None
         return results  # type: ignore[return-value]
 
@@ -451,6 +477,25 @@ class RolloutEngine:
         ev.record()
         return th, lh, ev
 
+    @staticmethod
+    def _parked(pending) -> dict[int, int]:
+        """Slots of prompts being prefilled in chunks -> the next row their prefill writes."""
+        return {sl: done for _, slots, done in pending for sl in slots}
+
+    def _prefill_chunk(self, cache, toks, pending, chunk: int, p, live, push) -> None:
+        """The next chunk of the oldest chunked prompt (its first slot; the samples' slots copy the prefix
+        once the last chunk is in), which starts its samples when it completes the prompt."""
+        pi, slots, done = pending[0]
+        t = toks[pi]
+        T = min(chunk, len(t) - done)
+        logits = self.runner.prefill(cache, torch.tensor([t[done:done + T]], device=self.device), [T], slots[:1],
+                                     self.mode, start=done)
+        self.stats["prefill_tokens"] += T
+        pending[0][2] = done + T
+        if done + T == len(t):
+            pending.popleft()
+            self._start(cache, toks, [(pi, slots)], [len(t)], logits, p, live, push)
+
     def _prefill(self, cache, toks, admit, longest, p, live, push) -> None:
         P = len(admit)
         batch = torch.zeros(P, longest, dtype=torch.long)
@@ -461,6 +506,11 @@ class RolloutEngine:
             lengths.append(len(t))
         logits = self.runner.prefill(cache, batch.to(self.device), lengths, [sl[0] for _, sl in admit], self.mode)
         self.stats["prefill_tokens"] += sum(lengths)
+        self._start(cache, toks, admit, lengths, logits, p, live, push)
+
+    def _start(self, cache, toks, admit, lengths, logits, p, live, push) -> None:
+        """Prefilled prompts (`admit`: (prompt index, slots), logits `[P, V]` at their last tokens): copy
+        each prefix into its samples' slots, register the sequences and sample their first tokens."""
         n = p.samples
         rids, rows, slots = [], [], []
         for r, (pi, sls) in enumerate(admit):

@@ -4,12 +4,13 @@ No copy of the weights: embeddings, norms, q/k/v/o projections (qwen2 biases, qw
 included, since they are the model's modules), MLPs, lm_head, the rotary table and, in sparse mode,
 each layer's indexer are called directly. So a trainer that updates the model's parameters in place
 is seen by the next step, and peft LoRA layers (if the model is wrapped) simply run as part of
-the projections.
+the projections (the fused projections below read the parameters' own storage, concatenated).
 
 Two passes:
 - `prefill`: a batch of prompts, right-padded to a common length (causal attention never lets a
   real token see the padding behind it), writes K/V (and index keys) into the prompts' slots and
-  returns the last real position's logits.
+  returns the last real position's logits; with `start` > 0, a chunk continuing prompts whose first
+  `start` rows are cached (chunked prefill: it attends to, and selects over, those rows too).
 - `decode`: one token for every slot at once (inactive slots compute on dummies: a fixed batch
   keeps shapes static for CUDA graphs). Keys are read from `cache[:, :S]`, S a bucket of the
   longest live sequence, and masked per slot by its own position.
@@ -24,8 +25,12 @@ the RMSNorm after it, the residual stream carried alongside) and `ops.qk_norm_ro
 norms, RoPE and the K/V cache write), one Triton launch each on a GPU where the modules' ops take
 8-20, the references (the HF modules' own arithmetic) on a CPU. On an H200 at Qwen3-4B's shape this
 took the batch-32 step at 2K context from 10.1 to 6.1 ms (benchmarks/results/2026-12-01-h200-rollout-
-qwen3-4b.md). `runner.fused = False` runs the modules instead (for A/B); the compiled step keeps the
-modules, whose elementwise ops inductor fuses itself.
+qwen3-4b.md). On CUDA it also runs each layer's q/k/v (+ the indexer's wq/wk/ww) and gate/up
+projections as one GEMM each, SiLU(gate) * up in `ops.silu_mul` (`fused_weights.py`; the modules'
+parameters become views of the concatenated weights): 6.13 -> 5.63 ms dense at 2K, 10.37 -> 9.18 ms
+sparse at 16K (benchmarks/results/2026-12-01-h200-rollout-session5.md). `runner.fused = False` runs
+the modules instead (for A/B), `runner.fused_layers = None` the separate projections; the compiled
+step keeps the modules, whose elementwise ops inductor fuses itself.
 
 Dense decode attention: PyTorch SDPA with a per-slot mask on CPU; on CUDA the split-K Triton
 decode kernel (`ops.sparse_decode`) given every visible position as its index list, so it reads
@@ -50,7 +55,9 @@ from sparse_rl.errors import SparseRLError
 from sparse_rl.rl.rollout.cache import KVCache
 from sparse_rl.rl.rollout import compiled as C
 from sparse_rl.sparse.layer import DecodeOps, attend, layer_states, select, select_rows
-from sparse_rl.sparse.ops import add_rmsnorm, indexer_decode, qk_norm_rope_cache, sparse_decode
+from sparse_rl.rl.rollout.fused_weights import FusedLayer
+from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cache, quantize_index_keys, silu_mul,
+                                  sparse_decode)
 
 
 def _base(model):
@@ -97,10 +104,12 @@ class ModelRunner:
 
     use_graphs: CUDA graphs of the decode step (default on CUDA). compile: torch.compile the decode
     step (default `default_compile(device)`); compile_backend: the dynamo backend, a name
-    ("inductor"; "aot_eager" traces without generating code) or a backend callable."""
+    ("inductor"; "aot_eager" traces without generating code) or a backend callable.
+    fuse_projections: the eager step's concatenated q/k/v(+indexer) and gate/up GEMMs (default on
+    CUDA; the modules' parameters become views of the concatenated weights, see fused_weights.py)."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
-                 compile_backend="inductor"):
+                 compile_backend="inductor", fuse_projections: bool | None = None):
         base = _base(model)
         dec = base.get_decoder()
         self.model, self.base = model, base
@@ -117,6 +126,9 @@ class ModelRunner:
         self.states = layer_states(model)
         self.index_dim = next((layer.self_attn.indexer.index_dim for layer in self.layers
                                if getattr(layer.self_attn, "indexer", None) is not None), None)
+        # how the decode cache stores index keys (SparseConfig.index_dtype: one value for the model)
+        self.index_dtype = next((st.cfg.index_dtype for st in self.states
+                                 if st is not None and st.cfg.selector == "indexer"), "bf16")
         self.device = torch.device(device)
         self.dtype = next(base.parameters()).dtype
         self.is_cuda = self.device.type == "cuda"
@@ -130,6 +142,11 @@ class ModelRunner:
             getattr(layer.self_attn, "q_norm", None) is None
             or layer.self_attn.q_norm.variance_epsilon == layer.self_attn.k_norm.variance_epsilon
             for layer in self.layers)
+        # one GEMM for q/k/v (+ the indexer's projections) and one for gate/up (fused_weights.py); the
+        # modules' parameters become views of the concatenated buffers. Default: on CUDA, for the eager
+        # fused step
+        self.fuse_projections = self.fused and (self.is_cuda if fuse_projections is None else bool(fuse_projections))
+        self.fused_layers = [FusedLayer.build(layer) for layer in self.layers] if self.fuse_projections else None
         self._graphs: dict = {}
         self._pool = None
         self._static: dict = {}
@@ -166,39 +183,61 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- prefill
     def prefill(self, cache: KVCache, tokens: torch.Tensor, lengths: list[int], slots: list[int],
-                mode: str) -> torch.Tensor:
+                mode: str, start: int = 0) -> torch.Tensor:
         """tokens `[P, T]` right-padded, lengths `[P]` -> logits `[P, V]` float32 at each row's last
-        real token. Writes rows 0..T-1 of each slot (rows past a prompt's length are overwritten by
-        decoding before they become visible)."""
+        real token. Writes rows start..start+T-1 of each slot (rows past a prompt's length are
+        overwritten by decoding before they become visible). start > 0 (chunked prefill): the tokens
+        continue sequences whose rows 0..start-1 are already in the cache; they attend to those too."""
         P, T = tokens.shape
-        pos = torch.arange(T, device=tokens.device)[None].expand(P, T)
+        pos = torch.arange(start, start + T, device=tokens.device)[None].expand(P, T)
         slot_t = torch.tensor(slots, device=tokens.device)
+        rows = slice(start, start + T)
         h = self.embed(tokens)
         cos, sin = self.rotary(h, pos)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q, k, v = self._qkv(attn, x, cos, sin)
-            cache.k[i][slot_t, :T] = k
-            cache.v[i][slot_t, :T] = v
+            cache.k[i][slot_t, rows] = k
+            cache.v[i][slot_t, rows] = v
+            if start:  # the keys of the earlier chunks, from the cache
+                k, v = cache.k[i][slot_t, :start + T], cache.v[i][slot_t, :start + T]
             if self._sparse(i, mode):
                 st = self.states[i]
                 index = None
                 if st.cfg.selector == "indexer":
                     q_i, w, k_i = attn.indexer(x, cos, sin)
-                    cache.idx[i][slot_t, :T] = k_i
+                    if cache.idx_scale is not None:  # fp8 index keys
+                        k8, sc = quantize_index_keys(k_i)
+                        cache.idx[i][slot_t, rows], cache.idx_scale[i][slot_t, rows] = k8, sc
+                    else:
+                        cache.idx[i][slot_t, rows] = k_i
+                    if start:
+                        k_i = self._cached_index_keys(cache, i, slot_t, start, k_i)
                     index = (q_i, w, k_i)
                     if st.cfg.query_group > 1:
                         self._store_groups(cache, i, slot_t, q_i, w, lengths, st.cfg.query_group)
-                o, _ = attend(st, select_rows(st, q, k, index), q, k, v, attn.scaling)
+                # a later chunk's queries sit at start.. (query groups prefill whole prompts: start = 0)
+                o, _ = attend(st, select_rows(st, q, k, index, q_offset=start), q, k, v, attn.scaling)
             else:
+                mask = None if not start else (torch.arange(start + T, device=q.device)[None]
+                                               <= pos[0][:, None])  # [T, start + T]
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                   is_causal=True, scale=attn.scaling,
+                                                   attn_mask=mask, is_causal=not start, scale=attn.scaling,
                                                    enable_gqa=self.H != self.H_kv).transpose(1, 2)
             h = h + attn.o_proj(o.reshape(P, T, -1))
             h = self._mlp_out(layer, h)
         last = torch.tensor([n - 1 for n in lengths], device=tokens.device)
         return self._logits(h[torch.arange(P, device=tokens.device), last])
+
+    @staticmethod
+    def _cached_index_keys(cache, i, slot_t, start, k_i):
+        """A chunk's index keys after those of the earlier chunks: `[P, start + T, d_I]` (earlier fp8 keys
+        dequantized: the unchunked prefill would have scored them unquantized)."""
+        prev = cache.idx[i][slot_t, :start]
+        if cache.idx_scale is not None:
+            prev = (prev.float() * cache.idx_scale[i][slot_t, :start, None]).to(k_i.dtype)
+        return torch.cat([prev, k_i], 1)
 
     @staticmethod
     def _store_groups(cache, i, slot_t, q_i, w, lengths, G):
@@ -211,13 +250,13 @@ class ModelRunner:
         cache.rep_w[i][slot_t] = w[rows, rep]
 
     # ---------------------------------------------------------------- decode
-    def _decode_core(self, tokens, pos, keys, k_all, v_all, idx_all, mode: str, short: bool, compiled: bool,
-                     cache=None):
+    def _decode_core(self, tokens, pos, keys, k_all, v_all, idx_all, scale_all, mode: str, short: bool,
+                     compiled: bool, cache=None):
         """The decode step shared by the eager and the compiled path.
 
         tokens `[B]`, pos `[B]`, keys `[S]` = arange(S) (S, the bucket, is read from its shape so
         that one compilation serves every bucket), k_all/v_all `[L, B, S_max, H_kv, D]`, idx_all
-        `[L, B, S_max, d_I]` or None -> logits `[B, V]` float32. short: S <= top-k, so the indexer
+        `[L, B, S_max, d_I]` or None, scale_all `[L, B, S_max]` its fp8 scales or None -> logits `[B, V]` float32. short: S <= top-k, so the indexer
         keeps every visible key (decided outside, so the compiled graph holds no guard on S).
         compiled: call our sparse ops through their opaque custom ops, and write the cache with
         `index_put_` on the whole cache tensor, which inductor does in place (through a per-layer
@@ -247,7 +286,9 @@ class ModelRunner:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x, res = self._add_norm(pending, res, layer.input_layernorm, compiled)
-            q, k, v = (proj(x).view(B, -1, self.D) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+            fl = None if compiled or not self.fused or self.fused_layers is None else self.fused_layers[i]
+            indexed = self._sparse(i, mode) and self.states[i].cfg.selector == "indexer"
+            q, k, v, z = self._projections(attn, fl, x, indexed)
             if compiled or not self.fused:  # the modules (inductor fuses their elementwise ops itself)
                 if getattr(attn, "q_norm", None) is not None:
                     q, k = attn.q_norm(q), attn.k_norm(k)
@@ -266,11 +307,17 @@ class ModelRunner:
                 if st.cfg.selector == "indexer":
                     if compiled:
                         q_i, w, k_i = attn.indexer(x[:, None], cos, sin)
-                        write(idx_all, i, k_i[:, 0])
+                        if scale_all is not None:
+                            k8, sc = quantize_index_keys(k_i[:, 0])
+                            write(idx_all, i, k8)
+                            write(scale_all, i, sc)
+                        else:
+                            write(idx_all, i, k_i[:, 0])
                         q_i, w = q_i[:, 0], w[:, 0]
                     else:
-                        q_i, w = self._indexer_step(attn.indexer, x, cos, sin, pos, idx_all[i], st.backend)
-                    index = (q_i, w, idx_all[i])
+                        q_i, w = self._indexer_step(attn.indexer, x, cos, sin, pos, idx_all[i], st.backend, z,
+                                                    None if scale_all is None else scale_all[i])
+                    index = (q_i, w, idx_all[i]) if scale_all is None else (q_i, w, idx_all[i], scale_all[i])
                 elif not compiled:  # the eager block selector reads positions on the host, once per step
                     pos_list = pos.tolist() if pos_list is None else pos_list
                 # with no more visible keys than top-k the indexer keeps them all (`short`)
@@ -289,7 +336,7 @@ class ModelRunner:
                                                    attn_mask=mask[:, None, None, :], scale=attn.scaling,
                                                    enable_gqa=self.H != self.H_kv)[:, :, 0]
             x, res = self._add_norm(attn.o_proj(o.reshape(B, -1)), res, layer.post_attention_layernorm, compiled)
-            pending = layer.mlp(x)
+            pending = self._mlp(layer.mlp, fl, x)
         y, _ = self._add_norm(pending, res, self.norm, compiled)
         return self.lm_head(y).float()
 
@@ -301,14 +348,42 @@ class ModelRunner:
             return norm(h), h
         return add_rmsnorm(x, res, norm.weight, norm.variance_epsilon)
 
+    def _projections(self, attn, fl, x, indexed: bool):
+        """x `[B, hidden]` -> q `[B, H, D]`, k/v `[B, H_kv, D]` and z, the indexer's (wq, wk, ww) outputs
+        when the fused GEMM computed them too (indexed: the layer selects with its indexer this step),
+        else None. fl: the layer's `FusedLayer` (None: the modules, one GEMM each)."""
+        B = x.shape[0]
+        if fl is None or fl.qkv is None:
+            return (*(p(x).view(B, -1, self.D) for p in (attn.q_proj, attn.k_proj, attn.v_proj)), None)
+        with_ix = indexed and len(fl.qkv.sizes) == 6
+        y = fl.qkv(x, None if with_ix else fl.qkv_rows)
+        parts = y.split(fl.qkv.sizes[:len(fl.qkv.sizes) if with_ix else 3], dim=1)
+        q, k, v = (t.view(B, -1, self.D) for t in parts[:3])
+        return q, k, v, (parts[3:] if with_ix else None)
+
     @staticmethod
-    def _indexer_step(ix, x, cos, sin, pos, k_cache, backend):
-        """The indexer for one token per row, eager: its three projections (the modules themselves, so
-        peft wrappers apply), then `ops.indexer_decode` (one Triton launch on a GPU for what the
-        module's elementwise ops take ~20) writing the key into k_cache `[B, S_max, d_I]`. x `[B,
-        hidden]`, cos/sin `[B, 1, D_h]` -> q_I `[B, H_I, d_I]`, w `[B, H_I]`."""
-        return indexer_decode(ix.wq(x), ix.wk(x), ix.ww(x), cos[:, 0], sin[:, 0], ix.k_norm.weight,
-                              ix.k_norm.bias, ix.k_norm.eps, ix.rope_dim, pos, k_cache, backend=backend)
+    def _mlp(mlp, fl, x):
+        """The MLP of one token per row: one gate/up GEMM and `ops.silu_mul` when fused, else the module."""
+        if fl is None or fl.gate_up is None:
+            return mlp(x)
+        gu = fl.gate_up(x)
+        if fl.silu:
+            a = silu_mul(gu)
+        else:
+            g, u = gu.split(fl.gate_up.sizes, dim=1)
+            a = mlp.act_fn(g) * u
+        return mlp.down_proj(a)
+
+    @staticmethod
+    def _indexer_step(ix, x, cos, sin, pos, k_cache, backend, z=None, k_scale=None):
+        """The indexer for one token per row, eager: its three projections (z, their outputs from the
+        layer's fused GEMM, else the modules themselves, so peft wrappers apply), then
+        `ops.indexer_decode` (one Triton launch on a GPU for what the module's elementwise ops take ~20)
+        writing the key into k_cache `[B, S_max, d_I]` (fp8: quantized, its scale into k_scale `[B, S_max]`).
+        x `[B, hidden]`, cos/sin `[B, 1, D_h]` -> q_I `[B, H_I, d_I]`, w `[B, H_I]`."""
+        zq, zk, zw = z if z is not None else (ix.wq(x), ix.wk(x), ix.ww(x))
+        return indexer_decode(zq, zk, zw, cos[:, 0], sin[:, 0], ix.k_norm.weight, ix.k_norm.bias, ix.k_norm.eps,
+                              ix.rope_dim, pos, k_cache, k_scale, backend=backend)
 
     @staticmethod
     def _attend(q, kc, vc, sel, scale, backend, compiled):
@@ -329,8 +404,8 @@ class ModelRunner:
 
     def decode_eager(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, S: int, mode: str) -> torch.Tensor:
         """tokens `[B]` (B = all slots), pos `[B]` (each slot's position for this token) -> logits `[B, V]`."""
-        return self._decode_core(tokens, pos, torch.arange(S, device=tokens.device), cache.k, cache.v, cache.idx, mode,
-                                 self._short(S, mode), False, cache=cache)
+        return self._decode_core(tokens, pos, torch.arange(S, device=tokens.device), cache.k, cache.v, cache.idx,
+                                 cache.idx_scale, mode, self._short(S, mode), False, cache=cache)
 
     def _compiled_fn(self, mode: str, short: bool):
         key = (mode, short)
@@ -338,8 +413,8 @@ class ModelRunner:
         if fn is None:
             runner = self
 
-            def step(tokens, pos, keys, k_all, v_all, idx_all):
-                return runner._decode_core(tokens, pos, keys, k_all, v_all, idx_all, mode, short, True)
+            def step(tokens, pos, keys, k_all, v_all, idx_all, scale_all):
+                return runner._decode_core(tokens, pos, keys, k_all, v_all, idx_all, scale_all, mode, short, True)
 
             fn = self._compiled[key] = torch.compile(C.fresh_function(step), dynamic=None,
                                                      backend=C.counting_backend(self.compile_backend,
@@ -356,12 +431,12 @@ class ModelRunner:
         # and name, so it is shared by every runner's copy of `step` (and kept on disk between
         # processes); a second engine with another batch would otherwise compile a graph dynamic
         # in B and the cache shapes
-        for t in (tokens, pos, cache.k, cache.v, cache.idx):
+        for t in (tokens, pos, cache.k, cache.v, cache.idx, cache.idx_scale):
             if t is not None:
                 torch._dynamo.mark_static(t)
         first = (mode, short) not in self._compiled
         graphs0, t0 = self.compile_stats["graphs"], time.perf_counter()
-        out = self._compiled_fn(mode, short)(tokens, pos, keys, cache.k, cache.v, cache.idx)
+        out = self._compiled_fn(mode, short)(tokens, pos, keys, cache.k, cache.v, cache.idx, cache.idx_scale)
         if first:
             if self.compile_stats["graphs"] == graphs0:
                 raise RuntimeError("dynamo compiled no graph for the decode step (recompile limit reached?)")
@@ -444,6 +519,19 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             out = step(cache, tok, pos, S, mode)
         return graph, out
+
+    def sync_weights(self) -> bool:
+        """Re-concatenate the fused projections whose parameters were given new storage since (see
+        fused_weights.py; in-place updates need nothing), dropping the CUDA graphs that read the old
+        buffers. Returns whether anything was rebuilt."""
+        if self.fused_layers is None:
+            return False
+        stale = [i for i, fl in enumerate(self.fused_layers) if not fl.valid()]
+        for i in stale:
+            self.fused_layers[i] = FusedLayer.build(self.layers[i])
+        if stale:
+            self.drop_graphs()
+        return bool(stale)
 
     def drop_graphs(self) -> None:
         """Forget captured graphs (compiled steps stay: their parameters and caches are inputs)."""

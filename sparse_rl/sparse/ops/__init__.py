@@ -12,19 +12,20 @@ import torch
 
 from sparse_rl.sparse.ops._backend import resolve_backend
 from sparse_rl.sparse.ops.block_select.naive import block_select_naive
-from sparse_rl.sparse.ops.decode_fused.naive import add_rmsnorm_naive, qk_norm_rope_cache_naive
+from sparse_rl.sparse.ops.decode_fused.naive import add_rmsnorm_naive, qk_norm_rope_cache_naive, silu_mul_naive
 from sparse_rl.sparse.ops.indexer_decode.naive import indexer_decode_naive
 from sparse_rl.sparse.ops.indexer_kl.naive import KLStats, dense_lse, selected_kl
 from sparse_rl.sparse.ops.indexer_kl.naive import warmup_kl as warmup_kl_naive
 from sparse_rl.sparse.ops.indexer_topk.naive import (granular_topk_decode_naive, granular_topk_naive,
                                                      indexer_scores_naive, indexer_topk_decode_naive, indexer_topk_naive,
-                                                     shared_rows_ok, visible_mask)
+                                                     quantize_index_keys, shared_rows_ok, visible_mask)
 from sparse_rl.sparse.ops.sparse_attention.naive import (dense_attention_naive, shared_to_per_query,
                                                          sparse_attention_naive)
 
 __all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_topk_decode", "indexer_scores", "indexer_decode",
            "block_select", "visible_mask", "granular_topk", "granular_topk_decode", "shared_rows_ok",
-           "dense_attention_naive", "kernel", "warmup_kl", "selected_kl", "dense_lse", "KLStats", "add_rmsnorm", "qk_norm_rope_cache"]
+           "dense_attention_naive", "kernel", "warmup_kl", "selected_kl", "dense_lse", "KLStats", "add_rmsnorm",
+           "qk_norm_rope_cache", "silu_mul", "quantize_index_keys"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,13 +79,15 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
 
 def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, pos: torch.Tensor, topk: int,
                         *, sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None,
-                        backend: str = "auto"):
+                        k_scale: torch.Tensor | None = None, backend: str = "auto"):
     """Decode-time indexer top-k, every row at its own position. q_idx `[B, H_I, D_I]`, w `[B, H_I]`,
-    k_idx `[B, S, D_I]` (index-key cache), pos `[B]` -> `[B, topk]` int32 (ascending, -1 padded)."""
+    k_idx `[B, S, D_I]` (index-key cache; float8_e4m3fn with k_scale `[B, S]`, see
+    `quantize_index_keys`), pos `[B]` -> `[B, topk]` int32 (ascending, -1 padded)."""
     fn = kernel("indexer_topk", "indexer_topk_decode")
     if resolve_backend(backend, q_idx, fn is not None) == "triton":
-        return fn(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start)
-    return indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start)
+        return fn(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start, k_scale=k_scale)
+    return indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start,
+                                     k_scale=k_scale)
 
 
 def granular_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk: int, *, q_offset: int = 0,
@@ -125,14 +128,16 @@ def granular_topk_decode(q_rep: torch.Tensor, w_rep: torch.Tensor, k_idx: torch.
 
 def indexer_decode(zq: torch.Tensor, zk: torch.Tensor, zw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, eps: float, rope_dim: int,
-                   pos: torch.Tensor, k_cache: torch.Tensor, *, backend: str = "auto"):
+                   pos: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None = None, *,
+                   backend: str = "auto"):
     """The lightning indexer's per-token work in a decode step, after its projections: zq `[B, H_I * d_I]`,
     zk `[B, d_I]`, zw `[B, H_I]`, the model's rotary cos/sin `[B, D_h]` at pos `[B]` -> q_I
-    `[B, H_I, d_I]`, w `[B, H_I]`; writes the normalised, rotated key into k_cache `[B, S_max, d_I]` at pos."""
+    `[B, H_I, d_I]`, w `[B, H_I]`; writes the normalised, rotated key into k_cache `[B, S_max, d_I]` at pos
+    (float8_e4m3fn with k_scale `[B, S_max]` fp32: quantized, its per-token scale into k_scale)."""
     fn = kernel("indexer_decode")
     if resolve_backend(backend, zq, fn is not None) == "triton":
-        return fn(zq, zk, zw, cos, sin, ln_weight, ln_bias, eps, rope_dim, pos, k_cache)
-    return indexer_decode_naive(zq, zk, zw, cos, sin, ln_weight, ln_bias, eps, rope_dim, pos, k_cache)
+        return fn(zq, zk, zw, cos, sin, ln_weight, ln_bias, eps, rope_dim, pos, k_cache, k_scale)
+    return indexer_decode_naive(zq, zk, zw, cos, sin, ln_weight, ln_bias, eps, rope_dim, pos, k_cache, k_scale)
 
 
 def indexer_scores(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, *, q_offset: int = 0,
@@ -195,3 +200,11 @@ def qk_norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
     if resolve_backend(backend, q, fn is not None) == "triton":
         return fn(q, k, v, q_weight, k_weight, eps, cos, sin, pos, k_cache, v_cache)
     return qk_norm_rope_cache_naive(q, k, v, q_weight, k_weight, eps, cos, sin, pos, k_cache, v_cache)
+
+
+def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """The gated MLP's SiLU(gate) * up from one fused gate/up GEMM: gate_up `[B, 2N]` -> `[B, N]`."""
+    fn = kernel("decode_fused", "silu_mul")
+    if resolve_backend(backend, gate_up, fn is not None) == "triton":
+        return fn(gate_up)
+    return silu_mul_naive(gate_up)

@@ -1,10 +1,11 @@
-"""References for `ops.add_rmsnorm` and `ops.qk_norm_rope_cache`: exactly the HF modules' arithmetic
-(Llama/Qwen2/Qwen3 RMSNorm, `apply_rotary_pos_emb`'s rotate-half RoPE, the residual add in the
-model's dtype) for one token per row, plus the cache write."""
+"""References for `ops.add_rmsnorm`, `ops.qk_norm_rope_cache` and `ops.silu_mul`: exactly the HF modules'
+arithmetic (Llama/Qwen2/Qwen3 RMSNorm, `apply_rotary_pos_emb`'s rotate-half RoPE, the residual add in the
+model's dtype, the gated MLP's `act_fn(gate) * up`) for one token per row, plus the cache write."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rmsnorm_naive(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,3 +43,10 @@ def qk_norm_rope_cache_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     k_cache[ar, pos] = k.to(k_cache.dtype)
     v_cache[ar, pos] = v.to(v_cache.dtype)
     return q
+
+
+def silu_mul_naive(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up `[B, 2N]` (one GEMM's gate and up halves) -> SiLU(gate) * up `[B, N]`, as the Llama/Qwen
+    MLP computes `act_fn(gate_proj(x)) * up_proj(x)` (each op rounded to the dtype)."""
+    n = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :n]) * gate_up[..., n:]

@@ -26,11 +26,22 @@ def _rope(x, cs, sn, offs_d, x_partner, HALF: tl.constexpr, ROPE: tl.constexpr):
 
 
 @triton.jit
-def _indexer_decode_kernel(ZQ, ZK, ZW, COS, SIN, LNW, LNB, POS, KC, QO, WO,
-                           szq, szk, szw, scos, ssin, skb, sks, sqb, sqh, swb,
+def _e4m3(y):
+    """fp32 y in [-448, 448] rounded to the nearest-even float8_e4m3fn value (still fp32): 3 mantissa
+    bits from 2^-6 up, multiples of 2^-9 below. Done by hand so that the cast after it is exact (the
+    interpreter's own fp8 cast does not carry a rounding into the exponent)."""
+    bits = y.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    sub = (y + 24576.0) - 24576.0  # 24576 = 1.5 * 2^14, whose ulp is 2^-9
+    return tl.where(tl.abs(y) < 0.015625, sub, normal)
+
+
+@triton.jit
+def _indexer_decode_kernel(ZQ, ZK, ZW, COS, SIN, LNW, LNB, POS, KC, KS, QO, WO,
+                           szq, szk, szw, scos, ssin, skb, sks, sksb, sqb, sqh, swb,
                            HI, DI, q_scale, w_scale, eps,
                            HB: tl.constexpr, BD: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr,
-                           AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr):
+                           AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BD)
     offs_h = tl.arange(0, HB)
@@ -64,7 +75,13 @@ def _indexer_decode_kernel(ZQ, ZK, ZW, COS, SIN, LNW, LNB, POS, KC, QO, WO,
         kx = kx + tl.load(LNB + partner, mask=dm, other=0.0).to(tl.float32)
     k = _rope(k, cs, sn, offs_d, kx, HALF, ROPE)
     p = tl.load(POS + b).to(tl.int64)
-    tl.store(KC + b * skb + p * sks + offs_d, k.to(KC.dtype.element_ty), mask=dm)
+    if FP8:  # e4m3 with one scale per token: max |k| / 448
+        scale = tl.maximum(tl.max(tl.where(dm, tl.abs(k), 0.0), 0), 1e-12) / 448.0
+        k8 = _e4m3(tl.minimum(tl.maximum(k / scale, -448.0), 448.0))
+        tl.store(KC + b * skb + p * sks + offs_d, k8.to(KC.dtype.element_ty), mask=dm)
+        tl.store(KS + b * sksb + p, scale)
+    else:
+        tl.store(KC + b * skb + p * sks + offs_d, k.to(KC.dtype.element_ty), mask=dm)
     # head weights
     wv = tl.load(ZW + b * szw + offs_h, mask=offs_h < HI, other=0.0).to(tl.float32) * w_scale
     tl.store(WO + b * swb + offs_h, wv.to(WO.dtype.element_ty), mask=offs_h < HI)
@@ -72,7 +89,7 @@ def _indexer_decode_kernel(ZQ, ZK, ZW, COS, SIN, LNW, LNB, POS, KC, QO, WO,
 
 def indexer_decode(zq: torch.Tensor, zk: torch.Tensor, zw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, eps: float, rope_dim: int,
-                   pos: torch.Tensor, k_cache: torch.Tensor):
+                   pos: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None = None):
     """Same contract as `naive.indexer_decode_naive`. Every row's last dim must be contiguous."""
     B, DI = zk.shape
     HI = zw.shape[1]
@@ -84,10 +101,11 @@ def indexer_decode(zq: torch.Tensor, zk: torch.Tensor, zw: torch.Tensor, cos: to
     dummy = zk  # unused pointer when the LayerNorm has no weight/bias
     _indexer_decode_kernel[(B,)](
         zq, zk, zw, cos, sin, ln_weight if ln_weight is not None else dummy,
-        ln_bias if ln_bias is not None else dummy, pos, k_cache, q, w,
+        ln_bias if ln_bias is not None else dummy, pos, k_cache, k_scale if k_scale is not None else dummy, q, w,
         zq.stride(0), zk.stride(0), zw.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1),
+        k_scale.stride(0) if k_scale is not None else 0,
         q.stride(0), q.stride(1), w.stride(0), HI, DI, DI ** -0.5, 1.0 / math.sqrt(HI), eps,
         HB=max(2, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), HALF=rope_dim // 2,
-        ROPE=rope_dim, AFFINE=ln_weight is not None, HAS_BIAS=ln_bias is not None,
+        ROPE=rope_dim, AFFINE=ln_weight is not None, HAS_BIAS=ln_bias is not None, FP8=k_scale is not None,
         num_warps=1 if HI * DI <= 1024 else 4)
     return q, w

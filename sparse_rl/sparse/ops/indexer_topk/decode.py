@@ -23,14 +23,16 @@ selects exactly, over more candidates.
 
 1. `_score_max`: scores of the chunk (a small tensor-core dot per key block against all index heads,
    ReLU, weighted sum; +inf forced, -inf not visible) to a `[B, S]` fp32 scratch; the row maximum
-   and minimum of the finite scores by atomics.
+   and minimum of the finite scores by atomics (on order-preserving integer keys, so that every
+   scratch counter starts from one memset).
 2. `_hist`: the 128-bin histogram per row (atomics into `[B, NB]`), and the forced count.
 3. `_count`: every program finds the bin b* holding the k-th largest finite score (after the forced
    keys) and counts its keys above b* and the candidates in b*.
 4. `_gather_cands`: candidates' u and positions, in key order, to a scratch list.
-5. `_select` (one program per row, over the candidates only): four 8-bit radix levels find the exact
-   threshold u and how many keys equal to it are kept (the later ones, as in the reference: an index
-   cut); per-chunk output counts become offsets.
+5. `_select` (one program per row, over the candidates only): the exact threshold u and the index cut
+   among keys equal to it (the later ones are kept, as in the reference), by one in-register sort of
+   the candidates as (u, position) pairs when they are at most `sort` (`_sort_threshold`, opt-in), else
+   by four 8-bit radix levels (`_radix_threshold`); per-chunk output counts become offsets.
 6. `_write`: each program emits its selected positions in ascending order at its offset; the row's
    last program pads with -1.
 
@@ -48,14 +50,30 @@ from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 NB = 128  # first-level bins
+# candidates (keys in the threshold's bin) resolved by one sort rather than four radix passes over them
+# (`_sort_threshold`) when there are at most this many: off by default, since on the H200 it bought
+# nothing in the step (Qwen3-4B shape, batch 32 at 16K: 9.18 ms with sort=1024 vs 9.17 radix; 299
+# candidates a row on average, up to 2,031; benchmarks/results/2026-12-01-h200-rollout-session5.md)
+SORT_CANDIDATES = 0
+
+
+@triton.jit
+def _okey_inv(k):
+    """fp32 of the order-preserving key `_okey` made."""
+    return tl.where((k >> 31) == 1, k & 0x7FFFFFFF, ~k).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _span(RNG, b, NB: tl.constexpr):
     """The row's maximum and NB / (max - min) over its finite, unforced visible scores (0 when the
-    span is 0 or not finite: every key then lands in bin 0)."""
-    mx = tl.load(RNG + 2 * b)
-    span = mx - tl.load(RNG + 2 * b + 1)
+    span is 0 or not finite: every key then lands in bin 0). RNG holds, per row, the uint32 maxima of
+    okey(max) and ~okey(min) (`_score_max`), so that one memset of zeros initialises it."""
+    r = RNG.to(tl.pointer_type(tl.uint32))
+    kmx = tl.load(r + 2 * b)
+    kmn = ~tl.load(r + 2 * b + 1)
+    mx = tl.where(kmx == 0, float("-inf"), _okey_inv(kmx))
+    mn = tl.where(kmn == 0xFFFFFFFF, float("inf"), _okey_inv(kmn))
+    span = mx - mn
     ok = (span > 0) & (span < float("inf"))
     return mx, tl.where(ok, NB / tl.where(ok, span, 1.0), 0.0)
 
@@ -89,9 +107,10 @@ def _bstar(HIST, NF, b, K, NB: tl.constexpr):
 
 
 @triton.jit
-def _score_max(Q, W, KI, POS, KVS, SC, RNG, sqb, sqh, sqd, swb, swh, skb, sks, skd,
+def _score_max(Q, W, KI, KS, POS, KVS, SC, RNG, sqb, sqh, sqd, swb, swh, skb, sks, skd, ssb,
                S, sink, window, HI, DI,
-               HB: tl.constexpr, BD: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+               HB: tl.constexpr, BD: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
+               FP8: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
@@ -110,15 +129,20 @@ def _score_max(Q, W, KI, POS, KVS, SC, RNG, sqb, sqh, sqd, swb, swh, skb, sks, s
             vis = (offs_n <= pos) & (offs_n >= start) & (offs_n < S)
             k = tl.load(KI + b * skb + offs_n[:, None] * sks + offs_d[None, :] * skd,
                         mask=vis[:, None] & (offs_d[None, :] < DI), other=0.0)  # [BN, BD]
-            s = tl.sum(tl.maximum(dot(k, qt, PREC), 0.0) * wv[None, :], 1)
+            if FP8:  # e4m3 keys (exact in bf16/fp32), their per-token scale after the head sum
+                s = tl.sum(tl.maximum(dot(k.to(qt.dtype), qt, PREC), 0.0) * wv[None, :], 1)
+                s = s * tl.load(KS + b * ssb + offs_n, mask=vis, other=0.0)
+            else:
+                s = tl.sum(tl.maximum(dot(k, qt, PREC), 0.0) * wv[None, :], 1)
             forced = vis & ((offs_n < start + sink) | (offs_n > pos - window))
             s = tl.where(vis, s, float("-inf"))
             mx = tl.maximum(mx, tl.max(tl.where(forced, float("-inf"), s), 0))
             mn = tl.minimum(mn, tl.min(tl.where(forced | ~vis, float("inf"), s), 0))
             s = tl.where(forced, float("inf"), s)
             tl.store(SC + b * S + offs_n, s, mask=(offs_n <= pos) & (offs_n < S))
-        tl.atomic_max(RNG + 2 * b, mx)
-        tl.atomic_min(RNG + 2 * b + 1, mn)
+        r = RNG.to(tl.pointer_type(tl.uint32))  # see `_span`
+        tl.atomic_max(r + 2 * b, _okey(mx))
+        tl.atomic_max(r + 2 * b + 1, ~_okey(mn))
 
 
 @triton.jit
@@ -206,8 +230,61 @@ def _radix_level(CU, b, S, n, prefix, kk, lo: tl.constexpr, BLOCK: tl.constexpr)
 
 
 @triton.jit
+def _radix_threshold(CU, CI, b, S, n_c, rem, CH: tl.constexpr, PMAX: tl.constexpr, BLOCK: tl.constexpr):
+    """The threshold over n_c candidates by four 8-bit radix levels (any n_c): tau (the rem-th largest u),
+    cut (keys equal to tau at positions >= cut are kept: the later ones, as the reference's index cut)
+    and each chunk's count of kept candidates `[PMAX]`."""
+    offs_p = tl.arange(0, PMAX)
+    prefix = tl.zeros([], tl.uint32)
+    kk = rem
+    prefix, kk, n_eq = _radix_level(CU, b, S, n_c, prefix, kk, 24, BLOCK)
+    prefix, kk, n_eq = _radix_level(CU, b, S, n_c, prefix, kk, 16, BLOCK)
+    prefix, kk, n_eq = _radix_level(CU, b, S, n_c, prefix, kk, 8, BLOCK)
+    prefix, kk, n_eq = _radix_level(CU, b, S, n_c, prefix, kk, 0, BLOCK)
+    tau = prefix
+    r = n_eq - kk  # keys equal to tau of rank >= r (in key order) are kept: the later keys win
+    offs = tl.arange(0, BLOCK)
+    seen = 0
+    cut = 0
+    per_chunk = tl.zeros([PMAX], tl.int32)
+    for c in range(0, n_c, BLOCK):
+        live = c + offs < n_c
+        u = tl.load(CU + b * S + c + offs, mask=live, other=0).to(tl.uint32, bitcast=True)
+        idx = tl.load(CI + b * S + c + offs, mask=live, other=0)
+        eq = live & (u == tau)
+        rank = seen + tl.cumsum(eq.to(tl.int32), 0) - 1
+        cut += tl.sum(tl.where(eq & (rank == r), idx, 0), 0)
+        seen += tl.sum(eq.to(tl.int32), 0)
+        sel = live & ((u > tau) | (eq & (rank >= r)))
+        cid = tl.where(sel, idx // CH, 0)
+        per_chunk += tl.histogram(cid, PMAX) - tl.where(offs_p == 0, tl.sum((~sel).to(tl.int32), 0), 0)
+    return tau, cut, per_chunk
+
+
+@triton.jit
+def _sort_threshold(CU, CI, b, S, n_c, rem, CH: tl.constexpr, PMAX: tl.constexpr, SORT: tl.constexpr):
+    """`_radix_threshold`'s result for n_c <= SORT candidates by one in-register sort: each candidate as
+    the int64 (u, position) (u's top bit flipped so that signed order is u's order), descending, so the
+    rem-th entry is (tau, cut) and the kept ones are those at or above it, ties to the later key."""
+    offs_p = tl.arange(0, PMAX)
+    offs = tl.arange(0, SORT)
+    live = offs < n_c
+    u = tl.load(CU + b * S + offs, mask=live, other=0).to(tl.uint32, bitcast=True)
+    idx = tl.load(CI + b * S + offs, mask=live, other=0)
+    hi = (u ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.where(live, (hi << 32) | idx.to(tl.int64), -9223372036854775807 - 1)
+    kth = tl.sum(tl.where(offs == rem - 1, tl.sort(key, descending=True), 0), 0)
+    tau = ((kth >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)
+    cut = (kth & 0xFFFFFFFF).to(tl.int32)
+    sel = live & (key >= kth)
+    cid = tl.where(sel, idx // CH, 0)
+    per_chunk = tl.histogram(cid, PMAX) - tl.where(offs_p == 0, tl.sum((~sel).to(tl.int32), 0), 0)
+    return tau, cut, per_chunk
+
+
+@triton.jit
 def _select(HIST, NF, CNT, CU, CI, TAU, CUT, OFFS, S, K, P, CH: tl.constexpr, NB: tl.constexpr,
-            PMAX: tl.constexpr, BLOCK: tl.constexpr):
+            PMAX: tl.constexpr, BLOCK: tl.constexpr, SORT: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     bstar, rem, take_all = _bstar(HIST, NF, b, K, NB)
     offs_p = tl.arange(0, PMAX)
@@ -222,28 +299,10 @@ def _select(HIST, NF, CNT, CU, CI, TAU, CUT, OFFS, S, K, P, CH: tl.constexpr, NB
             tau = tl.full([], 0xFFFFFFFF, tl.uint32)
             cut = 2147483647
         else:
-            prefix = tl.zeros([], tl.uint32)
-            kk = rem
-            prefix, kk, n_eq = _radix_level(CU, b, S, n_c, prefix, kk, 24, BLOCK)
-            prefix, kk, n_eq = _radix_level(CU, b, S, n_c, prefix, kk, 16, BLOCK)
-            prefix, kk, n_eq = _radix_level(CU, b, S, n_c, prefix, kk, 8, BLOCK)
-            prefix, kk, n_eq = _radix_level(CU, b, S, n_c, prefix, kk, 0, BLOCK)
-            tau = prefix
-            r = n_eq - kk  # keys equal to tau of rank >= r (in key order) are kept: the later keys win
-            offs = tl.arange(0, BLOCK)
-            seen = 0
-            per_chunk = tl.zeros([PMAX], tl.int32)
-            for c in range(0, n_c, BLOCK):
-                live = c + offs < n_c
-                u = tl.load(CU + b * S + c + offs, mask=live, other=0).to(tl.uint32, bitcast=True)
-                idx = tl.load(CI + b * S + c + offs, mask=live, other=0)
-                eq = live & (u == tau)
-                rank = seen + tl.cumsum(eq.to(tl.int32), 0) - 1
-                cut += tl.sum(tl.where(eq & (rank == r), idx, 0), 0)
-                seen += tl.sum(eq.to(tl.int32), 0)
-                sel = live & ((u > tau) | (eq & (rank >= r)))
-                cid = tl.where(sel, idx // CH, 0)
-                per_chunk += tl.histogram(cid, PMAX) - tl.where(offs_p == 0, tl.sum((~sel).to(tl.int32), 0), 0)
+            if SORT > 0 and n_c <= SORT:
+                tau, cut, per_chunk = _sort_threshold(CU, CI, b, S, n_c, rem, CH, PMAX, SORT)
+            else:
+                tau, cut, per_chunk = _radix_threshold(CU, CI, b, S, n_c, rem, CH, PMAX, BLOCK)
             emit = above + per_chunk
     tl.store(TAU + b, tau.to(tl.int32, bitcast=True))
     tl.store(CUT + b, cut)
@@ -287,21 +346,30 @@ def _chunk(B: int, S: int, interpret: bool) -> int:
 
 def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, pos: torch.Tensor, topk: int, *,
                         sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None,
-                        chunk: int | None = None, num_warps: int | None = None, candidates: bool = False):
+                        chunk: int | None = None, num_warps: int | None = None, candidates: bool = False,
+                        k_scale: torch.Tensor | None = None, sort: int | None = None):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference. candidates=True also returns each row's number of second-level
     candidates `[B]` (the keys in the threshold's bin, which the one-program-per-row radix reads;
-    None on the reference path): what the first-level binning costs, for tests and benchmarks."""
+    None on the reference path): what the first-level binning costs, for tests and benchmarks. k_scale
+    `[B, S]` fp32: k_idx is float8_e4m3fn with these per-token scales (`naive.quantize_index_keys`);
+    the score pass then reads half the bytes. sort: the threshold over at most this many candidates
+    by one in-register sort instead of four radix passes (a power of two; 0 = always radix; default
+    `SORT_CANDIDATES`); rows with more candidates take the radix passes."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:
         raise ValueError(f"sink ({sink}) + window ({window}) must not exceed topk ({topk})")
     B, HI, DI = q_idx.shape
     S = k_idx.shape[1]
-    if (q_idx.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_idx.dtype != q_idx.dtype
+    fp8 = k_scale is not None
+    if fp8 and k_idx.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"k_scale is given for fp8 index keys, but k_idx is {k_idx.dtype}")
+    if (q_idx.dtype not in (torch.float16, torch.bfloat16, torch.float32) or (k_idx.dtype != q_idx.dtype and not fp8)
             or DI > 128 or HI > 64 or B == 0 or S == 0):
-        ref = indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start)
+        ref = indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start,
+                                        k_scale=k_scale)
         return (ref, None) if candidates else ref
     dev = q_idx.device
     interpret = not q_idx.is_cuda
@@ -310,6 +378,9 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
            else torch.as_tensor(kv_start, device=dev).to(torch.int32).reshape(B))
     if k_idx.stride(-1) != 1:
         k_idx = k_idx.contiguous()
+    sort = SORT_CANDIDATES if sort is None else sort
+    if sort and sort & (sort - 1):
+        raise ValueError(f"sort ({sort}) must be 0 or a power of two")
     CH = chunk or _chunk(B, S, interpret)
     BN = min(CH, 16 if interpret else 256)
     P = triton.cdiv(S, CH)
@@ -317,26 +388,25 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     sc = torch.empty(B, S, device=dev, dtype=torch.float32)
     cu = torch.empty(B, S, device=dev, dtype=torch.int32)
     ci = torch.empty(B, S, device=dev, dtype=torch.int32)
-    zeros = torch.zeros(B * (NB + 1), device=dev, dtype=torch.int32)  # one memset: histograms, forced counts
-    hist_b, nf = zeros[:B * NB].view(B, NB), zeros[B * NB:]
-    rng = torch.full((B, 2), float("inf"), device=dev, dtype=torch.float32)  # per row: max, min
-    rng[:, 0] = float("-inf")
+    # one memset: histograms, forced counts, each row's (okey(max), ~okey(min)) (see `_span`)
+    zeros = torch.zeros(B * (NB + 3), device=dev, dtype=torch.int32)
+    hist_b, nf, rng = zeros[:B * NB].view(B, NB), zeros[B * NB:B * (NB + 1)], zeros[B * (NB + 1):]
     cnt = torch.empty(B, P, 2, device=dev, dtype=torch.int32)
     small = torch.empty(2, B, device=dev, dtype=torch.int32)  # tau (bit pattern), cut
     offs = torch.empty(B, P, device=dev, dtype=torch.int32)
     out = torch.empty(B, topk, device=dev, dtype=torch.int32)
     nw = 1 if interpret else (num_warps or 4)
     grid = (P, B)
-    _score_max[grid](q_idx, w, k_idx, pos, kvs, sc, rng, *q_idx.stride(), *w.stride(), *k_idx.stride(),
-                     S, sink, window, HI, DI, HB=max(16, triton.next_power_of_2(HI)),
-                     BD=max(16, triton.next_power_of_2(DI)), CH=CH, BN=BN, PREC=dot_precision(q_idx.dtype),
-                     num_warps=nw)
+    _score_max[grid](q_idx, w, k_idx, k_scale if fp8 else sc, pos, kvs, sc, rng, *q_idx.stride(), *w.stride(),
+                     *k_idx.stride(), k_scale.stride(0) if fp8 else 0, S, sink, window, HI, DI,
+                     HB=max(16, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), CH=CH, BN=BN,
+                     PREC=dot_precision(q_idx.dtype), FP8=fp8, num_warps=nw)
     _hist[grid](sc, pos, rng, hist_b, nf, S, CH=CH, BN=BN, NB=NB, num_warps=nw)
     _count[grid](sc, pos, rng, hist_b, nf, cnt, S, topk, P, CH=CH, BN=BN, NB=NB, num_warps=nw)
     _gather_cands[grid](sc, pos, rng, hist_b, nf, cnt, cu, ci, S, topk, P, CH=CH, BN=BN, NB=NB,
                         PMAX=PMAX, num_warps=nw)
     _select[(B,)](hist_b, nf, cnt, cu, ci, small[0], small[1], offs, S, topk, P, CH=CH, NB=NB, PMAX=PMAX,
-                  BLOCK=64 if interpret else 1024, num_warps=1 if interpret else 8)
+                  BLOCK=64 if interpret else 1024, SORT=sort, num_warps=1 if interpret else 8)
     _write[grid](sc, pos, rng, small[0], small[1], offs, out, out.stride(0), S, topk, P, CH=CH, BN=BN, NB=NB,
                  num_warps=nw)
     return (out, cnt[:, :, 1].sum(-1)) if candidates else out

@@ -106,14 +106,27 @@ def indexer_topk_naive(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: i
     return torch.cat(out, 1) if out else torch.empty(B, 0, topk, dtype=torch.int32, device=q_idx.device)
 
 
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_index_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 index keys (`SparseConfig.index_dtype = "fp8"`): k `[..., d_I]` -> (float8_e4m3fn `[..., d_I]`,
+    fp32 scale `[...]`), one scale per token = max |k| / 448, so k ~ k8 * scale (e4m3: 3 mantissa bits,
+    rounded to nearest even). A token's scores are then scale * sum_h w_h relu(q_h . k8) (scale > 0)."""
+    kf = k.float()
+    scale = kf.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+    return (kf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
 def indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk: int, *, sink: int = 0, window: int = 0,
-                              kv_start=None) -> torch.Tensor:
+                              kv_start=None, k_scale=None) -> torch.Tensor:
     """Decode-time selection, one query per row at its own position.
 
     Args:
         q_idx: `[B, H_I, D_I]`; w: `[B, H_I]`; k_idx: `[B, S, D_I]` (the index-key cache, rows past a
         sequence's position are ignored); pos: `[B]` int position of each row's query (it sees keys
-        `kv_start[b] <= s <= pos[b]`); kv_start: optional `[B]`.
+        `kv_start[b] <= s <= pos[b]`); kv_start: optional `[B]`; k_scale: `[B, S]` fp32 per-token
+        scales of fp8 keys (`quantize_index_keys`), None for keys in a float dtype.
     Returns:
         `[B, topk]` int32 key positions, ascending, -1 padded; same rule as `indexer_topk_naive`
         (forced sinks/window, ties to the later key).
@@ -124,6 +137,8 @@ def indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk: int, *, sink: int = 0,
     with torch.no_grad():
         # a query at position S - 1 sees every key: the per-row masks are applied by select_topk
         scores = indexer_scores_naive(q_idx[:, None], w[:, None], k_idx, q_offset=S - 1)  # [B, 1, S]
+        if k_scale is not None:  # relu(scale * x) = scale * relu(x): the scale applies after the head sum
+            scores = scores * k_scale[:, None, :S].to(scores.dtype)
         _, s, start = _positions(B, 1, S, 0, kv_start, k_idx.device)
         p = torch.as_tensor(pos, device=k_idx.device).long().view(B, 1, 1)
         return select_topk(scores, *_visible_forced(p, s, start, sink, window), topk)[:, 0]
