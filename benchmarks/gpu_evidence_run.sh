@@ -17,7 +17,7 @@ R=${EVDIR:-/tmp/ev}; mkdir -p $R
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 srl() { python -m sparse_rl.cli.main "$@"; }
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv 2>&1 | tee $R/gpu.txt
-git rev-parse HEAD 2>/dev/null >$R/commit.txt; date -u +%FT%TZ >>$R/commit.txt
+echo "${EV_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" >$R/commit.txt; date -u +%FT%TZ >>$R/commit.txt  # a copied tree may carry an older .git: pass EV_COMMIT
 
 # -- speed probe: 12 pre-training steps at the recipe's sizes, to size the steps to the budget
 d=$R/speed; srl model init $d/base --size ${EV_MODEL:-small} --seed 0 >/dev/null 2>&1
