@@ -572,6 +572,7 @@ def test_indexer_decode_kernel_equals_module(HI, DI, rope_dim, affine, dtype):
 
     g = torch.Generator().manual_seed(HI * DI + rope_dim)
     B, hidden, Dh, S = 5, 48, 64, 40
+    torch.manual_seed(HI * DI + rope_dim)  # the module's init: the same weights whichever tests ran before
     ix = LightningIndexer(hidden, HI, DI, rope_dim)
     if not affine:
         ix.k_norm = torch.nn.LayerNorm(DI, elementwise_affine=False)
@@ -593,9 +594,10 @@ def test_indexer_decode_kernel_equals_module(HI, DI, rope_dim, affine, dtype):
             q, w = indexer_decode(*z, cos[:, 0], sin[:, 0], ix.k_norm.weight, ix.k_norm.bias, ix.k_norm.eps,
                                   rope_dim, pos, cache, backend=backend)
             # the reference is the module's own arithmetic: exact in fp32; the kernel rounds once (fp32:
-            # 1e-5; bf16, either path: an ulp)
+            # 1e-5). In bf16 the module rounds after every op of its LayerNorm and RoPE while the kernel
+            # rounds once: up to 1.3% of (1 + |k|) apart over 40 init seeds, so 2% + 2% here
             if dtype == torch.bfloat16:
-                t = dict(rtol=1e-2, atol=1e-2)
+                t = dict(rtol=2e-2, atol=2e-2)
             else:
                 t = dict(rtol=0, atol=0) if backend == "torch" else dict(rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(q, q0[:, 0], **t)
