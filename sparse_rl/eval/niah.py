@@ -423,14 +423,16 @@ def score_output(output: str, rec: dict) -> float:
     return string_match_all(output, rec["answer"])
 
 
-def load_tokenizer(path: str | Path):
-    """A local Hugging Face tokenizer (a tokenizer or model dir); never downloads."""
+def load_tokenizer(path: str | Path, flag: str = "--tokenizer"):
+    """A local Hugging Face tokenizer (a tokenizer or model dir); never downloads. The one loader
+    (`sparse.loader.load_tokenizer`: a dir without tokenizer files, or a tokenizer that encodes text to
+    no tokens, is refused) after a check that the path is a local dir; errors name `flag`."""
     p = Path(path)
     if not p.is_dir():
-        raise UsageError(f"--tokenizer {p}: not a directory (give a local tokenizer or model dir)")
-    from transformers import AutoTokenizer
+        raise UsageError(f"{flag} {p}: not a directory (give a local tokenizer or model dir)")
+    from sparse_rl.sparse.loader import load_tokenizer as load
 
     try:
-        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    except Exception as e:  # transformers raises many kinds for an unreadable dir
-        raise SparseRLError(f"--tokenizer {p}: cannot load a tokenizer ({' '.join(str(e).split())[:200]})") from None
+        return load(p)
+    except SparseRLError as e:
+        raise SparseRLError(f"{flag} {e}") from None

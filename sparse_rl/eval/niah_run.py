@@ -294,7 +294,7 @@ def run_model_grid(cfg) -> dict:
     bad = [m for m in modes if m not in ("dense", "sparse")]
     if bad or (not is_sparse and "sparse" in modes):
         raise UsageError(f"--modes {','.join(modes)}: expected dense and/or sparse (sparse needs a sparse model dir)")
-    tok = load_tokenizer(cfg.model)
+    tok = load_tokenizer(cfg.model, flag="MODEL")
     _, notes = prompt_plan(cfg)
     prompts = build_niah_prompts(tok, cfg)
     summary = run_niah(prompts, model_generate_fns(cfg.model, modes, cfg.device, cfg.dtype, cfg.batch_size), cfg.out,

@@ -153,3 +153,25 @@ def test_eval_niah_build_from_recipe(tmp_path, bpe_dir):
     recs = [json.loads(line) for line in res.stdout.splitlines()]
     assert [(r["task"], r["meta"]["length"], r["meta"]["seed"]) for r in recs] == [("niah_multikey", 700, 3),
                                                                                      ("niah_vt", 700, 3)]
+
+
+def test_eval_niah_refuses_a_tokenizer_that_encodes_nothing(tmp_path):
+    """NIAH goes through the one tokenizer loader: a vocabulary that encodes all text to no tokens is
+    refused in one line naming --tokenizer, before any prompt file is written."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+
+    d = tmp_path / "empty-tok"
+    d.mkdir()
+    Tokenizer(BPE(vocab={"<s>": 0, "</s>": 1}, merges=[])).save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                         "bos_token": "<s>", "eos_token": "</s>"}))
+    out = tmp_path / "p.jsonl"
+    res = CliRunner().invoke(app, ["eval", "niah", "--tokenizer", str(d), "--lengths", "300", "--depths", "0.5",
+                                   "--prompts-out", str(out)])
+    lines = [x for x in res.stderr.strip().splitlines() if x.strip()]
+    assert res.exit_code == 1 and len(lines) == 1, res.output
+    assert lines[0].startswith("error: --tokenizer ") and "encodes text to no tokens" in lines[0]
+    assert not out.exists()
+    res = CliRunner().invoke(app, ["eval", "niah", "--tokenizer", str(tmp_path / "none"), "--prompts-out", str(out)])
+    assert res.exit_code == 2 and "not a directory" in res.stderr
