@@ -165,12 +165,11 @@ def _stats(kl, top1, acc, recall=None) -> dict:
 
 
 def _with_adapter(model, path: str):
-    from pathlib import Path
-
-    if not (Path(path) / "adapter_config.json").is_file():
-        raise UsageError(f"--adapter {path}: no adapter_config.json (expected a peft adapter dir, e.g. a grpo "
-                         f"checkpoint's adapter/)")
     import warnings
+
+    from sparse_rl.sparse.loader import check_adapter_dir
+
+    check_adapter_dir(path)
 
     from peft import PeftModel
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from sparse_rl.devices import resolve_dtype
-from sparse_rl.errors import SparseRLError
+from sparse_rl.errors import SparseRLError, UsageError
 from sparse_rl.sparse.config import INDEXER_WEIGHTS, SparseConfig
 from sparse_rl.sparse.layer import get_attention, set_attention, set_topk, sparse_config
 from sparse_rl.sparse.patch import SUPPORTED, attach_sparse, indexer_state_dict, load_indexer_state_dict
@@ -144,17 +144,25 @@ def save_model(model, out: str | Path, tokenizer=None, sparse: SparseConfig | No
         cfg_file.write_text(json.dumps(data, indent=2))
 
 
+def check_adapter_dir(path: str | Path, flag: str = "--adapter") -> Path:
+    """The dir, if it is a peft adapter dir (holds `adapter_config.json`); else a usage error naming `flag`."""
+    path = Path(path)
+    if not (path / "adapter_config.json").is_file():
+        raise UsageError(f"{flag} {path}: no adapter_config.json (expected a peft adapter dir, e.g. a grpo "
+                         f"checkpoint's adapter/)")
+    return path
+
+
 def load_adapter(path: str | Path, flag: str = "--adapter") -> tuple[dict[str, torch.Tensor], float]:
     """A peft LoRA adapter dir (`adapter_config.json` + `adapter_model.safetensors`) as (state dict
     with peft's key names, scaling): W = W_base + scaling * B @ A, scaling = lora_alpha / r (or
     lora_alpha / sqrt(r) for rsLoRA), as peft's `LoraLayer` sets it."""
     from safetensors.torch import load_file
 
-    path = Path(path)
+    path = check_adapter_dir(path, flag)
     conf_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
-    if not conf_file.is_file() or not weights.is_file():
-        raise SparseRLError(f"{flag} {path}: expected a peft adapter dir (adapter_config.json and "
-                            "adapter_model.safetensors), e.g. a grpo checkpoint's adapter/")
+    if not weights.is_file():
+        raise UsageError(f"{flag} {path}: no adapter_model.safetensors (the adapter's weights)")
     try:
         conf = json.loads(conf_file.read_text())
         r, alpha = int(conf["r"]), float(conf["lora_alpha"])
