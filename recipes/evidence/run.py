@@ -102,11 +102,12 @@ class Recipe:
         if (self.out / ".done" / name).exists():
             print(f"[evidence] {name}: done already", file=sys.stderr)
             return
-        extra = ["--resume"] if resumable is not None and resumable.exists() else ["--force"]
-        if resumable is not None and "--resume" in extra and args[0] == "grpo":
-            pass
+        if resumable is not None and resumable.exists():
+            extra = ["--resume"]
         elif resumable is not None and args[0] == "grpo":
             extra = []  # a fresh grpo run dir
+        else:
+            extra = ["--force"]
         from sparse_rl.cli.main import app
 
         t0 = time.time()
