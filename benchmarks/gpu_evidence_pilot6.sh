@@ -8,10 +8,18 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_T
 O=$OUT/pilot; mkdir -p $O
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv > $O/gpu.txt 2>&1
 run() { n=$1; shift; python benchmarks/gpu_evidence_pilot6.py --name $n --seconds $S --out /tmp/pilot "$@" > $O/$n.log 2>&1; cp /tmp/pilot/$n.json $O/ 2>/dev/null; }
+case ${SET:-2} in
+1)  # run 1 (session 6): 2-hop tables of 8 rows first; B-E crashed on 96-row tables > --seq 1024
 run A --size small  --digits 2 --hops 2 --rows 8,24,40 --lr 2e-3 &
 run B --size small  --digits 3 --hops 2 --rows 8,32,96 --lr 2e-3 &
 run C --size small  --digits 4 --hops 2 --rows 8,32,96 --lr 2e-3 &
 run D --size medium --digits 3 --hops 2 --rows 8,32,96 --lr 1e-3 &
-run E --size small  --digits 3 --hops 2 --rows 8,32,96 --lr 4e-3 &
+run E --size small  --digits 3 --hops 2 --rows 8,32,96 --lr 4e-3 & ;;
+2)  # run 2: denser look-up supervision (6 hops), smaller tables, lr sweep, smaller batches
+run F --size small --digits 2 --hops 6 --rows 12,24,36 --lr 2e-3 --bs 16 &
+run G --size small --digits 2 --hops 6 --rows 12,24,36 --lr 5e-3 --bs 16 &
+run H --size small --digits 3 --hops 6 --rows 12,36,60 --lr 3e-3 --bs 16 &
+run I --size small --digits 2 --hops 2 --rows 4,8,16   --lr 3e-3 --bs 16 & ;;
+esac
 wait
-for n in A B C D E; do echo "== $n"; grep -v Warn $O/$n.log | tail -n 4 | cut -c1-400; done
+for n in $(cd $O && ls *.log | sed s/.log//); do echo "== $n"; grep -v Warn $O/$n.log | tail -n 4 | cut -c1-400; done
