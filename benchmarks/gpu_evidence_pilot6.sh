@@ -7,7 +7,7 @@ S=${1:-200}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=2
 O=$OUT/pilot; mkdir -p $O
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv > $O/gpu.txt 2>&1
-run() { n=$1; shift; python benchmarks/gpu_evidence_pilot6.py --name $n --seconds $S --out /tmp/pilot "$@" > $O/$n.log 2>&1; cp /tmp/pilot/$n.json $O/ 2>/dev/null; }
+run() { n=$1; shift; python benchmarks/gpu_evidence_pilot6.py --name $n --seconds $S --out /tmp/pilot "$@" > $O/$n.log 2>&1; cp $O/$n.log /tmp/pilot/; cp /tmp/pilot/$n.json $O/ 2>/dev/null; }
 case ${SET:-2} in
 1)  # run 1 (session 6): 2-hop tables of 8 rows first; B-E crashed on 96-row tables > --seq 1024
 run A --size small  --digits 2 --hops 2 --rows 8,24,40 --lr 2e-3 &
@@ -22,4 +22,5 @@ run H --size small --digits 3 --hops 6 --rows 12,36,60 --lr 3e-3 --bs 16 &
 run I --size small --digits 2 --hops 2 --rows 4,8,16   --lr 3e-3 --bs 16 & ;;
 esac
 wait
-for n in $(cd $O && ls *.log | sed s/.log//); do echo "== $n"; grep -v Warn $O/$n.log | tail -n 4 | cut -c1-400; done
+tar czf $OUT/pilot.tgz -C $OUT pilot && rm -rf $O
+for n in $(cd /tmp/pilot && ls *.log | sed s/.log//); do echo "== $n"; grep -v Warn /tmp/pilot/$n.log | tail -n 4 | cut -c1-400; done
