@@ -20,6 +20,9 @@ run F --size small --digits 2 --hops 6 --rows 12,24,36 --lr 2e-3 --bs 16 &
 run G --size small --digits 2 --hops 6 --rows 12,24,36 --lr 5e-3 --bs 16 &
 run H --size small --digits 3 --hops 6 --rows 12,36,60 --lr 3e-3 --bs 16 &
 run I --size small --digits 2 --hops 2 --rows 4,8,16   --lr 3e-3 --bs 16 & ;;
+3)  # run 3: is it the plateau? the easiest tables, fixed size, 2 processes for the whole budget
+run J --size small --digits 2 --hops 4 --rows 4 --lr 1e-3 --bs 16 --eval-s 30 &
+run K --size small --digits 2 --hops 4 --rows 4 --lr 2e-3 --bs 16 --eval-s 30 & ;;
 esac
 wait
 tar czf $OUT/pilot.tgz -C $OUT pilot && rm -rf $O
