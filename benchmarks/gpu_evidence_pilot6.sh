@@ -23,6 +23,11 @@ run I --size small --digits 2 --hops 2 --rows 4,8,16   --lr 3e-3 --bs 16 & ;;
 3)  # run 3: is it the plateau? the easiest tables, fixed size, 2 processes for the whole budget
 run J --size small --digits 2 --hops 4 --rows 4 --lr 1e-3 --bs 16 --eval-s 30 &
 run K --size small --digits 2 --hops 4 --rows 4 --lr 2e-3 --bs 16 --eval-s 30 & ;;
+4)  # run 4: lr 1e-3 learned 4-row, 2-digit, 4-hop tables in ~400 steps (run 3); now lengthen, 3 digits
+run M --size small --digits 3 --hops 4 --rows 4,16,48 --lr 1e-3 --bs 16 --eval-s 30 &
+run N --size small --digits 3 --hops 4 --rows 8,24,64 --lr 1e-3 --bs 16 --eval-s 30 &
+run O --size small --digits 2 --hops 4 --rows 4,16,40 --lr 1e-3 --bs 16 --eval-s 30 &
+run P --size small --digits 3 --hops 4 --rows 4,16,48 --lr 5e-4 --bs 16 --eval-s 30 & ;;
 esac
 wait
 tar czf $OUT/pilot.tgz -C $OUT pilot && rm -rf $O
