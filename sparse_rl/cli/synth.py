@@ -146,7 +146,8 @@ def lookup_cmd(
     set_: Optional[list[str]] = SET,
     num_tasks: Optional[int] = typer.Option(None, "--num-tasks", help="Tasks to generate [default: 100]"),
     seed: Optional[int] = seed_option(),
-    keys: Optional[int] = typer.Option(None, help="Table rows: sets the context length, ~12 tokens a row [default: 64]"),
+    keys: Optional[str] = typer.Option(None, help="Table rows: sets the context length, ~12 tokens a row; several "
+                                                  "(4,16,48) mix the sizes, task i gets the (i mod n)-th [default: 64]"),
     hops: Optional[int] = typer.Option(None, help="Chained look-ups: sets the generation length [default: 2]"),
     digits: Optional[int] = typer.Option(None, help="Code length, one token per digit: how many tokens a key "
                                                     "is matched on [default: 4]"),

@@ -36,7 +36,7 @@ _ANSWER_RE = re.compile(r"Answer:\s*(\S+)")
 class LookupConfig:
     n: int = 100            # tasks
     seed: int = 0
-    keys: int = 64          # table rows
+    keys: int | list[int] | str = 64  # table rows; several ("4,16,48") mix the sizes, task i gets the (i mod n)-th
     hops: int = 2           # look-ups chained in the solution
     digits: int = 4         # code length (one token per digit): a key matches only on all of them
     out: str = "-"          # tasks JSONL
@@ -47,12 +47,26 @@ class LookupConfig:
             raise UsageError(f"--n: must be at least 1, got {self.n}")
         if self.hops < 1:
             raise UsageError(f"--hops: must be at least 1, got {self.hops}")
-        if self.keys < self.hops:
-            raise UsageError(f"--keys {self.keys}: the table needs at least --hops ({self.hops}) rows")
+        self.keys = _sizes(self.keys)
         if not 2 <= self.digits <= 8:
             raise UsageError(f"--digits: expected 2..8, got {self.digits}")
-        if 2 * self.keys > _codes(self.digits):
-            raise UsageError(f"--keys {self.keys}: at most {_codes(self.digits) // 2} rows ({self.digits}-digit codes)")
+        for k in self.keys:
+            if k < self.hops:
+                raise UsageError(f"--keys {k}: the table needs at least --hops ({self.hops}) rows")
+            if 2 * k > _codes(self.digits):
+                raise UsageError(f"--keys {k}: at most {_codes(self.digits) // 2} rows ({self.digits}-digit codes)")
+
+
+def _sizes(keys) -> list[int]:
+    """--keys as a list of table sizes: an int, a list of ints, or "4,16,48"."""
+    items = keys if isinstance(keys, list) else str(keys).split(",")
+    try:
+        out = [int(k) for k in items]
+    except (TypeError, ValueError):
+        raise UsageError(f"--keys {keys}: expected a row count or counts separated by commas, like 4,16,48") from None
+    if not out:
+        raise UsageError("--keys: expected at least one row count")
+    return out
 
 
 def _codes(digits: int) -> int:
@@ -85,8 +99,9 @@ def make_task(seed: int, index: int, keys: int, hops: int, digits: int = 4) -> d
 
 
 def make_tasks(cfg: LookupConfig) -> tuple[list[dict], dict]:
-    tasks = [make_task(cfg.seed, i, cfg.keys, cfg.hops, cfg.digits) for i in range(cfg.n)]
-    stats = {"stage": "synth lookup", "seed": cfg.seed, "keys": cfg.keys, "hops": cfg.hops, "digits": cfg.digits,
+    sizes = cfg.keys
+    tasks = [make_task(cfg.seed, i, sizes[i % len(sizes)], cfg.hops, cfg.digits) for i in range(cfg.n)]
+    stats = {"stage": "synth lookup", "seed": cfg.seed, "keys": sizes[0] if len(sizes) == 1 else sizes, "hops": cfg.hops, "digits": cfg.digits,
              "tasks": {"generated": cfg.n, "kept": cfg.n, "dropped": {}}}
     return tasks, stats
 

@@ -76,3 +76,18 @@ def test_too_many_rows_for_the_code_length_is_a_usage_error():
     assert res.exit_code == 2 and "--keys 46: at most 45 rows (2-digit codes)" in res.output
     res = CliRunner().invoke(app, ["synth", "lookup", "--num-tasks", "1", "--digits", "1"])
     assert res.exit_code == 2 and "--digits" in res.output
+
+
+def test_keys_list_mixes_table_sizes_through_the_cli(tmp_path):
+    out = tmp_path / "mix.jsonl"
+    res = CliRunner().invoke(app, ["synth", "lookup", "--num-tasks", "5", "--keys", "4,9", "--hops", "2",
+                                   "--digits", "3", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["meta"]["keys"] for r in recs] == [4, 9, 4, 9, 4]
+    assert all(verify(r, r["solution"]) == 1.0 for r in recs)
+    assert recs[1] == make_task(0, 1, 9, 2, 3)  # the same task as a one-size file of 9 rows would hold
+    assert json.loads(res.stdout.strip().splitlines()[0])["keys"] == [4, 9]
+    for bad, msg in (("4,x", "--keys 4,x"), ("4,1", "--keys 1")):
+        res = CliRunner().invoke(app, ["synth", "lookup", "--num-tasks", "1", "--keys", bad, "--hops", "2"])
+        assert res.exit_code == 2 and msg in res.output, res.output
