@@ -46,6 +46,11 @@ def test_cpu_evidence_recipe_runs_all_parts_and_reports(tmp_path):
     assert r["grpo"]["sparse"]["mismatch_kl_mean"] > r["grpo"]["dense"]["mismatch_kl_mean"]
     md = (out / "RESULTS.md").read_text()
     assert "sparse + LoRA distillation + oversampling" in md and "sparse-rl grpo" in md
+    # pre-training in stages (pre_keys "4|4,6"), each continuing from the one before, then SFT from the last
+    cmds = (out / "commands.sh").read_text()
+    assert "--keys 4 " in cmds and "--keys 4,6 " in cmds
+    assert f"sft {out / 'part1' / 'pre0'} --data {out / 'part1' / 'pretrain1.jsonl'}" in cmds
+    assert f"sft {out / 'part1' / 'pre1'} --data {out / 'part1' / 'sft.jsonl'}" in cmds
     # hand-offs: bf16 safetensors shards of at most 16 MB, the distill policy with its adapter
     for d in (out / "part1" / "handoff", *(out / "part2" / "handoff").iterdir()):
         if not d.is_dir():

@@ -21,21 +21,25 @@ from pathlib import Path
 SIZES = {
     # CPU smoke (a test of the plumbing; it claims nothing): tiny model, tiny tables, a few steps.
     "cpu": dict(model="tiny", device="cpu", train_dtype="float32", mixed="no",
-                pre_keys=4, pre_hops=2, pre_loss="all", pre_n=64, pre_steps=6, pre_seq=256, pre_bs=8, pre_lr=3e-3,
+                pre_keys="4|4,6", pre_split="1,1", pre_hops=2, pre_loss="all", pre_n=64, pre_steps=6, pre_seq=256,
+                pre_bs=8, pre_lr=3e-3, pre_warmup=2,
                 keys=6, hops=2, digits=4, sft_n=48, sft_steps=4, sft_seq=256, sft_bs=8, sft_lr=3e-3,
                 heldout_n=4, grpo_n=16, topk=16, sink=2, window=4, index_heads=2, index_dim=16,
                 idx_steps=3, idx_seq=128, idx_bs=2, idx_lr=3e-3,
                 grpo_steps=2, prompts=2, samples=2, distill_samples=4, max_new=40, grpo_lr=1e-4, max_batch=8,
                 niah_lengths="256", niah_depths="0.5", niah_per_cell=1),
-    # One H200 (benchmarks/results/2026-12-01-h200-evidence.md). Pilot 1: float32 without autocast,
-    # every token of 32-row tables, 0.21 s a step and a flat loss from step 100 to 695. Pilot 2: with
-    # bf16 autocast, the loss on the solutions alone over 16-row tables fell from 1.40 to 0.97 in 1236
-    # steps while every-token pre-training stayed flat: so pre-training trains the look-ups of short
-    # tables, then SFT lengthens them to 96 rows (~1.2K tokens; k = 64). The GPU script sizes the
-    # pre-training and SFT steps to its time budget with a speed probe (sizes.json holds what ran).
+    # One H200 (benchmarks/results/2026-12-01-h200-evidence.md). Session 5: at lr 2e-3 on 16-row
+    # tables the 5.5M model never learned the key match (run 3: 3,000 steps, 0/128). Session 6's pilots
+    # (14 variants): at lr 1e-3 with 4 hops it learns 4-row tables in ~400-800 steps, and each
+    # lengthening is partly re-learned while the shorter size is forgotten (2-digit 4 -> 16 -> 40 rows:
+    # 0.99 exact at 40; 3-digit 4 -> 16 -> 48: 0.20 exact and rising at 48). So pre-training runs in
+    # stages (`pre_keys`, '|' between stages, each stage a mix of the sizes so far; `pre_split` shares
+    # `pre_steps` out), then SFT lengthens to the 96-row tables of the task (~1.1K tokens; k = 64).
+    # The GPU script sizes pre_steps / sft_steps to its time budget with a speed probe.
     "gpu": dict(model="small", device="cuda", train_dtype="float32", mixed="bf16",
-                pre_keys=16, pre_hops=4, pre_loss="assistant", pre_n=8000, pre_steps=3000, pre_seq=1024, pre_bs=64,
-                pre_lr=2e-3, keys=96, hops=4, digits=4, sft_n=3000, sft_steps=300, sft_seq=4096, sft_bs=16, sft_lr=5e-4,
+                pre_keys="4|4,16|4,16,48", pre_split="1,1,2", pre_hops=4, pre_loss="assistant", pre_n=30000,
+                pre_steps=4000, pre_seq=1024, pre_bs=16, pre_lr=1e-3, pre_warmup=50,
+                keys=96, hops=4, digits=3, sft_n=12000, sft_steps=1000, sft_seq=2048, sft_bs=8, sft_lr=1e-3,
                 heldout_n=128, grpo_n=1024, topk=64, sink=4, window=16, index_heads=4, index_dim=32,
                 idx_steps=150, idx_seq=2048, idx_bs=8, idx_lr=1e-3,
                 grpo_steps=20, prompts=16, samples=8, distill_samples=12, max_new=80, grpo_lr=3e-5, max_batch=256,
@@ -133,27 +137,44 @@ class Recipe:
             return
         (self.out / "commands.sh").write_text("\n".join(self.commands) + "\n")
 
+    def _pre_stages(self) -> list[tuple[str, int]]:
+        """[(table sizes of the stage's mix, its steps)] from pre_keys ('4|4,16|...') and pre_split."""
+        mixes = str(self.s["pre_keys"]).split("|")
+        split = [float(x) for x in str(self.s["pre_split"]).split(",")]
+        if len(split) != len(mixes):
+            raise SystemExit(f"EV_PRE_SPLIT={self.s['pre_split']}: one share per stage of EV_PRE_KEYS={self.s['pre_keys']}")
+        total = int(self.s["pre_steps"])
+        return [(m, max(1, round(total * w / sum(split)))) for m, w in zip(mixes, split)]
+
     # ------------------------------------------------------------------ part 1
     def part1(self) -> None:
         s, o = self.s, self.out / "part1"
         dev = ["--device", s["device"]]
         o.mkdir(exist_ok=True)
         self.stage("p1-model", ["model", "init", str(o / "base"), "--size", s["model"], "--seed", "0"])
-        for name, seed, keys, hops, n in (("pretrain", 1, s["pre_keys"], s["pre_hops"], s["pre_n"]),
-                                          ("sft", 2, s["keys"], s["hops"], s["sft_n"]),
+        stages = self._pre_stages()
+        tasks = [(f"pretrain{j}", 10 + j, mix, s["pre_hops"], s["pre_n"]) for j, (mix, _) in enumerate(stages)]
+        for name, seed, keys, hops, n in (*tasks, ("sft", 2, s["keys"], s["hops"], s["sft_n"]),
                                           ("heldout", 3, s["keys"], s["hops"], s["heldout_n"]),
                                           ("grpo", 4, s["keys"], s["hops"], s["grpo_n"])):
             self.stage(f"p1-tasks-{name}", ["synth", "lookup", "--num-tasks", str(n), "--seed", str(seed), "--keys",
                                             str(keys), "--hops", str(hops), "--digits", str(s["digits"]), "--out", str(o / f"{name}.jsonl")])
-        # pre-training from scratch: every token of short tables (recall first, then lengthen: Zoology)
-        self.stage("p1-pretrain", ["sft", str(o / "base"), "--data", str(o / "pretrain.jsonl"), "--out", str(o / "pre"),
-                                   "--loss-on", s["pre_loss"], "--seq-len", str(s["pre_seq"]), "--batch-size", str(s["pre_bs"]),
-                                   "--steps", str(s["pre_steps"]), "--lr", str(s["pre_lr"]), "--lr-warmup", "2",
-                                   "--dtype", s["train_dtype"], "--mixed-precision", s["mixed"], "--save-every", "250", *dev],
-                   resumable=o / "pre.run")
-        self.stage("p1-sft", ["sft", str(o / "pre"), "--data", str(o / "sft.jsonl"), "--out", str(o / "sft"),
+        # pre-training from scratch on the solutions of short tables, lengthened stage by stage (Zoology:
+        # recall on short contexts first); each stage continues from the previous stage's model
+        src = o / "base"
+        for j, (_, steps) in enumerate(stages):
+            dst = o / f"pre{j}"
+            self.stage(f"p1-pretrain{j}", ["sft", str(src), "--data", str(o / f"pretrain{j}.jsonl"), "--out", str(dst),
+                                           "--loss-on", s["pre_loss"], "--seq-len", str(s["pre_seq"]), "--batch-size",
+                                           str(s["pre_bs"]), "--steps", str(steps), "--lr", str(s["pre_lr"]),
+                                           "--lr-warmup", str(s["pre_warmup"]), "--dtype", s["train_dtype"],
+                                           "--mixed-precision", s["mixed"], "--save-every", "250", *dev],
+                       resumable=o / f"pre{j}.run")
+            src = dst
+        self.stage("p1-sft", ["sft", str(src), "--data", str(o / "sft.jsonl"), "--out", str(o / "sft"),
                               "--run-dir", str(o / "sft.run"), "--seq-len", str(s["sft_seq"]), "--batch-size",
                               str(s["sft_bs"]), "--steps", str(s["sft_steps"]), "--lr", str(s["sft_lr"]),
+                              "--lr-warmup", str(s["pre_warmup"]),
                               "--dtype", s["train_dtype"], "--mixed-precision", s["mixed"], "--save-every", "250", *dev],
                    resumable=o / "sft.run")
         self.stage("p1-convert", ["convert", str(o / "sft"), str(o / "sparse"), "--index-topk", str(s["topk"]),

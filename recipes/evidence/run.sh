@@ -11,5 +11,5 @@
 # Afterwards: cp OUT/RESULTS.md docs/RESULTS.md
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true  # sft tokenizes a file in batched, parallel calls
 exec python "$here/run.py" "$@"
