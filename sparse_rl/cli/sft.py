@@ -25,6 +25,8 @@ def command(
     lr: Optional[float] = typer.Option(None, help="Peak learning rate [default: 2e-5]"),
     lr_warmup: Optional[int] = LR_WARMUP,
     weight_decay: Optional[float] = typer.Option(None, help="AdamW weight decay [default: 0]"),
+    adam_beta2: Optional[float] = typer.Option(None, help="AdamW beta2 (second-moment decay); 0.95 is the usual "
+                                                          "choice for pre-training from scratch [default: 0.999]"),
     grad_clip: Optional[float] = GRAD_CLIP,
     finetune: Optional[str] = typer.Option(None, help="full (all weights) | lora (a peft adapter, merged into OUT) [default: full]"),
     lora_r: Optional[int] = typer.Option(None, help="LoRA rank [default: 16]"),
@@ -57,7 +59,8 @@ def command(
 
         cfg = load_config(SFTConfig, config, dict(
             model=s(model), data=s(data), out=s(out), run_dir=s(run_dir), loss_on=loss_on, seq_len=seq_len, batch_size=batch_size,
-            steps=steps, epochs=epochs, lr=lr, lr_warmup=lr_warmup, weight_decay=weight_decay, grad_clip=grad_clip,
+            steps=steps, epochs=epochs, lr=lr, lr_warmup=lr_warmup, weight_decay=weight_decay, adam_beta2=adam_beta2,
+            grad_clip=grad_clip,
             finetune=finetune, lora_r=lora_r, seed=seed, log_every=log_every, save_every=save_every,
             keep_checkpoints=keep_checkpoints, device=device, dtype=dtype,
             mixed_precision=mixed_precision), sets=set_)

@@ -32,6 +32,7 @@ class SFTConfig:
     min_lr_ratio: float = 0.1       # cosine decay to lr * min_lr_ratio
     lr_warmup: int = 0              # linear warm-up steps
     weight_decay: float = 0.0
+    adam_beta2: float = 0.999       # AdamW's second-moment decay (HF TrainingArguments' name); 0.95 for pre-training
     grad_clip: float = 1.0          # 0 = off
     finetune: str = "full"          # full | lora
     lora_r: int = 16
@@ -57,5 +58,7 @@ class SFTConfig:
                 raise UsageError(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(self, name)}")
         if self.steps < 0 or self.epochs <= 0:
             raise UsageError("--steps must be >= 0 and --epochs > 0")
+        if not 0 < self.adam_beta2 < 1:
+            raise UsageError(f"--adam-beta2: expected a value in (0, 1), got {self.adam_beta2}")
         if self.lr <= 0:
             raise UsageError(f"--lr: must be positive, got {self.lr}")

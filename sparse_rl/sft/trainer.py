@@ -158,7 +158,7 @@ def run(cfg: SFTConfig, resume: bool = False, force: bool = False, console=None)
     model.train()
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     params = list(named.values())
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, cfg.adam_beta2), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
 
     step, cursor = checkpoint.begin_run(run_dir, ckpt, cfg, named, opt, sched, device, main, say)

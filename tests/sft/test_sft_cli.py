@@ -157,3 +157,14 @@ def test_bf16_mixed_precision_keeps_float32_weights_and_tracks_the_float32_loss(
     assert losses["bf16"] != losses["no"] and abs(losses["bf16"] - losses["no"]) < 0.05 * losses["no"]
     res = _sft(tiny_model_dir, data, tmp_path / "x", "--mixed-precision", "fp8")
     assert res.exit_code != 0 and "--mixed-precision fp8" in res.output
+
+
+def test_adam_beta2_reaches_the_optimizer_and_a_bad_one_is_a_usage_error(tiny_model_dir, tmp_path):
+    data = _write(tmp_path / "d.jsonl", RECORDS * 2)
+    res = _sft(tiny_model_dir, data, tmp_path / "a", "--adam-beta2", "0.95", "--save-every", "1")
+    assert res.exit_code == 0, res.output
+    step_dir = sorted((tmp_path / "a.run" / "checkpoints").iterdir())[-1]
+    opt = torch.load(step_dir / "optimizer.pt", weights_only=True)["optimizer"]
+    assert all(g["betas"] == (0.9, 0.95) or list(g["betas"]) == [0.9, 0.95] for g in opt["param_groups"])
+    res = _sft(tiny_model_dir, data, tmp_path / "b", "--adam-beta2", "1.0")
+    assert res.exit_code == 2 and "--adam-beta2" in res.output and not (tmp_path / "b").exists()
