@@ -62,18 +62,20 @@ def _needed_texts(tokenizer, msgs: list[dict]) -> list[str]:
     return out
 
 
-def encode_messages(tokenizer, msgs: list[dict], where: str, ids_of=None) -> Document:
+def encode_messages(tokenizer, msgs: list[dict], where: str, ids_of=None, texts: list[str] | None = None) -> Document:
     """Token ids of a conversation and the mask of its assistant tokens. `ids_of(text)` tokenizes a
-    rendering (default: the tokenizer, one text at a time; `read_documents` passes a batched table)."""
+    rendering (default: the tokenizer, one text at a time; `read_documents` passes a batched table),
+    `texts` are the renderings already made (`_needed_texts`' order), else they are rendered here."""
     if not getattr(tokenizer, "chat_template", None):
         raise SparseRLError(f"{where}: 'messages' needs a chat template, and the model's tokenizer has none")
     ids_of = ids_of or (lambda text: _tokenize(tokenizer, text))
+    rendered = iter(texts if texts is not None else _needed_texts(tokenizer, msgs))
     ids: list[int] = []
     mask: list[bool] = []
-    for i, m in enumerate(msgs):
-        full = ids_of(_render(tokenizer, msgs[: i + 1]))
+    for m in msgs:
+        full = ids_of(next(rendered))
         if m["role"] == "assistant":
-            head = ids_of(_render(tokenizer, msgs[:i], add_generation_prompt=True))
+            head = ids_of(next(rendered))
             if full[: len(head)] != head or head[: len(ids)] != ids:
                 raise SparseRLError(f"{where}: the chat template does not render a conversation's prefix as its "
                                     "prefix; cannot find the assistant tokens")
@@ -117,10 +119,10 @@ def _messages_of(rec: dict, where: str) -> list[dict] | None:
     return None
 
 
-def encode_record(rec: dict, tokenizer, where: str, ids_of=None) -> Document:
+def encode_record(rec: dict, tokenizer, where: str, ids_of=None, texts: list[str] | None = None) -> Document:
     msgs = _messages_of(rec, where)
     if msgs is not None:
-        return encode_messages(tokenizer, msgs, where, ids_of)
+        return encode_messages(tokenizer, msgs, where, ids_of, texts)
     if "text" in rec:
         if not isinstance(rec["text"], str):
             raise SparseRLError(f"{where}: field 'text' must be a string")
@@ -143,17 +145,19 @@ def read_documents(path: str | Path, tokenizer, loss_on: str = "assistant") -> l
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"--data {p}: no such file")
-    recs: list[tuple[dict, str]] = []
+    recs: list[tuple[dict, str, list[str] | None]] = []
     texts: dict[str, None] = {}
 
     def collect(rec: dict, name: str, lineno: int) -> dict:
         where = f"{name} line {lineno}"
         msgs = _messages_of(rec, where)
+        mine = None
         if msgs is not None and getattr(tokenizer, "chat_template", None):
-            texts.update(dict.fromkeys(_needed_texts(tokenizer, msgs)))
+            mine = _needed_texts(tokenizer, msgs)  # rendered once, kept for the second pass
+            texts.update(dict.fromkeys(mine))
         elif msgs is None and isinstance(rec.get("text"), str):
             texts[rec["text"]] = None
-        recs.append((rec, where))
+        recs.append((rec, where, mine))
         return rec
 
     for _ in iter_jsonl(p, check=collect, flag="--data"):
@@ -162,8 +166,8 @@ def read_documents(path: str | Path, tokenizer, loss_on: str = "assistant") -> l
         raise SparseRLError(f"--data {p}: no records")
     table = _tokenize_all(tokenizer, list(texts))
     docs = []
-    for rec, where in recs:
-        doc = encode_record(rec, tokenizer, where, table.__getitem__)
+    for rec, where, mine in recs:
+        doc = encode_record(rec, tokenizer, where, table.__getitem__, mine)
         docs.append(Document(doc.ids, [True] * len(doc.ids)) if loss_on == "all" else doc)
     return docs
 
