@@ -2,7 +2,7 @@
 (docs/DESIGN.md "Selection granularity") against dense SDPA in the same run.
 
 For each granularity (`kb16`: key blocks of 16 tokens, per-query selection; `g16`: 16 consecutive
-queries share one token-level selection; `kb16g16`: both) and each index input (`random`: the
+queries share one token-level selection; `kb16g16`: both; `kb1`: token level, the indexer's own top-k) and each index input (`random`: the
 benchmark's random index tensors; `trained`: the indexer trained in the same run, bench/patterns.py):
 - select: the granular selection kernel (`ops.granular_topk`, indexer scores + block pooling + top-k,
   one row per group for query groups), the path `layer.select_rows` takes;
@@ -76,7 +76,7 @@ def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int,
     """One result per (input, granularity). q `[B, L, H, D]`, k/v `[B, L, H_kv, D]`, inputs {name: (q_I
     `[B, L, H_I, d_I]`, w `[B, L, H_I]`, k_I `[B, L, d_I]`)}; grad `[B, L, H, D]` (with dense_fwdbwd_ms)
     times forward + backward; check_n > 0 checks the selection on the last check_n queries."""
-    from sparse_rl.sparse.ops import granular_topk, sparse_attention
+    from sparse_rl.sparse.ops import granular_topk, indexer_topk, sparse_attention
 
     B, L, H, D = q.shape
     out = []
@@ -91,6 +91,8 @@ def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int,
             akw = {"query_group": G} if G > 1 else {}
 
             def select():
+                if kb == G == 1:  # token level: the indexer's own top-k (what `layer.select` takes)
+                    return indexer_topk(qi, wi, ki, topk, sink=sink, window=window, backend="triton")
                 return granular_topk(qi, wi, ki, topk, shared=G > 1, backend="triton", **kw)
 
             rows = select()
@@ -119,6 +121,53 @@ def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int,
                 r.update(check_output(q, k, v, rows, G, min(n, L)))
             out.append(r)
     return out
+
+
+def granular_stages(qi, wi, ki, topk: int, spec: str, sink: int, window: int, dev, W: dict) -> dict:
+    """Where a granular selection's time goes, each stage alone over all rows in one launch (random or
+    trained index inputs `[B, L, ...]`, no left padding): the block-score kernel (fp32 scores, and int64
+    keys), the block top-k in each form (`granular.top_blocks`: radix, threshold, keys), the row
+    assembly (torch vs the Triton kernel, which must agree), and the whole chunked selection
+    (`ops.granular_topk`) with each top-k form, which must give equal rows."""
+    import torch
+
+    from sparse_rl.sparse.ops import granular_topk
+    from sparse_rl.sparse.ops.indexer_topk import granular as gr
+    from sparse_rl.sparse.ops.indexer_topk.naive import group_plan, rep_queries
+
+    kb, G = parse_granularity(spec)
+    B, L = qi.shape[:2]
+    start, _, ev_pos, ev_rep, _, q_all, w_all, j = group_plan(qi, wi, 0, None, G, None)
+    qr, wr = rep_queries(q_all, w_all, j)
+    nbc = -(-L // kb)
+    nb = min(nbc, (topk - (G - 1) - sink - window) // kb)
+    kw = dict(key_block=kb, sink=sink, window=window, block_score="max")
+    res = {"seqlen": L, "granularity": spec, "rows": int(ev_rep.shape[1]), "blocks_per_row": nbc,
+           "blocks_kept": nb, "auto_impl": gr.resolve_topk_impl("auto", nbc)}
+    res["block_scores_ms"] = bench_ms(lambda: gr.block_keys(qr, wr, ki, ev_rep, start, nbc, keys=False, **kw),
+                                      dev, **W)
+    x = gr.block_keys(qr, wr, ki, ev_rep, start, nbc, keys=False, **kw)
+    for impl in ("radix", "threshold"):
+        res[f"top_{impl}_ms"] = bench_ms(lambda: gr.top_blocks(x, nb, impl), dev, **W)
+    blocks = gr.top_blocks(x, nb, "radix")
+    res["top_radix_equals_threshold"] = bool(torch.equal(blocks, gr.top_blocks(x, nb, "threshold")))
+    del x
+    akw = dict(key_block=kb, query_group=G, sink=sink, window=window)
+    res["assemble_torch_ms"] = bench_ms(lambda: gr.assemble_rows(blocks, ev_pos, ev_rep, start, topk, **akw), dev, **W)
+    res["assemble_triton_ms"] = bench_ms(
+        lambda: gr.assemble_rows_triton(blocks, ev_pos, ev_rep, start, topk, **akw), dev, **W)
+    res["assemble_equal"] = bool(torch.equal(gr.assemble_rows(blocks, ev_pos, ev_rep, start, topk, **akw),
+                                             gr.assemble_rows_triton(blocks, ev_pos, ev_rep, start, topk, **akw)))
+    del blocks
+    sel = {}
+    for impl in ("radix", "threshold"):
+        def run(impl=impl):
+            return granular_topk(qi, wi, ki, topk, shared=G > 1, topk_impl=impl, backend="triton", **akw)
+        res[f"select_{impl}_ms"] = bench_ms(run, dev, **W)
+        sel[impl] = run()
+    res["select_impls_equal"] = bool(torch.equal(sel["radix"], sel["threshold"]))
+    res["index_score_tflop"] = 2.0 * B * res["rows"] * L / 2 * qi.shape[2] * qi.shape[3] / 1e12
+    return res
 
 
 def check_output(q, k, v, rows, G: int, n: int) -> dict:

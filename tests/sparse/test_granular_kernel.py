@@ -160,3 +160,12 @@ def test_assemble_kernel_equals_torch_assembly():
         kw = dict(key_block=kb, query_group=G, sink=sink, window=window)
         ref = granular.assemble_rows(blocks, pos, rep, start, topk, **kw)
         assert torch.equal(granular.assemble_rows_triton(blocks.int(), pos, rep, start, topk, **kw), ref), kw
+
+
+def test_shared_tiles_bitmap_only_when_a_backward_can_follow():
+    from sparse_rl.sparse.ops.sparse_attention import union
+
+    rows = torch.tensor([[[0, 2, 5, -1], [1, 3, 6, 7]]], dtype=torch.int32)
+    lazy = union.shared_tiles(rows, 9, 4, 4, bits=False)
+    assert lazy.bits is None and lazy.tensors() == [rows]
+    assert torch.equal(union.with_bits(lazy, 9).bits, union.shared_tiles(rows, 9, 4, 4).bits)

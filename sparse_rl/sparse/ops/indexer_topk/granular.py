@@ -268,8 +268,14 @@ def assemble_rows_triton(blocks: torch.Tensor, pos, rep, start, topk: int, *, ke
     return out
 
 
-def _chunk_rows(B: int, width: int, budget: int) -> int:
-    return max(1, budget // max(1, B * width * 8 * 3))
+def _chunk_rows(B: int, width: int, budget: int, impl: str) -> int:
+    """Rows per chunk whose block-score buffer and top-k temporaries fit in `budget` bytes: the radix
+    select needs only the fp32 scores (4 B a block); "keys" (int64 keys and torch.topk's copies) and
+    "threshold" (its masks, prefix sums and int64 destinations) ~24 B a block. Fewer, larger chunks
+    keep the one-program-per-row radix launch several waves deep (8K rows of 128K blocks: 4 chunks,
+    not 24 of 341 rows, ~1.3 waves each on 132 SMs)."""
+    per_block = 4 if impl == "radix" else 24
+    return max(1, budget // max(1, B * width * per_block))
 
 
 def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 0, window: int = 0,
@@ -293,7 +299,7 @@ def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 
     budget = budget or ((1 << 30) if q_idx.is_cuda else (1 << 22))
     n_all = triton.cdiv(S, kb)
     impl = resolve_topk_impl(topk_impl, n_all)
-    step = _chunk_rows(B, max(n_all, topk + sink + window + G), budget)
+    step = _chunk_rows(B, max(n_all, topk + sink + window + G), budget, impl)
     rows = torch.empty(B, N, topk, dtype=torch.int32, device=q_idx.device)
     with torch.no_grad():
         for n0 in range(0, N, step):

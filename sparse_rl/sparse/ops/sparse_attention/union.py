@@ -58,7 +58,7 @@ class TileSelection:
     group: int
     q_offset: int
     ukey: torch.Tensor
-    bits: torch.Tensor
+    bits: torch.Tensor | None = None  # shared mode: None until a backward needs it (`with_bits`)
     ulen: torch.Tensor | None = None
     qmask: torch.Tensor | None = None
     pref: torch.Tensor | None = None
@@ -207,12 +207,21 @@ def build_union(indices: torch.Tensor, S: int, BT: int) -> TileSelection:
     return TileSelection(BT, 1, 0, ukey, bits, ulen, qmask, pref)
 
 
-def shared_tiles(indices: torch.Tensor, S: int, group: int, BT: int, q_offset: int = 0) -> TileSelection:
+def shared_tiles(indices: torch.Tensor, S: int, group: int, BT: int, q_offset: int = 0,
+                 bits: bool = True) -> TileSelection:
     """A selection shared by `group` consecutive queries `[B, ceil(T/group), K]` as tiles of BT queries
-    (BT divides group): no union build, only the per-group bitmap the key-major backward needs."""
+    (BT divides group): no union build, only the per-group bitmap the key-major backward needs
+    (`bits=False`: not built, for a forward that no backward follows; `with_bits` adds it later)."""
     if group % BT:
         raise ValueError(f"tile of {BT} queries does not divide query_group {group}")
-    return TileSelection(BT, group, q_offset, indices, _bitmap(indices, S, 1))
+    return TileSelection(BT, group, q_offset, indices, _bitmap(indices, S, 1) if bits else None)
+
+
+def with_bits(sel: TileSelection, S: int) -> TileSelection:
+    """A shared selection with its per-group bitmap (built here when `shared_tiles(bits=False)` left it out)."""
+    if sel.bits is None:
+        sel.bits = _bitmap(sel.ukey, S, 1)
+    return sel
 
 
 @triton.jit
