@@ -5,8 +5,10 @@ dense cuDNN SDPA in the same run, with a per-stage breakdown, after a short chec
 
 Why it is shaped like this: session 5's script spent its whole slot compiling the attention checks of
 nine head/dim shapes (each a separate set of Triton compiles). Here the check runs on the timed shapes
-(32 heads, 8 KV heads, D = 128, bf16) so the kernels it compiles are the ones the timings reuse; only its
-sequence length is odd (1001 queries, a 256-key top-k).
+(32 heads, 8 KV heads, D = 128, bf16) so the kernels it compiles are the ones the timings reuse; its
+length, 1008 queries, leaves partial tiles of 32 and 64 queries and 128 keys but is a multiple of 16, so
+Triton's divisibility specialisation of integer arguments matches the timed lengths' (an odd length
+would compile every kernel a second time).
 
 Phases (one JSON, granular.json, rewritten atomically after each, so an outer timeout loses nothing):
 1. checks: for each spec, `layer.select_rows` + `layer.attend` (the model's path: query groups as shared
@@ -20,8 +22,10 @@ Phases (one JSON, granular.json, rewritten atomically after each, so an outer ti
    last 64 queries; then `granular_stages` for the granular specs (block scores, block top-k per form,
    the row assembly torch vs Triton, the whole selection per top-k form) on the random input.
 Each step starts only below its share of --budget-s. Prints a short table last.
-Specs: kb1 = token level (the indexer's own top-k), kb16 = 16-token key blocks, g16 = groups of 16
-queries sharing one token-level selection, kb4.
+Specs: kb1 = token level (the indexer's own top-k), kb16 = 16-token key blocks, g16 / g32 = groups of 16 /
+32 queries sharing one token-level selection (g32 fills the 128-row MMA tile with 4 query heads), kb4.
+After the 32K stages, a launch sweep of the shared-rows tile forward on the g16 rows (its default
+(BLOCK_K 32, 4 warps, 2 stages) was tuned on 128-row tiles; g16 runs 64-row tiles).
 """
 
 from __future__ import annotations
@@ -48,14 +52,14 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--backward-max", type=int, default=32768, help="fwd+bwd timed at lengths <= this")
-    ap.add_argument("--specs", nargs="+", default=["kb1", "kb16", "g16", "kb4"])
+    ap.add_argument("--specs", nargs="+", default=["kb1", "kb16", "g16", "g32", "kb4"])
     ap.add_argument("--stage-specs", nargs="+", default=["kb16", "g16"])
     ap.add_argument("--inputs", nargs="+", default=["random", "trained"], choices=["random", "trained"])
     ap.add_argument("--shape", type=int, nargs=5, default=[1, 32, 8, 128, 2048], metavar=("B", "H", "H_KV", "D", "K"))
     ap.add_argument("--index", type=int, nargs=2, default=[4, 64], metavar=("H_I", "D_I"))
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--check-T", type=int, default=1001)
+    ap.add_argument("--check-T", type=int, default=1008)
     ap.add_argument("--check-topk", type=int, default=256, help="a multiple of every key block")
     ap.add_argument("--train-steps", type=int, default=150)
     ap.add_argument("--rep-ms", type=int, default=40)
@@ -121,18 +125,20 @@ def attention_checks(a, dev) -> list[dict]:
 
 
 def dense_times(q, k, v, dev, W, backward: bool) -> dict:
-    """cuDNN SDPA (the fastest backend in every earlier run), GQA and repeated K/V; fwd+bwd with GQA."""
+    """cuDNN SDPA (the fastest backend in every earlier run; every backend where cuDNN does not run), GQA
+    and repeated K/V; fwd+bwd with the first GQA variant."""
     from sparse_rl.bench.attention import dense_variants
     from sparse_rl.bench.timing import bench_ms
 
     qd, kd, vd = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     fwd, fb = {}, {}
-    want = "sdpa-cudnn" if dev.type == "cuda" else "sdpa-math"
-    for lab, fn, kk, vv in dense_variants(qd, kd, vd):
+    variants = list(dense_variants(qd, kd, vd))
+    want = "sdpa-cudnn" if any(x[0].startswith("sdpa-cudnn") for x in variants) else ""
+    for lab, fn, kk, vv in variants:
         if not lab.startswith(want):
             continue
         fwd[lab] = bench_ms(lambda: fn(qd, kk, vv), dev, **W)
-        if backward and (lab.endswith("-gqa") or dev.type != "cuda") and not fb:
+        if backward and lab.endswith("-gqa") and not fb:
             gd = torch.randn_like(qd)
             qq, k2, v2 = (x.detach().requires_grad_() for x in (qd, kk, vv))
             fb[lab] = bench_ms(lambda: fn(qq, k2, v2).backward(gd), dev, grad_to_none=[qq, k2, v2], **W)
@@ -143,6 +149,20 @@ def dense_times(q, k, v, dev, W, backward: bool) -> dict:
         lab = min(fb, key=fb.get)
         res.update(dense_fwdbwd_label=lab, dense_fwdbwd_ms=fb[lab])
     return res
+
+
+def tile_sweep(q, k, v, index, K: int, a, dev, W) -> dict:
+    """The shared-rows tile forward alone on the g16 rows at a few launch configs (BLOCK_K, warps, stages)."""
+    from sparse_rl.bench.timing import bench_ms
+    from sparse_rl.sparse.ops import granular_topk
+    from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention_forward
+
+    rows = granular_topk(*index, K, sink=a.sink, window=a.window, query_group=16, shared=True, backend="triton")
+    out = {}
+    for tune in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2)):
+        fn = lambda: sparse_attention_forward(q, k, v, rows, query_group=16, tune={"fwd": tune})  # noqa: E731
+        out["x".join(map(str, tune))] = bench_ms(fn, dev, **W)
+    return out
 
 
 def main(argv=None):
@@ -212,8 +232,11 @@ def main(argv=None):
             for spec in a.specs:
                 if over(lim_rows, f"L={L} {src} {spec}"):
                     continue
-                got = granular_rows(q, k, v, {src: inputs[src]}, [spec], K, a.sink, a.window, dev, W, dn["dense_ms"],
-                                    check_n=64, **kw)
+                try:
+                    got = granular_rows(q, k, v, {src: inputs[src]}, [spec], K, a.sink, a.window, dev, W,
+                                        dn["dense_ms"], check_n=64, **kw)
+                except Exception as e:  # noqa: BLE001 -- one spec's failure is reported; the others still run
+                    got = [{"seqlen": L, "input": src, "granularity": spec, "error": f"{type(e).__name__}: {e}"}]
                 for r in got:
                     r["dense_label"] = dn["dense_label"]
                     log(", ".join(f"{x}={y:.4g}" if isinstance(y, float) else f"{x}={y}" for x, y in r.items()))
@@ -224,10 +247,20 @@ def main(argv=None):
             if parse_granularity(spec) == (1, 1) or over(lim_st, f"L={L} stages {spec}"):
                 continue
             log(f"L={L}: selection stages {spec} ({src} inputs)")
-            st = granular_stages(*inputs[src], K, spec, a.sink, a.window, dev, W)
+            try:
+                st = granular_stages(*inputs[src], K, spec, a.sink, a.window, dev, W)
+            except Exception as e:  # noqa: BLE001 -- reported, the run goes on
+                st = {"seqlen": L, "granularity": spec, "error": f"{type(e).__name__}: {e}"}
             st["input"] = src
             res["stages"].append(st)
             log(str(st))
+            save()
+        if li == 0 and "g16" in a.specs and not over(lim_st + 0.03, f"L={L} g16 tile launch sweep"):
+            try:
+                res["g16_tile_sweep"] = tile_sweep(q, k, v, inputs[src], K, a, dev, W)
+            except Exception as e:  # noqa: BLE001 -- reported, the run goes on
+                res["g16_tile_sweep"] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"g16 tile sweep {res['g16_tile_sweep']}")
             save()
         del q, k, v, inputs, kw
         if dev.type == "cuda":
