@@ -72,10 +72,12 @@ def _union_ratio(rows, S: int, H: int, H_kv: int, G: int, L: int) -> float:
 
 
 def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int, window: int, dev, W: dict,
-                  dense_ms: float, dense_fwdbwd_ms: float | None = None, grad=None, check_n: int = 0) -> list[dict]:
+                  dense_ms: float, dense_fwdbwd_ms: float | None = None, grad=None, check_n: int = 0,
+                  select_fwdbwd: bool = True) -> list[dict]:
     """One result per (input, granularity). q `[B, L, H, D]`, k/v `[B, L, H_kv, D]`, inputs {name: (q_I
     `[B, L, H_I, d_I]`, w `[B, L, H_I]`, k_I `[B, L, d_I]`)}; grad `[B, L, H, D]` (with dense_fwdbwd_ms)
-    times forward + backward; check_n > 0 checks the selection on the last check_n queries."""
+    times forward + backward (and, with select_fwdbwd, the selection + forward + backward in one call);
+    check_n > 0 checks the selection on the last check_n queries."""
     from sparse_rl.sparse.ops import granular_topk, indexer_topk, sparse_attention
 
     B, L, H, D = q.shape
@@ -108,12 +110,13 @@ def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int,
                 r["fwdbwd_ms"] = bench_ms(
                     lambda: sparse_attention(qg, kg, vg, rows, backend="triton", **akw)[0].backward(grad), dev,
                     grad_to_none=[qg, kg, vg], **W)
-                r["select_fwdbwd_ms"] = bench_ms(
-                    lambda: sparse_attention(qg, kg, vg, select(), backend="triton", **akw)[0].backward(grad), dev,
-                    grad_to_none=[qg, kg, vg], **W)
                 r["dense_fwdbwd_ms"] = dense_fwdbwd_ms
                 r["fwdbwd_speedup"] = dense_fwdbwd_ms / r["fwdbwd_ms"]
-                r["select_fwdbwd_speedup"] = dense_fwdbwd_ms / r["select_fwdbwd_ms"]
+                if select_fwdbwd:
+                    r["select_fwdbwd_ms"] = bench_ms(
+                        lambda: sparse_attention(qg, kg, vg, select(), backend="triton", **akw)[0].backward(grad),
+                        dev, grad_to_none=[qg, kg, vg], **W)
+                    r["select_fwdbwd_speedup"] = dense_fwdbwd_ms / r["select_fwdbwd_ms"]
                 del qg, kg, vg
             if check_n:
                 n = max(G, check_n // G * G)
