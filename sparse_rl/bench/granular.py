@@ -128,10 +128,11 @@ def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int,
 
 def granular_stages(qi, wi, ki, topk: int, spec: str, sink: int, window: int, dev, W: dict) -> dict:
     """Where a granular selection's time goes, each stage alone over all rows in one launch (random or
-    trained index inputs `[B, L, ...]`, no left padding): the block-score kernel (fp32 scores, and int64
-    keys), the block top-k in each form (`granular.top_blocks`: radix, threshold, keys), the row
-    assembly (torch vs the Triton kernel, which must agree), and the whole chunked selection
-    (`ops.granular_topk`) with each top-k form, which must give equal rows."""
+    trained index inputs `[B, L, ...]`, no left padding): the block-score kernel (fp32 scores; on CUDA
+    also at the score sweep's 64 x 128-key, 8-warp tile), the block top-k in each form
+    (`granular.top_blocks`: radix, threshold), the row assembly (torch vs the Triton kernel, which must
+    agree), and the whole chunked selection (`ops.granular_topk`) with each top-k form, which must give
+    equal rows."""
     import torch
 
     from sparse_rl.sparse.ops import granular_topk
@@ -149,6 +150,10 @@ def granular_stages(qi, wi, ki, topk: int, spec: str, sink: int, window: int, de
            "blocks_kept": nb, "auto_impl": gr.resolve_topk_impl("auto", nbc)}
     res["block_scores_ms"] = bench_ms(lambda: gr.block_keys(qr, wr, ki, ev_rep, start, nbc, keys=False, **kw),
                                       dev, **W)
+    if dev.type == "cuda":  # the token-level score sweep's tile (64 x 128 keys, 8 warps: 358-403 TF/s)
+        alt = (64, max(128, kb), 8)
+        res["block_scores_64x128w8_ms"] = bench_ms(
+            lambda: gr.block_keys(qr, wr, ki, ev_rep, start, nbc, keys=False, launch=alt, **kw), dev, **W)
     x = gr.block_keys(qr, wr, ki, ev_rep, start, nbc, keys=False, **kw)
     for impl in ("radix", "threshold"):
         res[f"top_{impl}_ms"] = bench_ms(lambda: gr.top_blocks(x, nb, impl), dev, **W)

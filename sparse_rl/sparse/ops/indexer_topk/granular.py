@@ -126,13 +126,14 @@ def _launch(key_block: int, cuda: bool) -> tuple[int, int, int]:
 
 
 def block_keys(qr, wr, k_idx, rep, start, n_blocks: int, *, key_block: int, sink: int, window: int,
-               block_score: str, keys: bool = True) -> torch.Tensor:
+               block_score: str, keys: bool = True, launch: tuple[int, int, int] | None = None) -> torch.Tensor:
     """qr `[B, N, H_I, D_I]`, wr `[B, N, H_I]` the rows' representatives, rep `[B, N]` their positions,
     start `[B, 1]`, k_idx `[B, S, D_I]` -> `[B, N, n_blocks]` int64 block keys, or with keys=False fp32
-    block scores (`_block_keys_kernel`)."""
+    block scores (`_block_keys_kernel`). launch: (rows, keys per program (a multiple of key_block),
+    num_warps) instead of `_launch`'s (benchmarks)."""
     B, N, HI, DI = qr.shape
     out = torch.empty(B, N, n_blocks, dtype=torch.int64 if keys else torch.float32, device=qr.device)
-    BM, BN, warps = _launch(key_block, qr.is_cuda)
+    BM, BN, warps = launch or _launch(key_block, qr.is_cuda)
     BB = BN // key_block
     grid = (triton.cdiv(N, BM), triton.cdiv(n_blocks, BB), B)
     _block_keys_kernel[grid](qr, wr, k_idx, rep.contiguous(), start.contiguous(), out,
