@@ -9,7 +9,8 @@ benchmark's random index tensors; `trained`: the indexer trained in the same run
 - attn: `ops.sparse_attention` over its rows (query groups: the shared-rows tile kernels), `auto` paths;
 - prefill = select + attn in one call, and its speed-up over dense;
 - fwd+bwd of that attention (and select + fwd + bwd) at the backward lengths, against dense fwd+bwd;
-- union/pairs of the selection (tiles of the GQA-packed kernels), and a check of the selection
+- union/pairs of the selection (tiles of the GQA-packed kernels), the attention's TFLOP/s counted on
+  the selected pairs, and a check of the selection
   against the PyTorch reference on the last queries (rows equal exactly, key recall).
 """
 
@@ -59,7 +60,8 @@ def check_selection(rows, qi, wi, ki, topk: int, kw: dict, n: int) -> dict:
             "select_recall": float(hit) / max(1, int((ref >= 0).sum()))}
 
 
-def _union_ratio(rows, S: int, H: int, H_kv: int, G: int, L: int) -> float:
+def _union_ratio(rows, S: int, H: int, H_kv: int, G: int, L: int) -> tuple[float, int]:
+    """(union/pairs of the attention's tiles, selected (query, key) pairs)."""
     from sparse_rl.sparse.ops import shared_to_per_query
     from sparse_rl.sparse.ops.sparse_attention import union
 
@@ -67,8 +69,8 @@ def _union_ratio(rows, S: int, H: int, H_kv: int, G: int, L: int) -> float:
     n_pairs = max(1, int((per >= 0).sum()))
     BT = union.tile_queries(H // H_kv)
     if G > 1 and G % min(BT, G) == 0:
-        return union.shared_tiles(rows, S, G, min(BT, G)).union_size() / n_pairs
-    return union.build_union(per, S, BT).union_size() / n_pairs
+        return union.shared_tiles(rows, S, G, min(BT, G), bits=False).union_size() / n_pairs, n_pairs
+    return union.build_union(per, S, BT).union_size() / n_pairs, n_pairs
 
 
 def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int, window: int, dev, W: dict,
@@ -104,7 +106,8 @@ def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int,
             r["prefill_ms"] = bench_ms(lambda: sparse_attention(q, k, v, select(), backend="triton", **akw), dev, **W)
             r["dense_ms"] = dense_ms
             r["prefill_speedup"] = dense_ms / r["prefill_ms"]
-            r["union_ratio"] = _union_ratio(rows, k.shape[1], H, k.shape[2], G, L)
+            r["union_ratio"], r["pairs"] = _union_ratio(rows, k.shape[1], H, k.shape[2], G, L)
+            r["attn_tflops"] = 4.0 * r["pairs"] * H * D / r["attn_ms"] / 1e9  # on selected pairs
             if dense_fwdbwd_ms is not None and grad is not None:
                 qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
                 r["fwdbwd_ms"] = bench_ms(
@@ -197,13 +200,13 @@ def markdown_granular(rows: list[dict]) -> list[str]:
     lines = ["", "Granular selection (docs/DESIGN.md \"Selection granularity\"): select = granular indexer + "
              "top-k kernel; prefill = select + sparse attention over its rows (query groups: shared rows); "
              "speed-ups against dense SDPA in the same run", "",
-             "| L | input | granularity | select ms | attn ms | prefill ms | dense ms | prefill speedup | union/pairs "
-             "| fwd+bwd ms | fwd+bwd speedup | select+fwd+bwd speedup | rows equal ref | recall vs ref |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| L | input | granularity | select ms | attn ms | attn TF/s | prefill ms | dense ms | prefill speedup "
+             "| union/pairs | fwd+bwd ms | fwd+bwd speedup | select+fwd+bwd speedup | rows equal ref | recall vs ref |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if "skipped" not in r):
         g = r.get
         lines.append("| " + " | ".join(fmt(x) for x in (
-            r["seqlen"], r["input"], r["granularity"], g("select_ms"), g("attn_ms"), g("prefill_ms"), g("dense_ms"),
-            g("prefill_speedup"), g("union_ratio"), g("fwdbwd_ms"), g("fwdbwd_speedup"), g("select_fwdbwd_speedup"),
-            g("select_rows_equal"), g("select_recall"))) + " |")
+            r["seqlen"], r["input"], r["granularity"], g("select_ms"), g("attn_ms"), g("attn_tflops"), g("prefill_ms"),
+            g("dense_ms"), g("prefill_speedup"), g("union_ratio"), g("fwdbwd_ms"), g("fwdbwd_speedup"),
+            g("select_fwdbwd_speedup"), g("select_rows_equal"), g("select_recall"))) + " |")
     return lines
