@@ -150,7 +150,7 @@ def granular_stages(qi, wi, ki, topk: int, spec: str, sink: int, window: int, de
     nb = min(nbc, (topk - (G - 1) - sink - window) // kb)
     kw = dict(key_block=kb, sink=sink, window=window, block_score="max")
     res = {"seqlen": L, "granularity": spec, "rows": int(ev_rep.shape[1]), "blocks_per_row": nbc,
-           "blocks_kept": nb, "auto_impl": gr.resolve_topk_impl("auto", nbc)}
+           "blocks_kept": nb, "auto_impl": gr.resolve_topk_impl("auto", nbc, prefill=True)}
     res["block_scores_ms"] = bench_ms(lambda: gr.block_keys(qr, wr, ki, ev_rep, start, nbc, keys=False, **kw),
                                       dev, **W)
     if dev.type == "cuda":  # the token-level score sweep's tile (64 x 128 keys, 8 warps: 358-403 TF/s)

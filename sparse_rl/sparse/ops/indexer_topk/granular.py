@@ -14,8 +14,9 @@ Why this shape:
   in row chunks bounded by `budget` bytes (at 128K keys and key_block 16 a row has 8K blocks), in one
   of three forms (`top_blocks`, `topk_impl`): the token-level path's radix select on the fp32 block
   scores; an fp32 `torch.topk` threshold with the ties settled by a prefix sum; or `torch.topk` on
-  int64 keys, the score's order-preserving bits above the block index. `auto` takes radix for rows
-  of <= 32K blocks and the threshold beyond, the token-level path's measured rule. Blocks that are
+  int64 keys, the score's order-preserving bits above the block index. `auto` takes radix in prefill
+  (fastest on every prefill shape timed, `resolve_topk_impl`) and, in decode, radix for rows of <= 32K
+  blocks and the threshold beyond. Blocks that are
   not candidates (no visible key that is not forced) score -inf (the smallest key) and are dropped.
 - The row is then assembled without a sort of tokens: the sink keys, the chosen blocks' keys (blocks
   sorted, then expanded; forced keys cut out), the window and the group's keys after the
@@ -46,14 +47,17 @@ TOPK_IMPLS = ("auto", "keys", "threshold", "radix")
 RADIX_MAX_BLOCKS = 32768  # "auto": radix select for rows up to this many blocks, "threshold" beyond
 
 
-def resolve_topk_impl(impl: str, n_blocks: int) -> str:
-    """`auto` -> "radix" for rows of <= RADIX_MAX_BLOCKS blocks, "threshold" beyond: the token-level
-    path's rule (benchmarks/NOTES.md item 4, H200: radix 2x faster than torch.topk on 8K-key rows,
-    equal at 32K, slower beyond; the threshold form's fp32 torch.topk moves half the bytes of "keys")."""
+def resolve_topk_impl(impl: str, n_blocks: int, prefill: bool = False) -> str:
+    """`auto` -> "radix" for prefill (H200, session 6, benchmarks/NOTES.md item 13: the radix select beat
+    the fp32 torch.topk threshold on every granular prefill shape timed, 3.9 vs 6.3 ms for 32K rows of
+    2K blocks, 1.9 vs 4.8 for 2K rows of 32K, 42.9 vs 73.3 for 128K rows of 8K, 17.7 vs 53.6 for 8K
+    rows of 128K blocks); for decode (a few rows, one radix program each) "radix" up to
+    RADIX_MAX_BLOCKS blocks and "threshold" beyond, the token-level path's rule (NOTES item 4: one
+    program per row is latency bound on long rows when rows are few)."""
     if impl not in TOPK_IMPLS:
         raise ValueError(f"topk_impl {impl!r}: expected one of {', '.join(TOPK_IMPLS)}")
     if impl == "auto":
-        return "radix" if n_blocks <= RADIX_MAX_BLOCKS else "threshold"
+        return "radix" if prefill or n_blocks <= RADIX_MAX_BLOCKS else "threshold"
     return impl
 
 
@@ -299,7 +303,7 @@ def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 
     nb = max(0, (topk - (G - 1) - sink - window) // kb)
     budget = budget or ((1 << 30) if q_idx.is_cuda else (1 << 22))
     n_all = triton.cdiv(S, kb)
-    impl = resolve_topk_impl(topk_impl, n_all)
+    impl = resolve_topk_impl(topk_impl, n_all, prefill=True)
     step = _chunk_rows(B, max(n_all, topk + sink + window + G), budget, impl)
     rows = torch.empty(B, N, topk, dtype=torch.int32, device=q_idx.device)
     with torch.no_grad():

@@ -316,9 +316,11 @@ def _common(q, k, sel: TileSelection):
 
 
 def _default_tune(BM: int, cuda: bool) -> tuple[int, int, int]:
-    # 32K block pattern, H200 run 2 (NOTES.md item 9): (32, 4, 2) 3.87 ms, (64, 8, 2) 4.27, (128, 8, 2) 4.67,
-    # (64, 8, 3) 4.80, (32, 8, 2) 6.57; the K rows gathered transposed (run 1's layout) 4.49 at (64, 8, 2)
-    return (32, 4, 2 if cuda else 1)
+    # 128-row tiles, 32K block pattern, H200 run 2 (NOTES.md item 9): (32, 4, 2) 3.87 ms, (64, 8, 2) 4.27,
+    # (128, 8, 2) 4.67, (64, 8, 3) 4.80, (32, 8, 2) 6.57; the K rows gathered transposed (run 1's layout) 4.49
+    # at (64, 8, 2). 64-row tiles (16 queries x 4 heads: query_group 16 shared rows, 32K, session 6, NOTES
+    # item 13): (64, 4, 2) 4.40 ms, (64, 4, 3) 4.45, (32, 4, 2) 4.95, (128, 8, 2) 8.94, (64, 8, 2) 9.55.
+    return (64 if BM <= 64 else 32, 4, 2 if cuda else 1)
 
 
 def tile_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tune: tuple[int, int, int] | None = None):
