@@ -35,11 +35,14 @@ the select does two or three byte passes per row plus a CAP-key recompute. Measu
 (benchmarks/results/2026-12-01-h200-topk-session5.md): exact, but 9.24 ms at 32K and 118.5 ms at 128K
 against 9.06 / 79.0 for the buffered stream path; the select is most of it (5.5 / 79 ms: it loaded
 the codes one byte per instruction, NOTES item 12), so `triton.indexer_topk`'s "auto" does not take
-this path: it is `topk_impl="binned"`. Since then (session 6, not yet timed) the code rows are padded
-to the select's step and its steps aligned to it, so the code loads carry no per-key mask: the sm_90a
-SASS (Triton 3.9 on the CPU host) loads 8 codes per instruction (`LDG.E.64`, 1,024-code steps over 128
+this path: it is `topk_impl="binned"`. Since then (session 6) the code rows are padded to the
+select's step and its steps aligned to it, so the code loads carry no per-key mask: the sm_90a SASS
+(Triton 3.9 on the CPU host) loads 8 codes per instruction (`LDG.E.64`, 1,024-code steps over 128
 threads) where it loaded one (`LDG.E.U8`), and the per-code position compares are 32-bit (the
-histogram step: 85 instructions for 8 codes a thread, was ~124).
+histogram step: 85 instructions for 8 codes a thread, was ~124). Timed on the H200 (NOTES item 13):
+the select still takes 5.66 / 81.9 ms at 32K / 128K, so the loads were not its bound; what is left per
+step is the 256-bin `tl.histogram` (three barriers, eight shared-memory atomics a thread) and, in the
+later passes, two prefix sums.
 """
 
 from __future__ import annotations
