@@ -2,14 +2,15 @@
 (docs/DESIGN.md "Selection granularity") against dense SDPA in the same run.
 
 For each granularity (`kb16`: key blocks of 16 tokens, per-query selection; `g16`: 16 consecutive
-queries share one token-level selection; `kb16g16`: both) and each index input (`random`: the
+queries share one token-level selection; `kb16g16`: both; `kb1`: token level, the indexer's own top-k) and each index input (`random`: the
 benchmark's random index tensors; `trained`: the indexer trained in the same run, bench/patterns.py):
 - select: the granular selection kernel (`ops.granular_topk`, indexer scores + block pooling + top-k,
   one row per group for query groups), the path `layer.select_rows` takes;
 - attn: `ops.sparse_attention` over its rows (query groups: the shared-rows tile kernels), `auto` paths;
 - prefill = select + attn in one call, and its speed-up over dense;
 - fwd+bwd of that attention (and select + fwd + bwd) at the backward lengths, against dense fwd+bwd;
-- union/pairs of the selection (tiles of the GQA-packed kernels), and a check of the selection
+- union/pairs of the selection (tiles of the GQA-packed kernels), the attention's TFLOP/s counted on
+  the selected pairs, and a check of the selection
   against the PyTorch reference on the last queries (rows equal exactly, key recall).
 """
 
@@ -59,7 +60,8 @@ def check_selection(rows, qi, wi, ki, topk: int, kw: dict, n: int) -> dict:
             "select_recall": float(hit) / max(1, int((ref >= 0).sum()))}
 
 
-def _union_ratio(rows, S: int, H: int, H_kv: int, G: int, L: int) -> float:
+def _union_ratio(rows, S: int, H: int, H_kv: int, G: int, L: int) -> tuple[float, int]:
+    """(union/pairs of the attention's tiles, selected (query, key) pairs)."""
     from sparse_rl.sparse.ops import shared_to_per_query
     from sparse_rl.sparse.ops.sparse_attention import union
 
@@ -67,16 +69,18 @@ def _union_ratio(rows, S: int, H: int, H_kv: int, G: int, L: int) -> float:
     n_pairs = max(1, int((per >= 0).sum()))
     BT = union.tile_queries(H // H_kv)
     if G > 1 and G % min(BT, G) == 0:
-        return union.shared_tiles(rows, S, G, min(BT, G)).union_size() / n_pairs
-    return union.build_union(per, S, BT).union_size() / n_pairs
+        return union.shared_tiles(rows, S, G, min(BT, G), bits=False).union_size() / n_pairs, n_pairs
+    return union.build_union(per, S, BT).union_size() / n_pairs, n_pairs
 
 
 def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int, window: int, dev, W: dict,
-                  dense_ms: float, dense_fwdbwd_ms: float | None = None, grad=None, check_n: int = 0) -> list[dict]:
+                  dense_ms: float, dense_fwdbwd_ms: float | None = None, grad=None, check_n: int = 0,
+                  select_fwdbwd: bool = True) -> list[dict]:
     """One result per (input, granularity). q `[B, L, H, D]`, k/v `[B, L, H_kv, D]`, inputs {name: (q_I
     `[B, L, H_I, d_I]`, w `[B, L, H_I]`, k_I `[B, L, d_I]`)}; grad `[B, L, H, D]` (with dense_fwdbwd_ms)
-    times forward + backward; check_n > 0 checks the selection on the last check_n queries."""
-    from sparse_rl.sparse.ops import granular_topk, sparse_attention
+    times forward + backward (and, with select_fwdbwd, the selection + forward + backward in one call);
+    check_n > 0 checks the selection on the last check_n queries."""
+    from sparse_rl.sparse.ops import granular_topk, indexer_topk, sparse_attention
 
     B, L, H, D = q.shape
     out = []
@@ -91,6 +95,8 @@ def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int,
             akw = {"query_group": G} if G > 1 else {}
 
             def select():
+                if kb == G == 1:  # token level: the indexer's own top-k (what `layer.select` takes)
+                    return indexer_topk(qi, wi, ki, topk, sink=sink, window=window, backend="triton")
                 return granular_topk(qi, wi, ki, topk, shared=G > 1, backend="triton", **kw)
 
             rows = select()
@@ -100,18 +106,20 @@ def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int,
             r["prefill_ms"] = bench_ms(lambda: sparse_attention(q, k, v, select(), backend="triton", **akw), dev, **W)
             r["dense_ms"] = dense_ms
             r["prefill_speedup"] = dense_ms / r["prefill_ms"]
-            r["union_ratio"] = _union_ratio(rows, k.shape[1], H, k.shape[2], G, L)
+            r["union_ratio"], r["pairs"] = _union_ratio(rows, k.shape[1], H, k.shape[2], G, L)
+            r["attn_tflops"] = 4.0 * r["pairs"] * H * D / r["attn_ms"] / 1e9  # on selected pairs
             if dense_fwdbwd_ms is not None and grad is not None:
                 qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
                 r["fwdbwd_ms"] = bench_ms(
                     lambda: sparse_attention(qg, kg, vg, rows, backend="triton", **akw)[0].backward(grad), dev,
                     grad_to_none=[qg, kg, vg], **W)
-                r["select_fwdbwd_ms"] = bench_ms(
-                    lambda: sparse_attention(qg, kg, vg, select(), backend="triton", **akw)[0].backward(grad), dev,
-                    grad_to_none=[qg, kg, vg], **W)
                 r["dense_fwdbwd_ms"] = dense_fwdbwd_ms
                 r["fwdbwd_speedup"] = dense_fwdbwd_ms / r["fwdbwd_ms"]
-                r["select_fwdbwd_speedup"] = dense_fwdbwd_ms / r["select_fwdbwd_ms"]
+                if select_fwdbwd:
+                    r["select_fwdbwd_ms"] = bench_ms(
+                        lambda: sparse_attention(qg, kg, vg, select(), backend="triton", **akw)[0].backward(grad),
+                        dev, grad_to_none=[qg, kg, vg], **W)
+                    r["select_fwdbwd_speedup"] = dense_fwdbwd_ms / r["select_fwdbwd_ms"]
                 del qg, kg, vg
             if check_n:
                 n = max(G, check_n // G * G)
@@ -119,6 +127,58 @@ def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int,
                 r.update(check_output(q, k, v, rows, G, min(n, L)))
             out.append(r)
     return out
+
+
+def granular_stages(qi, wi, ki, topk: int, spec: str, sink: int, window: int, dev, W: dict) -> dict:
+    """Where a granular selection's time goes, each stage alone over all rows in one launch (random or
+    trained index inputs `[B, L, ...]`, no left padding): the block-score kernel (fp32 scores; on CUDA
+    also at the score sweep's 64 x 128-key, 8-warp tile), the block top-k in each form
+    (`granular.top_blocks`: radix, threshold), the row assembly (torch vs the Triton kernel, which must
+    agree), and the whole chunked selection (`ops.granular_topk`) with each top-k form, which must give
+    equal rows."""
+    import torch
+
+    from sparse_rl.sparse.ops import granular_topk
+    from sparse_rl.sparse.ops.indexer_topk import granular as gr
+    from sparse_rl.sparse.ops.indexer_topk.naive import group_plan, rep_queries
+
+    kb, G = parse_granularity(spec)
+    B, L = qi.shape[:2]
+    start, _, ev_pos, ev_rep, _, q_all, w_all, j = group_plan(qi, wi, 0, None, G, None)
+    qr, wr = rep_queries(q_all, w_all, j)
+    nbc = -(-L // kb)
+    nb = min(nbc, (topk - (G - 1) - sink - window) // kb)
+    kw = dict(key_block=kb, sink=sink, window=window, block_score="max")
+    res = {"seqlen": L, "granularity": spec, "rows": int(ev_rep.shape[1]), "blocks_per_row": nbc,
+           "blocks_kept": nb, "auto_impl": gr.resolve_topk_impl("auto", nbc, prefill=True)}
+    res["block_scores_ms"] = bench_ms(lambda: gr.block_keys(qr, wr, ki, ev_rep, start, nbc, keys=False, **kw),
+                                      dev, **W)
+    if dev.type == "cuda":  # the token-level score sweep's tile (64 x 128 keys, 8 warps: 358-403 TF/s)
+        alt = (64, max(128, kb), 8)
+        res["block_scores_64x128w8_ms"] = bench_ms(
+            lambda: gr.block_keys(qr, wr, ki, ev_rep, start, nbc, keys=False, launch=alt, **kw), dev, **W)
+    x = gr.block_keys(qr, wr, ki, ev_rep, start, nbc, keys=False, **kw)
+    for impl in ("radix", "threshold"):
+        res[f"top_{impl}_ms"] = bench_ms(lambda: gr.top_blocks(x, nb, impl), dev, **W)
+    blocks = gr.top_blocks(x, nb, "radix")
+    res["top_radix_equals_threshold"] = bool(torch.equal(blocks, gr.top_blocks(x, nb, "threshold")))
+    del x
+    akw = dict(key_block=kb, query_group=G, sink=sink, window=window)
+    res["assemble_torch_ms"] = bench_ms(lambda: gr.assemble_rows(blocks, ev_pos, ev_rep, start, topk, **akw), dev, **W)
+    res["assemble_triton_ms"] = bench_ms(
+        lambda: gr.assemble_rows_triton(blocks, ev_pos, ev_rep, start, topk, **akw), dev, **W)
+    res["assemble_equal"] = bool(torch.equal(gr.assemble_rows(blocks, ev_pos, ev_rep, start, topk, **akw),
+                                             gr.assemble_rows_triton(blocks, ev_pos, ev_rep, start, topk, **akw)))
+    del blocks
+    sel = {}
+    for impl in ("radix", "threshold"):
+        def run(impl=impl):
+            return granular_topk(qi, wi, ki, topk, shared=G > 1, topk_impl=impl, backend="triton", **akw)
+        res[f"select_{impl}_ms"] = bench_ms(run, dev, **W)
+        sel[impl] = run()
+    res["select_impls_equal"] = bool(torch.equal(sel["radix"], sel["threshold"]))
+    res["index_score_tflop"] = 2.0 * B * res["rows"] * L / 2 * qi.shape[2] * qi.shape[3] / 1e12
+    return res
 
 
 def check_output(q, k, v, rows, G: int, n: int) -> dict:
@@ -140,13 +200,13 @@ def markdown_granular(rows: list[dict]) -> list[str]:
     lines = ["", "Granular selection (docs/DESIGN.md \"Selection granularity\"): select = granular indexer + "
              "top-k kernel; prefill = select + sparse attention over its rows (query groups: shared rows); "
              "speed-ups against dense SDPA in the same run", "",
-             "| L | input | granularity | select ms | attn ms | prefill ms | dense ms | prefill speedup | union/pairs "
-             "| fwd+bwd ms | fwd+bwd speedup | select+fwd+bwd speedup | rows equal ref | recall vs ref |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| L | input | granularity | select ms | attn ms | attn TF/s | prefill ms | dense ms | prefill speedup "
+             "| union/pairs | fwd+bwd ms | fwd+bwd speedup | select+fwd+bwd speedup | rows equal ref | recall vs ref |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if "skipped" not in r):
         g = r.get
         lines.append("| " + " | ".join(fmt(x) for x in (
-            r["seqlen"], r["input"], r["granularity"], g("select_ms"), g("attn_ms"), g("prefill_ms"), g("dense_ms"),
-            g("prefill_speedup"), g("union_ratio"), g("fwdbwd_ms"), g("fwdbwd_speedup"), g("select_fwdbwd_speedup"),
-            g("select_rows_equal"), g("select_recall"))) + " |")
+            r["seqlen"], r["input"], r["granularity"], g("select_ms"), g("attn_ms"), g("attn_tflops"), g("prefill_ms"),
+            g("dense_ms"), g("prefill_speedup"), g("union_ratio"), g("fwdbwd_ms"), g("fwdbwd_speedup"),
+            g("select_fwdbwd_speedup"), g("select_rows_equal"), g("select_recall"))) + " |")
     return lines

@@ -28,7 +28,7 @@ def test_granular_rows_time_check_and_skip():
                          check_n=8)
     g4, kb16 = rows
     assert g4["granularity"] == "g4" and g4["query_group"] == 4
-    for key in ("select_ms", "attn_ms", "prefill_ms", "fwdbwd_ms", "select_fwdbwd_ms", "union_ratio"):
+    for key in ("select_ms", "attn_ms", "attn_tflops", "prefill_ms", "fwdbwd_ms", "select_fwdbwd_ms", "union_ratio"):
         assert g4[key] > 0, key
     assert g4["select_rows_equal"] == 1.0 and g4["select_recall"] == 1.0 and g4["attn_out_rel_err"] < 1e-5
     assert "no whole block of 16" in kb16["skipped"]  # 16 - 2 - 4 leaves 10 keys: no block of 16

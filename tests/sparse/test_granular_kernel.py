@@ -140,3 +140,32 @@ def test_decode_kernel_equals_reference(kb, G, score):
     for t in range(q.shape[1]):
         got = select(st, None, None, (q[:1, t], w[:1, t], k[:1]), pos=torch.tensor([t]), S=t + 1, group=group)
         assert torch.equal(got, seq[:, t]), t
+
+
+def test_assemble_kernel_equals_torch_assembly():
+    """The per-row Triton assembly against the torch one on random chosen blocks (non-candidate blocks,
+    blocks cut by the sink and the window, short rows, left padding)."""
+    g = torch.Generator().manual_seed(0)
+    for kb, G, sink, window, topk in [(1, 1, 0, 0, 16), (4, 1, 2, 5, 37), (16, 4, 3, 7, 70), (1, 8, 1, 3, 41)]:
+        B, N, S = 2, 7, 200
+        nb = (topk - (G - 1) - sink - window) // kb
+        start = torch.tensor([[0], [13]])
+        rep = torch.randint(0, S - 30, (B, N), generator=g) + start
+        pos = rep + torch.randint(0, G, (B, N), generator=g)
+        blocks = torch.full((B, N, nb), -1, dtype=torch.long)
+        for b in range(B):
+            for n in range(N):
+                m = int(torch.randint(0, nb + 1, (1,), generator=g))
+                blocks[b, n, :m] = torch.randperm(-(-S // kb), generator=g)[:m].sort().values
+        kw = dict(key_block=kb, query_group=G, sink=sink, window=window)
+        ref = granular.assemble_rows(blocks, pos, rep, start, topk, **kw)
+        assert torch.equal(granular.assemble_rows_triton(blocks.int(), pos, rep, start, topk, **kw), ref), kw
+
+
+def test_shared_tiles_bitmap_only_when_a_backward_can_follow():
+    from sparse_rl.sparse.ops.sparse_attention import union
+
+    rows = torch.tensor([[[0, 2, 5, -1], [1, 3, 6, 7]]], dtype=torch.int32)
+    lazy = union.shared_tiles(rows, 9, 4, 4, bits=False)
+    assert lazy.bits is None and lazy.tensors() == [rows]
+    assert torch.equal(union.with_bits(lazy, 9).bits, union.shared_tiles(rows, 9, 4, 4).bits)

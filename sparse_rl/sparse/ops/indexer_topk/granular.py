@@ -14,12 +14,17 @@ Why this shape:
   in row chunks bounded by `budget` bytes (at 128K keys and key_block 16 a row has 8K blocks), in one
   of three forms (`top_blocks`, `topk_impl`): the token-level path's radix select on the fp32 block
   scores; an fp32 `torch.topk` threshold with the ties settled by a prefix sum; or `torch.topk` on
-  int64 keys, the score's order-preserving bits above the block index. `auto` takes radix for rows
-  of <= 32K blocks and the threshold beyond, the token-level path's measured rule. Blocks that are
+  int64 keys, the score's order-preserving bits above the block index. `auto` takes radix in prefill
+  (fastest on every prefill shape timed, `resolve_topk_impl`) and, in decode, radix for rows of <= 32K
+  blocks and the threshold beyond. Blocks that are
   not candidates (no visible key that is not forced) score -inf (the smallest key) and are dropped.
 - The row is then assembled without a sort of tokens: the sink keys, the chosen blocks' keys (blocks
   sorted, then expanded; forced keys cut out), the window and the group's keys after the
-  representative are ascending and disjoint in that order, so one prefix sum compacts them.
+  representative are ascending and disjoint in that order, so one prefix sum compacts them. Prefill
+  does it in one Triton program per row (`assemble_rows_triton`, written straight into the result:
+  the torch form `assemble_rows`, kept for decode, makes ~10 passes over `[rows, topk]` int64
+  tensors, ~0.5 GB each at 32K rows); decode keeps the torch form (one row per batch row, CUDA-graph
+  capture checked on the GPU with it).
 
 Output: per-query rows `[B, T, topk]` int32 (ascending, -1 padded), or with `shared=True` (no left
 padding, q_offset a multiple of query_group) one row per group `[B, ceil(T / G), topk]`: the last
@@ -42,14 +47,17 @@ TOPK_IMPLS = ("auto", "keys", "threshold", "radix")
 RADIX_MAX_BLOCKS = 32768  # "auto": radix select for rows up to this many blocks, "threshold" beyond
 
 
-def resolve_topk_impl(impl: str, n_blocks: int) -> str:
-    """`auto` -> "radix" for rows of <= RADIX_MAX_BLOCKS blocks, "threshold" beyond: the token-level
-    path's rule (benchmarks/NOTES.md item 4, H200: radix 2x faster than torch.topk on 8K-key rows,
-    equal at 32K, slower beyond; the threshold form's fp32 torch.topk moves half the bytes of "keys")."""
+def resolve_topk_impl(impl: str, n_blocks: int, prefill: bool = False) -> str:
+    """`auto` -> "radix" for prefill (H200, session 6, benchmarks/NOTES.md item 13: the radix select beat
+    the fp32 torch.topk threshold on every granular prefill shape timed, 3.9 vs 6.3 ms for 32K rows of
+    2K blocks, 1.9 vs 4.8 for 2K rows of 32K, 42.9 vs 73.3 for 128K rows of 8K, 17.7 vs 53.6 for 8K
+    rows of 128K blocks); for decode (a few rows, one radix program each) "radix" up to
+    RADIX_MAX_BLOCKS blocks and "threshold" beyond, the token-level path's rule (NOTES item 4: one
+    program per row is latency bound on long rows when rows are few)."""
     if impl not in TOPK_IMPLS:
         raise ValueError(f"topk_impl {impl!r}: expected one of {', '.join(TOPK_IMPLS)}")
     if impl == "auto":
-        return "radix" if n_blocks <= RADIX_MAX_BLOCKS else "threshold"
+        return "radix" if prefill or n_blocks <= RADIX_MAX_BLOCKS else "threshold"
     return impl
 
 
@@ -122,13 +130,14 @@ def _launch(key_block: int, cuda: bool) -> tuple[int, int, int]:
 
 
 def block_keys(qr, wr, k_idx, rep, start, n_blocks: int, *, key_block: int, sink: int, window: int,
-               block_score: str, keys: bool = True) -> torch.Tensor:
+               block_score: str, keys: bool = True, launch: tuple[int, int, int] | None = None) -> torch.Tensor:
     """qr `[B, N, H_I, D_I]`, wr `[B, N, H_I]` the rows' representatives, rep `[B, N]` their positions,
     start `[B, 1]`, k_idx `[B, S, D_I]` -> `[B, N, n_blocks]` int64 block keys, or with keys=False fp32
-    block scores (`_block_keys_kernel`)."""
+    block scores (`_block_keys_kernel`). launch: (rows, keys per program (a multiple of key_block),
+    num_warps) instead of `_launch`'s (benchmarks)."""
     B, N, HI, DI = qr.shape
     out = torch.empty(B, N, n_blocks, dtype=torch.int64 if keys else torch.float32, device=qr.device)
-    BM, BN, warps = _launch(key_block, qr.is_cuda)
+    BM, BN, warps = launch or _launch(key_block, qr.is_cuda)
     BB = BN // key_block
     grid = (triton.cdiv(N, BM), triton.cdiv(n_blocks, BB), B)
     _block_keys_kernel[grid](qr, wr, k_idx, rep.contiguous(), start.contiguous(), out,
@@ -197,8 +206,81 @@ def assemble_rows(blocks: torch.Tensor, pos, rep, start, topk: int, *, key_block
     return torch.where(short, torch.where(full_ok, full, -1), out[..., :topk]).to(torch.int32)
 
 
-def _chunk_rows(B: int, width: int, budget: int) -> int:
-    return max(1, budget // max(1, B * width * 8 * 3))
+@triton.jit
+def _assemble_kernel(BLK, POS, REP, START, OUT, sbb, sbn, sbk, sob, son, sok, N, NB, topk, sink, window,
+                     KB: tl.constexpr, KBP: tl.constexpr, G: tl.constexpr, NBP: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """One row of `assemble_rows` per program: OUT[b, n, :topk] int32 from the chosen blocks BLK
+    `[B, N, NB]` (ascending, -1 padded) of the row at POS / REP `[B, N]`, START `[B]`. The parts (sink,
+    the blocks' non-forced keys, window, the group's keys after the representative) are ascending and
+    disjoint, so each part's destination is a running count: only a block's first and last tokens can
+    be cut (by the sink or the window), so its kept keys are one range and a prefix sum over the
+    blocks places them."""
+    n = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    p = tl.load(POS + b * N + n).to(tl.int64)
+    r = tl.load(REP + b * N + n).to(tl.int64)
+    st = tl.load(START + b).to(tl.int64)
+    obase = OUT + b * sob + n * son
+    offs = tl.arange(0, BLOCK)
+    if r + G - st <= topk:  # the group's last member sees <= topk keys: all of them
+        for f0 in range(0, topk, BLOCK):
+            xf = st + f0 + offs
+            tl.store(obase + (f0 + offs) * sok, tl.where(xf <= p, xf, -1).to(tl.int32), mask=f0 + offs < topk)
+    else:
+        lo_ok = st + sink
+        hi_ok = r - window
+        n_sink = tl.maximum(tl.minimum(sink, r - st + 1), 0)  # keys st .. st + n_sink - 1
+        cb = tl.arange(0, NBP)
+        blk = tl.load(BLK + b * sbb + n * sbn + cb * sbk, mask=cb < NB, other=-1).to(tl.int64)
+        first = tl.maximum(st + blk * KB, lo_ok)
+        cnt = tl.where(blk >= 0, tl.maximum(tl.minimum(st + blk * KB + KB - 1, hi_ok) - first + 1, 0), 0)
+        dst = n_sink + tl.cumsum(cnt, 0) - cnt  # each block's first output slot
+        j = tl.arange(0, KBP)  # KBP = max(2, KB): the block's tokens
+        tl.store(obase + (dst[:, None] + j[None, :]) * sok, (first[:, None] + j[None, :]).to(tl.int32),
+                 mask=j[None, :] < cnt[:, None])
+        n_blk = tl.sum(cnt, 0)
+        w_first = tl.maximum(r - window + 1, lo_ok)
+        n_win = tl.maximum(r - w_first + 1, 0)
+        n_grp = tl.maximum(tl.minimum(r + G - 1, p) - r, 0)
+        w0 = n_sink + n_blk
+        g0 = w0 + n_win
+        total = g0 + n_grp
+        for c0 in range(0, topk, BLOCK):
+            o = c0 + offs
+            x = tl.where(o < n_sink, st + o, tl.where(o < g0, w_first + (o - w0), r + 1 + (o - g0)))
+            x = tl.where(o < total, x, -1)
+            part = (o < n_sink) | ((o >= w0) & (o < topk))  # sink, window, group or the -1 tail
+            tl.store(obase + o * sok, x.to(tl.int32), mask=part & (o < topk))
+
+
+def assemble_rows_triton(blocks: torch.Tensor, pos, rep, start, topk: int, *, key_block: int, query_group: int,
+                         sink: int, window: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`assemble_rows` (same arguments and rows, `[B, N, topk]` int32) in one Triton program per row, no
+    `[B, N, topk]` int64 intermediates; `out` (a `[B, N, topk]` int32 view, last dim of any stride)
+    receives the rows. The chunked prefill writes each chunk's rows into its slice of the result."""
+    B, N, NB = blocks.shape
+    if out is None:
+        out = torch.empty(B, N, topk, dtype=torch.int32, device=blocks.device)
+    if N == 0 or topk == 0:
+        return out
+    pos, rep = pos.expand(B, N).contiguous(), rep.expand(B, N).contiguous()
+    cuda = blocks.is_cuda
+    _assemble_kernel[(N, B)](blocks, pos, rep, start.reshape(B).contiguous(), out, *blocks.stride(), *out.stride(),
+                             N, NB, topk, sink, window, KB=key_block, KBP=max(2, key_block), G=query_group,
+                             NBP=max(2, triton.next_power_of_2(NB)), BLOCK=1024 if cuda else 64,
+                             num_warps=4 if cuda else 1)
+    return out
+
+
+def _chunk_rows(B: int, width: int, budget: int, impl: str) -> int:
+    """Rows per chunk whose block-score buffer and top-k temporaries fit in `budget` bytes: the radix
+    select needs only the fp32 scores (4 B a block); "keys" (int64 keys and torch.topk's copies) and
+    "threshold" (its masks, prefix sums and int64 destinations) ~24 B a block. Fewer, larger chunks
+    keep the one-program-per-row radix launch several waves deep (8K rows of 128K blocks: 4 chunks,
+    not 24 of 341 rows, ~1.3 waves each on 132 SMs)."""
+    per_block = 4 if impl == "radix" else 24
+    return max(1, budget // max(1, B * width * per_block))
 
 
 def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 0, window: int = 0,
@@ -221,9 +303,9 @@ def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 
     nb = max(0, (topk - (G - 1) - sink - window) // kb)
     budget = budget or ((1 << 30) if q_idx.is_cuda else (1 << 22))
     n_all = triton.cdiv(S, kb)
-    impl = resolve_topk_impl(topk_impl, n_all)
-    step = _chunk_rows(B, max(n_all, topk + sink + window + G), budget)
-    out = []
+    impl = resolve_topk_impl(topk_impl, n_all, prefill=True)
+    step = _chunk_rows(B, max(n_all, topk + sink + window + G), budget, impl)
+    rows = torch.empty(B, N, topk, dtype=torch.int32, device=q_idx.device)
     with torch.no_grad():
         for n0 in range(0, N, step):
             n1 = min(N, n0 + step)
@@ -236,9 +318,8 @@ def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 
                            block_score=block_score, keys=impl == "keys")
             blocks = top_blocks(x, min(nb, nbc), impl)
             del x
-            out.append(assemble_rows(blocks, ev_pos[:, n0:n1], rep_c, start, topk, key_block=kb,
-                                     query_group=G, sink=sink, window=window))
-    rows = torch.cat(out, 1) if out else torch.empty(B, 0, topk, dtype=torch.int32, device=q_idx.device)
+            assemble_rows_triton(blocks, ev_pos[:, n0:n1], rep_c, start, topk, key_block=kb, query_group=G,
+                                 sink=sink, window=window, out=rows[:, n0:n1])
     return rows if shared else per_query_rows(rows, pos, inv)
 
 

@@ -33,9 +33,16 @@ the code sweep is the score sweep plus ~8 operations and one byte stored per sco
 32K, 8.6 GB at 128K, written once and read twice by the select, mostly from L2 on the second read);
 the select does two or three byte passes per row plus a CAP-key recompute. Measured on an H200
 (benchmarks/results/2026-12-01-h200-topk-session5.md): exact, but 9.24 ms at 32K and 118.5 ms at 128K
-against 9.06 / 79.0 for the buffered stream path; the select is most of it (5.5 / 79 ms: it loads
+against 9.06 / 79.0 for the buffered stream path; the select is most of it (5.5 / 79 ms: it loaded
 the codes one byte per instruction, NOTES item 12), so `triton.indexer_topk`'s "auto" does not take
-this path: it is `topk_impl="binned"`.
+this path: it is `topk_impl="binned"`. Since then (session 6) the code rows are padded to the
+select's step and its steps aligned to it, so the code loads carry no per-key mask: the sm_90a SASS
+(Triton 3.9 on the CPU host) loads 8 codes per instruction (`LDG.E.64`, 1,024-code steps over 128
+threads) where it loaded one (`LDG.E.U8`), and the per-code position compares are 32-bit (the
+histogram step: 85 instructions for 8 codes a thread, was ~124). Timed on the H200 (NOTES item 13):
+the select still takes 5.66 / 81.9 ms at 32K / 128K, so the loads were not its bound; what is left per
+step is the 256-bin `tl.histogram` (three barriers, eight shared-memory atomics a thread) and, in the
+later passes, two prefix sums.
 """
 
 from __future__ import annotations
@@ -123,6 +130,18 @@ def _boundary_scores(Q, W, KI, b, tq, kpos, live, sqb, sqt, sqh, sqd, swb, swt, 
 
 
 @triton.jit
+def _codes_step(crow, c0, offs, start, end, BLK: tl.constexpr):
+    """The codes of keys c0 .. c0 + BLK - 1 `[BLK]` int32, 0 outside [start, end]. c0 is a multiple of BLK
+    and the row is padded to a multiple of BLK (`padded_keys`), so the load needs no mask: a mask that
+    changes at any key compiled to one byte per load instruction (`LDG.E.U8`, NOTES item 12); the
+    visible range is applied after the load (the bytes outside it may be unwritten)."""
+    c0 = tl.multiple_of(c0, BLK)
+    pos = c0 + offs
+    code = tl.load(crow + pos).to(tl.int32)
+    return tl.where((pos >= start) & (pos <= end), code, 0)
+
+
+@triton.jit
 def _select_kernel(Q, W, KI, KVS, CODES, BPOS, BVAL, FLAG, OUT, BAD, sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
                    scb, sct, sbb, sbt, sob, sot, Tc, S, t0, q_offset, K,
                    HI: tl.constexpr, DI: tl.constexpr, BD: tl.constexpr, BLK: tl.constexpr, CAP: tl.constexpr,
@@ -135,14 +154,16 @@ def _select_kernel(Q, W, KI, KVS, CODES, BPOS, BVAL, FLAG, OUT, BAD, sqb, sqt, s
     t = (row % Tc).to(tl.int64)
     tq = t0 + t
     start = tl.load(KVS + b)
-    end = tl.minimum(q_offset + tq, S - 1)  # the last visible key
+    # the last visible key; int32 (rows < 2^31 keys): the per-code position compares stay 32-bit
+    end = tl.minimum(q_offset + tq, S - 1).to(tl.int32)
     nvis = tl.maximum(end - start + 1, 0)
     crow = CODES + b * scb + t * sct
     offs = tl.arange(0, BLK)
     bins = tl.arange(0, 256)
     hist = tl.zeros([256], tl.int32)
-    for c0 in range(start, end + 1, BLK):
-        code = tl.load(crow + c0 + offs, mask=c0 + offs <= end, other=0).to(tl.int32)
+    lo = (start // BLK) * BLK  # steps aligned to BLK codes (rows are padded to it): 16-byte loads
+    for c0 in range(lo, end + 1, BLK):
+        code = _codes_step(crow, c0, offs, start, end, BLK)
         hist += tl.histogram(code, 256)
     hist = tl.where(bins == 0, 0, hist)
     ncand = tl.sum(hist, 0)
@@ -157,8 +178,8 @@ def _select_kernel(Q, W, KI, KVS, CODES, BPOS, BVAL, FLAG, OUT, BAD, sqb, sqt, s
     brow = b * sbb + t * sbt
     if (partial != 0) & (bad == 0):
         run = 0
-        for c0 in range(start, end + 1, BLK):
-            code = tl.load(crow + c0 + offs, mask=c0 + offs <= end, other=0).to(tl.int32)
+        for c0 in range(lo, end + 1, BLK):
+            code = _codes_step(crow, c0, offs, start, end, BLK)
             eq = code == dstar
             r = run + tl.cumsum(eq.to(tl.int32), 0) - 1
             tl.store(BPOS + brow + r, c0 + offs, mask=eq)
@@ -182,8 +203,8 @@ def _select_kernel(Q, W, KI, KVS, CODES, BPOS, BVAL, FLAG, OUT, BAD, sqb, sqt, s
     if bad == 0:
         lim = tl.where(partial != 0, n_eq, 0)  # boundary ranks below lim are kept by their flag, above all kept
         run = 0
-        for c0 in range(start, end + 1, BLK):
-            code = tl.load(crow + c0 + offs, mask=c0 + offs <= end, other=0).to(tl.int32)
+        for c0 in range(lo, end + 1, BLK):
+            code = _codes_step(crow, c0, offs, start, end, BLK)
             eq = code == dstar
             r = run + tl.cumsum(eq.to(tl.int32), 0) - 1
             run += tl.sum(eq.to(tl.int32), 0)
@@ -219,6 +240,11 @@ class BinnedConfig:
 
 INTERPRET_BINNED = BinnedConfig(block_m=16, block_n=16, stats_block_n=16, sample_stride=2, dense_keys=0, warps=1,
                                 select_block=16, select_warps=1, cap=16, bins=8)
+
+
+def padded_keys(S: int, cfg: BinnedConfig) -> int:
+    """Code-row length: S rounded up to the select's step, so its aligned steps never leave the buffer."""
+    return triton.cdiv(S, cfg.select_block) * cfg.select_block
 
 
 def _chunk_kernels(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, codes, th, bpos, bval, flag, bad,
@@ -258,9 +284,10 @@ def indexer_topk_binned(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     kvs = _kv_start(kv_start, B, dev)
     budget = budget_bytes or (CODE_BUDGET_BYTES if q_idx.is_cuda else 1 << 20)
     BM = cfg.block_m
-    chunk = max(BM, min(T, budget // (B * S), (2**31 - 1) // S) // BM * BM)  # int32 offsets in a batch row
+    S_pad = padded_keys(S, cfg)
+    chunk = max(BM, min(T, budget // (B * S_pad), (2**31 - 1) // S_pad) // BM * BM)  # int32 offsets in a batch row
     rows = min(T, chunk)
-    codes = torch.empty(B, rows, S, device=dev, dtype=torch.uint8)
+    codes = torch.empty(B, rows, S_pad, device=dev, dtype=torch.uint8)
     th = torch.empty(3, B, rows, device=dev, dtype=torch.float32)
     bpos = torch.empty(B, rows, cfg.cap, device=dev, dtype=torch.int32)
     bval = torch.empty(B, rows, cfg.cap, device=dev, dtype=torch.float32)

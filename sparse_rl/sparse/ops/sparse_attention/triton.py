@@ -256,6 +256,7 @@ class _Call:
     def __init__(self, scale, query_group, q_offset, fwd_path, bwd_path, tune):
         self.scale, self.group, self.q_offset = scale, query_group, q_offset
         self.fwd_path, self.bwd_path, self.tune = fwd_path, bwd_path, tune or {}
+        self.needs_grad = True  # set by the caller: whether a backward can follow this forward
 
 
 def _forward(q, k, v, indices, call: _Call, out=None):
@@ -268,7 +269,8 @@ def _forward(q, k, v, indices, call: _Call, out=None):
     if call.group > 1:
         bts = min(BT, _pow2_divisor(call.group))
         if call.fwd_path != "query" and bts >= min(BT, 4):
-            sel = union.shared_tiles(indices, S, call.group, bts, call.q_offset)
+            # the bitmap only serves the key-major backward: not built for a forward without one
+            sel = union.shared_tiles(indices, S, call.group, bts, call.q_offset, bits=call.needs_grad)
             pl = paths.plan(indices, S, H_kv, bts, call.fwd_path, call.bwd_path, shared=True)
             o, lse = union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
             return o, lse, None, sel, pl
@@ -298,6 +300,8 @@ class _SparseAttention(torch.autograd.Function):
         q, k, v, o, lse, idx, *st = ctx.saved_tensors
         call, pl = ctx.call, ctx.plan
         sel = union.TileSelection.from_tensors(*ctx.sel_meta[:3], st) if ctx.sel_meta else None
+        if sel is not None and sel.shared:
+            sel = union.with_bits(sel, k.shape[1])
         do = do if do is not None else torch.zeros_like(o)
         dlse = torch.zeros_like(lse) if dlse is None else dlse.float().contiguous()
         lse = lse.contiguous()
@@ -350,6 +354,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
             indices = shared_to_per_query(indices, query_group, q.shape[1], q_offset)
         return sparse_attention_naive(q, k, v, indices, scale)
     call = _Call(scale, query_group, q_offset, fwd_path, bwd_path, tune)
+    call.needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     return _SparseAttention.apply(q, k, v, indices, call)
 
 
@@ -363,6 +368,7 @@ def sparse_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         raise ValueError("sparse_attention_forward: shape/dtype not supported by the kernels")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     call = _Call(scale, query_group, q_offset, fwd_path, "auto", tune)
+    call.needs_grad = False
     o, lse, _, _, pl = _forward(q, k, v, indices.to(torch.int32), call, out=out)
     return o, lse, pl
 

@@ -58,7 +58,7 @@ class TileSelection:
     group: int
     q_offset: int
     ukey: torch.Tensor
-    bits: torch.Tensor
+    bits: torch.Tensor | None = None  # shared mode: None until a backward needs it (`with_bits`)
     ulen: torch.Tensor | None = None
     qmask: torch.Tensor | None = None
     pref: torch.Tensor | None = None
@@ -207,12 +207,21 @@ def build_union(indices: torch.Tensor, S: int, BT: int) -> TileSelection:
     return TileSelection(BT, 1, 0, ukey, bits, ulen, qmask, pref)
 
 
-def shared_tiles(indices: torch.Tensor, S: int, group: int, BT: int, q_offset: int = 0) -> TileSelection:
+def shared_tiles(indices: torch.Tensor, S: int, group: int, BT: int, q_offset: int = 0,
+                 bits: bool = True) -> TileSelection:
     """A selection shared by `group` consecutive queries `[B, ceil(T/group), K]` as tiles of BT queries
-    (BT divides group): no union build, only the per-group bitmap the key-major backward needs."""
+    (BT divides group): no union build, only the per-group bitmap the key-major backward needs
+    (`bits=False`: not built, for a forward that no backward follows; `with_bits` adds it later)."""
     if group % BT:
         raise ValueError(f"tile of {BT} queries does not divide query_group {group}")
-    return TileSelection(BT, group, q_offset, indices, _bitmap(indices, S, 1))
+    return TileSelection(BT, group, q_offset, indices, _bitmap(indices, S, 1) if bits else None)
+
+
+def with_bits(sel: TileSelection, S: int) -> TileSelection:
+    """A shared selection with its per-group bitmap (built here when `shared_tiles(bits=False)` left it out)."""
+    if sel.bits is None:
+        sel.bits = _bitmap(sel.ukey, S, 1)
+    return sel
 
 
 @triton.jit
@@ -307,9 +316,11 @@ def _common(q, k, sel: TileSelection):
 
 
 def _default_tune(BM: int, cuda: bool) -> tuple[int, int, int]:
-    # 32K block pattern, H200 run 2 (NOTES.md item 9): (32, 4, 2) 3.87 ms, (64, 8, 2) 4.27, (128, 8, 2) 4.67,
-    # (64, 8, 3) 4.80, (32, 8, 2) 6.57; the K rows gathered transposed (run 1's layout) 4.49 at (64, 8, 2)
-    return (32, 4, 2 if cuda else 1)
+    # 128-row tiles, 32K block pattern, H200 run 2 (NOTES.md item 9): (32, 4, 2) 3.87 ms, (64, 8, 2) 4.27,
+    # (128, 8, 2) 4.67, (64, 8, 3) 4.80, (32, 8, 2) 6.57; the K rows gathered transposed (run 1's layout) 4.49
+    # at (64, 8, 2). 64-row tiles (16 queries x 4 heads: query_group 16 shared rows, 32K, session 6, NOTES
+    # item 13): (64, 4, 2) 4.40 ms, (64, 4, 3) 4.45, (32, 4, 2) 4.95, (128, 8, 2) 8.94, (64, 8, 2) 9.55.
+    return (64 if BM <= 64 else 32, 4, 2 if cuda else 1)
 
 
 def tile_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tune: tuple[int, int, int] | None = None):
