@@ -71,7 +71,7 @@ def correctness(dev, smoke):
     set_attention(model, "sparse")
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(10, 500, (n,), generator=g).tolist() for n in (21, 47, 9)]
-    new = 12 if smoke else 120
+    new = 12 if smoke else 100
     out = {}
     for v in VARIANTS:
         use(v)
@@ -103,45 +103,51 @@ def correctness(dev, smoke):
 
 
 def select_alone(dev, smoke):
+    """The select alone (CUDA-graph replay): every variant at 32 x 16K, 16 x 32K and 32 x 4K (bf16 keys,
+    random, LayerNorm'd; mixed-sign head weights), its keys against the chunked kernel's (same scores);
+    at 4 x 3000 with integer inputs (exact scores, ties) against the PyTorch reference."""
     from sparse_rl.bench.timing import bench_ms
     from sparse_rl.sparse.ops.indexer_topk import decode as itd
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
-    B, S, K, sink, window = (3, 300, 40, 2, 4) if smoke else (32, 16384, 2048, 4, 64)
-    g = torch.Generator(device=dev).manual_seed(9)
+    K, sink, window = (40, 2, 4) if smoke else (2048, 4, 64)
     dt = torch.float32 if smoke else torch.bfloat16
-    k = torch.nn.functional.layer_norm(torch.randn(B, S, 64, device=dev, generator=g), (64,)).to(dt)
-    q = torch.randn(B, 4, 64, device=dev, generator=g).to(dt)
-    w = torch.randn(B, 4, device=dev, generator=g).to(dt)  # mixed signs, as a converted model's
-    pos = torch.full((B,), S - 1, device=dev)
-    pos[1:: 2] = torch.randint(S // 4, S, (B // 2,), device=dev, generator=g)
-    out = {"shape": [B, S, K], "variants": {}}
-    base = itd.indexer_topk_decode(q, w, k, pos, K, sink=sink, window=window, impl="chunked", sort=0)
-    # exact scores (integer inputs): every variant == the PyTorch reference, ties included
+    kw = dict(sink=sink, window=window)
     gi = torch.Generator(device=dev).manual_seed(10)
     Bi, Si, Ki = (3, 200, 24) if smoke else (4, 3000, 512)
     qi = torch.randint(-2, 3, (Bi, 4, 64), device=dev, generator=gi).to(dt)
     wi = torch.randint(-1, 3, (Bi, 4), device=dev, generator=gi).to(dt)
     ki = torch.randint(-2, 3, (Bi, Si, 64), device=dev, generator=gi).to(dt)
     pi = torch.tensor([Si - 1, Si // 2, Ki // 2, Si - 7][:Bi], device=dev)
-    refi = indexer_topk_decode_naive(qi.float(), wi.float(), ki.float(), pi, Ki, sink=sink, window=window)
+    refi = indexer_topk_decode_naive(qi.float(), wi.float(), ki.float(), pi, Ki, **kw)
+    out = {"ints_equal_reference": {}, "shapes": []}
     for v, (impl, sort) in VARIANTS.items():
-        got, n_c = itd.indexer_topk_decode(q, w, k, pos, K, sink=sink, window=window, impl=impl, sort=sort, candidates=True)
-        goti = itd.indexer_topk_decode(qi, wi, ki, pi, Ki, sink=sink, window=window, impl=impl, sort=sort)
-        ms = bench_ms(lambda: itd.indexer_topk_decode(q, w, k, pos, K, sink=sink, window=window, impl=impl, sort=sort),
-                      dev, graph=dev.type == "cuda")
-        out["variants"][v] = {"equal_chunked": bool(torch.equal(got, base)), "ints_equal_reference": bool(torch.equal(goti, refi)),
-                              "ms_graph": round(ms, 4), "candidates_mean": round(float(n_c.float().mean()), 1),
-                              "candidates_max": int(n_c.max())}
-        log(f"select alone {v}: {out['variants'][v]}")
-    if dev.type == "cuda":
-        for blk, nw in ((2048, 8), (8192, 16)):  # the row program's block / warps
-            ms = bench_ms(lambda: itd.indexer_topk_decode(q, w, k, pos, K, sink=sink, window=window, impl="row",
-                                                          row_block=blk, row_warps=nw), dev, graph=True)
-            same = torch.equal(itd.indexer_topk_decode(q, w, k, pos, K, sink=sink, window=window, impl="row", row_block=blk,
-                                                       row_warps=nw), base)
-            out["variants"][f"row_b{blk}_w{nw}"] = {"ms_graph": round(ms, 4), "equal_chunked": bool(same)}
-    out["floor_ms"] = round(1e3 * B * S * 128 / RES.get("copy_bw", 4.27e12), 4)
+        out["ints_equal_reference"][v] = bool(torch.equal(itd.indexer_topk_decode(qi, wi, ki, pi, Ki, impl=impl,
+                                                                                  sort=sort, **kw), refi))
+    log(f"select, integer inputs == reference: {out['ints_equal_reference']}")
+    extra = {} if smoke else {"row_b2048_w8": dict(impl="row", row_block=2048, row_warps=8),
+                              "row_b8192_w16": dict(impl="row", row_block=8192, row_warps=16),
+                              "row_chunk512": dict(impl="row", chunk=512), "row_chunk2048": dict(impl="row", chunk=2048)}
+    for si, (B, S) in enumerate([(3, 300)] if smoke else [(32, 16384), (16, 32768), (32, 4096)]):
+        g = torch.Generator(device=dev).manual_seed(9 + si)
+        k = torch.nn.functional.layer_norm(torch.randn(B, S, 64, device=dev, generator=g), (64,)).to(dt)
+        q = torch.randn(B, 4, 64, device=dev, generator=g).to(dt)
+        w = torch.randn(B, 4, device=dev, generator=g).to(dt)  # mixed signs, as a converted model's
+        pos = torch.full((B,), S - 1, device=dev)
+        pos[1::2] = torch.randint(S // 4, S, (B // 2,), device=dev, generator=g)
+        base = itd.indexer_topk_decode(q, w, k, pos, K, impl="chunked", sort=0, **kw)
+        row = {"batch": B, "context": S, "floor_ms": round(1e3 * B * S * 128 / RES.get("copy_bw", 4.27e12), 4),
+               "variants": {}}
+        vs = {v: dict(impl=i, sort=s) for v, (i, s) in VARIANTS.items()}
+        vs.update(extra if si == 0 else {})
+        for v, args in vs.items():
+            got, n_c = itd.indexer_topk_decode(q, w, k, pos, K, candidates=True, **args, **kw)
+            ms = -1.0 if smoke else bench_ms(lambda: itd.indexer_topk_decode(q, w, k, pos, K, **args, **kw), dev,
+                                             graph=True)  # -1: not timed (the interpreter)
+            row["variants"][v] = {"ms_graph": round(ms, 4), "equal_chunked": bool(torch.equal(got, base)),
+                                  "candidates_mean": round(float(n_c.float().mean()), 1), "candidates_max": int(n_c.max())}
+        log(f"select alone {B} x {S}: {row}")
+        out["shapes"].append(row)
     return out
 
 
@@ -326,8 +332,10 @@ def main():
         for r in RES.get(k) or []:
             print(f"| {k} | {r['mode']} | {r['variant'] or '-'} | {r['tokens_per_s']} tok/s | {r['floor_tokens_per_s']} | "
                   f"{r['x_floor']} |")
-    for v, r in ((RES.get("select_alone") or {}).get("variants") or {}).items():
-        print(f"| select alone | sparse | {v} | {r['ms_graph']} ms | eq {r['equal_chunked']} ints {r.get('ints_equal_reference')} | - |")
+    for sh in (RES.get("select_alone") or {}).get("shapes", []):
+        for v, r in sh["variants"].items():
+            print(f"| select {sh['batch']} x {sh['context']} | sparse | {v} | {r['ms_graph']} ms | {sh['floor_ms']} | "
+                  f"same keys {r['equal_chunked']} |")
     log(f"done; skipped {RES['skipped']}; errors {RES['errors']}")
 
 
