@@ -34,9 +34,11 @@ def test_sort_and_radix_thresholds_pick_the_reference_keys(ints, B, S, K, sink, 
         itd.indexer_topk_decode(q, w, k, pos, K, sort=48)
 
 
+@pytest.mark.parametrize("impl", ["row", "split"])
 @pytest.mark.parametrize("ints", [True, False])
-def test_row_select_picks_the_reference_keys(ints):
-    """impl="row" (the score pass, then one program per row: decode_row.py) against the reference: exact
+def test_row_and_split_selects_pick_the_reference_keys(impl, ints):
+    """impl="row" (the score pass, then one program per row: decode_row.py) and "split" (then three
+    (chunk, row) passes: decode_split.py) against the reference: exact
     ties (integer scores), left padding (kv_start), rows shorter than K, every threshold path (sort of the
     candidates, radix levels when they overflow `sort`)."""
     g = torch.Generator().manual_seed(21 + ints)
@@ -50,14 +52,15 @@ def test_row_select_picks_the_reference_keys(ints):
     pos = torch.tensor([S - 1, 70, 12, 100])
     kvs = torch.tensor([0, 3, 0, 40])
     ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=2, window=3, kv_start=kvs)
-    for sort in (0, 2, 64):
-        got = itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=3, kv_start=kvs, chunk=32, impl="row", sort=sort)
+    for sort in (2, 64):  # 2: most rows overflow to the radix levels, a few sort; 64: every row sorts
+        got = itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=3, kv_start=kvs, chunk=32, impl=impl, sort=sort)
         assert torch.equal(got, ref), sort
     with pytest.raises(ValueError, match="impl"):
         itd.indexer_topk_decode(q, w, k, pos, K, impl="rows")
 
 
-def test_row_select_edge_distributions():
+@pytest.mark.parametrize("impl", ["row", "split"])
+def test_row_and_split_select_edge_distributions(impl):
     """Forced keys filling the budget, all-equal scores, a span set by a few huge keys (nearly every key
     a candidate), negative weights: the row program's paths against the reference."""
     g = torch.Generator().manual_seed(2)
@@ -69,5 +72,5 @@ def test_row_select_edge_distributions():
     scale = 2.0 ** torch.randint(0, 40, (B, S, 1), generator=g).float()
     for qq, ww, kk, K, sink, window in [(q, w, k, 8, 3, 5), (torch.zeros_like(q), w, k, 20, 1, 1),
                                         (q.abs(), w, k.abs() * scale, 20, 2, 2), (q, -w, k, 20, 1, 2)]:
-        got = itd.indexer_topk_decode(qq, ww, kk, pos, K, sink=sink, window=window, chunk=32, impl="row")
+        got = itd.indexer_topk_decode(qq, ww, kk, pos, K, sink=sink, window=window, chunk=32, impl=impl)
         assert torch.equal(got, indexer_topk_decode_naive(qq, ww, kk, pos, K, sink=sink, window=window))

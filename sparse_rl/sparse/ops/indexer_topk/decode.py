@@ -55,7 +55,7 @@ NB = 128  # first-level bins
 # nothing in the step (Qwen3-4B shape, batch 32 at 16K: 9.18 ms with sort=1024 vs 9.17 radix; 299
 # candidates a row on average, up to 2,031; benchmarks/results/2026-12-01-h200-rollout-session5.md)
 SORT_CANDIDATES = 0
-IMPLS = ("chunked", "row")
+IMPLS = ("chunked", "row", "split")
 DECODE_IMPL = "chunked"
 
 
@@ -411,13 +411,17 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     score_args = (q_idx, w, k_idx, k_scale if fp8 else sc, pos, kvs, sc)
     strides = (*q_idx.stride(), *w.stride(), *k_idx.stride(), k_scale.stride(0) if fp8 else 0, S, sink, window, HI,
                DI, P)
-    if impl == "row":
+    if impl != "chunked":
         from sparse_rl.sparse.ops.indexer_topk.decode_row import row_select
+        from sparse_rl.sparse.ops.indexer_topk.decode_split import split_select
 
         span = torch.empty(B, P, 2, device=dev, dtype=torch.float32)
         _score_max[grid](*score_args, span, *strides, PER_CHUNK=True, **score)
-        out, n_c = row_select(sc, pos, span, topk, CH, sort=sort, block=row_block, num_warps=row_warps,
-                              interpret=interpret)
+        if impl == "row":
+            out, n_c = row_select(sc, pos, span, topk, CH, sort=sort, block=row_block, num_warps=row_warps,
+                                  interpret=interpret)
+        else:
+            out, n_c = split_select(sc, pos, span, topk, CH, BN, sort=sort, num_warps=nw, interpret=interpret)
         return (out, n_c) if candidates else out
     cu = torch.empty(B, S, device=dev, dtype=torch.int32)
     ci = torch.empty(B, S, device=dev, dtype=torch.int32)

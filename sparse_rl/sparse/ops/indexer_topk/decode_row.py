@@ -30,18 +30,24 @@ from sparse_rl.sparse.ops.indexer_topk.decode import NB, _bstar_of, _block, _rad
 
 
 @triton.jit
-def _row_select(SC, POS, SPAN, CU, CI, OUT, NC, sob, S, K, P, CH: tl.constexpr, NB: tl.constexpr,
-                PMAX: tl.constexpr, RBN: tl.constexpr, BLOCK: tl.constexpr, SORT: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    pos = tl.load(POS + b).to(tl.int32)
-    # the row's span from the chunks the score pass wrote (those starting at or before pos)
+def _row_span(SPAN, b, pos, P, CH: tl.constexpr, NB: tl.constexpr, PMAX: tl.constexpr):
+    """`decode._span` from per-chunk spans: SPAN `[B, P, 2]` fp32 holds each chunk's (max, min) of its
+    unforced finite scores; only chunks starting at or before pos were written."""
     offs_p = tl.arange(0, PMAX)
     pm = offs_p <= pos // CH
     mx = tl.max(tl.load(SPAN + (b * P + offs_p) * 2, mask=pm, other=float("-inf")), 0)
     mn = tl.min(tl.load(SPAN + (b * P + offs_p) * 2 + 1, mask=pm, other=float("inf")), 0)
     span = mx - mn
     ok = (span > 0) & (span < float("inf"))
-    inv = tl.where(ok, NB / tl.where(ok, span, 1.0), 0.0)
+    return mx, tl.where(ok, NB / tl.where(ok, span, 1.0), 0.0)
+
+
+@triton.jit
+def _row_select(SC, POS, SPAN, CU, CI, OUT, NC, sob, S, K, P, CH: tl.constexpr, NB: tl.constexpr,
+                PMAX: tl.constexpr, RBN: tl.constexpr, BLOCK: tl.constexpr, SORT: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    pos = tl.load(POS + b).to(tl.int32)
+    mx, inv = _row_span(SPAN, b, pos, P, CH, NB, PMAX)
     bins = tl.arange(0, NB)
     hist = tl.zeros([NB], tl.int32)
     nf = 0
