@@ -17,7 +17,8 @@ Phases (JSON rewritten after each; a phase that does not fit the budget left is 
 2. Qwen3-4B shape, batch 32, 16K context: step ms (graph replay, median of 20) dense and per variant,
    with the floor; a torch.profiler split of ONE sparse step, eager and graph replay, per kernel class.
 3. Whole generations, 128-token prompts: 16K new tokens at batch 32 and 32K at batch 16, dense and
-   sparse (the fastest new variant, chunked, the fastest of the other design): integrated from step times over the context plus
+   sparse (the fastest new variant, chunked, the fastest of the other design): integrated from step
+   times over the context plus
    the per-step overhead a short real generation pays (`bench.rollout._integrated`), not timed end to end.
 Writes $OUT/results.json; prints a short table last.
 """
@@ -60,7 +61,6 @@ def use(variant):
 
 def correctness(dev, smoke):
     from sparse_rl.bench.floor import SHAPES, build_model
-    from sparse_rl.rl.rollout import RolloutEngine, SamplingParams, process_logits
     from sparse_rl.sparse.config import SparseConfig
     from sparse_rl.sparse.layer import set_attention
     from sparse_rl.sparse.patch import attach_sparse
@@ -79,34 +79,47 @@ def correctness(dev, smoke):
         with torch.inference_mode():
             hf.append(model.generate(torch.tensor([p], device=dev), max_new_tokens=new, do_sample=False,
                                      eos_token_id=None, pad_token_id=0)[0, len(p):].tolist())
-    for v in VARIANTS:
-        use(v)
-        if smoke and v == "row":  # the engine on the Triton kernels (interpreter: slow), the reference on PyTorch ops
-            os.environ["SPARSE_RL_BACKEND"] = "triton"
-        eng = RolloutEngine(model, None, max_batch=3, max_seq_len=256, device=dev, eos_token_ids=[])
-        greedy = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=new))
-        samples = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new, seed=7))
-        os.environ.pop("SPARSE_RL_BACKEND", None)
-        same = sum(ref == c.tokens for ref, c in zip(hf, greedy))
-        params = SamplingParams(temperature=1.0, max_new_tokens=new, seed=7)
-        lp_diff = 0.0
-        for c in samples:
-            with torch.inference_mode():
-                ids = torch.tensor([c.prompt_tokens + c.tokens], device=dev)
-                logits = model(input_ids=ids).logits[0, len(c.prompt_tokens) - 1:-1].float()
-                ref = process_logits(logits, params).gather(-1, torch.tensor(c.tokens, device=dev)[:, None])[:, 0]
-            lp_diff = max(lp_diff, float((torch.tensor(c.logprobs, device=dev) - ref).abs().max()))
-        out[v] = {"greedy_equal_hf": f"{same}/{len(prompts)}", "logprobs_max_abs_diff": lp_diff,
-                  "graphs": eng.runner.use_graphs, "graph_error": eng.runner.graph_error}
-        log(f"correctness {v}: {out[v]}")
+    for v in ("chunked", "row", "split"):  # the *_sort variants' keys are checked by `select_alone`
+        try:
+            out[v] = _tiny_check(model, prompts, hf, new, v, dev, smoke)
+        except Exception as e:
+            RES["errors"].append(f"correctness {v}: {type(e).__name__}: {str(e)[:300]}")
+        log(f"correctness {v}: {out.get(v)}")
     use("chunked")
     return out
 
 
-def select_alone(dev, smoke):
-    """The select alone (CUDA-graph replay): every variant at 32 x 16K, 16 x 32K and 32 x 4K (bf16 keys,
-    random, LayerNorm'd; mixed-sign head weights), its keys against the chunked kernel's (same scores);
-    at 4 x 3000 with integer inputs (exact scores, ties) against the PyTorch reference."""
+def _tiny_check(model, prompts, hf, new, v, dev, smoke) -> dict:
+    """Greedy tokens vs HF generate (hf), sampled log-probs vs a teacher-forced forward, select variant v."""
+    from sparse_rl.rl.rollout import RolloutEngine, SamplingParams, process_logits
+
+    use(v)
+    if smoke and v == "row":  # the engine on the Triton kernels (interpreter: slow), the reference on PyTorch ops
+        os.environ["SPARSE_RL_BACKEND"] = "triton"
+    params = SamplingParams(temperature=1.0, max_new_tokens=new, seed=7)
+    try:
+        eng = RolloutEngine(model, None, max_batch=3, max_seq_len=256, device=dev, eos_token_ids=[])
+        greedy = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=new))
+        samples = eng.generate(prompts, params)
+    finally:
+        os.environ.pop("SPARSE_RL_BACKEND", None)
+        use("chunked")
+    lp_diff = 0.0
+    for c in samples:
+        with torch.inference_mode():
+            ids = torch.tensor([c.prompt_tokens + c.tokens], device=dev)
+            logits = model(input_ids=ids).logits[0, len(c.prompt_tokens) - 1:-1].float()
+            ref = process_logits(logits, params).gather(-1, torch.tensor(c.tokens, device=dev)[:, None])[:, 0]
+        lp_diff = max(lp_diff, float((torch.tensor(c.logprobs, device=dev) - ref).abs().max()))
+    return {"greedy_equal_hf": f"{sum(r == c.tokens for r, c in zip(hf, greedy))}/{len(prompts)}",
+            "logprobs_max_abs_diff": lp_diff, "graphs": eng.runner.use_graphs, "graph_error": eng.runner.graph_error}
+
+
+def select_alone(dev, smoke, shapes, more: bool):
+    """The select alone (CUDA-graph replay) at each (batch, context) of `shapes` (bf16 keys, random,
+    LayerNorm'd; mixed-sign head weights): every variant, its keys against the chunked kernel's (same
+    scores); first (more=False) at 4 x 3000 with integer inputs (exact scores, ties) against the PyTorch
+    reference. more=True: at the first shape only row and its block / warps / chunk choices."""
     from sparse_rl.bench.timing import bench_ms
     from sparse_rl.sparse.ops.indexer_topk import decode as itd
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
@@ -122,14 +135,15 @@ def select_alone(dev, smoke):
     pi = torch.tensor([Si - 1, Si // 2, Ki // 2, Si - 7][:Bi], device=dev)
     refi = indexer_topk_decode_naive(qi.float(), wi.float(), ki.float(), pi, Ki, **kw)
     out = {"ints_equal_reference": {}, "shapes": []}
-    for v, (impl, sort) in VARIANTS.items():
+    for v, (impl, sort) in (() if more else VARIANTS.items()):
         out["ints_equal_reference"][v] = bool(torch.equal(itd.indexer_topk_decode(qi, wi, ki, pi, Ki, impl=impl,
                                                                                   sort=sort, **kw), refi))
     log(f"select, integer inputs == reference: {out['ints_equal_reference']}")
-    extra = {} if smoke else {"row_b2048_w8": dict(impl="row", row_block=2048, row_warps=8),
+    extras = {} if smoke or not more else {"row_b2048_w8": dict(impl="row", row_block=2048, row_warps=8),
                               "row_b8192_w16": dict(impl="row", row_block=8192, row_warps=16),
-                              "row_chunk512": dict(impl="row", chunk=512), "row_chunk2048": dict(impl="row", chunk=2048)}
-    for si, (B, S) in enumerate([(3, 300)] if smoke else [(32, 16384), (16, 32768), (32, 4096)]):
+                                          "row_chunk512": dict(impl="row", chunk=512),
+                                          "row_chunk2048": dict(impl="row", chunk=2048)}
+    for si, (B, S) in enumerate([(3, 300)] if smoke else shapes):
         g = torch.Generator(device=dev).manual_seed(9 + si)
         k = torch.nn.functional.layer_norm(torch.randn(B, S, 64, device=dev, generator=g), (64,)).to(dt)
         q = torch.randn(B, 4, 64, device=dev, generator=g).to(dt)
@@ -139,14 +153,20 @@ def select_alone(dev, smoke):
         base = itd.indexer_topk_decode(q, w, k, pos, K, impl="chunked", sort=0, **kw)
         row = {"batch": B, "context": S, "floor_ms": round(1e3 * B * S * 128 / RES.get("copy_bw", 4.27e12), 4),
                "variants": {}}
-        vs = {v: dict(impl=i, sort=s) for v, (i, s) in VARIANTS.items()}
-        vs.update(extra if si == 0 else {})
+        vs = ({"row": dict(impl="row")} if more and si == 0
+              else {v: dict(impl=i, sort=s) for v, (i, s) in VARIANTS.items()})
+        vs.update(extras if si == 0 else {})
         for v, args in vs.items():
-            got, n_c = itd.indexer_topk_decode(q, w, k, pos, K, candidates=True, **args, **kw)
+            try:
+                got, n_c = itd.indexer_topk_decode(q, w, k, pos, K, candidates=True, **args, **kw)
+            except Exception as e:
+                RES["errors"].append(f"select {v} {B}x{S}: {type(e).__name__}: {str(e)[:300]}")
+                continue
             ms = -1.0 if smoke else bench_ms(lambda: itd.indexer_topk_decode(q, w, k, pos, K, **args, **kw), dev,
                                              graph=True)  # -1: not timed (the interpreter)
             row["variants"][v] = {"ms_graph": round(ms, 4), "equal_chunked": bool(torch.equal(got, base)),
-                                  "candidates_mean": round(float(n_c.float().mean()), 1), "candidates_max": int(n_c.max())}
+                                  "candidates_mean": round(float(n_c.float().mean()), 1),
+                                  "candidates_max": int(n_c.max())}
         log(f"select alone {B} x {S}: {row}")
         out["shapes"].append(row)
     return out
@@ -207,7 +227,11 @@ def step_ab(b, eng, ctx, smoke) -> dict:
     for v in VARIANTS:
         use(v)
         eng.runner.drop_graphs()
-        r = b.step_row(eng, B, ctx, "sparse")
+        try:
+            r = b.step_row(eng, B, ctx, "sparse")
+        except Exception as e:  # one variant failing (a compile error) keeps the others
+            RES["errors"].append(f"step {v}: {type(e).__name__}: {str(e)[:300]}")
+            continue
         r["variant"] = v
         out["rows"].append(r)
         log(r)
@@ -221,7 +245,8 @@ def step_ab(b, eng, ctx, smoke) -> dict:
                 try:
                     p = profile_step(eng, ctx, "sparse", graph)
                     out["profiles"][f"{v}_{'graph' if graph else 'eager'}"] = p
-                    log(f"profile {v} graph={graph}: {p['kernel_us_total']} us, {p['kernels']} kernels, {p['classes_us']}")
+                    log(f"profile {v} graph={graph}: {p['kernel_us_total']} us, {p['kernels']} kernels, "
+                        f"{p['classes_us']}")
                 except Exception as e:
                     RES["errors"].append(f"profile {v} graph={graph}: {type(e).__name__}: {str(e)[:300]}")
         p = profile_step(eng, ctx, "dense", True) if not smoke else None
@@ -245,7 +270,11 @@ def whole(b, new, B, variants, P, budget, per_mode_s) -> list:
             use(v)
         eng.runner.drop_graphs()
         t = time.time()
-        secs, extra = _integrated(b, eng, ids, new, mode)
+        try:
+            secs, extra = _integrated(b, eng, ids, new, mode)
+        except Exception as e:
+            RES["errors"].append(f"whole {new} {mode} {v}: {type(e).__name__}: {str(e)[:300]}")
+            continue
         floor_s = b.floor_gen_s(B, P, new, mode)
         rows.append({"mode": mode, "variant": v, "batch": B, "prompt": P, "new_tokens": new, "how": "integrated",
                      "seconds": round(secs, 3), "tokens_per_s": round(B * new / secs, 1),
@@ -305,7 +334,7 @@ def main():
     RES["copy_bw_tb_s"] = round(b.bw / 1e12, 3)
     b.attach_sparse()
     log(f"model built, copy {RES['copy_bw_tb_s']} TB/s")
-    phase("select_alone", lambda: select_alone(dev, a.smoke), 120)
+    phase("select_alone", lambda: select_alone(dev, a.smoke, [(32, 16384)], False), 120)
     (new16, B16), (new32, B32) = cfg.long_runs()
     P = cfg.long_prompt_len
     ctx = 160 if a.smoke else 16384
@@ -329,6 +358,8 @@ def main():
     # the fastest new variant first: if the budget runs out, the later ones are what is lost
     phase("whole_16k_b32", lambda: whole(b, new16, B16, [best, "chunked", second], P, a.budget_s, 14), 45)
     phase("whole_32k_b16", lambda: whole(b, new32, B32, [best, "chunked", second], P, a.budget_s, 16), 50)
+    # what is left: the select alone at other sizes, and the row program's block / warps / chunk choices
+    phase("select_alone_more", lambda: select_alone(dev, a.smoke, [(32, 16384), (16, 32768), (32, 4096)], True), 20)
     save()
     print("\n| phase | mode | variant | ms / tokens/s | floor | x floor |\n|---|---|---|---|---|---|")
     for r in (RES.get("steps_16k_b32") or {}).get("rows", []):
@@ -336,9 +367,10 @@ def main():
               f"{r['floor_ms']} | {r['x_floor']} |")
     for k in ("whole_16k_b32", "whole_32k_b16"):
         for r in RES.get(k) or []:
-            print(f"| {k} | {r['mode']} | {r['variant'] or '-'} | {r['tokens_per_s']} tok/s | {r['floor_tokens_per_s']} | "
+            print(f"| {k} | {r['mode']} | {r['variant'] or '-'} | {r['tokens_per_s']} tok/s | "
+                  f"{r['floor_tokens_per_s']} | "
                   f"{r['x_floor']} |")
-    for sh in (RES.get("select_alone") or {}).get("shapes", []):
+    for sh in [x for k in ("select_alone", "select_alone_more") for x in (RES.get(k) or {}).get("shapes", [])]:
         for v, r in sh["variants"].items():
             print(f"| select {sh['batch']} x {sh['context']} | sparse | {v} | {r['ms_graph']} ms | {sh['floor_ms']} | "
                   f"same keys {r['equal_chunked']} |")

@@ -48,7 +48,8 @@ def test_row_and_split_selects_pick_the_reference_keys(impl, ints):
         w = torch.randint(-1, 3, (B, HI), generator=g).float()
         k = torch.randint(-2, 3, (B, S, DI), generator=g).float()
     else:
-        q, w, k = torch.randn(B, HI, DI, generator=g), torch.randn(B, HI, generator=g), torch.randn(B, S, DI, generator=g)
+        q, w = torch.randn(B, HI, DI, generator=g), torch.randn(B, HI, generator=g)
+        k = torch.randn(B, S, DI, generator=g)
     pos = torch.tensor([S - 1, 70, 12, 100])
     kvs = torch.tensor([0, 3, 0, 40])
     ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=2, window=3, kv_start=kvs)
