@@ -256,13 +256,13 @@ def step_ab(b, eng, ctx, smoke) -> dict:
     return out
 
 
-def whole(b, new, B, variants, P, budget, per_mode_s) -> list:
+def whole(b, new, B, variants, P, budget, per_mode_s, dense: bool = True) -> list:
     from sparse_rl.bench.rollout import _integrated
 
     ids = b.prompts(B, P)
     eng = b.engine(B, P + new)
     rows = []
-    for mode, v in [("dense", None)] + [("sparse", v) for v in variants]:
+    for mode, v in [("dense", None)] * dense + [("sparse", v) for v in variants]:
         if left(budget) < per_mode_s:
             RES["skipped"].append(f"whole {new} batch {B} {mode} {v or ''}")
             continue
@@ -356,8 +356,10 @@ def main():
         second = min((v for v in sp if v not in ("chunked", best) and v.split("_")[0] != best.split("_")[0]),
                      key=sp.get)
     # the fastest new variant first: if the budget runs out, the later ones are what is lost
-    phase("whole_16k_b32", lambda: whole(b, new16, B16, [best, "chunked", second], P, a.budget_s, 14), 45)
-    phase("whole_32k_b16", lambda: whole(b, new32, B32, [best, "chunked", second], P, a.budget_s, 16), 50)
+    phase("whole_16k_b32", lambda: whole(b, new16, B16, [best, "chunked"], P, a.budget_s, 14), 40)
+    phase("whole_32k_b16", lambda: whole(b, new32, B32, [best, "chunked"], P, a.budget_s, 16), 45)
+    phase("whole_16k_b32_second", lambda: whole(b, new16, B16, [second], P, a.budget_s, 14, dense=False), 16)
+    phase("whole_32k_b16_second", lambda: whole(b, new32, B32, [second], P, a.budget_s, 16, dense=False), 18)
     # what is left: the select alone at other sizes, and the row program's block / warps / chunk choices
     phase("select_alone_more", lambda: select_alone(dev, a.smoke, [(32, 16384), (16, 32768), (32, 4096)], True), 20)
     save()
@@ -365,7 +367,7 @@ def main():
     for r in (RES.get("steps_16k_b32") or {}).get("rows", []):
         print(f"| step b{r['batch']} {r['context']} | {r['mode']} | {r.get('variant', '-')} | {r['ms']} ms | "
               f"{r['floor_ms']} | {r['x_floor']} |")
-    for k in ("whole_16k_b32", "whole_32k_b16"):
+    for k in ("whole_16k_b32", "whole_32k_b16", "whole_16k_b32_second", "whole_32k_b16_second"):
         for r in RES.get(k) or []:
             print(f"| {k} | {r['mode']} | {r['variant'] or '-'} | {r['tokens_per_s']} tok/s | "
                   f"{r['floor_tokens_per_s']} | "
