@@ -1,7 +1,7 @@
 """Session 6 device run (issue 14): the decode step's measured split, the one-program-per-row decode
 select A/B, and whole-generation sparse/dense ratios with the current step, in one call.
 
-    PYTHONPATH=. python benchmarks/gpu_rollout_session6.py --out $OUT/roll6 --budget-s 225 --commit HASH
+    PYTHONPATH=. python benchmarks/gpu_rollout_session6.py --out $OUT/roll6 --budget-s 178 --commit HASH
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/gpu_rollout_session6.py --out /tmp/r6 --smoke   (CPU)
 
 Select variants (`ops.indexer_topk.decode`, set through its module defaults so the engine's graphs
@@ -15,7 +15,8 @@ Phases (JSON rewritten after each; a phase that does not fit the budget left is 
    every variant's keys == the chunked kernel's (same scores), and at 4 x 3000 with integer inputs
    (exact scores, ties) == the PyTorch reference; the select alone timed (CUDA-graph replay).
 2. Qwen3-4B shape, batch 32, 16K context: step ms (graph replay, median of 20) dense and per variant,
-   with the floor; a torch.profiler split of ONE sparse step, eager and graph replay, per kernel class.
+   with the floor; a torch.profiler split of ONE sparse step per kernel class (graph replay: chunked
+   and the fastest new variant; eager: chunked), and of one dense step if the budget allows.
 3. Whole generations, 128-token prompts: 16K new tokens at batch 32 and 32K at batch 16, dense and
    sparse (the fastest new variant, chunked, the fastest of the other design): integrated from step
    times over the context plus
@@ -35,6 +36,7 @@ import torch
 
 T0 = time.time()
 RES: dict = {"errors": [], "skipped": []}
+OUT: list = []  # the output dir, once known
 VARIANTS = {"chunked": ("chunked", 0), "row": ("row", 0), "row_sort": ("row", 1024), "split": ("split", 0),
             "split_sort": ("split", 1024)}
 CLASSES = (("gemm", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "gemv")),
@@ -46,6 +48,12 @@ CLASSES = (("gemm", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "gemv")),
 
 def log(msg):
     print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def save():
+    RES["elapsed_s"] = round(time.time() - T0, 1)
+    if OUT:
+        json.dump(RES, open(f"{OUT[0]}/results.json", "w"), indent=1)
 
 
 def left(budget):
@@ -72,7 +80,7 @@ def correctness(dev, smoke):
     set_attention(model, "sparse")
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(10, 500, (n,), generator=g).tolist() for n in (21, 47, 9)]
-    new = 12 if smoke else 100
+    new = 12 if smoke else 48
     out = {}
     hf = []
     for p in prompts:  # the reference path (HF generate over the model's sparse attention): no decode select
@@ -218,7 +226,7 @@ def profile_step(eng, ctx, mode, graph: bool) -> dict:
             "top": [{"kernel": n, "us": round(v[0], 1), "calls": v[1]} for n, v in top]}
 
 
-def step_ab(b, eng, ctx, smoke) -> dict:
+def step_ab(b, eng, ctx, smoke, budget) -> dict:
     out = {"rows": [], "profiles": {}}
     b.fill(eng, ctx)
     B = eng.max_batch
@@ -241,7 +249,7 @@ def step_ab(b, eng, ctx, smoke) -> dict:
         for v in ("chunked", out["best"]):
             use(v)
             eng.runner.drop_graphs()
-            for graph in (False, True):
+            for graph in ((False, True) if v == "chunked" else (True,)):
                 try:
                     p = profile_step(eng, ctx, "sparse", graph)
                     out["profiles"][f"{v}_{'graph' if graph else 'eager'}"] = p
@@ -249,19 +257,19 @@ def step_ab(b, eng, ctx, smoke) -> dict:
                         f"{p['classes_us']}")
                 except Exception as e:
                     RES["errors"].append(f"profile {v} graph={graph}: {type(e).__name__}: {str(e)[:300]}")
-        p = profile_step(eng, ctx, "dense", True) if not smoke else None
-        out["profiles"]["dense_graph"] = p
+        if left(budget) > 125:  # the whole generations come first
+            out["profiles"]["dense_graph"] = profile_step(eng, ctx, "dense", True)
     use("chunked")
     eng.runner.drop_graphs()
     return out
 
 
-def whole(b, new, B, variants, P, budget, per_mode_s, dense: bool = True) -> list:
+def whole(b, new, B, variants, P, budget, per_mode_s, name, dense: bool = True) -> list:
     from sparse_rl.bench.rollout import _integrated
 
     ids = b.prompts(B, P)
     eng = b.engine(B, P + new)
-    rows = []
+    rows = RES[name] = []  # saved row by row: a timeout mid-phase keeps what was measured
     for mode, v in [("dense", None)] * dense + [("sparse", v) for v in variants]:
         if left(budget) < per_mode_s:
             RES["skipped"].append(f"whole {new} batch {B} {mode} {v or ''}")
@@ -281,6 +289,7 @@ def whole(b, new, B, variants, P, budget, per_mode_s, dense: bool = True) -> lis
                      "ms_per_step": round(1e3 * secs / new, 3), "floor_tokens_per_s": round(B * new / floor_s, 1),
                      "x_floor": round(secs / floor_s, 2), "wall_s": round(time.time() - t, 1), **extra})
         log({k: x for k, x in rows[-1].items() if k != "step_points"})
+        save()
     use("chunked")
     del eng
     if b.dev.type == "cuda":
@@ -291,11 +300,12 @@ def whole(b, new, B, variants, P, budget, per_mode_s, dense: bool = True) -> lis
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--budget-s", type=float, default=225)
+    ap.add_argument("--budget-s", type=float, default=178)
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--smoke", action="store_true", help="a CPU run of the script itself at tiny sizes")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    OUT.append(a.out)
     from sparse_rl.bench.rollout import BenchRolloutConfig, _Bench
 
     dev = torch.device("cpu" if a.smoke else "cuda")
@@ -303,10 +313,6 @@ def main():
         VARIANTS.update({v: (i, min(srt, 64)) for v, (i, srt) in VARIANTS.items()})
     RES.update({"commit": a.commit, "torch": torch.__version__, "budget_s": a.budget_s,
                 "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"})
-
-    def save():
-        RES["elapsed_s"] = round(time.time() - T0, 1)
-        json.dump(RES, open(f"{a.out}/results.json", "w"), indent=1)
 
     def phase(name, fn, need_s):
         if left(a.budget_s) < need_s:
@@ -342,7 +348,7 @@ def main():
     def steps():
         eng = b.engine(B16, P + new16)
         try:
-            return step_ab(b, eng, ctx, a.smoke)
+            return step_ab(b, eng, ctx, a.smoke, a.budget_s)
         finally:
             del eng
             if dev.type == "cuda":
@@ -356,10 +362,12 @@ def main():
         second = min((v for v in sp if v not in ("chunked", best) and v.split("_")[0] != best.split("_")[0]),
                      key=sp.get)
     # the fastest new variant first: if the budget runs out, the later ones are what is lost
-    phase("whole_16k_b32", lambda: whole(b, new16, B16, [best, "chunked"], P, a.budget_s, 14), 40)
-    phase("whole_32k_b16", lambda: whole(b, new32, B32, [best, "chunked"], P, a.budget_s, 16), 45)
-    phase("whole_16k_b32_second", lambda: whole(b, new16, B16, [second], P, a.budget_s, 14, dense=False), 16)
-    phase("whole_32k_b16_second", lambda: whole(b, new32, B32, [second], P, a.budget_s, 16, dense=False), 18)
+    # (phase, new tokens, batch, sparse variants, with dense, seconds needed to start, seconds a mode needs)
+    for name, new, B, vs, dense, need, per_mode in (("whole_16k_b32", new16, B16, [best, "chunked"], True, 40, 14),
+                                                   ("whole_32k_b16", new32, B32, [best, "chunked"], True, 45, 16),
+                                                   ("whole_16k_b32_second", new16, B16, [second], False, 16, 14),
+                                                   ("whole_32k_b16_second", new32, B32, [second], False, 18, 16)):
+        phase(name, lambda: whole(b, new, B, vs, P, a.budget_s, per_mode, name, dense), need)
     # what is left: the select alone at other sizes, and the row program's block / warps / chunk choices
     phase("select_alone_more", lambda: select_alone(dev, a.smoke, [(32, 16384), (16, 32768), (32, 4096)], True), 20)
     save()
