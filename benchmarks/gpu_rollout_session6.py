@@ -228,6 +228,7 @@ def profile_step(eng, ctx, mode, graph: bool) -> dict:
 
 def step_ab(b, eng, ctx, smoke, budget) -> dict:
     out = {"rows": [], "profiles": {}}
+    eng.set_attention("sparse")  # the index-key cache exists before the fill (the 2026-12-01 run filled none)
     b.fill(eng, ctx)
     B = eng.max_batch
     out["rows"].append(b.step_row(eng, B, ctx, "dense"))
