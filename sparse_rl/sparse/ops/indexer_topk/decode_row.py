@@ -11,11 +11,11 @@ finds the threshold bin, resolves it and writes the row (TRT-LLM splits rows onl
 Here: `decode._score_max` (the (chunk, row) score pass, every SM busy) writes each chunk's maximum
 and minimum to `[B, P, 2]` instead of atomics (so nothing needs a memset), then `_row_select`, one
 program per row over large blocks of the row's scores (`block` keys, ~8 a thread):
-1. the first-level histogram (NB linear bins over the row span, `decode_steps._block`), the forced count;
-2. b*, the bin holding the k-th largest finite score (`decode_steps._bstar_of`);
+1. the first-level histogram (NB linear bins over the row's span, `decode._block`), and the forced count;
+2. b*, the bin holding the k-th largest finite score (`decode._bstar_of`);
 3. the candidates (keys in b*) to a scratch list, in key order;
 4. the exact threshold among them: one in-register sort when there are at most `sort` of them, else
-   the four radix levels (`decode_steps._threshold`);
+   the four radix levels (`decode._sort_threshold` / `decode._radix_threshold`);
 5. the selected positions in ascending order (a running cumsum gives each its slot), -1 padding.
 Two launches a layer in all, no memset; the same keys as the reference (ties to the later key).
 """
@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _bstar_of, _emit, _gather_block, _hist_block, _pad,
-                                                             _threshold)
+from sparse_rl.sparse.ops.indexer_topk.decode import (NB, _bstar_of, _emit, _gather_block, _hist_block, _pad,
+                                                       _threshold)
 
 
 @triton.jit

@@ -7,13 +7,13 @@ but nothing needs atomics or a zeroed scratch, and the count, select and write p
 1. `_hist_chunk`: each chunk's first-level histogram `[B, P, NB]` and forced count `[B, P]`, stored
    (the row's span from the score pass's per-chunk maxima and minima, `decode_row._row_span`);
 2. `_gather_chunk`: every program sums the row's per-chunk histograms (`[P, NB]`, a few KB from L2),
-   finds b* (`decode_steps._bstar_of`) and gathers its chunk's candidates (keys in b*) into the row's
-   list at the offset the earlier chunks' b* counts give: in key order, no count pass;
+   finds b* (`decode._bstar_of`) and gathers its chunk's candidates (keys in b*) into the row's list
+   at the offset the earlier chunks' b* counts give: in key order, no count pass;
 3. `_thresh_write`: every program resolves the row's threshold over the candidates itself (the same
-   sort / radix step as `decode.py`, `decode_steps._threshold`; each of a row's programs repeats this
-   small step instead of waiting for one program to do it), takes its output offset from the earlier
-   chunks' counts (keys in bins above b*, forced keys, kept candidates) and writes its selected
-   positions in ascending order; the row's last program pads with -1.
+   sort / radix helpers as `decode.py`; each of a row's programs repeats this small step instead of
+   waiting for one program to do it), takes its output offset from the earlier chunks' counts (keys in
+   bins above b*, forced keys, kept candidates) and writes its selected positions in ascending order;
+   the row's last program pads with -1.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _bstar_of, _emit, _gather_block, _hist_block, _pad,
-                                                             _threshold)
+from sparse_rl.sparse.ops.indexer_topk.decode import (NB, _bstar_of, _emit, _gather_block, _hist_block, _pad,
+                                                       _threshold)
 from sparse_rl.sparse.ops.indexer_topk.decode_row import _row_span
 
 
