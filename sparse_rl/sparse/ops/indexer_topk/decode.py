@@ -38,10 +38,6 @@ selects exactly, over more candidates.
 
 Only rows' visible prefixes are read (chunks past `pos` do nothing) and the grid depends on S only,
 so the whole select is CUDA-graph capturable with `pos` in device memory.
-
-These are the "chunked" passes (`impl`). After the same score pass, "row" (`decode_row.py`) does steps
-2-6 in one program per row and "split" (`decode_split.py`) in three (chunk, row) passes without a memset;
-the default "auto" takes row for rows of at most `ROW_MAX_KEYS` keys and these passes beyond.
 """
 
 from __future__ import annotations
@@ -169,15 +165,6 @@ def _score_max(Q, W, KI, KS, POS, KVS, SC, RNG, sqb, sqh, sqd, swb, swh, skb, sk
 
 
 @triton.jit
-def _hist_block(SC, b, S, pos, n0, mx, inv, hist, nf, BN: tl.constexpr, NB: tl.constexpr):
-    """hist `[NB]` and nf (forced keys) updated with keys n0..n0+BN-1 of row b."""
-    offs_n, x, fin, d, u = _block(SC, b, S, pos, n0, mx, inv, BN, NB)
-    bins = tl.arange(0, NB)
-    hist += tl.histogram(tl.where(fin, d, 0), NB) - tl.where(bins == 0, tl.sum((~fin).to(tl.int32), 0), 0)
-    return hist, nf + tl.sum((x == float("inf")).to(tl.int32), 0)
-
-
-@triton.jit
 def _hist(SC, POS, RNG, HIST, NF, S, CH: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -189,7 +176,9 @@ def _hist(SC, POS, RNG, HIST, NF, S, CH: tl.constexpr, BN: tl.constexpr, NB: tl.
         hist = tl.zeros([NB], tl.int32)
         nf = 0
         for i in range(0, CH // BN):
-            hist, nf = _hist_block(SC, b, S, pos, c0 + i * BN, mx, inv, hist, nf, BN, NB)
+            offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
+            hist += tl.histogram(tl.where(fin, d, 0), NB) - tl.where(bins == 0, tl.sum((~fin).to(tl.int32), 0), 0)
+            nf += tl.sum((x == float("inf")).to(tl.int32), 0)
         tl.atomic_add(HIST + b * NB + bins, hist, mask=hist > 0)
         tl.atomic_add(NF + b, nf)
 
@@ -214,18 +203,6 @@ def _count(SC, POS, RNG, HIST, NF, CNT, S, K, P, CH: tl.constexpr, BN: tl.conste
 
 
 @triton.jit
-def _gather_block(SC, CU, CI, b, S, pos, n0, mx, inv, bstar, off, BN: tl.constexpr, NB: tl.constexpr):
-    """The candidates (keys in bin b*) among n0..n0+BN-1 of row b: their u and positions to the row's
-    lists CU / CI `[B, S]` from slot off, in key order; returns the next free slot."""
-    offs_n, x, fin, d, u = _block(SC, b, S, pos, n0, mx, inv, BN, NB)
-    cand = fin & (d == bstar)
-    slot = off + tl.cumsum(cand.to(tl.int32), 0) - 1
-    tl.store(CU + b * S + slot, u.to(tl.int32, bitcast=True), mask=cand)
-    tl.store(CI + b * S + slot, offs_n, mask=cand)
-    return off + tl.sum(cand.to(tl.int32), 0)
-
-
-@triton.jit
 def _gather_cands(SC, POS, RNG, HIST, NF, CNT, CU, CI, S, K, P, CH: tl.constexpr, BN: tl.constexpr,
                   NB: tl.constexpr, PMAX: tl.constexpr):
     p = tl.program_id(0)
@@ -239,7 +216,12 @@ def _gather_cands(SC, POS, RNG, HIST, NF, CNT, CU, CI, S, K, P, CH: tl.constexpr
             offs_p = tl.arange(0, PMAX)
             off = tl.sum(tl.load(CNT + (b * P + offs_p) * 2 + 1, mask=offs_p < p, other=0), 0)
             for i in range(0, CH // BN):
-                off = _gather_block(SC, CU, CI, b, S, pos, c0 + i * BN, mx, inv, bstar, off, BN, NB)
+                offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
+                cand = fin & (d == bstar)
+                slot = off + tl.cumsum(cand.to(tl.int32), 0) - 1
+                tl.store(CU + b * S + slot, u.to(tl.int32, bitcast=True), mask=cand)
+                tl.store(CI + b * S + slot, offs_n, mask=cand)
+                off += tl.sum(cand.to(tl.int32), 0)
 
 
 @triton.jit

@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.decode import (NB, _bstar_of, _emit, _gather_block, _hist_block, _pad,
-                                                       _threshold)
+from sparse_rl.sparse.ops.indexer_topk.decode import NB, _block, _bstar_of, _emit, _pad, _threshold
 
 
 @triton.jit
@@ -49,16 +48,23 @@ def _row_select(SC, POS, SPAN, CU, CI, OUT, NC, sob, S, K, P, CH: tl.constexpr, 
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
     mx, inv = _row_span(SPAN, b, pos, P, CH, NB, PMAX)
+    bins = tl.arange(0, NB)
     hist = tl.zeros([NB], tl.int32)
     nf = 0
     for n0 in range(0, pos + 1, RBN):
-        hist, nf = _hist_block(SC, b, S, pos, n0, mx, inv, hist, nf, RBN, NB)
+        offs_n, x, fin, d, u = _block(SC, b, S, pos, n0, mx, inv, RBN, NB)
+        hist += tl.histogram(tl.where(fin, d, 0), NB) - tl.where(bins == 0, tl.sum((~fin).to(tl.int32), 0), 0)
+        nf += tl.sum((x == float("inf")).to(tl.int32), 0)
     bstar, rem, take_all = _bstar_of(hist, nf, K, NB)
     n_c = 0
-    if not take_all:
-        if rem > 0:  # else `_threshold` needs no candidates
-            for n0 in range(0, pos + 1, RBN):
-                n_c = _gather_block(SC, CU, CI, b, S, pos, n0, mx, inv, bstar, n_c, RBN, NB)
+    if (~take_all) & (rem > 0):  # else `_threshold` needs no candidates
+        for n0 in range(0, pos + 1, RBN):
+            offs_n, x, fin, d, u = _block(SC, b, S, pos, n0, mx, inv, RBN, NB)
+            cand = fin & (d == bstar)
+            slot = n_c + tl.cumsum(cand.to(tl.int32), 0) - 1
+            tl.store(CU + b * S + slot, u.to(tl.int32, bitcast=True), mask=cand)
+            tl.store(CI + b * S + slot, offs_n, mask=cand)
+            n_c += tl.sum(cand.to(tl.int32), 0)
     tau, cut, _ = _threshold(CU, CI, b, S, n_c, rem, take_all, CH, PMAX, BLOCK, SORT)
     tl.store(NC + b, n_c)
     off = 0

@@ -22,8 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.decode import (NB, _bstar_of, _emit, _gather_block, _hist_block, _pad,
-                                                       _threshold)
+from sparse_rl.sparse.ops.indexer_topk.decode import NB, _block, _bstar_of, _emit, _pad, _threshold
 from sparse_rl.sparse.ops.indexer_topk.decode_row import _row_span
 
 
@@ -49,7 +48,9 @@ def _hist_chunk(SC, POS, SPAN, HP, NFP, S, P, CH: tl.constexpr, BN: tl.constexpr
         hist = tl.zeros([NB], tl.int32)
         nf = 0
         for i in range(0, CH // BN):
-            hist, nf = _hist_block(SC, b, S, pos, c0 + i * BN, mx, inv, hist, nf, BN, NB)
+            offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
+            hist += tl.histogram(tl.where(fin, d, 0), NB) - tl.where(bins == 0, tl.sum((~fin).to(tl.int32), 0), 0)
+            nf += tl.sum((x == float("inf")).to(tl.int32), 0)
         tl.store(HP + (b * P + p) * NB + bins, hist)
         tl.store(NFP + b * P + p, nf)
 
@@ -69,7 +70,12 @@ def _gather_chunk(SC, POS, SPAN, HP, NFP, CU, CI, S, K, P, CH: tl.constexpr, BN:
             col = tl.sum(tl.where(tl.arange(0, NB)[None, :] == bstar, hp, 0), 1)  # [PMAX] candidates a chunk
             off = tl.sum(tl.where(tl.arange(0, PMAX) < p, col, 0), 0)
             for i in range(0, CH // BN):
-                off = _gather_block(SC, CU, CI, b, S, pos, c0 + i * BN, mx, inv, bstar, off, BN, NB)
+                offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
+                cand = fin & (d == bstar)
+                slot = off + tl.cumsum(cand.to(tl.int32), 0) - 1
+                tl.store(CU + b * S + slot, u.to(tl.int32, bitcast=True), mask=cand)
+                tl.store(CI + b * S + slot, offs_n, mask=cand)
+                off += tl.sum(cand.to(tl.int32), 0)
 
 
 @triton.jit
