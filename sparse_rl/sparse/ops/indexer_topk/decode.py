@@ -55,15 +55,8 @@ NB = 128  # first-level bins
 # nothing in the step (Qwen3-4B shape, batch 32 at 16K: 9.18 ms with sort=1024 vs 9.17 radix; 299
 # candidates a row on average, up to 2,031; benchmarks/results/2026-12-01-h200-rollout-session5.md)
 SORT_CANDIDATES = 0
-# which select runs after the score pass (`impl`): "auto" takes the one-program-per-row select
-# (decode_row.py) for rows of at most ROW_MAX_KEYS keys and these chunked passes beyond. On the H200
-# (Qwen3-4B shape, random caches, same engine; benchmarks/results/2026-12-01-h200-rollout-session6.md)
-# the row select took 0.43-0.71 ms off the batch-32 step at 2.3K-8K context (0.32 at batch 16, 2.3K-4K),
-# where the chunked passes are held by their seven launches, and added 0.6-1.25 ms at 16 x 16K-32K,
-# where one program per row walks the row alone; "split" (decode_split.py) is opt-in.
-IMPLS = ("auto", "chunked", "row", "split")
-DECODE_IMPL = "auto"
-ROW_MAX_KEYS = 8192
+IMPLS = ("chunked", "row", "split")
+DECODE_IMPL = "chunked"
 
 
 @triton.jit
@@ -302,46 +295,6 @@ def _sort_threshold(CU, CI, b, S, n_c, rem, CH: tl.constexpr, PMAX: tl.constexpr
 
 
 @triton.jit
-def _threshold(CU, CI, b, S, n_c, rem, take_all, CH: tl.constexpr, PMAX: tl.constexpr, BLOCK: tl.constexpr,
-               SORT: tl.constexpr):
-    """The row's threshold from its n_c candidates in CU/CI (rem: the rank left to fill among them):
-    (tau, cut, kept `[PMAX]` kept candidates per chunk). A key is selected when forced, or finite with
-    u > tau, or u == tau at a position >= cut. By one sort when SORT > 0 and n_c <= SORT, else radix."""
-    tau = tl.zeros([], tl.uint32)  # take_all: every finite u is >= 0 and every cut 0 passes
-    cut = 0
-    kept = tl.zeros([PMAX], tl.int32)
-    if not take_all:
-        if rem <= 0:  # the forced keys fill the budget: no finite key is taken
-            tau = tl.full([], 0xFFFFFFFF, tl.uint32)
-            cut = 2147483647
-        else:
-            if SORT > 0 and n_c <= SORT:
-                tau, cut, kept = _sort_threshold(CU, CI, b, S, n_c, rem, CH, PMAX, SORT)
-            else:
-                tau, cut, kept = _radix_threshold(CU, CI, b, S, n_c, rem, CH, PMAX, BLOCK)
-    return tau, cut, kept
-
-
-@triton.jit
-def _emit(SC, OUT, sob, b, S, pos, n0, mx, inv, tau, cut, off, BN: tl.constexpr, NB: tl.constexpr):
-    """The selected keys among n0..n0+BN-1 of row b, in ascending order from output slot off (a running
-    cumsum gives each its slot); returns the next free slot."""
-    offs_n, x, fin, d, u = _block(SC, b, S, pos, n0, mx, inv, BN, NB)
-    sel = (x == float("inf")) | (fin & ((u > tau) | ((u == tau) & (offs_n >= cut))))
-    slot = off + tl.cumsum(sel.to(tl.int32), 0) - 1
-    tl.store(OUT + b * sob + slot, offs_n, mask=sel)
-    return off + tl.sum(sel.to(tl.int32), 0)
-
-
-@triton.jit
-def _pad(OUT, sob, b, off, K, BN: tl.constexpr):
-    """-1 in output slots off..K-1 of row b."""
-    for c in range(off, K, BN):
-        offs = c + tl.arange(0, BN)
-        tl.store(OUT + b * sob + offs, tl.full([BN], -1, tl.int32), mask=offs < K)
-
-
-@triton.jit
 def _select(HIST, NF, CNT, CU, CI, TAU, CUT, OFFS, S, K, P, CH: tl.constexpr, NB: tl.constexpr,
             PMAX: tl.constexpr, BLOCK: tl.constexpr, SORT: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -350,8 +303,19 @@ def _select(HIST, NF, CNT, CU, CI, TAU, CUT, OFFS, S, K, P, CH: tl.constexpr, NB
     pm = offs_p < P
     above = tl.load(CNT + (b * P + offs_p) * 2, mask=pm, other=0)
     n_c = tl.sum(tl.load(CNT + (b * P + offs_p) * 2 + 1, mask=pm, other=0), 0)
-    tau, cut, kept = _threshold(CU, CI, b, S, n_c, rem, take_all, CH, PMAX, BLOCK, SORT)
-    emit = above + kept
+    emit = above
+    tau = tl.zeros([], tl.uint32)  # take_all: every finite u is >= 0 and every cut 0 passes
+    cut = 0
+    if not take_all:
+        if rem <= 0:  # the forced keys fill the budget: no finite key is taken
+            tau = tl.full([], 0xFFFFFFFF, tl.uint32)
+            cut = 2147483647
+        else:
+            if SORT > 0 and n_c <= SORT:
+                tau, cut, per_chunk = _sort_threshold(CU, CI, b, S, n_c, rem, CH, PMAX, SORT)
+            else:
+                tau, cut, per_chunk = _radix_threshold(CU, CI, b, S, n_c, rem, CH, PMAX, BLOCK)
+            emit = above + per_chunk
     tl.store(TAU + b, tau.to(tl.int32, bitcast=True))
     tl.store(CUT + b, cut)
     tl.store(OFFS + b * P + offs_p, tl.cumsum(emit, 0) - emit, mask=pm)
@@ -370,9 +334,15 @@ def _write(SC, POS, RNG, TAU, CUT, OFFS, OUT, sob, S, K, P, CH: tl.constexpr, BN
     if c0 <= pos:
         mx, inv = _span(RNG, b, NB)
         for i in range(0, CH // BN):
-            off = _emit(SC, OUT, sob, b, S, pos, c0 + i * BN, mx, inv, tau, cut, off, BN, NB)
+            offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
+            sel = (x == float("inf")) | (fin & ((u > tau) | ((u == tau) & (offs_n >= cut))))
+            slot = off + tl.cumsum(sel.to(tl.int32), 0) - 1
+            tl.store(OUT + b * sob + slot, offs_n, mask=sel)
+            off += tl.sum(sel.to(tl.int32), 0)
     if p == P - 1:  # the last chunk's end offset is the row's count: pad the rest with -1
-        _pad(OUT, sob, b, off, K, BN)
+        for c in range(off, K, BN):
+            offs = c + tl.arange(0, BN)
+            tl.store(OUT + b * sob + offs, tl.full([BN], -1, tl.int32), mask=offs < K)
 
 
 def _chunk(B: int, S: int, interpret: bool) -> int:
@@ -400,10 +370,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     the score pass then reads half the bytes. sort: the threshold over at most this many candidates
     by one in-register sort instead of four radix passes (a power of two; 0 = always radix; default
     `SORT_CANDIDATES`); rows with more candidates take the radix passes. impl: "chunked" (the passes
-    above over (chunk, row) programs), "row" (the score pass, then one program per row does the rest:
-    `decode_row.py`, two launches, `row_block` keys a step in `row_warps` warps), "split" (the score
-    pass, then three (chunk, row) launches: `decode_split.py`) or "auto" (row for S <= `ROW_MAX_KEYS`,
-    else chunked); default `DECODE_IMPL` ("auto"). Every impl selects the same keys."""
+    above over (chunk, row) programs) or "row" (the score pass, then one program per row does the rest:
+    `decode_row.py`, two launches, `row_block` keys a step in `row_warps` warps); default `DECODE_IMPL`."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:
@@ -431,8 +399,6 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     impl = DECODE_IMPL if impl is None else impl
     if impl not in IMPLS:
         raise ValueError(f"impl {impl!r}: expected one of {', '.join(IMPLS)}")
-    if impl == "auto":
-        impl = "row" if S <= ROW_MAX_KEYS else "chunked"
     CH = chunk or _chunk(B, S, interpret)
     BN = min(CH, 16 if interpret else 256)
     P = triton.cdiv(S, CH)

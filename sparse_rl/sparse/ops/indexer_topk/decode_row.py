@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.decode import NB, _block, _bstar_of, _emit, _pad, _threshold
+from sparse_rl.sparse.ops.indexer_topk.decode import NB, _bstar_of, _block, _radix_threshold, _sort_threshold
 
 
 @triton.jit
@@ -56,21 +56,36 @@ def _row_select(SC, POS, SPAN, CU, CI, OUT, NC, sob, S, K, P, CH: tl.constexpr, 
         hist += tl.histogram(tl.where(fin, d, 0), NB) - tl.where(bins == 0, tl.sum((~fin).to(tl.int32), 0), 0)
         nf += tl.sum((x == float("inf")).to(tl.int32), 0)
     bstar, rem, take_all = _bstar_of(hist, nf, K, NB)
+    tau = tl.zeros([], tl.uint32)  # take_all: every finite u is >= 0 and every cut 0 passes
+    cut = 0
     n_c = 0
-    if (~take_all) & (rem > 0):  # else `_threshold` needs no candidates
-        for n0 in range(0, pos + 1, RBN):
-            offs_n, x, fin, d, u = _block(SC, b, S, pos, n0, mx, inv, RBN, NB)
-            cand = fin & (d == bstar)
-            slot = n_c + tl.cumsum(cand.to(tl.int32), 0) - 1
-            tl.store(CU + b * S + slot, u.to(tl.int32, bitcast=True), mask=cand)
-            tl.store(CI + b * S + slot, offs_n, mask=cand)
-            n_c += tl.sum(cand.to(tl.int32), 0)
-    tau, cut, _ = _threshold(CU, CI, b, S, n_c, rem, take_all, CH, PMAX, BLOCK, SORT)
+    if not take_all:
+        if rem <= 0:  # the forced keys fill the budget: no finite key is taken
+            tau = tl.full([], 0xFFFFFFFF, tl.uint32)
+            cut = 2147483647
+        else:
+            for n0 in range(0, pos + 1, RBN):
+                offs_n, x, fin, d, u = _block(SC, b, S, pos, n0, mx, inv, RBN, NB)
+                cand = fin & (d == bstar)
+                slot = n_c + tl.cumsum(cand.to(tl.int32), 0) - 1
+                tl.store(CU + b * S + slot, u.to(tl.int32, bitcast=True), mask=cand)
+                tl.store(CI + b * S + slot, offs_n, mask=cand)
+                n_c += tl.sum(cand.to(tl.int32), 0)
+            if SORT > 0 and n_c <= SORT:
+                tau, cut, _ = _sort_threshold(CU, CI, b, S, n_c, rem, CH, PMAX, SORT)
+            else:
+                tau, cut, _ = _radix_threshold(CU, CI, b, S, n_c, rem, CH, PMAX, BLOCK)
     tl.store(NC + b, n_c)
     off = 0
     for n0 in range(0, pos + 1, RBN):
-        off = _emit(SC, OUT, sob, b, S, pos, n0, mx, inv, tau, cut, off, RBN, NB)
-    _pad(OUT, sob, b, off, K, RBN)
+        offs_n, x, fin, d, u = _block(SC, b, S, pos, n0, mx, inv, RBN, NB)
+        sel = (x == float("inf")) | (fin & ((u > tau) | ((u == tau) & (offs_n >= cut))))
+        slot = off + tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(OUT + b * sob + slot, offs_n, mask=sel)
+        off += tl.sum(sel.to(tl.int32), 0)
+    for c in range(off, K, RBN):
+        offs = c + tl.arange(0, RBN)
+        tl.store(OUT + b * sob + offs, tl.full([RBN], -1, tl.int32), mask=offs < K)
 
 
 def row_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: int, chunk: int, *, sort: int,

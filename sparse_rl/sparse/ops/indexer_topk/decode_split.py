@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.decode import NB, _block, _bstar_of, _emit, _pad, _threshold
+from sparse_rl.sparse.ops.indexer_topk.decode import NB, _block, _bstar_of, _radix_threshold, _sort_threshold
 from sparse_rl.sparse.ops.indexer_topk.decode_row import _row_span
 
 
@@ -90,17 +90,34 @@ def _thresh_write(SC, POS, SPAN, HP, NFP, CU, CI, OUT, NC, sob, S, K, P, CH: tl.
     bstar, rem, take_all = _bstar_of(tl.sum(hp, 0), tl.sum(nfp, 0), K, NB)
     emit = nfp + tl.sum(tl.where(bins < bstar, hp, 0), 1)  # [PMAX] keys each chunk takes outright
     n_c = tl.sum(tl.sum(tl.where(bins == bstar, hp, 0), 1), 0)
-    tau, cut, kept = _threshold(CU, CI, b, S, n_c, rem, take_all, CH, PMAX, BLOCK, SORT)
-    emit += kept
+    tau = tl.zeros([], tl.uint32)  # take_all: every finite u is >= 0 and every cut 0 passes
+    cut = 0
+    if not take_all:
+        if rem <= 0:  # the forced keys fill the budget: no finite key is taken
+            tau = tl.full([], 0xFFFFFFFF, tl.uint32)
+            cut = 2147483647
+        else:
+            if SORT > 0 and n_c <= SORT:
+                tau, cut, kept = _sort_threshold(CU, CI, b, S, n_c, rem, CH, PMAX, SORT)
+            else:
+                tau, cut, kept = _radix_threshold(CU, CI, b, S, n_c, rem, CH, PMAX, BLOCK)
+            emit += kept
     if p == 0:
         tl.store(NC + b, tl.where(take_all | (rem <= 0), 0, n_c))
     off = tl.sum(tl.where(tl.arange(0, PMAX) < p, emit, 0), 0)
     if c0 <= pos:
         mx, inv = _row_span(SPAN, b, pos, P, CH, NB, PMAX)
         for i in range(0, CH // BN):
-            off = _emit(SC, OUT, sob, b, S, pos, c0 + i * BN, mx, inv, tau, cut, off, BN, NB)
-    if p == P - 1:  # the row's count is every chunk's emit: pad the rest with -1
-        _pad(OUT, sob, b, tl.sum(emit, 0), K, BN)
+            offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
+            sel = (x == float("inf")) | (fin & ((u > tau) | ((u == tau) & (offs_n >= cut))))
+            slot = off + tl.cumsum(sel.to(tl.int32), 0) - 1
+            tl.store(OUT + b * sob + slot, offs_n, mask=sel)
+            off += tl.sum(sel.to(tl.int32), 0)
+    if p == P - 1:  # every visible chunk's count is in off now: pad the rest with -1
+        off = tl.sum(emit, 0)
+        for c in range(off, K, BN):
+            offs = c + tl.arange(0, BN)
+            tl.store(OUT + b * sob + offs, tl.full([BN], -1, tl.int32), mask=offs < K)
 
 
 def split_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: int, chunk: int, block: int, *,
