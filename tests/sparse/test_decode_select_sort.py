@@ -32,3 +32,46 @@ def test_sort_and_radix_thresholds_pick_the_reference_keys(ints, B, S, K, sink, 
     assert int(counts.max()) > 2  # some row really overflowed sort=2
     with pytest.raises(ValueError, match="power of two"):
         itd.indexer_topk_decode(q, w, k, pos, K, sort=48)
+
+
+@pytest.mark.parametrize("impl", ["row", "split"])
+@pytest.mark.parametrize("ints", [True, False])
+def test_row_and_split_selects_pick_the_reference_keys(impl, ints):
+    """impl="row" (the score pass, then one program per row: decode_row.py) and "split" (then three
+    (chunk, row) passes: decode_split.py) against the reference: exact
+    ties (integer scores), left padding (kv_start), rows shorter than K, every threshold path (sort of the
+    candidates, radix levels when they overflow `sort`)."""
+    g = torch.Generator().manual_seed(21 + ints)
+    B, HI, DI, S, K = 4, 3, 16, 133, 20
+    if ints:
+        q = torch.randint(-2, 3, (B, HI, DI), generator=g).float()
+        w = torch.randint(-1, 3, (B, HI), generator=g).float()
+        k = torch.randint(-2, 3, (B, S, DI), generator=g).float()
+    else:
+        q, w = torch.randn(B, HI, DI, generator=g), torch.randn(B, HI, generator=g)
+        k = torch.randn(B, S, DI, generator=g)
+    pos = torch.tensor([S - 1, 70, 12, 100])
+    kvs = torch.tensor([0, 3, 0, 40])
+    ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=2, window=3, kv_start=kvs)
+    for sort in (2, 64):  # 2: most rows overflow to the radix levels, a few sort; 64: every row sorts
+        got = itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=3, kv_start=kvs, chunk=32, impl=impl, sort=sort)
+        assert torch.equal(got, ref), sort
+    with pytest.raises(ValueError, match="impl"):
+        itd.indexer_topk_decode(q, w, k, pos, K, impl="rows")
+
+
+@pytest.mark.parametrize("impl", ["row", "split"])
+def test_row_and_split_select_edge_distributions(impl):
+    """Forced keys filling the budget, all-equal scores, a span set by a few huge keys (nearly every key
+    a candidate), negative weights: the row program's paths against the reference."""
+    g = torch.Generator().manual_seed(2)
+    B, HI, DI, S = 3, 2, 16, 90
+    pos = torch.tensor([89, 60, 15])
+    q = torch.randint(-2, 3, (B, HI, DI), generator=g).float()
+    k = torch.randint(-2, 3, (B, S, DI), generator=g).float()
+    w = torch.ones(B, HI)
+    scale = 2.0 ** torch.randint(0, 40, (B, S, 1), generator=g).float()
+    for qq, ww, kk, K, sink, window in [(q, w, k, 8, 3, 5), (torch.zeros_like(q), w, k, 20, 1, 1),
+                                        (q.abs(), w, k.abs() * scale, 20, 2, 2), (q, -w, k, 20, 1, 2)]:
+        got = itd.indexer_topk_decode(qq, ww, kk, pos, K, sink=sink, window=window, chunk=32, impl=impl)
+        assert torch.equal(got, indexer_topk_decode_naive(qq, ww, kk, pos, K, sink=sink, window=window))

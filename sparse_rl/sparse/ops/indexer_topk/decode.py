@@ -55,6 +55,8 @@ NB = 128  # first-level bins
 # nothing in the step (Qwen3-4B shape, batch 32 at 16K: 9.18 ms with sort=1024 vs 9.17 radix; 299
 # candidates a row on average, up to 2,031; benchmarks/results/2026-12-01-h200-rollout-session5.md)
 SORT_CANDIDATES = 0
+IMPLS = ("chunked", "row", "split")
+DECODE_IMPL = "chunked"
 
 
 @triton.jit
@@ -93,11 +95,17 @@ def _block(SC, b, S, pos, n0, mx, inv, BN: tl.constexpr, NB: tl.constexpr):
 
 @triton.jit
 def _bstar(HIST, NF, b, K, NB: tl.constexpr):
-    """Bin b* that holds the k-th largest finite score once the forced keys are counted, the rank left
-    to fill inside it, and whether every finite key is taken (then b* = NB: no candidates)."""
+    """`_bstar_of` the row's histogram and forced count in HIST `[B, NB]` / NF `[B]`."""
+    return _bstar_of(tl.load(HIST + b * NB + tl.arange(0, NB)), tl.load(NF + b), K, NB)
+
+
+@triton.jit
+def _bstar_of(h, nf, K, NB: tl.constexpr):
+    """Bin b* that holds the k-th largest finite score once the nf forced keys are counted (h: the
+    row's first-level histogram `[NB]`), the rank left to fill inside it, and whether every finite key
+    is taken (then b* = NB: no candidates)."""
     bins = tl.arange(0, NB)
-    h = tl.load(HIST + b * NB + bins)
-    kk = K - tl.load(NF + b)
+    kk = K - nf
     total = tl.sum(h, 0)
     cum = tl.cumsum(h, 0)
     take_all = total <= kk
@@ -108,9 +116,9 @@ def _bstar(HIST, NF, b, K, NB: tl.constexpr):
 
 @triton.jit
 def _score_max(Q, W, KI, KS, POS, KVS, SC, RNG, sqb, sqh, sqd, swb, swh, skb, sks, skd, ssb,
-               S, sink, window, HI, DI,
+               S, sink, window, HI, DI, P,
                HB: tl.constexpr, BD: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
-               FP8: tl.constexpr):
+               FP8: tl.constexpr, PER_CHUNK: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
@@ -140,9 +148,13 @@ def _score_max(Q, W, KI, KS, POS, KVS, SC, RNG, sqb, sqh, sqd, swb, swh, skb, sk
             mn = tl.minimum(mn, tl.min(tl.where(forced | ~vis, float("inf"), s), 0))
             s = tl.where(forced, float("inf"), s)
             tl.store(SC + b * S + offs_n, s, mask=(offs_n <= pos) & (offs_n < S))
-        r = RNG.to(tl.pointer_type(tl.uint32))  # see `_span`
-        tl.atomic_max(r + 2 * b, _okey(mx))
-        tl.atomic_max(r + 2 * b + 1, ~_okey(mn))
+        if PER_CHUNK:  # RNG `[B, P, 2]` fp32: the chunk's own (max, min), for `decode_row` (no atomics)
+            tl.store(RNG + (b * P + p) * 2, mx)
+            tl.store(RNG + (b * P + p) * 2 + 1, mn)
+        else:
+            r = RNG.to(tl.pointer_type(tl.uint32))  # see `_span`
+            tl.atomic_max(r + 2 * b, _okey(mx))
+            tl.atomic_max(r + 2 * b + 1, ~_okey(mn))
 
 
 @triton.jit
@@ -347,7 +359,8 @@ def _chunk(B: int, S: int, interpret: bool) -> int:
 def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, pos: torch.Tensor, topk: int, *,
                         sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None,
                         chunk: int | None = None, num_warps: int | None = None, candidates: bool = False,
-                        k_scale: torch.Tensor | None = None, sort: int | None = None):
+                        k_scale: torch.Tensor | None = None, sort: int | None = None, impl: str | None = None,
+                        row_block: int = 4096, row_warps: int = 16):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference. candidates=True also returns each row's number of second-level
@@ -356,7 +369,9 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     `[B, S]` fp32: k_idx is float8_e4m3fn with these per-token scales (`naive.quantize_index_keys`);
     the score pass then reads half the bytes. sort: the threshold over at most this many candidates
     by one in-register sort instead of four radix passes (a power of two; 0 = always radix; default
-    `SORT_CANDIDATES`); rows with more candidates take the radix passes."""
+    `SORT_CANDIDATES`); rows with more candidates take the radix passes. impl: "chunked" (the passes
+    above over (chunk, row) programs) or "row" (the score pass, then one program per row does the rest:
+    `decode_row.py`, two launches, `row_block` keys a step in `row_warps` warps); default `DECODE_IMPL`."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:
@@ -381,11 +396,33 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     sort = SORT_CANDIDATES if sort is None else sort
     if sort and sort & (sort - 1):
         raise ValueError(f"sort ({sort}) must be 0 or a power of two")
+    impl = DECODE_IMPL if impl is None else impl
+    if impl not in IMPLS:
+        raise ValueError(f"impl {impl!r}: expected one of {', '.join(IMPLS)}")
     CH = chunk or _chunk(B, S, interpret)
     BN = min(CH, 16 if interpret else 256)
     P = triton.cdiv(S, CH)
     PMAX = max(16, triton.next_power_of_2(P))
     sc = torch.empty(B, S, device=dev, dtype=torch.float32)
+    nw = 1 if interpret else (num_warps or 4)
+    grid = (P, B)
+    score = dict(HB=max(16, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), CH=CH, BN=BN,
+                 PREC=dot_precision(q_idx.dtype), FP8=fp8, num_warps=nw)
+    score_args = (q_idx, w, k_idx, k_scale if fp8 else sc, pos, kvs, sc)
+    strides = (*q_idx.stride(), *w.stride(), *k_idx.stride(), k_scale.stride(0) if fp8 else 0, S, sink, window, HI,
+               DI, P)
+    if impl != "chunked":
+        from sparse_rl.sparse.ops.indexer_topk.decode_row import row_select
+        from sparse_rl.sparse.ops.indexer_topk.decode_split import split_select
+
+        span = torch.empty(B, P, 2, device=dev, dtype=torch.float32)
+        _score_max[grid](*score_args, span, *strides, PER_CHUNK=True, **score)
+        if impl == "row":
+            out, n_c = row_select(sc, pos, span, topk, CH, sort=sort, block=row_block, num_warps=row_warps,
+                                  interpret=interpret)
+        else:
+            out, n_c = split_select(sc, pos, span, topk, CH, BN, sort=sort, num_warps=nw, interpret=interpret)
+        return (out, n_c) if candidates else out
     cu = torch.empty(B, S, device=dev, dtype=torch.int32)
     ci = torch.empty(B, S, device=dev, dtype=torch.int32)
     # one memset: histograms, forced counts, each row's (okey(max), ~okey(min)) (see `_span`)
@@ -395,12 +432,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     small = torch.empty(2, B, device=dev, dtype=torch.int32)  # tau (bit pattern), cut
     offs = torch.empty(B, P, device=dev, dtype=torch.int32)
     out = torch.empty(B, topk, device=dev, dtype=torch.int32)
-    nw = 1 if interpret else (num_warps or 4)
-    grid = (P, B)
-    _score_max[grid](q_idx, w, k_idx, k_scale if fp8 else sc, pos, kvs, sc, rng, *q_idx.stride(), *w.stride(),
-                     *k_idx.stride(), k_scale.stride(0) if fp8 else 0, S, sink, window, HI, DI,
-                     HB=max(16, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), CH=CH, BN=BN,
-                     PREC=dot_precision(q_idx.dtype), FP8=fp8, num_warps=nw)
+    _score_max[grid](*score_args, rng, *strides, PER_CHUNK=False, **score)
     _hist[grid](sc, pos, rng, hist_b, nf, S, CH=CH, BN=BN, NB=NB, num_warps=nw)
     _count[grid](sc, pos, rng, hist_b, nf, cnt, S, topk, P, CH=CH, BN=BN, NB=NB, num_warps=nw)
     _gather_cands[grid](sc, pos, rng, hist_b, nf, cnt, cu, ci, S, topk, P, CH=CH, BN=BN, NB=NB,
