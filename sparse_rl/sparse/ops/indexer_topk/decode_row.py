@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.decode import NB, _bstar_of, _block, _radix_threshold, _sort_threshold
+from sparse_rl.sparse.ops.indexer_topk.decode_steps import NB, _bstar_of, _block, _radix_threshold, _sort_threshold
 
 
 @triton.jit

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.decode import NB, _block, _bstar_of, _radix_threshold, _sort_threshold
+from sparse_rl.sparse.ops.indexer_topk.decode_steps import NB, _block, _bstar_of, _radix_threshold, _sort_threshold
 from sparse_rl.sparse.ops.indexer_topk.decode_row import _row_span
 
 
