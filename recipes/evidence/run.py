@@ -33,8 +33,9 @@ SIZES = {
     # (14 variants): at lr 1e-3 with 4 hops it learns 4-row tables in ~400-800 steps, and each
     # lengthening is partly re-learned while the shorter size is forgotten (2-digit 4 -> 16 -> 40 rows:
     # 0.99 exact at 40; 3-digit 4 -> 16 -> 48: 0.20 exact and rising at 48). So pre-training runs in
-    # stages (`pre_keys`, '|' between stages, AdamW beta2 0.95 as in the pilots, each stage a mix of the sizes so far; `pre_split` shares
-    # `pre_steps` out), then SFT lengthens to the 96-row tables of the task (~1.1K tokens; k = 64).
+    # stages (`pre_keys`, '|' between stages, each stage a mix of the sizes so far; `pre_split` shares
+    # `pre_steps` out; AdamW beta2 0.95 as in the pilots), then SFT lengthens to the 96-row tables of
+    # the task (~1.1K tokens; k = 64).
     # The GPU script sizes pre_steps / sft_steps to its time budget with a speed probe.
     "gpu": dict(model="small", device="cuda", train_dtype="float32", mixed="bf16",
                 pre_keys="4|4,16|4,16,48", pre_split="1,1,2", pre_hops=4, pre_loss="assistant", pre_n=30000,
@@ -161,22 +162,19 @@ class Recipe:
                                             str(keys), "--hops", str(hops), "--digits", str(s["digits"]), "--out", str(o / f"{name}.jsonl")])
         # pre-training from scratch on the solutions of short tables, lengthened stage by stage (Zoology:
         # recall on short contexts first); each stage continues from the previous stage's model
+        train = ["--lr-warmup", str(s["pre_warmup"]), "--adam-beta2", "0.95", "--dtype", s["train_dtype"],
+                 "--mixed-precision", s["mixed"], "--save-every", "250", *dev]  # every pre-training stage and SFT
         src = o / "base"
         for j, (_, steps) in enumerate(stages):
             dst = o / f"pre{j}"
             self.stage(f"p1-pretrain{j}", ["sft", str(src), "--data", str(o / f"pretrain{j}.jsonl"), "--out", str(dst),
                                            "--loss-on", s["pre_loss"], "--seq-len", str(s["pre_seq"]), "--batch-size",
-                                           str(s["pre_bs"]), "--steps", str(steps), "--lr", str(s["pre_lr"]),
-                                           "--lr-warmup", str(s["pre_warmup"]), "--adam-beta2", "0.95",
-                                           "--dtype", s["train_dtype"],
-                                           "--mixed-precision", s["mixed"], "--save-every", "250", *dev],
+                                           str(s["pre_bs"]), "--steps", str(steps), "--lr", str(s["pre_lr"]), *train],
                        resumable=o / f"pre{j}.run")
             src = dst
         self.stage("p1-sft", ["sft", str(src), "--data", str(o / "sft.jsonl"), "--out", str(o / "sft"),
                               "--run-dir", str(o / "sft.run"), "--seq-len", str(s["sft_seq"]), "--batch-size",
-                              str(s["sft_bs"]), "--steps", str(s["sft_steps"]), "--lr", str(s["sft_lr"]),
-                              "--lr-warmup", str(s["pre_warmup"]), "--adam-beta2", "0.95",
-                              "--dtype", s["train_dtype"], "--mixed-precision", s["mixed"], "--save-every", "250", *dev],
+                              str(s["sft_bs"]), "--steps", str(s["sft_steps"]), "--lr", str(s["sft_lr"]), *train],
                    resumable=o / "sft.run")
         self.stage("p1-convert", ["convert", str(o / "sft"), str(o / "sparse"), "--index-topk", str(s["topk"]),
                                   "--index-heads", str(s["index_heads"]), "--index-dim", str(s["index_dim"]),

@@ -120,13 +120,14 @@ def _messages_of(rec: dict, where: str) -> list[dict] | None:
 
 
 def encode_record(rec: dict, tokenizer, where: str, ids_of=None, texts: list[str] | None = None) -> Document:
+    ids_of = ids_of or (lambda text: _tokenize(tokenizer, text))
     msgs = _messages_of(rec, where)
     if msgs is not None:
         return encode_messages(tokenizer, msgs, where, ids_of, texts)
     if "text" in rec:
         if not isinstance(rec["text"], str):
             raise SparseRLError(f"{where}: field 'text' must be a string")
-        ids = (ids_of or (lambda text: _tokenize(tokenizer, text)))(rec["text"])
+        ids = ids_of(rec["text"])
         if tokenizer.eos_token_id is not None:
             ids = ids + [tokenizer.eos_token_id]  # the model learns where a document ends
         return Document(ids, [True] * len(ids))
