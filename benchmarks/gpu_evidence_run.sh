@@ -27,7 +27,9 @@ srl sft $d/base --data $d/t.jsonl --out $d/pre --loss-on assistant --seq-len ${P
 step_s=$(python -c "
 import json,statistics
 print(statistics.median(json.loads(l)['step_time_s'] for l in open('$d/pre.run/metrics.jsonl') if json.loads(l)['step']>3))" 2>/dev/null || echo 0.06)
-pre_steps=$(python -c "print(max(50, min(8000, int(${PRE_BUDGET_S:-200} / $step_s))))")
+# session 7: the pre-training stages ran at 1.39x the probe's step time (their checkpoints every 250
+# steps, the mixed table sizes): 278 s for 5,478 steps after a 0.0365 s probe
+pre_steps=$(python -c "print(max(50, min(8000, int(${PRE_BUDGET_S:-200} / ($step_s * 1.4)))))")
 sft_steps=$(python -c "print(max(30, min(3000, int(${SFT_BUDGET_S:-60} / ($step_s * 1.3)))))")  # 8 x 2048 tokens
 echo "probe: $step_s s/step -> pre_steps $pre_steps, sft_steps $sft_steps (at $(el) s)" | tee $R/speed.txt
 
