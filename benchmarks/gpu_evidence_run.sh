@@ -15,11 +15,16 @@ el() { echo $(( $(date +%s) - t0 )); }
 left() { echo $(( budget - $(el) )); }
 R=${EVDIR:-/tmp/ev}; mkdir -p $R
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true  # sft tokenizes a file in batched, parallel calls
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the device has the tree, not an installed package
 srl() { python -m sparse_rl.cli.main "$@"; }
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv 2>&1 | tee $R/gpu.txt
 echo "${EV_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" >$R/commit.txt; date -u +%FT%TZ >>$R/commit.txt  # a copied tree may carry an older .git: pass EV_COMMIT
 
 # -- speed probe: 12 pre-training steps at the recipe's sizes, to size the steps to the budget
+#    (PRE_STEPS=N SFT_STEPS=M skip it: session 7's probes read 0.029-0.037 s a step on the same card)
+if [ -n "${PRE_STEPS:-}" ] && [ -n "${SFT_STEPS:-}" ]; then
+    pre_steps=$PRE_STEPS; sft_steps=$SFT_STEPS; echo "fixed: pre_steps $pre_steps, sft_steps $sft_steps" | tee $R/speed.txt
+else
 d=$R/speed; srl model init $d/base --size ${EV_MODEL:-small} --seed 0 >/dev/null 2>&1
 srl synth lookup --num-tasks 400 --seed 9 --keys ${PROBE_KEYS:-16} --hops 4 --digits 3 --out $d/t.jsonl >/dev/null 2>&1
 srl sft $d/base --data $d/t.jsonl --out $d/pre --loss-on assistant --seq-len ${PRE_SEQ:-1024} --batch-size ${PRE_BS:-16} \
@@ -32,6 +37,7 @@ print(statistics.median(json.loads(l)['step_time_s'] for l in open('$d/pre.run/m
 pre_steps=$(python -c "print(max(50, min(8000, int(${PRE_BUDGET_S:-200} / ($step_s * 1.4)))))")
 sft_steps=$(python -c "print(max(30, min(3000, int(${SFT_BUDGET_S:-60} / ($step_s * 1.3)))))")  # 8 x 2048 tokens
 echo "probe: $step_s s/step -> pre_steps $pre_steps, sft_steps $sft_steps (at $(el) s)" | tee $R/speed.txt
+fi
 
 # -- part 1
 (export PART=1 EV_PRE_STEPS=$pre_steps EV_SFT_STEPS=$sft_steps
@@ -45,7 +51,7 @@ score_sft() {  # VARIANT ATTENTION
 }
 for v in A; do [ -f $R/$v/part1/handoff/config.json ] && { score_sft $v dense & score_sft $v sparse & }; done; wait
 cat $R/*/sft-acc-*.json 2>/dev/null | tee $R/acc.txt
-best=""; [ -f $R/A/part1/handoff/config.json ] && best=A
+best=""; [ -f $R/A/part1/handoff/config.json ] && [ "${PARTS:-123}" != 1 ] && best=A  # PARTS=1: part 1 alone
 echo "part-1 hand-off: ${best:-none} at $(el) s" | tee -a $R/acc.txt
 
 # -- parts 2 and 3 on the chosen variant, one process per mode / policy
@@ -63,7 +69,7 @@ if [ -n "$best" ]; then
     timeout 20 bash recipes/evidence/run.sh $E >$R/final.log 2>&1; echo "final rc=$?" >>$R/final.log
 fi
 cd $R && tar czf $OUT/small.tgz --exclude='*.safetensors' --exclude='checkpoints' --exclude='handoff' \
-    --exclude='pretrain.jsonl' --exclude='sft.jsonl' --exclude='grpo.jsonl' --exclude='speed*' \
+    --exclude='pretrain*.jsonl' --exclude='sft.jsonl' --exclude='grpo.jsonl' --exclude='speed*' \
     *.log *.txt A 2>/dev/null
-[ -n "$best" ] && tar czf - $best/part1/handoff | split -b 15M - $OUT/handoff.tgz.
+[ -f $R/A/part1/handoff/config.json ] && tar czf - A/part1/handoff | split -b 15M - $OUT/handoff.tgz.
 ls -la $OUT; tail -n 3 $R/*.log | cut -c1-300; cat $R/acc.txt; echo "total $(el) s"
