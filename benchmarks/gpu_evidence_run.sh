@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The evidence recipe in one device call on one H200 (each part well under its 10 minutes), its
 # processes sharing the card: a 5.5M model leaves most of it idle.
-#   1. a speed probe sizes the pre-training / SFT steps to the budget; part 1; held-out accuracy
+#   1. part 1, then the held-out accuracy
 #      (greedy, dense and sparse) of the SFT policy;
 #   2. part 2: the four GRPO modes, one process each, side by side;
 #   3. part 3: the five policies, one process each; then one pass without ONLY writes RESULTS.md.
@@ -20,27 +20,15 @@ srl() { python -m sparse_rl.cli.main "$@"; }
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv 2>&1 | tee $R/gpu.txt
 echo "${EV_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" >$R/commit.txt; date -u +%FT%TZ >>$R/commit.txt  # a copied tree may carry an older .git: pass EV_COMMIT
 
-# -- speed probe: 12 pre-training steps at the recipe's sizes, to size the steps to the budget
-#    (PRE_STEPS=N SFT_STEPS=M skip it: session 7's probes read 0.029-0.037 s a step on the same card)
-if [ -n "${PRE_STEPS:-}" ] && [ -n "${SFT_STEPS:-}" ]; then
-    pre_steps=$PRE_STEPS; sft_steps=$SFT_STEPS; echo "fixed: pre_steps $pre_steps, sft_steps $sft_steps" | tee $R/speed.txt
-else
-d=$R/speed; srl model init $d/base --size ${EV_MODEL:-small} --seed 0 >/dev/null 2>&1
-srl synth lookup --num-tasks 400 --seed 9 --keys ${PROBE_KEYS:-16} --hops 4 --digits 3 --out $d/t.jsonl >/dev/null 2>&1
-srl sft $d/base --data $d/t.jsonl --out $d/pre --loss-on assistant --seq-len ${PRE_SEQ:-1024} --batch-size ${PRE_BS:-16} \
-    --steps 12 --lr 1e-3 --dtype float32 --mixed-precision ${MIXED:-bf16} --device ${DEV:-cuda} >/dev/null 2>>$R/speed.log
-step_s=$(python -c "
-import json,statistics
-print(statistics.median(json.loads(l)['step_time_s'] for l in open('$d/pre.run/metrics.jsonl') if json.loads(l)['step']>3))" 2>/dev/null || echo 0.06)
-# session 7: the pre-training stages ran at 1.39x the probe's step time (their checkpoints every 250
-# steps, the mixed table sizes): 278 s for 5,478 steps after a 0.0365 s probe
-pre_steps=$(python -c "print(max(50, min(8000, int(${PRE_BUDGET_S:-200} / ($step_s * 1.4)))))")
-sft_steps=$(python -c "print(max(30, min(3000, int(${SFT_BUDGET_S:-60} / ($step_s * 1.3)))))")  # 8 x 2048 tokens
-echo "probe: $step_s s/step -> pre_steps $pre_steps, sft_steps $sft_steps (at $(el) s)" | tee $R/speed.txt
-fi
+# -- step counts: the recipe's (SIZES["gpu"] in recipes/evidence/run.py), or PRE_STEPS / SFT_STEPS.
+#    Session 7 measured part 1 at those counts (2,400 + 200 steps): 224 s of stages on the H200. A
+#    12-step speed probe used before read 0.029-0.037 s a step while the stages then ran 0.035-0.059
+#    s a step with their data loading and checkpoints, so two runs sized by it overran part 1's time.
+steps=(); [ -n "${PRE_STEPS:-}" ] && steps+=(EV_PRE_STEPS=$PRE_STEPS); [ -n "${SFT_STEPS:-}" ] && steps+=(EV_SFT_STEPS=$SFT_STEPS)
+echo "steps: ${steps[*]:-the recipe's}" | tee $R/steps.txt
 
 # -- part 1
-(export PART=1 EV_PRE_STEPS=$pre_steps EV_SFT_STEPS=$sft_steps
+(export PART=1 ${steps[@]+"${steps[@]}"}
  timeout ${PART1_S:-330} bash recipes/evidence/run.sh $R/A >$R/A.log 2>&1; echo "rc=$?" >>$R/A.log)
 echo "part 1 done at $(el) s"
 score_sft() {  # VARIANT ATTENTION
