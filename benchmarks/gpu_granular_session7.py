@@ -53,7 +53,7 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--backward-max", type=int, default=32768, help="fwd+bwd timed at lengths <= this")
-    ap.add_argument("--specs", nargs="+", default=["g16", "g32", "kb16"])
+    ap.add_argument("--specs", nargs="+", default=["g16", "g32", "g64", "kb16"])
     ap.add_argument("--stage-specs", nargs="+", default=["g16", "g32", "kb16"])
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
     ap.add_argument("--shape", type=int, nargs=5, default=[1, 32, 8, 128, 2048], metavar=("B", "H", "H_KV", "D", "K"))
