@@ -17,6 +17,9 @@ one launch at 128K, benchmarks/NOTES.md item 13), ~10-50x over its bytes. Here o
 Rows of <= CAP visible columns skip the sample: the whole row is selected in registers.
 Cost per row: ~SB / n of a pass for the sample (a quarter to a sixteenth), one pass with a prefix
 sum, and a register select over CAP, against five passes with four histograms.
+Measured (H200, benchmarks/NOTES.md item 14): 1.3x faster than radix on random scores, 1.1-1.4x
+slower on a trained indexer's block scores (the sample misses there often enough to pay the
+fallback; not diagnosed per row), so `granular.resolve_topk_impl` keeps radix as the default.
 """
 
 from __future__ import annotations
