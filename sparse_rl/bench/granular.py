@@ -75,11 +75,12 @@ def _union_ratio(rows, S: int, H: int, H_kv: int, G: int, L: int) -> tuple[float
 
 def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int, window: int, dev, W: dict,
                   dense_ms: float, dense_fwdbwd_ms: float | None = None, grad=None, check_n: int = 0,
-                  select_fwdbwd: bool = True) -> list[dict]:
+                  select_fwdbwd: bool = True, topk_impl: str = "auto") -> list[dict]:
     """One result per (input, granularity). q `[B, L, H, D]`, k/v `[B, L, H_kv, D]`, inputs {name: (q_I
     `[B, L, H_I, d_I]`, w `[B, L, H_I]`, k_I `[B, L, d_I]`)}; grad `[B, L, H, D]` (with dense_fwdbwd_ms)
     times forward + backward (and, with select_fwdbwd, the selection + forward + backward in one call);
-    check_n > 0 checks the selection on the last check_n queries."""
+    check_n > 0 checks the selection on the last check_n queries; topk_impl: the granular block top-k
+    (`granular.resolve_topk_impl`)."""
     from sparse_rl.sparse.ops import granular_topk, indexer_topk, sparse_attention
 
     B, L, H, D = q.shape
@@ -97,10 +98,11 @@ def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int,
             def select():
                 if kb == G == 1:  # token level: the indexer's own top-k (what `layer.select` takes)
                     return indexer_topk(qi, wi, ki, topk, sink=sink, window=window, backend="triton")
-                return granular_topk(qi, wi, ki, topk, shared=G > 1, backend="triton", **kw)
+                return granular_topk(qi, wi, ki, topk, shared=G > 1, backend="triton", topk_impl=topk_impl, **kw)
 
             rows = select()
-            r: dict = {"seqlen": L, "input": src, "granularity": spec, "key_block": kb, "query_group": G}
+            r: dict = {"seqlen": L, "input": src, "granularity": spec, "key_block": kb, "query_group": G,
+                       "topk_impl": "indexer" if kb == G == 1 else topk_impl}
             r["select_ms"] = bench_ms(select, dev, **W)
             r["attn_ms"] = bench_ms(lambda: sparse_attention(q, k, v, rows, backend="triton", **akw), dev, **W)
             r["prefill_ms"] = bench_ms(lambda: sparse_attention(q, k, v, select(), backend="triton", **akw), dev, **W)
@@ -129,11 +131,12 @@ def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int,
     return out
 
 
-def granular_stages(qi, wi, ki, topk: int, spec: str, sink: int, window: int, dev, W: dict) -> dict:
+def granular_stages(qi, wi, ki, topk: int, spec: str, sink: int, window: int, dev, W: dict,
+                    impls: tuple[str, ...] = ("radix", "threshold")) -> dict:
     """Where a granular selection's time goes, each stage alone over all rows in one launch (random or
     trained index inputs `[B, L, ...]`, no left padding): the block-score kernel (fp32 scores; on CUDA
     also at the score sweep's 64 x 128-key, 8-warp tile), the block top-k in each form
-    (`granular.top_blocks`: radix, threshold), the row assembly (torch vs the Triton kernel, which must
+    (`granular.top_blocks`: `impls`, the first the one the others must equal), the row assembly (torch vs the Triton kernel, which must
     agree), and the whole chunked selection (`ops.granular_topk`) with each top-k form, which must give
     equal rows."""
     import torch
@@ -158,10 +161,11 @@ def granular_stages(qi, wi, ki, topk: int, spec: str, sink: int, window: int, de
         res["block_scores_64x128w8_ms"] = bench_ms(
             lambda: gr.block_keys(qr, wr, ki, ev_rep, start, nbc, keys=False, launch=alt, **kw), dev, **W)
     x = gr.block_keys(qr, wr, ki, ev_rep, start, nbc, keys=False, **kw)
-    for impl in ("radix", "threshold"):
+    for impl in impls:
         res[f"top_{impl}_ms"] = bench_ms(lambda: gr.top_blocks(x, nb, impl), dev, **W)
-    blocks = gr.top_blocks(x, nb, "radix")
-    res["top_radix_equals_threshold"] = bool(torch.equal(blocks, gr.top_blocks(x, nb, "threshold")))
+    blocks = gr.top_blocks(x, nb, impls[0])
+    for impl in impls[1:]:
+        res[f"top_{impls[0]}_equals_{impl}"] = bool(torch.equal(blocks, gr.top_blocks(x, nb, impl)))
     del x
     akw = dict(key_block=kb, query_group=G, sink=sink, window=window)
     res["assemble_torch_ms"] = bench_ms(lambda: gr.assemble_rows(blocks, ev_pos, ev_rep, start, topk, **akw), dev, **W)
@@ -171,12 +175,12 @@ def granular_stages(qi, wi, ki, topk: int, spec: str, sink: int, window: int, de
                                              gr.assemble_rows_triton(blocks, ev_pos, ev_rep, start, topk, **akw)))
     del blocks
     sel = {}
-    for impl in ("radix", "threshold"):
+    for impl in impls:
         def run(impl=impl):
             return granular_topk(qi, wi, ki, topk, shared=G > 1, topk_impl=impl, backend="triton", **akw)
         res[f"select_{impl}_ms"] = bench_ms(run, dev, **W)
         sel[impl] = run()
-    res["select_impls_equal"] = bool(torch.equal(sel["radix"], sel["threshold"]))
+    res["select_impls_equal"] = all(torch.equal(sel[impls[0]], sel[i]) for i in impls[1:])
     res["index_score_tflop"] = 2.0 * B * res["rows"] * L / 2 * qi.shape[2] * qi.shape[3] / 1e12
     return res
 

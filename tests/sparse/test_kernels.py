@@ -273,6 +273,29 @@ def test_indexer_topk_decode_mixed_sign_weights_few_candidates():
     assert int(n_cand.max()) <= S // 16, n_cand  # about 1-2% of a row's keys near the threshold
 
 
+def test_sampled_topk_equals_reference_on_both_paths_and_the_fallback():
+    """The sampled-threshold top-k (`sampled_topk.py`) gives the reference's rows: short rows (in
+    registers), long rows through the sample and the candidate buffer, and with the sample's rate
+    forced far too low (fewer than k candidates) or too high (buffer overflow) the radix fallback."""
+    from sparse_rl.sparse.ops.indexer_topk.naive import select_topk
+    from sparse_rl.sparse.ops.indexer_topk.sampled_topk import sampled_topk
+
+    g = torch.Generator().manual_seed(3)
+    Tc, Sc, K = 6, 150, 20  # CAP 64 on CPU: rows of > 64 visible columns are sampled
+    s = torch.randn(1, Tc, Sc, generator=g)
+    s[0, 0, :5] = float("inf")  # forced keys
+    s[0, :, 30:40] = 0.25  # exact ties straddling the threshold
+    s[0, 1, 12:] = float("-inf")  # fewer than K visible
+    s[0, 2] = torch.where(torch.rand(Sc, generator=g) < 0.5, -0.0, 0.0)  # signed zeros: one tie
+    s[0, 3, :] = s[0, 3, :].round()  # masses of equal scores
+    s[0, 4, 100:] = float("-inf")
+    s[0, 4, :100:3] = float("-inf")
+    fin = s > float("-inf")
+    ref = select_topk(s, fin, fin & (s == float("inf")), K)
+    for rate16 in (24, 1, 4000):
+        assert torch.equal(sampled_topk(s, K, rate16=rate16), ref), rate16
+
+
 def test_radix_topk_signed_zeros_tie():
     """-0.0 and +0.0 are equal scores: the reference's sort ties them (the later key wins), so the
     kernel's order-preserving keys must not order them by their bit patterns."""

@@ -88,14 +88,9 @@ def select_row(x, idx, live, K, OUT_ROW, KB: tl.constexpr):
 
 
 @triton.jit
-def _radix_topk_kernel(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot, K,
-                       BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    b = row // Tc
-    t = row % Tc
-    base = SC + b.to(tl.int64) * srb + t.to(tl.int64) * srt
-    obase = OUT + b.to(tl.int64) * sob + t.to(tl.int64) * sot
-    n = tl.minimum(S_c, q_lim + t + 1)  # columns past the query's position are -inf: skip them
+def radix_row(base, obase, n, K, BLOCK: tl.constexpr):
+    """Exact top-K of the row base[0:n] fp32 (-inf = not selectable) by five passes over memory; writes
+    the selected columns ascending to obase[0:K], -1 padded (ties to the later column)."""
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, 256)
     # pass 1: top byte histogram and the count of finite entries
@@ -143,6 +138,18 @@ def _radix_topk_kernel(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot, K,
         eq_seen += tl.sum(eq.to(tl.int32), 0)
     for c in range(cnt, K, BLOCK):
         tl.store(obase + c + offs, tl.full([BLOCK], -1, tl.int32), mask=c + offs < K)
+
+
+@triton.jit
+def _radix_topk_kernel(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot, K,
+                       BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    b = row // Tc
+    t = row % Tc
+    base = SC + b.to(tl.int64) * srb + t.to(tl.int64) * srt
+    obase = OUT + b.to(tl.int64) * sob + t.to(tl.int64) * sot
+    n = tl.minimum(S_c, q_lim + t + 1)  # columns past the query's position are -inf: skip them
+    radix_row(base, obase, n, K, BLOCK)
 
 
 def radix_topk(scores: torch.Tensor, topk: int, q_lim: int | None = None, out: torch.Tensor | None = None):
