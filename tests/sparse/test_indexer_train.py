@@ -270,14 +270,19 @@ def test_synthetic_rows_are_deterministic_and_recall_stated_facts(sharp_sparse):
 
 def test_fused_kl_impl_trains_like_the_torch_path(sharp_sparse, tmp_path):
     # the Triton kernels run under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
-    run(_cfg(sharp_sparse, tmp_path / "t", steps=2, seq_len=64, kl_impl="torch"))
-    run(_cfg(sharp_sparse, tmp_path / "f", steps=2, seq_len=64, kl_impl="triton"))
+    # one row of 48 tokens (k = 16 of them): the interpreter's cost grows with the tiles, and two
+    # steps are enough to compare one update
+    small = dict(steps=2, seq_len=48, batch_size=1)
+    run(_cfg(sharp_sparse, tmp_path / "t", kl_impl="torch", **small))
+    run(_cfg(sharp_sparse, tmp_path / "f", kl_impl="triton", **small))
     for a, b in zip(_metrics(tmp_path / "t.run"), _metrics(tmp_path / "f.run")):
         for key in ("kl", "attn_recall", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4), key
     x, y = _tensors(tmp_path / "t" / "indexer.safetensors"), _tensors(tmp_path / "f" / "indexer.safetensors")
     for key in x:
-        torch.testing.assert_close(x[key], y[key], rtol=1e-4, atol=1e-5)
+        # atol: under 0.4% of one Adam step (lr 3e-2), where a float-order difference in a near-zero
+        # gradient moves an element; a wrong kernel moves them by whole steps
+        torch.testing.assert_close(x[key], y[key], rtol=1e-4, atol=1e-4)
 
 
 def test_resume_without_a_checkpoint_starts_over_and_keeps_foreign_files(sharp_sparse, tmp_path):
