@@ -24,7 +24,8 @@ Phases (JSON rewritten after each; a phase that does not fit the budget left is 
    auto = chunked there; sparse at 4096 auto = row and chunked; dense at 16384) and of one graph replay
    at 16384, per kernel and per class; the sparse attention alone on the engine's layer cache with
    three index lists (contiguous last 2048, uniform random 2048, the select's own output) and its
-   split counts; the select alone on the engine's index cache (all rows full vs half shorter).
+   split counts; the select alone on the engine's index cache (all rows full vs half shorter; the chunked
+   form at other chunk sizes and warp counts).
 3. Whole generations, 128-token prompts: 16K new tokens at batch 32 and 32K at batch 16, dense, sparse
    auto, sparse chunked (integrated from step times plus a short real generation's per-step overhead,
    `bench.rollout._integrated`).
@@ -306,7 +307,8 @@ def _decode_ns(q, kc, vc, idx, ns):
 def select_alone(b, eng, ctx, smoke) -> dict:
     """The select (score included) on the engine's index cache of layer 2 ([:, :ctx] view of the longer
     buffer, as the engine passes it) and on a contiguous copy; all rows at ctx - 1 (the engine's profile
-    case) and half the rows shorter (the session-6 standalone case): chunked and row, graph-timed."""
+    case) and half the rows shorter (the session-6 standalone case): chunked and row, graph-timed; then
+    the chunked form at other chunk sizes and warp counts (engine view, all rows full)."""
     from sparse_rl.bench.timing import bench_ms
     from sparse_rl.sparse.ops.indexer_topk import decode as itd
 
@@ -334,6 +336,15 @@ def select_alone(b, eng, ctx, smoke) -> dict:
                     out["cases"][f"{kname}/{pname}/{impl}"] = {
                         "ms_graph": round(ms, 4), "candidates_mean": round(float(n_c.float().mean()), 1),
                         "candidates_max": int(n_c.max())}
+        base = itd.indexer_topk_decode(qi, wi, view, full, K, impl="chunked", **kw)
+        for name, extra in ((("chunk64", dict(chunk=64)),) if smoke else (
+                ("chunk512", dict(chunk=512)), ("chunk2048", dict(chunk=2048)), ("warps8", dict(num_warps=8)),
+                ("warps2", dict(num_warps=2)))):
+            # the chunked form's launch shape (the score pass shares it): keys per program, warps
+            fn = (lambda: itd.indexer_topk_decode(qi, wi, view, full, K, impl="chunked", **extra, **kw))
+            out["cases"][f"engine_view/all_full/chunked_{name}"] = {
+                "ms_graph": round(-1.0 if smoke else bench_ms(fn, dev, graph=True), 4),
+                "equal_default": bool(torch.equal(fn(), base))}
         log(f"select alone: {out['cases']}")
     return out
 
@@ -366,7 +377,6 @@ def gemms(b, smoke) -> dict:
                 r["fused_x_floor"] = round(r["fused_ms"] / floor, 2)
             out[f"{name}_m{M}"] = r
             log(f"gemm {name} M={M}: {r}")
-            del w, x
     return out
 
 
