@@ -371,8 +371,11 @@ def test_fused_projections_keep_outputs_and_follow_weight_updates(arch_dir, mode
     assert len(fl.qkv.sizes) == 6 and attn.k_proj.weight.data_ptr() == fl.qkv.weight[fl.qkv.sizes[0]].data_ptr()
     prompts = _prompts(9, (6, 13, 4))
     greedy = SamplingParams(temperature=0, max_new_tokens=16)
-    for pr, c in zip(prompts, eng.generate(prompts, greedy)):
-        assert c.tokens == _hf_greedy(model, pr, 16)
+    hf = [_hf_greedy(model, pr, 16) for pr in prompts]
+    assert [c.tokens for c in eng.generate(prompts, greedy)] == hf
+    eng.runner.qkv_weight_left = True  # the q/k/v(+indexer) GEMM as W @ x^T: the same tokens
+    assert [c.tokens for c in eng.generate(prompts, greedy)] == hf
+    eng.runner.qkv_weight_left = False
     params = SamplingParams(temperature=0.8, max_new_tokens=16, seed=2)
     for c in eng.generate(prompts, params):
         torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(model, c, params), atol=1e-4, rtol=0)

@@ -1,6 +1,7 @@
 """The decode select's threshold by one in-register sort of the candidates (`sort`, opt-in) and by four
 radix passes (sort=0, the default, and rows with more candidates than `sort`): the same keys as the reference
-(TRITON_INTERPRET=1 on the CPU), with heavy ties (integer scores, ReLU zeros) and without."""
+(TRITON_INTERPRET=1 on the CPU), with heavy ties (integer scores, ReLU zeros) and without; and the
+implementations after the score pass (`impl`: chunked, row, split, auto) likewise."""
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ def test_sort_and_radix_thresholds_pick_the_reference_keys(ints, B, S, K, sink, 
     counts = None
     for sort in (0, 2, 256):  # 2: rows overflow to the radix passes; 256: every row sorts
         got, n_cand = itd.indexer_topk_decode(q, w, k, pos, K, sink=sink, window=window, chunk=chunk, sort=sort,
-                                              candidates=True)
+                                              candidates=True, impl="chunked")
         assert torch.equal(got, ref), sort
         counts = n_cand
     assert int(counts.max()) > 2  # some row really overflowed sort=2
@@ -34,11 +35,11 @@ def test_sort_and_radix_thresholds_pick_the_reference_keys(ints, B, S, K, sink, 
         itd.indexer_topk_decode(q, w, k, pos, K, sort=48)
 
 
-@pytest.mark.parametrize("impl", ["row", "split"])
+@pytest.mark.parametrize("impl", ["row", "split", "auto"])
 @pytest.mark.parametrize("ints", [True, False])
-def test_row_and_split_selects_pick_the_reference_keys(impl, ints):
+def test_row_and_split_selects_pick_the_reference_keys(impl, ints, monkeypatch):
     """impl="row" (the score pass, then one program per row: decode_row.py) and "split" (then three
-    (chunk, row) passes: decode_split.py) against the reference: exact
+    (chunk, row) passes: decode_split.py) against the reference, and auto past ROW_MAX_KEYS (chunked): exact
     ties (integer scores), left padding (kv_start), rows shorter than K, every threshold path (sort of the
     candidates, radix levels when they overflow `sort`)."""
     g = torch.Generator().manual_seed(21 + ints)
@@ -52,18 +53,20 @@ def test_row_and_split_selects_pick_the_reference_keys(impl, ints):
         k = torch.randn(B, S, DI, generator=g)
     pos = torch.tensor([S - 1, 70, 12, 100])
     kvs = torch.tensor([0, 3, 0, 40])
+    monkeypatch.setattr(itd, "ROW_MAX_KEYS", 100)  # auto: this S takes the chunked passes
     ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=2, window=3, kv_start=kvs)
-    for sort in (2, 64):  # 2: most rows overflow to the radix levels, a few sort; 64: every row sorts
+    for sort in (2, 64) if impl != "auto" else (0,):  # 2: most rows overflow to the radix levels; 64: all sort
         got = itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=3, kv_start=kvs, chunk=32, impl=impl, sort=sort)
         assert torch.equal(got, ref), sort
     with pytest.raises(ValueError, match="impl"):
         itd.indexer_topk_decode(q, w, k, pos, K, impl="rows")
 
 
-@pytest.mark.parametrize("impl", ["row", "split"])
-def test_row_and_split_select_edge_distributions(impl):
+@pytest.mark.parametrize("impl", ["chunked", "split"])
+def test_chunked_and_split_select_edge_distributions(impl):
     """Forced keys filling the budget, all-equal scores, a span set by a few huge keys (nearly every key
-    a candidate), negative weights: the row program's paths against the reference."""
+    a candidate), negative weights against the reference (the default, row at these sizes, is held to
+    the same cases in test_kernels.py)."""
     g = torch.Generator().manual_seed(2)
     B, HI, DI, S = 3, 2, 16, 90
     pos = torch.tensor([89, 60, 15])

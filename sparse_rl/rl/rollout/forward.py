@@ -29,7 +29,9 @@ qwen3-4b.md). On CUDA it also runs each layer's q/k/v (+ the indexer's wq/wk/ww)
 projections as one GEMM each, SiLU(gate) * up in `ops.silu_mul` (`fused_weights.py`; the modules'
 parameters become views of the concatenated weights): 6.13 -> 5.63 ms dense at 2K, 10.37 -> 9.18 ms
 sparse at 16K (benchmarks/results/2026-12-01-h200-rollout-session5.md). `runner.fused = False` runs
-the modules instead (for A/B), `runner.fused_layers = None` the separate projections; the compiled
+the modules instead (for A/B), `runner.fused_layers = None` the separate projections,
+`runner.qkv_weight_left = True` the fused q/k/v GEMM as W @ xᵀ (opt-in; drop the graphs after a
+switch); the compiled
 step keeps the modules, whose elementwise ops inductor fuses itself.
 
 Dense decode attention: PyTorch SDPA with a per-slot mask on CPU; on CUDA the split-K Triton
@@ -147,6 +149,9 @@ class ModelRunner:
         # fused step
         self.fuse_projections = self.fused and (self.is_cuda if fuse_projections is None else bool(fuse_projections))
         self.fused_layers = [FusedLayer.build(layer) for layer in self.layers] if self.fuse_projections else None
+        # the fused q/k/v(+indexer) GEMM as W @ xᵀ (`FusedLinear(weight_left=True)`): opt-in for an A/B in
+        # the engine step; alone it was 2.1x faster at M = 32 on the H200 (session 7), never timed in a step
+        self.qkv_weight_left = False
         self._graphs: dict = {}
         self._pool = None
         self._static: dict = {}
@@ -356,7 +361,7 @@ class ModelRunner:
         if fl is None or fl.qkv is None:
             return (*(p(x).view(B, -1, self.D) for p in (attn.q_proj, attn.k_proj, attn.v_proj)), None)
         with_ix = indexed and len(fl.qkv.sizes) == 6
-        y = fl.qkv(x, None if with_ix else fl.qkv_rows)
+        y = fl.qkv(x, None if with_ix else fl.qkv_rows, weight_left=self.qkv_weight_left)
         parts = y.split(fl.qkv.sizes[:len(fl.qkv.sizes) if with_ix else 3], dim=1)
         q, k, v = (t.view(B, -1, self.D) for t in parts[:3])
         return q, k, v, (parts[3:] if with_ix else None)

@@ -87,12 +87,19 @@ class FusedLinear:
             off += n
         return True
 
-    def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-        """x `[B, in]` -> `[B, rows or sum(out)]`: the members' outputs side by side (the first `rows`)."""
+    def __call__(self, x: torch.Tensor, rows: int | None = None, weight_left: bool = False) -> torch.Tensor:
+        """x `[B, in]` -> `[B, rows or sum(out)]`: the members' outputs side by side (the first `rows`).
+        weight_left: the same product as W @ xᵀ, then one transpose copy back to `[B, out]` (cuBLAS
+        picks another kernel for it: on an H200 at M = 32 the q/k/v + indexer GEMM of Qwen3-4B's shape,
+        N = 6468, took 8.4 us this way against 17.5 through F.linear; equal for the other shapes;
+        benchmarks/results/2026-12-01-h200-rollout-session7.md)."""
         w, b = self.weight, self.bias
         if rows is not None:
             w, b = w[:rows], None if b is None else b[:rows]
-        return torch.nn.functional.linear(x, w, b)
+        if not weight_left:
+            return torch.nn.functional.linear(x, w, b)
+        y = torch.mm(w, x.t()) if b is None else torch.addmm(b[:, None], w, x.t())
+        return y.t().contiguous()
 
 
 @dataclass

@@ -56,8 +56,15 @@ from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 # nothing in the step (Qwen3-4B shape, batch 32 at 16K: 9.18 ms with sort=1024 vs 9.17 radix; 299
 # candidates a row on average, up to 2,031; benchmarks/results/2026-12-01-h200-rollout-session5.md)
 SORT_CANDIDATES = 0
-IMPLS = ("chunked", "row", "split")
-DECODE_IMPL = "chunked"
+# which select runs after the score pass (`impl`): "auto" takes the one-program-per-row select
+# (decode_row.py) for rows of at most ROW_MAX_KEYS keys and the chunked passes beyond. On the H200
+# (Qwen3-4B shape, random caches, one engine; benchmarks/results/2026-12-01-h200-rollout-session6.md)
+# the row select took 0.43-0.71 ms off the batch-32 step at 2.3K-8K context (0.32 at batch 16, 2.3K-4K),
+# where the chunked passes are held by their seven launches, and added 0.6-1.25 ms at 16 x 16K-32K,
+# where one program per row walks the row alone; "split" (decode_split.py) is opt-in.
+IMPLS = ("auto", "chunked", "row", "split")
+DECODE_IMPL = "auto"
+ROW_MAX_KEYS = 8192
 
 
 @triton.jit
@@ -260,8 +267,10 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     the score pass then reads half the bytes. sort: the threshold over at most this many candidates
     by one in-register sort instead of four radix passes (a power of two; 0 = always radix; default
     `SORT_CANDIDATES`); rows with more candidates take the radix passes. impl: "chunked" (the passes
-    above over (chunk, row) programs) or "row" (the score pass, then one program per row does the rest:
-    `decode_row.py`, two launches, `row_block` keys a step in `row_warps` warps); default `DECODE_IMPL`."""
+    above over (chunk, row) programs), "row" (the score pass, then one program per row does the rest:
+    `decode_row.py`, two launches, `row_block` keys a step in `row_warps` warps), "split" (the score
+    pass, then three (chunk, row) launches: `decode_split.py`) or "auto" (row for S <= `ROW_MAX_KEYS`,
+    else chunked); default `DECODE_IMPL` ("auto"). Every impl selects the same keys."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:
@@ -289,6 +298,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     impl = DECODE_IMPL if impl is None else impl
     if impl not in IMPLS:
         raise ValueError(f"impl {impl!r}: expected one of {', '.join(IMPLS)}")
+    if impl == "auto":
+        impl = "row" if S <= ROW_MAX_KEYS else "chunked"
     CH = chunk or _chunk(B, S, interpret)
     BN = min(CH, 16 if interpret else 256)
     P = triton.cdiv(S, CH)
