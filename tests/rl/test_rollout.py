@@ -95,12 +95,14 @@ def test_sparse_engine_on_triton_kernels_equals_reference_forward(llama_dir, mon
     CUDA default: the kernels read q/k/v and the indexer's inputs as column views of one GEMM's output,
     and `ops.silu_mul` runs the MLP."""
     model = load_model(llama_dir, attention="sparse")
-    params = SamplingParams(temperature=0.7, max_new_tokens=10, seed=5)
+    # 6 new tokens take every row (9-14 prompt tokens) past the top-k of 12; each step costs seconds
+    # under the interpreter
+    params = SamplingParams(temperature=0.7, max_new_tokens=6, seed=5)
     monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
     outs = _engine(model, max_batch=2, fuse_projections=True).generate(_prompts(2, lengths=(14, 9, 13)), params)
     monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
     for c in outs:
-        assert len(c.tokens) == 10
+        assert len(c.tokens) == 6
         torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(model, c, params), atol=1e-4, rtol=0)
 
 
