@@ -146,19 +146,19 @@ def read_documents(path: str | Path, tokenizer, loss_on: str = "assistant") -> l
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"--data {p}: no such file")
-    recs: list[tuple[dict, str, list[str] | None]] = []
+    recs: list[tuple[dict, str, list[dict] | None, list[str] | None]] = []
     texts: dict[str, None] = {}
 
     def collect(rec: dict, name: str, lineno: int) -> dict:
         where = f"{name} line {lineno}"
-        msgs = _messages_of(rec, where)
+        msgs = _messages_of(rec, where)  # parsed once, kept for the second pass
         mine = None
         if msgs is not None and getattr(tokenizer, "chat_template", None):
             mine = _needed_texts(tokenizer, msgs)  # rendered once, kept for the second pass
             texts.update(dict.fromkeys(mine))
         elif msgs is None and isinstance(rec.get("text"), str):
             texts[rec["text"]] = None
-        recs.append((rec, where, mine))
+        recs.append((rec, where, msgs, mine))
         return rec
 
     for _ in iter_jsonl(p, check=collect, flag="--data"):
@@ -167,8 +167,9 @@ def read_documents(path: str | Path, tokenizer, loss_on: str = "assistant") -> l
         raise SparseRLError(f"--data {p}: no records")
     table = _tokenize_all(tokenizer, list(texts))
     docs = []
-    for rec, where, mine in recs:
-        doc = encode_record(rec, tokenizer, where, table.__getitem__, mine)
+    for rec, where, msgs, mine in recs:
+        doc = (encode_messages(tokenizer, msgs, where, table.__getitem__, mine) if msgs is not None
+               else encode_record(rec, tokenizer, where, table.__getitem__))
         docs.append(Document(doc.ids, [True] * len(doc.ids)) if loss_on == "all" else doc)
     return docs
 
