@@ -6,7 +6,7 @@
 #   2. part 2: the four GRPO modes, one process each, side by side;
 #   3. part 3: the five policies, one process each; then one pass without ONLY writes RESULTS.md.
 # $OUT gets small.tgz (every log, metric, score and the report; no weights) and handoff.tgz.* (the
-# chosen part-1 hand-off, 15 MB pieces, for a re-run of parts 2-3 elsewhere).
+# part-1 hand-off, 15 MB pieces, for a re-run of parts 2-3 elsewhere).
 #   usage: bash benchmarks/gpu_evidence_run.sh BUDGET_S      (DEV=cpu SIZE=cpu ... for a CPU rehearsal)
 set -u
 budget=${1:-560}
@@ -25,26 +25,24 @@ echo "${EV_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" >$R/commit.txt; date -u +
 #    12-step speed probe used before read 0.029-0.037 s a step while the stages then ran 0.035-0.059
 #    s a step with their data loading and checkpoints, so two runs sized by it overran part 1's time.
 steps=(); [ -n "${PRE_STEPS:-}" ] && steps+=(EV_PRE_STEPS=$PRE_STEPS); [ -n "${SFT_STEPS:-}" ] && steps+=(EV_SFT_STEPS=$SFT_STEPS)
-echo "steps: ${steps[*]:-the recipe's}" | tee $R/steps.txt
+echo "steps: ${steps[*]:-as in the recipe}" | tee $R/steps.txt
 
 # -- part 1
 (export PART=1 ${steps[@]+"${steps[@]}"}
  timeout ${PART1_S:-330} bash recipes/evidence/run.sh $R/A >$R/A.log 2>&1; echo "rc=$?" >>$R/A.log)
 echo "part 1 done at $(el) s"
-score_sft() {  # VARIANT ATTENTION
-    local h=$R/$1/part1/handoff
-    srl generate $h --prompts $h/heldout.jsonl --out $R/$1/sft-$2.jsonl --attention $2 --temperature 0 \
-        --max-new-tokens 64 --max-batch 256 --device ${DEV:-cuda} >/dev/null 2>>$R/$1.log
-    python -c "from sparse_rl.eval import evidence; import json; print('$1 $2', json.dumps(evidence.score_file('$R/$1/sft-$2.jsonl', '$h/heldout.jsonl', '$R/$1/sft-acc-$2.json')))"
+E=$R/A; H=$E/part1/handoff
+score_sft() {  # ATTENTION: greedy held-out accuracy of the SFT policy
+    srl generate $H --prompts $H/heldout.jsonl --out $E/sft-$1.jsonl --attention $1 --temperature 0 \
+        --max-new-tokens 64 --max-batch 256 --device ${DEV:-cuda} >/dev/null 2>>$R/A.log
+    python -c "from sparse_rl.eval import evidence; import json; print('sft $1', json.dumps(evidence.score_file('$E/sft-$1.jsonl', '$H/heldout.jsonl', '$E/sft-acc-$1.json')))"
 }
-for v in A; do [ -f $R/$v/part1/handoff/config.json ] && { score_sft $v dense & score_sft $v sparse & }; done; wait
-cat $R/*/sft-acc-*.json 2>/dev/null | tee $R/acc.txt
-best=""; [ -f $R/A/part1/handoff/config.json ] && [ "${PARTS:-123}" != 1 ] && best=A  # PARTS=1: part 1 alone
-echo "part-1 hand-off: ${best:-none} at $(el) s" | tee -a $R/acc.txt
+[ -f $H/config.json ] && { score_sft dense & score_sft sparse & wait; }
+cat $E/sft-acc-*.json 2>/dev/null | tee $R/acc.txt
+echo "part-1 hand-off: $([ -f $H/config.json ] && echo $H || echo none) at $(el) s" | tee -a $R/acc.txt
 
-# -- parts 2 and 3 on the chosen variant, one process per mode / policy
-if [ -n "$best" ]; then
-    E=$R/$best
+# -- parts 2 and 3, one process per mode / policy (PARTS=1: part 1 alone)
+if [ -f $H/config.json ] && [ "${PARTS:-123}" != 1 ]; then
     for m in dense sparse sparse-tis sparse-distill; do
         (export PART=2 ONLY=$m; timeout $(( $(left) - ${PART3_S:-110} )) bash recipes/evidence/run.sh $E >$R/p2-$m.log 2>&1; echo "rc=$?" >>$R/p2-$m.log) &
     done; wait
@@ -57,7 +55,7 @@ if [ -n "$best" ]; then
     timeout 20 bash recipes/evidence/run.sh $E >$R/final.log 2>&1; echo "final rc=$?" >>$R/final.log
 fi
 cd $R && tar czf $OUT/small.tgz --exclude='*.safetensors' --exclude='checkpoints' --exclude='handoff' \
-    --exclude='pretrain*.jsonl' --exclude='sft.jsonl' --exclude='grpo.jsonl' --exclude='speed*' \
+    --exclude='pretrain*.jsonl' --exclude='sft.jsonl' --exclude='grpo.jsonl' \
     *.log *.txt A 2>/dev/null
-[ -f $R/A/part1/handoff/config.json ] && tar czf - A/part1/handoff | split -b 15M - $OUT/handoff.tgz.
+[ -f $H/config.json ] && tar czf - A/part1/handoff | split -b 15M - $OUT/handoff.tgz.
 ls -la $OUT; tail -n 3 $R/*.log | cut -c1-300; cat $R/acc.txt; echo "total $(el) s"
