@@ -8,6 +8,7 @@
 # $OUT gets small.tgz (every log, metric, score and the report; no weights) and handoff.tgz.* (the
 # part-1 hand-off, 15 MB pieces, for a re-run of parts 2-3 elsewhere).
 #   usage: bash benchmarks/gpu_evidence_run.sh BUDGET_S      (DEV=cpu SIZE=cpu ... for a CPU rehearsal)
+#          HANDOFF_FROM=DIR EV_GRPO_SEED=1 bash benchmarks/gpu_evidence_run.sh BUDGET_S   (parts 2-3 again)
 set -u
 budget=${1:-560}
 t0=$(date +%s)
@@ -27,17 +28,22 @@ echo "${EV_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" >$R/commit.txt; date -u +
 steps=(); [ -n "${PRE_STEPS:-}" ] && steps+=(EV_PRE_STEPS=$PRE_STEPS); [ -n "${SFT_STEPS:-}" ] && steps+=(EV_SFT_STEPS=$SFT_STEPS)
 echo "steps: ${steps[*]:-as in the recipe}" | tee $R/steps.txt
 
-# -- part 1
-(export PART=1 ${steps[@]+"${steps[@]}"}
- timeout ${PART1_S:-330} bash recipes/evidence/run.sh $R/A >$R/A.log 2>&1; echo "rc=$?" >>$R/A.log)
-echo "part 1 done at $(el) s"
+# -- part 1, or (HANDOFF_FROM=DIR holding an earlier call's handoff.tgz.*) its hand-off unpacked:
+#    parts 2-3 again from the same SFT policy, e.g. with another GRPO seed (EV_GRPO_SEED=1)
 E=$R/A; H=$E/part1/handoff
+if [ -n "${HANDOFF_FROM:-}" ]; then
+    cat "$HANDOFF_FROM"/handoff.tgz.* | tar xzf - -C $R && echo "hand-off from $HANDOFF_FROM" | tee $R/A.log
+else
+    (export PART=1 ${steps[@]+"${steps[@]}"}
+     timeout ${PART1_S:-330} bash recipes/evidence/run.sh $R/A >$R/A.log 2>&1; echo "rc=$?" >>$R/A.log)
+fi
+echo "part 1 done at $(el) s"
 score_sft() {  # ATTENTION: greedy held-out accuracy of the SFT policy
     srl generate $H --prompts $H/heldout.jsonl --out $E/sft-$1.jsonl --attention $1 --temperature 0 \
         --max-new-tokens 64 --max-batch 256 --device ${DEV:-cuda} >/dev/null 2>>$R/A.log
     python -c "from sparse_rl.eval import evidence; import json; print('sft $1', json.dumps(evidence.score_file('$E/sft-$1.jsonl', '$H/heldout.jsonl', '$E/sft-acc-$1.json')))"
 }
-[ -f $H/config.json ] && { score_sft dense & score_sft sparse & wait; }
+[ -f $H/config.json ] && [ -z "${HANDOFF_FROM:-}" ] && { score_sft dense & score_sft sparse & wait; }
 cat $E/sft-acc-*.json 2>/dev/null | tee $R/acc.txt
 echo "part-1 hand-off: $([ -f $H/config.json ] && echo $H || echo none) at $(el) s" | tee -a $R/acc.txt
 
@@ -52,10 +58,11 @@ if [ -f $H/config.json ] && [ "${PARTS:-123}" != 1 ]; then
     done; wait
     echo "part 3 done at $(el) s"
     # the whole run once more: every finished stage is skipped; writes commands.sh and RESULTS.md
-    timeout 20 bash recipes/evidence/run.sh $E >$R/final.log 2>&1; echo "final rc=$?" >>$R/final.log
+    (export PART=${HANDOFF_FROM:+2,3}; export PART=${PART:-all}  # from a hand-off: part 1's stages were never run here
+     timeout 20 bash recipes/evidence/run.sh $E >$R/final.log 2>&1; echo "final rc=$?" >>$R/final.log)
 fi
 cd $R && tar czf $OUT/small.tgz --exclude='*.safetensors' --exclude='checkpoints' --exclude='handoff' \
     --exclude='pretrain*.jsonl' --exclude='sft.jsonl' --exclude='grpo.jsonl' \
     *.log *.txt A 2>/dev/null
-[ -f $H/config.json ] && tar czf - A/part1/handoff | split -b 15M - $OUT/handoff.tgz.
+[ -f $H/config.json ] && [ -z "${HANDOFF_FROM:-}" ] && tar czf - A/part1/handoff | split -b 15M - $OUT/handoff.tgz.
 ls -la $OUT; tail -n 3 $R/*.log | cut -c1-300; cat $R/acc.txt; echo "total $(el) s"

@@ -26,7 +26,7 @@ SIZES = {
                 keys=6, hops=2, digits=4, sft_n=48, sft_steps=4, sft_seq=256, sft_bs=8, sft_lr=3e-3,
                 heldout_n=4, grpo_n=16, topk=16, sink=2, window=4, index_heads=2, index_dim=16,
                 idx_steps=3, idx_seq=128, idx_bs=2, idx_lr=3e-3,
-                grpo_steps=2, prompts=2, samples=2, distill_samples=4, max_new=40, grpo_lr=1e-4, max_batch=8,
+                grpo_steps=2, grpo_seed=0, prompts=2, samples=2, distill_samples=4, max_new=40, grpo_lr=1e-4, max_batch=8,
                 niah_lengths="256", niah_depths="0.5", niah_per_cell=1),
     # One H200 (benchmarks/results/2026-12-01-h200-evidence.md). Session 5: at lr 2e-3 on 16-row
     # tables the 5.5M model never learned the key match (run 3: 3,000 steps, 0/128). Session 6's pilots
@@ -44,7 +44,7 @@ SIZES = {
                 keys=96, hops=4, digits=3, sft_n=4000, sft_steps=200, sft_seq=2048, sft_bs=8, sft_lr=1e-3,
                 heldout_n=128, grpo_n=1024, topk=64, sink=4, window=16, index_heads=4, index_dim=32,
                 idx_steps=150, idx_seq=2048, idx_bs=8, idx_lr=1e-3,
-                grpo_steps=20, prompts=16, samples=8, distill_samples=12, max_new=80, grpo_lr=3e-5, max_batch=256,
+                grpo_steps=20, grpo_seed=0, prompts=16, samples=8, distill_samples=12, max_new=80, grpo_lr=3e-5, max_batch=256,
                 niah_lengths="512,1k", niah_depths="0.1,0.5,0.9", niah_per_cell=4),
 }
 MODES = {"dense": ["--mode", "dense"], "sparse": ["--mode", "sparse"],
@@ -205,7 +205,7 @@ class Recipe:
                                            "--prompts-per-step", str(s["prompts"]), "--max-new-tokens", str(s["max_new"]),
                                            "--steps", str(s["grpo_steps"]), "--lr", str(s["grpo_lr"]), "--reward", "synth",
                                            "--eval-tasks", str(h / "heldout.jsonl"), "--eval-every", "10",
-                                           "--checkpoint-every", "10", "--seed", "0", "--device", s["device"],
+                                           "--checkpoint-every", "10", "--seed", str(s["grpo_seed"]), "--device", s["device"],
                                            "--dtype", s["train_dtype"],
                                            "--set", f"rollout.max_batch={s['max_batch']}"], resumable=run)
             found = runs.latest(run)
@@ -249,13 +249,14 @@ class Recipe:
 
 def main(argv: list[str]) -> None:
     if len(argv) != 1:
-        raise SystemExit("usage: [SIZE=cpu|gpu] [PART=1|2|3|all] bash recipes/evidence/run.sh OUT")
+        raise SystemExit("usage: [SIZE=cpu|gpu] [PART=1|2|3|2,3|all] bash recipes/evidence/run.sh OUT")
     size, part = os.environ.get("SIZE", "gpu"), os.environ.get("PART", "all")
-    if size not in SIZES or part not in ("1", "2", "3", "all"):
-        raise SystemExit(f"SIZE={size} PART={part}: expected SIZE in cpu|gpu and PART in 1|2|3|all")
+    parts = {"1", "2", "3"} if part == "all" else set(part.split(","))
+    if size not in SIZES or not parts or not parts <= {"1", "2", "3"}:
+        raise SystemExit(f"SIZE={size} PART={part}: expected SIZE in cpu|gpu and PART in 1|2|3|all (or a list: 2,3)")
     r = Recipe(Path(argv[0]), size)
     for p, fn in (("1", r.part1), ("2", r.part2), ("3", r.part3)):
-        if part in (p, "all"):
+        if p in parts:
             t0 = time.time()
             fn()
             print(f"[evidence] part {p}: {time.time() - t0:.0f} s", file=sys.stderr)
