@@ -61,6 +61,7 @@ if [ -f $H/config.json ] && [ "${PARTS:-123}" != 1 ]; then
     (export PART=${HANDOFF_FROM:+2,3}; export PART=${PART:-all}  # from a hand-off: part 1's stages were never run here
      timeout 20 bash recipes/evidence/run.sh $E >$R/final.log 2>&1; echo "final rc=$?" >>$R/final.log)
 fi
+[ -f $H/heldout.jsonl ] && cp $H/heldout.jsonl $E/part1/heldout.jsonl  # the report's hop grid reads it; handoff/ stays out
 cd $R && tar czf $OUT/small.tgz --exclude='*.safetensors' --exclude='checkpoints' --exclude='handoff' \
     --exclude='pretrain*.jsonl' --exclude='sft.jsonl' --exclude='grpo.jsonl' \
     *.log *.txt A 2>/dev/null

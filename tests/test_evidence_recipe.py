@@ -40,6 +40,10 @@ def test_cpu_evidence_recipe_runs_all_parts_and_reports(tmp_path):
                     "niah_sparse"):
             assert isinstance(p[key], float), (pol, key, p[key])
         assert p["acceptance_p5_by_position"]
+        # the look-up hop grid of each policy's held-out completions, dense and sparse
+        for a in ("dense", "sparse"):
+            g = p[f"hops_{a}"]
+            assert g["hops"] == 2 and len(g["grid"]) == 2 and sum(map(sum, g["n"])) >= 4, (pol, a, g)
     assert set(r["grpo"]) == {"dense", "sparse", "sparse-tis", "sparse-distill"}
     assert all(g["steps"] == 2 and g["mismatch_kl_mean"] is not None for g in r["grpo"].values())
     # the sparse runs really rolled out sparse: their mu differs from the dense-trained pi, dense's does not
@@ -68,3 +72,13 @@ def test_cpu_evidence_recipe_runs_all_parts_and_reports(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "p1-sft: done already" in res.stderr and "p2-grpo-sparse-distill: done already" in res.stderr
     assert (out / "results.json").is_file()
+
+    # the report over several GRPO seeds (here the run twice, as a stand-in), with a preface in words
+    from sparse_rl.eval.evidence import report
+
+    (tmp_path / "pre.md").write_text("**Findings** in words.")
+    report(out, tmp_path / "docs" / "R.md", seeds=[out], preface=tmp_path / "pre.md")
+    md = (tmp_path / "docs" / "R.md").read_text()
+    assert md.splitlines()[2] == "**Findings** in words." and "## The generated report" in md
+    assert "## Spread over GRPO seeds (0, 0;" in md and "--seeds" in md
+    assert (tmp_path / "docs" / "evidence" / "hops_sparse_sparse_minus_dense.png").is_file()
