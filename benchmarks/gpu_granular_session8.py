@@ -63,7 +63,8 @@ def parse_args(argv=None):
     ap.add_argument("--budget", type=float, default=200.0, help="seconds of script time; phases gate on time left")
     ap.add_argument("--part", type=int, default=1, choices=[1, 2])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU through the interpreter")
-    ap.add_argument("--seqlen", type=int, default=32768)
+    ap.add_argument("--seqlen", type=int, default=32768, help="part 1's length")
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072], help="part 2's lengths")
     ap.add_argument("--shape", type=int, nargs=5, default=[1, 32, 8, 128, 2048], metavar=("B", "H", "H_KV", "D", "K"))
     ap.add_argument("--index", type=int, nargs=2, default=[4, 64], metavar=("H_I", "D_I"))
     ap.add_argument("--sink", type=int, default=4)
@@ -77,6 +78,7 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     if a.cpu_smoke:
         a.seqlen, a.shape, a.index, a.check_T, a.check_topk = 256, [1, 8, 2, 16, 64], [2, 16], 128, 48
+        a.seqlens = [256]
         a.train_steps, a.rep_ms, a.window, a.jobs = 3, 1, 16, min(a.jobs, 1)
     return a
 
@@ -378,6 +380,168 @@ def part1(a, dev, run: Run) -> None:
         run.save()
 
 
+SPECS2 = ("g16", "g32", "g64", "kb1", "kb16")
+
+
+def warm2(a, dev, part: str) -> None:
+    """Child process of part 2: the default selection and attention fwd+bwd of each spec on 1024 positions."""
+    from sparse_rl.sparse.ops import granular_topk, indexer_topk
+    from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention
+
+    i, n = (int(x) for x in part.split("/"))
+    B, H, Hkv, D, _ = a.shape
+    HI, DI = a.index
+    T, K = a.check_T, a.check_topk
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, device=dev, generator=gen).to(torch.bfloat16)  # noqa: E731
+    index = (rnd(B, T, HI, DI), torch.rand(B, T, HI, device=dev, generator=gen).to(torch.bfloat16), rnd(B, T, DI))
+    for spec in SPECS2[i::n]:
+        kb, G = (int(spec[2:]), 1) if spec.startswith("kb") else (1, int(spec[1:]))
+        kw = dict(sink=a.sink, window=a.window)
+        if kb == G == 1:
+            rows = indexer_topk(*index, K, backend="triton", **kw)
+        else:
+            rows = granular_topk(*index, K, key_block=kb, query_group=G, shared=G > 1, backend="triton", **kw)
+        qs, ks, vs = (x.requires_grad_() for x in (rnd(B, T, H, D), rnd(B, T, Hkv, D), rnd(B, T, Hkv, D)))
+        o, _ = sparse_attention(qs, ks, vs, rows, **({"query_group": G} if G > 1 else {}))
+        o.float().sum().backward()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def sampled_stats(index, K: int, a, dev, G: int = 16) -> dict:
+    """The sampled block top-k's per-row path (sampled_topk's stats) on one input's g-G block scores: the
+    share of rows per path, by decile of the visible prefix, and for the rows that fell back the number of
+    block scores tied with the row's k-th best (the tie hypothesis of NOTES item 14)."""
+    from sparse_rl.sparse.ops.indexer_topk import granular as gr
+    from sparse_rl.sparse.ops.indexer_topk.naive import group_plan, rep_queries
+    from sparse_rl.sparse.ops.indexer_topk.sampled_topk import sampled_topk
+
+    qi, wi, ki = index
+    L = qi.shape[1]
+    start, _, ev_pos, ev_rep, _, q_all, w_all, j = group_plan(qi, wi, 0, None, G, None)
+    qr, wr = rep_queries(q_all, w_all, j)
+    nb = K - (G - 1) - a.sink - a.window
+    x = gr.block_keys(qr, wr, ki, ev_rep, start, L, keys=False, key_block=1, sink=a.sink, window=a.window,
+                      block_score="max")
+    R = x.shape[0] * x.shape[1]
+    st = torch.empty(R, 2, dtype=torch.int32, device=dev)
+    got = sampled_topk(x, nb, stats=st)
+    same = bool(torch.equal(got.long(), gr.top_blocks(x, nb, "radix")))
+    code, cnt = st[:, 0].long(), st[:, 1].long()
+    live = (x > float("-inf")).sum(-1).flatten()
+    dec = (torch.arange(R, device=dev) * 10 // R)
+    res = {"rows": R, "blocks_kept": nb, "rows_equal_radix": same,
+           "path_share": {str(c): float((code == c).double().mean()) for c in range(4)},
+           "path_share_by_decile": [[float((code[dec == d] == c).double().mean()) for c in range(4)] for d in range(10)],
+           "count_quantiles": [int(v) for v in torch.quantile(cnt.double(), torch.tensor([.1, .5, .9], dtype=torch.float64,
+                                                                                           device=dev)).tolist()],
+           "live_quantiles": [int(v) for v in torch.quantile(live.double(), torch.tensor([.1, .5, .9], dtype=torch.float64,
+                                                                                           device=dev)).tolist()]}
+    fb = (code >= 2).nonzero().flatten()[:256]
+    if fb.numel():
+        xs = x.reshape(R, -1)[fb]
+        kth = xs.topk(nb, -1).values[:, -1:]
+        full = kth[:, 0] > float("-inf")  # rows with >= k live blocks (else the k-th is -inf: no tie to count)
+        ties = ((xs == kth) & full[:, None]).sum(-1).double()[full]
+        res["fallback_rows_with_k_live"] = float(full.double().mean())
+        if ties.numel():
+            res["fallback_ties_at_kth"] = {"median": float(ties.median()), "max": float(ties.max()),
+                                           "kth_zero_share": float((kth[full] == 0).double().mean())}
+    return res
+
+
+def part2(a, dev, run: Run) -> None:
+    from sparse_rl.bench import patterns
+    from sparse_rl.bench.granular import granular_rows
+
+    res = run.res
+    box, th = {}, None
+    if a.jobs:
+        import threading
+
+        th = threading.Thread(target=lambda: box.update(parallel_warmup(
+            os.path.abspath(__file__), sys.argv[1:], min(a.jobs, len(SPECS2)), min(60.0, run.left() - 60))))
+        th.start()
+    log("checks: the default backward's gradients vs the fp32 reference")
+    res["checks"] = []
+    B, H, Hkv, D, K = a.shape
+    gen = torch.Generator(device=dev).manual_seed(1)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    for T, spec in ((a.check_T, "g16"), (a.check_T, "g32"), (a.check_T - 24, "g16")):
+        if run.gate(40, f"check {spec} T={T}"):
+            rnd = lambda *s: torch.randn(*s, device=dev, generator=gen).to(dt)  # noqa: E731
+            q, k, v, go = rnd(B, T, H, D), rnd(B, T, Hkv, D), rnd(B, T, Hkv, D), rnd(B, T, H, D)
+            G = int(spec[1:])
+            rows = run_rows(-(-T // G), G, T, a.check_topk, a.sink, a.window, gen, dev)
+            r = run.guarded("check", grad_check, q, k, v, rows, G, go, None)
+            if r:
+                res["checks"].append({"T": T, "spec": spec, **r})
+                log(str(res["checks"][-1]))
+    res["checks_ok"] = bool(res["checks"]) and all(c["ok"] for c in res["checks"])
+    if th is not None:
+        th.join()
+        res["warmup"] = box
+    run.save()
+    HI, DI = a.index
+    W = dict(warmup_ms=5, rep_ms=a.rep_ms)
+    ix, res["trained_indexer_kl"], gen = trained_indexer(dev, 0, HI, DI, a.train_steps)
+    res["rows"], res["dense"], res["sampled_stats"] = [], {}, []
+    for li, L in enumerate(a.seqlens):
+        specs = SPECS2 if li == 0 else ("g64", "g32", "g16", "kb1")
+        if not run.gate(40 if li == 0 else 30, f"L={L}"):
+            continue
+        log(f"L={L}: inputs + dense")
+        rnd = lambda *s: torch.randn(*s, device=dev, generator=gen).to(dt)  # noqa: E731
+        q, k, v = rnd(B, L, H, D), rnd(B, L, Hkv, D), rnd(B, L, Hkv, D)
+        grad = torch.randn_like(q)
+        index = patterns.trained_index(ix, L, dev, gen)
+        bwd = li == 0 or run.left() > 75
+        dn = run.guarded(f"dense {L}", dense_times, q, k, v, dev, W, bwd)
+        if dn is None:
+            continue
+        res["dense"][str(L)] = dn
+        log(f"dense {dn}")
+        run.save()
+        for spec in specs:
+            if not run.gate(25 if li == 0 else 20, f"L={L} {spec}"):
+                continue
+            kw = dict(dense_fwdbwd_ms=dn["dense_fwdbwd_ms"], grad=grad) if "dense_fwdbwd_ms" in dn else {}
+            got = run.guarded(f"L={L} {spec}", granular_rows, q, k, v, {"trained": index}, [spec], K, a.sink, a.window,
+                              dev, W, dn["dense_ms"], check_n=64, select_fwdbwd=False, **kw)
+            for r in got or []:
+                log(", ".join(f"{x}={y:.4g}" if isinstance(y, float) else f"{x}={y}" for x, y in r.items()))
+                res["rows"].append(r)
+            run.save()
+        if run.gate(15, f"L={L} sampled stats"):
+            st = run.guarded("sampled stats", sampled_stats, index, K, a, dev)
+            if st:
+                res["sampled_stats"].append({"seqlen": L, "input": "trained", **st})
+                log(str(res["sampled_stats"][-1]))
+            if li == 0 and run.gate(12, "sampled stats random"):
+                HI_, DI_ = a.index
+                rand = (rnd(B, L, HI_, DI_), torch.rand(B, L, HI_, device=dev, generator=gen).to(dt), rnd(B, L, DI_))
+                st = run.guarded("sampled stats random", sampled_stats, rand, K, a, dev)
+                if st:
+                    res["sampled_stats"].append({"seqlen": L, "input": "random", **st})
+                    log(str(res["sampled_stats"][-1]))
+            run.save()
+        del q, k, v, grad, index
+
+
+def summary2(res: dict) -> None:
+    print(f"checks ok: {res.get('checks_ok')}  skipped: {res['skipped']}  errors: {res['errors']}")
+    print("| L | spec | select ms | attn ms | attn TF/s | prefill ms | speed-up | fwd+bwd ms | fwd+bwd speed-up | rows eq |")
+    for r in res.get("rows", []):
+        g = r.get
+        print(f"| {g('seqlen')} | {g('granularity')} | " + " | ".join(
+            f"{g(x):.3g}" if isinstance(g(x), float) else str(g(x)) for x in
+            ("select_ms", "attn_ms", "attn_tflops", "prefill_ms", "prefill_speedup", "fwdbwd_ms", "fwdbwd_speedup",
+             "select_rows_equal")) + " |")
+    for st in res.get("sampled_stats", []):
+        print({x: y for x, y in st.items() if x != "path_share_by_decile"})
+
+
 def summary(res: dict) -> None:
     print(f"checks ok: {res.get('checks_ok')}  skipped: {res['skipped']}  errors: {res['errors']}")
     dn = res.get("dense", {})
@@ -403,7 +567,7 @@ def main(argv=None):
     a = parse_args(argv)
     dev = torch.device("cpu" if a.cpu_smoke else "cuda")
     if a.warm_part:
-        warm(a, dev, a.warm_part)
+        (warm if a.part == 1 else warm2)(a, dev, a.warm_part)
         return
     import triton
 
@@ -413,12 +577,9 @@ def main(argv=None):
         torch.zeros(1, device=dev)  # the parent's context first (children start after it)
     run = Run(a.out, "granular8.json", a.budget, {"device": device_name(dev), "torch": torch.__version__,
                                                   "triton": triton.__version__, "commit": a.commit, "args": vars(a)})
-    if a.part == 1:
-        part1(a, dev, run)
-    else:
-        run.res["errors"].append("part 2 is written after call 1's results")
+    (part1 if a.part == 1 else part2)(a, dev, run)
     run.save()
-    summary(run.res)
+    (summary if a.part == 1 else summary2)(run.res)
 
 
 if __name__ == "__main__":

@@ -24,10 +24,15 @@ import sys
 import time
 
 T0 = time.time()
+_LOG = []  # the open log file of the Run, if any
 
 
 def log(msg: str) -> None:
-    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+    line = f"[{time.time() - T0:6.1f}s] {msg}"
+    print(line, flush=True)
+    for f in _LOG:
+        f.write(line + "\n")
+        f.flush()
 
 
 class Run:
@@ -38,6 +43,7 @@ class Run:
         self.out, self.name, self.budget_s = out, name, budget_s
         self.res = dict(meta, skipped=[], errors=[])
         os.makedirs(out, exist_ok=True)
+        _LOG.append(open(os.path.join(out, name.rsplit(".", 1)[0] + ".log"), "a"))
 
     def left(self) -> float:
         return self.budget_s - (time.time() - T0)
