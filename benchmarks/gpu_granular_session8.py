@@ -1,36 +1,39 @@
-"""One device call (<= 200 s of script time) for issue 15, session 8: the tile backward of the shared-rows
-(query-group) sparse attention, its key-major dk/dv pass in two forms, and the forward tile's launch.
+"""One device call (<= 170 s of script time) for issue 15, session 8: the tile backward of the shared-rows
+(query-group) sparse attention, its key-major dk/dv pass in two forms, the forward tile's launch, then the
+fastest launches end to end.
 
-    PYTHONPATH=$PWD python benchmarks/gpu_granular_session8.py --budget 200            # call 1 (--part 1)
-    PYTHONPATH=$PWD python benchmarks/gpu_granular_session8.py --budget 200 --part 2   # call 2
-    PYTHONPATH=$PWD python benchmarks/gpu_granular_session8.py --cpu-smoke             # CPU rehearsal
+    PYTHONPATH=$PWD python benchmarks/gpu_granular_session8.py --budget 165
+    PYTHONPATH=$PWD python benchmarks/gpu_granular_session8.py --cpu-smoke        # CPU rehearsal
 
-Why (benchmarks/NOTES.md items 9, 14; session 7): fwd+bwd at 32K is 32.8-35.8 ms against a 4.4 ms forward.
-Compiling the kernels for sm_90a with Triton 3.6 on the CPU host shows why the key-major dk/dv pass is
-the slow term: with 32 keys in the MMA's M dimension Triton cannot use wgmma, so it runs mma.sync with
-every operand in registers (255 registers, spills at 64 and 128 rows), while the forward and dq passes
-use wgmma. keymajor.py's "dt" form accumulates dk^T / dv^T `[D, BN]` so every MMA has M >= 64.
+Why (benchmarks/NOTES.md items 9, 14, 15): fwd+bwd at 32K is 32.8-35.8 ms against a 4.4 ms forward. An
+sm_90a compile of the kernels with Triton 3.6 on the CPU host shows why the key-major dk/dv pass is the slow
+term: with 32 keys in the MMA's M dimension Triton cannot use wgmma, so it runs mma.sync with every operand
+in registers (255 registers, spills), while the forward and dq passes use wgmma. keymajor.py's "dt" form
+accumulates dk^T / dv^T `[D, BN]` so every MMA has M >= 64.
 
-Part 1 (call 1), each phase gated on the time left of --budget:
-1. parallel warm-up: the variants below compiled in child processes on 1024-query inputs (same Triton
-   specialisation as 32K), while the parent checks;
-2. checks (bf16, 32/8 heads, D 128): out, lse and q/k/v gradients of each dk/dv form against the fp32
-   reference over the per-query rows, query groups 16 and 32 on run-shaped selections (1024 queries),
-   and 1000 queries (partial tiles), and a per-query selection through the union tiles; the delta kernel
-   against the torch form;
-3. 32K trained-indexer input (bench/patterns.py, as sessions 6-7), rows for g16 / g32 / g64, dense cuDNN;
-4. per spec (g16: 64-row tiles, g32: 128-row tiles): the backward's parts alone (delta torch / kernel,
-   key-tile lists per BN, dq launches, dk/dv forms and launches, each checked against the session-7
-   form), then fwd+bwd end to end with the default and with the fastest parts, and a per-kernel
-   CUDA profile of both;
-5. forward launch sweep per tile height; g64 fwd+bwd with the fastest parts.
-Part 2 (call 2): the final defaults end to end (prefill and fwd+bwd, 32K and 128K as the budget allows).
-Writes $OUT/gran8/granular8.json and prints a short summary.
+Phases, each gated on the time left of --budget:
+1. every variant below proven in child processes on 1024-query inputs (the 32K Triton specialisation):
+   dk/dv forms by out/lse/q/k/v gradients against the fp32 reference (query groups 16 and 32, run-shaped
+   selections; 1000 queries; per-query rows through the union tiles), dq/fwd launches against their
+   default's output, the delta kernel against torch. The first call of this session lost its run to a
+   variant that faulted (an illegal address) in the parent; now the parent runs only what a child proved,
+   and a child's death costs a second round for the items it left. Meanwhile the parent trains the
+   indexer (bench/patterns.py, as sessions 6-7) and selects the 32K rows for g16 / g32 / g64;
+2. dense cuDNN SDPA at 32K (fwd, fwd+bwd);
+3. per spec (g16: 64-row tiles, g32: 128-row tiles): the backward's parts alone (delta torch / kernel,
+   key-tile lists per BN, dq launches, dk/dv forms and launches checked against the session-7 form),
+   fwd+bwd end to end with the defaults and with the fastest parts, a per-kernel CUDA profile of both;
+4. the forward launch sweep per tile height;
+5. the fastest launches patched in as defaults: `bench.granular.granular_rows` (selection, attention,
+   prefill, fwd+bwd against dense, selection and output checked) at 32K (g16, g32, g64, kb1) and 128K
+   (g64, g32, g16); the sampled block top-k's per-row paths on the trained and a random input.
+Writes $OUT/gran8/granular8.{json,log} and prints a short summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -45,14 +48,13 @@ import torch  # noqa: E402
 
 # dk/dv (BLOCK_N, warps, stages, form), dq (BLOCK_K, warps, stages), fwd (BLOCK_K, warps, stages) per tile rows
 DKDV = {64: [(32, 4, 2, "rows"), (32, 4, 2, "dt"), (16, 4, 2, "dt"), (32, 8, 2, "dt"), (64, 8, 2, "dt"),
-             (32, 8, 2, "dt2"), (16, 8, 2, "dt"), (32, 4, 3, "dt"), (16, 4, 3, "dt"), (64, 4, 2, "dt")],
+             (16, 8, 2, "dt"), (32, 4, 3, "dt"), (16, 4, 3, "dt"), (64, 4, 2, "dt")],
         128: [(32, 4, 2, "rows"), (32, 8, 2, "dt"), (16, 4, 2, "dt"), (16, 8, 2, "dt"), (32, 4, 2, "dt"),
-              (64, 8, 2, "dt"), (32, 8, 2, "dt2"), (16, 4, 3, "dt")]}
+              (64, 8, 2, "dt"), (16, 4, 3, "dt")]}
 DQ = {64: [(32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3), (16, 4, 2)],
       128: [(32, 4, 2), (64, 8, 2), (32, 8, 2), (16, 4, 2)]}
 FWD = {64: [(64, 4, 2), (64, 4, 3), (32, 4, 2), (128, 4, 2), (64, 8, 2), (32, 4, 3), (128, 8, 3)],
        128: [(32, 4, 2), (64, 8, 2), (32, 8, 2), (64, 4, 2), (32, 4, 3), (128, 8, 2)]}
-CHECK_FORMS = [(32, 4, 2, "rows"), (32, 4, 2, "dt"), (16, 4, 2, "dt"), (64, 8, 2, "dt"), (32, 8, 2, "dt2")]
 SPEC_ROWS = {"g16": 64, "g32": 128, "g64": 128}
 
 
@@ -61,7 +63,6 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gran8"))
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     ap.add_argument("--budget", type=float, default=200.0, help="seconds of script time; phases gate on time left")
-    ap.add_argument("--part", type=int, default=1, choices=[1, 2])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU through the interpreter")
     ap.add_argument("--seqlen", type=int, default=32768, help="part 1's length")
     ap.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072], help="part 2's lengths")
@@ -75,6 +76,7 @@ def parse_args(argv=None):
     ap.add_argument("--rep-ms", type=int, default=30)
     ap.add_argument("--jobs", type=int, default=8, help="warm-up child processes (0: none)")
     ap.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--prove-dir", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.cpu_smoke:
         a.seqlen, a.shape, a.index, a.check_T, a.check_topk = 256, [1, 8, 2, 16, 64], [2, 16], 128, 48
@@ -110,49 +112,134 @@ def pieces(q, k, v, rows, G: int, scale: float):
     return sel, o, lse, prec
 
 
-def warm_items(a) -> list[tuple]:
+def prove_items() -> list[dict]:
+    """Every variant the parent may run, proven first in a child process (a variant that faults on the GPU
+    must not poison the parent's context: session 8's first call lost its run to one). dk/dv variants get a
+    gradient check against the fp32 reference; dq/fwd variants are compared with their default's output."""
     items = []
     for spec, BM in (("g16", 64), ("g32", 128)):
-        items += [(spec, "dkdv", t) for t in DKDV[BM]] + [(spec, "dq", t) for t in DQ[BM]]
-        items += [(spec, "fwd", t) for t in FWD[BM]]
-    items += [("kb1", "dkdv", t) for t in ((32, 4, 2, "rows"), (32, 4, 2, "dt"))]
-    return sorted(items, key=lambda x: x[1] != "dkdv")  # the dk/dv variants first: they decide the design
+        items += [{"kind": "grad", "spec": spec, "tune": list(t)} for t in DKDV[BM]]
+    items += [{"kind": "grad", "spec": "per-query", "tune": list(t)} for t in ((32, 4, 2, "rows"), (32, 4, 2, "dt"))]
+    items += [{"kind": "grad", "spec": "g16", "odd": True, "tune": [32, 4, 2, "dt"]}, {"kind": "delta"}]
+    for spec, BM in (("g16", 64), ("g32", 128)):
+        items += [{"kind": "dq", "spec": spec, "tune": list(t)} for t in DQ[BM][1:]]
+        items += [{"kind": "fwd", "spec": spec, "tune": list(t)} for t in FWD[BM][1:]]
+    for i, it in enumerate(items):
+        it["id"] = i
+    return items
 
 
-def warm(a, dev, part: str) -> None:
-    """Child process: run this part's (spec, pass, tune) items on 1024-query inputs (compiles only)."""
+def prove(a, dev, part: str) -> None:
+    """Child process: run the items of this part (`--warm-part i/n[:id,id,...]`), one JSON line each, after
+    a device synchronise, into <out>/prove.<i>.<round>.jsonl (1024 queries: the 32K Triton specialisation)."""
+    from sparse_rl.bench.timing import rel_err
+    from sparse_rl.sparse.ops import shared_to_per_query
     from sparse_rl.sparse.ops.sparse_attention import keymajor, union
 
-    i, n = (int(x) for x in part.split("/"))
+    head, _, ids = part.partition(":")
+    i, n = (int(x) for x in head.split("/"))
+    items = prove_items()
+    items = [items[int(x)] for x in ids.split(",")] if ids else items[i::n]
+    if a.cpu_smoke:
+        items = items[:2]
     B, H, Hkv, D, _ = a.shape
-    T, K = a.check_T, a.check_topk
-    gen = torch.Generator(device=dev).manual_seed(0)
-    rnd = lambda *s: torch.randn(*s, device=dev, generator=gen).to(torch.bfloat16)  # noqa: E731
-    q, k, v, do = rnd(B, T, H, D), rnd(B, T, Hkv, D), rnd(B, T, Hkv, D), rnd(B, T, H, D)
+    K = a.check_topk
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    gen = torch.Generator(device=dev).manual_seed(1)
     scale = 1 / math.sqrt(D)
-    cache = {}
-    items = warm_items(a)[i::n]
-    for spec, what, tune in items[:3] if a.cpu_smoke else items:
-        if spec not in cache:
-            if spec == "kb1":
-                from sparse_rl.sparse.ops import shared_to_per_query
-                per = shared_to_per_query(run_rows(T // 16, 16, T, K, a.sink, a.window, gen, dev), 16, T)
-                sel = union.build_union(per, T, union.tile_queries(H // Hkv))
-                o, lse = union.tile_fwd(q, k, v, sel, scale, 0)
-                cache[spec] = (sel, o, lse, 0)
-            else:
-                G = int(spec[1:])
-                cache[spec] = pieces(q, k, v, run_rows(T // G, G, T, K, a.sink, a.window, gen, dev), G, scale)
-        sel, o, lse, prec = cache[spec]
-        delta = keymajor.bwd_delta(o, do, torch.zeros_like(lse))
-        if what == "fwd":
-            union.tile_fwd(q, k, v, sel, scale, prec, tune=tune)
-        elif what == "dq":
-            union.tile_dq(q, k, v, sel, do, lse, delta, scale, prec, tune=tune)
+    path = os.path.join(a.prove_dir, f"prove.{i}.{'r2' if ids else 'r1'}.jsonl")
+    data = {}
+
+    def inputs(T):
+        if T not in data:
+            rnd = lambda *s: torch.randn(*s, device=dev, generator=gen).to(dt)  # noqa: E731
+            data[T] = (rnd(B, T, H, D), rnd(B, T, Hkv, D), rnd(B, T, Hkv, D), rnd(B, T, H, D))
+        return data[T]
+
+    for it in items:
+        T = a.check_T - 24 if it.get("odd") else a.check_T
+        q, k, v, go = inputs(T)
+        r = dict(it)
+        if it["kind"] == "delta":
+            o, dlse = inputs(T)[3], torch.randn(B, T, H, device=dev, generator=gen)
+            r["rel_err"] = rel_err(keymajor.bwd_delta(o, go, dlse), (o.float() * go.float()).sum(-1) - dlse)
+            r["ok"] = r["rel_err"] < 1e-5
+        elif it["kind"] == "grad" and it["spec"] == "per-query":
+            per = shared_to_per_query(run_rows(T // 16, 16, T, K, a.sink, a.window, gen, dev), 16, T)
+            r.update(grad_check(q, k, v, per, 1, go, tuple(it["tune"])))
+        elif it["kind"] == "grad":
+            G = int(it["spec"][1:])
+            rows = run_rows(-(-T // G), G, T, K, a.sink, a.window, gen, dev)
+            r.update(grad_check(q, k, v, rows, G, go, tuple(it["tune"])))
         else:
-            keymajor.key_major_dkdv(q, k, v, sel, do, lse, delta, scale, prec, tune=tune)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+            G = int(it["spec"][1:])
+            sel, o, lse, prec = pieces(q, k, v, run_rows(T // G, G, T, K, a.sink, a.window, gen, dev), G, scale)
+            if it["kind"] == "fwd":
+                got = union.tile_fwd(q, k, v, sel, scale, prec, tune=tuple(it["tune"]))[0]
+                ref = o
+            else:
+                delta = keymajor.bwd_delta(o, go, torch.zeros_like(lse))
+                got = union.tile_dq(q, k, v, sel, go, lse, delta, scale, prec, tune=tuple(it["tune"]))
+                ref = union.tile_dq(q, k, v, sel, go, lse, delta, scale, prec)
+            r["vs_default"] = rel_err(got, ref)
+            r["ok"] = r["vs_default"] < 1e-2
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        with open(path, "a") as f:
+            f.write(json.dumps(r) + "\n")
+
+
+def proven(a, run: Run, jobs: int, timeout_s: float) -> dict:
+    """Round 1: every item over `jobs` children; round 2 (if a child died): the items its death left unrun,
+    less the one it died on, over fresh children. -> {id: result} of the items that completed."""
+    import tempfile
+
+    items = prove_items()
+    a.prove_dir = tempfile.mkdtemp(prefix="gran8-prove-")
+    args = sys.argv[1:] + ["--prove-dir", a.prove_dir]
+    info = {"round1": parallel_warmup(os.path.abspath(__file__), args, jobs, timeout_s)}
+    done = _read_proven(a.prove_dir)
+    crashed, rerun = [], []
+    for i in range(jobs):
+        mine = [it["id"] for it in items[i::jobs] if it["id"] not in done]
+        if mine:
+            crashed.append(mine[0])
+            rerun += mine[1:]
+    if rerun and run.left() > 100:
+        parts = [rerun[j::4] for j in range(min(4, len(rerun)))]
+        info["round2"] = parallel_warmup(os.path.abspath(__file__), args, len(parts), min(45.0, run.left() - 80),
+                                         parts=[",".join(map(str, p)) for p in parts])
+        done = _read_proven(a.prove_dir)
+    import shutil
+
+    shutil.rmtree(a.prove_dir, ignore_errors=True)
+    info["died_on"] = [items[c] for c in crashed]
+    info["not_run"] = [items[c] for c in rerun if c not in done]
+    run.res["prove"] = info
+    return done
+
+
+def _read_proven(out: str) -> dict:
+    done = {}
+    for f in sorted(os.listdir(out)):
+        if f.startswith("prove.") and f.endswith(".jsonl"):
+            for line in open(os.path.join(out, f)):
+                if line.strip():
+                    r = json.loads(line)
+                    done[r["id"]] = r
+    return done
+
+
+def safe_lists(done: dict) -> dict:
+    """The variants proven ok, per pass and tile height (the first of each list, the default, always kept)."""
+    ok = {(r["kind"], r.get("spec"), tuple(r["tune"])) for r in done.values() if r.get("ok") and "tune" in r
+          and not r.get("odd")}
+    out = {}
+    for spec, BM in (("g16", 64), ("g32", 128)):
+        out[("dkdv", BM)] = [t for t in DKDV[BM] if ("grad", spec, t) in ok]
+        out[("dq", BM)] = DQ[BM][:1] + [t for t in DQ[BM][1:] if ("dq", spec, t) in ok]
+        out[("fwd", BM)] = FWD[BM][:1] + [t for t in FWD[BM][1:] if ("fwd", spec, t) in ok]
+    return out
 
 
 def grad_check(q, k, v, rows, G: int, go, tune, per=None) -> dict:
@@ -180,43 +267,7 @@ def grad_check(q, k, v, rows, G: int, go, tune, per=None) -> dict:
     return r
 
 
-def checks(a, dev, run: Run) -> list[dict]:
-    from sparse_rl.bench.timing import rel_err
-    from sparse_rl.sparse.ops import shared_to_per_query
-    from sparse_rl.sparse.ops.sparse_attention import keymajor
-
-    B, H, Hkv, D, _ = a.shape
-    K = a.check_topk
-    gen = torch.Generator(device=dev).manual_seed(1)
-    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    out = []
-    for T, specs, forms in ((a.check_T, ("g16", "g32"), CHECK_FORMS), (a.check_T - 24, ("g16",), CHECK_FORMS[2:3])):
-        rnd = lambda *s: torch.randn(*s, device=dev, generator=gen).to(dt)  # noqa: E731
-        q, k, v, go = rnd(B, T, H, D), rnd(B, T, Hkv, D), rnd(B, T, Hkv, D), rnd(B, T, H, D)
-        for spec in specs:
-            G = int(spec[1:])
-            rows = run_rows(-(-T // G), G, T, K, a.sink, a.window, gen, dev)
-            for tune in forms:
-                if not run.gate(20, f"check {spec} T={T} {tune}"):
-                    return out
-                r = {"T": T, "spec": spec, "tune": list(tune), **grad_check(q, k, v, rows, G, go, tune)}
-                out.append(r)
-                log(str(r))
-        if T == a.check_T:  # per-query rows (session 7's kb16-like path: union tiles, not shared)
-            per = shared_to_per_query(run_rows(T // 16, 16, T, K, a.sink, a.window, gen, dev), 16, T)
-            for tune in ((32, 4, 2, "rows"), (32, 4, 2, "dt")):
-                if run.gate(20, f"check per-query {tune}"):
-                    r = {"T": T, "spec": "per-query", "tune": list(tune), **grad_check(q, k, v, per, 1, go, tune)}
-                    out.append(r)
-                    log(str(r))
-            o, dlse = rnd(B, T, H, D), torch.randn(B, T, H, device=dev, generator=gen)
-            ref = (o.float() * go.float()).sum(-1) - dlse
-            e = rel_err(keymajor.bwd_delta(o, go, dlse), ref)
-            out.append({"T": T, "spec": "delta", "rel_err": e, "ok": e < 1e-5})
-    return out
-
-
-def bwd_parts(a, dev, run: Run, spec: str, q, k, v, rows, pairs: int, W: dict) -> dict:
+def bwd_parts(a, dev, run: Run, spec: str, q, k, v, rows, pairs: int, W: dict, dq_list, dkdv_list) -> dict:
     """The backward's parts alone for one spec (module doc, part 1 phase 4)."""
     from sparse_rl.bench.timing import bench_ms, rel_err
     from sparse_rl.sparse.ops.sparse_attention import keymajor, union
@@ -241,7 +292,7 @@ def bwd_parts(a, dev, run: Run, spec: str, q, k, v, rows, pairs: int, W: dict) -
     run.save()
     fwd_flop = 4.0 * pairs * H * D
     res["dq"] = []
-    for tune in DQ[BM]:
+    for tune in dq_list:
         if not run.gate(25, f"{spec} dq {tune}"):
             break
         ms = bench_ms(lambda: union.tile_dq(q, k, v, sel, do, lse, delta, scale, prec, tune=tune), dev, **W)
@@ -249,16 +300,15 @@ def bwd_parts(a, dev, run: Run, spec: str, q, k, v, rows, pairs: int, W: dict) -
         log(f"{spec} dq {tune}: {ms:.3f} ms")
     base = None
     res["dkdv"] = []
-    for tune in DKDV[BM]:
+    for tune in dkdv_list:
         if not run.gate(25, f"{spec} dkdv {tune}"):
             break
         fn = lambda: keymajor.key_major_dkdv(q, k, v, sel, do, lse, delta, scale, prec, tune=tune)  # noqa: E731
         got = fn()
         if base is None:
             base = got
-        span = tune[0] * (2 if tune[3] == "dt2" else 1)  # keys per program; dt2 multiplies on 32-key halves
-        lists = {bn: res["lists"].get(bn) or {"touched_pairs": keymajor.key_tile_lists(sel, L, L, bn)[2], "ms": 0.0}
-                 for bn in {span, tune[0]}}
+        span = tune[0]
+        lists = {span: res["lists"].get(span) or {"touched_pairs": keymajor.key_tile_lists(sel, L, L, span)[2], "ms": 0.0}}
         ms = bench_ms(fn, dev, **W)
         kern = max(1e-6, ms - lists[span]["ms"])
         r = {"tune": list(tune), "ms": ms, "kernel_ms_est": kern, "touched_pairs": lists[span]["touched_pairs"],
@@ -289,12 +339,12 @@ def fwdbwd(q, k, v, rows, G: int, grad, dev, W: dict, tune: dict | None, profile
     return r
 
 
-def fwd_sweep(q, k, v, rows, G: int, BM: int, dev, W: dict, run: Run, pairs: int) -> list[dict]:
+def fwd_sweep(q, k, v, rows, G: int, fwd_list, dev, W: dict, run: Run, pairs: int) -> list[dict]:
     from sparse_rl.bench.timing import bench_ms
     from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention_forward
 
     out = []
-    for tune in FWD[BM]:
+    for tune in fwd_list:
         if not run.gate(15, f"fwd g{G} {tune}"):
             break
         ms = bench_ms(lambda: sparse_attention_forward(q, k, v, rows, query_group=G, tune={"fwd": tune}), dev, **W)
@@ -303,35 +353,24 @@ def fwd_sweep(q, k, v, rows, G: int, BM: int, dev, W: dict, run: Run, pairs: int
     return out
 
 
-def part1(a, dev, run: Run) -> None:
+def explore(a, dev, run: Run, ctx: dict) -> None:
+    """Phases 1-5 of the module doc: prove the variants in children while the parent builds the 32K input,
+    then the backward's parts, fwd+bwd, the forward sweep on the proven variants."""
+    import threading
+
     from sparse_rl.bench import patterns
     from sparse_rl.sparse.ops import granular_topk, shared_to_per_query
 
     res = run.res
-    warm_proc = None
-    if a.jobs:
-        import threading
-
-        box = {}
-        warm_proc = threading.Thread(target=lambda: box.update(parallel_warmup(
-            os.path.abspath(__file__), sys.argv[1:], a.jobs, min(90.0, run.left() - 60))))
-        warm_proc.start()
-    log("checks: the dk/dv forms' gradients vs the fp32 reference")
-    res["checks"] = run.guarded("checks", checks, a, dev, run) or []
-    res["checks_ok"] = bool(res["checks"]) and all(c["ok"] for c in res["checks"])
-    run.save()
-    if warm_proc is not None:
-        warm_proc.join()
-        res["warmup"] = box
-        log(f"warm-up {box}")
+    box = {}
+    th = threading.Thread(target=lambda: box.update(done=proven(a, run, max(1, a.jobs), min(60.0, run.left() - 90))))
+    th.start()
     B, H, Hkv, D, K = a.shape
     HI, DI = a.index
     L = a.seqlen
-    W = dict(warmup_ms=5, rep_ms=a.rep_ms)
-    if not run.gate(60, "32K phases"):
-        return
-    log("trained indexer + 32K inputs + dense")
+    log("trained indexer + 32K inputs (the variants are proven in child processes meanwhile)")
     ix, res["trained_indexer_kl"], gen = trained_indexer(dev, 0, HI, DI, a.train_steps)
+    ctx.update(ix=ix, gen=gen)
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     rnd = lambda *s: torch.randn(*s, device=dev, generator=gen).to(dt)  # noqa: E731
     q, k, v = rnd(B, L, H, D), rnd(B, L, Hkv, D), rnd(B, L, Hkv, D)
@@ -341,72 +380,72 @@ def part1(a, dev, run: Run) -> None:
                              backend="triton") for s in SPEC_ROWS}
     pairs = {s: int((shared_to_per_query(r, int(s[1:]), L) >= 0).sum()) for s, r in rows.items()}
     res["pairs"] = pairs
-    res["dense"] = dense_times(q, k, v, dev, W, backward=True)
-    log(f"dense {res['dense']}")
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    th.join()
+    done = box.get("done", {})
+    res["checks"] = [r for r in done.values() if r["kind"] in ("grad", "delta")]
+    res["checks_ok"] = bool(res["checks"]) and all(r["ok"] for r in res["checks"])
+    safe = safe_lists(done)
+    res["proven_variants"] = {f"{x}-{bm}": [list(t) for t in v] for (x, bm), v in safe.items()}
+    log(f"proven: {res['proven_variants']}; died on {res['prove'].get('died_on')}")
     run.save()
-    res["parts"], res["fwdbwd"], res["fwd"] = {}, {}, {}
+    W = dict(warmup_ms=5, rep_ms=a.rep_ms)
+    res["dense"] = {str(L): dense_times(q, k, v, dev, W, backward=True)}
+    dn = res["dense"][str(L)]
+    log(f"dense {dn}")
+    run.save()
+    res["parts"], res["fwdbwd"], res["fwd"], best = {}, {}, {}, {}
     for spec in ("g16", "g32"):
-        if not run.gate(45, f"{spec} backward parts"):
+        BM = SPEC_ROWS[spec]
+        if not safe[("dkdv", BM)] or not run.gate(70, f"{spec} backward parts"):
             continue
-        p = run.guarded(f"{spec} parts", bwd_parts, a, dev, run, spec, q, k, v, rows[spec], pairs[spec], W)
+        p = run.guarded(f"{spec} parts", bwd_parts, a, dev, run, spec, q, k, v, rows[spec], pairs[spec], W,
+                        safe[("dq", BM)], safe[("dkdv", BM)])
         if p is None:
             continue
         res["parts"][spec] = p
+        best[BM] = {"dq": tuple(p["best_dq"]), "dkdv": tuple(p["best_dkdv"])}
         run.save()
-        G = int(spec[1:])
         fb = {}
-        for name, tune in (("default", None), ("best", {"dq": tuple(p["best_dq"]), "dkdv": tuple(p["best_dkdv"])})):
-            if run.gate(12, f"{spec} fwd+bwd {name}"):
-                fb[name] = run.guarded(f"{spec} fwdbwd {name}", fwdbwd, q, k, v, rows[spec], G, grad, dev, W, tune,
-                                       profile=True)
+        for name, tune in (("default", None), ("best", best[BM])):
+            if run.gate(60, f"{spec} fwd+bwd {name}"):
+                fb[name] = run.guarded(f"{spec} fwdbwd {name}", fwdbwd, q, k, v, rows[spec], int(spec[1:]), grad, dev, W,
+                                       tune, profile=True)
                 if fb[name]:
-                    fb[name]["speedup"] = res["dense"]["dense_fwdbwd_ms"] / fb[name]["fwdbwd_ms"]
+                    fb[name]["speedup"] = dn["dense_fwdbwd_ms"] / fb[name]["fwdbwd_ms"]
                     log(f"{spec} fwd+bwd {name}: {fb[name]['fwdbwd_ms']:.2f} ms ({fb[name]['speedup']:.2f}x)")
         res["fwdbwd"][spec] = fb
         run.save()
     for spec in ("g16", "g32"):
-        if run.gate(20, f"{spec} fwd sweep"):
-            res["fwd"][spec] = run.guarded(f"{spec} fwd", fwd_sweep, q, k, v, rows[spec], int(spec[1:]),
-                                           SPEC_ROWS[spec], dev, W, run, pairs[spec])
+        BM = SPEC_ROWS[spec]
+        if run.gate(60, f"{spec} fwd sweep"):
+            f = run.guarded(f"{spec} fwd", fwd_sweep, q, k, v, rows[spec], int(spec[1:]), safe[("fwd", BM)], dev, W,
+                            run, pairs[spec])
+            res["fwd"][spec] = f
+            if f:
+                best.setdefault(BM, {})["fwd"] = tuple(min(f, key=lambda r: r["ms"])["tune"])
             run.save()
-    best = res["parts"].get("g32")
-    if best and run.gate(10, "g64 fwd+bwd best"):
-        tune = {"dq": tuple(best["best_dq"]), "dkdv": tuple(best["best_dkdv"])}
-        for name, t in (("default", None), ("best", tune)):
-            r = run.guarded("g64 fwdbwd", fwdbwd, q, k, v, rows["g64"], 64, grad, dev, W, t, profile=False)
-            if r:
-                r["speedup"] = res["dense"]["dense_fwdbwd_ms"] / r["fwdbwd_ms"]
-                res["fwdbwd"].setdefault("g64", {})[name] = r
-        run.save()
+    ctx["best"] = best
+    res["best"] = {str(bm): {x: list(y) for x, y in b.items()} for bm, b in best.items()}
 
 
-SPECS2 = ("g16", "g32", "g64", "kb1", "kb16")
+def patch_defaults(best: dict) -> dict:
+    """Make the fastest measured launches the defaults of this process (the values the commit after the run
+    writes into union.py / keymajor.py), so the end-to-end rows time what a user's call takes."""
+    from sparse_rl.sparse.ops.sparse_attention import keymajor, union
 
+    fwd0, dq0, dk0 = union._default_tune, union.dq_default_tune, keymajor.default_tune
 
-def warm2(a, dev, part: str) -> None:
-    """Child process of part 2: the default selection and attention fwd+bwd of each spec on 1024 positions."""
-    from sparse_rl.sparse.ops import granular_topk, indexer_topk
-    from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention
+    def pick(name, base):
+        def fn(BM, cuda):
+            b = best.get(64 if BM <= 64 else 128, {})
+            return tuple(b[name]) if cuda and name in b else base(BM, cuda)
+        return fn
 
-    i, n = (int(x) for x in part.split("/"))
-    B, H, Hkv, D, _ = a.shape
-    HI, DI = a.index
-    T, K = a.check_T, a.check_topk
-    gen = torch.Generator(device=dev).manual_seed(0)
-    rnd = lambda *s: torch.randn(*s, device=dev, generator=gen).to(torch.bfloat16)  # noqa: E731
-    index = (rnd(B, T, HI, DI), torch.rand(B, T, HI, device=dev, generator=gen).to(torch.bfloat16), rnd(B, T, DI))
-    for spec in SPECS2[i::n]:
-        kb, G = (int(spec[2:]), 1) if spec.startswith("kb") else (1, int(spec[1:]))
-        kw = dict(sink=a.sink, window=a.window)
-        if kb == G == 1:
-            rows = indexer_topk(*index, K, backend="triton", **kw)
-        else:
-            rows = granular_topk(*index, K, key_block=kb, query_group=G, shared=G > 1, backend="triton", **kw)
-        qs, ks, vs = (x.requires_grad_() for x in (rnd(B, T, H, D), rnd(B, T, Hkv, D), rnd(B, T, Hkv, D)))
-        o, _ = sparse_attention(qs, ks, vs, rows, **({"query_group": G} if G > 1 else {}))
-        o.float().sum().backward()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+    union._default_tune, union.dq_default_tune = pick("fwd", fwd0), pick("dq", dq0)
+    keymajor.default_tune = pick("dkdv", dk0)
+    return {str(bm): {x: list(y) for x, y in b.items()} for bm, b in best.items()}
 
 
 def sampled_stats(index, K: int, a, dev, G: int = 16) -> dict:
@@ -451,60 +490,38 @@ def sampled_stats(index, K: int, a, dev, G: int = 16) -> dict:
     return res
 
 
-def part2(a, dev, run: Run) -> None:
+def final(a, dev, run: Run, ctx: dict) -> None:
+    """End to end with the fastest launches as defaults: prefill (selection + attention) and the attention's
+    fwd+bwd per spec against dense cuDNN, 32K then 128K; the sampled top-k's per-row paths."""
     from sparse_rl.bench import patterns
     from sparse_rl.bench.granular import granular_rows
 
     res = run.res
-    box, th = {}, None
-    if a.jobs:
-        import threading
-
-        th = threading.Thread(target=lambda: box.update(parallel_warmup(
-            os.path.abspath(__file__), sys.argv[1:], min(a.jobs, len(SPECS2)), min(60.0, run.left() - 60))))
-        th.start()
-    log("checks: the default backward's gradients vs the fp32 reference")
-    res["checks"] = []
+    res["defaults_patched"] = patch_defaults(ctx.get("best", {}))
     B, H, Hkv, D, K = a.shape
-    gen = torch.Generator(device=dev).manual_seed(1)
+    gen = ctx["gen"]
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    for T, spec in ((a.check_T, "g16"), (a.check_T, "g32"), (a.check_T - 24, "g16")):
-        if run.gate(40, f"check {spec} T={T}"):
-            rnd = lambda *s: torch.randn(*s, device=dev, generator=gen).to(dt)  # noqa: E731
-            q, k, v, go = rnd(B, T, H, D), rnd(B, T, Hkv, D), rnd(B, T, Hkv, D), rnd(B, T, H, D)
-            G = int(spec[1:])
-            rows = run_rows(-(-T // G), G, T, a.check_topk, a.sink, a.window, gen, dev)
-            r = run.guarded("check", grad_check, q, k, v, rows, G, go, None)
-            if r:
-                res["checks"].append({"T": T, "spec": spec, **r})
-                log(str(res["checks"][-1]))
-    res["checks_ok"] = bool(res["checks"]) and all(c["ok"] for c in res["checks"])
-    if th is not None:
-        th.join()
-        res["warmup"] = box
-    run.save()
-    HI, DI = a.index
     W = dict(warmup_ms=5, rep_ms=a.rep_ms)
-    ix, res["trained_indexer_kl"], gen = trained_indexer(dev, 0, HI, DI, a.train_steps)
-    res["rows"], res["dense"], res["sampled_stats"] = [], {}, []
+    res["rows"], res["sampled_stats"] = [], []
     for li, L in enumerate(a.seqlens):
-        specs = SPECS2 if li == 0 else ("g64", "g32", "g16", "kb1")
-        if not run.gate(40 if li == 0 else 30, f"L={L}"):
+        specs = ("g16", "g32", "g64", "kb1") if li == 0 else ("g64", "g32", "g16")
+        if not run.gate(30, f"end to end L={L}"):
             continue
         log(f"L={L}: inputs + dense")
         rnd = lambda *s: torch.randn(*s, device=dev, generator=gen).to(dt)  # noqa: E731
         q, k, v = rnd(B, L, H, D), rnd(B, L, Hkv, D), rnd(B, L, Hkv, D)
         grad = torch.randn_like(q)
-        index = patterns.trained_index(ix, L, dev, gen)
-        bwd = li == 0 or run.left() > 75
-        dn = run.guarded(f"dense {L}", dense_times, q, k, v, dev, W, bwd)
+        index = patterns.trained_index(ctx["ix"], L, dev, gen)
+        dn = res["dense"].get(str(L))
         if dn is None:
-            continue
-        res["dense"][str(L)] = dn
-        log(f"dense {dn}")
+            dn = run.guarded(f"dense {L}", dense_times, q, k, v, dev, W, run.left() > 70)
+            if dn is None:
+                continue
+            res["dense"][str(L)] = dn
+            log(f"dense {dn}")
         run.save()
         for spec in specs:
-            if not run.gate(25 if li == 0 else 20, f"L={L} {spec}"):
+            if not run.gate(18, f"L={L} {spec}"):
                 continue
             kw = dict(dense_fwdbwd_ms=dn["dense_fwdbwd_ms"], grad=grad) if "dense_fwdbwd_ms" in dn else {}
             got = run.guarded(f"L={L} {spec}", granular_rows, q, k, v, {"trained": index}, [spec], K, a.sink, a.window,
@@ -513,24 +530,19 @@ def part2(a, dev, run: Run) -> None:
                 log(", ".join(f"{x}={y:.4g}" if isinstance(y, float) else f"{x}={y}" for x, y in r.items()))
                 res["rows"].append(r)
             run.save()
-        if run.gate(15, f"L={L} sampled stats"):
-            st = run.guarded("sampled stats", sampled_stats, index, K, a, dev)
-            if st:
-                res["sampled_stats"].append({"seqlen": L, "input": "trained", **st})
-                log(str(res["sampled_stats"][-1]))
-            if li == 0 and run.gate(12, "sampled stats random"):
-                HI_, DI_ = a.index
-                rand = (rnd(B, L, HI_, DI_), torch.rand(B, L, HI_, device=dev, generator=gen).to(dt), rnd(B, L, DI_))
-                st = run.guarded("sampled stats random", sampled_stats, rand, K, a, dev)
+        if li == 0 and run.gate(12, "sampled stats"):
+            HI, DI = a.index
+            rand = (rnd(B, L, HI, DI), torch.rand(B, L, HI, device=dev, generator=gen).to(dt), rnd(B, L, DI))
+            for src, idx in (("trained", index), ("random", rand)):
+                st = run.guarded(f"sampled stats {src}", sampled_stats, idx, K, a, dev)
                 if st:
-                    res["sampled_stats"].append({"seqlen": L, "input": "random", **st})
-                    log(str(res["sampled_stats"][-1]))
+                    res["sampled_stats"].append({"seqlen": L, "input": src, **st})
+                    log(str({x: y for x, y in res["sampled_stats"][-1].items() if x != "path_share_by_decile"}))
             run.save()
         del q, k, v, grad, index
 
 
 def summary2(res: dict) -> None:
-    print(f"checks ok: {res.get('checks_ok')}  skipped: {res['skipped']}  errors: {res['errors']}")
     print("| L | spec | select ms | attn ms | attn TF/s | prefill ms | speed-up | fwd+bwd ms | fwd+bwd speed-up | rows eq |")
     for r in res.get("rows", []):
         g = r.get
@@ -544,8 +556,9 @@ def summary2(res: dict) -> None:
 
 def summary(res: dict) -> None:
     print(f"checks ok: {res.get('checks_ok')}  skipped: {res['skipped']}  errors: {res['errors']}")
-    dn = res.get("dense", {})
-    print(f"dense fwd {dn.get('dense_ms')}  fwd+bwd {dn.get('dense_fwdbwd_ms')}")
+    for L, dn in res.get("dense", {}).items():
+        print(f"dense L={L}: fwd {dn.get('dense_ms')}  fwd+bwd {dn.get('dense_fwdbwd_ms')}")
+    print(f"proven variants: {res.get('proven_variants')}  died on: {res.get('prove', {}).get('died_on')}")
     for spec, p in res.get("parts", {}).items():
         print(f"{spec}: delta torch {p['delta_torch_ms']:.3f} kernel {p['delta_kernel_ms']:.3f} ms; lists "
               + ", ".join(f"BN{b}: {x['ms']:.3f} ms / {x['touched_pairs']} pairs" for b, x in p["lists"].items()))
@@ -567,7 +580,7 @@ def main(argv=None):
     a = parse_args(argv)
     dev = torch.device("cpu" if a.cpu_smoke else "cuda")
     if a.warm_part:
-        (warm if a.part == 1 else warm2)(a, dev, a.warm_part)
+        prove(a, dev, a.warm_part)
         return
     import triton
 
@@ -577,9 +590,14 @@ def main(argv=None):
         torch.zeros(1, device=dev)  # the parent's context first (children start after it)
     run = Run(a.out, "granular8.json", a.budget, {"device": device_name(dev), "torch": torch.__version__,
                                                   "triton": triton.__version__, "commit": a.commit, "args": vars(a)})
-    (part1 if a.part == 1 else part2)(a, dev, run)
+    ctx = {}
+    explore(a, dev, run, ctx)
     run.save()
-    (summary if a.part == 1 else summary2)(run.res)
+    if "gen" in ctx:
+        final(a, dev, run, ctx)
+    run.save()
+    summary(run.res)
+    summary2(run.res)
 
 
 if __name__ == "__main__":

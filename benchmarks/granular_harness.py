@@ -125,22 +125,24 @@ def kernel_profile(fn, dev, top: int = 14) -> dict:
     return dict(sorted(ker.items(), key=lambda x: -x[1])[:top])
 
 
-def parallel_warmup(script: str, args: list[str], jobs: int, timeout_s: float) -> dict:
-    """Run `python script *args --warm-part i/jobs` in `jobs` child processes (same environment) and wait
-    up to timeout_s; returns {"jobs", "rc", "wall_s"}. Children that fail cost nothing but their time:
-    the parent compiles whatever they did not."""
+def parallel_warmup(script: str, args: list[str], jobs: int, timeout_s: float, parts: list[str] | None = None) -> dict:
+    """Run `python script *args --warm-part P` in child processes (same environment), P = "i/jobs" for
+    i < jobs or each string of `parts`, and wait up to timeout_s; returns {"jobs", "rc", "wall_s", "errors"}.
+    A child that fails costs only its time: the parent runs nothing it did not prove."""
     t = time.time()
-    procs = [subprocess.Popen([sys.executable, script, *args, "--warm-part", f"{i}/{jobs}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(jobs)]
+    parts = parts or [f"{i}/{jobs}" for i in range(jobs)]
+    parts = [p if "/" in p else f"{i}/{len(parts)}:{p}" for i, p in enumerate(parts)]
+    procs = [subprocess.Popen([sys.executable, script, *args, "--warm-part", p],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for p in parts]
     rcs, errs = [], []
     for p in procs:
         try:
             _, err = p.communicate(timeout=max(1.0, timeout_s - (time.time() - t)))
             rcs.append(p.returncode)
             if p.returncode:
-                errs.append(err[-300:])
+                errs.append(err[-400:])
         except subprocess.TimeoutExpired:
             p.kill()
             p.communicate()
             rcs.append("timeout")
-    return {"jobs": jobs, "rc": rcs, "wall_s": time.time() - t, "errors": errs[:2]}
+    return {"jobs": len(parts), "rc": rcs, "wall_s": time.time() - t, "errors": errs[:3]}

@@ -11,9 +11,6 @@ Two forms of the same pass (`form`):
   that did not spill badly: 37 ms at BN 64 vs 12.9 at 32 on the 32K block pattern, NOTES.md item 9)
   Triton cannot use Hopper's wgmma (M < 64 per warpgroup) and falls back to mma.sync with every operand
   in registers: 255 registers and a spill at BM = 64 rows (sm_90a compile of Triton 3.6 on the CPU host).
-- "dt2" (session 8): "dt" over 64 keys as two 32-key halves, each skipped where the query tile selected
-  none of its keys: q and dO are loaded once per touched 64-key tile (the bytes of BN 64) while the MMAs
-  run only on touched 32-key halves (the waste of BN 32).
 - "dt" (session 8): dk^T/dv^T `[D, BN]`, so every MMA has M = D (128) or M = the tile's BM rows
   (dK^T += Q^T dS, dV^T += dO^T P, S = Q K^T, dP = dO V^T): wgmma-shaped whatever BN, with BN free to
   shrink to 16 keys, where a trained selection's runs (~14 keys on session 7's pattern) fill more of
@@ -33,7 +30,7 @@ import triton.language as tl
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot
 from sparse_rl.sparse.ops.sparse_attention.union import LOG2E, TileSelection, _common, _popc, _tile_bwd_rows
 
-FORMS = ("rows", "dt", "dt2")
+FORMS = ("rows", "dt")
 
 
 def _touched(bits: torch.Tensor, NKT: int, BN: int) -> torch.Tensor:
@@ -153,77 +150,6 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, BITS, PREF, QMASK, OFF, LIST, DK, DV,
     tl.store(DV + base, dv.to(DV.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def _dt_step(q, do, kk, vv, dk, dv, sel, lse2, delta, qk_scale, PREC: tl.constexpr):
-    """One (query tile, key half) block of the "dt" recurrence: dk^T/dv^T `[BLOCK_D, BLOCK_N]` updated."""
-    s = dot(q, tl.trans(kk), PREC)
-    pm = tl.where(sel, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
-    dp = dot(do, tl.trans(vv), PREC)
-    ds = pm * (dp - delta[:, None])
-    dv += dot(tl.trans(do), pm.to(do.dtype), PREC)
-    dk += dot(tl.trans(q), ds.to(q.dtype), PREC)
-    return dk, dv
-
-
-@triton.jit
-def _dkdv_dt2_kernel(Q, K, V, DO, LSE, DELTA, BITS, PREF, QMASK, OFF, LIST, DK, DV,
-                     sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
-                     sdob, sdot, sdoh, sdod, slb, slt, slh, sdkb, sdks, sdkh, sdkd,
-                     T, S, G, D, NT, NKT, NRB, NW, UMAX, QG, q_off, scale, qk_scale,
-                     BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     SHARED: tl.constexpr, PREC: tl.constexpr):
-    """The "dt2" form: program j owns keys [2 j BLOCK_N, 2 (j + 1) BLOCK_N) as two halves of BLOCK_N = 32
-    keys (one bitmap word each); the query tiles listed for the 64-key tile (OFF/LIST at BN 64)."""
-    j = tl.program_id(0)
-    kvh = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    offs_a = j * 2 * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_b = offs_a + BLOCK_N
-    ma = offs_a < S
-    mb = offs_b < S
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    kb = K + b * skb + kvh * skh + offs_d[None, :] * skd
-    vb = V + b * svb + kvh * svh + offs_d[None, :] * svd
-    k_a = tl.load(kb + offs_a[:, None] * sks, mask=ma[:, None] & dmask[None, :], other=0.0)
-    v_a = tl.load(vb + offs_a[:, None] * svs, mask=ma[:, None] & dmask[None, :], other=0.0)
-    k_b = tl.load(kb + offs_b[:, None] * sks, mask=mb[:, None] & dmask[None, :], other=0.0)
-    v_b = tl.load(vb + offs_b[:, None] * svs, mask=mb[:, None] & dmask[None, :], other=0.0)
-    dk_a = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
-    dv_a = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
-    dk_b = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
-    dv_b = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
-    lo = tl.load(OFF + b * NKT + j)
-    hi = tl.load(OFF + b * NKT + j + 1)
-    for p in range(lo, hi):
-        tile = tl.load(LIST + p)
-        qi, t, heads, rd, row_ok, q, do, delta, lse2 = _tile_bwd_rows(
-            Q, DO, LSE, DELTA, b, tile, kvh, sqb, sqt, sqh, sqd, sdob, sdot, sdoh, sdod, slb, slt, slh, G, T, D,
-            BT, BLOCK_M, BLOCK_D)
-        if SHARED:
-            brow = (b * NRB + (tile * BT) // QG) * NW
-        else:
-            brow = (b * NRB + tile) * NW
-        # shared rows are causal in the kernel: a half past the tile's last query position is empty
-        last = tl.minimum(tile * BT + BT - 1, T - 1) + q_off if SHARED else S
-        w_a = tl.load(BITS + brow + j * 2)
-        w_b = tl.load(BITS + brow + j * 2 + 1)
-        if (w_a != 0) & (j * 2 * BLOCK_N <= last):
-            sel = _key_tile_mask(BITS, PREF, QMASK, b, tile, offs_a, ma, qi, t, row_ok, NT, NRB, NW, UMAX, QG,
-                                 q_off, BT, SHARED, True)
-            dk_a, dv_a = _dt_step(q, do, k_a, v_a, dk_a, dv_a, sel, lse2, delta, qk_scale, PREC)
-        if (w_b != 0) & ((j * 2 + 1) * BLOCK_N <= last):
-            sel = _key_tile_mask(BITS, PREF, QMASK, b, tile, offs_b, mb, qi, t, row_ok, NT, NRB, NW, UMAX, QG,
-                                 q_off, BT, SHARED, True)
-            dk_b, dv_b = _dt_step(q, do, k_b, v_b, dk_b, dv_b, sel, lse2, delta, qk_scale, PREC)
-    base = b * sdkb + kvh * sdkh + offs_d[:, None] * sdkd
-    m = dmask[:, None]
-    tl.store(DK + base + offs_a[None, :] * sdks, (dk_a * scale).to(DK.dtype.element_ty), mask=m & ma[None, :])
-    tl.store(DV + base + offs_a[None, :] * sdks, dv_a.to(DV.dtype.element_ty), mask=m & ma[None, :])
-    tl.store(DK + base + offs_b[None, :] * sdks, (dk_b * scale).to(DK.dtype.element_ty), mask=m & mb[None, :])
-    tl.store(DV + base + offs_b[None, :] * sdks, dv_b.to(DV.dtype.element_ty), mask=m & mb[None, :])
-
-
 def default_tune(BM: int, cuda: bool) -> tuple[int, int, int, str]:
     """(BLOCK_N, num_warps, num_stages, form). "rows": (32, 4, 2) 12.8 ms, (64, 8, 2) 37, (128, 8, 2) 41,
     (64, 4, 2) 51 at 32K on the block pattern (H200 run 1, NOTES.md item 9)."""
@@ -233,17 +159,14 @@ def default_tune(BM: int, cuda: bool) -> tuple[int, int, int, str]:
 def key_major_dkdv(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int, tune: tuple | None = None):
     """dk, dv `[B, S, H_kv, D]` in k's dtype, one write per element (no atomics). lse/delta `[B, T, H]`
     fp32 with equal strides. `tune=(BLOCK_N, num_warps, num_stages[, form])` overrides the launch config
-    (BLOCK_N in 16/32/64/128; form "rows" | "dt" | "dt2" (BLOCK_N 32), module doc)."""
+    (BLOCK_N in 16/32/64/128; form "rows" | "dt", module doc)."""
     B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
     S, H_kv = k.shape[1], k.shape[2]
     BN, warps, stages, form = (*(tune or default_tune(BM, q.is_cuda)), "rows")[:4]
     if form not in FORMS or BN not in (16, 32, 64, 128):
         raise ValueError(f"key_major_dkdv: form {form!r} (one of {FORMS}), BLOCK_N {BN} (16/32/64/128)")
-    span = 2 * BN if form == "dt2" else BN
-    if form == "dt2" and BN != 32:
-        raise ValueError(f"key_major_dkdv: form 'dt2' takes BLOCK_N 32 (two halves of one bitmap word), not {BN}")
-    off, lst, _ = key_tile_lists(sel, T, S, span)
-    NKT = triton.cdiv(S, span)
+    off, lst, _ = key_tile_lists(sel, T, S, BN)
+    NKT = triton.cdiv(S, BN)
     dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
     dv = torch.empty_like(dk)
     pref = sel.pref if sel.pref is not None else sel.bits
@@ -251,12 +174,8 @@ def key_major_dkdv(q, k, v, sel: TileSelection, do, lse, delta, scale: float, pr
     args = (q, k, v, do, lse, delta, sel.bits, pref, qmask, off, lst, dk, dv, *q.stride(), *k.stride(), *v.stride(),
             *do.stride(), *lse.stride(), *dk.stride(), T, S, G, D, NT, NKT, sel.bits.shape[1], sel.bits.shape[2],
             umax, sel.group, sel.q_offset, scale, scale * LOG2E)
-    meta = dict(BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, SHARED=sel.shared, PREC=prec, num_warps=warps,
-                num_stages=stages)
-    if form == "dt2":
-        _dkdv_dt2_kernel[(NKT, H_kv, B)](*args, **meta)
-    else:
-        _dkdv_kernel[(NKT, H_kv, B)](*args, TRANSPOSED=form == "dt", **meta)
+    _dkdv_kernel[(NKT, H_kv, B)](*args, BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, SHARED=sel.shared, PREC=prec,
+                                 TRANSPOSED=form == "dt", num_warps=warps, num_stages=stages)
     return dk, dv
 
 

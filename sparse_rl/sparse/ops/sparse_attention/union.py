@@ -402,13 +402,17 @@ def _tile_dq_kernel(Q, K, V, UKEY, QMASK, ULEN, DO, LSE, DELTA, DQ,
              (dq * scale).to(DQ.dtype.element_ty), mask=rd)
 
 
+def dq_default_tune(BM: int, cuda: bool) -> tuple[int, int, int]:
+    # (32, 4, 2) 4.5 ms, (64, 8, 2) 4.9, (32, 8, 2) 6.6 at 32K, block pattern (H200 run 1, NOTES.md)
+    return (32, 4, 2 if cuda else 1)
+
+
 def tile_dq(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int,
             tune: tuple[int, int, int] | None = None):
     """dq `[B, T, H, D]` (q.dtype) over tiles; lse/delta `[B, T, H]` fp32 with equal strides."""
     B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
     dq = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
-    # (32, 4, 2) 4.5 ms, (64, 8, 2) 4.9, (32, 8, 2) 6.6 at 32K, block pattern (H200 run 1, NOTES.md)
-    BK, warps, stages = tune or (32, 4, 2 if q.is_cuda else 1)
+    BK, warps, stages = tune or dq_default_tune(BM, q.is_cuda)
     ulen = sel.ulen if sel.ulen is not None else sel.ukey
     qmask = sel.qmask if sel.qmask is not None else sel.ukey
     _tile_dq_kernel[(NT, k.shape[2], B)](
