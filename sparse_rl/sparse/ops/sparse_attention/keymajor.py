@@ -151,9 +151,13 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, BITS, PREF, QMASK, OFF, LIST, DK, DV,
 
 
 def default_tune(BM: int, cuda: bool) -> tuple[int, int, int, str]:
-    """(BLOCK_N, num_warps, num_stages, form). "rows": (32, 4, 2) 12.8 ms, (64, 8, 2) 37, (128, 8, 2) 41,
-    (64, 4, 2) 51 at 32K on the block pattern (H200 run 1, NOTES.md item 9)."""
-    return (32, 4, 2 if cuda else 1, "rows")
+    """(BLOCK_N, num_warps, num_stages, form). H200, 32K, query groups on the trained-indexer pattern, dk/dv
+    pass alone (session 8, NOTES.md item 15): 64-row tiles "dt" (32, 4, 3) 16.9 ms, (32, 4, 2) 16.9,
+    (16, 4, 2) 21.8, (64, 4, 2) 23.2, (64, 8, 2) 29.2, (32, 8, 2) 30.7, "rows" (32, 4, 2) 21.6; 128-row
+    tiles "dt" (64, 8, 2) 15.7, (32, 8, 2) 17.0, (32, 4, 2) 17.8, (16, 8, 2) 23.4, "rows" (32, 4, 2) 24.9."""
+    if not cuda:
+        return (32, 4, 1, "dt")
+    return (32, 4, 3, "dt") if BM <= 64 else (64, 8, 2, "dt")
 
 
 def key_major_dkdv(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int, tune: tuple | None = None):

@@ -318,9 +318,13 @@ def _common(q, k, sel: TileSelection):
 def _default_tune(BM: int, cuda: bool) -> tuple[int, int, int]:
     # 128-row tiles, 32K block pattern, H200 run 2 (NOTES.md item 9): (32, 4, 2) 3.87 ms, (64, 8, 2) 4.27,
     # (128, 8, 2) 4.67, (64, 8, 3) 4.80, (32, 8, 2) 6.57; the K rows gathered transposed (run 1's layout) 4.49
-    # at (64, 8, 2). 64-row tiles (16 queries x 4 heads: query_group 16 shared rows, 32K, session 6, NOTES
-    # item 13): (64, 4, 2) 4.40 ms, (64, 4, 3) 4.45, (32, 4, 2) 4.95, (128, 8, 2) 8.94, (64, 8, 2) 9.55.
-    return (64 if BM <= 64 else 32, 4, 2 if cuda else 1)
+    # at (64, 8, 2). Query groups 32 on the trained pattern (session 8, item 15): (32, 4, 3) 4.24 ms, (32, 4, 2)
+    # 4.38, (64, 8, 2) 4.69, (64, 4, 2) 4.74, (128, 8, 2) 4.96, (32, 8, 2) 6.68. 64-row tiles (16 queries x 4
+    # heads: query_group 16, 32K; session 6, item 13, and session 8 the same within 1%): (64, 4, 2) 4.37 ms,
+    # (64, 4, 3) 4.42, (32, 4, 3) 4.81, (32, 4, 2) 4.90, (128, 8, 3) 8.78, (64, 8, 2) 9.44, (128, 4, 2) 9.45.
+    if not cuda:
+        return (64 if BM <= 64 else 32, 4, 1)
+    return (64, 4, 2) if BM <= 64 else (32, 4, 3)
 
 
 def tile_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tune: tuple[int, int, int] | None = None):
@@ -403,8 +407,12 @@ def _tile_dq_kernel(Q, K, V, UKEY, QMASK, ULEN, DO, LSE, DELTA, DQ,
 
 
 def dq_default_tune(BM: int, cuda: bool) -> tuple[int, int, int]:
-    # (32, 4, 2) 4.5 ms, (64, 8, 2) 4.9, (32, 8, 2) 6.6 at 32K, block pattern (H200 run 1, NOTES.md)
-    return (32, 4, 2 if cuda else 1)
+    # query groups on the trained pattern, 32K, H200 (session 8, NOTES.md item 15): 64-row tiles (64, 4, 2)
+    # 4.60 ms, (32, 4, 2) 4.97, (32, 4, 3) 5.70, (16, 4, 2) 6.89, (64, 8, 2) 10.4; 128-row tiles (64, 8, 2)
+    # 4.77, (32, 4, 2) 4.81, (16, 4, 2) 6.23, (32, 8, 2) 7.22. Block pattern, 128 rows (run 1): (32, 4, 2) 4.5
+    if not cuda:
+        return (32, 4, 1)
+    return (64, 4, 2) if BM <= 64 else (64, 8, 2)
 
 
 def tile_dq(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int,
