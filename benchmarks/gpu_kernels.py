@@ -152,7 +152,7 @@ def sweep(L: int = 32768) -> list[dict]:
     """Launch configs of the tile kernels at L on the block pattern: forward (BLOCK_K, warps, stages),
     dq and key-major dk/dv (BLOCK_N, warps, stages)."""
     from sparse_rl.bench.attention import block_pattern, block_pattern_indices
-    from sparse_rl.sparse.ops.sparse_attention import union
+    from sparse_rl.sparse.ops.sparse_attention import keymajor, union
     from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
     dev = torch.device("cuda")
@@ -173,7 +173,7 @@ def sweep(L: int = 32768) -> list[dict]:
             for t in ((64, 8, 2), (64, 8, 2, 1), (32, 8, 2), (64, 8, 3), (128, 8, 2), (32, 4, 2))]
     runs += [("dq", t, lambda t=t: union.tile_dq(q, k, v, sel, do, lse, delta, scale, prec, tune=t))
              for t in ((32, 4, 2), (64, 4, 2), (32, 4, 3), (16, 4, 2))]
-    runs += [("dkdv", t, lambda t=t: union.key_major_dkdv(q, k, v, sel, do, lse, delta, scale, prec, tune=t))
+    runs += [("dkdv", t, lambda t=t: keymajor.key_major_dkdv(q, k, v, sel, do, lse, delta, scale, prec, tune=t))
              for t in ((32, 4, 2), (32, 4, 3), (32, 8, 2), (32, 2, 2), (32, 4, 1))]
     for name, tune, fn in runs:
         try:
@@ -181,9 +181,9 @@ def sweep(L: int = 32768) -> list[dict]:
         except Exception as e:
             out.append({"pass": name, "tune": tune, "error": f"{type(e).__name__}: {str(e)[:120]}"})
         log(f"sweep {out[-1]}")
-    off, lst, nnz = union.key_tile_lists(sel, L, L, 32)
+    off, lst, nnz = keymajor.key_tile_lists(sel, L, L, 32)
     out.append({"key_tile_pairs_touched_per_kv_head": nnz, "key_tile": 32, "lists_ms": bench_ms(
-        lambda: union.key_tile_lists(sel, L, L, 32), dev, rep_ms=30)})
+        lambda: keymajor.key_tile_lists(sel, L, L, 32), dev, rep_ms=30)})
     return out
 
 

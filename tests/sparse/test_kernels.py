@@ -292,8 +292,18 @@ def test_sampled_topk_equals_reference_on_both_paths_and_the_fallback():
     s[0, 4, :100:3] = float("-inf")
     fin = s > float("-inf")
     ref = select_topk(s, fin, fin & (s == float("inf")), K)
-    for rate16 in (24, 1, 4000):
-        assert torch.equal(sampled_topk(s, K, rate16=rate16), ref), rate16
+    for rate16, path in ((24, 1), (1, 2), (4000, 3)):
+        stats = torch.full((Tc, 2), -1, dtype=torch.int32)
+        assert torch.equal(sampled_topk(s, K, rate16=rate16, stats=stats), ref), rate16
+        # the per-row path counter: row 5 (150 random scores) takes the buffer at the default rate and the
+        # radix fallback when the rate is forced too low / too high; every row's count agrees with its path
+        # (path 1 may hold < k where the threshold is -inf: every visible score is a candidate)
+        assert int(stats[5, 0]) == path, (rate16, stats.tolist())
+        for code, cnt in stats.tolist():
+            assert {1: cnt <= 64, 2: cnt < K, 3: cnt > 64}[code], (rate16, stats.tolist())
+    stats = torch.full((Tc, 2), -1, dtype=torch.int32)
+    sampled_topk(s, K, q_lim=0, stats=stats)  # query t sees t + 1 columns: all rows fit the registers
+    assert stats.tolist() == [[0, t + 1] for t in range(Tc)]
 
 
 def test_radix_topk_signed_zeros_tie():

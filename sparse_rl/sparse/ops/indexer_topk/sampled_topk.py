@@ -34,8 +34,9 @@ RATE16 = 24  # the sampled threshold aims at rate = RATE16 / 16 = 1.5 x k candid
 
 
 @triton.jit
-def _sampled_topk_kernel(SC, OUT, BUFV, BUFI, Tc, S_c, q_lim, srb, srt, sob, sot, K, rate16,
-                         CAP: tl.constexpr, SB: tl.constexpr, PIECE: tl.constexpr, BLOCK: tl.constexpr):
+def _sampled_topk_kernel(SC, OUT, BUFV, BUFI, STATS, Tc, S_c, q_lim, srb, srt, sob, sot, K, rate16,
+                         CAP: tl.constexpr, SB: tl.constexpr, PIECE: tl.constexpr, BLOCK: tl.constexpr,
+                         WITH_STATS: tl.constexpr):
     row = tl.program_id(0)
     b = row // Tc
     t = row % Tc
@@ -46,6 +47,9 @@ def _sampled_topk_kernel(SC, OUT, BUFV, BUFI, Tc, S_c, q_lim, srb, srt, sob, sot
     if n <= CAP:
         x = tl.load(base + ocap, mask=ocap < n, other=float("-inf"))
         select_row(x, ocap.to(tl.int32), x > float("-inf"), K, obase, BLOCK)
+        if WITH_STATS:
+            tl.store(STATS + row * 2, 0)
+            tl.store(STATS + row * 2 + 1, n)
     else:
         NP: tl.constexpr = SB // PIECE
         j = tl.arange(0, SB)
@@ -76,8 +80,14 @@ def _sampled_topk_kernel(SC, OUT, BUFV, BUFI, Tc, S_c, q_lim, srb, srt, sob, sot
             xv = tl.load(bv + ocap, mask=live, other=float("-inf"))
             iv = tl.load(bi + ocap, mask=live, other=0)
             select_row(xv, iv, live, K, obase, BLOCK)
+            if WITH_STATS:
+                tl.store(STATS + row * 2, 1)
         else:
             radix_row(base, obase, n, K, BLOCK)
+            if WITH_STATS:
+                tl.store(STATS + row * 2, tl.where(cnt < K, 2, 3))
+        if WITH_STATS:
+            tl.store(STATS + row * 2 + 1, cnt)
 
 
 def sampled_sizes(Sc: int, topk: int, cuda: bool) -> tuple[int, int, int]:
@@ -91,10 +101,14 @@ def sampled_sizes(Sc: int, topk: int, cuda: bool) -> tuple[int, int, int]:
 
 
 def sampled_topk(scores: torch.Tensor, topk: int, q_lim: int | None = None, out: torch.Tensor | None = None,
-                 rate16: int = RATE16) -> torch.Tensor:
+                 rate16: int = RATE16, stats: torch.Tensor | None = None) -> torch.Tensor:
     """`radix_topk.radix_topk` (same arguments and rows: `[B, Tc, Sc]` fp32, -inf = not visible ->
     `[B, Tc, topk]` int32 ascending, -1 padded, ties to the later column) by a sampled threshold.
-    rate16: candidates aimed at, in sixteenths of topk (tests force the fallback with it)."""
+    rate16: candidates aimed at, in sixteenths of topk (tests force the fallback with it).
+    stats: optional `[B * Tc, 2]` int32 written per row: (path, count) with path 0 = the row fit the
+    register select (count = its visible columns), 1 = the sampled buffer served, 2 = fallback to the
+    radix select with count < topk (threshold too high), 3 = fallback with count > the buffer (too
+    low); count = the scores at or above the sampled threshold."""
     B, Tc, Sc = scores.shape
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
@@ -107,7 +121,10 @@ def sampled_topk(scores: torch.Tensor, topk: int, q_lim: int | None = None, out:
     bufv = torch.empty(B * Tc, cap, device=scores.device, dtype=torch.float32)
     bufi = torch.empty(B * Tc, cap, device=scores.device, dtype=torch.int32)
     q_lim = Sc if q_lim is None else q_lim
-    _sampled_topk_kernel[(B * Tc,)](scores, out, bufv, bufi, Tc, Sc, q_lim, scores.stride(0), scores.stride(1),
-                                    out.stride(0), out.stride(1), topk, rate16, CAP=cap, SB=sb, PIECE=piece,
-                                    BLOCK=2048 if cuda else 64, num_warps=8 if cuda else 1)
+    if stats is not None and (stats.shape != (B * Tc, 2) or stats.dtype != torch.int32 or not stats.is_contiguous()):
+        raise ValueError(f"sampled_topk: stats must be a contiguous [{B * Tc}, 2] int32 tensor")
+    _sampled_topk_kernel[(B * Tc,)](scores, out, bufv, bufi, stats if stats is not None else out, Tc, Sc, q_lim,
+                                    scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), topk, rate16,
+                                    CAP=cap, SB=sb, PIECE=piece, BLOCK=2048 if cuda else 64,
+                                    WITH_STATS=stats is not None, num_warps=8 if cuda else 1)
     return out

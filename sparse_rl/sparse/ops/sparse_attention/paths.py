@@ -26,7 +26,8 @@ NS_TILE_FWD = 0.27  # per (tile, union key): tile forward, 128 rows (block, trai
 NS_TILE_DQ = 0.27  # per (tile, union key): tile dq pass (4.5 ms on the block pattern)
 NS_KEYMAJOR = 25.0  # per (key tile of 32, query tile) touched: key-major dk/dv (12.8 ms, block pattern)
 NS_BUILD = 0.022  # per selected (query, key), once (not per KV head): the union build (1.3-1.6 ms)
-KEY_TILE = 32  # keys per key-major program (the default launch of union.key_major_dkdv)
+KEY_TILE = 32  # keys per touched tile in the estimate (NS_KEYMAJOR: session 4's "rows" form; the "dt" default since
+# session 8 ran 1.3-1.6x faster on query groups, NOTES.md item 15, so the estimate is conservative for it)
 SAMPLE_TILES = 32
 FWD_PATHS = ("auto", "query", "tile")
 BWD_PATHS = ("auto", "atomic", "tile")

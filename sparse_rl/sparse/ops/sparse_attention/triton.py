@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.sparse_attention import paths, union
+from sparse_rl.sparse.ops.sparse_attention import keymajor, paths, union
 from sparse_rl.sparse.ops.sparse_attention.naive import shared_to_per_query, sparse_attention_naive
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
@@ -314,12 +314,12 @@ class _SparseAttention(torch.autograd.Function):
             return dq, dk, dv, None, None
         if sel is None:
             sel = union.build_union(per_query, k.shape[1], union.tile_queries(q.shape[2] // k.shape[2]))
-        delta = ((o.float() * do.float()).sum(-1) - dlse).contiguous()
+        delta = keymajor.bwd_delta(o, do, dlse)
         if pl.dq == "tile" or per_query is None:
             dq = union.tile_dq(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dq"))
         else:
             dq = _query_bwd(q, k, v, per_query, o, lse, do, dlse, call.scale, dkdv=False, tune=call.tune.get("bwd"))[0]
-        dk, dv = union.key_major_dkdv(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dkdv"))
+        dk, dv = keymajor.key_major_dkdv(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dkdv"))
         return dq, dk, dv, None, None
 
 

@@ -318,9 +318,13 @@ def _common(q, k, sel: TileSelection):
 def _default_tune(BM: int, cuda: bool) -> tuple[int, int, int]:
     # 128-row tiles, 32K block pattern, H200 run 2 (NOTES.md item 9): (32, 4, 2) 3.87 ms, (64, 8, 2) 4.27,
     # (128, 8, 2) 4.67, (64, 8, 3) 4.80, (32, 8, 2) 6.57; the K rows gathered transposed (run 1's layout) 4.49
-    # at (64, 8, 2). 64-row tiles (16 queries x 4 heads: query_group 16 shared rows, 32K, session 6, NOTES
-    # item 13): (64, 4, 2) 4.40 ms, (64, 4, 3) 4.45, (32, 4, 2) 4.95, (128, 8, 2) 8.94, (64, 8, 2) 9.55.
-    return (64 if BM <= 64 else 32, 4, 2 if cuda else 1)
+    # at (64, 8, 2). Query groups 32 on the trained pattern (session 8, item 15): (32, 4, 3) 4.24 ms, (32, 4, 2)
+    # 4.38, (64, 8, 2) 4.69, (64, 4, 2) 4.74, (128, 8, 2) 4.96, (32, 8, 2) 6.68. 64-row tiles (16 queries x 4
+    # heads: query_group 16, 32K; session 6, item 13, and session 8 the same within 1%): (64, 4, 2) 4.37 ms,
+    # (64, 4, 3) 4.42, (32, 4, 3) 4.81, (32, 4, 2) 4.90, (128, 8, 3) 8.78, (64, 8, 2) 9.44, (128, 4, 2) 9.45.
+    if not cuda:
+        return (64 if BM <= 64 else 32, 4, 1)
+    return (64, 4, 2) if BM <= 64 else (32, 4, 3)
 
 
 def tile_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tune: tuple[int, int, int] | None = None):
@@ -402,13 +406,21 @@ def _tile_dq_kernel(Q, K, V, UKEY, QMASK, ULEN, DO, LSE, DELTA, DQ,
              (dq * scale).to(DQ.dtype.element_ty), mask=rd)
 
 
+def dq_default_tune(BM: int, cuda: bool) -> tuple[int, int, int]:
+    # query groups on the trained pattern, 32K, H200 (session 8, NOTES.md item 15): 64-row tiles (64, 4, 2)
+    # 4.60 ms, (32, 4, 2) 4.97, (32, 4, 3) 5.70, (16, 4, 2) 6.89, (64, 8, 2) 10.4; 128-row tiles (64, 8, 2)
+    # 4.77, (32, 4, 2) 4.81, (16, 4, 2) 6.23, (32, 8, 2) 7.22. Block pattern, 128 rows (run 1): (32, 4, 2) 4.5
+    if not cuda:
+        return (32, 4, 1)
+    return (64, 4, 2) if BM <= 64 else (64, 8, 2)
+
+
 def tile_dq(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int,
             tune: tuple[int, int, int] | None = None):
     """dq `[B, T, H, D]` (q.dtype) over tiles; lse/delta `[B, T, H]` fp32 with equal strides."""
     B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
     dq = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
-    # (32, 4, 2) 4.5 ms, (64, 8, 2) 4.9, (32, 8, 2) 6.6 at 32K, block pattern (H200 run 1, NOTES.md)
-    BK, warps, stages = tune or (32, 4, 2 if q.is_cuda else 1)
+    BK, warps, stages = tune or dq_default_tune(BM, q.is_cuda)
     ulen = sel.ulen if sel.ulen is not None else sel.ukey
     qmask = sel.qmask if sel.qmask is not None else sel.ukey
     _tile_dq_kernel[(NT, k.shape[2], B)](
@@ -418,100 +430,3 @@ def tile_dq(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int
         BT=sel.BT, BLOCK_M=BM, BLOCK_K=BK, BLOCK_D=BD, SHARED=sel.shared, PREC=prec,
         num_warps=warps, num_stages=stages)
     return dq
-
-
-def key_tile_lists(sel: TileSelection, T: int, S: int, BN: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The transposed union: for each key tile of BN keys, the query tiles whose selection touches it.
-    Returns (offsets `[B * NKT + 1]` int32, query-tile ids `[nnz]` int32 ascending per key tile, nnz)."""
-    bits = sel.bits
-    B, NR, NW = bits.shape
-    NKT = triton.cdiv(S, BN)
-    touched = bits.view(B, NR, NW * 32 // BN, BN // 32).ne(0).any(-1)[:, :, :NKT]  # [B, NR, NKT]
-    if sel.shared:  # rows are groups: one per tile of BT queries, causal at key-tile granularity
-        NT = triton.cdiv(T, sel.BT)
-        tiles = torch.arange(NT, device=bits.device)
-        touched = touched[:, tiles * sel.BT // sel.group]
-        last = torch.clamp(tiles * sel.BT + sel.BT - 1, max=T - 1) + sel.q_offset  # last query position
-        touched = touched & (torch.arange(NKT, device=bits.device)[None, :] * BN <= last[:, None])[None]
-    nz = touched.transpose(1, 2).nonzero()  # rows (b, key tile, query tile), sorted
-    counts = torch.bincount(nz[:, 0] * NKT + nz[:, 1], minlength=B * NKT)
-    off = torch.zeros(B * NKT + 1, dtype=torch.int32, device=bits.device)
-    off[1:] = counts.cumsum(0)
-    return off, nz[:, 2].to(torch.int32).contiguous(), int(nz.shape[0])
-
-
-@triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, BITS, PREF, QMASK, OFF, LIST, DK, DV,
-                 sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
-                 sdob, sdot, sdoh, sdod, slb, slt, slh, sdkb, sdks, sdkh, sdkd,
-                 T, S, G, D, NT, NKT, NRB, NW, UMAX, QG, q_off, scale, qk_scale,
-                 BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 SHARED: tl.constexpr, PREC: tl.constexpr):
-    """dk/dv of one (key tile, kv head) over the query tiles listed for it, written once (no atomics).
-    DK/DV share the layout `[B, S, H_kv, D]` (strides sdk*)."""
-    j = tl.program_id(0)
-    kvh = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < S
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    nd = nmask[:, None] & dmask[None, :]
-    kk = tl.load(K + b * skb + offs_n[:, None] * sks + kvh * skh + offs_d[None, :] * skd, mask=nd, other=0.0)
-    vv = tl.load(V + b * svb + offs_n[:, None] * svs + kvh * svh + offs_d[None, :] * svd, mask=nd, other=0.0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    w = offs_n >> 5
-    bit = offs_n & 31
-    lo = tl.load(OFF + b * NKT + j)
-    hi = tl.load(OFF + b * NKT + j + 1)
-    for p in range(lo, hi):
-        tile = tl.load(LIST + p)
-        qi, t, heads, rd, row_ok, q, do, delta, lse2 = _tile_bwd_rows(
-            Q, DO, LSE, DELTA, b, tile, kvh, sqb, sqt, sqh, sqd, sdob, sdot, sdoh, sdod, slb, slt, slh, G, T, D,
-            BT, BLOCK_M, BLOCK_D)
-        if SHARED:
-            brow = (b * NRB + (tile * BT) // QG) * NW
-        else:
-            brow = (b * NRB + tile) * NW
-        word = tl.load(BITS + brow + w, mask=nmask, other=0)
-        present = (((word >> bit) & 1) == 1) & nmask
-        if SHARED:
-            selT = present[:, None] & (offs_n[:, None] <= t[None, :] + q_off) & row_ok[None, :]
-        else:
-            below = word & ((tl.full([BLOCK_N], 1, tl.int32) << bit) - 1)  # two's complement wrap at bit 31
-            rank = tl.load(PREF + brow + w, mask=present, other=0) + _popc(below).to(tl.int32)
-            qm = tl.load(QMASK + (b * NT + tile) * UMAX + rank, mask=present, other=0)
-            selT = present[:, None] & (((qm[:, None] >> qi[None, :]) & 1) == 1) & row_ok[None, :]
-        sT = dot(kk, tl.trans(q), PREC)  # [BLOCK_N, BLOCK_M]
-        pT = tl.where(selT, tl.exp2(sT * qk_scale - lse2[None, :]), 0.0)
-        dv += dot(pT.to(do.dtype), do, PREC)
-        dpT = dot(vv, tl.trans(do), PREC)
-        dsT = pT * (dpT - delta[None, :])
-        dk += dot(dsT.to(q.dtype), q, PREC)
-    base = b * sdkb + offs_n[:, None] * sdks + kvh * sdkh + offs_d[None, :] * sdkd
-    tl.store(DK + base, (dk * scale).to(DK.dtype.element_ty), mask=nd)
-    tl.store(DV + base, dv.to(DV.dtype.element_ty), mask=nd)
-
-
-def key_major_dkdv(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int,
-                   tune: tuple[int, int, int] | None = None):
-    """dk, dv `[B, S, H_kv, D]` in k's dtype, one write per element (no atomics).
-    `tune=(BLOCK_N, num_warps, num_stages)` overrides the launch config (BLOCK_N in 32/64/128)."""
-    B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
-    S, H_kv = k.shape[1], k.shape[2]
-    # (32, 4, 2) 12.8 ms, (64, 8, 2) 37, (128, 8, 2) 41, (64, 4, 2) 51 at 32K, block pattern (run 1)
-    BN, warps, stages = tune or (32, 4, 2 if q.is_cuda else 1)
-    off, lst, _ = key_tile_lists(sel, T, S, BN)
-    NKT = triton.cdiv(S, BN)
-    dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
-    dv = torch.empty_like(dk)
-    pref = sel.pref if sel.pref is not None else sel.bits
-    qmask = sel.qmask if sel.qmask is not None else sel.bits
-    _dkdv_kernel[(NKT, H_kv, B)](
-        q, k, v, do, lse, delta, sel.bits, pref, qmask, off, lst, dk, dv, *q.stride(), *k.stride(), *v.stride(),
-        *do.stride(), *lse.stride(), *dk.stride(), T, S, G, D, NT, NKT, sel.bits.shape[1], sel.bits.shape[2], umax,
-        sel.group, sel.q_offset, scale, scale * LOG2E,
-        BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, SHARED=sel.shared, PREC=prec,
-        num_warps=warps, num_stages=stages)
-    return dk, dv

@@ -1,0 +1,213 @@
+"""The key-major dk/dv pass of the tile backward (no global atomics) and the backward's delta.
+
+One program per (key tile of BN consecutive keys, KV head) runs over the query tiles whose selection
+touches its key tile (a CSR list built from the tiles' bitmaps: the transposed selection), recomputes
+the tile's scores and dP against its keys, accumulates dk/dv in registers and writes them once.
+FSA (flash sparse attention) inverts NSA's loop the same way; here the mask inside a (key tile, query
+tile) block is per token.
+
+Two forms of the same pass (`form`):
+- "rows" (session 4): dk/dv `[BN, D]` with the keys in the MMA's M dimension. At BN = 32 (the only size
+  that did not spill badly: 37 ms at BN 64 vs 12.9 at 32 on the 32K block pattern, NOTES.md item 9)
+  Triton cannot use Hopper's wgmma (M < 64 per warpgroup) and falls back to mma.sync with every operand
+  in registers: 255 registers and a spill at BM = 64 rows (sm_90a compile of Triton 3.6 on the CPU host).
+- "dt" (session 8): dk^T/dv^T `[D, BN]`, so every MMA has M = D (128) or M = the tile's BM rows
+  (dK^T += Q^T dS, dV^T += dO^T P, S = Q K^T, dP = dO V^T): wgmma-shaped whatever BN, with BN free to
+  shrink to 16 keys, where a trained selection's runs (~14 keys on session 7's pattern) fill more of
+  each touched key tile (selected / touched keys 0.67 at BN 16, 0.56 at 32, 0.44 at 64).
+
+The bytes this pass moves are the tile rows' q and dO (BM x D x 2 x 2 bytes) for every touched (key
+tile, query tile) pair: 2 BN FLOP per byte on the MMA (64 at BN 32, from L2), the reason a bigger BN
+is not simply worse.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot
+from sparse_rl.sparse.ops.sparse_attention.union import LOG2E, TileSelection, _common, _popc, _tile_bwd_rows
+
+FORMS = ("rows", "dt")
+
+
+def _touched(bits: torch.Tensor, NKT: int, BN: int) -> torch.Tensor:
+    """`[B, NR, NW]` int32 bitmaps -> `[B, NR, NKT]` bool: key tile of BN keys (16, 32, 64, 128) touched."""
+    B, NR, NW = bits.shape
+    if BN >= 32:
+        t = bits.view(B, NR, NW * 32 // BN, BN // 32).ne(0).any(-1)
+    else:  # 16-key halves of each 32-bit word, low half first (keys 32w .. 32w+15)
+        t = torch.stack(((bits & 0xFFFF) != 0, (bits >> 16) & 0xFFFF != 0), -1).view(B, NR, NW * 2)
+    return t[:, :, :NKT]
+
+
+def key_tile_lists(sel: TileSelection, T: int, S: int, BN: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The transposed selection: for each key tile of BN keys, the query tiles whose selection touches it.
+    Returns (offsets `[B * NKT + 1]` int32, query-tile ids `[nnz]` int32 ascending per key tile, nnz)."""
+    bits = sel.bits
+    B = bits.shape[0]
+    NKT = triton.cdiv(S, BN)
+    touched = _touched(bits, NKT, BN)  # [B, NR, NKT]
+    if sel.shared:  # rows are groups: one per tile of BT queries, causal at key-tile granularity
+        NT = triton.cdiv(T, sel.BT)
+        tiles = torch.arange(NT, device=bits.device)
+        touched = touched[:, tiles * sel.BT // sel.group]
+        last = torch.clamp(tiles * sel.BT + sel.BT - 1, max=T - 1) + sel.q_offset  # last query position
+        touched = touched & (torch.arange(NKT, device=bits.device)[None, :] * BN <= last[:, None])[None]
+    nz = touched.transpose(1, 2).nonzero()  # rows (b, key tile, query tile), sorted
+    counts = torch.bincount(nz[:, 0] * NKT + nz[:, 1], minlength=B * NKT)
+    off = torch.zeros(B * NKT + 1, dtype=torch.int32, device=bits.device)
+    off[1:] = counts.cumsum(0)
+    return off, nz[:, 2].to(torch.int32).contiguous(), int(nz.shape[0])
+
+
+@triton.jit
+def _key_tile_mask(BITS, PREF, QMASK, b, tile, offs_n, nmask, qi, t, row_ok, NT, NRB, NW, UMAX, QG, q_off,
+                   BT: tl.constexpr, SHARED: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The (row, key) pairs of the query tile that were selected, for the key tile offs_n:
+    `[BLOCK_M, BLOCK_N]` when TRANSPOSED ("dt"), else `[BLOCK_N, BLOCK_M]` ("rows")."""
+    w = offs_n >> 5
+    bit = offs_n & 31
+    if SHARED:
+        brow = (b * NRB + (tile * BT) // QG) * NW
+    else:
+        brow = (b * NRB + tile) * NW
+    word = tl.load(BITS + brow + w, mask=nmask, other=0)
+    present = (((word >> bit) & 1) == 1) & nmask
+    if SHARED:
+        if TRANSPOSED:
+            sel = present[None, :] & (offs_n[None, :] <= t[:, None] + q_off) & row_ok[:, None]
+        else:
+            sel = present[:, None] & (offs_n[:, None] <= t[None, :] + q_off) & row_ok[None, :]
+    else:
+        below = word & ((tl.full(offs_n.shape, 1, tl.int32) << bit) - 1)  # two's complement wrap at bit 31
+        rank = tl.load(PREF + brow + w, mask=present, other=0) + _popc(below).to(tl.int32)
+        qm = tl.load(QMASK + (b * NT + tile) * UMAX + rank, mask=present, other=0)
+        if TRANSPOSED:
+            sel = present[None, :] & (((qm[None, :] >> qi[:, None]) & 1) == 1) & row_ok[:, None]
+        else:
+            sel = present[:, None] & (((qm[:, None] >> qi[None, :]) & 1) == 1) & row_ok[None, :]
+    return sel
+
+
+@triton.jit
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, BITS, PREF, QMASK, OFF, LIST, DK, DV,
+                 sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+                 sdob, sdot, sdoh, sdod, slb, slt, slh, sdkb, sdks, sdkh, sdkd,
+                 T, S, G, D, NT, NKT, NRB, NW, UMAX, QG, q_off, scale, qk_scale,
+                 BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 SHARED: tl.constexpr, PREC: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """dk/dv of one (key tile, kv head) over the query tiles listed for it, written once (no atomics).
+    DK/DV share the layout `[B, S, H_kv, D]` (strides sdk*). TRANSPOSED: the "dt" form (module doc)."""
+    j = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < S
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    nd = nmask[:, None] & dmask[None, :]
+    kk = tl.load(K + b * skb + offs_n[:, None] * sks + kvh * skh + offs_d[None, :] * skd, mask=nd, other=0.0)
+    vv = tl.load(V + b * svb + offs_n[:, None] * svs + kvh * svh + offs_d[None, :] * svd, mask=nd, other=0.0)
+    if TRANSPOSED:
+        dk = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
+        dv = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
+    else:
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    lo = tl.load(OFF + b * NKT + j)
+    hi = tl.load(OFF + b * NKT + j + 1)
+    for p in range(lo, hi):
+        tile = tl.load(LIST + p)
+        qi, t, heads, rd, row_ok, q, do, delta, lse2 = _tile_bwd_rows(
+            Q, DO, LSE, DELTA, b, tile, kvh, sqb, sqt, sqh, sqd, sdob, sdot, sdoh, sdod, slb, slt, slh, G, T, D,
+            BT, BLOCK_M, BLOCK_D)
+        sel = _key_tile_mask(BITS, PREF, QMASK, b, tile, offs_n, nmask, qi, t, row_ok, NT, NRB, NW, UMAX, QG,
+                             q_off, BT, SHARED, TRANSPOSED)
+        if TRANSPOSED:
+            s = dot(q, tl.trans(kk), PREC)  # [BLOCK_M, BLOCK_N]
+            pm = tl.where(sel, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+            dp = dot(do, tl.trans(vv), PREC)
+            ds = pm * (dp - delta[:, None])
+            dv += dot(tl.trans(do), pm.to(do.dtype), PREC)  # [BLOCK_D, BLOCK_N]
+            dk += dot(tl.trans(q), ds.to(q.dtype), PREC)
+        else:
+            sT = dot(kk, tl.trans(q), PREC)  # [BLOCK_N, BLOCK_M]
+            pT = tl.where(sel, tl.exp2(sT * qk_scale - lse2[None, :]), 0.0)
+            dv += dot(pT.to(do.dtype), do, PREC)
+            dpT = dot(vv, tl.trans(do), PREC)
+            dsT = pT * (dpT - delta[None, :])
+            dk += dot(dsT.to(q.dtype), q, PREC)
+    if TRANSPOSED:
+        base = b * sdkb + offs_n[None, :] * sdks + kvh * sdkh + offs_d[:, None] * sdkd
+        m = nmask[None, :] & dmask[:, None]
+    else:
+        base = b * sdkb + offs_n[:, None] * sdks + kvh * sdkh + offs_d[None, :] * sdkd
+        m = nd
+    tl.store(DK + base, (dk * scale).to(DK.dtype.element_ty), mask=m)
+    tl.store(DV + base, dv.to(DV.dtype.element_ty), mask=m)
+
+
+def default_tune(BM: int, cuda: bool) -> tuple[int, int, int, str]:
+    """(BLOCK_N, num_warps, num_stages, form). H200, 32K, query groups on the trained-indexer pattern, dk/dv
+    pass alone (session 8, NOTES.md item 15): 64-row tiles "dt" (32, 4, 3) 16.9 ms, (32, 4, 2) 16.9,
+    (16, 4, 2) 21.8, (64, 4, 2) 23.2, (64, 8, 2) 29.2, (32, 8, 2) 30.7, "rows" (32, 4, 2) 21.6; 128-row
+    tiles "dt" (64, 8, 2) 15.7, (32, 8, 2) 17.0, (32, 4, 2) 17.8, (16, 8, 2) 23.4, "rows" (32, 4, 2) 24.9."""
+    if not cuda:
+        return (32, 4, 1, "dt")
+    return (32, 4, 3, "dt") if BM <= 64 else (64, 8, 2, "dt")
+
+
+def key_major_dkdv(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int, tune: tuple | None = None):
+    """dk, dv `[B, S, H_kv, D]` in k's dtype, one write per element (no atomics). lse/delta `[B, T, H]`
+    fp32 with equal strides. `tune=(BLOCK_N, num_warps, num_stages[, form])` overrides the launch config
+    (BLOCK_N in 16/32/64/128; form "rows" | "dt", module doc)."""
+    B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
+    S, H_kv = k.shape[1], k.shape[2]
+    BN, warps, stages, form = (*(tune or default_tune(BM, q.is_cuda)), "rows")[:4]
+    if form not in FORMS or BN not in (16, 32, 64, 128):
+        raise ValueError(f"key_major_dkdv: form {form!r} (one of {FORMS}), BLOCK_N {BN} (16/32/64/128)")
+    off, lst, _ = key_tile_lists(sel, T, S, BN)
+    NKT = triton.cdiv(S, BN)
+    dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
+    dv = torch.empty_like(dk)
+    pref = sel.pref if sel.pref is not None else sel.bits
+    qmask = sel.qmask if sel.qmask is not None else sel.bits
+    args = (q, k, v, do, lse, delta, sel.bits, pref, qmask, off, lst, dk, dv, *q.stride(), *k.stride(), *v.stride(),
+            *do.stride(), *lse.stride(), *dk.stride(), T, S, G, D, NT, NKT, sel.bits.shape[1], sel.bits.shape[2],
+            umax, sel.group, sel.q_offset, scale, scale * LOG2E)
+    _dkdv_kernel[(NKT, H_kv, B)](*args, BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, SHARED=sel.shared, PREC=prec,
+                                 TRANSPOSED=form == "dt", num_warps=warps, num_stages=stages)
+    return dk, dv
+
+
+@triton.jit
+def _delta_kernel(O, DO, DLSE, DELTA, R, H, D, sob, sot, soh, sod, sdob, sdot, sdoh, sdod,
+                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """DELTA[b, r] = sum_d O * dO - DLSE over rows r = t * H + h (DLSE/DELTA contiguous `[B, T, H]`)."""
+    b = tl.program_id(1).to(tl.int64)
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < R
+    t = (r // H).to(tl.int64)
+    h = r % H
+    offs_d = tl.arange(0, BLOCK_D)
+    m = rmask[:, None] & (offs_d < D)[None, :]
+    o = tl.load(O + b * sob + t[:, None] * sot + h[:, None] * soh + offs_d[None, :] * sod, mask=m, other=0.0)
+    do = tl.load(DO + b * sdob + t[:, None] * sdot + h[:, None] * sdoh + offs_d[None, :] * sdod, mask=m, other=0.0)
+    dl = tl.load(DLSE + b * R + r, mask=rmask, other=0.0)
+    tl.store(DELTA + b * R + r, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1) - dl, mask=rmask)
+
+
+def bwd_delta(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor) -> torch.Tensor:
+    """delta `[B, T, H]` fp32 contiguous = rowsum(o * do) - dlse, one pass over o and do (the torch form
+    made fp32 copies of both: ~2.7 GB of traffic at 32K x 32 heads x 128)."""
+    B, T, H, D = o.shape
+    dlse = dlse.float().contiguous()
+    delta = torch.empty(B, T, H, device=o.device, dtype=torch.float32)
+    R = T * H
+    BR = 64 if o.is_cuda else 16
+    _delta_kernel[(triton.cdiv(R, BR), B)](o, do, dlse, delta, R, H, D, *o.stride(), *do.stride(),
+                                           BLOCK_R=BR, BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=4)
+    return delta
