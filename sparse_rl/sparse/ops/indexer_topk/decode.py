@@ -62,7 +62,7 @@ SORT_CANDIDATES = 0
 # the row select took 0.43-0.71 ms off the batch-32 step at 2.3K-8K context (0.32 at batch 16, 2.3K-4K),
 # where the chunked passes are held by their seven launches, and added 0.6-1.25 ms at 16 x 16K-32K,
 # where one program per row walks the row alone; "split" (decode_split.py) is opt-in.
-IMPLS = ("auto", "chunked", "row", "split")
+IMPLS = ("auto", "chunked", "row", "split", "fine")
 DECODE_IMPL = "auto"
 ROW_MAX_KEYS = 8192
 
@@ -257,7 +257,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
                         sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None,
                         chunk: int | None = None, num_warps: int | None = None, candidates: bool = False,
                         k_scale: torch.Tensor | None = None, sort: int | None = None, impl: str | None = None,
-                        row_block: int = 4096, row_warps: int = 16):
+                        row_block: int = 4096, row_warps: int = 16, fine_cap: int | None = None):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference. candidates=True also returns each row's number of second-level
@@ -300,7 +300,12 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
         raise ValueError(f"impl {impl!r}: expected one of {', '.join(IMPLS)}")
     if impl == "auto":
         impl = "row" if S <= ROW_MAX_KEYS else "chunked"
-    CH = chunk or _chunk(B, S, interpret)
+    if impl == "fine":
+        from sparse_rl.sparse.ops.indexer_topk.decode_fine import fine_chunk
+
+        CH = chunk or fine_chunk(B, S, interpret)
+    else:
+        CH = chunk or _chunk(B, S, interpret)
     BN = min(CH, 16 if interpret else 256)
     P = triton.cdiv(S, CH)
     PMAX = max(16, triton.next_power_of_2(P))
@@ -321,6 +326,11 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
         if impl == "row":
             out, n_c = row_select(sc, pos, span, topk, CH, sort=sort, block=row_block, num_warps=row_warps,
                                   interpret=interpret)
+        elif impl == "fine":
+            from sparse_rl.sparse.ops.indexer_topk.decode_fine import CAP, fine_select
+
+            out, n_c = fine_select(sc, pos, span, topk, CH, BN, num_warps=nw, interpret=interpret,
+                                   cap=CAP if fine_cap is None else fine_cap)
         else:
             out, n_c = split_select(sc, pos, span, topk, CH, BN, sort=sort, num_warps=nw, interpret=interpret)
         return (out, n_c) if candidates else out
