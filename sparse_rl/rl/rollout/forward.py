@@ -62,6 +62,10 @@ from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cach
                                   sparse_decode)
 
 
+# `ModelRunner.qkv_pad`'s default: 1 (no padding) until the padded GEMM is timed in a step on the H200
+QKV_PAD = 1
+
+
 def _base(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -148,7 +152,10 @@ class ModelRunner:
         # modules' parameters become views of the concatenated buffers. Default: on CUDA, for the eager
         # fused step
         self.fuse_projections = self.fused and (self.is_cuda if fuse_projections is None else bool(fuse_projections))
-        self.fused_layers = [FusedLayer.build(layer) for layer in self.layers] if self.fuse_projections else None
+        # zero rows after the fused q/k/v(+indexer) weight up to a multiple of this (`set_qkv_pad`)
+        self.qkv_pad = QKV_PAD
+        self.fused_layers = ([FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
+                             if self.fuse_projections else None)
         # the fused q/k/v(+indexer) GEMM as W @ xᵀ (`FusedLinear(weight_left=True)`): opt-in for an A/B in
         # the engine step; alone it was 2.1x faster at M = 32 on the H200 (session 7), never timed in a step
         self.qkv_weight_left = False
@@ -533,10 +540,20 @@ class ModelRunner:
             return False
         stale = [i for i, fl in enumerate(self.fused_layers) if not fl.valid()]
         for i in stale:
-            self.fused_layers[i] = FusedLayer.build(self.layers[i])
+            self.fused_layers[i] = FusedLayer.build(self.layers[i], self.qkv_pad)
         if stale:
             self.drop_graphs()
         return bool(stale)
+
+    def set_qkv_pad(self, pad: int) -> None:
+        """Rebuild the fused q/k/v(+indexer) weights padded with zero rows to a multiple of `pad` output
+        columns (1: none), dropping the CUDA graphs. Why: at N = 6468 (Qwen3-4B's q/k/v + a 4 x 64
+        indexer) the output rows are not 16-byte aligned and cuBLAS ran an sm80 `align2` kernel at 2.25x
+        the weight's bytes at M = 32 on the H200 (results/2026-12-01-h200-rollout-session7.md)."""
+        self.qkv_pad = int(pad)
+        if self.fused_layers is not None:
+            self.fused_layers = [FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
+            self.drop_graphs()
 
     def drop_graphs(self) -> None:
         """Forget captured graphs (compiled steps stay: their parameters and caches are inputs)."""
