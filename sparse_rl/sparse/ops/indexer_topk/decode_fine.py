@@ -181,12 +181,13 @@ def _resolve_write(SC, POS, SPAN, HP, NFP, H2, CU, CI, CD, OUT, NC, sob, S, K, P
 
 def fine_chunk(B: int, S: int, interpret: bool) -> int:
     """Keys per program for the fine select: the smallest power of two from 256 that keeps the grid at
-    most ~4 programs per SM of an H200 (B x P <= 512), so short rows still spread over many SMs and long
-    ones do not pay for summing many per-chunk histograms (`[P, NB]` per program)."""
+    most ~4 programs per SM of an H200 (B x P <= 512) and a row at most 32 chunks, so short rows still
+    spread over many SMs and long ones do not pay for summing many per-chunk histograms (`[P, NB]` per
+    program: at P = 64 `_resolve_write` needs 255 registers and spills, at P <= 16 it takes 154)."""
     if interpret:
         return 32
     ch = 256
-    while ch < 8192 and B * triton.cdiv(S, ch) > 512:
+    while ch < 8192 and (B * triton.cdiv(S, ch) > 512 or triton.cdiv(S, ch) > 32):
         ch *= 2
     return ch
 
@@ -215,5 +216,5 @@ def fine_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: i
     _hist_chunk[grid](sc, pos, span, hp, nfp, S, P, **kw)
     _sub_gather[grid](sc, pos, span, hp, nfp, h2, cu, ci, cd, S, topk, P, NB2=NB2, **kw)
     _resolve_write[grid](sc, pos, span, hp, nfp, h2, cu, ci, cd, out, n2, out.stride(0), S, topk, P, NB2=NB2,
-                         CAPB=max(2, cap), CB=16 if interpret else 256, BLOCK=64 if interpret else 1024, **kw)
+                         CAPB=max(2, cap), CB=16 if interpret else 64, BLOCK=64 if interpret else 1024, **kw)
     return out, n2
