@@ -41,13 +41,20 @@ OUT: list = []
 LOG: list = []
 # estimated device seconds of each phase on the H200 (the gate: run while this much budget is left)
 PHASES = {"correctness": 40, "setup": 12, "profile": 25, "alone": 25, "steps": 45, "gemm": 5, "whole_16k_b32": 45,
-          "whole_32k_b16": 35, "profile_final": 15}
+          "whole_32k_b16": 35, "alone_final": 18, "steps_final": 22, "profile_final": 10}
 CALLS = {1: ["correctness", "setup", "profile", "alone", "steps", "gemm", "whole_16k_b32", "whole_32k_b16"],
-         2: ["correctness", "setup", "steps", "profile_final", "whole_16k_b32", "whole_32k_b16"]}
-# the variants timed in a step: the decode select's impl, the q/k/v(+indexer) weight's padding, W @ x^T
-VARIANTS = {"base": dict(impl="auto", pad=1, wl=False), "fine": dict(impl="fine", pad=1, wl=False),
-            "pad": dict(impl="auto", pad=64, wl=False), "fine_pad": dict(impl="fine", pad=64, wl=False),
-            "fine_wl": dict(impl="fine", pad=1, wl=True)}
+         2: ["correctness", "setup", "steps_final", "alone_final", "profile_final", "whole_16k_b32", "whole_32k_b16"]}
+# call 2's estimates (call 1 measured: correctness 51 s, profile 10, alone 36, steps 14, whole 16K 24, 32K 17)
+PHASES2 = {"correctness": 42, "setup": 4, "steps_final": 16, "alone_final": 14, "profile_final": 8, "whole_16k_b32": 30,
+           "whole_32k_b16": 24}
+# the variants timed in a step: the decode select's impl (and what "auto" runs past ROW_MAX_KEYS keys), the
+# q/k/v(+indexer) weight's padding, W @ x^T
+VARIANTS = {"base": dict(impl="auto", long="chunked", pad=1, wl=False),
+            "fine": dict(impl="fine", long="chunked", pad=1, wl=False),
+            "pad": dict(impl="auto", long="chunked", pad=64, wl=False),
+            "fine_pad": dict(impl="fine", long="chunked", pad=64, wl=False),
+            "fine_wl": dict(impl="fine", long="chunked", pad=1, wl=True),
+            "autofine_pad": dict(impl="auto", long="fine", pad=64, wl=False)}
 CLASSES = (("gemm", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "gemv", "sm90_", "addmm", "aten::mm",
                      "aten::linear")),
            ("attention", ("_fwd_kernel", "_merge_kernel")),
@@ -90,6 +97,7 @@ def apply(eng, name):
 
     v = VARIANTS[name]
     itd.DECODE_IMPL = v["impl"]
+    itd.AUTO_LONG = v["long"]
     r = eng.runner
     if r.qkv_pad != v["pad"]:
         r.set_qkv_pad(v["pad"])
@@ -98,7 +106,7 @@ def apply(eng, name):
 
 
 # ------------------------------------------------------------------------------------------ correctness
-def correctness(dev, smoke):
+def correctness(dev, smoke, names=("base", "fine", "fine_pad")):
     from sparse_rl.bench.floor import SHAPES, build_model
     from sparse_rl.rl.rollout import RolloutEngine, SamplingParams, process_logits
     from sparse_rl.sparse.config import SparseConfig
@@ -122,7 +130,7 @@ def correctness(dev, smoke):
                                      eos_token_id=None, pad_token_id=0)[0, len(p):].tolist())
     out = {}
     params = SamplingParams(temperature=1.0, max_new_tokens=new, seed=7)
-    for name in ("base", "fine", "fine_pad"):
+    for name in names:
         if smoke:  # the engine on the Triton kernels (interpreter), the reference on PyTorch
             os.environ["SPARSE_RL_BACKEND"] = "triton"
         try:
@@ -147,7 +155,7 @@ def correctness(dev, smoke):
             RES["errors"].append(f"correctness {name}: {type(e).__name__}: {str(e)[:300]}")
         finally:
             os.environ.pop("SPARSE_RL_BACKEND", None)
-            itd.DECODE_IMPL = "auto"
+            itd.DECODE_IMPL, itd.AUTO_LONG = "auto", "chunked"
         log(f"correctness {name}: {out.get(name)}")
     dt = torch.float32 if smoke else torch.bfloat16
     gi = torch.Generator(device=dev).manual_seed(10)
@@ -271,7 +279,7 @@ def score_only(qi, wi, keys, pos, CH, sink, window):
     return sc
 
 
-def select_alone(b, eng, ctxs, smoke, budget) -> dict:
+def select_alone(b, eng, ctxs, smoke, budget, extra_forms: bool = True) -> dict:
     """The select (score included) and the score pass alone on the engine's index cache of layer 2
     ([:, :ctx] view of the longer buffer, as the engine passes it), all rows at ctx - 1, graph-timed, with
     their bytes' floor; every form checked equal to the chunked one."""
@@ -296,7 +304,7 @@ def select_alone(b, eng, ctxs, smoke, budget) -> dict:
         row = out[str(ctx)] = {"batch": B, "context": ctx, "floor_ms": round(1e3 * B * ctx * DI * view.element_size()
                                                                           / b.bw, 4), "forms": {}}
         forms = {"chunked": dict(impl="chunked"), "row": dict(impl="row"), "fine": dict(impl="fine")}
-        if ctx == big:
+        if ctx == big and extra_forms:
             forms.update({"split": dict(impl="split"), "fine_chunk512": dict(impl="fine", chunk=512),
                           "fine_chunk2048": dict(impl="fine", chunk=2048), "fine_warps8": dict(impl="fine", num_warps=8)})
         if smoke:
@@ -455,12 +463,13 @@ def main():
     ap.add_argument("--out", default=None, help="default: $OUT/roll8")
     ap.add_argument("--budget", type=float, default=190)
     ap.add_argument("--call", type=int, default=1, choices=(1, 2))
-    ap.add_argument("--final", default="fine_pad", help="call 2: the sparse variant taken as the new default")
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     ap.add_argument("--cpu-smoke", action="store_true", help="a CPU run of the script itself at tiny sizes")
     ap.add_argument("--plan", action="store_true", help="print the phases and their gates at --budget; run nothing")
     a = ap.parse_args()
     phases = CALLS[a.call]
+    if a.call == 2:
+        PHASES.update(PHASES2)
     if a.plan:
         t = 0.0
         for ph in phases:
@@ -495,7 +504,8 @@ def main():
         save()
         return RES.get(name)
 
-    phase("correctness", lambda: correctness(dev, smoke))
+    phase("correctness", lambda: correctness(dev, smoke, ("base", "fine", "fine_pad") if a.call == 1
+                                             else ("pad", "fine_pad", "autofine_pad")))
     if smoke:
         cfg = BenchRolloutConfig(shape="tiny-qwen3", hf=False, long_new_tokens=[160, 200], long_batches=[3, 2],
                                  long_prompt_len=16, whole="integrate", topk=48, index_heads=2, index_dim=16,
@@ -535,8 +545,12 @@ def main():
         best = best_variant(RES.get("steps_rows") or [], variants)
         phase("gemm", lambda: gemm_pad(b, smoke))
     else:
-        best = a.final
-        phase("steps", lambda: steps(b, eng, ctxs, ["base", best], a.budget, set()))
+        variants = ["base", "pad", "fine_pad", "autofine_pad"]
+        phase("steps_final", lambda: steps(b, eng, ctxs, variants, a.budget, set()))
+        best = best_variant(RES.get("steps_rows") or [], variants[1:])
+        log(f"best sparse variant by summed step ms: {best}")
+        phase("alone_final", lambda: {"select": select_alone(b, eng, [c for c in ctxs if c > cfg.topk], smoke, a.budget,
+                                                             extra_forms=False)})
         phase("profile_final", lambda: profiles(b, eng, big, [("sparse_eager_final", "sparse", best, False),
                                                               ("sparse_graph_final", "sparse", best, True)]))
     RES["best_variant"] = best
@@ -545,7 +559,10 @@ def main():
     free()
     (new16, B16), (new32, B32) = cfg.long_runs()
     P = cfg.long_prompt_len
-    plan = [("dense", "base"), ("sparse", "base")] + ([("sparse", best)] if best != "base" else [])
+    if a.call == 1:
+        plan = [("dense", "base"), ("sparse", "base")] + ([("sparse", best)] if best != "base" else [])
+    else:  # call 1 measured the old default whole: dense, the padded default, and the best select with it
+        plan = [("dense", "pad"), ("sparse", "pad")] + ([("sparse", best)] if best != "pad" else [])
     for name, new, Bw in (("whole_16k_b32", new16, B16), ("whole_32k_b16", new32, B32)):
         phase(name, lambda: whole(b, new, Bw, P, a.budget, plan, name))
     save()

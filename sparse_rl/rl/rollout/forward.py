@@ -30,6 +30,8 @@ projections as one GEMM each, SiLU(gate) * up in `ops.silu_mul` (`fused_weights.
 parameters become views of the concatenated weights): 6.13 -> 5.63 ms dense at 2K, 10.37 -> 9.18 ms
 sparse at 16K (benchmarks/results/2026-12-01-h200-rollout-session5.md). `runner.fused = False` runs
 the modules instead (for A/B), `runner.fused_layers = None` the separate projections,
+`runner.set_qkv_pad(n)` pads the fused q/k/v(+indexer) weight with zero rows to a multiple of n output
+columns (default `QKV_PAD` = 64: 16-byte aligned output rows, -0.24 ms a sparse step at 16K on the H200),
 `runner.qkv_weight_left = True` the fused q/k/v GEMM as W @ xᵀ (opt-in; drop the graphs after a
 switch); the compiled
 step keeps the modules, whose elementwise ops inductor fuses itself.
@@ -62,8 +64,12 @@ from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cach
                                   sparse_decode)
 
 
-# `ModelRunner.qkv_pad`'s default: 1 (no padding) until the padded GEMM is timed in a step on the H200
-QKV_PAD = 1
+# `ModelRunner.qkv_pad`'s default: zero rows after the fused q/k/v(+indexer) weight up to 64 output columns.
+# On the H200 (Qwen3-4B shape, batch 32; benchmarks/results/2026-12-02-h200-rollout-session8.md) the GEMM
+# at M = 32 took 9.4 us padded against 18.7 (N = 6468: cuBLAS's sm80 align2 kernel), the sparse step
+# 0.22-0.28 ms less at every context (9.76 -> 9.52 ms at 16K); dense steps multiply by the first 6144 rows
+# only, unchanged
+QKV_PAD = 64
 
 
 def _base(model):
@@ -156,8 +162,9 @@ class ModelRunner:
         self.qkv_pad = QKV_PAD
         self.fused_layers = ([FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
                              if self.fuse_projections else None)
-        # the fused q/k/v(+indexer) GEMM as W @ xᵀ (`FusedLinear(weight_left=True)`): opt-in for an A/B in
-        # the engine step; alone it was 2.1x faster at M = 32 on the H200 (session 7), never timed in a step
+        # the fused q/k/v(+indexer) GEMM as W @ xᵀ (`FusedLinear(weight_left=True)`), opt-in: in the engine
+        # step on the H200 (session 8) it lost to the padded weight (qkv_pad): with its transpose copy the
+        # GEMM takes 12.6 us against 9.4 padded, and the unpadded sparse step at 16K gained nothing from it
         self.qkv_weight_left = False
         self._graphs: dict = {}
         self._pool = None

@@ -65,6 +65,7 @@ SORT_CANDIDATES = 0
 IMPLS = ("auto", "chunked", "row", "split", "fine")
 DECODE_IMPL = "auto"
 ROW_MAX_KEYS = 8192
+AUTO_LONG = "chunked"  # what "auto" runs for rows of more than ROW_MAX_KEYS keys
 
 
 @triton.jit
@@ -299,7 +300,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     if impl not in IMPLS:
         raise ValueError(f"impl {impl!r}: expected one of {', '.join(IMPLS)}")
     if impl == "auto":
-        impl = "row" if S <= ROW_MAX_KEYS else "chunked"
+        impl = "row" if S <= ROW_MAX_KEYS else AUTO_LONG
     if impl == "fine":
         from sparse_rl.sparse.ops.indexer_topk.decode_fine import fine_chunk
 
