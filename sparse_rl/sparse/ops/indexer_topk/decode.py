@@ -61,7 +61,9 @@ SORT_CANDIDATES = 0
 # (Qwen3-4B shape, random caches, one engine; benchmarks/results/2026-12-01-h200-rollout-session6.md)
 # the row select took 0.43-0.71 ms off the batch-32 step at 2.3K-8K context (0.32 at batch 16, 2.3K-4K),
 # where the chunked passes are held by their seven launches, and added 0.6-1.25 ms at 16 x 16K-32K,
-# where one program per row walks the row alone; "split" (decode_split.py) is opt-in.
+# where one program per row walks the row alone; "split" (decode_split.py) and "fine" (decode_fine.py: two
+# levels of bins, exact zeros by count; equal to the default within noise in the step at 2.3K-16K on the H200,
+# session 8) are opt-in.
 IMPLS = ("auto", "chunked", "row", "split", "fine")
 DECODE_IMPL = "auto"
 ROW_MAX_KEYS = 8192
@@ -270,8 +272,10 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     `SORT_CANDIDATES`); rows with more candidates take the radix passes. impl: "chunked" (the passes
     above over (chunk, row) programs), "row" (the score pass, then one program per row does the rest:
     `decode_row.py`, two launches, `row_block` keys a step in `row_warps` warps), "split" (the score
-    pass, then three (chunk, row) launches: `decode_split.py`) or "auto" (row for S <= `ROW_MAX_KEYS`,
-    else chunked); default `DECODE_IMPL` ("auto"). Every impl selects the same keys."""
+    pass, then three (chunk, row) launches: `decode_split.py`), "fine" (the score pass, then three (chunk,
+    row) launches with a second level of bins: `decode_fine.py`; fine_cap: its most sub-bin keys ranked in
+    registers) or "auto" (row for S <= `ROW_MAX_KEYS`, else `AUTO_LONG`, chunked); default `DECODE_IMPL`
+    ("auto"). Every impl selects the same keys."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:

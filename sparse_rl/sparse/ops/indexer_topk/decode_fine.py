@@ -32,6 +32,14 @@ After `decode._score_max` (per-chunk (max, min) of the unforced finite scores, `
    program then takes its output offset from the earlier chunks' counts and writes its selected
    positions in ascending order; the row's last program pads with -1.
 
+Measured (H200, Qwen3-4B shape, batch 32, random caches; benchmarks/results/2026-12-02-h200-rollout-session8.md):
+exact, and the fastest form alone at 2304 keys (0.0228 ms vs row 0.0254, chunked 0.0351), but not at
+4K-16K (16K: 0.0738 vs chunked 0.0656), and equal to the default within noise in the step (+0.08 ms at
+16K): `_resolve_write` takes 31 us a layer, every program compacting the sub-bin's ~3 keys by walking the
+row's whole candidate list (~437 slots, up to 2,267). So it is opt-in (`impl="fine"`, or
+`decode.AUTO_LONG = "fine"`). The next step: scan only the list regions of the chunks whose sub-bin
+count is nonzero (`H2[p, b2*]`, ~3 chunks of ~27 slots), which would leave the four passes at ~40 us.
+
 Bins: t = (max - x) * NB / span (`decode._block`), first level d = min(floor(t), NB - 1), fine level
 f = min(floor(t * NB2), NB * NB2 - 1), sub-bin d2 = f - d * NB2 (NB2 a power of two, so t * NB2 is
 exact and d = f // NB2 for every unclamped key). Both are monotone in the score, so every key of a
