@@ -19,8 +19,9 @@ Rows:
   `--long-batches` (one per length), dense and sparse, tokens/s and ms per step, with the floor's
   tokens/s. `how` says how the row was obtained: "measured" (a timed `generate`, prefill included)
   or "integrated" (where a whole generation would outlast `--whole-budget-s`: step times measured at
-  contexts spanning the generation, summed piecewise linearly over every step's context, plus the
-  per-step host and prefill time a short measured generation pays beyond its own integrated steps).
+  contexts spanning the generation, summed piecewise linearly over every step's context, plus a
+  1-token generation's time (prefill, once) and the per-step host time a short measured generation
+  pays beyond that and its own integrated steps).
   `--whole measure|integrate|auto` forces either; auto decides on the integrated estimate.
 Tokens/s = generated tokens / seconds, synchronised; engine runs are timed after a warm-up that
 compiles kernels and captures the CUDA graphs.
@@ -319,24 +320,32 @@ def _long_rows(b: _Bench, new: int, B: int) -> None:
 
 def _integrated(b: _Bench, eng, ids, new: int, mode: str) -> tuple[float, dict]:
     """Seconds of a whole generation from step times: steps timed at contexts spanning it (random
-    caches), summed piecewise linearly, plus what a short real generation pays per step beyond its own
-    integrated steps (prefill, sampling, host work; after a throwaway generation that takes the
-    one-time costs: first allocations, cuBLAS heuristics), never below zero."""
+    caches), summed piecewise linearly, plus the one-time cost of a generation (a timed 1-token
+    generation: prefill, first sample, setup) and what a short real generation pays per step beyond
+    that and its own integrated steps (sampling, host work; after a throwaway generation that takes the
+    first-use costs: allocations, cuBLAS heuristics), never below zero. `seconds_amortized_prefill`
+    is the earlier model (through session 7), which spread the short run's prefill over its steps and
+    so charged it again at every step of the long generation."""
     P = ids.shape[1]
     n = min(256, new)
     eng.set_attention(mode)
     eng.warmup(P + n)  # every graph bucket the timed run uses
     b.time_generate(eng, ids, min(8, n), mode, warm=False)  # one-time costs out of the timed run
+    one = b.time_generate(eng, ids, 1, mode, warm=False)[0]  # prefill + first token, no decode step
     short = b.time_generate(eng, ids, n, mode, warm=False)[0]
     eng.set_attention("sparse")
     b.fill(eng, P + new)
     ctxs = sorted(set(_span_contexts(P, P + new, b.cfg.topk, eng.bucket)) | {P + 1, P + n})
     pts = [(c, b.step_row(eng, ids.shape[0], c, mode)["ms"]) for c in ctxs]
-    per_step = max(0.0, short - integrate_steps(pts, P, P + n) / 1e3) / n
+    short_steps = integrate_steps(pts, P, P + n) / 1e3
+    per_step = max(0.0, short - one - short_steps) / n
+    old_per_step = max(0.0, short - short_steps) / n
     steps_s = integrate_steps(pts, P, P + new) / 1e3
-    return steps_s + per_step * new, {"step_points": [[x, round(y, 3)] for x, y in pts],
-                                      "steps_s": round(steps_s, 3), "overhead_ms_per_step": round(1e3 * per_step, 3),
-                                      "step_ms_at_full_context": pts[-1][1]}
+    return one + steps_s + per_step * new, {"step_points": [[x, round(y, 3)] for x, y in pts],
+                                            "steps_s": round(steps_s, 3), "prefill_s": round(one, 4),
+                                            "overhead_ms_per_step": round(1e3 * per_step, 3),
+                                            "seconds_amortized_prefill": round(steps_s + old_per_step * new, 3),
+                                            "step_ms_at_full_context": pts[-1][1]}
 
 
 def summarize(rows: list[dict]) -> dict:

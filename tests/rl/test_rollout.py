@@ -378,6 +378,11 @@ def test_fused_projections_keep_outputs_and_follow_weight_updates(arch_dir, mode
     eng.runner.qkv_weight_left = True  # the q/k/v(+indexer) GEMM as W @ x^T: the same tokens
     assert [c.tokens for c in eng.generate(prompts, greedy)] == hf
     eng.runner.qkv_weight_left = False
+    assert eng.runner.fused_layers[1].qkv.weight.shape[0] % 64 == 0  # QKV_PAD: zero rows up to 64 columns
+    eng.runner.set_qkv_pad(1)  # unpadded: the same tokens; padded again from here on
+    assert eng.runner.fused_layers[1].qkv.weight.shape[0] == sum(eng.runner.fused_layers[1].qkv.sizes)
+    assert [c.tokens for c in eng.generate(prompts, greedy)] == hf
+    eng.runner.set_qkv_pad(64)
     params = SamplingParams(temperature=0.8, max_new_tokens=16, seed=2)
     for c in eng.generate(prompts, params):
         torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(model, c, params), atol=1e-4, rtol=0)

@@ -1,7 +1,7 @@
 """The decode select's threshold by one in-register sort of the candidates (`sort`, opt-in) and by four
 radix passes (sort=0, the default, and rows with more candidates than `sort`): the same keys as the reference
 (TRITON_INTERPRET=1 on the CPU), with heavy ties (integer scores, ReLU zeros) and without; and the
-implementations after the score pass (`impl`: chunked, row, split, auto) likewise."""
+implementations after the score pass (`impl`: chunked, row, split, fine, auto) likewise."""
 
 import pytest
 import torch
@@ -35,7 +35,7 @@ def test_sort_and_radix_thresholds_pick_the_reference_keys(ints, B, S, K, sink, 
         itd.indexer_topk_decode(q, w, k, pos, K, sort=48)
 
 
-@pytest.mark.parametrize("impl", ["row", "split", "auto"])
+@pytest.mark.parametrize("impl", ["row", "split", "fine", "auto"])
 @pytest.mark.parametrize("ints", [True, False])
 def test_row_and_split_selects_pick_the_reference_keys(impl, ints, monkeypatch):
     """impl="row" (the score pass, then one program per row: decode_row.py) and "split" (then three
@@ -62,7 +62,7 @@ def test_row_and_split_selects_pick_the_reference_keys(impl, ints, monkeypatch):
         itd.indexer_topk_decode(q, w, k, pos, K, impl="rows")
 
 
-@pytest.mark.parametrize("impl", ["chunked", "split"])
+@pytest.mark.parametrize("impl", ["chunked", "split", "fine"])
 def test_chunked_and_split_select_edge_distributions(impl):
     """Forced keys filling the budget, all-equal scores, a span set by a few huge keys (nearly every key
     a candidate), negative weights against the reference (the default, row at these sizes, is held to
@@ -78,3 +78,51 @@ def test_chunked_and_split_select_edge_distributions(impl):
                                         (q.abs(), w, k.abs() * scale, 20, 2, 2), (q, -w, k, 20, 1, 2)]:
         got = itd.indexer_topk_decode(qq, ww, kk, pos, K, sink=sink, window=window, chunk=32, impl=impl)
         assert torch.equal(got, indexer_topk_decode_naive(qq, ww, kk, pos, K, sink=sink, window=window))
+
+
+def test_fine_select_sub_bins_rank_and_radix_fallback():
+    """impl="fine" (decode_fine.py): the threshold's sub-bin ranked in registers (rows with at most `cap`
+    keys there) and the radix levels over the first-level bin's keys (more), against the reference; a far
+    outlier key widens the span so that the first-level bin holds many keys and the sub-bins decide, and
+    integer inputs (exact, heavily tied nonzero scores) put many keys in one sub-bin."""
+    g = torch.Generator().manual_seed(3)
+    B, HI, DI, S, K = 3, 2, 16, 300, 40
+    q, w, k = torch.randn(B, HI, DI, generator=g), torch.randn(B, HI, generator=g), torch.randn(B, S, DI, generator=g)
+    k[:, 50] *= 100
+    qi, wi = torch.randint(-2, 3, (B, HI, DI), generator=g).float(), torch.randint(1, 3, (B, HI), generator=g).float()
+    ki = torch.randint(-2, 3, (B, S, DI), generator=g).float()
+    ki[:, 50] *= 100
+    pos = torch.tensor([S - 1, 250, 200])
+    seen = set()
+    for qq, ww, kk in ((q, w, k), (qi, wi, ki)):
+        ref = indexer_topk_decode_naive(qq, ww, kk, pos, K, sink=2, window=3)
+        for cap in (2, 64):
+            got, n2 = itd.indexer_topk_decode(qq, ww, kk, pos, K, sink=2, window=3, chunk=64, impl="fine",
+                                              fine_cap=cap, candidates=True)
+            assert torch.equal(got, ref), cap
+            seen |= {"rank" if 0 < n <= cap else "radix" for n in n2.tolist() if n > 0}
+    assert seen == {"rank", "radix"}
+    with pytest.raises(ValueError, match="power of two"):
+        itd.indexer_topk_decode(q, w, k, pos, K, impl="fine", fine_cap=48)
+
+
+@pytest.mark.parametrize("K", [60, 150, 250])
+def test_fine_select_relu_zero_ties(K):
+    """impl="fine": keys whose every index head's ReLU is 0 score exactly 0 (one tie, the later keys win):
+    with weights of both signs the threshold falls above the zeros (K 60), among them (150: a block of
+    zeros: the later ones by their order in key order) or below them (250: every zero kept, the rank
+    among the nonzero keys shifted by their count); a few keys of tiny nonzero score sit next to the
+    zeros. Against the reference, cap 2 and 32."""
+    g = torch.Generator().manual_seed(K)
+    B, HI, DI, S = 3, 2, 16, 300
+    q, k = torch.randn(B, HI, DI, generator=g), torch.randn(B, S, DI, generator=g)
+    w = torch.tensor([[1.0, -1.0]]).expand(B, HI).contiguous()
+    k[:, 7::37] *= 1e-7  # tiny scores of either sign, next to the zeros
+    pos = torch.tensor([S - 1, 280, 270])
+    ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=2, window=3)
+    for cap in (2, 32):
+        got, n2 = itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=3, chunk=64, impl="fine", fine_cap=cap,
+                                          candidates=True)
+        assert torch.equal(got, ref), cap
+    if K == 150:  # the threshold is a zero in every row: the zeros' order decides, no sub-bin is resolved
+        assert int(n2.max()) == 0

@@ -30,6 +30,8 @@ projections as one GEMM each, SiLU(gate) * up in `ops.silu_mul` (`fused_weights.
 parameters become views of the concatenated weights): 6.13 -> 5.63 ms dense at 2K, 10.37 -> 9.18 ms
 sparse at 16K (benchmarks/results/2026-12-01-h200-rollout-session5.md). `runner.fused = False` runs
 the modules instead (for A/B), `runner.fused_layers = None` the separate projections,
+`runner.set_qkv_pad(n)` pads the fused q/k/v(+indexer) weight with zero rows to a multiple of n output
+columns (default `QKV_PAD` = 64: 16-byte aligned output rows, -0.24 ms a sparse step at 16K on the H200),
 `runner.qkv_weight_left = True` the fused q/k/v GEMM as W @ xᵀ (opt-in; drop the graphs after a
 switch); the compiled
 step keeps the modules, whose elementwise ops inductor fuses itself.
@@ -60,6 +62,14 @@ from sparse_rl.sparse.layer import DecodeOps, attend, layer_states, select, sele
 from sparse_rl.rl.rollout.fused_weights import FusedLayer
 from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cache, quantize_index_keys, silu_mul,
                                   sparse_decode)
+
+
+# `ModelRunner.qkv_pad`'s default: zero rows after the fused q/k/v(+indexer) weight up to 64 output columns.
+# On the H200 (Qwen3-4B shape, batch 32; benchmarks/results/2026-12-02-h200-rollout-session8.md) the GEMM
+# at M = 32 took 9.4 us padded against 18.7 (N = 6468: cuBLAS's sm80 align2 kernel), the sparse step
+# 0.22-0.28 ms less at every context (9.76 -> 9.52 ms at 16K); dense steps multiply by the first 6144 rows
+# only, unchanged
+QKV_PAD = 64
 
 
 def _base(model):
@@ -148,9 +158,13 @@ class ModelRunner:
         # modules' parameters become views of the concatenated buffers. Default: on CUDA, for the eager
         # fused step
         self.fuse_projections = self.fused and (self.is_cuda if fuse_projections is None else bool(fuse_projections))
-        self.fused_layers = [FusedLayer.build(layer) for layer in self.layers] if self.fuse_projections else None
-        # the fused q/k/v(+indexer) GEMM as W @ xᵀ (`FusedLinear(weight_left=True)`): opt-in for an A/B in
-        # the engine step; alone it was 2.1x faster at M = 32 on the H200 (session 7), never timed in a step
+        # zero rows after the fused q/k/v(+indexer) weight up to a multiple of this (`set_qkv_pad`)
+        self.qkv_pad = QKV_PAD
+        self.fused_layers = ([FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
+                             if self.fuse_projections else None)
+        # the fused q/k/v(+indexer) GEMM as W @ xᵀ (`FusedLinear(weight_left=True)`), opt-in: in the engine
+        # step on the H200 (session 8) it lost to the padded weight (qkv_pad): with its transpose copy the
+        # GEMM takes 12.6 us against 9.4 padded, and the unpadded sparse step at 16K gained nothing from it
         self.qkv_weight_left = False
         self._graphs: dict = {}
         self._pool = None
@@ -533,10 +547,20 @@ class ModelRunner:
             return False
         stale = [i for i, fl in enumerate(self.fused_layers) if not fl.valid()]
         for i in stale:
-            self.fused_layers[i] = FusedLayer.build(self.layers[i])
+            self.fused_layers[i] = FusedLayer.build(self.layers[i], self.qkv_pad)
         if stale:
             self.drop_graphs()
         return bool(stale)
+
+    def set_qkv_pad(self, pad: int) -> None:
+        """Rebuild the fused q/k/v(+indexer) weights padded with zero rows to a multiple of `pad` output
+        columns (1: none), dropping the CUDA graphs. Why: at N = 6468 (Qwen3-4B's q/k/v + a 4 x 64
+        indexer) the output rows are not 16-byte aligned and cuBLAS ran an sm80 `align2` kernel at 2.25x
+        the weight's bytes at M = 32 on the H200 (results/2026-12-01-h200-rollout-session7.md)."""
+        self.qkv_pad = int(pad)
+        if self.fused_layers is not None:
+            self.fused_layers = [FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
+            self.drop_graphs()
 
     def drop_graphs(self) -> None:
         """Forget captured graphs (compiled steps stay: their parameters and caches are inputs)."""

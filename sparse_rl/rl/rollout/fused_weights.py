@@ -48,20 +48,25 @@ class FusedLinear:
     slots: list  # (owner module, attribute name) of each member, to see it replaced (a peft wrap)
 
     @classmethod
-    def build(cls, slots) -> "FusedLinear | None":
+    def build(cls, slots, pad_to: int = 1) -> "FusedLinear | None":
         """Concatenate the members (`slots`: (owner, attribute name) pairs) and make their parameters views
-        of the result; None when they cannot share one GEMM (`_plain`)."""
+        of the result; None when they cannot share one GEMM (`_plain`). pad_to: zero rows after the
+        members up to a multiple of this many output columns (the GEMM's output rows then start 16-byte
+        aligned; the members' outputs are unchanged, the padding's columns are cut off)."""
         mods = [getattr(o, n) for o, n in slots]
         if not _plain(mods):
             return None
+        n_out = sum(m.out_features for m in mods)
+        pad = -n_out % max(1, pad_to)
         # never inference tensors (a generation may rebuild a group under inference_mode): the buffers
         # become the parameters' storage, which training differentiates through
         with torch.inference_mode(False), torch.no_grad():
-            weight = torch.cat([m.weight.detach() for m in mods])
+            w0 = mods[0].weight
+            weight = torch.cat([m.weight.detach() for m in mods] + [w0.new_zeros(pad, w0.shape[1])] * bool(pad))
             bias = None
             if any(m.bias is not None for m in mods):
                 bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features)
-                                  for m in mods])
+                                  for m in mods] + [weight.new_zeros(pad)] * bool(pad))
         sizes = [m.out_features for m in mods]
         off = 0
         for m, n in zip(mods, sizes):
@@ -94,12 +99,15 @@ class FusedLinear:
         N = 6468, took 8.4 us this way against 17.5 through F.linear; equal for the other shapes;
         benchmarks/results/2026-12-01-h200-rollout-session7.md)."""
         w, b = self.weight, self.bias
+        n = sum(self.sizes)
         if rows is not None:
-            w, b = w[:rows], None if b is None else b[:rows]
+            w, b, n = w[:rows], None if b is None else b[:rows], rows
         if not weight_left:
-            return torch.nn.functional.linear(x, w, b)
-        y = torch.mm(w, x.t()) if b is None else torch.addmm(b[:, None], w, x.t())
-        return y.t().contiguous()
+            y = torch.nn.functional.linear(x, w, b)
+        else:
+            y = torch.mm(w, x.t()) if b is None else torch.addmm(b[:, None], w, x.t())
+            y = y.t().contiguous()
+        return y if y.shape[-1] == n else y[..., :n]  # the padding's columns (pad_to) cut off
 
 
 @dataclass
@@ -113,15 +121,16 @@ class FusedLayer:
     silu: bool
 
     @classmethod
-    def build(cls, layer) -> "FusedLayer":
+    def build(cls, layer, qkv_pad: int = 1) -> "FusedLayer":
+        """qkv_pad: `FusedLinear.build`'s pad_to for the q/k/v (+ indexer) group."""
         attn, mlp = layer.self_attn, layer.mlp
         ix = getattr(attn, "indexer", None)
         attn_slots = [(attn, n) for n in ("q_proj", "k_proj", "v_proj")]
         qkv = None
         if ix is not None and all(isinstance(getattr(ix, n, None), nn.Module) for n in ("wq", "wk", "ww")):
-            qkv = FusedLinear.build(attn_slots + [(ix, n) for n in ("wq", "wk", "ww")])
+            qkv = FusedLinear.build(attn_slots + [(ix, n) for n in ("wq", "wk", "ww")], pad_to=qkv_pad)
         if qkv is None:
-            qkv = FusedLinear.build(attn_slots)
+            qkv = FusedLinear.build(attn_slots, pad_to=qkv_pad)
         gate_up = None
         if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             gate_up = FusedLinear.build([(mlp, "gate_proj"), (mlp, "up_proj")])

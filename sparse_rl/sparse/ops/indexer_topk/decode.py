@@ -61,10 +61,13 @@ SORT_CANDIDATES = 0
 # (Qwen3-4B shape, random caches, one engine; benchmarks/results/2026-12-01-h200-rollout-session6.md)
 # the row select took 0.43-0.71 ms off the batch-32 step at 2.3K-8K context (0.32 at batch 16, 2.3K-4K),
 # where the chunked passes are held by their seven launches, and added 0.6-1.25 ms at 16 x 16K-32K,
-# where one program per row walks the row alone; "split" (decode_split.py) is opt-in.
-IMPLS = ("auto", "chunked", "row", "split")
+# where one program per row walks the row alone; "split" (decode_split.py) and "fine" (decode_fine.py: two
+# levels of bins, exact zeros by count; equal to the default within noise in the step at 2.3K-16K on the H200,
+# session 8) are opt-in.
+IMPLS = ("auto", "chunked", "row", "split", "fine")
 DECODE_IMPL = "auto"
 ROW_MAX_KEYS = 8192
+AUTO_LONG = "chunked"  # what "auto" runs for rows of more than ROW_MAX_KEYS keys
 
 
 @triton.jit
@@ -257,7 +260,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
                         sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None,
                         chunk: int | None = None, num_warps: int | None = None, candidates: bool = False,
                         k_scale: torch.Tensor | None = None, sort: int | None = None, impl: str | None = None,
-                        row_block: int = 4096, row_warps: int = 16):
+                        row_block: int = 4096, row_warps: int = 16, fine_cap: int | None = None):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference. candidates=True also returns each row's number of second-level
@@ -269,8 +272,10 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     `SORT_CANDIDATES`); rows with more candidates take the radix passes. impl: "chunked" (the passes
     above over (chunk, row) programs), "row" (the score pass, then one program per row does the rest:
     `decode_row.py`, two launches, `row_block` keys a step in `row_warps` warps), "split" (the score
-    pass, then three (chunk, row) launches: `decode_split.py`) or "auto" (row for S <= `ROW_MAX_KEYS`,
-    else chunked); default `DECODE_IMPL` ("auto"). Every impl selects the same keys."""
+    pass, then three (chunk, row) launches: `decode_split.py`), "fine" (the score pass, then three (chunk,
+    row) launches with a second level of bins: `decode_fine.py`; fine_cap: its most sub-bin keys ranked in
+    registers) or "auto" (row for S <= `ROW_MAX_KEYS`, else `AUTO_LONG`, chunked); default `DECODE_IMPL`
+    ("auto"). Every impl selects the same keys."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:
@@ -299,8 +304,13 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     if impl not in IMPLS:
         raise ValueError(f"impl {impl!r}: expected one of {', '.join(IMPLS)}")
     if impl == "auto":
-        impl = "row" if S <= ROW_MAX_KEYS else "chunked"
-    CH = chunk or _chunk(B, S, interpret)
+        impl = "row" if S <= ROW_MAX_KEYS else AUTO_LONG
+    if impl == "fine":
+        from sparse_rl.sparse.ops.indexer_topk.decode_fine import fine_chunk
+
+        CH = chunk or fine_chunk(B, S, interpret)
+    else:
+        CH = chunk or _chunk(B, S, interpret)
     BN = min(CH, 16 if interpret else 256)
     P = triton.cdiv(S, CH)
     PMAX = max(16, triton.next_power_of_2(P))
@@ -321,6 +331,11 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
         if impl == "row":
             out, n_c = row_select(sc, pos, span, topk, CH, sort=sort, block=row_block, num_warps=row_warps,
                                   interpret=interpret)
+        elif impl == "fine":
+            from sparse_rl.sparse.ops.indexer_topk.decode_fine import CAP, fine_select
+
+            out, n_c = fine_select(sc, pos, span, topk, CH, BN, num_warps=nw, interpret=interpret,
+                                   cap=CAP if fine_cap is None else fine_cap)
         else:
             out, n_c = split_select(sc, pos, span, topk, CH, BN, sort=sort, num_warps=nw, interpret=interpret)
         return (out, n_c) if candidates else out
