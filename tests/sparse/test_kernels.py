@@ -479,6 +479,24 @@ def test_mixed_paths_match_reference(fwd_path, bwd_path):
         assert _rel(a.grad, b.grad) < 1e-5
 
 
+def shared_rows_case(H, H_kv, group, T, left):
+    """q [2, T, H, 16], k/v [2, T + 9, H_kv, 16] and a shared selection [2, ceil(T / group), 24] (-1 =
+    empty slot) of random rows: a group selects only keys its last query sees (q_offset 9), and
+    batch row 1 is left-padded by `left` keys that no selection names. Returns (gen, q, k, v, sh, q_off)."""
+    g = torch.Generator().manual_seed(group * T)
+    B, D, K, q_off = 2, 16, 24, 9
+    S = T + q_off
+    q = torch.randn(B, T, H, D, generator=g)
+    k, v = torch.randn(B, S, H_kv, D, generator=g), torch.randn(B, S, H_kv, D, generator=g)
+    NG = -(-T // group)
+    sh = torch.rand(B, NG, S, generator=g)
+    last = (torch.arange(NG) * group + group - 1).clamp(max=T - 1) + q_off
+    sh = sh.masked_fill(torch.arange(S) > last[:, None], -1.0)
+    sh[1, :, :left] = -1.0
+    vals, sh = sh.topk(min(K, S), -1)
+    return g, q, k, v, torch.where(vals >= 0, sh, -1).to(torch.int32), q_off
+
+
 @pytest.mark.parametrize("H,H_kv,group,T,left", [(8, 2, 8, 37, 0), (7, 1, 16, 40, 5), (3, 3, 4, 13, 3), (4, 1, 3, 17, 2)])
 def test_shared_selection_matches_per_query_reference(H, H_kv, group, T, left):
     """A selection shared by `group` consecutive queries `[B, ceil(T/group), K]`: the tile kernels read
@@ -488,18 +506,7 @@ def test_shared_selection_matches_per_query_reference(H, H_kv, group, T, left):
     from sparse_rl.sparse.ops import shared_to_per_query
     from sparse_rl.sparse.ops.sparse_attention import union
 
-    g = torch.Generator().manual_seed(group * T)
-    B, D, K, q_off = 2, 16, 24, 9
-    S = T + q_off
-    q = torch.randn(B, T, H, D, generator=g)
-    k, v = torch.randn(B, S, H_kv, D, generator=g), torch.randn(B, S, H_kv, D, generator=g)
-    NG = -(-T // group)
-    sh = torch.rand(B, NG, S, generator=g)
-    last = (torch.arange(NG) * group + group - 1).clamp(max=T - 1) + q_off
-    sh = sh.masked_fill(torch.arange(S) > last[:, None], -1.0)  # a group selects keys its last query sees
-    sh[1, :, :left] = -1.0  # row 1 is left-padded: its selector never names the pad keys
-    vals, sh = sh.topk(min(K, S), -1)
-    sh = torch.where(vals >= 0, sh, -1).to(torch.int32)
+    g, q, k, v, sh, q_off = shared_rows_case(H, H_kv, group, T, left)
     per = shared_to_per_query(sh, group, T, q_off)
     qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
     with mock.patch.object(union, "build_union", wraps=union.build_union) as built:

@@ -10,6 +10,8 @@ from sparse_rl.sparse.ops.sparse_attention import keymajor, union
 from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
 from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention
 
+from .test_kernels import shared_rows_case
+
 
 def _rel(a, b):
     return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp_min(1e-30))
@@ -38,18 +40,7 @@ def _grads(q, k, v, rows, per, tune, **kw):
     (8, 2, 8, 45, 2, (64, 4, 1, "dt")),
 ])
 def test_dkdv_forms_match_reference_on_shared_rows(H, H_kv, group, T, left, tune):
-    g = torch.Generator().manual_seed(group * T)
-    B, D, K, q_off = 2, 16, 24, 9
-    S = T + q_off
-    q = torch.randn(B, T, H, D, generator=g)
-    k, v = torch.randn(B, S, H_kv, D, generator=g), torch.randn(B, S, H_kv, D, generator=g)
-    NG = -(-T // group)
-    sh = torch.rand(B, NG, S, generator=g)
-    last = (torch.arange(NG) * group + group - 1).clamp(max=T - 1) + q_off
-    sh = sh.masked_fill(torch.arange(S) > last[:, None], -1.0)
-    sh[1, :, :left] = -1.0  # a left-padded row: the selector never names its pad keys
-    vals, sh = sh.topk(min(K, S), -1)
-    sh = torch.where(vals >= 0, sh, -1).to(torch.int32)
+    _, q, k, v, sh, q_off = shared_rows_case(H, H_kv, group, T, left)  # row 1 left-padded
     got, ref = _grads(q, k, v, sh, shared_to_per_query(sh, group, T, q_off), tune, query_group=group, q_offset=q_off)
     fin = torch.isfinite(ref[1])
     torch.testing.assert_close(got[1][fin], ref[1][fin], atol=1e-5, rtol=1e-5)
