@@ -58,7 +58,7 @@ if [ -f $H/config.json ] && [ "${PARTS:-123}" != 1 ]; then
     done; wait
     echo "part 3 done at $(el) s"
     # the whole run once more: every finished stage is skipped; writes commands.sh and RESULTS.md
-    (export PART=${HANDOFF_FROM:+2,3}; export PART=${PART:-all}  # from a hand-off: part 1's stages were never run here
+    (export PART=$([ -n "${HANDOFF_FROM:-}" ] && echo 2,3 || echo all)  # from a hand-off: part 1's stages never ran here
      timeout 20 bash recipes/evidence/run.sh $E >$R/final.log 2>&1; echo "final rc=$?" >>$R/final.log)
 fi
 [ -f $H/heldout.jsonl ] && cp $H/heldout.jsonl $E/part1/heldout.jsonl  # the report's hop grid reads it; handoff/ stays out

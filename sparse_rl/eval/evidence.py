@@ -198,12 +198,14 @@ def _all(grid: dict | None):
     return None if grid is None else grid.get("all")
 
 
+def _bin_labels(grid: dict) -> list[str]:
+    return [f"{lo:.2f}–{hi:.2f}" for lo, hi in grid["bins"]]
+
+
 def _bins(res: dict) -> list[str]:
-    for p in res["policies"].values():
-        for a in ("dense", "sparse"):
-            if p.get(f"hops_{a}"):
-                return [f"{lo:.2f}–{hi:.2f}" for lo, hi in p[f"hops_{a}"]["bins"]]
-    return []
+    """The depth-bin labels of the run's hop grids (every grid of a report has the same bins)."""
+    grids = [p.get(f"hops_{a}") for p in res["policies"].values() for a in ("dense", "sparse")]
+    return next((_bin_labels(g) for g in grids if g), [])
 
 
 def retrieval_maps(res: dict, dst: str | Path) -> dict[str, str]:
@@ -217,7 +219,7 @@ def retrieval_maps(res: dict, dst: str | Path) -> dict[str, str]:
             continue
         dst.mkdir(parents=True, exist_ok=True)
         name = f"hops_{pol}_sparse_minus_dense.png"
-        difference_map(d["grid"], sp["grid"], [f"hop {j + 1}" for j in range(d["hops"])], _bins(res), dst / name,
+        difference_map(d["grid"], sp["grid"], [f"hop {j + 1}" for j in range(d["hops"])], _bin_labels(d), dst / name,
                        title=f"{_policy(pol)}: hop accuracy, sparse - dense", xlabel="depth of the row in the table",
                        ylabel="hop", name_a="dense", name_b="sparse")
         files[f"{pol}: hop accuracy, sparse - dense"] = name
@@ -265,10 +267,11 @@ def render(res: dict, commands: str, images: dict[str, str] | None = None, img_d
     lines += ["", "## Curves", ""]
     for key, name in (images or {}).items():
         lines.append(f"![{CURVES.get(key, key)}]({img_dir}/{name})")
+    bins = _bins(res)
     lines += ["", "## Retrieval by depth and hop (the look-up task's needle-in-a-haystack grid)", "",
               "Conditional hop accuracy per depth bin of the retrieved row (0 = the table's first row), "
               "all hops together, dense / sparse inference:", "",
-              "| policy | " + " | ".join(_bins(res)) + " |", "|---|" + "---|" * len(_bins(res))]
+              "| policy | " + " | ".join(bins) + " |", "|---|" + "---|" * len(bins)]
     for pol, p in res["policies"].items():
         d, sp = ((p.get(f"hops_{a}") or {}).get("by_depth") or [] for a in ("dense", "sparse"))
         lines.append(f"| {_policy(pol)} | " + " | ".join(f"{_f(x)} / {_f(y)}" for x, y in zip(d, sp)) + " |")
@@ -315,7 +318,7 @@ def spread_lines(runs: list[dict]) -> list[str]:
             vals = [_all(v) if isinstance(v, dict) else v for v in vals]
             got = [v for v in vals if v is not None]
             digits = 4 if key == "mismatch_kl_mean" else 3
-            cells.append("—" if not got else f"{_f(sum(got) / len(got), digits)} ({_f(min(got), digits)}–"
+            cells.append("—" if not got else f"{_f(_mean(got), digits)} ({_f(min(got), digits)}–"
                          f"{_f(max(got), digits)}): " + ", ".join(_f(v, digits) for v in vals))
         lines.append(f"| {MODES[mode]} | " + " | ".join(cells) + " |")
     return lines
