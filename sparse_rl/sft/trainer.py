@@ -21,19 +21,11 @@ from pathlib import Path
 import torch
 
 from sparse_rl.errors import SparseRLError, UsageError
+from sparse_rl.schedule import lr_schedule
 from sparse_rl.sft.config import FIXED_ON_RESUME, SFTConfig
 from sparse_rl.sft.data import IGNORE
 
 ADAPTER_DIR = "adapter"
-
-
-def lr_lambda(cfg: SFTConfig, total: int):
-    def f(step: int) -> float:
-        if cfg.lr_warmup and step < cfg.lr_warmup:
-            return (step + 1) / cfg.lr_warmup
-        prog = (step - cfg.lr_warmup) / max(1, total - cfg.lr_warmup)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, prog)))
-    return f
 
 
 def targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -159,7 +151,7 @@ def run(cfg: SFTConfig, resume: bool = False, force: bool = False, console=None)
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     params = list(named.values())
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, cfg.adam_beta2), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
+    sched = lr_schedule(opt, cfg.lr_warmup, total, cfg.min_lr_ratio)
 
     step, cursor = checkpoint.begin_run(run_dir, ckpt, cfg, named, opt, sched, device, main, say)
 

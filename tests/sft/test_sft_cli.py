@@ -4,6 +4,7 @@ resume after an interruption, a bad record named by its line, LoRA output."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -91,6 +92,10 @@ def test_sft_cli_trains_and_resumes_exactly(tiny_model_dir, tmp_path, monkeypatc
     recs = [json.loads(x) for x in (tmp_path / "a.run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
     assert recs[-1]["loss"] < recs[0]["loss"]
+    # HF's cosine-with-floor schedule (sparse_rl.schedule), no warm-up by default: the peak at step 1,
+    # lr * (0.1 + 0.9 * (1 + cos(pi s / 6)) / 2) at step s + 1
+    want = [1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / 6))) for s in range(6)]
+    assert [r["lr"] for r in recs] == pytest.approx(want, rel=1e-9)
 
     batch = data_mod.Rows.batch
 
@@ -109,6 +114,7 @@ def test_sft_cli_trains_and_resumes_exactly(tiny_model_dir, tmp_path, monkeypatc
     assert res.exit_code == 0, res.output
     resumed = [json.loads(x) for x in (tmp_path / "b.run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in recs]  # the schedule resumes with the optimizer
     wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     w0 = _weights(tiny_model_dir)

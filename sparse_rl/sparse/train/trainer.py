@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from sparse_rl.errors import SparseRLError, UsageError
+from sparse_rl.schedule import lr_schedule
 
 STAGES = ("warmup", "sparse")
 FINETUNE = ("full", "lora")
@@ -116,15 +117,6 @@ class IndexerTrainConfig:
 
 # ---------------------------------------------------------------------------------------------
 # the run
-
-
-def _lr_lambda(cfg: IndexerTrainConfig):
-    def f(step: int) -> float:
-        if cfg.lr_warmup and step < cfg.lr_warmup:
-            return (step + 1) / cfg.lr_warmup
-        prog = (step - cfg.lr_warmup) / max(1, cfg.steps - cfg.lr_warmup)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, prog)))
-    return f
 
 
 def _prepare_run_dir(cfg: IndexerTrainConfig, run_dir: Path, resume: bool, force: bool):
@@ -250,7 +242,7 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
     if model_params:
         groups.append({"params": model_params, "lr": cfg.model_lr})
     opt = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+    sched = lr_schedule(opt, cfg.lr_warmup, cfg.steps, cfg.min_lr_ratio)
     named_trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
 
     step, cursor = checkpoint.begin_run(run_dir, ckpt, cfg, named_trainable, opt, sched, device, main, say)
