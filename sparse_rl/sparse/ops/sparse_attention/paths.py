@@ -29,15 +29,15 @@ NS_BUILD = 0.022  # per selected (query, key), once (not per KV head): the union
 KEY_TILE = 32  # keys per touched tile in the estimate (NS_KEYMAJOR: session 4's "rows" form; the "dt" default since
 # session 8 ran 1.3-1.6x faster on query groups, NOTES.md item 15, so the estimate is conservative for it)
 SAMPLE_TILES = 32
-FWD_PATHS = ("auto", "query", "tile")
+FWD_PATHS = ("auto", "query", "tile", "block")  # "block": shared selections only (blocks.py)
 BWD_PATHS = ("auto", "atomic", "tile")
 
 
 @dataclass
 class Plan:
-    fwd: str  # "query" | "tile"
+    fwd: str  # "query" | "tile" | "block"
     bwd: str  # "atomic" | "tile"
-    dq: str  # "query" | "tile" (with bwd == "tile")
+    dq: str  # "query" | "tile" | "block" (with bwd == "tile")
     estimate_ms: dict
 
 
@@ -72,7 +72,10 @@ def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", b
     if bwd not in BWD_PATHS:
         raise ValueError(f"bwd_path {bwd!r}: expected one of {', '.join(BWD_PATHS)}")
     if shared:
-        return Plan("tile" if fwd == "auto" else fwd, "tile" if bwd == "auto" else bwd, "tile", {})
+        f = "tile" if fwd == "auto" else fwd
+        return Plan(f, "tile" if bwd == "auto" else bwd, "block" if f == "block" else "tile", {})
+    if fwd == "block":
+        raise ValueError("fwd_path 'block' takes a shared selection (query_group > 1)")
     T = indices.shape[1]
     if (fwd != "auto" and bwd != "auto") or T < 2 * BT or not is_cuda:
         # nothing to estimate, too few queries to share keys, or the interpreter (the simple paths)

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.sparse_attention import keymajor, paths, union
+from sparse_rl.sparse.ops.sparse_attention import blocks, keymajor, paths, union
 from sparse_rl.sparse.ops.sparse_attention.naive import shared_to_per_query, sparse_attention_naive
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
@@ -257,6 +257,7 @@ class _Call:
         self.scale, self.group, self.q_offset = scale, query_group, q_offset
         self.fwd_path, self.bwd_path, self.tune = fwd_path, bwd_path, tune or {}
         self.needs_grad = True  # set by the caller: whether a backward can follow this forward
+        self.lists = {}  # the block path's key-tile lists {BLOCK_N: blocks.BlockLists}, forward to backward
 
 
 def _forward(q, k, v, indices, call: _Call, out=None):
@@ -270,9 +271,16 @@ def _forward(q, k, v, indices, call: _Call, out=None):
         bts = min(BT, _pow2_divisor(call.group))
         if call.fwd_path != "query" and bts >= min(BT, 4):
             # the bitmap only serves the key-major backward: not built for a forward without one
-            sel = union.shared_tiles(indices, S, call.group, bts, call.q_offset, bits=call.needs_grad)
             pl = paths.plan(indices, S, H_kv, bts, call.fwd_path, call.bwd_path, shared=True)
-            o, lse = union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
+            if pl.fwd == "block" and not blocks.supported(q):
+                pl = paths.Plan("tile", pl.bwd, "tile", pl.estimate_ms)
+            block = pl.fwd == "block"
+            sel = union.shared_tiles(indices, S, call.group, bts, call.q_offset, bits=call.needs_grad or block)
+            if block:  # the key-tile lists, kept for the backward's dq pass (call.lists {BLOCK_N: lists})
+                o, lse = blocks.block_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"),
+                                          cache=call.lists)
+            else:
+                o, lse = union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
             return o, lse, None, sel, pl
         indices = shared_to_per_query(indices, call.group, q.shape[1], call.q_offset)
     pl = paths.plan(indices, S, H_kv, BT, call.fwd_path, call.bwd_path, is_cuda=q.is_cuda)
@@ -315,7 +323,10 @@ class _SparseAttention(torch.autograd.Function):
         if sel is None:
             sel = union.build_union(per_query, k.shape[1], union.tile_queries(q.shape[2] // k.shape[2]))
         delta = keymajor.bwd_delta(o, do, dlse)
-        if pl.dq == "tile" or per_query is None:
+        if pl.dq == "block":
+            dq = blocks.block_dq(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dq"),
+                                 cache=call.lists)
+        elif pl.dq == "tile" or per_query is None:
             dq = union.tile_dq(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dq"))
         else:
             dq = _query_bwd(q, k, v, per_query, o, lse, do, dlse, call.scale, dkdv=False, tune=call.tune.get("bwd"))[0]
