@@ -49,13 +49,14 @@ def block_rows_case(H, H_kv, group, T, kb, left, q_off=5, D=16, nblk=3, extra=4)
     return g, q, k, v, sh, q_off
 
 
-@pytest.mark.parametrize("H,H_kv,group,T,kb,left,BN", [(8, 2, 16, 45, 16, 7, 16), (7, 1, 8, 37, 8, 0, 16),
-                                                       (4, 4, 32, 70, 32, 5, 32), (8, 2, 16, 40, 1, 3, 16)])
-def test_block_path_matches_reference(H, H_kv, group, T, kb, left, BN):
+@pytest.mark.parametrize("H,H_kv,group,T,kb,left,BN,form", [(8, 2, 16, 45, 16, 7, 16, "dts"), (7, 1, 8, 37, 8, 0, 16, "dts"),
+                                                             (4, 4, 32, 70, 32, 5, 32, "dts"), (8, 2, 16, 40, 1, 3, 16, "dt")])
+def test_block_path_matches_reference(H, H_kv, group, T, kb, left, BN, form):
+    """Forward and dq by the block kernels, dk/dv by the key-major pass ("dts": full pairs unmasked first)."""
     g, q, k, v, sh, q_off = block_rows_case(H, H_kv, group, T, kb, left)
     per = shared_to_per_query(sh, group, T, q_off)
     qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
-    tune = {"fwd": (BN, 4, 1), "dq": (BN, 4, 1)}
+    tune = {"fwd": (BN, 4, 1), "dq": (BN, 4, 1), "dkdv": (BN, 4, 1, form)}
     out, lse = sparse_attention(qs, ks, vs, sh, query_group=group, q_offset=q_off, fwd_path="block", tune=tune)
     go = torch.randn(out.shape, generator=g)
     (out * go).sum().backward()
@@ -103,3 +104,27 @@ def test_block_path_falls_back_on_odd_head_dim():
     out, _ = sparse_attention(q, k, v, sh, query_group=8, q_offset=q_off, fwd_path="block")
     ref, _ = sparse_attention_naive(q, k, v, per)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_key_tile_lists_split_puts_full_pairs_first():
+    """split=True: per key tile, the first nfull entries are exactly its full (query tile) pairs."""
+    from sparse_rl.sparse.ops.sparse_attention import keymajor
+
+    group, T, BN, BT = 16, 61, 16, 8
+    _, q, k, v, sh, q_off = block_rows_case(8, 2, group, T, 16, left=9)
+    S = k.shape[1]
+    sel = union.shared_tiles(sh, S, group, BT, q_off, bits=True)
+    off, lst, nnz, nfull = keymajor.key_tile_lists(sel, T, S, BN, split=True)
+    off0, lst0, _ = keymajor.key_tile_lists(sel, T, S, BN)
+    assert torch.equal(off, off0)
+    NKT = -(-S // BN)
+    for b in range(2):
+        for j in range(NKT):
+            lo, hi, nf = int(off[b * NKT + j]), int(off[b * NKT + j + 1]), int(nfull[b * NKT + j])
+            assert sorted(lst[lo:hi].tolist()) == lst0[lo:hi].tolist()
+            for i, tile in enumerate(lst[lo:hi].tolist()):
+                keys = sh[b, tile * BT // group]
+                keys = set(keys[keys >= 0].tolist())
+                full = all(x in keys for x in range(j * BN, j * BN + BN)) and j * BN + BN - 1 <= tile * BT + q_off
+                assert full == (i < nf)
+    assert int(nfull.sum()) > 0
