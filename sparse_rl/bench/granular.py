@@ -93,7 +93,7 @@ def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int,
                             f"whole block of {kb} after sink {sink}, window {window} and the group of {G}"})
                 continue
             kw = dict(sink=sink, window=window, key_block=kb, query_group=G, block_score="max")
-            akw = {"query_group": G} if G > 1 else {}
+            akw = {"query_group": G, "key_block": kb} if G > 1 else {}
 
             def select():
                 if kb == G == 1:  # token level: the indexer's own top-k (what `layer.select` takes)

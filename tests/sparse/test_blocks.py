@@ -128,3 +128,19 @@ def test_key_tile_lists_split_puts_full_pairs_first():
                 full = all(x in keys for x in range(j * BN, j * BN + BN)) and j * BN + BN - 1 <= tile * BT + q_off
                 assert full == (i < nf)
     assert int(nfull.sum()) > 0
+
+
+@pytest.mark.parametrize("key_block,path", [(16, "block"), (1, "tile")])
+def test_auto_takes_the_block_path_for_key_block_rows(key_block, path):
+    """`auto` with shared rows: the block kernels when the caller says the rows are key blocks >= 16
+    (paths.BLOCK_MIN_KEY_BLOCK), the gather tiles for token rows; both exact."""
+    from unittest import mock
+
+    g, q, k, v, sh, q_off = block_rows_case(8, 2, 16, 40, 16, 0)
+    per = shared_to_per_query(sh, 16, 40, q_off)
+    with mock.patch.object(blocks, "block_fwd", wraps=blocks.block_fwd) as bf, \
+            mock.patch.object(union, "tile_fwd", wraps=union.tile_fwd) as tf:
+        out, _ = sparse_attention(q, k, v, sh, query_group=16, q_offset=q_off, key_block=key_block)
+    assert (bf.call_count, tf.call_count) == ((1, 0) if path == "block" else (0, 1))
+    ref, _ = sparse_attention_naive(q, k, v, per)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -193,11 +193,17 @@ def _check_dims(q):
         raise ValueError(f"block kernels: head dim {q.shape[-1]} must be a power of two >= 16 (unmasked tile loads)")
 
 
-def default_tune(BM: int, cuda: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the block forward; not measured yet (session 9's first call)."""
+def default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the block forward. H200, 32K, trained input (session 9 call 1,
+    NOTES.md item 17), ms: 128-row tiles kb64g64 (32, 4, 3) 2.98, (64, 8, 3) 3.09, (64, 4, 2) 3.16, (64, 4, 3)
+    3.18, (16, 4, 2) 4.07, (128, 8, 3) 5.45, (128, 8, 2) 6.05 (gather tiles 4.27); kb32g32 (32, 4, 3) 3.02,
+    (16, 4, 2) 4.08, 64-key tiles 5.0-6.0 (half of them partial); 64-row tiles kb16g16 (16, 4, 2) 4.25,
+    (32, 4, 3) 4.96, (32, 4, 2) 5.00, (64, 4, 2) 6.00 (gather 4.38). Tiles no wider than the key block."""
     if not cuda:
         return (16, 4, 1)
-    return (64, 4, 3) if BM > 64 else (64, 4, 2)
+    if BM > 64 and key_block >= 32:
+        return (32, 4, 3)
+    return (16, 4, 2)
 
 
 def lists_for(sel: TileSelection, T: int, S: int, BN: int, cache: dict | None = None) -> BlockLists:
@@ -210,13 +216,13 @@ def lists_for(sel: TileSelection, T: int, S: int, BN: int, cache: dict | None = 
 
 
 def block_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tune: tuple | None = None,
-              cache: dict | None = None):
+              cache: dict | None = None, key_block: int = 1):
     """Forward over a shared selection's key tiles: q `[B, T, H, D]` -> out `[B, T, H, D]`, lse `[B, T, H]`
     fp32. sel: `union.shared_tiles(..., bits=True)`. `tune=(BLOCK_N, num_warps, num_stages)`; `cache` {BN:
-    BlockLists} reuses lists between passes."""
+    BlockLists} reuses lists between passes; key_block (the rows' key block) picks the default launch."""
     B, T, H, D, G, BM, BD, NT, _ = _common(q, k, sel)
     S = k.shape[1]
-    BN, warps, stages = tune or default_tune(BM, q.is_cuda)
+    BN, warps, stages = tune or default_tune(BM, q.is_cuda, key_block)
     _check_dims(q)
     bl = lists_for(sel, T, S, BN, cache)
     if out is None:
@@ -286,20 +292,27 @@ def _block_dq_kernel(Q, K, V, BITS, TILES, NFULL, NPART, DO, LSE, DELTA, DQ,
              (dq * scale).to(DQ.dtype.element_ty), mask=rd)
 
 
-def dq_default_tune(BM: int, cuda: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the block dq pass; not measured yet (session 9's first call)."""
+def dq_default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the block dq pass. H200, 32K, trained input (session 9 call 1), ms:
+    128-row tiles kb64g64 (64, 8, 2) 3.17, (32, 4, 2) 3.37, (16, 4, 2) 4.43, (128, 8, 2) 7.50, (64, 4, 2) 8.19
+    (gather tiles 4.73); kb32g32 (32, 4, 2) 3.36, (16, 4, 2) 4.48, (64, 8, 2) 5.05; 64-row tiles kb16g16
+    (16, 4, 2) 4.41, (32, 4, 2) 5.33, (64, 4, 2) 7.20 (gather 4.62)."""
     if not cuda:
         return (16, 4, 1)
-    return (64, 8, 2) if BM > 64 else (64, 4, 2)
+    if BM > 64 and key_block >= 64:
+        return (64, 8, 2)
+    if BM > 64 and key_block >= 32:
+        return (32, 4, 2)
+    return (16, 4, 2)
 
 
 def block_dq(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int, tune: tuple | None = None,
-             cache: dict | None = None):
+             cache: dict | None = None, key_block: int = 1):
     """dq `[B, T, H, D]` (q.dtype) over a shared selection's key tiles; lse/delta `[B, T, H]` fp32 with equal
     strides (keymajor.bwd_delta)."""
     B, T, H, D, G, BM, BD, NT, _ = _common(q, k, sel)
     S = k.shape[1]
-    BN, warps, stages = tune or dq_default_tune(BM, q.is_cuda)
+    BN, warps, stages = tune or dq_default_tune(BM, q.is_cuda, key_block)
     _check_dims(q)
     bl = lists_for(sel, T, S, BN, cache)
     dq = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)

@@ -1,15 +1,17 @@
 """Which kernel path the sparse attention takes: the one place where `auto` is decided.
 
-Paths. Forward: "query" (one program per (query, KV head), `triton._fwd_kernel`) or "tile" (GQA-packed
-query tiles over the union of their selections, `union.tile_fwd`). Backward: "atomic" (the per-query
-kernel: dq stored, dk/dv by fp32 atomics) or "tile" (dq from a query-major pass, per tile or per
-query, and dk/dv from the key-major pass, no atomics).
+Paths. Forward: "query" (one program per (query, KV head), `triton._fwd_kernel`), "tile" (GQA-packed
+query tiles over the union of their selections, `union.tile_fwd`) or, for shared rows only, "block" (the
+tiles over contiguous key tiles, full ones unmasked, `blocks.block_fwd`; its dq pass likewise).
+Backward: "atomic" (the per-query kernel: dq stored, dk/dv by fp32 atomics) or "tile" (dq from a
+query-major pass, per tile, per query or per key tile, and dk/dv from the key-major pass, no atomics).
 
 `auto` estimates each path's time from a sample of query tiles (at most SAMPLE_TILES tiles' bitmaps:
 ~1/30 of a union build at 32K) and a per-unit cost of each kernel: a few numbers, below, measured on
 an H200 (bf16, G = 4, D = 128; benchmarks/NOTES.md) and re-checked by `sparse-rl bench attention`,
 which prints the estimate beside the measured times. Shared selections (`query_group`) take the tile
-path without an estimate: their union is the selection, so nothing is built and nothing is wasted.
+path without an estimate (their union is the selection, so nothing is built), or the block path when
+the caller says the rows are whole key blocks of >= BLOCK_MIN_KEY_BLOCK keys (`key_block`).
 """
 
 from __future__ import annotations
@@ -64,15 +66,21 @@ def sample_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE) -> 
     return pairs, _popcount_sum(bits) / n, touched
 
 
+BLOCK_MIN_KEY_BLOCK = 16  # shared rows of whole key blocks >= this take the block path (blocks.py) under `auto`:
+# H200, 32K, trained input (session 9, NOTES.md item 17): forward / dq vs the gather tiles 1.43x / 1.49x at kb64g64,
+# 1.41x / 1.41x at kb32g32, 1.03x / 1.05x at kb16g16, but 0.60-0.66x on token rows (g16, g64: partial tiles)
+
+
 def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", bwd: str = "auto",
-         shared: bool = False, is_cuda: bool = True) -> Plan:
-    """Resolve `auto` paths for one call. indices `[B, T, K]` per query (or shared rows when `shared`)."""
+         shared: bool = False, is_cuda: bool = True, key_block: int = 1) -> Plan:
+    """Resolve `auto` paths for one call. indices `[B, T, K]` per query (or shared rows when `shared`);
+    key_block: the rows' key block (a hint from the selection's config; 1 = token rows)."""
     if fwd not in FWD_PATHS:
         raise ValueError(f"fwd_path {fwd!r}: expected one of {', '.join(FWD_PATHS)}")
     if bwd not in BWD_PATHS:
         raise ValueError(f"bwd_path {bwd!r}: expected one of {', '.join(BWD_PATHS)}")
     if shared:
-        f = "tile" if fwd == "auto" else fwd
+        f = ("block" if key_block >= BLOCK_MIN_KEY_BLOCK else "tile") if fwd == "auto" else fwd
         return Plan(f, "tile" if bwd == "auto" else bwd, "block" if f == "block" else "tile", {})
     if fwd == "block":
         raise ValueError("fwd_path 'block' takes a shared selection (query_group > 1)")
