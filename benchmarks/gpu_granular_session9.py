@@ -18,7 +18,10 @@ Phases, each gated on the time LEFT of --budget, partial JSON after each:
 5. end to end (`bench.granular.granular_rows`: selection + attention, fwd+bwd) with the block path as the
    shared-rows default, 32K then 128K;
 6. the recall / renormalised-attention KL of each granularity against the trained indexer's teacher.
-Writes $OUT/gran9/granular9.{json,log} and prints a short summary.
+Call 2 (`--call 2`): call 1's fastest forward / dq launches only, dk/dv forms ("dt" vs "dts": full pairs
+unmasked) and tile widths proven and timed, `auto` as committed (key_block decides the block path), the
+granularity cost at 4K and 32K, paths.py's per-unit costs measured on token rows, end to end, Flex last.
+Writes $OUT/gran9/granular9.{json,log} (call 2: granular9-call2.*) and prints a short summary.
 """
 
 from __future__ import annotations
@@ -43,6 +46,15 @@ FWD = {64: [(16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 8,
        128: [(64, 4, 3), (64, 8, 3), (128, 8, 3), (64, 4, 2), (32, 4, 3), (128, 8, 2), (16, 4, 2)]}
 DQ = {64: [(16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2)],
       128: [(64, 8, 2), (64, 4, 2), (32, 4, 2), (128, 8, 2), (16, 4, 2), (64, 4, 3)]}
+# call 2: dk/dv (BLOCK_N, warps, stages, form); the first of each list is session 8's default
+DKDV = {64: [(32, 4, 3, "dt"), (32, 4, 3, "dts"), (16, 4, 2, "dts"), (16, 4, 2, "dt")],
+        128: [(64, 8, 2, "dt"), (64, 8, 2, "dts"), (32, 8, 2, "dts"), (32, 8, 2, "dt"), (64, 8, 3, "dts")]}
+
+
+def set_call2(fwd: dict, dq: dict) -> None:
+    """Call 2 times only call 1's fastest forward / dq launches (written here after call 1)."""
+    FWD.update(fwd)
+    DQ.update(dq)
 
 
 def rows_for(spec: str) -> int:
@@ -69,9 +81,13 @@ def parse_args(argv=None):
     ap.add_argument("--rep-ms", type=int, default=25)
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--cost-queries", type=int, default=512)
+    ap.add_argument("--call", type=int, default=1, help="2: dk/dv forms, the paths.py calibration, fewer fwd/dq launches")
     ap.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prove-dir", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.call == 2:  # call 1's fastest forward / dq launches only (session 9 call 1, NOTES.md item 17); here so
+        # that the children's proof items are the parent's
+        set_call2({128: [(32, 4, 3), (64, 8, 3)], 64: [(16, 4, 2)]}, {128: [(64, 8, 2), (32, 4, 2)], 64: [(16, 4, 2)]})
     if a.cpu_smoke:
         a.seqlen, a.seqlens, a.shape, a.index, a.check_T, a.check_topk = 256, [256], [1, 8, 2, 16, 192], [2, 16], 128, 64
         a.train_steps, a.rep_ms, a.window, a.jobs, a.cost_queries = 3, 1, 16, min(a.jobs, 2), 32
@@ -97,9 +113,14 @@ def rows_like(NG: int, G: int, S: int, K: int, kb: int, sink: int, window: int, 
     return torch.where(idx == S, -1, idx).to(torch.int32)[None]
 
 
-def prove_items() -> list[dict]:
-    """Each block fwd launch paired with a dq launch (cycled), per tile height, on block rows and token rows."""
+def prove_items(call: int = 1) -> list[dict]:
+    """Each block fwd launch paired with a dq launch (cycled), per tile height, on block rows and token rows;
+    call 2: each dk/dv launch too (with the first fwd / dq launch)."""
     items = []
+    if call == 2:
+        for spec, BM in (("kb64g64", 128), ("kb16g16", 64)):
+            items += [{"spec": spec, "fwd_tune": list(FWD[BM][0]), "dq_tune": list(DQ[BM][0]), "dkdv_tune": list(t)}
+                      for t in DKDV[BM]]
     for spec, BM in (("kb64g64", 128), ("kb16g16", 64)):
         f, d = FWD[BM], DQ[BM]
         for i in range(max(len(f), len(d))):
@@ -141,7 +162,7 @@ def prove(a, dev, part: str) -> None:
 
     head, _, ids = part.partition(":")
     i, n = (int(x) for x in head.split("/"))
-    items = prove_items()
+    items = prove_items(a.call)
     items = [items[int(x)] for x in ids.split(",")] if ids else items[i::n]
     if a.cpu_smoke:
         items = items[:2]
@@ -156,7 +177,10 @@ def prove(a, dev, part: str) -> None:
         kb, G = parse_granularity(it["spec"])
         rows = rows_like(-(-T // G), G, T, a.check_topk, kb, a.sink, a.window, gen, dev)
         r = dict(it)
-        r.update(grad_check(q, k, v, rows, G, go, {"fwd": tuple(it["fwd_tune"]), "dq": tuple(it["dq_tune"])}))
+        tune = {"fwd": tuple(it["fwd_tune"]), "dq": tuple(it["dq_tune"])}
+        if "dkdv_tune" in it:
+            tune["dkdv"] = tuple(it["dkdv_tune"])
+        r.update(grad_check(q, k, v, rows, G, go, tune))
         if dev.type == "cuda":
             torch.cuda.synchronize()
         with open(path, "a") as f:
@@ -177,20 +201,23 @@ def proven(a, run: Run, timeout_s: float) -> dict:
                 r = json.loads(line)
                 done[r["id"]] = r
     shutil.rmtree(a.prove_dir, ignore_errors=True)
-    info["not_run"] = [it for it in prove_items() if it["id"] not in done]
+    info["not_run"] = [it for it in prove_items(a.call) if it["id"] not in done]
     run.res["prove"] = info
     return done
 
 
 def safe_lists(done: dict) -> dict:
     """Launches proven ok (by any item that ran them), per pass and tile height."""
-    ok_f, ok_d = set(), set()
+    ok_f, ok_d, ok_k = set(), set(), set()
     for r in done.values():
         if r.get("ok"):
             ok_f.add((rows_for(r["spec"]), tuple(r["fwd_tune"])))
             ok_d.add((rows_for(r["spec"]), tuple(r["dq_tune"])))
+            if "dkdv_tune" in r:
+                ok_k.add((rows_for(r["spec"]), tuple(r["dkdv_tune"])))
     return {("fwd", BM): [t for t in FWD[BM] if (BM, t) in ok_f] for BM in (64, 128)} | \
-        {("dq", BM): [t for t in DQ[BM] if (BM, t) in ok_d] for BM in (64, 128)}
+        {("dq", BM): [t for t in DQ[BM] if (BM, t) in ok_d] for BM in (64, 128)} | \
+        {("dkdv", BM): [t for t in DKDV[BM] if (BM, t) in ok_k] for BM in (64, 128)}
 
 
 def spec_parts(a, dev, run: Run, spec: str, q, k, v, rows, pairs: int, grad, W: dict, safe: dict) -> dict:
@@ -246,6 +273,26 @@ def spec_parts(a, dev, run: Run, spec: str, q, k, v, rows, pairs: int, grad, W: 
         res["dkdv_ms"] = bench_ms(lambda: keymajor.key_major_dkdv(q, k, v, sel, do, lse, delta, scale, prec), dev, **W)
         res["dkdv_touched_pairs"] = keymajor.key_tile_lists(sel, L, L, keymajor.default_tune(BM, True)[0])[2]
         log(f"{spec} dkdv default: {res['dkdv_ms']:.3f} ms")
+    res["dkdv"] = []
+    base = None
+    for tune in safe.get(("dkdv", BM), []):
+        if not run.gate(25, f"{spec} dkdv {tune}"):
+            break
+        got = keymajor.key_major_dkdv(q, k, v, sel, do, lse, delta, scale, prec, tune=tune)
+        base = base if base is not None else got
+        ms = bench_ms(lambda: keymajor.key_major_dkdv(q, k, v, sel, do, lse, delta, scale, prec, tune=tune), dev, **W)
+        lists = keymajor.key_tile_lists(sel, L, L, tune[0], split=tune[3] == "dts")
+        lms = bench_ms(lambda: keymajor.key_tile_lists(sel, L, L, tune[0], split=tune[3] == "dts"), dev, **W)
+        r = {"tune": list(tune), "ms": ms, "lists_ms": lms, "touched_pairs": lists[2],
+             "full_pairs": int(lists[3].sum()) if len(lists) > 3 else None,
+             "dk_vs_first": rel_err(got[0], base[0]), "dv_vs_first": rel_err(got[1], base[1]),
+             "mma_tflops_touched": 8.0 * lists[2] * Hkv * tune[0] * BM * D / max(1e-6, ms - lms) / 1e9,
+             "tflops_selected": 2.0 * fwd_flop / max(1e-6, ms - lms) / 1e9}
+        res["dkdv"].append(r)
+        log(f"{spec} dkdv {tune}: {ms:.3f} ms (lists {lms:.3f}), touched {lists[2]} full {r['full_pairs']}")
+        del got
+    good_k = [r for r in res["dkdv"] if max(r["dk_vs_first"], r["dv_vs_first"]) < 1e-2]
+    res["best_dkdv"] = min(good_k, key=lambda r: r["ms"])["tune"] if good_k else None
     good_f = [r for r in res["fwd"] if r["vs_tile_out"] < 1e-2]
     good_d = [r for r in res["dq"] if r["vs_tile_dq"] < 2e-2]
     res["best_fwd"] = min(good_f, key=lambda r: r["kernel_ms"])["tune"] if good_f else None
@@ -254,7 +301,8 @@ def spec_parts(a, dev, run: Run, spec: str, q, k, v, rows, pairs: int, grad, W: 
     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
     for name, path, tune in (("tile", "tile", None),
                              ("block", "block", {"fwd": tuple(res["best_fwd"] or FWD[BM][0]),
-                                                 "dq": tuple(res["best_dq"] or DQ[BM][0])})):
+                                                 "dq": tuple(res["best_dq"] or DQ[BM][0]),
+                                                 **({"dkdv": tuple(res["best_dkdv"])} if res.get("best_dkdv") else {})})):
         if not run.gate(22, f"{spec} fwd+bwd {name}"):
             break
         fn = lambda: sparse_attention(qg, kg, vg, rows, query_group=G, fwd_path=path, tune=tune)[0].backward(grad)  # noqa: E731
@@ -315,22 +363,66 @@ def flex_block(a, dev, run: Run, W: dict, best: dict) -> dict:
     return res
 
 
-def patch_block_default(best: dict):
-    """Shared rows take the block path with the fastest proven launches in this process (what the commit after
-    the run makes the default where it measured faster), so the end-to-end rows time it."""
-    from sparse_rl.sparse.ops.sparse_attention import blocks, paths
+def calibrate(a, dev, run: Run, W: dict, q, k, v, grad, index) -> dict:
+    """paths.py's per-unit costs from this run: token-level per-query rows (the trained indexer's top-k) through
+    each kernel `auto` chooses between, ns per unit and KV head (the units of paths.plan's estimate)."""
+    from sparse_rl.bench.timing import bench_ms
+    from sparse_rl.sparse.ops import indexer_topk
+    from sparse_rl.sparse.ops.sparse_attention import keymajor, paths, union
+    from sparse_rl.sparse.ops.sparse_attention import triton as sat
+    from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
-    plan0 = paths.plan
+    B, H, Hkv, D, K = a.shape
+    L = q.shape[1]
+    scale, prec = 1 / math.sqrt(D), dot_precision(q.dtype)
+    idx = indexer_topk(*index, K, sink=a.sink, window=a.window, backend="triton")
+    BT = union.tile_queries(H // Hkv)
+    pairs = int((idx >= 0).sum())
+    res = {"pairs": pairs, "tile_queries": BT}
+    res["sample_pairs_ukeys_touched"] = list(paths.sample_stats(idx, L, BT))
+    res["build_ms"] = bench_ms(lambda: union.build_union(idx, L, BT), dev, **W)
+    sel = union.build_union(idx, L, BT)
+    res["union_keys"] = sel.union_size()
+    o, lse = union.tile_fwd(q, k, v, sel, scale, prec)
+    res["tile_fwd_ms"] = bench_ms(lambda: union.tile_fwd(q, k, v, sel, scale, prec), dev, **W)
+    res["query_fwd_ms"] = bench_ms(lambda: sat._fwd(q, k, v, idx, scale), dev, **W)
+    run.save()
+    dlse = torch.zeros_like(lse)
+    delta = keymajor.bwd_delta(o, grad, dlse)
+    res["tile_dq_ms"] = bench_ms(lambda: union.tile_dq(q, k, v, sel, grad, lse, delta, scale, prec), dev, **W)
+    if run.gate(25, "calibrate query dq"):
+        res["query_dq_ms"] = bench_ms(lambda: sat._query_bwd(q, k, v, idx, o, lse, grad, dlse, scale, dkdv=False), dev, **W)
+    for tune in ((32, 8, 2, "dt"), keymajor.default_tune(128, True)):
+        if not run.gate(20, f"calibrate dkdv {tune}"):
+            break
+        ms = bench_ms(lambda: keymajor.key_major_dkdv(q, k, v, sel, grad, lse, delta, scale, prec, tune=tune), dev, **W)
+        res.setdefault("dkdv", []).append({"tune": list(tune), "ms": ms, "touched": keymajor.key_tile_lists(sel, L, L, tune[0])[2]})
+    u = Hkv * 1e-6  # ms -> ns per unit and KV head
+    ns = {"NS_BUILD": res["build_ms"] / (pairs * 1e-6), "NS_TILE_FWD": res["tile_fwd_ms"] / (res["union_keys"] * u),
+          "NS_QUERY_FWD": res["query_fwd_ms"] / (pairs * u), "NS_TILE_DQ": res["tile_dq_ms"] / (res["union_keys"] * u)}
+    if "query_dq_ms" in res:
+        ns["NS_QUERY_DQ"] = res["query_dq_ms"] / (pairs * u)
+    for r in res.get("dkdv", []):
+        ns[f"NS_KEYMAJOR_{r['tune'][0]}"] = r["ms"] / (r["touched"] * u)
+    res["ns_per_unit"] = ns
+    log(f"calibration: {ns}")
+    return res
 
-    def plan(indices, S, H_kv, BT, fwd="auto", bwd="auto", shared=False, is_cuda=True):
-        return plan0(indices, S, H_kv, BT, "block" if shared and fwd == "auto" else fwd, bwd, shared, is_cuda)
 
-    paths.plan = plan
-    f0, d0 = blocks.default_tune, blocks.dq_default_tune
-    blocks.default_tune = lambda BM, cuda: tuple(best[("fwd", 64 if BM <= 64 else 128)]) if cuda and best.get(
-        ("fwd", 64 if BM <= 64 else 128)) else f0(BM, cuda)
-    blocks.dq_default_tune = lambda BM, cuda: tuple(best[("dq", 64 if BM <= 64 else 128)]) if cuda and best.get(
-        ("dq", 64 if BM <= 64 else 128)) else d0(BM, cuda)
+def patch_block_default(best: dict, call: int):
+    """Call 1: shared rows took the block path with the fastest proven launches in this process (so the
+    end-to-end rows timed it, token rows too). Call 2: `auto` and the launch defaults are the committed ones
+    (key_block decides); only the fastest proven dk/dv launch for key-block rows (key_block >= 16) is patched
+    in, the value the commit after the run writes into keymajor.default_tune."""
+    from sparse_rl.sparse.ops.sparse_attention import keymajor
+
+    k0 = keymajor.default_tune
+
+    def dk(BM, cuda, key_block=1):
+        b = best.get(("dkdv", 64 if BM <= 64 else 128))
+        return tuple(b) if cuda and b and key_block >= 16 else k0(BM, cuda, key_block)
+
+    keymajor.default_tune = dk
 
 
 def main(argv=None):
@@ -350,7 +442,7 @@ def main(argv=None):
 
     if dev.type == "cuda":
         torch.zeros(1, device=dev)
-    run = Run(a.out, "granular9.json", a.budget, {"device": device_name(dev), "torch": torch.__version__,
+    run = Run(a.out, "granular9.json" if a.call == 1 else "granular9-call2.json", a.budget, {"device": device_name(dev), "torch": torch.__version__,
                                                   "triton": triton.__version__, "commit": a.commit, "args": vars(a)})
     res = run.res
     box = {}
@@ -392,29 +484,35 @@ def main(argv=None):
     log(f"dense {dn}")
     run.save()
     res["parts"], best = {}, {}
-    for spec in SPECS:
+    for spec in (SPECS if a.call == 1 else SPECS[:3]):
         BM = rows_for(spec)
         if not safe[("fwd", BM)] or not run.gate(50, f"{spec} parts"):
             continue
         p = run.guarded(f"{spec} parts", spec_parts, a, dev, run, spec, q, k, v, rows[spec], pairs[spec], grad, W, safe)
         if p:
             res["parts"][spec] = p
-            for x in ("fwd", "dq"):
+            for x in ("fwd", "dq", "dkdv"):
                 if p.get(f"best_{x}") and (x, BM) not in best:
                     best[(x, BM)] = p[f"best_{x}"]
         run.save()
     res["best"] = {f"{x}-{bm}": t for (x, bm), t in best.items()}
-    if run.gate(45, "block pattern vs flex"):
+    if a.call == 1 and run.gate(45, "block pattern vs flex"):
         cand = [t for t in safe[("fwd", 128)] if t[0] >= 64][:3]
         res["flex_block"] = run.guarded("flex block", flex_block, a, dev, run, W, cand)
         run.save()
-    if run.gate(20, "granularity cost"):
-        res["cost"] = run.guarded("cost", granularity_cost, ix, teacher, L, ["kb1"] + SPECS, K, a.sink, a.window, dev,
-                                  gen, a.cost_queries)
-        for r in res["cost"] or []:
-            log(str(r))
+    res["cost"] = []
+    for Lc in ([L] if a.call == 1 else [min(4096, L), L]):
+        if run.gate(20, f"granularity cost L={Lc}"):
+            got = run.guarded("cost", granularity_cost, ix, teacher, Lc, ["kb1"] + SPECS, K, a.sink, a.window, dev,
+                              gen, min(a.cost_queries, Lc // 2))
+            for r in got or []:
+                log(str(r))
+                res["cost"].append(r)
+            run.save()
+    if a.call == 2 and run.gate(45, "calibration"):
+        res["calibration"] = run.guarded("calibration", calibrate, a, dev, run, W, q, k, v, grad, index)
         run.save()
-    patch_block_default(best)
+    patch_block_default(best, a.call)
     res["rows"] = []
     for li, Ln in enumerate(a.seqlens):
         if not run.gate(30, f"end to end L={Ln}"):
@@ -428,7 +526,8 @@ def main(argv=None):
             if dn is None:
                 continue
             res["dense"][str(Ln)] = dn
-        specs = SPECS if li == 0 else ["kb64g64", "g64", "kb16g16"]
+        specs = SPECS if li == 0 else (["kb64g64", "g64", "kb16g16"] if a.call == 1 else
+                                       ["kb64g64", "kb32g32", "kb16g16", "g64"])
         for spec in specs:
             if not run.gate(15, f"L={Ln} {spec}"):
                 continue
@@ -439,6 +538,8 @@ def main(argv=None):
                 log(", ".join(f"{x}={y:.4g}" if isinstance(y, float) else f"{x}={y}" for x, y in r.items()))
                 res["rows"].append(r)
             run.save()
+    if a.call == 2 and run.gate(25, "block pattern vs flex"):
+        res["flex_block"] = run.guarded("flex block", flex_block, a, dev, run, W, [(32, 4, 3), (128, 8, 3)])
     run.save()
     summary(res)
 
@@ -452,6 +553,9 @@ def summary(res: dict) -> None:
             for r in p[x]:
                 print(f"  block {x} {r['tune']}: {r['kernel_ms']:.3f} ms ({r['speedup_vs_tile']:.2f}x tile, "
                       f"{r['tflops_selected']:.0f} TF/s)")
+        for r in p.get("dkdv", []):
+            print(f"  dkdv {r['tune']}: {r['ms']:.3f} ms (lists {r['lists_ms']:.3f}), touched {r['touched_pairs']} "
+                  f"full {r['full_pairs']}, {r['mma_tflops_touched']:.0f} TF/s touched")
         for name, r in p.get("fwdbwd", {}).items():
             print(f"  fwd+bwd {name}: {r['ms']:.2f} ms")
     fb = res.get("flex_block") or {}

@@ -222,23 +222,36 @@ def granularity_cost(ix, teacher: dict, L: int, specs: list[str], topk: int, sin
     selection (`ops.granular_topk`; kb1: the indexer's token top-k) of the trained indexer `ix`, scored on
     the last n queries against the teacher's causal attention (`patterns.teacher_probs`): recall = the
     teacher mass on the selected keys (mean, p10), and -log(recall), the KL from the attention renormalised
-    on the selection to the full one (mean); beside them the oracle's (the teacher's own top-k per query)."""
+    on the selection to the full one (mean); beside them the oracle's (the teacher's own top-k per query).
+    Since the indexer itself may miss the teacher, each row also says what the granularity costs against the
+    token-level selection of the same indexer: index_mass, the indexer's own softmax mass on the selection,
+    and kb1_kept, the share of the token-level top-k's keys the selection keeps."""
     import torch
 
     from sparse_rl.bench import patterns
-    from sparse_rl.sparse.ops import granular_topk, indexer_topk, shared_to_per_query
+    from sparse_rl.sparse.ops import granular_topk, indexer_scores, indexer_topk, shared_to_per_query
 
     x = patterns.synthetic_hidden(L, 128, dev, generator)
     qi, wi, ki = patterns.trained_index(ix, L, dev, generator, hidden=x)
     p = patterns.teacher_probs(teacher, x, L - n)[0]  # [n, L]
+    pi = torch.softmax(indexer_scores(qi[:, L - n:].float(), wi[:, L - n:].float(), ki.float(), q_offset=L - n)[0], -1)
+    tok = indexer_topk(qi, wi, ki, topk, sink=sink, window=window, backend="triton")[0, L - n:].long()
+    tok_set = torch.zeros(n, L, dtype=torch.bool, device=dev)
+    tok_set.scatter_(1, tok.clamp(min=0), tok >= 0)
     out = []
+
+    def mass_on(dist, idx, ok):
+        return torch.where(ok, dist.gather(1, idx.clamp(min=0)), 0.0).sum(-1).clamp(max=1.0)
 
     def scored(name: str, per) -> dict:
         idx = per[0, L - n:].long()
         ok = idx >= 0
-        mass = torch.where(ok, p.gather(1, idx.clamp(min=0)), 0.0).sum(-1).clamp(max=1.0)
+        mass = mass_on(p, idx, ok)
+        kept = torch.where(ok, tok_set.gather(1, idx.clamp(min=0)), False).sum(-1).double()
         return {"seqlen": L, "granularity": name, "queries": n, "recall_mean": float(mass.mean()),
                 "recall_p10": float(mass.quantile(0.1)), "kl_renorm_mean": float((-mass.clamp(min=1e-30).log()).mean()),
+                "index_mass_mean": float(mass_on(pi, idx, ok).mean()),
+                "kb1_kept": float(kept.sum() / (tok >= 0).sum().clamp(min=1)),
                 "keys_mean": float(ok.sum(-1).double().mean())}
 
     for spec in specs:

@@ -192,23 +192,25 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, BITS, PREF, QMASK, OFF, LIST, NFULL, D
     tl.store(DV + base, dv.to(DV.dtype.element_ty), mask=m)
 
 
-def default_tune(BM: int, cuda: bool) -> tuple[int, int, int, str]:
+def default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple[int, int, int, str]:
     """(BLOCK_N, num_warps, num_stages, form). H200, 32K, query groups on the trained-indexer pattern, dk/dv
     pass alone (session 8, NOTES.md item 15): 64-row tiles "dt" (32, 4, 3) 16.9 ms, (32, 4, 2) 16.9,
     (16, 4, 2) 21.8, (64, 4, 2) 23.2, (64, 8, 2) 29.2, (32, 8, 2) 30.7, "rows" (32, 4, 2) 21.6; 128-row
     tiles "dt" (64, 8, 2) 15.7, (32, 8, 2) 17.0, (32, 4, 2) 17.8, (16, 8, 2) 23.4, "rows" (32, 4, 2) 24.9."""
     if not cuda:
         return (32, 4, 1, "dt")
-    return (32, 4, 3, "dt") if BM <= 64 else (64, 8, 2, "dt")
+    return (32, 4, 3, "dt") if BM <= 64 else (64, 8, 2, "dt")  # key_block: not yet a factor (session 9 call 2)
 
 
-def key_major_dkdv(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int, tune: tuple | None = None):
+def key_major_dkdv(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int, tune: tuple | None = None,
+                   key_block: int = 1):
     """dk, dv `[B, S, H_kv, D]` in k's dtype, one write per element (no atomics). lse/delta `[B, T, H]`
     fp32 with equal strides. `tune=(BLOCK_N, num_warps, num_stages[, form])` overrides the launch config
-    (BLOCK_N in 16/32/64/128; form "rows" | "dt" | "dts", module doc)."""
+    (BLOCK_N in 16/32/64/128; form "rows" | "dt" | "dts", module doc); key_block (shared rows' key block)
+    picks the default."""
     B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
     S, H_kv = k.shape[1], k.shape[2]
-    BN, warps, stages, form = (*(tune or default_tune(BM, q.is_cuda)), "rows")[:4]
+    BN, warps, stages, form = (*(tune or default_tune(BM, q.is_cuda, key_block)), "rows")[:4]
     if form not in FORMS or BN not in (16, 32, 64, 128):
         raise ValueError(f"key_major_dkdv: form {form!r} (one of {FORMS}), BLOCK_N {BN} (16/32/64/128)")
     if form == "dts" and not sel.shared:

@@ -330,7 +330,8 @@ class _SparseAttention(torch.autograd.Function):
             dq = union.tile_dq(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dq"))
         else:
             dq = _query_bwd(q, k, v, per_query, o, lse, do, dlse, call.scale, dkdv=False, tune=call.tune.get("bwd"))[0]
-        dk, dv = keymajor.key_major_dkdv(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dkdv"))
+        dk, dv = keymajor.key_major_dkdv(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dkdv"),
+                                         key_block=call.key_block if sel.shared else 1)
         return dq, dk, dv, None, None
 
 
