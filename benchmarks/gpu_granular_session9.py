@@ -87,10 +87,7 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     if a.call == 2:  # call 1's fastest forward / dq launches only (session 9 call 1, NOTES.md item 17); here so
         # that the children's proof items are the parent's
-        set_call2({128: [(32, 4, 3), (32, 4, 3, "diag"), (32, 8, 3), (32, 8, 3, "diag"), (64, 8, 3, "diag")],
-                   64: [(16, 4, 2), (16, 4, 2, "diag")]},
-                  {128: [(64, 8, 2), (64, 8, 2, "diag"), (32, 4, 2), (32, 8, 2), (32, 8, 2, "diag")],
-                   64: [(16, 4, 2), (16, 4, 2, "diag")]})
+        set_call2({128: [(32, 4, 3), (64, 8, 3)], 64: [(16, 4, 2)]}, {128: [(64, 8, 2), (32, 4, 2)], 64: [(16, 4, 2)]})
     if a.cpu_smoke:
         a.seqlen, a.seqlens, a.shape, a.index, a.check_T, a.check_topk = 256, [256], [1, 8, 2, 16, 192], [2, 16], 128, 64
         a.train_steps, a.rep_ms, a.window, a.jobs, a.cost_queries = 3, 1, 16, min(a.jobs, 2), 32
@@ -128,10 +125,6 @@ def prove_items(call: int = 1) -> list[dict]:
         f, d = FWD[BM], DQ[BM]
         for i in range(max(len(f), len(d))):
             items.append({"spec": spec, "fwd_tune": list(f[i % len(f)]), "dq_tune": list(d[i % len(d)])})
-    if call == 2:  # the "diag" forms on token rows (mostly partial tiles)
-        items += [{"spec": "g64", "fwd_tune": [32, 4, 3, "diag"], "dq_tune": [64, 8, 2, "diag"]},
-                  {"spec": "g16", "fwd_tune": [16, 4, 2, "diag"], "dq_tune": [16, 4, 2, "diag"]},
-                  {"spec": "g64", "fwd_tune": [32, 8, 3, "diag"], "dq_tune": [32, 8, 2, "diag"]}]
     items += [{"spec": "g16", "fwd_tune": list(FWD[64][0]), "dq_tune": list(DQ[64][0])},
               {"spec": "g64", "fwd_tune": list(FWD[128][0]), "dq_tune": list(DQ[128][0])},
               {"spec": "kb32g32", "fwd_tune": list(FWD[128][0]), "dq_tune": list(DQ[128][0])},
@@ -491,7 +484,7 @@ def main(argv=None):
     log(f"dense {dn}")
     run.save()
     res["parts"], best = {}, {}
-    for spec in (SPECS if a.call == 1 else SPECS[:4]):
+    for spec in (SPECS if a.call == 1 else SPECS[:3]):
         BM = rows_for(spec)
         if not safe[("fwd", BM)] or not run.gate(50, f"{spec} parts"):
             continue
@@ -516,8 +509,10 @@ def main(argv=None):
                 log(str(r))
                 res["cost"].append(r)
             run.save()
+    if a.call == 2 and run.gate(45, "calibration"):
+        res["calibration"] = run.guarded("calibration", calibrate, a, dev, run, W, q, k, v, grad, index)
+        run.save()
     patch_block_default(best, a.call)
-    q32 = (q, k, v, grad, index)
     res["rows"] = []
     for li, Ln in enumerate(a.seqlens):
         if not run.gate(30, f"end to end L={Ln}"):
@@ -543,10 +538,6 @@ def main(argv=None):
                 log(", ".join(f"{x}={y:.4g}" if isinstance(y, float) else f"{x}={y}" for x, y in r.items()))
                 res["rows"].append(r)
             run.save()
-    if a.call == 2 and run.gate(35, "calibration"):  # on the 32K inputs (kept: 1.5 GB)
-        del q, k, v, grad, index
-        res["calibration"] = run.guarded("calibration", calibrate, a, dev, run, W, *q32)
-        run.save()
     if a.call == 2 and run.gate(25, "block pattern vs flex"):
         res["flex_block"] = run.guarded("flex block", flex_block, a, dev, run, W, [(32, 4, 3), (128, 8, 3)])
     run.save()

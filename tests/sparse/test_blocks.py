@@ -49,16 +49,14 @@ def block_rows_case(H, H_kv, group, T, kb, left, q_off=5, D=16, nblk=3, extra=4)
     return g, q, k, v, sh, q_off
 
 
-@pytest.mark.parametrize("H,H_kv,group,T,kb,left,BN,form,bform", [
-    (8, 2, 16, 45, 16, 7, 16, "dts", "split"), (7, 1, 8, 37, 8, 0, 16, "dts", "diag"),
-    (4, 4, 32, 70, 32, 5, 32, "dts", "diag"), (8, 2, 16, 40, 1, 3, 16, "dt", "diag"), (8, 2, 32, 77, 4, 2, 16, "dt", "split")])
-def test_block_path_matches_reference(H, H_kv, group, T, kb, left, BN, form, bform):
-    """Forward and dq by the block kernels (form `bform`), dk/dv by the key-major pass ("dts": full pairs
-    unmasked first)."""
+@pytest.mark.parametrize("H,H_kv,group,T,kb,left,BN,form", [(8, 2, 16, 45, 16, 7, 16, "dts"), (7, 1, 8, 37, 8, 0, 16, "dts"),
+                                                             (4, 4, 32, 70, 32, 5, 32, "dts"), (8, 2, 16, 40, 1, 3, 16, "dt")])
+def test_block_path_matches_reference(H, H_kv, group, T, kb, left, BN, form):
+    """Forward and dq by the block kernels, dk/dv by the key-major pass ("dts": full pairs unmasked first)."""
     g, q, k, v, sh, q_off = block_rows_case(H, H_kv, group, T, kb, left)
     per = shared_to_per_query(sh, group, T, q_off)
     qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
-    tune = {"fwd": (BN, 4, 1, bform), "dq": (BN, 4, 1, bform), "dkdv": (BN, 4, 1, form)}
+    tune = {"fwd": (BN, 4, 1), "dq": (BN, 4, 1), "dkdv": (BN, 4, 1, form)}
     out, lse = sparse_attention(qs, ks, vs, sh, query_group=group, q_offset=q_off, fwd_path="block", tune=tune)
     go = torch.randn(out.shape, generator=g)
     (out * go).sum().backward()
@@ -73,16 +71,15 @@ def test_block_path_matches_reference(H, H_kv, group, T, kb, left, BN, form, bfo
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("BN,diag", [(16, False), (32, False), (16, True)])
-def test_block_lists_split_full_and_partial(BN, diag):
-    """Each group's list holds exactly the key tiles with a key its last query sees (diag: only those wholly at
-    or before its first query); a tile is full iff all BN keys are selected and none lies after the group's
-    first query."""
+@pytest.mark.parametrize("BN", [16, 32])
+def test_block_lists_split_full_and_partial(BN):
+    """Each group's list holds exactly the key tiles with a key its last query sees; a tile is full iff all BN
+    keys are selected and none lies after the group's first query."""
     group, T, kb = 16, 61, 16
     _, q, k, v, sh, q_off = block_rows_case(8, 2, group, T, kb, left=9)
     S = k.shape[1]
     sel = union.shared_tiles(sh, S, group, 8, q_off, bits=True)
-    bl = blocks.block_lists(sel, T, S, BN, diag)
+    bl = blocks.block_lists(sel, T, S, BN)
     W = bl.tiles.shape[2]
     n_full = 0
     for b in range(2):
@@ -91,7 +88,7 @@ def test_block_lists_split_full_and_partial(BN, diag):
             first, last = r * group + q_off, min(r * group + group - 1, T - 1) + q_off
             cnt = torch.bincount(keys // BN, minlength=-(-S // BN))
             tiles = torch.arange(cnt.numel())
-            live = (cnt > 0) & (tiles * BN <= last) & ((tiles * BN + BN - 1 <= first) | (not diag))
+            live = (cnt > 0) & (tiles * BN <= last)
             full = live & (cnt == BN) & (tiles * BN + BN - 1 <= first)
             nf, npart = int(bl.nfull[b, r]), int(bl.npart[b, r])
             assert bl.tiles[b, r, :nf].tolist() == tiles[full].tolist()

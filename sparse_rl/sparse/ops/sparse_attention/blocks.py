@@ -40,7 +40,6 @@ class BlockLists:
     tiles: torch.Tensor
     nfull: torch.Tensor
     npart: torch.Tensor
-    diag: bool = False  # the causal tiles left out of the lists (the "diag" form runs them itself)
 
 
 @triton.jit
@@ -59,7 +58,7 @@ def _tile_counts(BITS, brow, j, NW, BN: tl.constexpr):
 
 @triton.jit
 def _block_list_kernel(BITS, TILES, NFULL, NPART, NR, NW, NKT, W, QG, T, q_off,
-                       BN: tl.constexpr, CH: tl.constexpr, DIAG: tl.constexpr):
+                       BN: tl.constexpr, CH: tl.constexpr):
     r = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     row = b * NR + r
@@ -73,8 +72,6 @@ def _block_list_kernel(BITS, TILES, NFULL, NPART, NR, NW, NKT, W, QG, T, q_off,
         jm = j < NKT
         cnt = _tile_counts(BITS, brow, j, NW, BN)
         live = jm & (cnt > 0) & (j * BN <= last)
-        if DIAG:  # tiles with a key after the group's first query are left to the kernels' causal loop
-            live = live & (j * BN + BN - 1 <= first)
         full = live & (cnt == BN) & (j * BN + BN - 1 <= first)
         part = live & (cnt < BN) | live & (j * BN + BN - 1 > first)
         fi = full.to(tl.int32)
@@ -87,9 +84,8 @@ def _block_list_kernel(BITS, TILES, NFULL, NPART, NR, NW, NKT, W, QG, T, q_off,
     tl.store(NPART + row, npart)
 
 
-def block_lists(sel: TileSelection, T: int, S: int, BN: int, diag: bool = False) -> BlockLists:
-    """The full and partial key tiles of BN keys of each group row of a shared selection with its bitmap;
-    `diag`: without the tiles that hold a key after the group's first query (the causal ones)."""
+def block_lists(sel: TileSelection, T: int, S: int, BN: int) -> BlockLists:
+    """The full and partial key tiles of BN keys of each group row of a shared selection with its bitmap."""
     if BN not in BLOCKS:
         raise ValueError(f"block_lists: BLOCK_N {BN} not in {BLOCKS}")
     if not sel.shared or sel.bits is None:
@@ -103,8 +99,8 @@ def block_lists(sel: TileSelection, T: int, S: int, BN: int, diag: bool = False)
     npart = torch.empty_like(nfull)
     CH = 256 if dev.type == "cuda" else 64
     _block_list_kernel[(NR, B)](sel.bits, tiles, nfull, npart, NR, NW, NKT, W, sel.group, T, sel.q_offset,
-                                BN=BN, CH=CH, DIAG=diag, num_warps=4)
-    return BlockLists(BN, tiles, nfull, npart, diag)
+                                BN=BN, CH=CH, num_warps=4)
+    return BlockLists(BN, tiles, nfull, npart)
 
 
 @triton.jit
@@ -117,15 +113,8 @@ def _part_mask(BITS, brow, offs_n, S, t, q_off, rmask):
 
 
 @triton.jit
-def _col_mask(BITS, brow, offs_n):
-    """`[1, BN]` selected keys of a partial tile (all < S: the tile lies before the group's first query)."""
-    word = tl.load(BITS + brow + (offs_n >> 5))
-    return (((word >> (offs_n & 31)) & 1) == 1)[None, :]
-
-
-@triton.jit
 def _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l_i, acc, qk_scale, sel,
-              PREC: tl.constexpr, MASKED: tl.constexpr, COLS: tl.constexpr = False):
+              PREC: tl.constexpr, MASKED: tl.constexpr):
     """One key tile of the online softmax (base 2, the scale folded into one FMA per score). A full tile's
     keys are all < S, so only a partial tile's loads are masked (the last tile may end past S)."""
     keys = kb + offs_n
@@ -136,13 +125,7 @@ def _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l
         kk = tl.load(kbase + keys[:, None] * sks + offs_d[None, :] * skd)
         vv = tl.load(vbase + keys[:, None] * svs + offs_d[None, :] * svd)
     s = dot(q, tl.trans(kk), PREC)
-    if COLS:  # a partial tile before every query of the group: only its unselected keys (columns) masked,
-        # and every row keeps a key, so no -inf guard
-        s = tl.where(sel, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-    elif MASKED:
+    if MASKED:
         s = tl.where(sel, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -158,21 +141,12 @@ def _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l
 
 
 @triton.jit
-def _diag_tiles(tile, b, NR, QG, BT: tl.constexpr, T, S, q_off, BN: tl.constexpr):
-    """The key tiles a program's causal loop covers: from the first with a key after its group's first query
-    to the one holding its last query's position (empty if the group's row is past the batch's rows)."""
-    first = ((tile * BT) // QG) * QG + q_off
-    last = tl.minimum(tl.minimum(tile * BT + BT - 1, T - 1) + q_off, S - 1)
-    return (first + 1) // BN, last // BN
-
-
-@triton.jit
 def _block_fwd_kernel(Q, K, V, BITS, TILES, NFULL, NPART, O, LSE,
                       sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                       sob, sot, soh, sod, slb, slt, slh,
                       T, S, G, D, NR, NW, W, QG, q_off, qk_scale,
                       BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      PREC: tl.constexpr, DIAG: tl.constexpr):
+                      PREC: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -195,24 +169,11 @@ def _block_fwd_kernel(Q, K, V, BITS, TILES, NFULL, NPART, O, LSE,
         kb = tl.load(lrow + i).to(tl.int64) * BLOCK_N
         m_i, l_i, acc = _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l_i, acc, qk_scale,
                                   rmask[:, None], PREC, False)
-    if DIAG:
-        for i in range(0, npart):  # partial tiles before the group: their columns masked
-            kb = tl.load(lrow + W - 1 - i).to(tl.int64) * BLOCK_N
-            sel = _col_mask(BITS, row * NW, kb + offs_n)
-            m_i, l_i, acc = _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l_i, acc,
-                                      qk_scale, sel, PREC, False, True)
-        j_lo, j_hi = _diag_tiles(tile, b, NR, QG, BT, T, S, q_off, BLOCK_N)
-        for j in range(j_lo, j_hi + 1):  # the causal tiles: bitmap and causal mask, -inf guard
-            kb = (b * 0 + j) * BLOCK_N  # int64 (b is)
-            sel = _part_mask(BITS, row * NW, kb + offs_n, S, t, q_off, rmask)
-            m_i, l_i, acc = _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l_i, acc,
-                                      qk_scale, sel, PREC, True)
-    else:
-        for i in range(0, npart):
-            kb = tl.load(lrow + W - 1 - i).to(tl.int64) * BLOCK_N
-            sel = _part_mask(BITS, row * NW, kb + offs_n, S, t, q_off, rmask)
-            m_i, l_i, acc = _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l_i, acc,
-                                      qk_scale, sel, PREC, True)
+    for i in range(0, npart):
+        kb = tl.load(lrow + W - 1 - i).to(tl.int64) * BLOCK_N
+        sel = _part_mask(BITS, row * NW, kb + offs_n, S, t, q_off, rmask)
+        m_i, l_i, acc = _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l_i, acc, qk_scale,
+                                  sel, PREC, True)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
@@ -245,24 +206,13 @@ def default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple[int, int, int
     return (16, 4, 2)
 
 
-def lists_for(sel: TileSelection, T: int, S: int, BN: int, cache: dict | None = None, diag: bool = False) -> BlockLists:
-    if cache is not None and (BN, diag) in cache:
-        return cache[(BN, diag)]
-    bl = block_lists(sel, T, S, BN, diag)
+def lists_for(sel: TileSelection, T: int, S: int, BN: int, cache: dict | None = None) -> BlockLists:
+    if cache is not None and BN in cache:
+        return cache[BN]
+    bl = block_lists(sel, T, S, BN)
     if cache is not None:
-        cache[(BN, diag)] = bl
+        cache[BN] = bl
     return bl
-
-
-FORMS = ("split", "diag")  # "split": full tiles, then partial ones (causal included) under the whole mask; "diag":
-# full tiles, partial tiles before the group under a column mask, then the group's causal tiles
-
-
-def _launch(tune, default):
-    BN, warps, stages, form = (*(tune or default), "split")[:4]
-    if form not in FORMS or BN not in BLOCKS:
-        raise ValueError(f"block kernels: form {form!r} (one of {FORMS}), BLOCK_N {BN} (one of {BLOCKS})")
-    return BN, warps, stages, form
 
 
 def block_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tune: tuple | None = None,
@@ -272,9 +222,9 @@ def block_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tu
     BlockLists} reuses lists between passes; key_block (the rows' key block) picks the default launch."""
     B, T, H, D, G, BM, BD, NT, _ = _common(q, k, sel)
     S = k.shape[1]
-    BN, warps, stages, form = _launch(tune, default_tune(BM, q.is_cuda, key_block))
+    BN, warps, stages = tune or default_tune(BM, q.is_cuda, key_block)
     _check_dims(q)
-    bl = lists_for(sel, T, S, BN, cache, form == "diag")
+    bl = lists_for(sel, T, S, BN, cache)
     if out is None:
         o = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
         lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
@@ -283,14 +233,13 @@ def block_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tu
     _block_fwd_kernel[(NT, k.shape[2], B)](
         q, k, v, sel.bits, bl.tiles, bl.nfull, bl.npart, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         *lse.stride(), T, S, G, D, sel.bits.shape[1], sel.bits.shape[2], bl.tiles.shape[2], sel.group, sel.q_offset,
-        scale * LOG2E, BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=prec, DIAG=form == "diag",
-        num_warps=warps, num_stages=stages)
+        scale * LOG2E, BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=prec, num_warps=warps, num_stages=stages)
     return o, lse
 
 
 @triton.jit
 def _dq_step(q, do, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, dq, qk_scale, lse2, delta, sel,
-             PREC: tl.constexpr, MASKED: tl.constexpr, COLS: tl.constexpr = False):
+             PREC: tl.constexpr, MASKED: tl.constexpr):
     keys = kb + offs_n
     if MASKED:
         kk = tl.load(kbase + keys[:, None] * sks + offs_d[None, :] * skd, mask=(keys < S)[:, None], other=0.0)
@@ -301,7 +250,7 @@ def _dq_step(q, do, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, dq,
     s = dot(q, tl.trans(kk), PREC)
     dp = dot(do, tl.trans(vv), PREC)
     p = tl.exp2(s * qk_scale - lse2[:, None])
-    if MASKED or COLS:  # (COLS: sel is the [1, BN] column mask)
+    if MASKED:
         p = tl.where(sel, p, 0.0)
     ds = p * (dp - delta[:, None])
     return dq + dot(ds.to(kk.dtype), kk, PREC)
@@ -313,9 +262,8 @@ def _block_dq_kernel(Q, K, V, BITS, TILES, NFULL, NPART, DO, LSE, DELTA, DQ,
                      sdob, sdot, sdoh, sdod, slb, slt, slh, sdqb, sdqt, sdqh, sdqd,
                      T, S, G, D, NR, NW, W, QG, q_off, scale, qk_scale,
                      BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PREC: tl.constexpr, DIAG: tl.constexpr):
-    """dq of one (query tile, kv head) over its group's full then partial key tiles (DIAG: then its causal
-    tiles), stored once."""
+                     PREC: tl.constexpr):
+    """dq of one (query tile, kv head) over its group's full then partial key tiles, stored once."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -335,24 +283,11 @@ def _block_dq_kernel(Q, K, V, BITS, TILES, NFULL, NPART, DO, LSE, DELTA, DQ,
         kb = tl.load(lrow + i).to(tl.int64) * BLOCK_N
         dq = _dq_step(q, do, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, dq, qk_scale, lse2, delta,
                       row_ok[:, None], PREC, False)
-    if DIAG:
-        for i in range(0, npart):
-            kb = tl.load(lrow + W - 1 - i).to(tl.int64) * BLOCK_N
-            sel = _col_mask(BITS, row * NW, kb + offs_n)
-            dq = _dq_step(q, do, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, dq, qk_scale, lse2, delta,
-                          sel, PREC, False, True)
-        j_lo, j_hi = _diag_tiles(tile, b, NR, QG, BT, T, S, q_off, BLOCK_N)
-        for j in range(j_lo, j_hi + 1):
-            kb = (b * 0 + j) * BLOCK_N  # int64 (b is)
-            sel = _part_mask(BITS, row * NW, kb + offs_n, S, t, q_off, row_ok)
-            dq = _dq_step(q, do, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, dq, qk_scale, lse2, delta,
-                          sel, PREC, True)
-    else:
-        for i in range(0, npart):
-            kb = tl.load(lrow + W - 1 - i).to(tl.int64) * BLOCK_N
-            sel = _part_mask(BITS, row * NW, kb + offs_n, S, t, q_off, row_ok)
-            dq = _dq_step(q, do, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, dq, qk_scale, lse2, delta,
-                          sel, PREC, True)
+    for i in range(0, npart):
+        kb = tl.load(lrow + W - 1 - i).to(tl.int64) * BLOCK_N
+        sel = _part_mask(BITS, row * NW, kb + offs_n, S, t, q_off, row_ok)
+        dq = _dq_step(q, do, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, dq, qk_scale, lse2, delta,
+                      sel, PREC, True)
     tl.store(DQ + b * sdqb + t[:, None] * sdqt + heads[:, None] * sdqh + offs_d[None, :] * sdqd,
              (dq * scale).to(DQ.dtype.element_ty), mask=rd)
 
@@ -377,14 +312,13 @@ def block_dq(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: in
     strides (keymajor.bwd_delta)."""
     B, T, H, D, G, BM, BD, NT, _ = _common(q, k, sel)
     S = k.shape[1]
-    BN, warps, stages, form = _launch(tune, dq_default_tune(BM, q.is_cuda, key_block))
+    BN, warps, stages = tune or dq_default_tune(BM, q.is_cuda, key_block)
     _check_dims(q)
-    bl = lists_for(sel, T, S, BN, cache, form == "diag")
+    bl = lists_for(sel, T, S, BN, cache)
     dq = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
     _block_dq_kernel[(NT, k.shape[2], B)](
         q, k, v, sel.bits, bl.tiles, bl.nfull, bl.npart, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(),
         *do.stride(), *lse.stride(), *dq.stride(), T, S, G, D, sel.bits.shape[1], sel.bits.shape[2],
         bl.tiles.shape[2], sel.group, sel.q_offset, scale, scale * LOG2E,
-        BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=prec, DIAG=form == "diag", num_warps=warps,
-        num_stages=stages)
+        BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=prec, num_warps=warps, num_stages=stages)
     return dq
