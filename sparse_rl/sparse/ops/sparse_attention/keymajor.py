@@ -31,6 +31,7 @@ from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot
 from sparse_rl.sparse.ops.sparse_attention.union import LOG2E, TileSelection, _common, _popc, _tile_bwd_rows
 
 FORMS = ("rows", "dt", "dts")  # "dts": "dt" with each key tile's full (query tile) pairs first, run unmasked
+# (session 9: its kernel ~9% faster on key-block rows, but its lists, sorted in torch, cost 0.9 ms more: not a default)
 
 
 def _touched(bits: torch.Tensor, NKT: int, BN: int) -> torch.Tensor:
@@ -199,7 +200,11 @@ def default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple[int, int, int
     tiles "dt" (64, 8, 2) 15.7, (32, 8, 2) 17.0, (32, 4, 2) 17.8, (16, 8, 2) 23.4, "rows" (32, 4, 2) 24.9."""
     if not cuda:
         return (32, 4, 1, "dt")
-    return (32, 4, 3, "dt") if BM <= 64 else (64, 8, 2, "dt")  # key_block: not yet a factor (session 9 call 2)
+    # key_block is not a factor yet: on key-block rows (session 9 call 2, 32K, dk/dv with lists, ms) the same
+    # launches won: kb64g64 (64, 8, 2) "dt" 9.59 / "dts" 9.71 (its kernel 0.8 ms faster, its sorted lists 0.9 ms
+    # slower), (64, 8, 3, "dts") 9.71, (32, 8, 2) 11.4 / 11.7; kb32g32 "dt" 11.6 / "dts" 12.3, (32, 8, 2) 12.0 /
+    # 12.2; kb16g16 (64-row tiles) (32, 4, 3) 13.8 / 14.3, (16, 4, 2) 17.0 / 15.9.
+    return (32, 4, 3, "dt") if BM <= 64 else (64, 8, 2, "dt")
 
 
 def key_major_dkdv(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int, tune: tuple | None = None,

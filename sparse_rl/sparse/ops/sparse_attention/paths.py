@@ -20,16 +20,18 @@ from dataclasses import dataclass
 
 import torch
 
-# ns per unit and KV head, H200, bf16, G=4, D=128, 32K (benchmarks/NOTES.md items 6 and 9, run 1)
-NS_QUERY_FWD = 0.069  # per (query, selected key): per-query forward, L2 gather bound (37 ms)
-NS_QUERY_BWD = 0.32  # per (query, selected key): per-query backward with fp32 atomics (174 ms)
-NS_QUERY_DQ = 0.09  # per (query, selected key): per-query dq only (no atomics); not timed alone yet
-NS_TILE_FWD = 0.27  # per (tile, union key): tile forward, 128 rows (block, trained, random all 0.27)
-NS_TILE_DQ = 0.27  # per (tile, union key): tile dq pass (4.5 ms on the block pattern)
-NS_KEYMAJOR = 25.0  # per (key tile of 32, query tile) touched: key-major dk/dv (12.8 ms, block pattern)
-NS_BUILD = 0.022  # per selected (query, key), once (not per KV head): the union build (1.3-1.6 ms)
-KEY_TILE = 32  # keys per touched tile in the estimate (NS_KEYMAJOR: session 4's "rows" form; the "dt" default since
-# session 8 ran 1.3-1.6x faster on query groups, NOTES.md item 15, so the estimate is conservative for it)
+# ns per unit and KV head, H200, bf16, G=4, D=128, 32K; re-measured on session 9's second device call (token-level
+# per-query rows of the trained indexer, k = 2048: NOTES.md item 17, results/2026-12-02-h200-granular-session9.md)
+NS_QUERY_FWD = 0.067  # per (query, selected key): per-query forward, L2 gather bound (35.1 ms; session 4: 0.069)
+NS_QUERY_BWD = 0.32  # per (query, selected key): per-query backward with fp32 atomics (174 ms; session 4, not re-timed)
+NS_QUERY_DQ = 0.091  # per (query, selected key): per-query dq only, no atomics (47.1 ms; first timing)
+NS_TILE_FWD = 0.25  # per (tile, union key): tile forward, 128 rows (9.31 ms over 4.61 M union keys; session 4: 0.27)
+NS_TILE_DQ = 0.30  # per (tile, union key): tile dq pass (10.9 ms; session 4: 0.27)
+NS_KEYMAJOR = 30.2  # per (key tile of KEY_TILE, query tile) touched: key-major dk/dv at its default launch for
+# 128-row tiles, (64, 8, 2, "dt") (32.6 ms over 135 K touched pairs; at (32, 8, 2, "dt") 21.1 ns per 32-key pair,
+# 38.3 ms; session 4's "rows" form 25 ns per 32-key pair)
+NS_BUILD = 0.020  # per selected (query, key), once (not per KV head): the union build (1.32 ms)
+KEY_TILE = 64  # keys per touched tile in the estimate: the default dk/dv launch's BLOCK_N
 SAMPLE_TILES = 32
 FWD_PATHS = ("auto", "query", "tile", "block")  # "block": shared selections only (blocks.py)
 BWD_PATHS = ("auto", "atomic", "tile")
