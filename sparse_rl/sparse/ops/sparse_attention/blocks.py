@@ -198,9 +198,13 @@ def default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple[int, int, int
     NOTES.md item 17), ms: 128-row tiles kb64g64 (32, 4, 3) 2.98, (64, 8, 3) 3.09, (64, 4, 2) 3.16, (64, 4, 3)
     3.18, (16, 4, 2) 4.07, (128, 8, 3) 5.45, (128, 8, 2) 6.05 (gather tiles 4.27); kb32g32 (32, 4, 3) 3.02,
     (16, 4, 2) 4.08, 64-key tiles 5.0-6.0 (half of them partial); 64-row tiles kb16g16 (16, 4, 2) 4.25,
-    (32, 4, 3) 4.96, (32, 4, 2) 5.00, (64, 4, 2) 6.00 (gather 4.38). Tiles no wider than the key block."""
+    (32, 4, 3) 4.96, (32, 4, 2) 5.00, (64, 4, 2) 6.00 (gather 4.38). Tiles no wider than the key block. Rows of
+    128-key blocks (the block pattern, shared rows g128, calls 1-2): (128, 8, 3) 2.78-2.79, (32, 4, 3) 3.06, (64, 8, 3)
+    3.10, (64, 4, 3) 3.13 (FlexAttention 2.61-2.63)."""
     if not cuda:
         return (16, 4, 1)
+    if BM > 64 and key_block >= 128:
+        return (128, 8, 3)
     if BM > 64 and key_block >= 32:
         return (32, 4, 3)
     return (16, 4, 2)
