@@ -144,3 +144,13 @@ def test_auto_takes_the_block_path_for_key_block_rows(key_block, path):
     assert (bf.call_count, tf.call_count) == ((1, 0) if path == "block" else (0, 1))
     ref, _ = sparse_attention_naive(q, k, v, per)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_block_path_request_on_per_query_rows_takes_the_tiles():
+    """fwd_path="block" with rows that are not shared (a group that is no multiple of a tile) runs the union
+    tiles instead, exact."""
+    g, q, k, v, sh, q_off = block_rows_case(4, 1, 3, 20, 1, 0)
+    per = shared_to_per_query(sh, 3, 20, q_off)
+    out, _ = sparse_attention(q, k, v, sh, query_group=3, q_offset=q_off, fwd_path="block")
+    ref, _ = sparse_attention_naive(q, k, v, per)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

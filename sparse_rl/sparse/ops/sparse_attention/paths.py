@@ -84,8 +84,8 @@ def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", b
     if shared:
         f = ("block" if key_block >= BLOCK_MIN_KEY_BLOCK else "tile") if fwd == "auto" else fwd
         return Plan(f, "tile" if bwd == "auto" else bwd, "block" if f == "block" else "tile", {})
-    if fwd == "block":
-        raise ValueError("fwd_path 'block' takes a shared selection (query_group > 1)")
+    if fwd == "block":  # the block kernels read shared rows only; per-query rows take the union tiles
+        fwd = "tile"
     T = indices.shape[1]
     if (fwd != "auto" and bwd != "auto") or T < 2 * BT or not is_cuda:
         # nothing to estimate, too few queries to share keys, or the interpreter (the simple paths)
