@@ -93,7 +93,7 @@ def granular_rows(q, k, v, inputs: dict, specs: list[str], topk: int, sink: int,
                             f"whole block of {kb} after sink {sink}, window {window} and the group of {G}"})
                 continue
             kw = dict(sink=sink, window=window, key_block=kb, query_group=G, block_score="max")
-            akw = {"query_group": G} if G > 1 else {}
+            akw = {"query_group": G, "key_block": kb} if G > 1 else {}
 
             def select():
                 if kb == G == 1:  # token level: the indexer's own top-k (what `layer.select` takes)
@@ -214,3 +214,56 @@ def markdown_granular(rows: list[dict]) -> list[str]:
             g("dense_ms"), g("prefill_speedup"), g("union_ratio"), g("fwdbwd_ms"), g("fwdbwd_speedup"),
             g("select_fwdbwd_speedup"), g("select_rows_equal"), g("select_recall"))) + " |")
     return lines
+
+
+def granularity_cost(ix, teacher: dict, L: int, specs: list[str], topk: int, sink: int, window: int, dev,
+                     generator=None, n: int = 256) -> list[dict]:
+    """What a granularity costs in attention kept: on fresh synthetic hidden states of length L, each spec's
+    selection (`ops.granular_topk`; kb1: the indexer's token top-k) of the trained indexer `ix`, scored on
+    the last n queries against the teacher's causal attention (`patterns.teacher_probs`): recall = the
+    teacher mass on the selected keys (mean, p10), and -log(recall), the KL from the attention renormalised
+    on the selection to the full one (mean); beside them the oracle's (the teacher's own top-k per query).
+    Since the indexer itself may miss the teacher, each row also says what the granularity costs against the
+    token-level selection of the same indexer: index_mass, the indexer's own softmax mass on the selection,
+    and kb1_kept, the share of the token-level top-k's keys the selection keeps."""
+    import torch
+
+    from sparse_rl.bench import patterns
+    from sparse_rl.sparse.ops import granular_topk, indexer_scores, indexer_topk, shared_to_per_query
+
+    x = patterns.synthetic_hidden(L, 128, dev, generator)
+    qi, wi, ki = patterns.trained_index(ix, L, dev, generator, hidden=x)
+    p = patterns.teacher_probs(teacher, x, L - n)[0]  # [n, L]
+    pi = torch.softmax(indexer_scores(qi[:, L - n:].float(), wi[:, L - n:].float(), ki.float(), q_offset=L - n)[0], -1)
+    tok = indexer_topk(qi, wi, ki, topk, sink=sink, window=window, backend="triton")[0, L - n:].long()
+    tok_set = torch.zeros(n, L, dtype=torch.bool, device=dev)
+    tok_set.scatter_(1, tok.clamp(min=0), tok >= 0)
+    out = []
+
+    def mass_on(dist, idx, ok):
+        return torch.where(ok, dist.gather(1, idx.clamp(min=0)), 0.0).sum(-1).clamp(max=1.0)
+
+    def scored(name: str, per) -> dict:
+        idx = per[0, L - n:].long()
+        ok = idx >= 0
+        mass = mass_on(p, idx, ok)
+        kept = torch.where(ok, tok_set.gather(1, idx.clamp(min=0)), False).sum(-1).double()
+        return {"seqlen": L, "granularity": name, "queries": n, "recall_mean": float(mass.mean()),
+                "recall_p10": float(mass.quantile(0.1)), "kl_renorm_mean": float((-mass.clamp(min=1e-30).log()).mean()),
+                "index_mass_mean": float(mass_on(pi, idx, ok).mean()),
+                "kb1_kept": float(kept.sum() / (tok >= 0).sum().clamp(min=1)),
+                "keys_mean": float(ok.sum(-1).double().mean())}
+
+    for spec in specs:
+        kb, G = parse_granularity(spec)
+        if kb == G == 1:
+            rows = indexer_topk(qi, wi, ki, topk, sink=sink, window=window, backend="triton")
+        else:
+            rows = granular_topk(qi, wi, ki, topk, shared=G > 1, backend="triton", sink=sink, window=window,
+                                 key_block=kb, query_group=G, block_score="max")
+        out.append(scored(spec, shared_to_per_query(rows, G, L) if G > 1 else rows))
+    oracle = p.topk(min(topk, L), -1).indices
+    pad = torch.full((1, L, oracle.shape[1]), -1, dtype=torch.long, device=dev)
+    pad[0, L - n:] = torch.where(torch.gather(p, 1, oracle) > 0, oracle, -1)
+    out.append(scored("oracle", pad))
+    return out

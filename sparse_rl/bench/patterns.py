@@ -85,9 +85,10 @@ def synthetic_hidden(L: int, d: int, device, generator=None, rho: float = 0.995,
 
 
 def train_indexer(device, generator=None, index_heads: int = 4, index_dim: int = 64, d: int = 128,
-                  steps: int = 200, crop: int = 1024, lr: float = 3e-3, log=None):
-    """An indexer trained here (see the module docstring) -> (indexer module, teacher projections,
-    final KL to the teacher on a held-out crop)."""
+                  steps: int = 200, crop: int = 1024, lr: float = 3e-3, log=None, teacher: dict | None = None):
+    """An indexer trained here (see the module docstring) -> (indexer module, final KL to the teacher on a
+    held-out crop). `teacher`, if given, receives the teacher's projections and temperature {"wq", "wk",
+    "temp"} (`teacher_probs` scores a selection's attention recall with them)."""
     import torch
 
     from sparse_rl.sparse.indexer import LightningIndexer
@@ -98,6 +99,8 @@ def train_indexer(device, generator=None, index_heads: int = 4, index_dim: int =
     wq = torch.randn(d, 64, device=device, generator=generator) / math.sqrt(d)
     wk = torch.randn(d, 64, device=device, generator=generator) / math.sqrt(d)
     temp = 4.0  # sharpens the teacher: a few hundred keys hold most of its mass
+    if teacher is not None:
+        teacher.update(wq=wq, wk=wk, temp=temp)
     ix = LightningIndexer(d, index_heads, index_dim, rope_dim=0).to(device)
     with torch.no_grad():
         for lin in (ix.wq, ix.wk, ix.ww):
@@ -130,12 +133,25 @@ def train_indexer(device, generator=None, index_heads: int = 4, index_dim: int =
     return ix, kl
 
 
-def trained_index(ix, L: int, device, generator=None, d: int = 128):
+def teacher_probs(teacher: dict, x, t0: int):
+    """The teacher's causal attention `[B, L - t0, L]` fp32 of queries t0.. over hidden states x `[B, L, d]`
+    (as `train_indexer`'s loss: logits temp * q.k / 8, masked after each query)."""
+    import torch
+
+    xf = x.float()
+    qt, kt = xf[:, t0:] @ teacher["wq"].float(), xf @ teacher["wk"].float()
+    logits = teacher["temp"] * qt @ kt.transpose(1, 2) / 8.0
+    L = x.shape[1]
+    future = torch.arange(L, device=x.device)[None, :] > torch.arange(t0, L, device=x.device)[:, None]
+    return logits.masked_fill(future, float("-inf")).softmax(-1)
+
+
+def trained_index(ix, L: int, device, generator=None, d: int = 128, hidden=None):
     """The trained indexer's (q_I `[1, L, H_I, d_I]`, w `[1, L, H_I]`, k_I `[1, L, d_I]`) on fresh synthetic
     hidden states of length L (bf16 on CUDA)."""
     import torch
 
-    x = synthetic_hidden(L, d, device, generator)
+    x = synthetic_hidden(L, d, device, generator) if hidden is None else hidden
     ones = torch.ones(1, L, 2, device=device)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.no_grad():

@@ -252,6 +252,7 @@ class Selection(NamedTuple):
     indices: torch.Tensor
     query_group: int = 1
     q_offset: int = 0
+    key_block: int = 1  # the rows' key block (shared rows of whole blocks take the block kernels)
 
     def per_query(self, T: int) -> torch.Tensor:
         """The per-query rows `[B, T, K]` (what `select` returns)."""
@@ -272,7 +273,7 @@ def select_rows(st: LayerState, q: torch.Tensor, k: torch.Tensor, index: tuple |
         rows = granular_topk(q_i, w, k_i, c.topk, q_offset=q_offset, sink=c.sink, window=c.window,
                              key_block=c.key_block, query_group=c.query_group, block_score=c.block_score,
                              shared=True, backend=st.backend)
-        return Selection(rows, c.query_group, q_offset)
+        return Selection(rows, c.query_group, q_offset, c.key_block)
     return Selection(select(st, q, k, index, q_offset=q_offset, kv_start=kv_start, history=history), 1, q_offset)
 
 
@@ -281,7 +282,7 @@ def attend(st: LayerState, sel: Selection, q: torch.Tensor, k: torch.Tensor, v: 
     """Sparse attention of the layer over `sel`: q `[B, T, H, D]`, k/v `[B, S, H_kv, D]` -> (out
     `[B, T, H, D]`, lse `[B, T, H]` fp32), on the layer's op backend."""
     return sparse_attention(q, k, v, sel.indices, scale, query_group=sel.query_group, q_offset=sel.q_offset,
-                            backend=st.backend)
+                            key_block=sel.key_block if sel.query_group > 1 else 1, backend=st.backend)
 
 
 def select(st: LayerState, q: torch.Tensor, k: torch.Tensor, index: tuple | None = None, *, q_offset: int = 0,

@@ -169,3 +169,26 @@ def test_shared_tiles_bitmap_only_when_a_backward_can_follow():
     lazy = union.shared_tiles(rows, 9, 4, 4, bits=False)
     assert lazy.bits is None and lazy.tensors() == [rows]
     assert torch.equal(union.with_bits(lazy, 9).bits, union.shared_tiles(rows, 9, 4, 4).bits)
+
+
+def test_attend_takes_the_block_kernels_for_key_block_groups():
+    """key_block 16 with query_group 16: `select_rows` says the rows are key blocks (Selection.key_block) and
+    `attend` runs the block kernels (ops/sparse_attention/blocks.py), equal to the reference over `select`."""
+    from unittest import mock
+
+    from sparse_rl.sparse.ops.sparse_attention import blocks
+
+    g = torch.Generator().manual_seed(5)
+    B, T, H, H_kv, D = 1, 61, 4, 1, 16
+    qi, w, ki = _index(B=B, T=T, seed=16)
+    q = torch.randn(B, T, H, D, generator=g)
+    k, v = torch.randn(B, T, H_kv, D, generator=g), torch.randn(B, T, H_kv, D, generator=g)
+    cfg = SparseConfig(topk=48, sink=1, window=2, key_block=16, query_group=16, index_heads=3, index_dim=16)
+    st = LayerState(cfg=cfg, dense_layer=False, mode="sparse", backend="triton")
+    sel = select_rows(st, q, k, (qi, w, ki))
+    assert (sel.query_group, sel.key_block) == (16, 16)
+    with mock.patch.object(blocks, "block_fwd", wraps=blocks.block_fwd) as bf:
+        out, _ = attend(st, sel, q, k, v)
+    assert bf.call_count == 1
+    ref, _ = sparse_attention_naive(q, k, v, select(st, q, k, (qi, w, ki)))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -40,16 +40,17 @@ def kernel(op: str, name: str | None = None, module: str = "triton"):
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
                      scale: float | None = None, *, query_group: int = 1, q_offset: int = 0,
-                     fwd_path: str = "auto", bwd_path: str = "auto", backend: str = "auto"):
+                     fwd_path: str = "auto", bwd_path: str = "auto", key_block: int = 1, backend: str = "auto"):
     """Attention over selected keys. q `[B, T, H, D]`, k/v `[B, S, H_kv, D]`, indices `[B, T, K]`
     int32 (-1 = none), or `[B, ceil(T/g), K]` rows shared by g = `query_group` consecutive queries
     (each query sees its row's keys <= q_offset + t) -> (out `[B, T, H, D]`, lse `[B, T, H]` float32).
-    Differentiable in q, k, v. `fwd_path` (auto/query/tile) and `bwd_path` (auto/atomic/tile) pick
-    the Triton kernels (ops/sparse_attention/paths.py); the reference ignores them."""
+    Differentiable in q, k, v. `fwd_path` (auto/query/tile/block) and `bwd_path` (auto/atomic/tile) pick
+    the Triton kernels (ops/sparse_attention/paths.py); `key_block` says shared rows are whole key blocks
+    of that size (the block kernels' cue); the reference ignores all three."""
     fn = kernel("sparse_attention")
     if resolve_backend(backend, q, fn is not None) == "triton":
         return fn(q, k, v, indices, scale, query_group=query_group, q_offset=q_offset, fwd_path=fwd_path,
-                  bwd_path=bwd_path)
+                  bwd_path=bwd_path, key_block=key_block)
     if query_group > 1:
         indices = shared_to_per_query(indices, query_group, q.shape[1], q_offset)
     return sparse_attention_naive(q, k, v, indices, scale)

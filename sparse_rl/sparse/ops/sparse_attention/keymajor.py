@@ -30,7 +30,8 @@ import triton.language as tl
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot
 from sparse_rl.sparse.ops.sparse_attention.union import LOG2E, TileSelection, _common, _popc, _tile_bwd_rows
 
-FORMS = ("rows", "dt")
+FORMS = ("rows", "dt", "dts")  # "dts": "dt" with each key tile's full (query tile) pairs first, run unmasked
+# (session 9: its kernel ~9% faster on key-block rows, but its lists, sorted in torch, cost 0.9 ms more: not a default)
 
 
 def _touched(bits: torch.Tensor, NKT: int, BN: int) -> torch.Tensor:
@@ -43,24 +44,51 @@ def _touched(bits: torch.Tensor, NKT: int, BN: int) -> torch.Tensor:
     return t[:, :, :NKT]
 
 
-def key_tile_lists(sel: TileSelection, T: int, S: int, BN: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _full_tiles(bits: torch.Tensor, NKT: int, BN: int) -> torch.Tensor:
+    """`[B, NR, NW]` int32 bitmaps -> `[B, NR, NKT]` bool: every key of the BN-key tile selected."""
+    B, NR, NW = bits.shape
+    if BN >= 32:
+        f = bits.view(B, NR, NW * 32 // BN, BN // 32).eq(-1).all(-1)
+    else:
+        f = torch.stack(((bits & 0xFFFF) == 0xFFFF, (bits >> 16) & 0xFFFF == 0xFFFF), -1).view(B, NR, NW * 2)
+    return f[:, :, :NKT]
+
+
+def key_tile_lists(sel: TileSelection, T: int, S: int, BN: int, split: bool = False):
     """The transposed selection: for each key tile of BN keys, the query tiles whose selection touches it.
-    Returns (offsets `[B * NKT + 1]` int32, query-tile ids `[nnz]` int32 ascending per key tile, nnz)."""
+    Returns (offsets `[B * NKT + 1]` int32, query-tile ids `[nnz]` int32 ascending per key tile, nnz); with
+    `split` (shared selections) a fourth item, full `[B * NKT]` int32: how many of each key tile's entries,
+    listed first, are full pairs (all BN keys selected by the group, none after the query tile's first query),
+    which the "dts" form runs without a mask."""
     bits = sel.bits
     B = bits.shape[0]
     NKT = triton.cdiv(S, BN)
     touched = _touched(bits, NKT, BN)  # [B, NR, NKT]
+    full = None
     if sel.shared:  # rows are groups: one per tile of BT queries, causal at key-tile granularity
         NT = triton.cdiv(T, sel.BT)
         tiles = torch.arange(NT, device=bits.device)
         touched = touched[:, tiles * sel.BT // sel.group]
         last = torch.clamp(tiles * sel.BT + sel.BT - 1, max=T - 1) + sel.q_offset  # last query position
-        touched = touched & (torch.arange(NKT, device=bits.device)[None, :] * BN <= last[:, None])[None]
+        kt0 = torch.arange(NKT, device=bits.device)[None, :] * BN
+        touched = touched & (kt0 <= last[:, None])[None]
+        if split:
+            first = tiles * sel.BT + sel.q_offset
+            full = _full_tiles(bits, NKT, BN)[:, tiles * sel.BT // sel.group] & (kt0 + BN - 1 <= first[:, None])[None]
+    elif split:
+        raise ValueError("key_tile_lists(split=True) takes a shared selection")
     nz = touched.transpose(1, 2).nonzero()  # rows (b, key tile, query tile), sorted
-    counts = torch.bincount(nz[:, 0] * NKT + nz[:, 1], minlength=B * NKT)
+    seg = nz[:, 0] * NKT + nz[:, 1]
+    counts = torch.bincount(seg, minlength=B * NKT)
     off = torch.zeros(B * NKT + 1, dtype=torch.int32, device=bits.device)
     off[1:] = counts.cumsum(0)
-    return off, nz[:, 2].to(torch.int32).contiguous(), int(nz.shape[0])
+    lst = nz[:, 2]
+    if full is None:
+        return off, lst.to(torch.int32).contiguous(), int(nz.shape[0])
+    isfull = full.transpose(1, 2)[nz[:, 0], nz[:, 1], nz[:, 2]]
+    order = torch.sort(seg * 2 + (~isfull).long(), stable=True).indices  # full entries first in each segment
+    nfull = torch.bincount(seg[isfull], minlength=B * NKT).to(torch.int32)
+    return off, lst[order].to(torch.int32).contiguous(), int(nz.shape[0]), nfull
 
 
 @triton.jit
@@ -93,14 +121,15 @@ def _key_tile_mask(BITS, PREF, QMASK, b, tile, offs_n, nmask, qi, t, row_ok, NT,
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, BITS, PREF, QMASK, OFF, LIST, DK, DV,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, BITS, PREF, QMASK, OFF, LIST, NFULL, DK, DV,
                  sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                  sdob, sdot, sdoh, sdod, slb, slt, slh, sdkb, sdks, sdkh, sdkd,
                  T, S, G, D, NT, NKT, NRB, NW, UMAX, QG, q_off, scale, qk_scale,
                  BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 SHARED: tl.constexpr, PREC: tl.constexpr, TRANSPOSED: tl.constexpr):
+                 SHARED: tl.constexpr, PREC: tl.constexpr, TRANSPOSED: tl.constexpr, SPLIT: tl.constexpr):
     """dk/dv of one (key tile, kv head) over the query tiles listed for it, written once (no atomics).
-    DK/DV share the layout `[B, S, H_kv, D]` (strides sdk*). TRANSPOSED: the "dt" form (module doc)."""
+    DK/DV share the layout `[B, S, H_kv, D]` (strides sdk*). TRANSPOSED: the "dt" form (module doc);
+    SPLIT ("dts"): the key tile's first NFULL entries are full pairs, run without the mask."""
     j = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -119,6 +148,20 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, BITS, PREF, QMASK, OFF, LIST, DK, DV,
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     lo = tl.load(OFF + b * NKT + j)
     hi = tl.load(OFF + b * NKT + j + 1)
+    if SPLIT:
+        mid = lo + tl.load(NFULL + b * NKT + j)
+        for p in range(lo, mid):  # full pairs: q / dO rows past T are zero, so they add nothing unmasked
+            tile = tl.load(LIST + p)
+            qi, t, heads, rd, row_ok, q, do, delta, lse2 = _tile_bwd_rows(
+                Q, DO, LSE, DELTA, b, tile, kvh, sqb, sqt, sqh, sqd, sdob, sdot, sdoh, sdod, slb, slt, slh, G, T, D,
+                BT, BLOCK_M, BLOCK_D)
+            s = dot(q, tl.trans(kk), PREC)
+            pm = tl.exp2(s * qk_scale - lse2[:, None])
+            dp = dot(do, tl.trans(vv), PREC)
+            ds = pm * (dp - delta[:, None])
+            dv += dot(tl.trans(do), pm.to(do.dtype), PREC)
+            dk += dot(tl.trans(q), ds.to(q.dtype), PREC)
+        lo = mid
     for p in range(lo, hi):
         tile = tl.load(LIST + p)
         qi, t, heads, rd, row_ok, q, do, delta, lse2 = _tile_bwd_rows(
@@ -150,36 +193,46 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, BITS, PREF, QMASK, OFF, LIST, DK, DV,
     tl.store(DV + base, dv.to(DV.dtype.element_ty), mask=m)
 
 
-def default_tune(BM: int, cuda: bool) -> tuple[int, int, int, str]:
+def default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple[int, int, int, str]:
     """(BLOCK_N, num_warps, num_stages, form). H200, 32K, query groups on the trained-indexer pattern, dk/dv
     pass alone (session 8, NOTES.md item 15): 64-row tiles "dt" (32, 4, 3) 16.9 ms, (32, 4, 2) 16.9,
     (16, 4, 2) 21.8, (64, 4, 2) 23.2, (64, 8, 2) 29.2, (32, 8, 2) 30.7, "rows" (32, 4, 2) 21.6; 128-row
     tiles "dt" (64, 8, 2) 15.7, (32, 8, 2) 17.0, (32, 4, 2) 17.8, (16, 8, 2) 23.4, "rows" (32, 4, 2) 24.9."""
     if not cuda:
         return (32, 4, 1, "dt")
+    # key_block is not a factor yet: on key-block rows (session 9 call 2, 32K, dk/dv with lists, ms) the same
+    # launches won: kb64g64 (64, 8, 2) "dt" 9.59 / "dts" 9.71 (its kernel 0.8 ms faster, its sorted lists 0.9 ms
+    # slower), (64, 8, 3, "dts") 9.71, (32, 8, 2) 11.4 / 11.7; kb32g32 "dt" 11.6 / "dts" 12.3, (32, 8, 2) 12.0 /
+    # 12.2; kb16g16 (64-row tiles) (32, 4, 3) 13.8 / 14.3, (16, 4, 2) 17.0 / 15.9.
     return (32, 4, 3, "dt") if BM <= 64 else (64, 8, 2, "dt")
 
 
-def key_major_dkdv(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int, tune: tuple | None = None):
+def key_major_dkdv(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int, tune: tuple | None = None,
+                   key_block: int = 1):
     """dk, dv `[B, S, H_kv, D]` in k's dtype, one write per element (no atomics). lse/delta `[B, T, H]`
     fp32 with equal strides. `tune=(BLOCK_N, num_warps, num_stages[, form])` overrides the launch config
-    (BLOCK_N in 16/32/64/128; form "rows" | "dt", module doc)."""
+    (BLOCK_N in 16/32/64/128; form "rows" | "dt" | "dts", module doc); key_block (shared rows' key block)
+    picks the default."""
     B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
     S, H_kv = k.shape[1], k.shape[2]
-    BN, warps, stages, form = (*(tune or default_tune(BM, q.is_cuda)), "rows")[:4]
+    BN, warps, stages, form = (*(tune or default_tune(BM, q.is_cuda, key_block)), "rows")[:4]
     if form not in FORMS or BN not in (16, 32, 64, 128):
         raise ValueError(f"key_major_dkdv: form {form!r} (one of {FORMS}), BLOCK_N {BN} (16/32/64/128)")
-    off, lst, _ = key_tile_lists(sel, T, S, BN)
+    if form == "dts" and not sel.shared:
+        form = "dt"  # per-query union tiles have no full pairs to split off
+    lists = key_tile_lists(sel, T, S, BN, split=form == "dts")
+    off, lst = lists[0], lists[1]
+    nfull = lists[3] if form == "dts" else off
     NKT = triton.cdiv(S, BN)
     dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
     dv = torch.empty_like(dk)
     pref = sel.pref if sel.pref is not None else sel.bits
     qmask = sel.qmask if sel.qmask is not None else sel.bits
-    args = (q, k, v, do, lse, delta, sel.bits, pref, qmask, off, lst, dk, dv, *q.stride(), *k.stride(), *v.stride(),
+    args = (q, k, v, do, lse, delta, sel.bits, pref, qmask, off, lst, nfull, dk, dv, *q.stride(), *k.stride(), *v.stride(),
             *do.stride(), *lse.stride(), *dk.stride(), T, S, G, D, NT, NKT, sel.bits.shape[1], sel.bits.shape[2],
             umax, sel.group, sel.q_offset, scale, scale * LOG2E)
     _dkdv_kernel[(NKT, H_kv, B)](*args, BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, SHARED=sel.shared, PREC=prec,
-                                 TRANSPOSED=form == "dt", num_warps=warps, num_stages=stages)
+                                 TRANSPOSED=form != "rows", SPLIT=form == "dts", num_warps=warps, num_stages=stages)
     return dk, dv
 
 

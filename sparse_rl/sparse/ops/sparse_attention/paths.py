@@ -1,15 +1,17 @@
 """Which kernel path the sparse attention takes: the one place where `auto` is decided.
 
-Paths. Forward: "query" (one program per (query, KV head), `triton._fwd_kernel`) or "tile" (GQA-packed
-query tiles over the union of their selections, `union.tile_fwd`). Backward: "atomic" (the per-query
-kernel: dq stored, dk/dv by fp32 atomics) or "tile" (dq from a query-major pass, per tile or per
-query, and dk/dv from the key-major pass, no atomics).
+Paths. Forward: "query" (one program per (query, KV head), `triton._fwd_kernel`), "tile" (GQA-packed
+query tiles over the union of their selections, `union.tile_fwd`) or, for shared rows only, "block" (the
+tiles over contiguous key tiles, full ones unmasked, `blocks.block_fwd`; its dq pass likewise).
+Backward: "atomic" (the per-query kernel: dq stored, dk/dv by fp32 atomics) or "tile" (dq from a
+query-major pass, per tile, per query or per key tile, and dk/dv from the key-major pass, no atomics).
 
 `auto` estimates each path's time from a sample of query tiles (at most SAMPLE_TILES tiles' bitmaps:
 ~1/30 of a union build at 32K) and a per-unit cost of each kernel: a few numbers, below, measured on
 an H200 (bf16, G = 4, D = 128; benchmarks/NOTES.md) and re-checked by `sparse-rl bench attention`,
 which prints the estimate beside the measured times. Shared selections (`query_group`) take the tile
-path without an estimate: their union is the selection, so nothing is built and nothing is wasted.
+path without an estimate (their union is the selection, so nothing is built), or the block path when
+the caller says the rows are whole key blocks of >= BLOCK_MIN_KEY_BLOCK keys (`key_block`).
 """
 
 from __future__ import annotations
@@ -18,26 +20,28 @@ from dataclasses import dataclass
 
 import torch
 
-# ns per unit and KV head, H200, bf16, G=4, D=128, 32K (benchmarks/NOTES.md items 6 and 9, run 1)
-NS_QUERY_FWD = 0.069  # per (query, selected key): per-query forward, L2 gather bound (37 ms)
-NS_QUERY_BWD = 0.32  # per (query, selected key): per-query backward with fp32 atomics (174 ms)
-NS_QUERY_DQ = 0.09  # per (query, selected key): per-query dq only (no atomics); not timed alone yet
-NS_TILE_FWD = 0.27  # per (tile, union key): tile forward, 128 rows (block, trained, random all 0.27)
-NS_TILE_DQ = 0.27  # per (tile, union key): tile dq pass (4.5 ms on the block pattern)
-NS_KEYMAJOR = 25.0  # per (key tile of 32, query tile) touched: key-major dk/dv (12.8 ms, block pattern)
-NS_BUILD = 0.022  # per selected (query, key), once (not per KV head): the union build (1.3-1.6 ms)
-KEY_TILE = 32  # keys per touched tile in the estimate (NS_KEYMAJOR: session 4's "rows" form; the "dt" default since
-# session 8 ran 1.3-1.6x faster on query groups, NOTES.md item 15, so the estimate is conservative for it)
+# ns per unit and KV head, H200, bf16, G=4, D=128, 32K; re-measured on session 9's second device call (token-level
+# per-query rows of the trained indexer, k = 2048: NOTES.md item 17, results/2026-12-02-h200-granular-session9.md)
+NS_QUERY_FWD = 0.067  # per (query, selected key): per-query forward, L2 gather bound (35.1 ms; session 4: 0.069)
+NS_QUERY_BWD = 0.32  # per (query, selected key): per-query backward with fp32 atomics (174 ms; session 4, not re-timed)
+NS_QUERY_DQ = 0.091  # per (query, selected key): per-query dq only, no atomics (47.1 ms; first timing)
+NS_TILE_FWD = 0.25  # per (tile, union key): tile forward, 128 rows (9.31 ms over 4.61 M union keys; session 4: 0.27)
+NS_TILE_DQ = 0.30  # per (tile, union key): tile dq pass (10.9 ms; session 4: 0.27)
+NS_KEYMAJOR = 30.2  # per (key tile of KEY_TILE, query tile) touched: key-major dk/dv at its default launch for
+# 128-row tiles, (64, 8, 2, "dt") (32.6 ms over 135 K touched pairs; at (32, 8, 2, "dt") 21.1 ns per 32-key pair,
+# 38.3 ms; session 4's "rows" form 25 ns per 32-key pair)
+NS_BUILD = 0.020  # per selected (query, key), once (not per KV head): the union build (1.32 ms)
+KEY_TILE = 64  # keys per touched tile in the estimate: the default dk/dv launch's BLOCK_N
 SAMPLE_TILES = 32
-FWD_PATHS = ("auto", "query", "tile")
+FWD_PATHS = ("auto", "query", "tile", "block")  # "block": shared selections only (blocks.py)
 BWD_PATHS = ("auto", "atomic", "tile")
 
 
 @dataclass
 class Plan:
-    fwd: str  # "query" | "tile"
+    fwd: str  # "query" | "tile" | "block"
     bwd: str  # "atomic" | "tile"
-    dq: str  # "query" | "tile" (with bwd == "tile")
+    dq: str  # "query" | "tile" | "block" (with bwd == "tile")
     estimate_ms: dict
 
 
@@ -64,15 +68,24 @@ def sample_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE) -> 
     return pairs, _popcount_sum(bits) / n, touched
 
 
+BLOCK_MIN_KEY_BLOCK = 16  # shared rows of whole key blocks >= this take the block path (blocks.py) under `auto`:
+# H200, 32K, trained input (session 9, NOTES.md item 17): forward / dq vs the gather tiles 1.43x / 1.49x at kb64g64,
+# 1.41x / 1.41x at kb32g32, 1.03x / 1.05x at kb16g16, but 0.60-0.66x on token rows (g16, g64: partial tiles)
+
+
 def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", bwd: str = "auto",
-         shared: bool = False, is_cuda: bool = True) -> Plan:
-    """Resolve `auto` paths for one call. indices `[B, T, K]` per query (or shared rows when `shared`)."""
+         shared: bool = False, is_cuda: bool = True, key_block: int = 1) -> Plan:
+    """Resolve `auto` paths for one call. indices `[B, T, K]` per query (or shared rows when `shared`);
+    key_block: the rows' key block (a hint from the selection's config; 1 = token rows)."""
     if fwd not in FWD_PATHS:
         raise ValueError(f"fwd_path {fwd!r}: expected one of {', '.join(FWD_PATHS)}")
     if bwd not in BWD_PATHS:
         raise ValueError(f"bwd_path {bwd!r}: expected one of {', '.join(BWD_PATHS)}")
     if shared:
-        return Plan("tile" if fwd == "auto" else fwd, "tile" if bwd == "auto" else bwd, "tile", {})
+        f = ("block" if key_block >= BLOCK_MIN_KEY_BLOCK else "tile") if fwd == "auto" else fwd
+        return Plan(f, "tile" if bwd == "auto" else bwd, "block" if f == "block" else "tile", {})
+    if fwd == "block":  # the block kernels read shared rows only; per-query rows take the union tiles
+        fwd = "tile"
     T = indices.shape[1]
     if (fwd != "auto" and bwd != "auto") or T < 2 * BT or not is_cuda:
         # nothing to estimate, too few queries to share keys, or the interpreter (the simple paths)

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.sparse_attention import keymajor, paths, union
+from sparse_rl.sparse.ops.sparse_attention import blocks, keymajor, paths, union
 from sparse_rl.sparse.ops.sparse_attention.naive import shared_to_per_query, sparse_attention_naive
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
@@ -253,10 +253,11 @@ class _Call:
     """One call's arguments besides the tensors: scale, sharing, requested paths, launch overrides
     (`tune`: {"fwd" | "dq" | "dkdv" | "bwd": (block, num_warps, num_stages)}, benchmarks)."""
 
-    def __init__(self, scale, query_group, q_offset, fwd_path, bwd_path, tune):
-        self.scale, self.group, self.q_offset = scale, query_group, q_offset
+    def __init__(self, scale, query_group, q_offset, fwd_path, bwd_path, tune, key_block: int = 1):
+        self.scale, self.group, self.q_offset, self.key_block = scale, query_group, q_offset, key_block
         self.fwd_path, self.bwd_path, self.tune = fwd_path, bwd_path, tune or {}
         self.needs_grad = True  # set by the caller: whether a backward can follow this forward
+        self.lists = {}  # the block path's key-tile lists {BLOCK_N: blocks.BlockLists}, forward to backward
 
 
 def _forward(q, k, v, indices, call: _Call, out=None):
@@ -270,9 +271,16 @@ def _forward(q, k, v, indices, call: _Call, out=None):
         bts = min(BT, _pow2_divisor(call.group))
         if call.fwd_path != "query" and bts >= min(BT, 4):
             # the bitmap only serves the key-major backward: not built for a forward without one
-            sel = union.shared_tiles(indices, S, call.group, bts, call.q_offset, bits=call.needs_grad)
-            pl = paths.plan(indices, S, H_kv, bts, call.fwd_path, call.bwd_path, shared=True)
-            o, lse = union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
+            pl = paths.plan(indices, S, H_kv, bts, call.fwd_path, call.bwd_path, shared=True, key_block=call.key_block)
+            if pl.fwd == "block" and not blocks.supported(q):
+                pl = paths.Plan("tile", pl.bwd, "tile", pl.estimate_ms)
+            block = pl.fwd == "block"
+            sel = union.shared_tiles(indices, S, call.group, bts, call.q_offset, bits=call.needs_grad or block)
+            if block:  # the key-tile lists, kept for the backward's dq pass (call.lists {BLOCK_N: lists})
+                o, lse = blocks.block_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"),
+                                          cache=call.lists, key_block=call.key_block)
+            else:
+                o, lse = union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
             return o, lse, None, sel, pl
         indices = shared_to_per_query(indices, call.group, q.shape[1], call.q_offset)
     pl = paths.plan(indices, S, H_kv, BT, call.fwd_path, call.bwd_path, is_cuda=q.is_cuda)
@@ -315,11 +323,15 @@ class _SparseAttention(torch.autograd.Function):
         if sel is None:
             sel = union.build_union(per_query, k.shape[1], union.tile_queries(q.shape[2] // k.shape[2]))
         delta = keymajor.bwd_delta(o, do, dlse)
-        if pl.dq == "tile" or per_query is None:
+        if pl.dq == "block":
+            dq = blocks.block_dq(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dq"),
+                                 cache=call.lists, key_block=call.key_block)
+        elif pl.dq == "tile" or per_query is None:
             dq = union.tile_dq(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dq"))
         else:
             dq = _query_bwd(q, k, v, per_query, o, lse, do, dlse, call.scale, dkdv=False, tune=call.tune.get("bwd"))[0]
-        dk, dv = keymajor.key_major_dkdv(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dkdv"))
+        dk, dv = keymajor.key_major_dkdv(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dkdv"),
+                                         key_block=call.key_block if sel.shared else 1)
         return dq, dk, dv, None, None
 
 
@@ -336,12 +348,13 @@ def _check(q, k, v, indices, query_group: int = 1):
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
                      scale: float | None = None, *, query_group: int = 1, q_offset: int = 0,
-                     fwd_path: str = "auto", bwd_path: str = "auto", tune: dict | None = None):
+                     fwd_path: str = "auto", bwd_path: str = "auto", tune: dict | None = None, key_block: int = 1):
     """Sparse attention, Triton. q `[B, T, H, D]`, k/v `[B, S, H_kv, D]`, indices `[B, T, K]` int
     (-1 = none), or with `query_group` g > 1 one row per g consecutive queries `[B, ceil(T/g), K]`
     shared by them (each query then sees the row's keys <= q_offset + t) -> (out `[B, T, H, D]`,
-    lse `[B, T, H]` fp32). Differentiable in q, k, v. `fwd_path` in auto/query/tile, `bwd_path` in
-    auto/atomic/tile (paths.py). Falls back to the reference for unsupported shapes/dtypes."""
+    lse `[B, T, H]` fp32). Differentiable in q, k, v. `fwd_path` in auto/query/tile/block, `bwd_path` in
+    auto/atomic/tile (paths.py); `key_block`: the shared rows' key block (a hint for `auto` and the block
+    launches; any rows stay exact). Falls back to the reference for unsupported shapes/dtypes."""
     _check(q, k, v, indices, query_group)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if fwd_path not in paths.FWD_PATHS or bwd_path not in paths.BWD_PATHS:
@@ -353,21 +366,22 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
         if query_group > 1:
             indices = shared_to_per_query(indices, query_group, q.shape[1], q_offset)
         return sparse_attention_naive(q, k, v, indices, scale)
-    call = _Call(scale, query_group, q_offset, fwd_path, bwd_path, tune)
+    call = _Call(scale, query_group, q_offset, fwd_path, bwd_path, tune, key_block)
     call.needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     return _SparseAttention.apply(q, k, v, indices, call)
 
 
 def sparse_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
                              scale: float | None = None, *, query_group: int = 1, q_offset: int = 0,
-                             fwd_path: str = "auto", out: tuple | None = None, tune: dict | None = None):
+                             fwd_path: str = "auto", out: tuple | None = None, tune: dict | None = None,
+                             key_block: int = 1):
     """The forward alone, no autograd (benchmarks, checks): same arguments as `sparse_attention`;
     `out=(o, lse)` writes into given buffers. Returns (out, lse, paths.Plan actually taken)."""
     _check(q, k, v, indices, query_group)
     if not supported(q, k) or indices.shape[-1] == 0 or q.shape[1] == 0:
         raise ValueError("sparse_attention_forward: shape/dtype not supported by the kernels")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    call = _Call(scale, query_group, q_offset, fwd_path, "auto", tune)
+    call = _Call(scale, query_group, q_offset, fwd_path, "auto", tune, key_block)
     call.needs_grad = False
     o, lse, _, _, pl = _forward(q, k, v, indices.to(torch.int32), call, out=out)
     return o, lse, pl
