@@ -88,19 +88,30 @@ def test_logprobs_equal_teacher_forced_forward(llama_dir, mode):
         assert (dense - torch.tensor([x for c in outs for x in c.logprobs])).abs().max() > 1e-3
 
 
-def test_sparse_engine_on_triton_kernels_equals_reference_forward(llama_dir, monkeypatch):
+@pytest.mark.parametrize("select", [None, "fine"])
+def test_sparse_engine_on_triton_kernels_equals_reference_forward(llama_dir, monkeypatch, select):
     """The engine's sparse decode on the Triton kernels (interpreter on the CPU): the indexer's
     per-token step (`ops.indexer_decode`), the decode select and the sparse decode attention give
     the log-probs of a teacher-forced forward on the PyTorch reference ops. With fused projections, the
     CUDA default: the kernels read q/k/v and the indexer's inputs as column views of one GEMM's output,
-    and `ops.silu_mul` runs the MLP."""
+    and `ops.silu_mul` runs the MLP. select "fine": the runner's `decode_select` (an engine option) reaches
+    the kernel (its fine select runs)."""
+    from sparse_rl.sparse.ops.indexer_topk import decode_fine
+    from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
+
     model = load_model(llama_dir, attention="sparse")
     # 6 new tokens take every row (9-14 prompt tokens) past the top-k of 12; each step costs seconds
     # under the interpreter
     params = SamplingParams(temperature=0.7, max_new_tokens=6, seed=5)
+    calls = []
+    real = decode_fine.fine_select
+    monkeypatch.setattr(decode_fine, "fine_select", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
-    outs = _engine(model, max_batch=2, fuse_projections=True).generate(_prompts(2, lengths=(14, 9, 13)), params)
+    opts = {} if select is None else {"decode_select": DecodeSelect(select)}
+    outs = _engine(model, max_batch=2, fuse_projections=True, runner_options=opts).generate(
+        _prompts(2, lengths=(14, 9, 13)), params)
     monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
+    assert bool(calls) == (select == "fine")
     for c in outs:
         assert len(c.tokens) == 6
         torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(model, c, params), atol=1e-4, rtol=0)

@@ -60,6 +60,7 @@ from sparse_rl.rl.rollout.cache import KVCache
 from sparse_rl.rl.rollout import compiled as C
 from sparse_rl.sparse.layer import DecodeOps, attend, layer_states, select, select_rows
 from sparse_rl.rl.rollout.fused_weights import FusedLayer
+from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cache, quantize_index_keys, silu_mul,
                                   sparse_decode)
 
@@ -118,10 +119,14 @@ class ModelRunner:
     step (default `default_compile(device)`); compile_backend: the dynamo backend, a name
     ("inductor"; "aot_eager" traces without generating code) or a backend callable.
     fuse_projections: the eager step's concatenated q/k/v(+indexer) and gate/up GEMMs (default on
-    CUDA; the modules' parameters become views of the concatenated weights, see fused_weights.py)."""
+    CUDA; the modules' parameters become views of the concatenated weights, see fused_weights.py).
+    qkv_pad: zero rows after the fused q/k/v(+indexer) weight up to a multiple of this (`set_qkv_pad`).
+    decode_select: the indexer's decode select after the score pass (`DecodeSelect`; None: its default;
+    `set_decode_select` changes it later)."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
-                 compile_backend="inductor", fuse_projections: bool | None = None):
+                 compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
+                 decode_select: DecodeSelect | None = None):
         base = _base(model)
         dec = base.get_decoder()
         self.model, self.base = model, base
@@ -159,7 +164,8 @@ class ModelRunner:
         # fused step
         self.fuse_projections = self.fused and (self.is_cuda if fuse_projections is None else bool(fuse_projections))
         # zero rows after the fused q/k/v(+indexer) weight up to a multiple of this (`set_qkv_pad`)
-        self.qkv_pad = QKV_PAD
+        self.qkv_pad = int(qkv_pad)
+        self.decode_select = DecodeSelect() if decode_select is None else decode_select
         self.fused_layers = ([FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
                              if self.fuse_projections else None)
         # the fused q/k/v(+indexer) GEMM as W @ xᵀ (`FusedLinear(weight_left=True)`), opt-in: in the engine
@@ -342,7 +348,7 @@ class ModelRunner:
                 # with no more visible keys than top-k the indexer keeps them all (`short`)
                 sel = select(st, q, k_all[i], index, pos=pos if compiled or index is not None else pos_list,
                              S=S, visible=all_idx if short else None, ops=C if compiled else DecodeOps,
-                             group=cache.group(i) if cache is not None else None)
+                             group=cache.group(i) if cache is not None else None, decode_select=self.decode_select)
                 o = self._attend(q, k_all[i], v_all[i], sel, attn.scaling, st.backend, compiled)
             elif self.dense_impl == "index":
                 o = self._attend(q, k_all[i], v_all[i], all_idx, attn.scaling, "auto", compiled)
@@ -561,6 +567,12 @@ class ModelRunner:
         if self.fused_layers is not None:
             self.fused_layers = [FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
             self.drop_graphs()
+
+    def set_decode_select(self, decode_select: DecodeSelect) -> None:
+        """Run `decode_select` from the next step on, dropping the CUDA graphs (they hold the old kernels;
+        compiled steps are recompiled, since dynamo guards on the attribute)."""
+        self.decode_select = decode_select
+        self.drop_graphs()
 
     def drop_graphs(self) -> None:
         """Forget captured graphs (compiled steps stay: their parameters and caches are inputs)."""

@@ -79,13 +79,16 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
 
 def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, pos: torch.Tensor, topk: int,
                         *, sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None,
-                        k_scale: torch.Tensor | None = None, backend: str = "auto"):
+                        k_scale: torch.Tensor | None = None, select=None, backend: str = "auto"):
     """Decode-time indexer top-k, every row at its own position. q_idx `[B, H_I, D_I]`, w `[B, H_I]`,
     k_idx `[B, S, D_I]` (index-key cache; float8_e4m3fn with k_scale `[B, S]`, see
-    `quantize_index_keys`), pos `[B]` -> `[B, topk]` int32 (ascending, -1 padded)."""
+    `quantize_index_keys`), pos `[B]` -> `[B, topk]` int32 (ascending, -1 padded). select: the Triton
+    kernel's choice of select after the score pass (`indexer_topk.decode.DecodeSelect`; None: its
+    default); every choice selects the same keys."""
     fn = kernel("indexer_topk", "indexer_topk_decode")
     if resolve_backend(backend, q_idx, fn is not None) == "triton":
-        return fn(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start, k_scale=k_scale)
+        return fn(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start, k_scale=k_scale,
+                  **({} if select is None else select.as_kwargs()))
     return indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start,
                                      k_scale=k_scale)
 

@@ -48,6 +48,7 @@ import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _block, _bstar_of, _okey_inv, _radix_level,  # noqa: F401
                                                            _radix_threshold, _sort_threshold)
+from sparse_rl.sparse.ops.indexer_topk.decode_select import AUTO_LONG, IMPLS, ROW_MAX_KEYS, DecodeSelect  # noqa: F401
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
@@ -56,20 +57,7 @@ from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 # nothing in the step (Qwen3-4B shape, batch 32 at 16K: 9.18 ms with sort=1024 vs 9.17 radix; 299
 # candidates a row on average, up to 2,031; benchmarks/results/2026-12-01-h200-rollout-session5.md)
 SORT_CANDIDATES = 0
-# which select runs after the score pass (`impl`): "auto" takes the one-program-per-row select
-# (decode_row.py) for rows of at most ROW_MAX_KEYS keys and the chunked passes beyond. On the H200
-# (Qwen3-4B shape, random caches, one engine; benchmarks/results/2026-12-01-h200-rollout-session6.md)
-# the row select took 0.43-0.71 ms off the batch-32 step at 2.3K-8K context (0.32 at batch 16, 2.3K-4K),
-# where the chunked passes are held by their seven launches, and added 0.6-1.25 ms at 16 x 16K-32K,
-# where one program per row walks the row alone; "split" (decode_split.py) and "fine" (decode_fine.py: two
-# levels of bins, exact zeros by count; equal to the default within noise in the step at 2.3K-16K on the H200,
-# session 8) are opt-in.
-IMPLS = ("auto", "chunked", "row", "split", "fine")
-DECODE_IMPL = "auto"
-ROW_MAX_KEYS = 8192
-AUTO_LONG = "chunked"  # what "auto" runs for rows of more than ROW_MAX_KEYS keys
-
-
+# the choice of select after the score pass (`impl`, `DecodeSelect`): see decode_select.py
 @triton.jit
 def _span(RNG, b, NB: tl.constexpr):
     """The row's maximum and NB / (max - min) over its finite, unforced visible scores (0 when the
@@ -260,7 +248,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
                         sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None,
                         chunk: int | None = None, num_warps: int | None = None, candidates: bool = False,
                         k_scale: torch.Tensor | None = None, sort: int | None = None, impl: str | None = None,
-                        row_block: int = 4096, row_warps: int = 16, fine_cap: int | None = None):
+                        row_block: int = 4096, row_warps: int = 16, fine_cap: int | None = None,
+                        row_max_keys: int = ROW_MAX_KEYS, auto_long: str = AUTO_LONG):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference. candidates=True also returns each row's number of second-level
@@ -274,8 +263,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     `decode_row.py`, two launches, `row_block` keys a step in `row_warps` warps), "split" (the score
     pass, then three (chunk, row) launches: `decode_split.py`), "fine" (the score pass, then three (chunk,
     row) launches with a second level of bins: `decode_fine.py`; fine_cap: its most sub-bin keys ranked in
-    registers) or "auto" (row for S <= `ROW_MAX_KEYS`, else `AUTO_LONG`, chunked); default `DECODE_IMPL`
-    ("auto"). Every impl selects the same keys."""
+    registers) or "auto" (the default: row for S <= row_max_keys, else auto_long; `DecodeSelect` holds these
+    three). Every impl selects the same keys."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:
@@ -300,11 +289,11 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     sort = SORT_CANDIDATES if sort is None else sort
     if sort and sort & (sort - 1):
         raise ValueError(f"sort ({sort}) must be 0 or a power of two")
-    impl = DECODE_IMPL if impl is None else impl
-    if impl not in IMPLS:
-        raise ValueError(f"impl {impl!r}: expected one of {', '.join(IMPLS)}")
+    impl = "auto" if impl is None else impl
+    if impl not in IMPLS or auto_long not in IMPLS[1:]:
+        raise ValueError(f"impl {impl!r} / auto_long {auto_long!r}: expected one of {', '.join(IMPLS)}")
     if impl == "auto":
-        impl = "row" if S <= ROW_MAX_KEYS else AUTO_LONG
+        impl = "row" if S <= row_max_keys else auto_long
     if impl == "fine":
         from sparse_rl.sparse.ops.indexer_topk.decode_fine import fine_chunk
 

@@ -118,26 +118,36 @@ def _sub_gather(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, S, K, P, CH: tl.cons
 
 
 @triton.jit
-def _rank_sub_bin(CU, CI, CD, b, S, n_c, b2, n2, rem2, CH: tl.constexpr, PMAX: tl.constexpr,
+def _rank_sub_bin(CU, CI, CD, b, S, col, zc, h2b, b2, n2, rem2, CH: tl.constexpr, PMAX: tl.constexpr,
                   CAPB: tl.constexpr, CB: tl.constexpr):
-    """The rem2-th largest (u, position) among the n2 <= CAPB keys of sub-bin b2 (compacted from the row's
-    list of n_c slots into registers, then each ranked by how many beat it), and each chunk's count of
-    those kept `[PMAX]`."""
+    """The rem2-th largest (u, position) among the n2 <= CAPB keys of sub-bin b2, and each chunk's count of
+    those kept `[PMAX]`. The keys are compacted into registers from the list regions of the chunks that
+    hold some (h2b `[PMAX]`: each chunk's keys in b2; col `[PMAX]`: its slots in the row's list, zc of them
+    its zeros' empty ones at the region's end), ~3 regions of ~30 slots at 32 x 16K instead of the row's
+    whole list (~440 slots, up to ~2,300: the walk that took `_resolve_write` to 31 us a layer on the
+    H200, session 8), then each key is ranked by how many beat it."""
     slots = tl.arange(0, CAPB)
     offs = tl.arange(0, CB)
+    offs_p = tl.arange(0, PMAX)
+    start = tl.cumsum(col, 0) - col  # [PMAX] first slot of each chunk's region
     fu = tl.zeros([CAPB], tl.int32)
     fi = tl.zeros([CAPB], tl.int32)
     seen = 0
-    for c in range(0, n_c, CB):
-        live = c + offs < n_c
-        m = live & (tl.load(CD + b * S + c + offs, mask=live, other=-1) == b2)
-        u = tl.load(CU + b * S + c + offs, mask=m, other=0)
-        idx = tl.load(CI + b * S + c + offs, mask=m, other=0)
-        slot = seen + tl.cumsum(m.to(tl.int32), 0) - 1
-        hit = m[None, :] & (slot[None, :] == slots[:, None])  # [CAPB, CB]
-        fu += tl.sum(tl.where(hit, u[None, :], 0), 1)
-        fi += tl.sum(tl.where(hit, idx[None, :], 0), 1)
-        seen += tl.sum(m.to(tl.int32), 0)
+    q = -1
+    for _ in range(0, tl.sum((h2b > 0).to(tl.int32), 0)):  # the next chunk holding keys of b2
+        q = tl.min(tl.where((offs_p > q) & (h2b > 0), offs_p, PMAX), 0)
+        st = tl.sum(tl.where(offs_p == q, start, 0), 0)
+        end = st + tl.sum(tl.where(offs_p == q, col - zc, 0), 0)
+        for c in range(st, end, CB):
+            live = c + offs < end
+            m = live & (tl.load(CD + b * S + c + offs, mask=live, other=-1) == b2)
+            u = tl.load(CU + b * S + c + offs, mask=m, other=0)
+            idx = tl.load(CI + b * S + c + offs, mask=m, other=0)
+            slot = seen + tl.cumsum(m.to(tl.int32), 0) - 1
+            hit = m[None, :] & (slot[None, :] == slots[:, None])  # [CAPB, CB]
+            fu += tl.sum(tl.where(hit, u[None, :], 0), 1)
+            fi += tl.sum(tl.where(hit, idx[None, :], 0), 1)
+            seen += tl.sum(m.to(tl.int32), 0)
     live2 = slots < n2
     uu = fu.to(tl.uint32, bitcast=True)
     beats = live2[None, :] & ((uu[None, :] > uu[:, None]) | ((uu[None, :] == uu[:, None]) & (fi[None, :] > fi[:, None])))
@@ -146,7 +156,6 @@ def _rank_sub_bin(CU, CI, CD, b, S, n_c, b2, n2, rem2, CH: tl.constexpr, PMAX: t
     tau = tl.sum(tl.where(kth, fu, 0), 0).to(tl.uint32, bitcast=True)
     cut = tl.sum(tl.where(kth, fi, 0), 0)
     kept = live2 & (rank < rem2)
-    offs_p = tl.arange(0, PMAX)
     per_chunk = tl.sum((((fi[None, :] // CH) == offs_p[:, None]) & kept[None, :]).to(tl.int32), 1)
     return tau, cut, per_chunk
 
@@ -164,7 +173,8 @@ def _resolve_write(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, OUT, NC, sob, S, 
     bins = tl.arange(0, NB)[None, :]
     bstar, rem, take_all = _bstar_of(tl.sum(hp, 0), tl.sum(nfp, 0), K, NB)
     emit = nfp + tl.sum(tl.where(bins < bstar, hp, 0), 1)  # [PMAX] keys each chunk takes outright
-    n_c = tl.sum(tl.sum(tl.where(bins == bstar, hp, 0), 1), 0)  # list slots (b*'s keys, zeros included)
+    col = tl.sum(tl.where(bins == bstar, hp, 0), 1)  # [PMAX] each chunk's list slots (b*'s keys, zeros included)
+    n_c = tl.sum(col, 0)
     # selected: forced, or d < b*, or in b*: a nonzero key with sub-bin < lo2 or (u, position) >=
     # (tau, cut), or a zero of order >= z0 among the row's zeros of b* (counted from z_off in this chunk)
     tau = tl.zeros([], tl.uint32)  # take_all: b* = NB, every finite key has d < b*
@@ -199,14 +209,15 @@ def _resolve_write(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, OUT, NC, sob, S, 
                               mask=pm[:, None], other=0)
                 b2, rem2, all2 = _bstar_of(tl.sum(h2p, 0), 0, target, NB2)
                 bins2 = tl.arange(0, NB2)[None, :]
-                n2 = tl.sum(tl.sum(tl.where(bins2 == b2, h2p, 0), 1), 0)
+                h2b = tl.sum(tl.where(bins2 == b2, h2p, 0), 1)  # [PMAX] each chunk's keys in b2
+                n2 = tl.sum(h2b, 0)
                 if all2:  # every nonzero key of b* is taken (b2 = NB2: every sub-bin is below it)
                     lo2 = NB2
                     tau = tl.full([], 0xFFFFFFFF, tl.uint32)
                     cut = 2147483647
                     emit += tl.sum(h2p, 1)
                 elif n2 <= CAPB:
-                    tau, cut, kept = _rank_sub_bin(CU, CI, CD, b, S, n_c, b2, n2, rem2, CH, PMAX, CAPB, CB)
+                    tau, cut, kept = _rank_sub_bin(CU, CI, CD, b, S, col, zc, h2b, b2, n2, rem2, CH, PMAX, CAPB, CB)
                     lo2 = b2
                     emit += tl.sum(tl.where(bins2 < b2, h2p, 0), 1) + kept
                 else:  # many equal scores in one sub-bin: the exact radix levels over b*'s nonzero keys
