@@ -57,6 +57,7 @@ from sparse_rl.sparse.ops.indexer_topk.decode_split import _hist_chunk, _tile
 from sparse_rl.sparse.ops.indexer_topk.decode_steps import NB, _block, _bstar_of, _radix_threshold
 
 NB2 = 128  # sub-bins of the threshold's first-level bin
+CB = 128  # list slots a step when the sub-bin's keys are compacted (regions of ~30 slots at 32 x 16K; max ~150)
 CAP = 32  # at most this many nonzero-score keys in the threshold's sub-bin are ranked in registers (else radix)
 U0 = tl.constexpr(0x80000000)  # okey(0.0) (and of -0.0): the score of a key whose every head's ReLU is 0
 
@@ -261,9 +262,10 @@ def fine_chunk(B: int, S: int, interpret: bool) -> int:
 
 
 def fine_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: int, chunk: int, block: int, *,
-                num_warps: int, interpret: bool, cap: int = CAP) -> tuple[torch.Tensor, torch.Tensor]:
+                num_warps: int, interpret: bool, cap: int = CAP, cb: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_row.row_select`'s inputs and result, in three (chunk, row) launches (block: keys a step of
-    each chunk's loop; cap: a power of two, the most sub-bin keys ranked in registers). The second
+    each chunk's loop; cap: a power of two, the most sub-bin keys ranked in registers; cb: list slots a
+    step of the sub-bin's compaction, default `CB`, 16 under the interpreter). The second
     result is each row's count of keys in the threshold's sub-bin `[B]` (0 where none was resolved)."""
     if cap < 1 or cap & (cap - 1):
         raise ValueError(f"cap ({cap}) must be a power of two")
@@ -285,5 +287,5 @@ def fine_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: i
     _hist_chunk[grid](sc, pos, span, hp, nfp, S, P, **kw)
     _sub_gather[grid](sc, pos, span, hp, nfp, h2, zc, cu, ci, cd, S, topk, P, NB2=NB2, **kw)
     _resolve_write[grid](sc, pos, span, hp, nfp, h2, zc, cu, ci, cd, out, n2, out.stride(0), S, topk, P, NB2=NB2,
-                         CAPB=max(2, cap), CB=16 if interpret else 128, BLOCK=64 if interpret else 1024, **kw)
+                         CAPB=max(2, cap), CB=cb or (16 if interpret else CB), BLOCK=64 if interpret else 1024, **kw)
     return out, n2
