@@ -46,8 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _block, _bstar_of, _okey_inv, _radix_level,  # noqa: F401
-                                                           _radix_threshold, _sort_threshold)
+from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _append, _block, _bstar_of, _emit,  # noqa: F401
+                                                           _okey_inv, _pad_rest, _radix_level, _radix_threshold,
+                                                           _sort_threshold)
 from sparse_rl.sparse.ops.indexer_topk.decode_select import AUTO_LONG, IMPLS, ROW_MAX_KEYS, DecodeSelect  # noqa: F401
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
@@ -176,10 +177,7 @@ def _gather_cands(SC, POS, RNG, HIST, NF, CNT, CU, CI, S, K, P, CH: tl.constexpr
             for i in range(0, CH // BN):
                 offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
                 cand = fin & (d == bstar)
-                slot = off + tl.cumsum(cand.to(tl.int32), 0) - 1
-                tl.store(CU + b * S + slot, u.to(tl.int32, bitcast=True), mask=cand)
-                tl.store(CI + b * S + slot, offs_n, mask=cand)
-                off += tl.sum(cand.to(tl.int32), 0)
+                off = _append(CU, CI, b, S, offs_n, u, cand, off)
 
 
 @triton.jit
@@ -224,13 +222,9 @@ def _write(SC, POS, RNG, TAU, CUT, OFFS, OUT, sob, S, K, P, CH: tl.constexpr, BN
         for i in range(0, CH // BN):
             offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
             sel = (x == float("inf")) | (fin & ((u > tau) | ((u == tau) & (offs_n >= cut))))
-            slot = off + tl.cumsum(sel.to(tl.int32), 0) - 1
-            tl.store(OUT + b * sob + slot, offs_n, mask=sel)
-            off += tl.sum(sel.to(tl.int32), 0)
+            off = _emit(OUT, b, sob, offs_n, sel, off)
     if p == P - 1:  # the last chunk's end offset is the row's count: pad the rest with -1
-        for c in range(off, K, BN):
-            offs = c + tl.arange(0, BN)
-            tl.store(OUT + b * sob + offs, tl.full([BN], -1, tl.int32), mask=offs < K)
+        _pad_rest(OUT, b, sob, off, K, BN)
 
 
 def _chunk(B: int, S: int, interpret: bool) -> int:

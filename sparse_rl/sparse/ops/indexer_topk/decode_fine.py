@@ -53,8 +53,9 @@ import triton
 import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk.decode_row import _row_span
-from sparse_rl.sparse.ops.indexer_topk.decode_split import _hist_chunk, _tile
-from sparse_rl.sparse.ops.indexer_topk.decode_steps import NB, _block, _bstar_of, _radix_threshold
+from sparse_rl.sparse.ops.indexer_topk.decode_split import _hist_chunk, _list_start, _tile
+from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _append, _block, _bstar_of, _emit, _pad_rest,
+                                                           _radix_threshold)
 
 NB2 = 128  # sub-bins of the threshold's first-level bin
 CB = 128  # list slots a step when the sub-bin's keys are compacted (regions of ~30 slots at 32 x 16K; max ~150)
@@ -79,15 +80,11 @@ def _sub_gather(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, S, K, P, CH: tl.cons
     pos = tl.load(POS + b).to(tl.int32)
     c0 = p * CH
     if c0 <= pos:
-        hp, nfp = _tile(HP, NFP, b, pos, P, CH, NB, PMAX)
-        bstar, rem, take_all = _bstar_of(tl.sum(hp, 0), tl.sum(nfp, 0), K, NB)
+        # this chunk's slot in the row's list: the earlier chunks' b* keys, their zeros included (ZC is
+        # written by those chunks' programs in this same launch, so it cannot be read: the list is laid
+        # out by the b* counts, zeros' slots left unused)
+        bstar, rem, mx, inv, off = _list_start(HP, NFP, SPAN, b, p, pos, K, P, CH, NB, PMAX)
         if (bstar < NB) & (rem > 0):
-            mx, inv = _row_span(SPAN, b, pos, P, CH, NB, PMAX)
-            col = tl.sum(tl.where(tl.arange(0, NB)[None, :] == bstar, hp, 0), 1)  # [PMAX] b* keys a chunk
-            # this chunk's slot in the row's list: the earlier chunks' b* keys less their zeros (ZC is
-            # written by those chunks' programs in this same launch, so it cannot be read: the list is
-            # laid out by the b* counts, zeros' slots left unused)
-            off = tl.sum(tl.where(tl.arange(0, PMAX) < p, col, 0), 0)
             bins2 = tl.arange(0, NB2)
             hist2 = tl.zeros([NB2], tl.int32)
             zeros = 0
@@ -101,11 +98,8 @@ def _sub_gather(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, S, K, P, CH: tl.cons
                 hist2 += tl.histogram(d2, NB2) - tl.where(bins2 == 0, tl.sum((~cand).to(tl.int32), 0), 0)
                 zeros += tl.sum(zero.to(tl.int32), 0)
                 above += tl.sum((cand & (u > U0)).to(tl.int32), 0)
-                slot = off + tl.cumsum(cand.to(tl.int32), 0) - 1
-                tl.store(CU + b * S + slot, u.to(tl.int32, bitcast=True), mask=cand)
-                tl.store(CI + b * S + slot, offs_n, mask=cand)
-                tl.store(CD + b * S + slot, d2, mask=cand)
-                off += tl.sum(cand.to(tl.int32), 0)
+                tl.store(CD + b * S + off + tl.cumsum(cand.to(tl.int32), 0) - 1, d2, mask=cand)
+                off = _append(CU, CI, b, S, offs_n, u, cand, off)
             # the chunk's unused slots (as many as its zeros) marked empty: sub-bin -1 (no sub-bin's key),
             # u 0 (below every score: the radix levels never take one), position -1
             for c in range(off, off + zeros, BN):
@@ -238,14 +232,10 @@ def _resolve_write(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, OUT, NC, sob, S, 
             z_off += tl.sum(zero.to(tl.int32), 0)
             keep = (~zero & ((d2 < lo2) | (u > tau) | ((u == tau) & (offs_n >= cut)))) | (zero & (order >= z0))
             sel = (x == float("inf")) | (fin & (d < bstar)) | (inb & keep)
-            slot = off + tl.cumsum(sel.to(tl.int32), 0) - 1
-            tl.store(OUT + b * sob + slot, offs_n, mask=sel)
-            off += tl.sum(sel.to(tl.int32), 0)
+            off = _emit(OUT, b, sob, offs_n, sel, off)
     if p == P - 1:  # every visible chunk's count is in emit: pad the rest with -1
         off = tl.sum(emit, 0)
-        for c in range(off, K, BN):
-            offs = c + tl.arange(0, BN)
-            tl.store(OUT + b * sob + offs, tl.full([BN], -1, tl.int32), mask=offs < K)
+        _pad_rest(OUT, b, sob, off, K, BN)
 
 
 def fine_chunk(B: int, S: int, interpret: bool) -> int:
