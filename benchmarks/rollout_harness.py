@@ -140,12 +140,12 @@ def score_pass(qi, wi, keys, pos, CH, sink, window, k_scale=None):
     P = triton.cdiv(S, CH)
     sc = torch.empty(B, S, device=qi.device, dtype=torch.float32)
     span = torch.empty(B, P, 2, device=qi.device, dtype=torch.float32)
-    kvs = torch.zeros(B, dtype=torch.int32, device=qi.device)
     fp8 = k_scale is not None
-    itd._score_max[(P, B)](qi, wi, keys, k_scale if fp8 else sc, pos, kvs, sc, span, *qi.stride(), *wi.stride(),
+    itd._score_max[(P, B)](qi, wi, keys, k_scale if fp8 else sc, pos, pos, sc, span, *qi.stride(), *wi.stride(),
                            *keys.stride(), k_scale.stride(0) if fp8 else 0, S, sink, window, HI, DI, P, HB=16,
                            BD=max(16, triton.next_power_of_2(DI)), CH=CH, BN=min(CH, 16 if not qi.is_cuda else 256),
-                           PREC=dot_precision(qi.dtype), FP8=fp8, PER_CHUNK=True, num_warps=4 if qi.is_cuda else 1)
+                           PREC=dot_precision(qi.dtype), FP8=fp8, PER_CHUNK=True, HAS_START=False,
+                           num_warps=4 if qi.is_cuda else 1)
     return sc, span
 
 

@@ -298,6 +298,7 @@ class ModelRunner:
         if compiled and self.dense_impl == "sdpa":
             vis_full = torch.arange(k_all.shape[2], device=dev)[None] <= pos[:, None]  # [B, S_max]
         pos_list = None
+        pos32 = None
 
         def write(buf, i, val):
             if compiled:
@@ -345,8 +346,13 @@ class ModelRunner:
                     index = (q_i, w, idx_all[i]) if scale_all is None else (q_i, w, idx_all[i], scale_all[i])
                 elif not compiled:  # the eager block selector reads positions on the host, once per step
                     pos_list = pos.tolist() if pos_list is None else pos_list
+                if index is not None and not st.cfg.granular:  # the decode select's int32 positions, once a step
+                    pos32 = pos.to(torch.int32) if pos32 is None else pos32  # (not one copy kernel a layer)
+                    sel_pos = pos32
+                else:
+                    sel_pos = pos if compiled or index is not None else pos_list
                 # with no more visible keys than top-k the indexer keeps them all (`short`)
-                sel = select(st, q, k_all[i], index, pos=pos if compiled or index is not None else pos_list,
+                sel = select(st, q, k_all[i], index, pos=sel_pos,
                              S=S, visible=all_idx if short else None, ops=C if compiled else DecodeOps,
                              group=cache.group(i) if cache is not None else None, decode_select=self.decode_select)
                 o = self._attend(q, k_all[i], v_all[i], sel, attn.scaling, st.backend, compiled)

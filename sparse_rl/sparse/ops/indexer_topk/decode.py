@@ -84,11 +84,14 @@ def _bstar(HIST, NF, b, K, NB: tl.constexpr):
 def _score_max(Q, W, KI, KS, POS, KVS, SC, RNG, sqb, sqh, sqd, swb, swh, skb, sks, skd, ssb,
                S, sink, window, HI, DI, P,
                HB: tl.constexpr, BD: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
-               FP8: tl.constexpr, PER_CHUNK: tl.constexpr):
+               FP8: tl.constexpr, PER_CHUNK: tl.constexpr, HAS_START: tl.constexpr = True):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
-    start = tl.load(KVS + b)
+    if HAS_START:  # left padding: the row's first valid key (else 0, no `[B]` zeros to fill each call)
+        start = tl.load(KVS + b)
+    else:
+        start = 0
     c0 = p * CH
     if c0 <= pos:
         offs_h = tl.arange(0, HB)
@@ -276,8 +279,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     dev = q_idx.device
     interpret = not q_idx.is_cuda
     pos = torch.as_tensor(pos, device=dev).to(torch.int32).reshape(B)
-    kvs = (torch.zeros(B, dtype=torch.int32, device=dev) if kv_start is None
-           else torch.as_tensor(kv_start, device=dev).to(torch.int32).reshape(B))
+    # no kv_start: the score pass starts every row at key 0 (HAS_START=False; pos stands in for the pointer)
+    kvs = pos if kv_start is None else torch.as_tensor(kv_start, device=dev).to(torch.int32).reshape(B)
     if k_idx.stride(-1) != 1:
         k_idx = k_idx.contiguous()
     sort = SORT_CANDIDATES if sort is None else sort
@@ -301,7 +304,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     nw = 1 if interpret else (num_warps or 4)
     grid = (P, B)
     score = dict(HB=max(16, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), CH=CH, BN=BN,
-                 PREC=dot_precision(q_idx.dtype), FP8=fp8, num_warps=nw)
+                 PREC=dot_precision(q_idx.dtype), FP8=fp8, HAS_START=kv_start is not None, num_warps=nw)
     score_args = (q_idx, w, k_idx, k_scale if fp8 else sc, pos, kvs, sc)
     strides = (*q_idx.stride(), *w.stride(), *k_idx.stride(), k_scale.stride(0) if fp8 else 0, S, sink, window, HI,
                DI, P)
