@@ -95,7 +95,8 @@ def test_sparse_engine_on_triton_kernels_equals_reference_forward(llama_dir, mon
     the log-probs of a teacher-forced forward on the PyTorch reference ops. With fused projections, the
     CUDA default: the kernels read q/k/v and the indexer's inputs as column views of one GEMM's output,
     and `ops.silu_mul` runs the MLP. select "fine": the runner's `decode_select` (an engine option) reaches
-    the kernel (its fine select runs)."""
+    the kernel (its fine select runs), with `skinny_gemm` (o_proj / down_proj as `ops.skinny_linear`)."""
+    from sparse_rl.rl.rollout import forward
     from sparse_rl.sparse.ops.indexer_topk import decode_fine
     from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
@@ -103,15 +104,16 @@ def test_sparse_engine_on_triton_kernels_equals_reference_forward(llama_dir, mon
     # 6 new tokens take every row (9-14 prompt tokens) past the top-k of 12; each step costs seconds
     # under the interpreter
     params = SamplingParams(temperature=0.7, max_new_tokens=6, seed=5)
-    calls = []
-    real = decode_fine.fine_select
+    calls, gemms = [], []
+    real, real_gemm = decode_fine.fine_select, forward.skinny_linear
     monkeypatch.setattr(decode_fine, "fine_select", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(forward, "skinny_linear", lambda *a, **k: gemms.append(1) or real_gemm(*a, **k))
     monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
-    opts = {} if select is None else {"decode_select": DecodeSelect(select)}
+    opts = {} if select is None else {"decode_select": DecodeSelect(select), "skinny_gemm": True}
     outs = _engine(model, max_batch=2, fuse_projections=True, runner_options=opts).generate(
         _prompts(2, lengths=(14, 9, 13)), params)
     monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
-    assert bool(calls) == (select == "fine")
+    assert bool(calls) == bool(gemms) == (select == "fine")
     for c in outs:
         assert len(c.tokens) == 6
         torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(model, c, params), atol=1e-4, rtol=0)

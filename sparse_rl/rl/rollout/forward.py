@@ -62,7 +62,7 @@ from sparse_rl.sparse.layer import DecodeOps, attend, layer_states, select, sele
 from sparse_rl.rl.rollout.fused_weights import FusedLayer
 from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cache, quantize_index_keys, silu_mul,
-                                  sparse_decode)
+                                  skinny_linear, sparse_decode)
 
 
 # `ModelRunner.qkv_pad`'s default: zero rows after the fused q/k/v(+indexer) weight up to 64 output columns.
@@ -122,11 +122,13 @@ class ModelRunner:
     CUDA; the modules' parameters become views of the concatenated weights, see fused_weights.py).
     qkv_pad: zero rows after the fused q/k/v(+indexer) weight up to a multiple of this (`set_qkv_pad`).
     decode_select: the indexer's decode select after the score pass (`DecodeSelect`; None: its default;
-    `set_decode_select` changes it later)."""
+    `set_decode_select` changes it later). skinny_gemm: the eager step's o_proj and down_proj (plain
+    bias-free Linear modules, at most 32 rows) as `ops.skinny_linear` (split-K in one launch) instead of
+    F.linear (cuBLAS: split-K + a reduce kernel); opt-in (drop the graphs after a switch)."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
-                 decode_select: DecodeSelect | None = None):
+                 decode_select: DecodeSelect | None = None, skinny_gemm: bool = False):
         base = _base(model)
         dec = base.get_decoder()
         self.model, self.base = model, base
@@ -166,6 +168,8 @@ class ModelRunner:
         # zero rows after the fused q/k/v(+indexer) weight up to a multiple of this (`set_qkv_pad`)
         self.qkv_pad = int(qkv_pad)
         self.decode_select = DecodeSelect() if decode_select is None else decode_select
+        self.skinny_gemm = bool(skinny_gemm)
+        self._skinny_cnt: dict = {}  # id(module) -> its tile counters (ops.skinny_linear)
         self.fused_layers = ([FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
                              if self.fuse_projections else None)
         # the fused q/k/v(+indexer) GEMM as W @ xᵀ (`FusedLinear(weight_left=True)`), opt-in: in the engine
@@ -366,8 +370,9 @@ class ModelRunner:
                 o = F.scaled_dot_product_attention(q[:, :, None], kc.transpose(1, 2), vc.transpose(1, 2),
                                                    attn_mask=mask[:, None, None, :], scale=attn.scaling,
                                                    enable_gqa=self.H != self.H_kv)[:, :, 0]
-            x, res = self._add_norm(attn.o_proj(o.reshape(B, -1)), res, layer.post_attention_layernorm, compiled)
-            pending = self._mlp(layer.mlp, fl, x)
+            x, res = self._add_norm(self._out(attn.o_proj, o.reshape(B, -1), compiled), res,
+                                    layer.post_attention_layernorm, compiled)
+            pending = self._mlp(layer.mlp, fl, x, compiled)
         y, _ = self._add_norm(pending, res, self.norm, compiled)
         return self.lm_head(y).float()
 
@@ -392,8 +397,20 @@ class ModelRunner:
         q, k, v = (t.view(B, -1, self.D) for t in parts[:3])
         return q, k, v, (parts[3:] if with_ix else None)
 
-    @staticmethod
-    def _mlp(mlp, fl, x):
+    def _out(self, mod, x, compiled: bool):
+        """mod(x) for a layer's o_proj / down_proj: `ops.skinny_linear` with `skinny_gemm` where it applies
+        (eager, a plain bias-free Linear, at most 32 rows), else the module (peft wrappers included)."""
+        if (not self.skinny_gemm or compiled or x.shape[0] > 32 or type(mod) is not torch.nn.Linear
+                or mod.bias is not None):
+            return mod(x)
+        cnt = self._skinny_cnt.get(id(mod))
+        if cnt is None:
+            from sparse_rl.sparse.ops.skinny_linear.triton import counters
+
+            cnt = self._skinny_cnt[id(mod)] = counters(mod.out_features, x.device)
+        return skinny_linear(x, mod.weight, cnt)
+
+    def _mlp(self, mlp, fl, x, compiled: bool = False):
         """The MLP of one token per row: one gate/up GEMM and `ops.silu_mul` when fused, else the module."""
         if fl is None or fl.gate_up is None:
             return mlp(x)
@@ -403,7 +420,7 @@ class ModelRunner:
         else:
             g, u = gu.split(fl.gate_up.sizes, dim=1)
             a = mlp.act_fn(g) * u
-        return mlp.down_proj(a)
+        return self._out(mlp.down_proj, a, compiled)
 
     @staticmethod
     def _indexer_step(ix, x, cos, sin, pos, k_cache, backend, z=None, k_scale=None):

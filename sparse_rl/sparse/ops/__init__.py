@@ -25,7 +25,7 @@ from sparse_rl.sparse.ops.sparse_attention.naive import (dense_attention_naive, 
 __all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_topk_decode", "indexer_scores", "indexer_decode",
            "block_select", "visible_mask", "granular_topk", "granular_topk_decode", "shared_rows_ok",
            "dense_attention_naive", "kernel", "warmup_kl", "selected_kl", "dense_lse", "KLStats", "add_rmsnorm",
-           "qk_norm_rope_cache", "silu_mul", "quantize_index_keys"]
+           "qk_norm_rope_cache", "silu_mul", "quantize_index_keys", "skinny_linear"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,3 +211,16 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     if resolve_backend(backend, gate_up, fn is not None) == "triton":
         return fn(gate_up)
     return silu_mul_naive(gate_up)
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = None, *, backend: str = "auto",
+                  **kw) -> torch.Tensor:
+    """x `[M, K]` (M <= 32) @ w `[N, K]`ᵀ -> `[M, N]`, no bias: the Triton kernel splits K inside one launch
+    (`skinny_linear/triton.py`; cnt: the call site's tile counters, `skinny_linear.triton.counters`; kw: its
+    tiles), the reference is F.linear's arithmetic."""
+    from sparse_rl.sparse.ops.skinny_linear.naive import skinny_linear_naive
+
+    fn = kernel("skinny_linear", "skinny_linear")
+    if x.shape[0] <= 32 and resolve_backend(backend, x, fn is not None) == "triton":
+        return fn(x, w, cnt, **kw)
+    return skinny_linear_naive(x, w)
