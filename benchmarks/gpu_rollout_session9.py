@@ -17,21 +17,25 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
 import rollout_harness as rh  # noqa: E402
-from granular_harness import Run, log  # noqa: E402
+from granular_harness import T0, Run, log  # noqa: E402
 from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect  # noqa: E402
 
 V = rh.Variant
 VARIANTS = {"base": V(), "autofine": V(DecodeSelect(long="fine")), "fine": V(DecodeSelect("fine")),
-            "fine4k": V(DecodeSelect(row_max_keys=4096, long="fine"))}
+            "fine4k": V(DecodeSelect(row_max_keys=4096, long="fine")), "skinny": V(skinny_gemm=True),
+            "autofine_skinny": V(DecodeSelect(long="fine"), skinny_gemm=True),
+            "fine_skinny": V(DecodeSelect("fine"), skinny_gemm=True),
+            "fine4k_skinny": V(DecodeSelect(row_max_keys=4096, long="fine"), skinny_gemm=True)}
 # estimated device seconds of each phase (session 8's measured costs, scaled to this call's rows)
 NEED = {"setup": 14, "select_check": 6, "alone": 14, "steps": 16, "profile": 8, "batch1": 14, "fp8": 16,
-        "whole_16k_b32": 30, "whole_32k_b16": 24}
+        "whole_16k_b32": 30, "whole_32k_b16": 24, "engine_check": 14, "gemm": 10}
 
 
 def select_check(dev, smoke) -> dict:
@@ -128,6 +132,94 @@ def alone(run, b, eng, ctxs, smoke) -> dict:
     return res
 
 
+def engine_check(dev, smoke, variants: dict) -> dict:
+    """Tiny Qwen3 (fp32, sparse: top-k 32, 47-token prompt + 40 new keys past it): the engine's greedy tokens
+    == HF generate and its sampled log-probs vs a teacher-forced forward, per variant (CUDA graphs on)."""
+    from sparse_rl.bench.floor import SHAPES, build_model
+    from sparse_rl.rl.rollout import RolloutEngine, SamplingParams, process_logits
+    from sparse_rl.sparse.config import SparseConfig
+    from sparse_rl.sparse.layer import set_attention
+    from sparse_rl.sparse.patch import attach_sparse
+
+    model = build_model(SHAPES["tiny-qwen3"], 512, dev, torch.float32)
+    attach_sparse(model, SparseConfig(topk=32, index_heads=2, index_dim=16, rope_dim=8, sink=2, window=4,
+                                      dense_layers=[0]))
+    model.to(torch.float32)
+    set_attention(model, "sparse")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(10, 500, (n,), generator=g).tolist() for n in (21, 47, 9)]
+    new = 6 if smoke else 40
+    with torch.inference_mode():
+        hf = [model.generate(torch.tensor([p], device=dev), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    params = SamplingParams(temperature=1.0, max_new_tokens=new, seed=7)
+    out = {}
+    for name, v in variants.items():
+        eng = RolloutEngine(model, None, max_batch=3, max_seq_len=256, device=dev, eos_token_ids=[],
+                            runner_options={"decode_select": v.select, "qkv_pad": v.qkv_pad,
+                                            "skinny_gemm": v.skinny_gemm})
+        greedy = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=new))
+        lp = 0.0
+        for c in eng.generate(prompts, params):
+            with torch.inference_mode():
+                ids = torch.tensor([c.prompt_tokens + c.tokens], device=dev)
+                logits = model(input_ids=ids).logits[0, len(c.prompt_tokens) - 1:-1].float()
+                ref = process_logits(logits, params).gather(-1, torch.tensor(c.tokens, device=dev)[:, None])[:, 0]
+            lp = max(lp, float((torch.tensor(c.logprobs, device=dev) - ref).abs().max()))
+        out[name] = {"greedy_equal_hf": f"{sum(r == c.tokens for r, c in zip(hf, greedy))}/{len(prompts)}",
+                     "logprobs_max_abs_diff": lp, "graphs": eng.runner.use_graphs, "graph_error": eng.runner.graph_error}
+        log(f"engine check {name}: {out[name]}")
+        del eng
+    return out
+
+
+def prove_skinny() -> dict:
+    """Child process (`--prove-skinny`): `ops.skinny_linear` on the GPU at Qwen3-4B's four decode GEMM shapes,
+    M = 32 and 1, twice each, against F.linear; a faulting kernel poisons only this process."""
+    import json
+
+    from sparse_rl.sparse.ops.skinny_linear.triton import counters, skinny_linear
+
+    out = {}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for name, (N, K) in {"o_proj": (2560, 4096), "down": (2560, 9728), "qkv": (6528, 2560),
+                         "gate_up": (19456, 2560)}.items():
+        w = torch.randn(N, K, device="cuda", generator=g).bfloat16() / K ** 0.5
+        cnt = counters(N, "cuda")
+        for M in (32, 1):
+            x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+            ref = torch.nn.functional.linear(x, w).float()
+            errs = [float((skinny_linear(x, w, cnt).float() - ref).abs().max()) for _ in range(2)]
+            torch.cuda.synchronize()
+            out[f"{name}_M{M}"] = {"max_abs_err": max(errs), "ref_max": float(ref.abs().max()),
+                                   "counters_zero": int(cnt.abs().sum()) == 0}
+    ok = all(v["max_abs_err"] <= 0.02 * v["ref_max"] + 1e-2 and v["counters_zero"] for v in out.values())
+    print("PROVE " + json.dumps({"ok": ok, "cases": out}), flush=True)
+    return out
+
+
+def start_proof(script: str):
+    import subprocess
+
+    return subprocess.Popen([sys.executable, script, "--prove-skinny"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def proof_result(proc, timeout_s: float) -> dict:
+    import json
+
+    try:
+        out, err = proc.communicate(timeout=max(1.0, timeout_s))
+    except Exception as e:  # noqa: BLE001 -- a hung child counts as a failed proof
+        proc.kill()
+        proc.communicate()
+        return {"ok": False, "error": f"{type(e).__name__}"}
+    line = next((x for x in out.splitlines() if x.startswith("PROVE ")), None)
+    if proc.returncode or line is None:
+        return {"ok": False, "rc": proc.returncode, "error": err[-600:]}
+    return json.loads(line[6:])
+
+
 def fill_fp8(b, eng, max_len):
     """The engine's cache filled at random as `_Bench.fill`, fp8 index keys quantized from N(0, 1) ones."""
     from sparse_rl.sparse.ops import quantize_index_keys
@@ -143,85 +235,40 @@ def fill_fp8(b, eng, max_len):
             cache.idx_scale[i].copy_(sc)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None, help="default: $OUT/roll9")
-    ap.add_argument("--budget", type=float, default=140)
-    ap.add_argument("--call", type=int, default=1, choices=(1, 2))
-    ap.add_argument("--commit", default="unknown")
-    ap.add_argument("--best", default=None, help="call 2: the sparse variant for the whole generations")
-    ap.add_argument("--cpu-smoke", action="store_true", help="a CPU run of the script itself at tiny sizes")
-    a = ap.parse_args()
-    smoke = a.cpu_smoke
-    dev = torch.device("cpu" if smoke else "cuda")
-    run = Run(a.out or os.path.join(os.environ.get("OUT", "/tmp"), "roll9"), f"session9_call{a.call}.json", a.budget,
-              {"commit": a.commit, "call": a.call, "budget_s": a.budget, "torch": torch.__version__,
-               "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-               "variants": {k: v.describe() for k, v in VARIANTS.items()}})
-    from sparse_rl.bench.rollout import BenchRolloutConfig, _Bench
+def build(cfg, B, top, st) -> dict:
+    from sparse_rl.bench.rollout import _Bench
+
+    bb = _Bench(cfg, log, None)
+    bb.attach_sparse()
+    eng = bb.engine(B, top)
+    eng.set_attention("sparse")  # the index-key cache exists before the fill
+    bb.fill(eng, top)
+    st.update(b=bb, eng=eng)
+    log(f"model built, copy {bb.bw / 1e12:.3f} TB/s, engine batch {B} x {top} filled")
+    return {"copy_bw_tb_s": round(bb.bw / 1e12, 3)}
+
+
+def call1(run, a, cfg, B, ctxs, big, b1, st, smoke) -> None:
+    """The design call: the select alone == the reference and timed; steps of base / autofine / fine; the
+    profile; batch 1; fp8 index keys in the step; whole generations if budget is left."""
     from sparse_rl.sparse.layer import sparse_config
 
-    if smoke:
-        cfg = BenchRolloutConfig(shape="tiny-qwen3", hf=False, long_new_tokens=[160, 200], long_batches=[3, 2],
-                                 long_prompt_len=16, whole="integrate", topk=48, index_heads=2, index_dim=16,
-                                 device="cpu", dtype="float32")
-        B, ctxs, big, b1 = 4, [64, 96, 160], 160, [64, 160]
-    else:
-        cfg = BenchRolloutConfig(shape="qwen3-4b", hf=False, long_new_tokens=[16384, 32768], long_batches=[32, 16],
-                                 long_prompt_len=128, whole="integrate", topk=2048, index_heads=4, index_dim=64)
-        B, ctxs, big, b1 = 32, [2304, 4096, 8192, 16384], 16384, [2048, 16384]
-    top = big + 128
-    st: dict = {}
-    if run.gate(NEED["select_check"], "select_check"):
-        run.res["select_check"] = run.guarded("select_check", select_check, dev, smoke)
-        run.save()
-
-    def setup():
-        bb = _Bench(cfg, log, None)
-        bb.attach_sparse()
-        eng = bb.engine(B, top)
-        eng.set_attention("sparse")  # the index-key cache exists before the fill
-        bb.fill(eng, top)
-        st.update(b=bb, eng=eng)
-        log(f"model built, copy {bb.bw / 1e12:.3f} TB/s, engine batch {B} x {top} filled")
-        return {"copy_bw_tb_s": round(bb.bw / 1e12, 3)}
-
-    if run.gate(NEED["setup"], "setup"):
-        run.res["setup"] = run.guarded("setup", setup)
-        run.save()
-    if "eng" not in st:
-        log("setup failed: nothing else runs")
-        return
     b, eng = st["b"], st["eng"]
     if run.gate(NEED["alone"], "alone"):
         run.res["alone"] = run.guarded("alone", alone, run, b, eng, ctxs, smoke)
         run.save()
-    if a.call == 1:
-        steps_plan = {"base": VARIANTS["base"], "autofine": VARIANTS["autofine"], "fine": VARIANTS["fine"]}
-    else:
-        steps_plan = {"base": VARIANTS["base"], "autofine": VARIANTS["autofine"], "fine4k": VARIANTS["fine4k"]}
+    plan = {"base": VARIANTS["base"], "autofine": VARIANTS["autofine"], "fine": VARIANTS["fine"]}
     if run.gate(NEED["steps"], "steps"):
-        rh.step_rows(run, b, eng, ctxs, steps_plan, modes=("sparse",))
-        rh.step_rows(run, b, eng, [ctxs[0], big], steps_plan, modes=("dense",))
-    if run.gate(NEED["profile"], "profile"):
-        prof = run.res.setdefault("profile", {})
-        for name in ("base", "autofine"):
-            if not run.gate(4, f"profile {name}"):
-                break
-            rh.apply(eng, VARIANTS[name])
-            p = run.guarded(f"profile {name}", rh.profile_step, eng, big, "sparse")
-            if p is not None:
-                prof[name] = p
-                log(f"profile {name} sparse {big}: {p['kernel_us_total']} us in {p['kernels']} kernels: {p['classes_us']}")
-            run.save()
-        rh.apply(eng, VARIANTS["base"])
+        rh.step_rows(run, b, eng, ctxs, plan, modes=("sparse",))
+        rh.step_rows(run, b, eng, [ctxs[0], big], plan, modes=("dense",))
+    profile(run, eng, big, ("base", "autofine"))
     del eng
-    st.clear()
+    st.pop("eng")
     rh.free()
     if run.gate(NEED["batch1"], "batch1"):  # the issue's batch-1 rows: dense and sparse steps vs the floor
-        e1 = b.engine(1, top)
+        e1 = b.engine(1, b1[-1] + 128)
         e1.set_attention("sparse")
-        b.fill(e1, top)
+        b.fill(e1, b1[-1] + 128)
         rh.step_rows(run, b, e1, b1, {"base": VARIANTS["base"], "autofine": VARIANTS["autofine"]},
                      modes=("dense", "sparse"), key="batch1")
         del e1
@@ -230,27 +277,138 @@ def main():
         sc = sparse_config(b.model)
         sc.index_dtype = "fp8"
         try:
-            e8 = b.engine(B, top)
+            e8 = b.engine(B, big + 128)
             e8.set_attention("sparse")
             run.res["fp8_index_dtype"] = e8.runner.index_dtype
-            fill_fp8(b, e8, top)
+            fill_fp8(b, e8, big + 128)
             rh.step_rows(run, b, e8, [ctxs[0], big], {"base": VARIANTS["base"], "autofine": VARIANTS["autofine"]},
                          modes=("sparse",), key="fp8_steps")
             del e8
         finally:
             sc.index_dtype = "bf16"
             rh.free()
+    whole_runs(run, b, cfg, a.best or "autofine", dense="base")
+
+
+def call2(run, a, cfg, B, ctxs, big, b1, st, smoke, proof) -> None:
+    """The final call: the skinny GEMM (proved in a child first) alone and in the step, the engine check of
+    the final variants, steps of base / best / best + skinny, batch 1, whole generations."""
+    b, eng = st["b"], st["eng"]
     best = a.best or "autofine"
+    names = [best] + ([best + "_skinny"] if proof.get("ok") else [])
+    if run.gate(NEED["engine_check"], "engine_check"):
+        run.res["engine_check"] = run.guarded("engine_check", engine_check, b.dev, smoke,
+                                              {n: VARIANTS[n] for n in names})
+        run.save()
+    if proof.get("ok") and run.gate(NEED["gemm"], "gemm"):
+        cfgs = {"d": (64, 128, 528), "bn32": (32, 128, 528), "p1056": (64, 128, 1056), "bk64": (64, 64, 528)}
+        shapes = rh.gemm_shapes(b.model)
+        run.res["gemm"] = run.guarded("gemm", rh.gemm_alone, run, b.dev, b.bw,
+                                      {k: shapes[k] for k in ("o_proj", "down")}, (32,), cfgs, smoke)
+        run.res["gemm_m1"] = run.guarded("gemm M=1", rh.gemm_alone, run, b.dev, b.bw,
+                                         {k: shapes[k] for k in ("o_proj", "down")}, (1,), None, smoke)
+        run.res["gemm_other"] = run.guarded("gemm other", rh.gemm_alone, run, b.dev, b.bw,
+                                            {k: shapes[k] for k in ("qkv", "gate_up")}, (32, 1), None, smoke)
+        run.save()
+    plan = {"base": VARIANTS["base"], **{n: VARIANTS[n] for n in names}}
+    if run.gate(NEED["steps"], "steps"):
+        rh.step_rows(run, b, eng, [ctxs[0], ctxs[2], big], plan, modes=("sparse",))
+        dplan = {"base": VARIANTS["base"], **({"skinny": VARIANTS["skinny"]} if proof.get("ok") else {})}
+        rh.step_rows(run, b, eng, b1, dplan, modes=("dense",), key="dense_steps",
+                     all_dense=True)
+    profile(run, eng, big, names[-1:])
+    del eng
+    st.pop("eng")
+    rh.free()
+    if run.gate(NEED["batch1"], "batch1"):
+        e1 = b.engine(1, b1[-1] + 128)
+        e1.set_attention("sparse")
+        b.fill(e1, b1[-1] + 128)
+        bplan = {"base": VARIANTS["base"], **({"skinny": VARIANTS["skinny"]} if proof.get("ok") else {})}
+        rh.step_rows(run, b, e1, b1, bplan, modes=("dense", "sparse"), key="batch1", all_dense=True)
+        del e1
+        rh.free()
+    whole_runs(run, b, cfg, names[-1], dense="skinny" if a.skinny_dense and proof.get("ok") else "base")
+
+
+def profile(run, eng, big, names) -> None:
+    if not run.gate(NEED["profile"], "profile"):
+        return
+    prof = run.res.setdefault("profile", {})
+    for name in names:
+        if not run.gate(4, f"profile {name}"):
+            break
+        rh.apply(eng, VARIANTS[name])
+        p = run.guarded(f"profile {name}", rh.profile_step, eng, big, "sparse")
+        if p is not None:
+            prof[name] = p
+            log(f"profile {name} sparse {big}: {p['kernel_us_total']} us in {p['kernels']} kernels: {p['classes_us']}")
+        run.save()
+    rh.apply(eng, VARIANTS["base"])
+
+
+def whole_runs(run, b, cfg, best, dense) -> None:
     (new16, B16), (new32, B32) = cfg.long_runs()
-    plan = [("dense", "base", VARIANTS["base"]), ("sparse", "base", VARIANTS["base"])]
+    plan = [("dense", dense, VARIANTS[dense]), ("sparse", "base", VARIANTS["base"])]
     if best != "base":
         plan.append(("sparse", best, VARIANTS[best]))
     for name, new, Bw in (("whole_16k_b32", new16, B16), ("whole_32k_b16", new32, B32)):
         if run.gate(NEED[name], name):
             rh.whole(run, b, new, Bw, cfg.long_prompt_len, plan, name, need_s=NEED[name] / 3)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="default: $OUT/roll9")
+    ap.add_argument("--budget", type=float, default=140)
+    ap.add_argument("--call", type=int, default=1, choices=(1, 2))
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--best", default=None, choices=sorted(VARIANTS), help="the sparse variant of the whole runs")
+    ap.add_argument("--skinny-dense", action="store_true", help="call 2: the dense whole runs with skinny GEMMs")
+    ap.add_argument("--cpu-smoke", action="store_true", help="a CPU run of the script itself at tiny sizes")
+    ap.add_argument("--prove-skinny", action="store_true", help="(child) prove ops.skinny_linear on the GPU")
+    a = ap.parse_args()
+    if a.prove_skinny:
+        prove_skinny()
+        return
+    smoke = a.cpu_smoke
+    dev = torch.device("cpu" if smoke else "cuda")
+    proc = start_proof(os.path.abspath(__file__)) if a.call == 2 and not smoke else None
+    run = Run(a.out or os.path.join(os.environ.get("OUT", "/tmp"), "roll9"), f"session9_call{a.call}.json", a.budget,
+              {"commit": a.commit, "call": a.call, "budget_s": a.budget, "torch": torch.__version__,
+               "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+               "variants": {k: v.describe() for k, v in VARIANTS.items()}})
+    from sparse_rl.bench.rollout import BenchRolloutConfig
+
+    if smoke:
+        cfg = BenchRolloutConfig(shape="tiny-qwen3", hf=False, long_new_tokens=[160, 200], long_batches=[3, 2],
+                                 long_prompt_len=16, whole="integrate", topk=48, index_heads=2, index_dim=16,
+                                 device="cpu", dtype="float32")
+        B, ctxs, big, b1 = 4, [64, 96, 128, 160], 160, [64, 160]
+    else:
+        cfg = BenchRolloutConfig(shape="qwen3-4b", hf=False, long_new_tokens=[16384, 32768], long_batches=[32, 16],
+                                 long_prompt_len=128, whole="integrate", topk=2048, index_heads=4, index_dim=64)
+        B, ctxs, big, b1 = 32, [2304, 4096, 8192, 16384], 16384, [2048, 16384]
+    st: dict = {}
+    if a.call == 1 and run.gate(NEED["select_check"], "select_check"):
+        run.res["select_check"] = run.guarded("select_check", select_check, dev, smoke)
+        run.save()
+    if run.gate(NEED["setup"], "setup"):
+        run.res["setup"] = run.guarded("setup", build, cfg, B, big + 128, st)
+        run.save()
+    if "eng" not in st:
+        log("setup failed: nothing else runs")
+        return
+    if a.call == 1:
+        call1(run, a, cfg, B, ctxs, big, b1, st, smoke)
+    else:
+        proof = proof_result(proc, 60 - (time.time() - T0)) if proc is not None else {"ok": smoke}
+        run.res["skinny_proof"] = proof
+        log(f"skinny proof: {proof.get('ok')} {proof.get('error', '')}")
+        call2(run, a, cfg, B, ctxs, big, b1, st, smoke, proof)
     run.save()
     log(f"done: skipped {run.res['skipped']}; errors {run.res['errors']}")
-    for k in ("steps", "batch1", "fp8_steps"):
+    for k in ("steps", "dense_steps", "batch1", "fp8_steps"):
         for r in run.res.get(k) or []:
             print(f"| {k} | {r['mode']} | {r['variant']} | b{r['batch']} {r['context']} | {r['ms']} ms | {r['x_floor']}x |")
     for k in ("whole_16k_b32", "whole_32k_b16"):

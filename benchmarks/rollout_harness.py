@@ -39,9 +39,10 @@ class Variant:
 
     select: DecodeSelect = field(default_factory=DecodeSelect)
     qkv_pad: int = 64
+    skinny_gemm: bool = False
 
     def describe(self) -> dict:
-        return {"select": self.select.as_kwargs(), "qkv_pad": self.qkv_pad}
+        return {"select": self.select.as_kwargs(), "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm}
 
 
 def apply(eng, v: Variant) -> None:
@@ -51,6 +52,9 @@ def apply(eng, v: Variant) -> None:
         r.set_qkv_pad(v.qkv_pad)
     if r.decode_select != v.select:
         r.set_decode_select(v.select)
+    if r.skinny_gemm != v.skinny_gemm:
+        r.skinny_gemm = v.skinny_gemm
+        r.drop_graphs()
 
 
 def free() -> None:
@@ -108,12 +112,14 @@ def profile_step(eng, ctx: int, mode: str, top: int = 40) -> dict:
             "top": [{"kernel": n, "us": round(v[0], 1), "calls": v[1], "class": classify(n)} for n, v in rows[:top]]}
 
 
-def step_rows(run, b, eng, ctxs, variants: dict, modes=("sparse",), need_s: float = 3.0, key: str = "steps") -> list:
+def step_rows(run, b, eng, ctxs, variants: dict, modes=("sparse",), need_s: float = 3.0, key: str = "steps",
+              all_dense: bool = False) -> list:
     """Step ms (graph replay, median of 20; `_Bench.step_row`) of every (mode, variant) at each context,
-    each row gated on the budget and saved as it comes (dense rows run the first variant only)."""
+    each row gated on the budget and saved as it comes (dense rows run the first variant only, unless
+    all_dense)."""
     rows = run.res.setdefault(key, [])
     for ctx in ctxs:
-        plan = [(m, n) for m in modes for n in (variants if m == "sparse" else list(variants)[:1])]
+        plan = [(m, n) for m in modes for n in (variants if m == "sparse" or all_dense else list(variants)[:1])]
         for mode, name in plan:
             if not run.gate(need_s, f"{key} {mode} {name} {ctx}"):
                 continue
@@ -203,3 +209,50 @@ def whole(run, b, new: int, B: int, P: int, plan: list, name: str, need_s: float
             r["sparse_over_dense"] = round(r["tokens_per_s"] / d["tokens_per_s"], 3)
             r["floors_ratio"] = round(r["floor_tokens_per_s"] / d["floor_tokens_per_s"], 3)
     return rows
+
+
+def gemm_shapes(model) -> dict:
+    """(N, K) of one layer's decode GEMMs: the fused q/k/v(+indexer) (padded to 64), gate/up, o_proj, down."""
+    layer = model.model.layers[2]
+    at, mlp = layer.self_attn, layer.mlp
+    qkv = sum(m.weight.shape[0] for m in (at.q_proj, at.k_proj, at.v_proj))
+    ix = getattr(at, "indexer", None)
+    if ix is not None:
+        qkv += sum(m.weight.shape[0] for m in (ix.wq, ix.wk, ix.ww))
+    hid = at.o_proj.weight.shape[0]
+    return {"o_proj": tuple(at.o_proj.weight.shape), "down": tuple(mlp.down_proj.weight.shape),
+            "qkv": (-(-qkv // 64) * 64, hid), "gate_up": (2 * mlp.up_proj.weight.shape[0], hid)}
+
+
+def gemm_alone(run, dev, bw, shapes: dict, rows=(32, 1), configs=None, smoke=False) -> dict:
+    """F.linear vs `ops.skinny_linear` (tile configs: (bn, bk, programs)) per GEMM shape and row count,
+    graph-timed, against the weight's bytes; every skinny result checked against F.linear's."""
+    from sparse_rl.bench.timing import bench_ms
+    from sparse_rl.sparse.ops.skinny_linear.triton import counters, skinny_linear
+
+    configs = configs or {"d": (64, 128, 528)}
+    out = {}
+    g = torch.Generator(device=dev).manual_seed(5)
+    dt = torch.float32 if smoke else torch.bfloat16
+    for name, (N, K) in shapes.items():
+        w = torch.randn(N, K, device=dev, generator=g).to(dt) / K ** 0.5
+        for M in rows:
+            if not run.gate(3, f"gemm {name} M{M}"):
+                return out
+            x = torch.randn(M, K, device=dev, generator=g).to(dt)
+            ref = torch.nn.functional.linear(x, w)
+            floor = 1e3 * N * K * w.element_size() / bw
+            row = out[f"{name}_M{M}"] = {"N": N, "K": K, "M": M, "floor_ms": round(floor, 4),
+                                         "linear_ms": round(bench_ms(lambda: torch.nn.functional.linear(x, w), dev,
+                                                                     graph=not smoke), 4)}
+            cnt = counters(N, dev)
+            for cname, (bn, bk, pr) in configs.items():
+                y = skinny_linear(x, w, cnt, bn=bn, bk=bk, programs=pr)
+                err = float((y.float() - ref.float()).abs().max())
+                ms = bench_ms(lambda: skinny_linear(x, w, cnt, bn=bn, bk=bk, programs=pr), dev, graph=not smoke)
+                row[f"skinny_{cname}"] = {"ms": round(ms, 4), "x_floor": round(ms / floor, 2), "max_abs_err": err,
+                                          "counters_zero": int(cnt.abs().sum()) == 0}
+            log(f"gemm {name} M={M}: floor {row['floor_ms']} linear {row['linear_ms']} " + " ".join(
+                f"{k} {v['ms']}" for k, v in row.items() if k.startswith("skinny_")))
+            run.save()
+    return out
