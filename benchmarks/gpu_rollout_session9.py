@@ -32,10 +32,14 @@ VARIANTS = {"base": V(), "autofine": V(DecodeSelect(long="fine")), "fine": V(Dec
             "fine4k": V(DecodeSelect(row_max_keys=4096, long="fine")), "skinny": V(skinny_gemm=True),
             "autofine_skinny": V(DecodeSelect(long="fine"), skinny_gemm=True),
             "fine_skinny": V(DecodeSelect("fine"), skinny_gemm=True),
-            "fine4k_skinny": V(DecodeSelect(row_max_keys=4096, long="fine"), skinny_gemm=True)}
+            "fine4k_skinny": V(DecodeSelect(row_max_keys=4096, long="fine"), skinny_gemm=True),
+            "autofine_s64": V(DecodeSelect(long="fine", score_block=64)),
+            "autofine_s64_skinny": V(DecodeSelect(long="fine", score_block=64), skinny_gemm=True)}
 # estimated device seconds of each phase (session 8's measured costs, scaled to this call's rows)
 NEED = {"setup": 14, "select_check": 6, "alone": 14, "steps": 16, "profile": 8, "batch1": 14, "fp8": 16,
-        "whole_16k_b32": 30, "whole_32k_b16": 24, "engine_check": 14, "gemm": 10}
+        "whole_16k_b32": 28, "whole_32k_b16": 24, "engine_check": 14, "gemm": 10}
+# call 1 measured (H200): select check 22 s (CUDA start and compiles), setup 13, alone 33 (4 contexts, 17 forms),
+# steps 8, profile 1, batch 1 11, fp8 3, whole 16K 31 (dense + 2 sparse)
 
 
 def select_check(dev, smoke) -> dict:
@@ -70,7 +74,7 @@ def select_check(dev, smoke) -> dict:
     return out
 
 
-def alone(run, b, eng, ctxs, smoke) -> dict:
+def alone(run, b, eng, ctxs, smoke, call: int = 1) -> dict:
     """Score + select alone on the engine's layer-2 index cache (`[:, :ctx]`, all rows at ctx - 1), graph-timed,
     against the index keys' bytes: chunked / row / fine, fine with 32- and 64-slot compaction steps, the score
     pass alone, and fp8 keys (the same keys quantized: time, and the selection's overlap with bf16's)."""
@@ -101,7 +105,19 @@ def alone(run, b, eng, ctxs, smoke) -> dict:
                  "row": lambda: itd.indexer_topk_decode(qi, wi, view, pos, K, impl="row", sink=sink, window=win, **ch),
                  "fine": lambda: itd.indexer_topk_decode(qi, wi, view, pos, K, impl="fine", sink=sink, window=win,
                                                          **ch)}
-        if ctx == max(ctxs):
+        if call == 2:  # the score pass's key step (registers, programs resident an SM) in each form
+            forms = {"chunked": forms["chunked"], "fine": forms["fine"], **({"row": forms["row"]} if ctx <= 8192 else {})}
+            for sb in (64,):
+                for impl in ("fine", "row", "chunked"):
+                    if impl == "row" and ctx > 8192 or impl == "chunked" and ctx <= 8192:
+                        continue
+                    forms[f"{impl}_s{sb}"] = (lambda impl=impl, sb=sb: itd.indexer_topk_decode(
+                        qi, wi, view, pos, K, impl=impl, sink=sink, window=win, score_block=sb, **ch))
+            if ctx == max(ctxs):
+                CH = fine_chunk(B, ctx, smoke)
+                for sb in (64, 128, 256):
+                    forms[f"score_only_s{sb}"] = lambda sb=sb: rh.score_pass(qi, wi, view, pos, CH, sink, win, bn=sb)
+        elif ctx == max(ctxs):
             for cb in (32, 64):
                 forms[f"fine_cb{cb}"] = (lambda cb=cb: rh.fine_with(qi, wi, view, pos, K, sink, win, cb=cb,
                                                                      **({"chunk": 32} if smoke else {})))
@@ -290,45 +306,61 @@ def call1(run, a, cfg, B, ctxs, big, b1, st, smoke) -> None:
     whole_runs(run, b, cfg, a.best or "autofine", dense="base")
 
 
+def best_of(rows, names) -> str:
+    """The variant with the smallest summed step ms over the contexts where every one of `names` ran."""
+    by: dict = {}
+    for r in rows:
+        by.setdefault(r["variant"], {})[r["context"]] = r["ms"]
+    have = [n for n in names if n in by]
+    if not have:
+        return names[0]
+    common = set.intersection(*(set(by[n]) for n in have))
+    return min(have, key=lambda n: sum(by[n][c] for c in common)) if common else names[0]
+
+
 def call2(run, a, cfg, B, ctxs, big, b1, st, smoke, proof) -> None:
-    """The final call: the skinny GEMM (proved in a child first) alone and in the step, the engine check of
-    the final variants, steps of base / best / best + skinny, batch 1, whole generations."""
+    """The final call: the engine check of the candidate default, the select alone with the score pass's key
+    step, the skinny GEMM (proved in a child first) alone, steps of every candidate, whole generations with
+    the fastest, batch 1, the profile."""
     b, eng = st["b"], st["eng"]
-    best = a.best or "autofine"
-    names = [best] + ([best + "_skinny"] if proof.get("ok") else [])
+    ok = bool(proof.get("ok"))
+    cands = ["base", "autofine", "autofine_s64"] + (["autofine_skinny", "autofine_s64_skinny"] if ok else [])
     if run.gate(NEED["engine_check"], "engine_check"):
         run.res["engine_check"] = run.guarded("engine_check", engine_check, b.dev, smoke,
-                                              {n: VARIANTS[n] for n in names})
+                                              {n: VARIANTS[n] for n in cands[-1:]})
         run.save()
-    if proof.get("ok") and run.gate(NEED["gemm"], "gemm"):
-        cfgs = {"d": (64, 128, 528), "bn32": (32, 128, 528), "p1056": (64, 128, 1056), "bk64": (64, 64, 528)}
+    if run.gate(NEED["alone"], "alone"):
+        run.res["alone"] = run.guarded("alone", alone, run, b, eng, [ctxs[1], big], smoke, 2)
+        run.save()
+    if ok and run.gate(NEED["gemm"], "gemm"):
         shapes = rh.gemm_shapes(b.model)
+        cfgs = {"d": (64, 128, 528), "bn32": (32, 128, 528), "p1056": (64, 128, 1056)}
         run.res["gemm"] = run.guarded("gemm", rh.gemm_alone, run, b.dev, b.bw,
-                                      {k: shapes[k] for k in ("o_proj", "down")}, (32,), cfgs, smoke)
-        run.res["gemm_m1"] = run.guarded("gemm M=1", rh.gemm_alone, run, b.dev, b.bw,
-                                         {k: shapes[k] for k in ("o_proj", "down")}, (1,), None, smoke)
+                                      {k: shapes[k] for k in ("o_proj", "down")}, (32, 1), cfgs, smoke)
         run.res["gemm_other"] = run.guarded("gemm other", rh.gemm_alone, run, b.dev, b.bw,
-                                            {k: shapes[k] for k in ("qkv", "gate_up")}, (32, 1), None, smoke)
+                                            {k: shapes[k] for k in ("qkv", "gate_up")}, (32,), None, smoke)
         run.save()
-    plan = {"base": VARIANTS["base"], **{n: VARIANTS[n] for n in names}}
     if run.gate(NEED["steps"], "steps"):
-        rh.step_rows(run, b, eng, [ctxs[0], ctxs[2], big], plan, modes=("sparse",))
-        dplan = {"base": VARIANTS["base"], **({"skinny": VARIANTS["skinny"]} if proof.get("ok") else {})}
-        rh.step_rows(run, b, eng, b1, dplan, modes=("dense",), key="dense_steps",
-                     all_dense=True)
-    profile(run, eng, big, names[-1:])
+        rh.step_rows(run, b, eng, [ctxs[0], ctxs[2], big], {n: VARIANTS[n] for n in cands}, modes=("sparse",))
+        dplan = {"base": VARIANTS["base"], **({"skinny": VARIANTS["skinny"]} if ok else {})}
+        rh.step_rows(run, b, eng, b1, dplan, modes=("dense",), key="dense_steps", all_dense=True)
+    best = a.best or best_of(run.res.get("steps") or [], cands[1:])
+    dense = best_of(run.res.get("dense_steps") or [], ["base", "skinny"]) if ok else "base"
+    run.res["chosen"] = {"sparse": best, "dense": dense}
+    log(f"chosen: sparse {best}, dense {dense}")
+    profile(run, eng, big, [best])
     del eng
     st.pop("eng")
     rh.free()
+    whole_runs(run, b, cfg, best, dense=dense)
     if run.gate(NEED["batch1"], "batch1"):
         e1 = b.engine(1, b1[-1] + 128)
         e1.set_attention("sparse")
         b.fill(e1, b1[-1] + 128)
-        bplan = {"base": VARIANTS["base"], **({"skinny": VARIANTS["skinny"]} if proof.get("ok") else {})}
+        bplan = {"base": VARIANTS["base"], **({"skinny": VARIANTS["skinny"]} if ok else {}), best: VARIANTS[best]}
         rh.step_rows(run, b, e1, b1, bplan, modes=("dense", "sparse"), key="batch1", all_dense=True)
         del e1
         rh.free()
-    whole_runs(run, b, cfg, names[-1], dense="skinny" if a.skinny_dense and proof.get("ok") else "base")
 
 
 def profile(run, eng, big, names) -> None:
@@ -364,7 +396,6 @@ def main():
     ap.add_argument("--call", type=int, default=1, choices=(1, 2))
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--best", default=None, choices=sorted(VARIANTS), help="the sparse variant of the whole runs")
-    ap.add_argument("--skinny-dense", action="store_true", help="call 2: the dense whole runs with skinny GEMMs")
     ap.add_argument("--cpu-smoke", action="store_true", help="a CPU run of the script itself at tiny sizes")
     ap.add_argument("--prove-skinny", action="store_true", help="(child) prove ops.skinny_linear on the GPU")
     a = ap.parse_args()

@@ -133,7 +133,7 @@ def step_rows(run, b, eng, ctxs, variants: dict, modes=("sparse",), need_s: floa
     return rows
 
 
-def score_pass(qi, wi, keys, pos, CH, sink, window, k_scale=None):
+def score_pass(qi, wi, keys, pos, CH, sink, window, k_scale=None, bn: int = 256):
     """The index score pass alone (`decode._score_max` with per-chunk spans, as the row / split / fine selects
     launch it) -> (scores `[B, S]` fp32, spans `[B, P, 2]`)."""
     import triton
@@ -149,7 +149,7 @@ def score_pass(qi, wi, keys, pos, CH, sink, window, k_scale=None):
     fp8 = k_scale is not None
     itd._score_max[(P, B)](qi, wi, keys, k_scale if fp8 else sc, pos, pos, sc, span, *qi.stride(), *wi.stride(),
                            *keys.stride(), k_scale.stride(0) if fp8 else 0, S, sink, window, HI, DI, P, HB=16,
-                           BD=max(16, triton.next_power_of_2(DI)), CH=CH, BN=min(CH, 16 if not qi.is_cuda else 256),
+                           BD=max(16, triton.next_power_of_2(DI)), CH=CH, BN=min(CH, 16 if not qi.is_cuda else bn),
                            PREC=dot_precision(qi.dtype), FP8=fp8, PER_CHUNK=True, HAS_START=False,
                            num_warps=4 if qi.is_cuda else 1)
     return sc, span

@@ -130,3 +130,18 @@ def test_fine_select_relu_zero_ties(K):
         assert torch.equal(got, ref), cap
     if K == 150:  # the threshold is a zero in every row: the zeros' order decides, no sub-bin is resolved
         assert int(n2.max()) == 0
+
+
+@pytest.mark.parametrize("impl", ["chunked", "row", "fine"])
+def test_score_block_keeps_the_selection(impl):
+    """`score_block` (the score pass's keys a step, a register/occupancy knob) selects the same keys; one that
+    does not divide the chunk is refused."""
+    g = torch.Generator().manual_seed(8)
+    B, HI, DI, S, K = 3, 2, 16, 150, 24
+    q, w, k = torch.randn(B, HI, DI, generator=g), torch.randn(B, HI, generator=g), torch.randn(B, S, DI, generator=g)
+    pos = torch.tensor([S - 1, 90, 40])
+    ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=2, window=3)
+    got = itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=3, chunk=32, impl=impl, score_block=8)
+    assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match="score_block"):
+        itd.indexer_topk_decode(q, w, k, pos, K, chunk=32, impl=impl, score_block=12)

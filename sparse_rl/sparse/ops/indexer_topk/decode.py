@@ -246,7 +246,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
                         chunk: int | None = None, num_warps: int | None = None, candidates: bool = False,
                         k_scale: torch.Tensor | None = None, sort: int | None = None, impl: str | None = None,
                         row_block: int = 4096, row_warps: int = 16, fine_cap: int | None = None,
-                        row_max_keys: int = ROW_MAX_KEYS, auto_long: str = AUTO_LONG):
+                        row_max_keys: int = ROW_MAX_KEYS, auto_long: str = AUTO_LONG, score_block: int = 0):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference. candidates=True also returns each row's number of second-level
@@ -261,7 +261,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     pass, then three (chunk, row) launches: `decode_split.py`), "fine" (the score pass, then three (chunk,
     row) launches with a second level of bins: `decode_fine.py`; fine_cap: its most sub-bin keys ranked in
     registers) or "auto" (the default: row for S <= row_max_keys, else auto_long; `DecodeSelect` holds these
-    three). Every impl selects the same keys."""
+    three). score_block: the score pass's keys a step (0: the passes' common step). Every impl selects the
+    same keys."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:
@@ -303,7 +304,13 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     sc = torch.empty(B, S, device=dev, dtype=torch.float32)
     nw = 1 if interpret else (num_warps or 4)
     grid = (P, B)
-    score = dict(HB=max(16, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), CH=CH, BN=BN,
+    # the score pass's keys a step (score_block; 0: BN): its [BN, D_I] key tile sets its registers (sm_90a,
+    # 4 warps: BN 256 172 registers, 2 programs an SM; 128: 136, 3; 64: 80, 6), so how many of the (chunk,
+    # row) programs are resident at once
+    SBN = min(CH, score_block) if score_block else BN
+    if SBN & (SBN - 1) or CH % SBN:
+        raise ValueError(f"score_block ({score_block}) must be a power of two dividing the chunk ({CH})")
+    score = dict(HB=max(16, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), CH=CH, BN=SBN,
                  PREC=dot_precision(q_idx.dtype), FP8=fp8, HAS_START=kv_start is not None, num_warps=nw)
     score_args = (q_idx, w, k_idx, k_scale if fp8 else sc, pos, kvs, sc)
     strides = (*q_idx.stride(), *w.stride(), *k_idx.stride(), k_scale.stride(0) if fp8 else 0, S, sink, window, HI,

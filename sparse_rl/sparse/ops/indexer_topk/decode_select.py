@@ -26,16 +26,19 @@ class DecodeSelect:
     """Which select runs after the score pass: an argument of `indexer_topk_decode` (`**as_kwargs()`), held
     by the rollout engine's runner (`ModelRunner.decode_select`) and set by its callers (rollout config,
     bench flags), never a module global. impl: one of IMPLS; "auto" runs "row" for rows of at most
-    row_max_keys keys, else `long`; fine_cap: the fine select's most sub-bin keys ranked in registers."""
+    row_max_keys keys, else `long`; fine_cap: the fine select's most sub-bin keys ranked in registers;
+    score_block: the score pass's keys a step (0: the select's own step, 256 on a GPU)."""
 
     impl: str = "auto"
     row_max_keys: int = ROW_MAX_KEYS
     long: str = AUTO_LONG
     fine_cap: int = 32
+    score_block: int = 0
 
     def __post_init__(self):
         if self.impl not in IMPLS or self.long not in IMPLS[1:]:
             raise ValueError(f"decode select {self.impl!r} / long {self.long!r}: expected one of {', '.join(IMPLS)}")
 
     def as_kwargs(self) -> dict:
-        return {"impl": self.impl, "row_max_keys": self.row_max_keys, "auto_long": self.long, "fine_cap": self.fine_cap}
+        return {"impl": self.impl, "row_max_keys": self.row_max_keys, "auto_long": self.long, "fine_cap": self.fine_cap,
+                "score_block": self.score_block}
