@@ -34,7 +34,8 @@ VARIANTS = {"base": V(), "autofine": V(DecodeSelect(long="fine")), "fine": V(Dec
             "fine_skinny": V(DecodeSelect("fine"), skinny_gemm=True),
             "fine4k_skinny": V(DecodeSelect(row_max_keys=4096, long="fine"), skinny_gemm=True),
             "autofine_s64": V(DecodeSelect(long="fine", score_block=64)),
-            "autofine_s64_skinny": V(DecodeSelect(long="fine", score_block=64), skinny_gemm=True)}
+            "autofine_s64_skinny": V(DecodeSelect(long="fine", score_block=64), skinny_gemm=True),
+            "fine_s64": V(DecodeSelect("fine", score_block=64))}
 # estimated device seconds of each phase (session 8's measured costs, scaled to this call's rows)
 NEED = {"setup": 14, "select_check": 6, "alone": 14, "steps": 16, "profile": 8, "batch1": 14, "fp8": 16,
         "whole_16k_b32": 28, "whole_32k_b16": 24, "engine_check": 14, "gemm": 10}
@@ -324,7 +325,7 @@ def call2(run, a, cfg, B, ctxs, big, b1, st, smoke, proof) -> None:
     the fastest, batch 1, the profile."""
     b, eng = st["b"], st["eng"]
     ok = bool(proof.get("ok"))
-    cands = ["base", "autofine", "autofine_s64"] + (["autofine_skinny", "autofine_s64_skinny"] if ok else [])
+    cands = ["base", "autofine", "autofine_s64", "fine_s64"] + (["autofine_skinny", "autofine_s64_skinny"] if ok else [])
     if run.gate(NEED["engine_check"], "engine_check"):
         run.res["engine_check"] = run.guarded("engine_check", engine_check, b.dev, smoke,
                                               {n: VARIANTS[n] for n in cands[-1:]})
@@ -334,7 +335,7 @@ def call2(run, a, cfg, B, ctxs, big, b1, st, smoke, proof) -> None:
         run.save()
     if ok and run.gate(NEED["gemm"], "gemm"):
         shapes = rh.gemm_shapes(b.model)
-        cfgs = {"d": (64, 128, 528), "bn32": (32, 128, 528), "p1056": (64, 128, 1056)}
+        cfgs = {"d": (64, 64, 528), "bk128": (64, 128, 528), "bn32": (32, 64, 528), "p1056": (64, 64, 1056)}
         run.res["gemm"] = run.guarded("gemm", rh.gemm_alone, run, b.dev, b.bw,
                                       {k: shapes[k] for k in ("o_proj", "down")}, (32, 1), cfgs, smoke)
         run.res["gemm_other"] = run.guarded("gemm other", rh.gemm_alone, run, b.dev, b.bw,

@@ -230,7 +230,7 @@ def gemm_alone(run, dev, bw, shapes: dict, rows=(32, 1), configs=None, smoke=Fal
     from sparse_rl.bench.timing import bench_ms
     from sparse_rl.sparse.ops.skinny_linear.triton import counters, skinny_linear
 
-    configs = configs or {"d": (64, 128, 528)}
+    configs = configs or {"d": (64, 64, 528)}
     out = {}
     g = torch.Generator(device=dev).manual_seed(5)
     dt = torch.float32 if smoke else torch.bfloat16

@@ -21,8 +21,8 @@ from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 
 @triton.jit
-def _skinny_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr):
+def _skinny_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, ONE: tl.constexpr, PREC: tl.constexpr):
     pn = tl.program_id(0)
     ps = tl.program_id(1)
     offs_m = tl.arange(0, BM)
@@ -36,10 +36,11 @@ def _skinny_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, BM: tl.cons
         kk = k + offs_k
         mk = kk < K
         x = tl.load(X + offs_m[:, None] * sxm + kk[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
-        w = tl.load(W + offs_n[:, None].to(tl.int64) * swn + kk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        acc += dot(x, tl.trans(w), PREC)
+        # the weight tile read as [BK, BN] (its rows are the output columns): no transpose in registers
+        w = tl.load(W + offs_n[None, :].to(tl.int64) * swn + kk[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
+        acc += dot(x, w, PREC)
     omask = mm[:, None] & mn[None, :]
-    if SPLIT == 1:
+    if ONE:
         tl.store(OUT + offs_m[:, None] * som + offs_n[None, :], acc.to(OUT.dtype.element_ty), mask=omask)
     else:
         tl.store(PART + (ps * BM + offs_m[:, None]) * N + offs_n[None, :], acc, mask=omask)
@@ -47,16 +48,17 @@ def _skinny_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, BM: tl.cons
         done = tl.atomic_add(CNT + pn, 1, sem="acq_rel")
         if done == SPLIT - 1:  # the tile's last program: sum the partials (L2), write, reset the counter
             tot = tl.zeros([BM, BN], tl.float32)
-            for s in range(0, SPLIT):
+            for s in range(0, SPLIT):  # a runtime bound: one partial live at a time, not SPLIT unrolled loads
                 tot += tl.load(PART + (s * BM + offs_m[:, None]) * N + offs_n[None, :], mask=omask, other=0.0,
                                cache_modifier=".cg")
             tl.store(OUT + offs_m[:, None] * som + offs_n[None, :], tot.to(OUT.dtype.element_ty), mask=omask)
             tl.atomic_xchg(CNT + pn, 0)
 
 
-def plan(M: int, N: int, K: int, bn: int = 64, bk: int = 128, programs: int = 528) -> tuple[int, int, int, int]:
+def plan(M: int, N: int, K: int, bn: int = 64, bk: int = 64, programs: int = 528) -> tuple[int, int, int, int]:
     """(BM, BN, BK, SPLIT, KS): rows padded to 16 or 32, and K split so that about `programs` programs run
-    (~4 an SM of an H200's 132) with every slice a whole number of BK steps."""
+    (~4 an SM of an H200's 132) with every slice a whole number of BK steps. BK 64: on sm_90a (4 warps, BM 32,
+    BN 64) the kernel takes 168 registers, at BK 128 255 and spills."""
     bm = 16 if M <= 16 else 32
     k_blocks = triton.cdiv(K, bk)
     split = max(1, min(k_blocks, triton.cdiv(programs, triton.cdiv(N, bn))))
@@ -69,7 +71,7 @@ def counters(N: int, device) -> torch.Tensor:
     return torch.zeros(triton.cdiv(N, 16), dtype=torch.int32, device=device)
 
 
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = None, *, bn: int = 64, bk: int = 128,
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = None, *, bn: int = 64, bk: int = 64,
                   programs: int = 528, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
     """x `[M, K]` (M <= 32, last dim contiguous), w `[N, K]` (contiguous rows) -> `[M, N]` in x's dtype, as
     `naive.skinny_linear_naive` up to the fp32 summation order. cnt: this call site's `counters(N, ...)`
@@ -90,7 +92,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = N
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     part = torch.empty(SPLIT if SPLIT > 1 else 1, BM, N, device=x.device, dtype=torch.float32)
     _skinny_kernel[(triton.cdiv(N, BN), SPLIT)](x, w, out, part, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-                                                KS, BM=BM, BN=BN, BK=BK, SPLIT=SPLIT, PREC=dot_precision(x.dtype),
+                                                KS, SPLIT, BM=BM, BN=BN, BK=BK, ONE=SPLIT == 1, PREC=dot_precision(x.dtype),
                                                 num_warps=1 if interp else num_warps,
                                                 num_stages=1 if interp else num_stages)
     return out
