@@ -28,6 +28,7 @@ from granular_harness import T0, Run, log  # noqa: E402
 from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect  # noqa: E402
 
 V = rh.Variant
+OUT = ("o_proj", "down_proj")  # the two GEMMs cuBLAS runs as split-K + a reduce at M = 32
 VARIANTS = {"base": V(), "autofine": V(DecodeSelect(long="fine")), "fine": V(DecodeSelect("fine")),
             "fine4k": V(DecodeSelect(row_max_keys=4096, long="fine")), "skinny": V(skinny_gemm=True),
             "autofine_skinny": V(DecodeSelect(long="fine"), skinny_gemm=True),
@@ -35,7 +36,8 @@ VARIANTS = {"base": V(), "autofine": V(DecodeSelect(long="fine")), "fine": V(Dec
             "fine4k_skinny": V(DecodeSelect(row_max_keys=4096, long="fine"), skinny_gemm=True),
             "autofine_s64": V(DecodeSelect(long="fine", score_block=64)),
             "autofine_s64_skinny": V(DecodeSelect(long="fine", score_block=64), skinny_gemm=True),
-            "fine_s64": V(DecodeSelect("fine", score_block=64))}
+            "fine_s64": V(DecodeSelect("fine", score_block=64)), "skout": V(skinny_gemm=OUT),
+            "autofine_s64_skout": V(DecodeSelect(long="fine", score_block=64), skinny_gemm=OUT)}
 # estimated device seconds of each phase (session 8's measured costs, scaled to this call's rows)
 NEED = {"setup": 14, "select_check": 6, "alone": 14, "steps": 16, "profile": 8, "batch1": 14, "fp8": 16,
         "whole_16k_b32": 28, "whole_32k_b16": 24, "engine_check": 14, "gemm": 10}
@@ -195,7 +197,7 @@ def prove_skinny() -> dict:
     M = 32 and 1, twice each, against F.linear; a faulting kernel poisons only this process."""
     import json
 
-    from sparse_rl.sparse.ops.skinny_linear.triton import counters, skinny_linear
+    from sparse_rl.sparse.ops.skinny_gemm.triton import counters, skinny_linear
 
     out = {}
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -325,7 +327,7 @@ def call2(run, a, cfg, B, ctxs, big, b1, st, smoke, proof) -> None:
     the fastest, batch 1, the profile."""
     b, eng = st["b"], st["eng"]
     ok = bool(proof.get("ok"))
-    cands = ["base", "autofine", "autofine_s64", "fine_s64"] + (["autofine_skinny", "autofine_s64_skinny"] if ok else [])
+    cands = ["base", "autofine", "autofine_s64", "fine_s64"] + (["autofine_s64_skout", "autofine_s64_skinny"] if ok else [])
     if run.gate(NEED["engine_check"], "engine_check"):
         run.res["engine_check"] = run.guarded("engine_check", engine_check, b.dev, smoke,
                                               {n: VARIANTS[n] for n in cands[-1:]})
@@ -343,10 +345,10 @@ def call2(run, a, cfg, B, ctxs, big, b1, st, smoke, proof) -> None:
         run.save()
     if run.gate(NEED["steps"], "steps"):
         rh.step_rows(run, b, eng, [ctxs[0], ctxs[2], big], {n: VARIANTS[n] for n in cands}, modes=("sparse",))
-        dplan = {"base": VARIANTS["base"], **({"skinny": VARIANTS["skinny"]} if ok else {})}
+        dplan = {"base": VARIANTS["base"], **({"skout": VARIANTS["skout"], "skinny": VARIANTS["skinny"]} if ok else {})}
         rh.step_rows(run, b, eng, b1, dplan, modes=("dense",), key="dense_steps", all_dense=True)
     best = a.best or best_of(run.res.get("steps") or [], cands[1:])
-    dense = best_of(run.res.get("dense_steps") or [], ["base", "skinny"]) if ok else "base"
+    dense = best_of(run.res.get("dense_steps") or [], ["base", "skout", "skinny"]) if ok else "base"
     run.res["chosen"] = {"sparse": best, "dense": dense}
     log(f"chosen: sparse {best}, dense {dense}")
     profile(run, eng, big, [best])
@@ -358,7 +360,8 @@ def call2(run, a, cfg, B, ctxs, big, b1, st, smoke, proof) -> None:
         e1 = b.engine(1, b1[-1] + 128)
         e1.set_attention("sparse")
         b.fill(e1, b1[-1] + 128)
-        bplan = {"base": VARIANTS["base"], **({"skinny": VARIANTS["skinny"]} if ok else {}), best: VARIANTS[best]}
+        bplan = {"base": VARIANTS["base"], **({"skout": VARIANTS["skout"], "skinny": VARIANTS["skinny"]} if ok else {}),
+                 best: VARIANTS[best]}
         rh.step_rows(run, b, e1, b1, bplan, modes=("dense", "sparse"), key="batch1", all_dense=True)
         del e1
         rh.free()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from granular_harness import log
+from sparse_rl.rl.rollout.forward import _skinny_set
 from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
 # kernel name fragments -> class of a step's time (first match wins)
@@ -39,7 +40,7 @@ class Variant:
 
     select: DecodeSelect = field(default_factory=DecodeSelect)
     qkv_pad: int = 64
-    skinny_gemm: bool = False
+    skinny_gemm: tuple | bool = ()  # ModelRunner.skinny_gemm: True (all), or names among forward.SKINNY
 
     def describe(self) -> dict:
         return {"select": self.select.as_kwargs(), "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm}
@@ -52,9 +53,8 @@ def apply(eng, v: Variant) -> None:
         r.set_qkv_pad(v.qkv_pad)
     if r.decode_select != v.select:
         r.set_decode_select(v.select)
-    if r.skinny_gemm != v.skinny_gemm:
-        r.skinny_gemm = v.skinny_gemm
-        r.drop_graphs()
+    if r.skinny_gemm != _skinny_set(v.skinny_gemm):
+        r.set_skinny_gemm(v.skinny_gemm)
 
 
 def free() -> None:
@@ -228,7 +228,7 @@ def gemm_alone(run, dev, bw, shapes: dict, rows=(32, 1), configs=None, smoke=Fal
     """F.linear vs `ops.skinny_linear` (tile configs: (bn, bk, programs)) per GEMM shape and row count,
     graph-timed, against the weight's bytes; every skinny result checked against F.linear's."""
     from sparse_rl.bench.timing import bench_ms
-    from sparse_rl.sparse.ops.skinny_linear.triton import counters, skinny_linear
+    from sparse_rl.sparse.ops.skinny_gemm.triton import counters, skinny_linear
 
     configs = configs or {"d": (64, 64, 528)}
     out = {}

@@ -95,7 +95,7 @@ def test_sparse_engine_on_triton_kernels_equals_reference_forward(llama_dir, mon
     the log-probs of a teacher-forced forward on the PyTorch reference ops. With fused projections, the
     CUDA default: the kernels read q/k/v and the indexer's inputs as column views of one GEMM's output,
     and `ops.silu_mul` runs the MLP. select "fine": the runner's `decode_select` (an engine option) reaches
-    the kernel (its fine select runs), with `skinny_gemm` (o_proj / down_proj as `ops.skinny_linear`)."""
+    the kernel (its fine select runs), with `skinny_gemm` (down_proj and the fused q/k/v as `ops.skinny_linear`)."""
     from sparse_rl.rl.rollout import forward
     from sparse_rl.sparse.ops.indexer_topk import decode_fine
     from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
@@ -109,7 +109,7 @@ def test_sparse_engine_on_triton_kernels_equals_reference_forward(llama_dir, mon
     monkeypatch.setattr(decode_fine, "fine_select", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(forward, "skinny_linear", lambda *a, **k: gemms.append(1) or real_gemm(*a, **k))
     monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
-    opts = {} if select is None else {"decode_select": DecodeSelect(select), "skinny_gemm": True}
+    opts = {} if select is None else {"decode_select": DecodeSelect(select), "skinny_gemm": ("down_proj", "qkv")}
     outs = _engine(model, max_batch=2, fuse_projections=True, runner_options=opts).generate(
         _prompts(2, lengths=(14, 9, 13)), params)
     monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
@@ -484,3 +484,13 @@ def test_chunked_prefill_keeps_outputs_and_interleaves_decode(llama_dir, mode):
             torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
     with pytest.raises(UsageError, match="prefill_chunk"):
         _engine(model, prefill_chunk=0)
+
+
+def test_skinny_gemm_names_are_checked():
+    """`ModelRunner(skinny_gemm=)`: True is every decode GEMM, names must be among forward.SKINNY."""
+    from sparse_rl.rl.rollout.forward import SKINNY, _skinny_set
+
+    assert _skinny_set(True) == frozenset(SKINNY) and _skinny_set(None) == frozenset()
+    assert _skinny_set(("o_proj", "down_proj")) == {"o_proj", "down_proj"}
+    with pytest.raises(ValueError, match="lm_head"):
+        _skinny_set(("lm_head",))

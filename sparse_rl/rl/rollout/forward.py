@@ -73,6 +73,19 @@ from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cach
 QKV_PAD = 64
 
 
+SKINNY = ("o_proj", "down_proj", "qkv", "gate_up")  # the decode GEMMs `skinny_gemm` may name
+
+
+def _skinny_set(names) -> frozenset:
+    """`ModelRunner.skinny_gemm` from True (all), False / None / () (none) or names among SKINNY."""
+    if names is True:
+        return frozenset(SKINNY)
+    out = frozenset(names or ())
+    if out - set(SKINNY):
+        raise ValueError(f"skinny_gemm: {sorted(out - set(SKINNY))} not among {', '.join(SKINNY)}")
+    return out
+
+
 def _base(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -122,13 +135,14 @@ class ModelRunner:
     CUDA; the modules' parameters become views of the concatenated weights, see fused_weights.py).
     qkv_pad: zero rows after the fused q/k/v(+indexer) weight up to a multiple of this (`set_qkv_pad`).
     decode_select: the indexer's decode select after the score pass (`DecodeSelect`; None: its default;
-    `set_decode_select` changes it later). skinny_gemm: the eager step's o_proj and down_proj (plain
-    bias-free Linear modules, at most 32 rows) as `ops.skinny_linear` (split-K in one launch) instead of
-    F.linear (cuBLAS: split-K + a reduce kernel); opt-in (drop the graphs after a switch)."""
+    `set_decode_select` changes it later). skinny_gemm: which of the eager step's GEMMs run as
+    `ops.skinny_linear` (split-K in one launch; at most 32 rows, no bias) instead of F.linear (cuBLAS:
+    split-K + a reduce kernel for o_proj / down_proj at M = 32): names among SKINNY ("o_proj", "down_proj",
+    "qkv", "gate_up"), True for all; opt-in (`set_skinny_gemm`)."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
-                 decode_select: DecodeSelect | None = None, skinny_gemm: bool = False):
+                 decode_select: DecodeSelect | None = None, skinny_gemm=()):
         base = _base(model)
         dec = base.get_decoder()
         self.model, self.base = model, base
@@ -168,8 +182,8 @@ class ModelRunner:
         # zero rows after the fused q/k/v(+indexer) weight up to a multiple of this (`set_qkv_pad`)
         self.qkv_pad = int(qkv_pad)
         self.decode_select = DecodeSelect() if decode_select is None else decode_select
-        self.skinny_gemm = bool(skinny_gemm)
-        self._skinny_cnt: dict = {}  # id(module) -> its tile counters (ops.skinny_linear)
+        self.skinny_gemm = _skinny_set(skinny_gemm)
+        self._skinny_cnt: dict = {}  # id(module or fused weight) -> its tile counters (ops.skinny_linear)
         self.fused_layers = ([FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
                              if self.fuse_projections else None)
         # the fused q/k/v(+indexer) GEMM as W @ xᵀ (`FusedLinear(weight_left=True)`), opt-in: in the engine
@@ -392,35 +406,50 @@ class ModelRunner:
         if fl is None or fl.qkv is None:
             return (*(p(x).view(B, -1, self.D) for p in (attn.q_proj, attn.k_proj, attn.v_proj)), None)
         with_ix = indexed and len(fl.qkv.sizes) == 6
-        y = fl.qkv(x, None if with_ix else fl.qkv_rows, weight_left=self.qkv_weight_left)
+        y = fl.qkv(x, None if with_ix else fl.qkv_rows, weight_left=self.qkv_weight_left,
+                   skinny=self._skinny("qkv", fl.qkv, x))
         parts = y.split(fl.qkv.sizes[:len(fl.qkv.sizes) if with_ix else 3], dim=1)
         q, k, v = (t.view(B, -1, self.D) for t in parts[:3])
         return q, k, v, (parts[3:] if with_ix else None)
 
-    def _out(self, mod, x, compiled: bool):
-        """mod(x) for a layer's o_proj / down_proj: `ops.skinny_linear` with `skinny_gemm` where it applies
-        (eager, a plain bias-free Linear, at most 32 rows), else the module (peft wrappers included)."""
-        if (not self.skinny_gemm or compiled or x.shape[0] > 32 or type(mod) is not torch.nn.Linear
+    def _counters(self, key, n: int, device):
+        cnt = self._skinny_cnt.get(id(key))
+        if cnt is None:
+            from sparse_rl.sparse.ops.skinny_gemm.triton import counters
+
+            cnt = self._skinny_cnt[id(key)] = counters(n, device)
+        return cnt
+
+    def _skinny(self, name: str, fused, x):
+        """The tile counters of a fused GEMM (`FusedLinear`) when `skinny_gemm` names it, else None."""
+        if name not in self.skinny_gemm or fused is None:
+            return None
+        return self._counters(fused, fused.weight.shape[0], x.device)
+
+    def _out(self, mod, x, compiled: bool, name: str = "o_proj"):
+        """mod(x) for a layer's o_proj / down_proj: `ops.skinny_linear` when `skinny_gemm` names it and it
+        applies (eager, a plain bias-free Linear, at most 32 rows), else the module (peft wrappers included)."""
+        if (name not in self.skinny_gemm or compiled or x.shape[0] > 32 or type(mod) is not torch.nn.Linear
                 or mod.bias is not None):
             return mod(x)
-        cnt = self._skinny_cnt.get(id(mod))
-        if cnt is None:
-            from sparse_rl.sparse.ops.skinny_linear.triton import counters
+        return skinny_linear(x, mod.weight, self._counters(mod, mod.out_features, x.device))
 
-            cnt = self._skinny_cnt[id(mod)] = counters(mod.out_features, x.device)
-        return skinny_linear(x, mod.weight, cnt)
+    def set_skinny_gemm(self, names) -> None:
+        """Which GEMMs run as `ops.skinny_linear` from the next step (see the class docstring)."""
+        self.skinny_gemm = _skinny_set(names)
+        self.drop_graphs()
 
     def _mlp(self, mlp, fl, x, compiled: bool = False):
         """The MLP of one token per row: one gate/up GEMM and `ops.silu_mul` when fused, else the module."""
         if fl is None or fl.gate_up is None:
             return mlp(x)
-        gu = fl.gate_up(x)
+        gu = fl.gate_up(x, skinny=self._skinny("gate_up", fl.gate_up, x))
         if fl.silu:
             a = silu_mul(gu)
         else:
             g, u = gu.split(fl.gate_up.sizes, dim=1)
             a = mlp.act_fn(g) * u
-        return self._out(mlp.down_proj, a, compiled)
+        return self._out(mlp.down_proj, a, compiled, "down_proj")
 
     @staticmethod
     def _indexer_step(ix, x, cos, sin, pos, k_cache, backend, z=None, k_scale=None):

@@ -216,11 +216,11 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = None, *, backend: str = "auto",
                   **kw) -> torch.Tensor:
     """x `[M, K]` (M <= 32) @ w `[N, K]`ᵀ -> `[M, N]`, no bias: the Triton kernel splits K inside one launch
-    (`skinny_linear/triton.py`; cnt: the call site's tile counters, `skinny_linear.triton.counters`; kw: its
+    (`skinny_gemm/triton.py`; cnt: the call site's tile counters, `skinny_gemm.triton.counters`; kw: its
     tiles), the reference is F.linear's arithmetic."""
-    from sparse_rl.sparse.ops.skinny_linear.naive import skinny_linear_naive
+    from sparse_rl.sparse.ops.skinny_gemm.naive import skinny_linear_naive
 
-    fn = kernel("skinny_linear", "skinny_linear")
+    fn = kernel("skinny_gemm", "skinny_linear")
     if x.shape[0] <= 32 and resolve_backend(backend, x, fn is not None) == "triton":
         return fn(x, w, cnt, **kw)
     return skinny_linear_naive(x, w)

@@ -5,8 +5,8 @@ arithmetic under TRITON_INTERPRET=1: odd sizes, 1-32 rows, one split and many, t
 import pytest
 import torch
 
-from sparse_rl.sparse.ops.skinny_linear.naive import skinny_linear_naive
-from sparse_rl.sparse.ops.skinny_linear.triton import counters, plan, skinny_linear
+from sparse_rl.sparse.ops.skinny_gemm.naive import skinny_linear_naive
+from sparse_rl.sparse.ops.skinny_gemm.triton import counters, plan, skinny_linear
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 37, 50), (3, 100, 200), (17, 80, 300), (32, 64, 16)])
