@@ -176,8 +176,11 @@ def test_rollout_kernel_choices_reach_the_engine_runner():
     """rollout.decode_select / decode_long / qkv_pad become the engine runner's arguments (runner_options)."""
     from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
-    cfg = load_config(GRPOConfig, None, {"rollout.decode_select": "fine", "rollout.qkv_pad": 8})
-    assert cfg.rollout.runner_options() == {"decode_select": DecodeSelect("fine", long="chunked"), "qkv_pad": 8}
+    from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT
+
+    assert load_config(GRPOConfig, None, {}).rollout.runner_options()["decode_select"] == ENGINE_SELECT
+    cfg = load_config(GRPOConfig, None, {"rollout.decode_select": "auto", "rollout.score_block": 0, "rollout.qkv_pad": 8})
+    assert cfg.rollout.runner_options() == {"decode_select": DecodeSelect("auto"), "qkv_pad": 8}
 
 
 def test_metrics_truncate_and_plot(tmp_path):

@@ -88,14 +88,15 @@ def test_logprobs_equal_teacher_forced_forward(llama_dir, mode):
         assert (dense - torch.tensor([x for c in outs for x in c.logprobs])).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("select", [None, "fine"])
+@pytest.mark.parametrize("select", [None, "auto"])
 def test_sparse_engine_on_triton_kernels_equals_reference_forward(llama_dir, monkeypatch, select):
     """The engine's sparse decode on the Triton kernels (interpreter on the CPU): the indexer's
     per-token step (`ops.indexer_decode`), the decode select and the sparse decode attention give
     the log-probs of a teacher-forced forward on the PyTorch reference ops. With fused projections, the
     CUDA default: the kernels read q/k/v and the indexer's inputs as column views of one GEMM's output,
-    and `ops.silu_mul` runs the MLP. select "fine": the runner's `decode_select` (an engine option) reaches
-    the kernel (its fine select runs), with `skinny_gemm` (down_proj and the fused q/k/v as `ops.skinny_linear`)."""
+    and `ops.silu_mul` runs the MLP. The engine's default select (ENGINE_SELECT: fine) and, as engine options
+    (`runner_options`), the kernel's auto (row at these sizes: no fine select runs) with `skinny_gemm`
+    (down_proj and the fused q/k/v as `ops.skinny_linear`)."""
     from sparse_rl.rl.rollout import forward
     from sparse_rl.sparse.ops.indexer_topk import decode_fine
     from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
@@ -113,7 +114,7 @@ def test_sparse_engine_on_triton_kernels_equals_reference_forward(llama_dir, mon
     outs = _engine(model, max_batch=2, fuse_projections=True, runner_options=opts).generate(
         _prompts(2, lengths=(14, 9, 13)), params)
     monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
-    assert bool(calls) == bool(gemms) == (select == "fine")
+    assert bool(calls) == (select is None) and bool(gemms) == (select == "auto")
     for c in outs:
         assert len(c.tokens) == 6
         torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(model, c, params), atol=1e-4, rtol=0)

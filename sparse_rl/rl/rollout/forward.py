@@ -60,7 +60,7 @@ from sparse_rl.rl.rollout.cache import KVCache
 from sparse_rl.rl.rollout import compiled as C
 from sparse_rl.sparse.layer import DecodeOps, attend, layer_states, select, select_rows
 from sparse_rl.rl.rollout.fused_weights import FusedLayer
-from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
+from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT, DecodeSelect
 from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cache, quantize_index_keys, silu_mul,
                                   skinny_linear, sparse_decode)
 
@@ -134,8 +134,8 @@ class ModelRunner:
     fuse_projections: the eager step's concatenated q/k/v(+indexer) and gate/up GEMMs (default on
     CUDA; the modules' parameters become views of the concatenated weights, see fused_weights.py).
     qkv_pad: zero rows after the fused q/k/v(+indexer) weight up to a multiple of this (`set_qkv_pad`).
-    decode_select: the indexer's decode select after the score pass (`DecodeSelect`; None: its default;
-    `set_decode_select` changes it later). skinny_gemm: which of the eager step's GEMMs run as
+    decode_select: the indexer's decode select after the score pass (`DecodeSelect`; None: `ENGINE_SELECT`,
+    the fine select with a 64-key score step; `set_decode_select` changes it later). skinny_gemm: which of the eager step's GEMMs run as
     `ops.skinny_linear` (split-K in one launch; at most 32 rows, no bias) instead of F.linear (cuBLAS:
     split-K + a reduce kernel for o_proj / down_proj at M = 32): names among SKINNY ("o_proj", "down_proj",
     "qkv", "gate_up"), True for all; opt-in (`set_skinny_gemm`)."""
@@ -181,7 +181,7 @@ class ModelRunner:
         self.fuse_projections = self.fused and (self.is_cuda if fuse_projections is None else bool(fuse_projections))
         # zero rows after the fused q/k/v(+indexer) weight up to a multiple of this (`set_qkv_pad`)
         self.qkv_pad = int(qkv_pad)
-        self.decode_select = DecodeSelect() if decode_select is None else decode_select
+        self.decode_select = ENGINE_SELECT if decode_select is None else decode_select
         self.skinny_gemm = _skinny_set(skinny_gemm)
         self._skinny_cnt: dict = {}  # id(module or fused weight) -> its tile counters (ops.skinny_linear)
         self.fused_layers = ([FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
