@@ -32,13 +32,14 @@ After `decode._score_max` (per-chunk (max, min) of the unforced finite scores, `
    program then takes its output offset from the earlier chunks' counts and writes its selected
    positions in ascending order; the row's last program pads with -1.
 
-Measured (H200, Qwen3-4B shape, batch 32, random caches; benchmarks/results/2026-12-02-h200-rollout-session8.md):
-exact, and the fastest form alone at 2304 keys (0.0228 ms vs row 0.0254, chunked 0.0351), but not at
-4K-16K (16K: 0.0738 vs chunked 0.0656), and equal to the default within noise in the step (+0.08 ms at
-16K): `_resolve_write` takes 31 us a layer, every program compacting the sub-bin's ~3 keys by walking the
-row's whole candidate list (~437 slots, up to 2,267). So it is opt-in (`impl="fine"`, or
-`decode.AUTO_LONG = "fine"`). The next step: scan only the list regions of the chunks whose sub-bin
-count is nonzero (`H2[p, b2*]`, ~3 chunks of ~27 slots), which would leave the four passes at ~40 us.
+Measured (H200, Qwen3-4B shape, batch 32, random caches): session 8, exact but equal to the default within
+noise in the step, `_resolve_write` 31 us a layer, each program walking the row's whole candidate list
+(results/2026-12-02-h200-rollout-session8.md). Session 9 (results/2026-12-02-h200-rollout-session9.md): the
+compaction reads only the list regions of the chunks that hold the sub-bin's keys (28.4 us a layer; the
+walk was not the main term) and steps 32 slots (128 registers on sm_90a instead of 168: 4 programs an SM,
+32 x 16K's 512 programs in one wave; 22.8 us a layer). With a 64-key score step it is the rollout engine's
+default select at every context (`decode_select.ENGINE_SELECT`: the step 0.17-0.28 ms faster than auto's
+at 2.3K-16K).
 
 Bins: t = (max - x) * NB / span (`decode._block`), first level d = min(floor(t), NB - 1), fine level
 f = min(floor(t * NB2), NB * NB2 - 1), sub-bin d2 = f - d * NB2 (NB2 a power of two, so t * NB2 is
