@@ -66,6 +66,10 @@ class BenchRolloutConfig:
     device: str = "auto"
     seed: int = 0
     compile: bool | None = None  # torch.compile the engine's decode step; None = the engine's default (off; SPARSE_RL_COMPILE)
+    decode_select: str = "fine"  # the indexer's decode select after the score pass (DecodeSelect.impl)
+    decode_long: str = "chunked"  # what auto runs past 8192 keys (DecodeSelect.long)
+    score_block: int = 64  # the score pass's keys a step (DecodeSelect.score_block; 0: the select's own)
+    qkv_pad: int = 64  # the fused q/k/v(+indexer) weight padded with zero rows to a multiple of this
 
     def __post_init__(self):
         if self.shape not in SHAPES:
@@ -78,6 +82,15 @@ class BenchRolloutConfig:
         if self.long_batches and len(self.long_batches) != len(self.long_new_tokens):
             raise UsageError(f"--long-batches: {len(self.long_batches)} batches for {len(self.long_new_tokens)} "
                              "--long-new-tokens lengths (give one per length)")
+        from sparse_rl.sparse.ops.indexer_topk.decode_select import IMPLS
+
+        if self.decode_select not in IMPLS or self.decode_long not in IMPLS[1:]:
+            raise UsageError(f"--decode-select {self.decode_select} / --decode-long {self.decode_long}: expected one "
+                             f"of {', '.join(IMPLS)} (auto not for --decode-long)")
+        if self.qkv_pad < 1:
+            raise UsageError("--qkv-pad must be >= 1")
+        if self.score_block < 0 or self.score_block & (self.score_block - 1):
+            raise UsageError("--score-block must be 0 or a power of two")
         if any(b < 1 for b in self.long_batches) or any(c < 2 for c in self.step_contexts + self.latency_contexts):
             raise UsageError("--long-batches must be >= 1 and --step-contexts/--latency-contexts >= 2")
 
@@ -160,9 +173,14 @@ class _Bench:
 
     def engine(self, B, max_len, **kw):
         from sparse_rl.rl.rollout import RolloutEngine
+        from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
+        c = self.cfg
+        opts = kw.pop("runner_options", None) or {
+            "decode_select": DecodeSelect(c.decode_select, long=c.decode_long, score_block=c.score_block),
+            "qkv_pad": c.qkv_pad}
         return RolloutEngine(self.model, None, max_batch=B, max_seq_len=max_len, device=self.dev, eos_token_ids=[],
-                             compile=self.cfg.compile, **kw)
+                             compile=c.compile, runner_options=opts, **kw)
 
     def fill(self, eng, max_len):
         """The cache with random K/V and index keys (never time on zeros)."""

@@ -137,6 +137,14 @@ def rollout(
                                                            "[default: none]"),
     step_batch: Optional[int] = typer.Option(None, help="Sequences in the one-step rows [default: 32]"),
     latency_contexts: Optional[str] = typer.Option(None, help="One-step rows at batch 1, e.g. 2K [default: none]"),
+    decode_select: Optional[str] = typer.Option(None, help="Indexer decode select after the score pass: fine | auto | "
+                                                           "chunked | row | split (same keys) [default: fine]"),
+    score_block: Optional[int] = typer.Option(None, help="Keys a step of the decode score pass, a power of two (0: the "
+                                                         "select's own) [default: 64]"),
+    decode_long: Optional[str] = typer.Option(None, help="--decode-select auto past 8192 keys: chunked | row | split | "
+                                                         "fine [default: chunked]"),
+    qkv_pad: Optional[int] = typer.Option(None, help="Fused q/k/v(+indexer) weight padded to a multiple of this many "
+                                                     "output columns [default: 64]"),
     index_heads: Optional[int] = _common["index_heads"], index_dim: Optional[int] = _common["index_dim"],
     dtype: Optional[str] = typer.Option(None, help="bfloat16 | float16 | float32 [default: bfloat16]"),
     device: Optional[str] = device_option(),
@@ -159,6 +167,7 @@ def rollout(
             long_prompt_len=long_prompt_len, whole=whole, whole_budget_s=whole_budget_s,
             step_contexts=ints("--step-contexts", step_contexts), step_batch=step_batch,
             latency_contexts=ints("--latency-contexts", latency_contexts), topk=index_topk, index_heads=index_heads,
-            index_dim=index_dim, dtype=dtype, device=device, compile=compile), sets=set_)
+            index_dim=index_dim, dtype=dtype, device=device, compile=compile, decode_select=decode_select,
+            decode_long=decode_long, score_block=score_block, qkv_pad=qkv_pad), sets=set_)
         res = run_rollout_bench(cfg, log=lambda m: console.print(f"[dim]{m}[/]"))
         _finish(res, markdown_rollout(res), out)

@@ -208,9 +208,10 @@ class DecodeOps:
 
     @staticmethod
     def indexer_topk_decode(q_idx, w, k_idx, pos, S: int, topk: int, sink: int, window: int, backend: str,
-                            k_scale=None):
+                            k_scale=None, select=None):
         return indexer_topk_decode(q_idx, w, k_idx[:, :S], pos, topk, sink=sink, window=window,
-                                   k_scale=None if k_scale is None else k_scale[:, :S], backend=backend)
+                                   k_scale=None if k_scale is None else k_scale[:, :S], select=select,
+                                   backend=backend)
 
     block_select_rows = staticmethod(block_select_rows)
 
@@ -287,7 +288,8 @@ def attend(st: LayerState, sel: Selection, q: torch.Tensor, k: torch.Tensor, v: 
 
 def select(st: LayerState, q: torch.Tensor, k: torch.Tensor, index: tuple | None = None, *, q_offset: int = 0,
            kv_start: torch.Tensor | None = None, pos=None, S: int | None = None, visible: torch.Tensor | None = None,
-           ops=DecodeOps, history: tuple | None = None, group: tuple | None = None) -> torch.Tensor:
+           ops=DecodeOps, history: tuple | None = None, group: tuple | None = None,
+           decode_select=None) -> torch.Tensor:
     """The layer's selector: which keys each query attends to (causal; the first `sink` and last
     `window` keys forced for the indexer, sink/recent blocks for the block selector).
 
@@ -301,7 +303,8 @@ def select(st: LayerState, q: torch.Tensor, k: torch.Tensor, index: tuple | None
     (keys read: the first S) -> `[B, K]` int32. pos is a `[B]`
     tensor, or host ints for the eager block selector. visible: every visible key `[B, S]`, given
     when the caller knows S <= topk (the indexer then keeps them all). ops: `DecodeOps` or the
-    compiled step's equivalents.
+    compiled step's equivalents. decode_select: the indexer's decode select kernel choice
+    (`ops.indexer_topk.decode.DecodeSelect`, None: its default; the rollout runner's `decode_select`).
 
     Granularity (`cfg.key_block`, `cfg.query_group`, docs/DESIGN.md "Selection granularity"): the
     granular selection of `ops.granular_topk`; a sequence whose first group started before q_offset
@@ -340,5 +343,5 @@ def select(st: LayerState, q: torch.Tensor, k: torch.Tensor, index: tuple | None
             return visible
         q_i, w, k_cache, *scale = index  # fp8 index keys: their per-token scales `[B, S_max]` follow
         return ops.indexer_topk_decode(q_i, w, k_cache, pos, S, c.topk, c.sink, c.window, st.backend,
-                                       k_scale=scale[0] if scale else None)
+                                       k_scale=scale[0] if scale else None, select=decode_select)
     return ops.block_select_rows(q, k, pos, c.block_size, c.topk_blocks, c.sink_blocks, c.recent_blocks, st.backend)

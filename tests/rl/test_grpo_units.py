@@ -165,9 +165,22 @@ def test_every_recipe_loads_and_config_errors_name_the_key():
     for over, msg in [({"rollout.mode": "fast"}, "rollout.mode"), ({"rollout.keep": 1}, "rollout.keep"),
                       ({"distill.loss": "kl"}, "distill.loss: unknown distillation loss 'kl'"),
                       ({"reward.shaping": "short"}, "reward.shaping"),
-                      ({"loss.kl_target": 0.1}, "loss.kl_target"), ({"optim.betas": [0.9]}, "optim.betas")]:
+                      ({"loss.kl_target": 0.1}, "loss.kl_target"), ({"optim.betas": [0.9]}, "optim.betas"),
+                      ({"rollout.decode_select": "rows"}, "rollout.decode_select"),
+                      ({"rollout.decode_long": "auto"}, "rollout.decode_select"), ({"rollout.qkv_pad": 0}, "rollout.qkv_pad")]:
         with pytest.raises(UsageError, match=msg.replace("(", r"\(")):
             load_config(GRPOConfig, None, over)
+
+
+def test_rollout_kernel_choices_reach_the_engine_runner():
+    """rollout.decode_select / decode_long / qkv_pad become the engine runner's arguments (runner_options)."""
+    from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
+
+    from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT
+
+    assert load_config(GRPOConfig, None, {}).rollout.runner_options()["decode_select"] == ENGINE_SELECT
+    cfg = load_config(GRPOConfig, None, {"rollout.decode_select": "auto", "rollout.score_block": 0, "rollout.qkv_pad": 8})
+    assert cfg.rollout.runner_options() == {"decode_select": DecodeSelect("auto"), "qkv_pad": 8}
 
 
 def test_metrics_truncate_and_plot(tmp_path):

@@ -88,19 +88,33 @@ def test_logprobs_equal_teacher_forced_forward(llama_dir, mode):
         assert (dense - torch.tensor([x for c in outs for x in c.logprobs])).abs().max() > 1e-3
 
 
-def test_sparse_engine_on_triton_kernels_equals_reference_forward(llama_dir, monkeypatch):
+@pytest.mark.parametrize("select", [None, "auto"])
+def test_sparse_engine_on_triton_kernels_equals_reference_forward(llama_dir, monkeypatch, select):
     """The engine's sparse decode on the Triton kernels (interpreter on the CPU): the indexer's
     per-token step (`ops.indexer_decode`), the decode select and the sparse decode attention give
     the log-probs of a teacher-forced forward on the PyTorch reference ops. With fused projections, the
     CUDA default: the kernels read q/k/v and the indexer's inputs as column views of one GEMM's output,
-    and `ops.silu_mul` runs the MLP."""
+    and `ops.silu_mul` runs the MLP. The engine's default select (ENGINE_SELECT: fine) and, as engine options
+    (`runner_options`), the kernel's auto (row at these sizes: no fine select runs) with `skinny_gemm`
+    (down_proj and the fused q/k/v as `ops.skinny_linear`)."""
+    from sparse_rl.rl.rollout import forward
+    from sparse_rl.sparse.ops.indexer_topk import decode_fine
+    from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
+
     model = load_model(llama_dir, attention="sparse")
     # 6 new tokens take every row (9-14 prompt tokens) past the top-k of 12; each step costs seconds
     # under the interpreter
     params = SamplingParams(temperature=0.7, max_new_tokens=6, seed=5)
+    calls, gemms = [], []
+    real, real_gemm = decode_fine.fine_select, forward.skinny_linear
+    monkeypatch.setattr(decode_fine, "fine_select", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(forward, "skinny_linear", lambda *a, **k: gemms.append(1) or real_gemm(*a, **k))
     monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
-    outs = _engine(model, max_batch=2, fuse_projections=True).generate(_prompts(2, lengths=(14, 9, 13)), params)
+    opts = {} if select is None else {"decode_select": DecodeSelect(select), "skinny_gemm": ("down_proj", "qkv")}
+    outs = _engine(model, max_batch=2, fuse_projections=True, runner_options=opts).generate(
+        _prompts(2, lengths=(14, 9, 13)), params)
     monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
+    assert bool(calls) == (select is None) and bool(gemms) == (select == "auto")
     for c in outs:
         assert len(c.tokens) == 6
         torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(model, c, params), atol=1e-4, rtol=0)
@@ -471,3 +485,13 @@ def test_chunked_prefill_keeps_outputs_and_interleaves_decode(llama_dir, mode):
             torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
     with pytest.raises(UsageError, match="prefill_chunk"):
         _engine(model, prefill_chunk=0)
+
+
+def test_skinny_gemm_names_are_checked():
+    """`ModelRunner(skinny_gemm=)`: True is every decode GEMM, names must be among forward.SKINNY."""
+    from sparse_rl.rl.rollout.forward import SKINNY, _skinny_set
+
+    assert _skinny_set(True) == frozenset(SKINNY) and _skinny_set(None) == frozenset()
+    assert _skinny_set(("o_proj", "down_proj")) == {"o_proj", "down_proj"}
+    with pytest.raises(ValueError, match="lm_head"):
+        _skinny_set(("lm_head",))

@@ -37,9 +37,9 @@ def test_sort_and_radix_thresholds_pick_the_reference_keys(ints, B, S, K, sink, 
 
 @pytest.mark.parametrize("impl", ["row", "split", "fine", "auto"])
 @pytest.mark.parametrize("ints", [True, False])
-def test_row_and_split_selects_pick_the_reference_keys(impl, ints, monkeypatch):
+def test_row_and_split_selects_pick_the_reference_keys(impl, ints):
     """impl="row" (the score pass, then one program per row: decode_row.py) and "split" (then three
-    (chunk, row) passes: decode_split.py) against the reference, and auto past ROW_MAX_KEYS (chunked): exact
+    (chunk, row) passes: decode_split.py) against the reference, and auto past row_max_keys (chunked): exact
     ties (integer scores), left padding (kv_start), rows shorter than K, every threshold path (sort of the
     candidates, radix levels when they overflow `sort`)."""
     g = torch.Generator().manual_seed(21 + ints)
@@ -53,13 +53,17 @@ def test_row_and_split_selects_pick_the_reference_keys(impl, ints, monkeypatch):
         k = torch.randn(B, S, DI, generator=g)
     pos = torch.tensor([S - 1, 70, 12, 100])
     kvs = torch.tensor([0, 3, 0, 40])
-    monkeypatch.setattr(itd, "ROW_MAX_KEYS", 100)  # auto: this S takes the chunked passes
     ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=2, window=3, kv_start=kvs)
     for sort in (2, 64) if impl != "auto" else (0,):  # 2: most rows overflow to the radix levels; 64: all sort
-        got = itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=3, kv_start=kvs, chunk=32, impl=impl, sort=sort)
+        got = itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=3, kv_start=kvs, chunk=32, impl=impl, sort=sort,
+                                      row_max_keys=100)  # auto: this S takes the chunked passes
         assert torch.equal(got, ref), sort
     with pytest.raises(ValueError, match="impl"):
         itd.indexer_topk_decode(q, w, k, pos, K, impl="rows")
+    with pytest.raises(ValueError, match="auto_long"):
+        itd.indexer_topk_decode(q, w, k, pos, K, auto_long="auto")
+    with pytest.raises(ValueError, match="decode select"):
+        itd.DecodeSelect(long="rows")
 
 
 @pytest.mark.parametrize("impl", ["chunked", "split", "fine"])
@@ -126,3 +130,18 @@ def test_fine_select_relu_zero_ties(K):
         assert torch.equal(got, ref), cap
     if K == 150:  # the threshold is a zero in every row: the zeros' order decides, no sub-bin is resolved
         assert int(n2.max()) == 0
+
+
+@pytest.mark.parametrize("impl", ["chunked", "row", "fine"])
+def test_score_block_keeps_the_selection(impl):
+    """`score_block` (the score pass's keys a step, a register/occupancy knob) selects the same keys; one that
+    does not divide the chunk is refused."""
+    g = torch.Generator().manual_seed(8)
+    B, HI, DI, S, K = 3, 2, 16, 150, 24
+    q, w, k = torch.randn(B, HI, DI, generator=g), torch.randn(B, HI, generator=g), torch.randn(B, S, DI, generator=g)
+    pos = torch.tensor([S - 1, 90, 40])
+    ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=2, window=3)
+    got = itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=3, chunk=32, impl=impl, score_block=8)
+    assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match="score_block"):
+        itd.indexer_topk_decode(q, w, k, pos, K, chunk=32, impl=impl, score_block=12)

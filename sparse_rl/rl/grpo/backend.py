@@ -32,9 +32,10 @@ class RolloutBackend(Protocol):
 class InProcessRollout:
     """`RolloutBackend` over a `RolloutEngine` sharing the trainer's model object."""
 
-    def __init__(self, model, tokenizer, max_batch: int, compile: bool | None = None):
+    def __init__(self, model, tokenizer, max_batch: int, compile: bool | None = None, runner_options=None):
         self.model = model
-        self.engine = RolloutEngine(model, tokenizer, max_batch=max_batch, compile=compile)
+        self.engine = RolloutEngine(model, tokenizer, max_batch=max_batch, compile=compile,
+                                    runner_options=runner_options)
         self._dense_graphs_with_adapter = False
 
     def generate(self, prompts, params, attention):

@@ -40,6 +40,20 @@ class RolloutConfig:
     max_batch: int = 256  # engine slots (sequences decoded together)
     compile: bool | None = None  # torch.compile the engine's decode step (None: SPARSE_RL_COMPILE, else off)
     backend: str | None = None  # sparse kernels: auto | torch | triton (None: the model's default)
+    # the engine's kernel choices (same outputs): the indexer's decode select after the score pass (fine |
+    # auto | chunked | row | split; auto: row up to 8192 keys, decode_long beyond), its score pass's key step
+    # (0: the select's own; defaults: decode_select.ENGINE_SELECT) and the fused q/k/v weight's zero-row padding
+    decode_select: str = "fine"
+    decode_long: str = "chunked"
+    score_block: int = 64
+    qkv_pad: int = 64
+
+    def runner_options(self) -> dict:
+        """`RolloutEngine(runner_options=...)` of these choices (raises ValueError for an unknown select)."""
+        from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
+
+        return {"decode_select": DecodeSelect(self.decode_select, long=self.decode_long, score_block=self.score_block),
+                "qkv_pad": self.qkv_pad}
 
 
 @dataclass
@@ -173,6 +187,12 @@ def validate(c: GRPOConfig) -> None:
     _positive(c.steps, "steps")
     _positive(c.data.prompts_per_step, "data.prompts_per_step")
     _positive(r.keep, "rollout.keep")
+    _positive(r.qkv_pad, "rollout.qkv_pad")
+    _positive(r.score_block, "rollout.score_block", allow_zero=True)
+    try:
+        r.runner_options()
+    except ValueError as e:
+        raise UsageError(f"rollout.decode_select / decode_long: {e}") from None
     if r.samples < r.keep:
         raise UsageError(f"rollout.samples ({r.samples}) must be >= rollout.keep ({r.keep}): samples are drawn, the best keep kept")
     if r.keep < 2:

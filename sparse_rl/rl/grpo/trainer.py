@@ -113,7 +113,8 @@ class Trainer:
         from sparse_rl.rl.grpo.backend import InProcessRollout
 
         self.rollout = backend or InProcessRollout(self.model, self.tokenizer, max_batch=cfg.rollout.max_batch,
-                                                      compile=cfg.rollout.compile)
+                                                      compile=cfg.rollout.compile,
+                                                      runner_options=cfg.rollout.runner_options())
         if self.fsdp is not None and isinstance(self.rollout, InProcessRollout):
             # every all-gather gives the full weights new storages: drop CUDA graphs captured on the old ones
             self.fsdp.on_gather.append(self.rollout.engine.refresh)

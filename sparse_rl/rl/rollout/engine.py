@@ -100,13 +100,15 @@ class RolloutEngine:
     prompt tokens; a longer prompt is prefilled a chunk at a time, each chunk followed by a decode step
     of the running sequences, so that long prompts do not stall decoding (None: whole prompts, up to
     max_prefill_tokens a call; granular selection always prefills whole prompts).
+    runner_options: keyword arguments of `ModelRunner` for its kernel choices: qkv_pad, decode_select
+    (a `DecodeSelect`); defaults when absent.
     """
 
     def __init__(self, model, tokenizer=None, max_batch: int = 32, max_seq_len: int | None = None,
                  device=None, use_cuda_graphs: bool | None = None, eos_token_ids: Sequence[int] | None = None,
                  bucket: int = 256, max_prefill_tokens: int = 32768, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, runner_options: dict | None = None):
         if max_batch < 1:
             raise UsageError(f"max_batch must be >= 1 (got {max_batch})")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -117,8 +119,9 @@ class RolloutEngine:
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
+        # runner_options: ModelRunner's kernel choices (qkv_pad, decode_select), its defaults when absent
         self.runner = ModelRunner(model, dev, use_cuda_graphs, compile=compile, compile_backend=compile_backend,
-                                  fuse_projections=fuse_projections)
+                                  fuse_projections=fuse_projections, **(runner_options or {}))
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.bucket = bucket

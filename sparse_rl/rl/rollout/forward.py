@@ -60,8 +60,9 @@ from sparse_rl.rl.rollout.cache import KVCache
 from sparse_rl.rl.rollout import compiled as C
 from sparse_rl.sparse.layer import DecodeOps, attend, layer_states, select, select_rows
 from sparse_rl.rl.rollout.fused_weights import FusedLayer
+from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT, DecodeSelect
 from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cache, quantize_index_keys, silu_mul,
-                                  sparse_decode)
+                                  skinny_linear, sparse_decode)
 
 
 # `ModelRunner.qkv_pad`'s default: zero rows after the fused q/k/v(+indexer) weight up to 64 output columns.
@@ -70,6 +71,19 @@ from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cach
 # 0.22-0.28 ms less at every context (9.76 -> 9.52 ms at 16K); dense steps multiply by the first 6144 rows
 # only, unchanged
 QKV_PAD = 64
+
+
+SKINNY = ("o_proj", "down_proj", "qkv", "gate_up")  # the decode GEMMs `skinny_gemm` may name
+
+
+def _skinny_set(names) -> frozenset:
+    """`ModelRunner.skinny_gemm` from True (all), False / None / () (none) or names among SKINNY."""
+    if names is True:
+        return frozenset(SKINNY)
+    out = frozenset(names or ())
+    if out - set(SKINNY):
+        raise ValueError(f"skinny_gemm: {sorted(out - set(SKINNY))} not among {', '.join(SKINNY)}")
+    return out
 
 
 def _base(model):
@@ -118,10 +132,17 @@ class ModelRunner:
     step (default `default_compile(device)`); compile_backend: the dynamo backend, a name
     ("inductor"; "aot_eager" traces without generating code) or a backend callable.
     fuse_projections: the eager step's concatenated q/k/v(+indexer) and gate/up GEMMs (default on
-    CUDA; the modules' parameters become views of the concatenated weights, see fused_weights.py)."""
+    CUDA; the modules' parameters become views of the concatenated weights, see fused_weights.py).
+    qkv_pad: zero rows after the fused q/k/v(+indexer) weight up to a multiple of this (`set_qkv_pad`).
+    decode_select: the indexer's decode select after the score pass (`DecodeSelect`; None: `ENGINE_SELECT`,
+    the fine select with a 64-key score step; `set_decode_select` changes it later). skinny_gemm: which of the eager step's GEMMs run as
+    `ops.skinny_linear` (split-K in one launch; at most 32 rows, no bias) instead of F.linear (cuBLAS:
+    split-K + a reduce kernel for o_proj / down_proj at M = 32): names among SKINNY ("o_proj", "down_proj",
+    "qkv", "gate_up"), True for all; opt-in (`set_skinny_gemm`)."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
-                 compile_backend="inductor", fuse_projections: bool | None = None):
+                 compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
+                 decode_select: DecodeSelect | None = None, skinny_gemm=()):
         base = _base(model)
         dec = base.get_decoder()
         self.model, self.base = model, base
@@ -159,7 +180,10 @@ class ModelRunner:
         # fused step
         self.fuse_projections = self.fused and (self.is_cuda if fuse_projections is None else bool(fuse_projections))
         # zero rows after the fused q/k/v(+indexer) weight up to a multiple of this (`set_qkv_pad`)
-        self.qkv_pad = QKV_PAD
+        self.qkv_pad = int(qkv_pad)
+        self.decode_select = ENGINE_SELECT if decode_select is None else decode_select
+        self.skinny_gemm = _skinny_set(skinny_gemm)
+        self._skinny_cnt: dict = {}  # id(module or fused weight) -> its tile counters (ops.skinny_linear)
         self.fused_layers = ([FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
                              if self.fuse_projections else None)
         # the fused q/k/v(+indexer) GEMM as W @ xᵀ (`FusedLinear(weight_left=True)`), opt-in: in the engine
@@ -292,6 +316,7 @@ class ModelRunner:
         if compiled and self.dense_impl == "sdpa":
             vis_full = torch.arange(k_all.shape[2], device=dev)[None] <= pos[:, None]  # [B, S_max]
         pos_list = None
+        pos32 = None
 
         def write(buf, i, val):
             if compiled:
@@ -339,10 +364,15 @@ class ModelRunner:
                     index = (q_i, w, idx_all[i]) if scale_all is None else (q_i, w, idx_all[i], scale_all[i])
                 elif not compiled:  # the eager block selector reads positions on the host, once per step
                     pos_list = pos.tolist() if pos_list is None else pos_list
+                if index is not None and not st.cfg.granular:  # the decode select's int32 positions, once a step
+                    pos32 = pos.to(torch.int32) if pos32 is None else pos32  # (not one copy kernel a layer)
+                    sel_pos = pos32
+                else:
+                    sel_pos = pos if compiled or index is not None else pos_list
                 # with no more visible keys than top-k the indexer keeps them all (`short`)
-                sel = select(st, q, k_all[i], index, pos=pos if compiled or index is not None else pos_list,
+                sel = select(st, q, k_all[i], index, pos=sel_pos,
                              S=S, visible=all_idx if short else None, ops=C if compiled else DecodeOps,
-                             group=cache.group(i) if cache is not None else None)
+                             group=cache.group(i) if cache is not None else None, decode_select=self.decode_select)
                 o = self._attend(q, k_all[i], v_all[i], sel, attn.scaling, st.backend, compiled)
             elif self.dense_impl == "index":
                 o = self._attend(q, k_all[i], v_all[i], all_idx, attn.scaling, "auto", compiled)
@@ -354,8 +384,9 @@ class ModelRunner:
                 o = F.scaled_dot_product_attention(q[:, :, None], kc.transpose(1, 2), vc.transpose(1, 2),
                                                    attn_mask=mask[:, None, None, :], scale=attn.scaling,
                                                    enable_gqa=self.H != self.H_kv)[:, :, 0]
-            x, res = self._add_norm(attn.o_proj(o.reshape(B, -1)), res, layer.post_attention_layernorm, compiled)
-            pending = self._mlp(layer.mlp, fl, x)
+            x, res = self._add_norm(self._out(attn.o_proj, o.reshape(B, -1), compiled), res,
+                                    layer.post_attention_layernorm, compiled)
+            pending = self._mlp(layer.mlp, fl, x, compiled)
         y, _ = self._add_norm(pending, res, self.norm, compiled)
         return self.lm_head(y).float()
 
@@ -375,23 +406,50 @@ class ModelRunner:
         if fl is None or fl.qkv is None:
             return (*(p(x).view(B, -1, self.D) for p in (attn.q_proj, attn.k_proj, attn.v_proj)), None)
         with_ix = indexed and len(fl.qkv.sizes) == 6
-        y = fl.qkv(x, None if with_ix else fl.qkv_rows, weight_left=self.qkv_weight_left)
+        y = fl.qkv(x, None if with_ix else fl.qkv_rows, weight_left=self.qkv_weight_left,
+                   skinny=self._skinny("qkv", fl.qkv, x))
         parts = y.split(fl.qkv.sizes[:len(fl.qkv.sizes) if with_ix else 3], dim=1)
         q, k, v = (t.view(B, -1, self.D) for t in parts[:3])
         return q, k, v, (parts[3:] if with_ix else None)
 
-    @staticmethod
-    def _mlp(mlp, fl, x):
+    def _counters(self, key, n: int, device):
+        cnt = self._skinny_cnt.get(id(key))
+        if cnt is None:
+            from sparse_rl.sparse.ops.skinny_gemm.triton import counters
+
+            cnt = self._skinny_cnt[id(key)] = counters(n, device)
+        return cnt
+
+    def _skinny(self, name: str, fused, x):
+        """The tile counters of a fused GEMM (`FusedLinear`) when `skinny_gemm` names it, else None."""
+        if name not in self.skinny_gemm or fused is None:
+            return None
+        return self._counters(fused, fused.weight.shape[0], x.device)
+
+    def _out(self, mod, x, compiled: bool, name: str = "o_proj"):
+        """mod(x) for a layer's o_proj / down_proj: `ops.skinny_linear` when `skinny_gemm` names it and it
+        applies (eager, a plain bias-free Linear, at most 32 rows), else the module (peft wrappers included)."""
+        if (name not in self.skinny_gemm or compiled or x.shape[0] > 32 or type(mod) is not torch.nn.Linear
+                or mod.bias is not None):
+            return mod(x)
+        return skinny_linear(x, mod.weight, self._counters(mod, mod.out_features, x.device))
+
+    def set_skinny_gemm(self, names) -> None:
+        """Which GEMMs run as `ops.skinny_linear` from the next step (see the class docstring)."""
+        self.skinny_gemm = _skinny_set(names)
+        self.drop_graphs()
+
+    def _mlp(self, mlp, fl, x, compiled: bool = False):
         """The MLP of one token per row: one gate/up GEMM and `ops.silu_mul` when fused, else the module."""
         if fl is None or fl.gate_up is None:
             return mlp(x)
-        gu = fl.gate_up(x)
+        gu = fl.gate_up(x, skinny=self._skinny("gate_up", fl.gate_up, x))
         if fl.silu:
             a = silu_mul(gu)
         else:
             g, u = gu.split(fl.gate_up.sizes, dim=1)
             a = mlp.act_fn(g) * u
-        return mlp.down_proj(a)
+        return self._out(mlp.down_proj, a, compiled, "down_proj")
 
     @staticmethod
     def _indexer_step(ix, x, cos, sin, pos, k_cache, backend, z=None, k_scale=None):
@@ -561,6 +619,12 @@ class ModelRunner:
         if self.fused_layers is not None:
             self.fused_layers = [FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
             self.drop_graphs()
+
+    def set_decode_select(self, decode_select: DecodeSelect) -> None:
+        """Run `decode_select` from the next step on, dropping the CUDA graphs (they hold the old kernels;
+        compiled steps are recompiled, since dynamo guards on the attribute)."""
+        self.decode_select = decode_select
+        self.drop_graphs()
 
     def drop_graphs(self) -> None:
         """Forget captured graphs (compiled steps stay: their parameters and caches are inputs)."""

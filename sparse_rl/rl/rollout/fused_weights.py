@@ -92,17 +92,23 @@ class FusedLinear:
             off += n
         return True
 
-    def __call__(self, x: torch.Tensor, rows: int | None = None, weight_left: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows: int | None = None, weight_left: bool = False,
+                 skinny: torch.Tensor | None = None) -> torch.Tensor:
         """x `[B, in]` -> `[B, rows or sum(out)]`: the members' outputs side by side (the first `rows`).
         weight_left: the same product as W @ xᵀ, then one transpose copy back to `[B, out]` (cuBLAS
         picks another kernel for it: on an H200 at M = 32 the q/k/v + indexer GEMM of Qwen3-4B's shape,
         N = 6468, took 8.4 us this way against 17.5 through F.linear; equal for the other shapes;
-        benchmarks/results/2026-12-01-h200-rollout-session7.md)."""
+        benchmarks/results/2026-12-01-h200-rollout-session7.md). skinny: tile counters of this GEMM for
+        `ops.skinny_linear` (split-K in one launch), used when there is no bias and x has at most 32 rows."""
         w, b = self.weight, self.bias
         n = sum(self.sizes)
         if rows is not None:
             w, b, n = w[:rows], None if b is None else b[:rows], rows
-        if not weight_left:
+        if skinny is not None and b is None and x.shape[0] <= 32:
+            from sparse_rl.sparse.ops import skinny_linear
+
+            y = skinny_linear(x, w, skinny)
+        elif not weight_left:
             y = torch.nn.functional.linear(x, w, b)
         else:
             y = torch.mm(w, x.t()) if b is None else torch.addmm(b[:, None], w, x.t())

@@ -25,7 +25,7 @@ from sparse_rl.sparse.ops.sparse_attention.naive import (dense_attention_naive, 
 __all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_topk_decode", "indexer_scores", "indexer_decode",
            "block_select", "visible_mask", "granular_topk", "granular_topk_decode", "shared_rows_ok",
            "dense_attention_naive", "kernel", "warmup_kl", "selected_kl", "dense_lse", "KLStats", "add_rmsnorm",
-           "qk_norm_rope_cache", "silu_mul", "quantize_index_keys"]
+           "qk_norm_rope_cache", "silu_mul", "quantize_index_keys", "skinny_linear"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,13 +80,16 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
 
 def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, pos: torch.Tensor, topk: int,
                         *, sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None,
-                        k_scale: torch.Tensor | None = None, backend: str = "auto"):
+                        k_scale: torch.Tensor | None = None, select=None, backend: str = "auto"):
     """Decode-time indexer top-k, every row at its own position. q_idx `[B, H_I, D_I]`, w `[B, H_I]`,
     k_idx `[B, S, D_I]` (index-key cache; float8_e4m3fn with k_scale `[B, S]`, see
-    `quantize_index_keys`), pos `[B]` -> `[B, topk]` int32 (ascending, -1 padded)."""
+    `quantize_index_keys`), pos `[B]` -> `[B, topk]` int32 (ascending, -1 padded). select: the Triton
+    kernel's choice of select after the score pass (`indexer_topk.decode.DecodeSelect`; None: its
+    default); every choice selects the same keys."""
     fn = kernel("indexer_topk", "indexer_topk_decode")
     if resolve_backend(backend, q_idx, fn is not None) == "triton":
-        return fn(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start, k_scale=k_scale)
+        return fn(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start, k_scale=k_scale,
+                  **({} if select is None else select.as_kwargs()))
     return indexer_topk_decode_naive(q_idx, w, k_idx, pos, topk, sink=sink, window=window, kv_start=kv_start,
                                      k_scale=k_scale)
 
@@ -209,3 +212,16 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     if resolve_backend(backend, gate_up, fn is not None) == "triton":
         return fn(gate_up)
     return silu_mul_naive(gate_up)
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = None, *, backend: str = "auto",
+                  **kw) -> torch.Tensor:
+    """x `[M, K]` (M <= 32) @ w `[N, K]`ᵀ -> `[M, N]`, no bias: the Triton kernel splits K inside one launch
+    (`skinny_gemm/triton.py`; cnt: the call site's tile counters, `skinny_gemm.triton.counters`; kw: its
+    tiles), the reference is F.linear's arithmetic."""
+    from sparse_rl.sparse.ops.skinny_gemm.naive import skinny_linear_naive
+
+    fn = kernel("skinny_gemm", "skinny_linear")
+    if x.shape[0] <= 32 and resolve_backend(backend, x, fn is not None) == "triton":
+        return fn(x, w, cnt, **kw)
+    return skinny_linear_naive(x, w)

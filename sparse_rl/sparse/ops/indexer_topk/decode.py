@@ -46,8 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _block, _bstar_of, _okey_inv, _radix_level,  # noqa: F401
-                                                           _radix_threshold, _sort_threshold)
+from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _append, _block, _bstar_of, _emit,  # noqa: F401
+                                                           _okey_inv, _pad_rest, _radix_level, _radix_threshold,
+                                                           _sort_threshold)
+from sparse_rl.sparse.ops.indexer_topk.decode_select import AUTO_LONG, IMPLS, ROW_MAX_KEYS, DecodeSelect  # noqa: F401
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
@@ -56,20 +58,7 @@ from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 # nothing in the step (Qwen3-4B shape, batch 32 at 16K: 9.18 ms with sort=1024 vs 9.17 radix; 299
 # candidates a row on average, up to 2,031; benchmarks/results/2026-12-01-h200-rollout-session5.md)
 SORT_CANDIDATES = 0
-# which select runs after the score pass (`impl`): "auto" takes the one-program-per-row select
-# (decode_row.py) for rows of at most ROW_MAX_KEYS keys and the chunked passes beyond. On the H200
-# (Qwen3-4B shape, random caches, one engine; benchmarks/results/2026-12-01-h200-rollout-session6.md)
-# the row select took 0.43-0.71 ms off the batch-32 step at 2.3K-8K context (0.32 at batch 16, 2.3K-4K),
-# where the chunked passes are held by their seven launches, and added 0.6-1.25 ms at 16 x 16K-32K,
-# where one program per row walks the row alone; "split" (decode_split.py) and "fine" (decode_fine.py: two
-# levels of bins, exact zeros by count; equal to the default within noise in the step at 2.3K-16K on the H200,
-# session 8) are opt-in.
-IMPLS = ("auto", "chunked", "row", "split", "fine")
-DECODE_IMPL = "auto"
-ROW_MAX_KEYS = 8192
-AUTO_LONG = "chunked"  # what "auto" runs for rows of more than ROW_MAX_KEYS keys
-
-
+# the choice of select after the score pass (`impl`, `DecodeSelect`): see decode_select.py
 @triton.jit
 def _span(RNG, b, NB: tl.constexpr):
     """The row's maximum and NB / (max - min) over its finite, unforced visible scores (0 when the
@@ -95,11 +84,14 @@ def _bstar(HIST, NF, b, K, NB: tl.constexpr):
 def _score_max(Q, W, KI, KS, POS, KVS, SC, RNG, sqb, sqh, sqd, swb, swh, skb, sks, skd, ssb,
                S, sink, window, HI, DI, P,
                HB: tl.constexpr, BD: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
-               FP8: tl.constexpr, PER_CHUNK: tl.constexpr):
+               FP8: tl.constexpr, PER_CHUNK: tl.constexpr, HAS_START: tl.constexpr = True):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
-    start = tl.load(KVS + b)
+    if HAS_START:  # left padding: the row's first valid key (else 0, no `[B]` zeros to fill each call)
+        start = tl.load(KVS + b)
+    else:
+        start = 0
     c0 = p * CH
     if c0 <= pos:
         offs_h = tl.arange(0, HB)
@@ -188,10 +180,7 @@ def _gather_cands(SC, POS, RNG, HIST, NF, CNT, CU, CI, S, K, P, CH: tl.constexpr
             for i in range(0, CH // BN):
                 offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
                 cand = fin & (d == bstar)
-                slot = off + tl.cumsum(cand.to(tl.int32), 0) - 1
-                tl.store(CU + b * S + slot, u.to(tl.int32, bitcast=True), mask=cand)
-                tl.store(CI + b * S + slot, offs_n, mask=cand)
-                off += tl.sum(cand.to(tl.int32), 0)
+                off = _append(CU, CI, b, S, offs_n, u, cand, off)
 
 
 @triton.jit
@@ -236,13 +225,9 @@ def _write(SC, POS, RNG, TAU, CUT, OFFS, OUT, sob, S, K, P, CH: tl.constexpr, BN
         for i in range(0, CH // BN):
             offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
             sel = (x == float("inf")) | (fin & ((u > tau) | ((u == tau) & (offs_n >= cut))))
-            slot = off + tl.cumsum(sel.to(tl.int32), 0) - 1
-            tl.store(OUT + b * sob + slot, offs_n, mask=sel)
-            off += tl.sum(sel.to(tl.int32), 0)
+            off = _emit(OUT, b, sob, offs_n, sel, off)
     if p == P - 1:  # the last chunk's end offset is the row's count: pad the rest with -1
-        for c in range(off, K, BN):
-            offs = c + tl.arange(0, BN)
-            tl.store(OUT + b * sob + offs, tl.full([BN], -1, tl.int32), mask=offs < K)
+        _pad_rest(OUT, b, sob, off, K, BN)
 
 
 def _chunk(B: int, S: int, interpret: bool) -> int:
@@ -260,7 +245,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
                         sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None,
                         chunk: int | None = None, num_warps: int | None = None, candidates: bool = False,
                         k_scale: torch.Tensor | None = None, sort: int | None = None, impl: str | None = None,
-                        row_block: int = 4096, row_warps: int = 16, fine_cap: int | None = None):
+                        row_block: int = 4096, row_warps: int = 16, fine_cap: int | None = None,
+                        row_max_keys: int = ROW_MAX_KEYS, auto_long: str = AUTO_LONG, score_block: int = 0):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference. candidates=True also returns each row's number of second-level
@@ -274,8 +260,9 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     `decode_row.py`, two launches, `row_block` keys a step in `row_warps` warps), "split" (the score
     pass, then three (chunk, row) launches: `decode_split.py`), "fine" (the score pass, then three (chunk,
     row) launches with a second level of bins: `decode_fine.py`; fine_cap: its most sub-bin keys ranked in
-    registers) or "auto" (row for S <= `ROW_MAX_KEYS`, else `AUTO_LONG`, chunked); default `DECODE_IMPL`
-    ("auto"). Every impl selects the same keys."""
+    registers) or "auto" (the default: row for S <= row_max_keys, else auto_long; `DecodeSelect` holds these
+    three). score_block: the score pass's keys a step (0: the passes' common step). Every impl selects the
+    same keys."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:
@@ -293,18 +280,18 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     dev = q_idx.device
     interpret = not q_idx.is_cuda
     pos = torch.as_tensor(pos, device=dev).to(torch.int32).reshape(B)
-    kvs = (torch.zeros(B, dtype=torch.int32, device=dev) if kv_start is None
-           else torch.as_tensor(kv_start, device=dev).to(torch.int32).reshape(B))
+    # no kv_start: the score pass starts every row at key 0 (HAS_START=False; pos stands in for the pointer)
+    kvs = pos if kv_start is None else torch.as_tensor(kv_start, device=dev).to(torch.int32).reshape(B)
     if k_idx.stride(-1) != 1:
         k_idx = k_idx.contiguous()
     sort = SORT_CANDIDATES if sort is None else sort
     if sort and sort & (sort - 1):
         raise ValueError(f"sort ({sort}) must be 0 or a power of two")
-    impl = DECODE_IMPL if impl is None else impl
-    if impl not in IMPLS:
-        raise ValueError(f"impl {impl!r}: expected one of {', '.join(IMPLS)}")
+    impl = "auto" if impl is None else impl
+    if impl not in IMPLS or auto_long not in IMPLS[1:]:
+        raise ValueError(f"impl {impl!r} / auto_long {auto_long!r}: expected one of {', '.join(IMPLS)}")
     if impl == "auto":
-        impl = "row" if S <= ROW_MAX_KEYS else AUTO_LONG
+        impl = "row" if S <= row_max_keys else auto_long
     if impl == "fine":
         from sparse_rl.sparse.ops.indexer_topk.decode_fine import fine_chunk
 
@@ -317,8 +304,14 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     sc = torch.empty(B, S, device=dev, dtype=torch.float32)
     nw = 1 if interpret else (num_warps or 4)
     grid = (P, B)
-    score = dict(HB=max(16, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), CH=CH, BN=BN,
-                 PREC=dot_precision(q_idx.dtype), FP8=fp8, num_warps=nw)
+    # the score pass's keys a step (score_block; 0: BN): its [BN, D_I] key tile sets its registers (sm_90a,
+    # 4 warps: BN 256 172 registers, 2 programs an SM; 128: 136, 3; 64: 80, 6), so how many of the (chunk,
+    # row) programs are resident at once
+    SBN = min(CH, score_block) if score_block else BN
+    if SBN & (SBN - 1) or CH % SBN:
+        raise ValueError(f"score_block ({score_block}) must be a power of two dividing the chunk ({CH})")
+    score = dict(HB=max(16, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), CH=CH, BN=SBN,
+                 PREC=dot_precision(q_idx.dtype), FP8=fp8, HAS_START=kv_start is not None, num_warps=nw)
     score_args = (q_idx, w, k_idx, k_scale if fp8 else sc, pos, kvs, sc)
     strides = (*q_idx.stride(), *w.stride(), *k_idx.stride(), k_scale.stride(0) if fp8 else 0, S, sink, window, HI,
                DI, P)

@@ -32,13 +32,14 @@ After `decode._score_max` (per-chunk (max, min) of the unforced finite scores, `
    program then takes its output offset from the earlier chunks' counts and writes its selected
    positions in ascending order; the row's last program pads with -1.
 
-Measured (H200, Qwen3-4B shape, batch 32, random caches; benchmarks/results/2026-12-02-h200-rollout-session8.md):
-exact, and the fastest form alone at 2304 keys (0.0228 ms vs row 0.0254, chunked 0.0351), but not at
-4K-16K (16K: 0.0738 vs chunked 0.0656), and equal to the default within noise in the step (+0.08 ms at
-16K): `_resolve_write` takes 31 us a layer, every program compacting the sub-bin's ~3 keys by walking the
-row's whole candidate list (~437 slots, up to 2,267). So it is opt-in (`impl="fine"`, or
-`decode.AUTO_LONG = "fine"`). The next step: scan only the list regions of the chunks whose sub-bin
-count is nonzero (`H2[p, b2*]`, ~3 chunks of ~27 slots), which would leave the four passes at ~40 us.
+Measured (H200, Qwen3-4B shape, batch 32, random caches): session 8, exact but equal to the default within
+noise in the step, `_resolve_write` 31 us a layer, each program walking the row's whole candidate list
+(results/2026-12-02-h200-rollout-session8.md). Session 9 (results/2026-12-02-h200-rollout-session9.md): the
+compaction reads only the list regions of the chunks that hold the sub-bin's keys (28.4 us a layer; the
+walk was not the main term) and steps 32 slots (128 registers on sm_90a instead of 168: 4 programs an SM,
+32 x 16K's 512 programs in one wave; 22.8 us a layer). With a 64-key score step it is the rollout engine's
+default select at every context (`decode_select.ENGINE_SELECT`: the step 0.17-0.28 ms faster than auto's
+at 2.3K-16K).
 
 Bins: t = (max - x) * NB / span (`decode._block`), first level d = min(floor(t), NB - 1), fine level
 f = min(floor(t * NB2), NB * NB2 - 1), sub-bin d2 = f - d * NB2 (NB2 a power of two, so t * NB2 is
@@ -53,10 +54,16 @@ import triton
 import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk.decode_row import _row_span
-from sparse_rl.sparse.ops.indexer_topk.decode_split import _hist_chunk, _tile
-from sparse_rl.sparse.ops.indexer_topk.decode_steps import NB, _block, _bstar_of, _radix_threshold
+from sparse_rl.sparse.ops.indexer_topk.decode_split import _hist_chunk, _list_start, _tile
+from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _append, _block, _bstar_of, _emit, _pad_rest,
+                                                           _radix_threshold)
 
 NB2 = 128  # sub-bins of the threshold's first-level bin
+# list slots a step when the sub-bin's keys are compacted (regions of ~30 slots at 32 x 16K; max ~150). 32:
+# `_resolve_write` takes 128 registers on sm_90a (4 programs an SM: the 512 programs at 32 x 16K in one wave)
+# against 168 at 64 or 128 (3 an SM: two waves); alone at 32 x 16K on the H200 the fine select took 0.0545
+# ms with 32, 0.0636 with 64, 0.0629 with 128 (session 9, call 1)
+CB = 32
 CAP = 32  # at most this many nonzero-score keys in the threshold's sub-bin are ranked in registers (else radix)
 U0 = tl.constexpr(0x80000000)  # okey(0.0) (and of -0.0): the score of a key whose every head's ReLU is 0
 
@@ -78,15 +85,11 @@ def _sub_gather(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, S, K, P, CH: tl.cons
     pos = tl.load(POS + b).to(tl.int32)
     c0 = p * CH
     if c0 <= pos:
-        hp, nfp = _tile(HP, NFP, b, pos, P, CH, NB, PMAX)
-        bstar, rem, take_all = _bstar_of(tl.sum(hp, 0), tl.sum(nfp, 0), K, NB)
+        # this chunk's slot in the row's list: the earlier chunks' b* keys, their zeros included (ZC is
+        # written by those chunks' programs in this same launch, so it cannot be read: the list is laid
+        # out by the b* counts, zeros' slots left unused)
+        bstar, rem, mx, inv, off = _list_start(HP, NFP, SPAN, b, p, pos, K, P, CH, NB, PMAX)
         if (bstar < NB) & (rem > 0):
-            mx, inv = _row_span(SPAN, b, pos, P, CH, NB, PMAX)
-            col = tl.sum(tl.where(tl.arange(0, NB)[None, :] == bstar, hp, 0), 1)  # [PMAX] b* keys a chunk
-            # this chunk's slot in the row's list: the earlier chunks' b* keys less their zeros (ZC is
-            # written by those chunks' programs in this same launch, so it cannot be read: the list is
-            # laid out by the b* counts, zeros' slots left unused)
-            off = tl.sum(tl.where(tl.arange(0, PMAX) < p, col, 0), 0)
             bins2 = tl.arange(0, NB2)
             hist2 = tl.zeros([NB2], tl.int32)
             zeros = 0
@@ -100,11 +103,8 @@ def _sub_gather(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, S, K, P, CH: tl.cons
                 hist2 += tl.histogram(d2, NB2) - tl.where(bins2 == 0, tl.sum((~cand).to(tl.int32), 0), 0)
                 zeros += tl.sum(zero.to(tl.int32), 0)
                 above += tl.sum((cand & (u > U0)).to(tl.int32), 0)
-                slot = off + tl.cumsum(cand.to(tl.int32), 0) - 1
-                tl.store(CU + b * S + slot, u.to(tl.int32, bitcast=True), mask=cand)
-                tl.store(CI + b * S + slot, offs_n, mask=cand)
-                tl.store(CD + b * S + slot, d2, mask=cand)
-                off += tl.sum(cand.to(tl.int32), 0)
+                tl.store(CD + b * S + off + tl.cumsum(cand.to(tl.int32), 0) - 1, d2, mask=cand)
+                off = _append(CU, CI, b, S, offs_n, u, cand, off)
             # the chunk's unused slots (as many as its zeros) marked empty: sub-bin -1 (no sub-bin's key),
             # u 0 (below every score: the radix levels never take one), position -1
             for c in range(off, off + zeros, BN):
@@ -118,26 +118,36 @@ def _sub_gather(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, S, K, P, CH: tl.cons
 
 
 @triton.jit
-def _rank_sub_bin(CU, CI, CD, b, S, n_c, b2, n2, rem2, CH: tl.constexpr, PMAX: tl.constexpr,
+def _rank_sub_bin(CU, CI, CD, b, S, col, zc, h2b, b2, n2, rem2, CH: tl.constexpr, PMAX: tl.constexpr,
                   CAPB: tl.constexpr, CB: tl.constexpr):
-    """The rem2-th largest (u, position) among the n2 <= CAPB keys of sub-bin b2 (compacted from the row's
-    list of n_c slots into registers, then each ranked by how many beat it), and each chunk's count of
-    those kept `[PMAX]`."""
+    """The rem2-th largest (u, position) among the n2 <= CAPB keys of sub-bin b2, and each chunk's count of
+    those kept `[PMAX]`. The keys are compacted into registers from the list regions of the chunks that
+    hold some (h2b `[PMAX]`: each chunk's keys in b2; col `[PMAX]`: its slots in the row's list, zc of them
+    its zeros' empty ones at the region's end), ~3 regions of ~30 slots at 32 x 16K instead of the row's
+    whole list (~440 slots, up to ~2,300: the walk that took `_resolve_write` to 31 us a layer on the
+    H200, session 8), then each key is ranked by how many beat it."""
     slots = tl.arange(0, CAPB)
     offs = tl.arange(0, CB)
+    offs_p = tl.arange(0, PMAX)
+    start = tl.cumsum(col, 0) - col  # [PMAX] first slot of each chunk's region
     fu = tl.zeros([CAPB], tl.int32)
     fi = tl.zeros([CAPB], tl.int32)
     seen = 0
-    for c in range(0, n_c, CB):
-        live = c + offs < n_c
-        m = live & (tl.load(CD + b * S + c + offs, mask=live, other=-1) == b2)
-        u = tl.load(CU + b * S + c + offs, mask=m, other=0)
-        idx = tl.load(CI + b * S + c + offs, mask=m, other=0)
-        slot = seen + tl.cumsum(m.to(tl.int32), 0) - 1
-        hit = m[None, :] & (slot[None, :] == slots[:, None])  # [CAPB, CB]
-        fu += tl.sum(tl.where(hit, u[None, :], 0), 1)
-        fi += tl.sum(tl.where(hit, idx[None, :], 0), 1)
-        seen += tl.sum(m.to(tl.int32), 0)
+    q = -1
+    for _ in range(0, tl.sum((h2b > 0).to(tl.int32), 0)):  # the next chunk holding keys of b2
+        q = tl.min(tl.where((offs_p > q) & (h2b > 0), offs_p, PMAX), 0)
+        st = tl.sum(tl.where(offs_p == q, start, 0), 0)
+        end = st + tl.sum(tl.where(offs_p == q, col - zc, 0), 0)
+        for c in range(st, end, CB):
+            live = c + offs < end
+            m = live & (tl.load(CD + b * S + c + offs, mask=live, other=-1) == b2)
+            u = tl.load(CU + b * S + c + offs, mask=m, other=0)
+            idx = tl.load(CI + b * S + c + offs, mask=m, other=0)
+            slot = seen + tl.cumsum(m.to(tl.int32), 0) - 1
+            hit = m[None, :] & (slot[None, :] == slots[:, None])  # [CAPB, CB]
+            fu += tl.sum(tl.where(hit, u[None, :], 0), 1)
+            fi += tl.sum(tl.where(hit, idx[None, :], 0), 1)
+            seen += tl.sum(m.to(tl.int32), 0)
     live2 = slots < n2
     uu = fu.to(tl.uint32, bitcast=True)
     beats = live2[None, :] & ((uu[None, :] > uu[:, None]) | ((uu[None, :] == uu[:, None]) & (fi[None, :] > fi[:, None])))
@@ -146,7 +156,6 @@ def _rank_sub_bin(CU, CI, CD, b, S, n_c, b2, n2, rem2, CH: tl.constexpr, PMAX: t
     tau = tl.sum(tl.where(kth, fu, 0), 0).to(tl.uint32, bitcast=True)
     cut = tl.sum(tl.where(kth, fi, 0), 0)
     kept = live2 & (rank < rem2)
-    offs_p = tl.arange(0, PMAX)
     per_chunk = tl.sum((((fi[None, :] // CH) == offs_p[:, None]) & kept[None, :]).to(tl.int32), 1)
     return tau, cut, per_chunk
 
@@ -164,7 +173,8 @@ def _resolve_write(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, OUT, NC, sob, S, 
     bins = tl.arange(0, NB)[None, :]
     bstar, rem, take_all = _bstar_of(tl.sum(hp, 0), tl.sum(nfp, 0), K, NB)
     emit = nfp + tl.sum(tl.where(bins < bstar, hp, 0), 1)  # [PMAX] keys each chunk takes outright
-    n_c = tl.sum(tl.sum(tl.where(bins == bstar, hp, 0), 1), 0)  # list slots (b*'s keys, zeros included)
+    col = tl.sum(tl.where(bins == bstar, hp, 0), 1)  # [PMAX] each chunk's list slots (b*'s keys, zeros included)
+    n_c = tl.sum(col, 0)
     # selected: forced, or d < b*, or in b*: a nonzero key with sub-bin < lo2 or (u, position) >=
     # (tau, cut), or a zero of order >= z0 among the row's zeros of b* (counted from z_off in this chunk)
     tau = tl.zeros([], tl.uint32)  # take_all: b* = NB, every finite key has d < b*
@@ -199,14 +209,15 @@ def _resolve_write(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, OUT, NC, sob, S, 
                               mask=pm[:, None], other=0)
                 b2, rem2, all2 = _bstar_of(tl.sum(h2p, 0), 0, target, NB2)
                 bins2 = tl.arange(0, NB2)[None, :]
-                n2 = tl.sum(tl.sum(tl.where(bins2 == b2, h2p, 0), 1), 0)
+                h2b = tl.sum(tl.where(bins2 == b2, h2p, 0), 1)  # [PMAX] each chunk's keys in b2
+                n2 = tl.sum(h2b, 0)
                 if all2:  # every nonzero key of b* is taken (b2 = NB2: every sub-bin is below it)
                     lo2 = NB2
                     tau = tl.full([], 0xFFFFFFFF, tl.uint32)
                     cut = 2147483647
                     emit += tl.sum(h2p, 1)
                 elif n2 <= CAPB:
-                    tau, cut, kept = _rank_sub_bin(CU, CI, CD, b, S, n_c, b2, n2, rem2, CH, PMAX, CAPB, CB)
+                    tau, cut, kept = _rank_sub_bin(CU, CI, CD, b, S, col, zc, h2b, b2, n2, rem2, CH, PMAX, CAPB, CB)
                     lo2 = b2
                     emit += tl.sum(tl.where(bins2 < b2, h2p, 0), 1) + kept
                 else:  # many equal scores in one sub-bin: the exact radix levels over b*'s nonzero keys
@@ -226,14 +237,10 @@ def _resolve_write(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, OUT, NC, sob, S, 
             z_off += tl.sum(zero.to(tl.int32), 0)
             keep = (~zero & ((d2 < lo2) | (u > tau) | ((u == tau) & (offs_n >= cut)))) | (zero & (order >= z0))
             sel = (x == float("inf")) | (fin & (d < bstar)) | (inb & keep)
-            slot = off + tl.cumsum(sel.to(tl.int32), 0) - 1
-            tl.store(OUT + b * sob + slot, offs_n, mask=sel)
-            off += tl.sum(sel.to(tl.int32), 0)
+            off = _emit(OUT, b, sob, offs_n, sel, off)
     if p == P - 1:  # every visible chunk's count is in emit: pad the rest with -1
         off = tl.sum(emit, 0)
-        for c in range(off, K, BN):
-            offs = c + tl.arange(0, BN)
-            tl.store(OUT + b * sob + offs, tl.full([BN], -1, tl.int32), mask=offs < K)
+        _pad_rest(OUT, b, sob, off, K, BN)
 
 
 def fine_chunk(B: int, S: int, interpret: bool) -> int:
@@ -250,9 +257,10 @@ def fine_chunk(B: int, S: int, interpret: bool) -> int:
 
 
 def fine_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: int, chunk: int, block: int, *,
-                num_warps: int, interpret: bool, cap: int = CAP) -> tuple[torch.Tensor, torch.Tensor]:
+                num_warps: int, interpret: bool, cap: int = CAP, cb: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_row.row_select`'s inputs and result, in three (chunk, row) launches (block: keys a step of
-    each chunk's loop; cap: a power of two, the most sub-bin keys ranked in registers). The second
+    each chunk's loop; cap: a power of two, the most sub-bin keys ranked in registers; cb: list slots a
+    step of the sub-bin's compaction, default `CB`, 16 under the interpreter). The second
     result is each row's count of keys in the threshold's sub-bin `[B]` (0 where none was resolved)."""
     if cap < 1 or cap & (cap - 1):
         raise ValueError(f"cap ({cap}) must be a power of two")
@@ -274,5 +282,5 @@ def fine_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: i
     _hist_chunk[grid](sc, pos, span, hp, nfp, S, P, **kw)
     _sub_gather[grid](sc, pos, span, hp, nfp, h2, zc, cu, ci, cd, S, topk, P, NB2=NB2, **kw)
     _resolve_write[grid](sc, pos, span, hp, nfp, h2, zc, cu, ci, cd, out, n2, out.stride(0), S, topk, P, NB2=NB2,
-                         CAPB=max(2, cap), CB=16 if interpret else 128, BLOCK=64 if interpret else 1024, **kw)
+                         CAPB=max(2, cap), CB=cb or (16 if interpret else CB), BLOCK=64 if interpret else 1024, **kw)
     return out, n2

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.decode_steps import NB, _bstar_of, _block, _radix_threshold, _sort_threshold
+from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _append, _bstar_of, _block, _emit, _pad_rest,
+                                                           _radix_threshold, _sort_threshold)
 
 
 @triton.jit
@@ -67,10 +68,7 @@ def _row_select(SC, POS, SPAN, CU, CI, OUT, NC, sob, S, K, P, CH: tl.constexpr, 
             for n0 in range(0, pos + 1, RBN):
                 offs_n, x, fin, d, u = _block(SC, b, S, pos, n0, mx, inv, RBN, NB)
                 cand = fin & (d == bstar)
-                slot = n_c + tl.cumsum(cand.to(tl.int32), 0) - 1
-                tl.store(CU + b * S + slot, u.to(tl.int32, bitcast=True), mask=cand)
-                tl.store(CI + b * S + slot, offs_n, mask=cand)
-                n_c += tl.sum(cand.to(tl.int32), 0)
+                n_c = _append(CU, CI, b, S, offs_n, u, cand, n_c)
             if SORT > 0 and n_c <= SORT:
                 tau, cut, _ = _sort_threshold(CU, CI, b, S, n_c, rem, CH, PMAX, SORT)
             else:
@@ -80,12 +78,8 @@ def _row_select(SC, POS, SPAN, CU, CI, OUT, NC, sob, S, K, P, CH: tl.constexpr, 
     for n0 in range(0, pos + 1, RBN):
         offs_n, x, fin, d, u = _block(SC, b, S, pos, n0, mx, inv, RBN, NB)
         sel = (x == float("inf")) | (fin & ((u > tau) | ((u == tau) & (offs_n >= cut))))
-        slot = off + tl.cumsum(sel.to(tl.int32), 0) - 1
-        tl.store(OUT + b * sob + slot, offs_n, mask=sel)
-        off += tl.sum(sel.to(tl.int32), 0)
-    for c in range(off, K, RBN):
-        offs = c + tl.arange(0, RBN)
-        tl.store(OUT + b * sob + offs, tl.full([RBN], -1, tl.int32), mask=offs < K)
+        off = _emit(OUT, b, sob, offs_n, sel, off)
+    _pad_rest(OUT, b, sob, off, K, RBN)
 
 
 def row_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: int, chunk: int, *, sort: int,

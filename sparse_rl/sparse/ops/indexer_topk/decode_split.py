@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.decode_steps import NB, _block, _bstar_of, _radix_threshold, _sort_threshold
+from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _append, _block, _bstar_of, _emit, _pad_rest,
+                                                           _radix_threshold, _sort_threshold)
 from sparse_rl.sparse.ops.indexer_topk.decode_row import _row_span
 
 
@@ -33,6 +34,18 @@ def _tile(HP, NFP, b, pos, P, CH: tl.constexpr, NB: tl.constexpr, PMAX: tl.const
     pm = offs_p <= pos // CH
     hp = tl.load(HP + (b * P + offs_p[:, None]) * NB + tl.arange(0, NB)[None, :], mask=pm[:, None], other=0)
     return hp, tl.load(NFP + b * P + offs_p, mask=pm, other=0)
+
+
+@triton.jit
+def _list_start(HP, NFP, SPAN, b, p, pos, K, P, CH: tl.constexpr, NB: tl.constexpr, PMAX: tl.constexpr):
+    """For chunk p of row b (`_gather_chunk`, `decode_fine._sub_gather`): the row's b* and rank left in it
+    (`_bstar_of` over the summed per-chunk histograms), its span (max, NB / span) and the chunk's first slot
+    in the row's candidate list (the earlier chunks' keys in b*: the list is in key order, no count pass)."""
+    hp, nfp = _tile(HP, NFP, b, pos, P, CH, NB, PMAX)
+    bstar, rem, take_all = _bstar_of(tl.sum(hp, 0), tl.sum(nfp, 0), K, NB)
+    mx, inv = _row_span(SPAN, b, pos, P, CH, NB, PMAX)
+    col = tl.sum(tl.where(tl.arange(0, NB)[None, :] == bstar, hp, 0), 1)  # [PMAX] b* keys a chunk
+    return bstar, rem, mx, inv, tl.sum(tl.where(tl.arange(0, PMAX) < p, col, 0), 0)
 
 
 @triton.jit
@@ -63,19 +76,12 @@ def _gather_chunk(SC, POS, SPAN, HP, NFP, CU, CI, S, K, P, CH: tl.constexpr, BN:
     pos = tl.load(POS + b).to(tl.int32)
     c0 = p * CH
     if c0 <= pos:
-        hp, nfp = _tile(HP, NFP, b, pos, P, CH, NB, PMAX)
-        bstar, rem, take_all = _bstar_of(tl.sum(hp, 0), tl.sum(nfp, 0), K, NB)
+        bstar, rem, mx, inv, off = _list_start(HP, NFP, SPAN, b, p, pos, K, P, CH, NB, PMAX)
         if (bstar < NB) & (rem > 0):
-            mx, inv = _row_span(SPAN, b, pos, P, CH, NB, PMAX)
-            col = tl.sum(tl.where(tl.arange(0, NB)[None, :] == bstar, hp, 0), 1)  # [PMAX] candidates a chunk
-            off = tl.sum(tl.where(tl.arange(0, PMAX) < p, col, 0), 0)
             for i in range(0, CH // BN):
                 offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
                 cand = fin & (d == bstar)
-                slot = off + tl.cumsum(cand.to(tl.int32), 0) - 1
-                tl.store(CU + b * S + slot, u.to(tl.int32, bitcast=True), mask=cand)
-                tl.store(CI + b * S + slot, offs_n, mask=cand)
-                off += tl.sum(cand.to(tl.int32), 0)
+                off = _append(CU, CI, b, S, offs_n, u, cand, off)
 
 
 @triton.jit
@@ -110,14 +116,10 @@ def _thresh_write(SC, POS, SPAN, HP, NFP, CU, CI, OUT, NC, sob, S, K, P, CH: tl.
         for i in range(0, CH // BN):
             offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
             sel = (x == float("inf")) | (fin & ((u > tau) | ((u == tau) & (offs_n >= cut))))
-            slot = off + tl.cumsum(sel.to(tl.int32), 0) - 1
-            tl.store(OUT + b * sob + slot, offs_n, mask=sel)
-            off += tl.sum(sel.to(tl.int32), 0)
+            off = _emit(OUT, b, sob, offs_n, sel, off)
     if p == P - 1:  # every visible chunk's count is in off now: pad the rest with -1
         off = tl.sum(emit, 0)
-        for c in range(off, K, BN):
-            offs = c + tl.arange(0, BN)
-            tl.store(OUT + b * sob + offs, tl.full([BN], -1, tl.int32), mask=offs < K)
+        _pad_rest(OUT, b, sob, off, K, BN)
 
 
 def split_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: int, chunk: int, block: int, *,

@@ -33,6 +33,32 @@ def _block(SC, b, S, pos, n0, mx, inv, BN: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
+def _append(CU, CI, b, S, offs_n, u, cand, off):
+    """The candidates' radix keys u and positions (where cand) to row b's list from slot off, in key
+    order -> the next free slot."""
+    slot = off + tl.cumsum(cand.to(tl.int32), 0) - 1
+    tl.store(CU + b * S + slot, u.to(tl.int32, bitcast=True), mask=cand)
+    tl.store(CI + b * S + slot, offs_n, mask=cand)
+    return off + tl.sum(cand.to(tl.int32), 0)
+
+
+@triton.jit
+def _emit(OUT, b, sob, offs_n, sel, off):
+    """The selected positions (where sel) to row b of OUT from column off, ascending -> the next column."""
+    slot = off + tl.cumsum(sel.to(tl.int32), 0) - 1
+    tl.store(OUT + b * sob + slot, offs_n, mask=sel)
+    return off + tl.sum(sel.to(tl.int32), 0)
+
+
+@triton.jit
+def _pad_rest(OUT, b, sob, off, K, BN: tl.constexpr):
+    """Columns off..K-1 of row b of OUT set to -1 (no key)."""
+    for c in range(off, K, BN):
+        offs = c + tl.arange(0, BN)
+        tl.store(OUT + b * sob + offs, tl.full([BN], -1, tl.int32), mask=offs < K)
+
+
+@triton.jit
 def _bstar_of(h, nf, K, NB: tl.constexpr):
     """Bin b* that holds the k-th largest finite score once the nf forced keys are counted (h: the
     row's first-level histogram `[NB]`), the rank left to fill inside it, and whether every finite key

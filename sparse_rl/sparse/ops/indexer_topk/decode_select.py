@@ -1,0 +1,53 @@
+"""The choice of decode select after the index score pass (`decode.indexer_topk_decode(impl=...)`), as a
+value: no Triton here, so the rollout runner and the CLI can hold and validate it on any machine.
+
+Every choice selects the same keys (the reference's: forced sinks and window, the highest scores, ties to
+the later key); they differ only in speed, by context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The kernel's own default, "auto", takes the one-program-per-row select (decode_row.py) for rows of at most
+# ROW_MAX_KEYS keys and the chunked passes beyond. On the H200 (Qwen3-4B shape, random caches, one engine;
+# benchmarks/results/2026-12-01-h200-rollout-session6.md) the row select took 0.43-0.71 ms off the batch-32
+# step at 2.3K-8K context (0.32 at batch 16, 2.3K-4K), where the chunked passes are held by their seven
+# launches, and added 0.6-1.25 ms at 16 x 16K-32K, where one program per row walks the row alone. "split"
+# (decode_split.py) is opt-in; "fine" (decode_fine.py: two levels of bins, exact zeros by count) is what the
+# rollout engine runs (ENGINE_SELECT).
+IMPLS = ("auto", "chunked", "row", "split", "fine")
+ROW_MAX_KEYS = 8192
+AUTO_LONG = "chunked"  # what "auto" runs for rows of more than ROW_MAX_KEYS keys
+
+
+@dataclass(frozen=True)
+class DecodeSelect:
+    """Which select runs after the score pass: an argument of `indexer_topk_decode` (`**as_kwargs()`), held
+    by the rollout engine's runner (`ModelRunner.decode_select`) and set by its callers (rollout config,
+    bench flags), never a module global. impl: one of IMPLS; "auto" runs "row" for rows of at most
+    row_max_keys keys, else `long`; fine_cap: the fine select's most sub-bin keys ranked in registers;
+    score_block: the score pass's keys a step (0: the select's own step, 256 on a GPU)."""
+
+    impl: str = "auto"
+    row_max_keys: int = ROW_MAX_KEYS
+    long: str = AUTO_LONG
+    fine_cap: int = 32
+    score_block: int = 0
+
+    def __post_init__(self):
+        if self.impl not in IMPLS or self.long not in IMPLS[1:]:
+            raise ValueError(f"decode select {self.impl!r} / long {self.long!r}: expected one of {', '.join(IMPLS)}")
+
+    def as_kwargs(self) -> dict:
+        return {"impl": self.impl, "row_max_keys": self.row_max_keys, "auto_long": self.long, "fine_cap": self.fine_cap,
+                "score_block": self.score_block}
+
+
+# The rollout engine's default (`ModelRunner(decode_select=None)`, the GRPO and `bench rollout` defaults):
+# the fine select at every context, its score pass stepping 64 keys (80 registers on sm_90a against 172 at
+# 256: 6 programs an SM, 32 x 16K's 512 programs in one wave). On the H200 (Qwen3-4B shape, batch 32, random
+# caches; benchmarks/results/2026-12-02-h200-rollout-session9.md, call 2) its step took 6.52 / 7.47 / 8.71 ms
+# at 2304 / 8192 / 16384 context against auto's 6.80 / 7.67 / 8.88, and the whole 16K generation 4,269 tok/s
+# against 4,147 (1.67x dense instead of 1.63x). Batch 16 and batch 1 were not timed with it.
+ENGINE_SELECT = DecodeSelect("fine", score_block=64)
