@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
 from sparse_rl.sparse.ops.indexer_topk.sampled_topk import sampled_topk
 from sparse_rl.sparse.ops.indexer_topk.naive import group_plan, group_start, per_query_rows, rep_queries
@@ -44,7 +45,7 @@ from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 NO_BLOCK = -(2 ** 63)  # the key of a block that is not a candidate (below every real key)
 _BIG = torch.iinfo(torch.int32).max
-TOPK_IMPLS = ("auto", "keys", "threshold", "radix", "sampled")
+TOPK_IMPLS = ("auto", "keys", "threshold", "radix", "sampled", "bin")
 RADIX_MAX_BLOCKS = 32768  # "auto": radix select for rows up to this many blocks, "threshold" beyond
 
 
@@ -166,6 +167,8 @@ def top_blocks(x: torch.Tensor, kk: int, impl: str) -> torch.Tensor:
         return radix_topk(x, kk).long()
     if impl == "sampled":
         return sampled_topk(x, kk).long()
+    if impl == "bin":
+        return bin_topk(x, kk).long()
     if impl == "keys":
         top = x.topk(kk, dim=-1, sorted=False).values
         blocks = torch.where(top == NO_BLOCK, _BIG, top & 0xFFFFFFFF).sort(-1).values
@@ -283,7 +286,7 @@ def _chunk_rows(B: int, width: int, budget: int, impl: str) -> int:
     "threshold" (its masks, prefix sums and int64 destinations) ~24 B a block. Fewer, larger chunks
     keep the one-program-per-row radix launch several waves deep (8K rows of 128K blocks: 4 chunks,
     not 24 of 341 rows, ~1.3 waves each on 132 SMs)."""
-    per_block = 4 if impl in ("radix", "sampled") else 24
+    per_block = 4 if impl in ("radix", "sampled", "bin") else 24
     return max(1, budget // max(1, B * width * per_block))
 
 

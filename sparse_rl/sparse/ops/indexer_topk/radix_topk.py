@@ -45,15 +45,17 @@ def _pick_digit(hist, kk, prefix, shift: tl.constexpr):
 
 
 @triton.jit
-def select_mask(x, live, K):
-    """The K largest of one register-resident row x `[CB]` fp32 (+inf allowed) among live `[CB]`, as
-    a mask `[CB]`: among equal values the later entries, the reference's rule (all live if fewer)."""
+def select_threshold(x, live, K):
+    """The threshold of the K largest of one register-resident row x `[CB]` fp32 (+inf allowed) among
+    live `[CB]` (at least one live entry): (tau, need, n_eq) with tau an order-preserving key, keep
+    key > tau and the last `need` of the n_eq live keys == tau. With <= K live entries every one is
+    kept: tau is their smallest key and need = n_eq."""
     bins = tl.arange(0, 256)
     key = _okey(x)
     n = tl.sum(live.to(tl.int32), 0)
-    tau = tl.zeros([], tl.uint32)  # keep key > tau, plus the last `need` of the n_eq keys == tau
-    need = 0
-    n_eq = 0
+    tau = tl.min(tl.where(live, key, 0xFFFFFFFF), 0)
+    n_eq = tl.sum((live & (key == tau)).to(tl.int32), 0)
+    need = n_eq
     if n > K:
         kk = K
         prefix = tl.zeros([], tl.uint32)
@@ -68,6 +70,15 @@ def select_mask(x, live, K):
             prefix, kk, n_eq = _pick_digit(hist, kk, prefix, shift)
         tau = prefix
         need = kk
+    return tau, need, n_eq
+
+
+@triton.jit
+def select_mask(x, live, K):
+    """The K largest of one register-resident row x `[CB]` fp32 (+inf allowed) among live `[CB]`, as
+    a mask `[CB]`: among equal values the later entries, the reference's rule (all live if fewer)."""
+    key = _okey(x)
+    tau, need, n_eq = select_threshold(x, live, K)
     eq = live & (key == tau)
     eq_rank = tl.cumsum(eq.to(tl.int32), 0) - 1
     return live & ((key > tau) | (eq & (eq_rank >= n_eq - need)))
@@ -121,7 +132,15 @@ def radix_row(base, obase, n, K, BLOCK: tl.constexpr):
             prefix, kk, n_eq = _pick_digit(hist, kk, prefix, shift)
         tau = prefix
         need = kk
-    # collect: ascending column order, output slot = running count of selected entries
+    collect_row(base, obase, n, K, tau, need, n_eq, BLOCK)
+
+
+@triton.jit
+def collect_row(base, obase, n, K, tau, need, n_eq, BLOCK: tl.constexpr):
+    """Writes the columns of base[0:n] (fp32, -inf = not selectable) whose key is > tau, and the last
+    `need` of the n_eq keys == tau, in ascending order to obase (output slot = running count of
+    selected entries), then -1 up to K. tau = 0, need = 0 keeps every finite entry."""
+    offs = tl.arange(0, BLOCK)
     cnt = 0
     eq_seen = 0
     for c in range(0, n, BLOCK):
@@ -141,27 +160,37 @@ def radix_row(base, obase, n, K, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _radix_topk_kernel(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot, K,
-                       BLOCK: tl.constexpr):
+def row_bases(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot):
+    """This program's row of a `[B, Tc, S_c]` score chunk: (row, its scores, its output row, the
+    columns it reads: those up to the query's position, q_lim + t, and below S_c)."""
     row = tl.program_id(0)
     b = row // Tc
     t = row % Tc
     base = SC + b.to(tl.int64) * srb + t.to(tl.int64) * srt
     obase = OUT + b.to(tl.int64) * sob + t.to(tl.int64) * sot
     n = tl.minimum(S_c, q_lim + t + 1)  # columns past the query's position are -inf: skip them
+    return row, base, obase, n
+
+
+@triton.jit
+def _radix_topk_kernel(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot, K,
+                       BLOCK: tl.constexpr):
+    _, base, obase, n = row_bases(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot)
     radix_row(base, obase, n, K, BLOCK)
 
 
-def radix_topk(scores: torch.Tensor, topk: int, q_lim: int | None = None, out: torch.Tensor | None = None):
+def radix_topk(scores: torch.Tensor, topk: int, q_lim: int | None = None, out: torch.Tensor | None = None,
+               launch: tuple[int, int] | None = None):
     """scores `[B, Tc, Sc]` fp32 (last dim contiguous, -inf = not visible) -> `[B, Tc, topk]` int32
-    column indices, ascending, -1 padded. Row t only reads columns `< q_lim + t + 1` (default: all)."""
+    column indices, ascending, -1 padded. Row t only reads columns `< q_lim + t + 1` (default: all).
+    launch: (BLOCK, num_warps), default (2048, 8) on CUDA."""
     B, Tc, Sc = scores.shape
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     if out is None:
         out = torch.empty(B, Tc, topk, device=scores.device, dtype=torch.int32)
     q_lim = Sc if q_lim is None else q_lim
+    block, warps = launch or ((2048, 8) if scores.is_cuda else (64, 1))
     _radix_topk_kernel[(B * Tc,)](scores, out, Tc, Sc, q_lim, scores.stride(0), scores.stride(1),
-                                  out.stride(0), out.stride(1), topk, BLOCK=2048 if scores.is_cuda else 64,
-                                  num_warps=8 if scores.is_cuda else 1)
+                                  out.stride(0), out.stride(1), topk, BLOCK=block, num_warps=warps)
     return out

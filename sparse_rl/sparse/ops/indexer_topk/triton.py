@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
 from sparse_rl.sparse.ops.indexer_topk.decode import indexer_topk_decode
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_naive
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
@@ -49,7 +50,7 @@ from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORE_BUDGET_BYTES = 1 << 30
-TOPK_IMPLS = ("auto", "stream", "binned", "materialise", "radix", "torch")
+TOPK_IMPLS = ("auto", "stream", "binned", "materialise", "radix", "bin", "torch")
 STREAM_MIN_KEYS = 16384  # "auto" streams rows longer than this on CUDA (see module docstring)
 RADIX_MAX_KEYS = 32768  # rows longer than this take torch.topk on CUDA (measured, see module docstring)
 
@@ -157,7 +158,9 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
             t1 = min(T, t0 + chunk)
             S_c = max(1, min(S, q_offset + t1))  # keys past the chunk's last query are never visible
             scores = indexer_scores_chunk(q_idx, w, k_idx, kvs, t0, t1, S_c, q_offset, sink, window)
-            if radix:
+            if topk_impl == "bin":
+                bin_topk(scores, topk, q_lim=q_offset + t0, out=out[:, t0:t1])
+            elif radix:
                 radix_topk(scores, topk, q_lim=q_offset + t0, out=out[:, t0:t1])
             else:
                 out[:, t0:t1] = topk_from_scores(scores, topk)

@@ -1,0 +1,149 @@
+"""Row-wise exact top-k of masked fp32 scores with ONE histogram pass over the row: value-linear bins
+between the row's finite min and max, the threshold bin's scores compacted to a small buffer and
+selected exactly in registers, in Triton. Same rows as `radix_topk.radix_topk` (ascending columns,
+-1 padded, among equal scores the later column wins, -0.0 == +0.0, -inf never selected).
+
+Why: `tl.histogram` lowers to a ballot per bit of the bin index plus, per thread, a popcount for each
+bin it owns (~100 instructions per element per warp lane at 256 bins, ~36 at 64 bins: Triton's
+HistogramOpToLLVM), and the radix select (`radix_row`) runs four 256-bin histograms over every score
+of a row plus a prefix-sum pass. Here a row costs:
+1. a min / max / count pass (a few instructions per score, the row's one HBM read);
+2. one NB-bin histogram of `bin(x) = floor((x - lo) * NB / (hi - lo))` (monotone in x, so every score
+   in a higher bin is larger than every score in a lower one; +inf, the forced keys, in the top bin);
+   the bin d* holding the k-th largest score and its count c* follow from the suffix sums;
+3. if c* <= CAP: one pass compacts the c* scores of bin d* to a per-row buffer (prefix sum, no
+   histogram) and `select_threshold` on the buffer (register radix, 4 x 256-bin levels over CAP lanes)
+   gives the exact k-th key, how many of its ties are kept; otherwise (masses of scores in one bin:
+   all-equal rows, a huge outlier) the row takes `radix_row`, in the same program;
+4. the collect pass of `radix_row` (`collect_row`): ascending output by a running prefix sum.
+Ties: keys equal to the k-th are all in bin d* (equal values, -0.0 and +0.0 included, have equal
+bins), so the buffer counts them all and the collect pass keeps the later ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import collect_row, radix_row, row_bases, select_threshold
+
+
+@triton.jit
+def _row_span(base, n, BLOCK: tl.constexpr):
+    """(lo, hi, nvalid) of base[0:n]: the smallest and largest finite score (+inf / -inf if none) and
+    the count of entries > -inf."""
+    offs = tl.arange(0, BLOCK)
+    vmin = tl.full([BLOCK], float("inf"), tl.float32)
+    vmax = tl.full([BLOCK], float("-inf"), tl.float32)
+    cnt = tl.zeros([BLOCK], tl.int32)
+    for c in range(0, n, BLOCK):
+        x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
+        valid = x > float("-inf")
+        fin = valid & (x < float("inf"))
+        vmin = tl.minimum(vmin, tl.where(fin, x, float("inf")))
+        vmax = tl.maximum(vmax, tl.where(fin, x, float("-inf")))
+        cnt += valid.to(tl.int32)
+    return tl.min(vmin, 0), tl.max(vmax, 0), tl.sum(cnt, 0)
+
+
+@triton.jit
+def _bin(x, lo, scale, NB: tl.constexpr):
+    """Value-linear bin in [0, NB) of finite or +inf x, non-decreasing in x (fp32 subtraction and a
+    multiplication by scale >= 0 are monotone): +inf -> NB - 1; NaN from 0 * inf (a span so small that
+    its scale overflowed) -> 0."""
+    f = (x - lo) * scale
+    f = tl.where(f > 0.0, f, 0.0)
+    f = tl.where(f < NB, f, NB - 1.0)
+    return tl.where(x == float("inf"), NB - 1, f.to(tl.int32))
+
+
+@triton.jit
+def bin_row(base, obase, n, K, bufv, stats, WITH_STATS: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr,
+            BLOCK: tl.constexpr):
+    """Exact top-K of the row base[0:n] fp32 (-inf = not selectable) into obase[0:K] (ascending columns,
+    -1 padded, ties to the later column); bufv: this row's CAP-float scratch. With WITH_STATS, stats[0:2]
+    receives (path, c*): path 0 = <= K finite entries, 1 = the buffer served, 2 = radix fallback."""
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, NB)
+    lo, hi, nvalid = _row_span(base, n, BLOCK)
+    tau = tl.zeros([], tl.uint32)  # keep key > tau, plus the last `need` of the n_eq keys == tau
+    need = 0
+    n_eq = 0
+    path = 0
+    cstar = nvalid
+    if nvalid > K:
+        span = hi - lo
+        scale = tl.where(span > 0.0, NB / span, 0.0)
+        hist = tl.zeros([NB], tl.int32)
+        for c in range(0, n, BLOCK):
+            x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
+            valid = x > float("-inf")
+            b = tl.where(valid, _bin(x, lo, scale, NB), 0)
+            hist += tl.histogram(b, NB) - tl.where(bins == 0, tl.sum((~valid).to(tl.int32), 0), 0)
+        suf = nvalid - tl.cumsum(hist, 0) + hist  # entries in bins >= b
+        dstar = tl.sum((suf >= K).to(tl.int32), 0) - 1
+        kk = K - tl.sum(tl.where(bins > dstar, hist, 0), 0)  # rank of the k-th inside bin d*
+        cstar = tl.sum(tl.where(bins == dstar, hist, 0), 0)
+        if cstar <= CAP:
+            path = 1
+            cnt = 0
+            for c in range(0, n, BLOCK):
+                x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
+                m = (x > float("-inf")) & (_bin(x, lo, scale, NB) == dstar)
+                slot = cnt + tl.cumsum(m.to(tl.int32), 0) - 1
+                tl.store(bufv + slot, x, mask=m)
+                cnt += tl.sum(m.to(tl.int32), 0)
+            tl.debug_barrier()  # the buffer was written by other threads of this program
+            ocap = tl.arange(0, CAP)
+            live = ocap < cstar
+            xv = tl.load(bufv + ocap, mask=live, other=float("-inf"))
+            tau, need, n_eq = select_threshold(xv, live, kk)
+        else:
+            path = 2
+    if WITH_STATS:
+        tl.store(stats, path)
+        tl.store(stats + 1, cstar)
+    if path == 2:
+        radix_row(base, obase, n, K, BLOCK)
+    else:
+        collect_row(base, obase, n, K, tau, need, n_eq, BLOCK)
+
+
+@triton.jit
+def _bin_topk_kernel(SC, OUT, BUFV, STATS, Tc, S_c, q_lim, srb, srt, sob, sot, K,
+                     NB: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, WITH_STATS: tl.constexpr):
+    row, base, obase, n = row_bases(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot)
+    bin_row(base, obase, n, K, BUFV + row.to(tl.int64) * CAP, STATS + row.to(tl.int64) * 2, WITH_STATS,
+            NB, CAP, BLOCK)
+
+
+def bin_launch(cuda: bool) -> tuple[int, int, int, int]:
+    """Default (bins, buffer slots, BLOCK, num_warps)."""
+    return (128, 1024, 1024, 4) if cuda else (32, 64, 64, 1)
+
+
+def bin_topk(scores: torch.Tensor, topk: int, q_lim: int | None = None, out: torch.Tensor | None = None,
+             launch: tuple[int, int, int, int] | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
+    """`radix_topk.radix_topk` (same arguments and rows: `[B, Tc, Sc]` fp32, -inf = not visible ->
+    `[B, Tc, topk]` int32 ascending, -1 padded, ties to the later column) with one histogram pass.
+    launch: (bins NB, buffer slots CAP, BLOCK, num_warps), `bin_launch`'s by default; NB and CAP powers
+    of two, NB >= 32. stats: optional `[B * Tc, 2]` int32 per row (path, c*), see `bin_row`."""
+    B, Tc, Sc = scores.shape
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    if out is None:
+        out = torch.empty(B, Tc, topk, device=scores.device, dtype=torch.int32)
+    if B * Tc == 0 or topk == 0:
+        return out
+    nb, cap, block, warps = launch or bin_launch(scores.is_cuda)
+    if nb < 32 or nb & (nb - 1) or cap & (cap - 1):
+        raise ValueError(f"bin_topk: bins {nb} must be a power of two >= 32 and slots {cap} a power of two")
+    if stats is not None and (stats.shape != (B * Tc, 2) or stats.dtype != torch.int32 or not stats.is_contiguous()):
+        raise ValueError(f"bin_topk: stats must be a contiguous [{B * Tc}, 2] int32 tensor")
+    bufv = torch.empty(B * Tc, cap, device=scores.device, dtype=torch.float32)
+    q_lim = Sc if q_lim is None else q_lim
+    _bin_topk_kernel[(B * Tc,)](scores, out, bufv, stats if stats is not None else out, Tc, Sc, q_lim,
+                                scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), topk,
+                                NB=nb, CAP=cap, BLOCK=block, WITH_STATS=stats is not None, num_warps=warps)
+    return out
