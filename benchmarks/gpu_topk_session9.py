@@ -26,6 +26,11 @@ import sys
 import threading
 
 import torch
+import triton
+import triton.language as tl
+
+from sparse_rl.sparse.ops.indexer_topk.bin_topk import _row_span, bin_compact, bin_hist
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import collect_row, row_bases, select_threshold
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from granular_harness import Run, dense_times, log, parallel_warmup, trained_indexer  # noqa: E402
@@ -33,6 +38,48 @@ from granular_harness import Run, dense_times, log, parallel_warmup, trained_ind
 RADIX = [(2048, 8), (1024, 4), (2048, 4), (512, 2), (4096, 16)]  # (BLOCK, num_warps); first = default
 BIN = [(128, 1024, 1024, 4), (128, 1024, 2048, 8), (128, 1024, 512, 2), (64, 2048, 1024, 4),
        (256, 512, 1024, 4), (128, 512, 1024, 4), (64, 1024, 1024, 4), (256, 1024, 2048, 8)]  # (NB, CAP, BLOCK, warps)
+
+
+@triton.jit
+def _stage_kernel(SC, OUT, BUFV, Tc, S_c, q_lim, srb, srt, sob, sot, K, STAGE: tl.constexpr, NB: tl.constexpr,
+                  CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Per-pass cost of `bin_row` (a benchmark, rows are not written): STAGE 1 the span pass, 2 + the
+    histogram, 3 + the compaction and the buffer's select, 0 the collect pass alone (nothing selected)."""
+    row, base, obase, n = row_bases(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot)
+    if STAGE == 0:
+        collect_row(base, obase, n, K, 0xFFFFFFFF, 0, 0, BLOCK)
+    else:
+        lo, hi, acc = _row_span(base, n, BLOCK)
+        if STAGE >= 2:
+            if acc > K:
+                span = hi - lo
+                scale = tl.where(span > 0.0, NB / span, 0.0)
+                dstar, kk, cstar = bin_hist(base, n, K, lo, scale, acc, NB, BLOCK)
+                acc += dstar + kk + cstar
+                if STAGE >= 3:
+                    if cstar <= CAP:
+                        bufv = BUFV + row.to(tl.int64) * CAP
+                        bin_compact(base, n, lo, scale, dstar, bufv, NB, BLOCK)
+                        ocap = tl.arange(0, CAP)
+                        xv = tl.load(bufv + ocap, mask=ocap < cstar, other=float("-inf"))
+                        tau, need, n_eq = select_threshold(xv, ocap < cstar, kk)
+                        acc += tau.to(tl.int32) + need + n_eq
+        tl.store(obase, acc)
+
+
+def stage_fn(stage: int, launch):
+    """x `[B, Tc, Sc]` -> runs `_stage_kernel` (launch: bin_topk's (NB, CAP, BLOCK, warps))."""
+    nb, cap, block, warps = launch
+
+    def fn(x, K, q_lim=None, stats=None):
+        B, Tc, Sc = x.shape
+        out = torch.empty(B, Tc, K, dtype=torch.int32, device=x.device)
+        buf = torch.empty(B * Tc, cap, dtype=torch.float32, device=x.device)
+        _stage_kernel[(B * Tc,)](x, out, buf, Tc, Sc, Sc if q_lim is None else q_lim, x.stride(0), x.stride(1),
+                                 out.stride(0), out.stride(1), K, STAGE=stage, NB=nb, CAP=cap, BLOCK=block,
+                                 num_warps=warps)
+        return out
+    return fn
 
 
 def parse_args(argv=None):
@@ -68,6 +115,14 @@ def variants(a) -> list[tuple[str, tuple]]:
             + [("bin-" + "-".join(map(str, x)), ("bin", x)) for x in BIN])
 
 
+def stages(a) -> list[tuple[str, tuple]]:
+    """(label, (stage, launch)) of the per-pass timings, at bin_topk's default launch."""
+    from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_launch
+
+    launch = bin_launch(not a.cpu_smoke)
+    return [(f"stage-{s}", (s, launch)) for s in (1, 2, 3, 0)]
+
+
 def select_fn(kind: str, launch):
     from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
     from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
@@ -83,8 +138,20 @@ def prove(a, dev, part: str) -> None:
     from sparse_rl.sparse.ops.indexer_topk.naive import select_topk
 
     label = part.split(":", 1)[1]
-    kind, launch = dict(variants(a))[label]
     res = {"label": label, "ok": False}
+    if label.startswith("stage-"):  # compile only (the stage kernels write no rows)
+        stage, launch = dict(stages(a))[label]
+        x = torch.randn(1, 64, 1024, device=dev)
+        try:
+            for K, q_lim in ((48, 0), (45, None)):
+                stage_fn(stage, launch)(x, K, q_lim)
+            res["ok"] = True
+        except Exception as e:  # noqa: BLE001
+            res["err"] = f"{type(e).__name__}: {str(e)[:300]}"
+        with open(os.path.join(a.prove_dir, f"prove.{label}.json"), "w") as f:
+            json.dump(res, f)
+        return
+    kind, launch = dict(variants(a))[label]
     try:
         g = torch.Generator(device=dev).manual_seed(1)
         T, S = (64, 1024) if dev.type == "cuda" else (16, 256)
@@ -122,7 +189,7 @@ def warm_async(a, run: Run, box: dict) -> threading.Thread:
 
     a.prove_dir = tempfile.mkdtemp(prefix="tok9-prove-")
     args = [x for x in sys.argv[1:]] + ["--prove-dir", a.prove_dir]
-    labels = [lab for lab, _ in variants(a)]
+    labels = [lab for lab, _ in variants(a) + stages(a)]
 
     def go():
         box["info"] = parallel_warmup(os.path.abspath(__file__), args, len(labels), min(a.warm_s, run.left() - 60),
@@ -141,7 +208,8 @@ def read_proven(a) -> dict:
     return done
 
 
-def compare(run: Run, name: str, x, K: int, q_lim, ok: list, dev, W: dict, ref=None, stats_for=None) -> dict:
+def compare(run: Run, name: str, x, K: int, q_lim, ok: list, dev, W: dict, ref=None, stats_for=None,
+            stage_list=()) -> dict:
     """Every proven variant on one score tensor x: rows equal to the first's (radix default), time."""
     from sparse_rl.bench.timing import bench_ms
 
@@ -159,6 +227,12 @@ def compare(run: Run, name: str, x, K: int, q_lim, ok: list, dev, W: dict, ref=N
         del got
         out["times"][lab] = run.guarded(f"{name} {lab} time", bench_ms, lambda: fn(x, K, q_lim), dev, **W)
         log(f"{name} {lab}: {out['times'][lab]} ms, equal {out['equal'][lab]}")
+    if stage_list and run.left() > 10:
+        out["stage_ms"] = {}
+        for lab, (stage, launch) in stage_list:
+            fn = stage_fn(stage, launch)
+            out["stage_ms"][lab] = run.guarded(f"{name} {lab}", bench_ms, lambda: fn(x, K, q_lim), dev, **W)
+        log(f"{name} stages (1 span, 2 + histogram, 3 + compaction and select, 0 collect alone) {out['stage_ms']}")
     if stats_for is not None and run.left() > 8:
         st = torch.empty(x.shape[0] * x.shape[1], 2, dtype=torch.int32, device=x.device)
         select_fn(*stats_for)(x, K, q_lim, stats=st)
@@ -205,7 +279,8 @@ def explore(a, dev, run: Run, ok: list, ctx: dict) -> None:
     res["sweeps"] = {"L32_rowmax_ms": bench_ms(lambda: st.indexer_row_max(qi, wi, ki), dev, **W),
                      "L32_materialise_ms": bench_ms(mat, dev, **W)}
     log(f"sweeps {res['sweeps']}")
-    res["compare"] = [compare(run, "L32 token trained", x, K, 0, ok, dev, W, stats_for=bins[0][1] if bins else None)]
+    res["compare"] = [compare(run, "L32 token trained", x, K, 0, ok, dev, W, stats_for=bins[0][1] if bins else None,
+                              stage_list=ctx["stages"])]
     run.save()
     del x
     for G in a.groups:
@@ -218,7 +293,8 @@ def explore(a, dev, run: Run, ok: list, ctx: dict) -> None:
         x, nb = block_rows(ctx["index128"], G, a)
         pick = ok if G == a.groups[0] else ok[:1] + bins[:4]
         res["compare"].append(compare(run, f"L128 g{G} trained", x, nb, None, pick, dev, W,
-                                      stats_for=bins[0][1] if bins else None))
+                                      stats_for=bins[0][1] if bins else None,
+                                      stage_list=ctx["stages"] if G == a.groups[0] else ()))
         run.save()
         del x
     if run.gate(20, "32K random"):
@@ -294,6 +370,28 @@ def end_to_end(a, dev, run: Run, ctx: dict) -> None:
         run.save()
 
 
+def token128(a, dev, run: Run, ctx: dict) -> None:
+    """Token level at 128K, scores + top-k: materialising chunks with bin_topk against the stream default."""
+    from sparse_rl.bench.timing import bench_ms
+    from sparse_rl.sparse.ops.indexer_topk import triton as tri
+
+    if "index128" not in ctx:
+        return
+    qi, wi, ki = ctx["index128"]
+    K, W = a.shape[4], dict(warmup_ms=1, rep_ms=a.rep_ms)
+    res = run.res.setdefault("token128", {})
+    for impl in ("bin", "auto"):
+        if run.gate(12, f"token 128K {impl}"):
+            f = lambda impl=impl: tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window, topk_impl=impl)  # noqa: E731
+            res[impl] = run.guarded(f"token128 {impl}", bench_ms, f, dev, **W)
+            run.save()
+    if run.gate(8, "token 128K rows"):
+        res["bin_equals_auto_rows"] = bool(torch.equal(
+            tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window, topk_impl="bin"),
+            tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window, topk_impl="auto")))
+    log(f"token 128K select (scores + top-k) {res}")
+
+
 def summary(res: dict) -> None:
     print("== tok9 summary ==")
     print("sweeps:", res.get("sweeps"))
@@ -301,7 +399,10 @@ def summary(res: dict) -> None:
         t = {k: round(v, 3) for k, v in c["times"].items() if v}
         print(c["name"], "times", t, "all equal", all(c["equal"].values()), "paths", c.get("bin_paths"),
               "c*", c.get("bin_cstar_p50_p90_p99_max"))
-    print("token32:", res.get("token32"))
+    print("token32:", res.get("token32"), "token128:", res.get("token128"))
+    for c in res.get("compare", []):
+        if c.get("stage_ms"):
+            print(c["name"], "stages", {k: round(v, 3) for k, v in c["stage_ms"].items() if v})
     for r in res.get("e2e", []):
         print({k: r.get(k) for k in ("seqlen", "granularity", "topk_impl", "select_ms", "attn_ms", "prefill_ms",
                                       "prefill_speedup")})
@@ -333,8 +434,9 @@ def main(argv=None):
         done = read_proven(a)
         run.res["prove"] = {"info": box.get("info"), "results": done}
         ok = [v for v in variants(a) if done.get(v[0], {}).get("ok")]
+        ctx["stages"] = [v for v in stages(a) if done.get(v[0], {}).get("ok")]
     else:
-        ok = variants(a)
+        ok, ctx["stages"] = variants(a), stages(a)
     log(f"proven: {[v[0] for v in ok]}; failed: {[x for x, r in run.res.get('prove', {}).get('results', {}).items() if not r.get('ok')]}")
     run.save()
     if ok and ok[0][1][0] == "radix":
@@ -342,6 +444,7 @@ def main(argv=None):
         run.save()
         if "index32" in ctx:
             run.guarded("end to end", end_to_end, a, dev, run, ctx)
+            run.guarded("token 128K", token128, a, dev, run, ctx)
     run.save()
     summary(run.res)
 

@@ -59,13 +59,44 @@ def _bin(x, lo, scale, NB: tl.constexpr):
 
 
 @triton.jit
+def bin_hist(base, n, K, lo, scale, nvalid, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 2: the NB-bin histogram of `_bin` over the finite entries of base[0:n] (nvalid > K of them) ->
+    (d*, the bin holding the K-th largest; kk, that entry's rank inside d*; c*, d*'s count)."""
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, NB)
+    hist = tl.zeros([NB], tl.int32)
+    for c in range(0, n, BLOCK):
+        x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
+        valid = x > float("-inf")
+        b = tl.where(valid, _bin(x, lo, scale, NB), 0)
+        hist += tl.histogram(b, NB) - tl.where(bins == 0, tl.sum((~valid).to(tl.int32), 0), 0)
+    suf = nvalid - tl.cumsum(hist, 0) + hist  # entries in bins >= b
+    dstar = tl.sum((suf >= K).to(tl.int32), 0) - 1
+    kk = K - tl.sum(tl.where(bins > dstar, hist, 0), 0)
+    cstar = tl.sum(tl.where(bins == dstar, hist, 0), 0)
+    return dstar, kk, cstar
+
+
+@triton.jit
+def bin_compact(base, n, lo, scale, dstar, bufv, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 3: the finite scores of base[0:n] in bin d* to bufv[0:c*] (any order: only their values count)."""
+    offs = tl.arange(0, BLOCK)
+    cnt = 0
+    for c in range(0, n, BLOCK):
+        x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
+        m = (x > float("-inf")) & (_bin(x, lo, scale, NB) == dstar)
+        slot = cnt + tl.cumsum(m.to(tl.int32), 0) - 1
+        tl.store(bufv + slot, x, mask=m)
+        cnt += tl.sum(m.to(tl.int32), 0)
+    tl.debug_barrier()  # the buffer was written by other threads of this program
+
+
+@triton.jit
 def bin_row(base, obase, n, K, bufv, stats, WITH_STATS: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr,
             BLOCK: tl.constexpr):
     """Exact top-K of the row base[0:n] fp32 (-inf = not selectable) into obase[0:K] (ascending columns,
     -1 padded, ties to the later column); bufv: this row's CAP-float scratch. With WITH_STATS, stats[0:2]
     receives (path, c*): path 0 = <= K finite entries, 1 = the buffer served, 2 = radix fallback."""
-    offs = tl.arange(0, BLOCK)
-    bins = tl.arange(0, NB)
     lo, hi, nvalid = _row_span(base, n, BLOCK)
     tau = tl.zeros([], tl.uint32)  # keep key > tau, plus the last `need` of the n_eq keys == tau
     need = 0
@@ -75,26 +106,10 @@ def bin_row(base, obase, n, K, bufv, stats, WITH_STATS: tl.constexpr, NB: tl.con
     if nvalid > K:
         span = hi - lo
         scale = tl.where(span > 0.0, NB / span, 0.0)
-        hist = tl.zeros([NB], tl.int32)
-        for c in range(0, n, BLOCK):
-            x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
-            valid = x > float("-inf")
-            b = tl.where(valid, _bin(x, lo, scale, NB), 0)
-            hist += tl.histogram(b, NB) - tl.where(bins == 0, tl.sum((~valid).to(tl.int32), 0), 0)
-        suf = nvalid - tl.cumsum(hist, 0) + hist  # entries in bins >= b
-        dstar = tl.sum((suf >= K).to(tl.int32), 0) - 1
-        kk = K - tl.sum(tl.where(bins > dstar, hist, 0), 0)  # rank of the k-th inside bin d*
-        cstar = tl.sum(tl.where(bins == dstar, hist, 0), 0)
+        dstar, kk, cstar = bin_hist(base, n, K, lo, scale, nvalid, NB, BLOCK)
         if cstar <= CAP:
             path = 1
-            cnt = 0
-            for c in range(0, n, BLOCK):
-                x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
-                m = (x > float("-inf")) & (_bin(x, lo, scale, NB) == dstar)
-                slot = cnt + tl.cumsum(m.to(tl.int32), 0) - 1
-                tl.store(bufv + slot, x, mask=m)
-                cnt += tl.sum(m.to(tl.int32), 0)
-            tl.debug_barrier()  # the buffer was written by other threads of this program
+            bin_compact(base, n, lo, scale, dstar, bufv, NB, BLOCK)
             ocap = tl.arange(0, CAP)
             live = ocap < cstar
             xv = tl.load(bufv + ocap, mask=live, other=float("-inf"))
