@@ -29,15 +29,19 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.bin_topk import _row_span, bin_compact, bin_hist
-from sparse_rl.sparse.ops.indexer_topk.radix_topk import collect_row, row_bases, select_threshold
+from sparse_rl.sparse.ops.indexer_topk.bin_topk import _row_span, bin_hist, bin_threshold
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import collect_row, row_bases
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from granular_harness import Run, dense_times, log, parallel_warmup, trained_indexer  # noqa: E402
 
-RADIX = [(2048, 8), (1024, 4), (2048, 4), (512, 2), (4096, 16)]  # (BLOCK, num_warps); first = default
-BIN = [(128, 1024, 1024, 4), (128, 1024, 2048, 8), (128, 1024, 512, 2), (64, 2048, 1024, 4),
-       (256, 512, 1024, 4), (128, 512, 1024, 4), (64, 1024, 1024, 4), (256, 1024, 2048, 8)]  # (NB, CAP, BLOCK, warps)
+# per device call: radix (BLOCK, num_warps), first = the default and the reference rows; bin (NB, CAP, BLOCK,
+# num_warps[, long_first]), first = the default
+RADIX = {1: [(2048, 8), (1024, 4), (2048, 4), (512, 2), (4096, 16)], 2: [(2048, 8), (1024, 4)]}
+BIN = {1: [(128, 1024, 1024, 4), (128, 1024, 2048, 8), (128, 1024, 512, 2), (64, 2048, 1024, 4),
+           (256, 512, 1024, 4), (128, 512, 1024, 4), (64, 1024, 1024, 4), (256, 1024, 2048, 8)],
+       2: [(128, 1024, 1024, 4), (128, 1024, 1024, 4, True), (128, 512, 1024, 4), (128, 2048, 1024, 4),
+           (256, 1024, 1024, 4), (128, 1024, 2048, 4), (128, 1024, 512, 2)]}
 
 
 @triton.jit
@@ -48,22 +52,17 @@ def _stage_kernel(SC, OUT, BUFV, Tc, S_c, q_lim, srb, srt, sob, sot, K, STAGE: t
     row, base, obase, n = row_bases(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot)
     if STAGE == 0:
         collect_row(base, obase, n, K, 0xFFFFFFFF, 0, 0, BLOCK)
+    elif STAGE == 3:
+        path, cstar, tau, need, n_eq = bin_threshold(base, n, K, BUFV + row.to(tl.int64) * CAP, NB, CAP, BLOCK)
+        tl.store(obase, path + cstar + tau.to(tl.int32) + need + n_eq)
     else:
         lo, hi, acc = _row_span(base, n, BLOCK)
         if STAGE >= 2:
             if acc > K:
                 span = hi - lo
                 scale = tl.where(span > 0.0, NB / span, 0.0)
-                dstar, kk, cstar = bin_hist(base, n, K, lo, scale, acc, NB, BLOCK)
+                dstar, kk, cstar = bin_hist(base, n, K, lo, scale, acc, lo, scale, 0, False, NB, BLOCK)
                 acc += dstar + kk + cstar
-                if STAGE >= 3:
-                    if cstar <= CAP:
-                        bufv = BUFV + row.to(tl.int64) * CAP
-                        bin_compact(base, n, lo, scale, dstar, bufv, NB, BLOCK)
-                        ocap = tl.arange(0, CAP)
-                        xv = tl.load(bufv + ocap, mask=ocap < cstar, other=float("-inf"))
-                        tau, need, n_eq = select_threshold(xv, ocap < cstar, kk)
-                        acc += tau.to(tl.int32) + need + n_eq
         tl.store(obase, acc)
 
 
@@ -95,11 +94,13 @@ def parse_args(argv=None):
     ap.add_argument("--train-steps", type=int, default=150)
     ap.add_argument("--rep-ms", type=int, default=20)
     ap.add_argument("--jobs", type=int, default=13, help="warm-up child processes (0: none)")
+    ap.add_argument("--call", type=int, default=2, choices=(1, 2), help="which device call's variant lists")
     ap.add_argument("--warm-s", type=float, default=60.0, help="the warm-up children's time limit")
     ap.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prove-dir", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.L32, a.L128, a.groups = (64, 128, (8, 4)) if a.cpu_smoke else (32768, 131072, (64, 32))
+    a.short = (32, 48) if a.cpu_smoke else (8192, 16384)
     if a.cpu_smoke:
         a.shape, a.index, a.train_steps, a.rep_ms = [1, 4, 1, 32, 32], [2, 16], 3, 1
         a.sink, a.window = 2, 4
@@ -110,9 +111,11 @@ def variants(a) -> list[tuple[str, tuple]]:
     """(label, (kind, launch)) of every variant; the CPU smoke keeps two of each, at interpreter sizes."""
     if a.cpu_smoke:
         return [("radix-64-1", ("radix", (64, 1))), ("radix-32-1", ("radix", (32, 1))),
-                ("bin-32-64-64-1", ("bin", (32, 64, 64, 1))), ("bin-64-128-32-1", ("bin", (64, 128, 32, 1)))]
-    return ([(f"radix-{b}-{w}", ("radix", (b, w))) for b, w in RADIX]
-            + [("bin-" + "-".join(map(str, x)), ("bin", x)) for x in BIN])
+                ("bin-32-64-64-1", ("bin", (32, 64, 64, 1))), ("bin-32-64-64-1-lf", ("bin", (32, 64, 64, 1, True))),
+                ("bin-64-128-32-1", ("bin", (64, 128, 32, 1)))]
+    return ([(f"radix-{b}-{w}", ("radix", (b, w))) for b, w in RADIX[a.call]]
+            + [("bin-" + "-".join(map(str, x[:4])) + ("-lf" if x[4:] == (True,) else ""), ("bin", x))
+               for x in BIN[a.call]])
 
 
 def stages(a) -> list[tuple[str, tuple]]:
@@ -129,7 +132,9 @@ def select_fn(kind: str, launch):
 
     if kind == "radix":
         return lambda x, K, q_lim=None, stats=None: radix_topk(x, K, q_lim=q_lim, launch=launch)
-    return lambda x, K, q_lim=None, stats=None: bin_topk(x, K, q_lim=q_lim, launch=launch, stats=stats)
+    lf = len(launch) > 4 and launch[4]
+    return lambda x, K, q_lim=None, stats=None: bin_topk(x, K, q_lim=q_lim, launch=launch[:4], stats=stats,
+                                                          long_first=lf)
 
 
 def prove(a, dev, part: str) -> None:
@@ -325,13 +330,16 @@ def end_to_end(a, dev, run: Run, ctx: dict) -> None:
     res["e2e"], res["dense"] = [], {}
     qi, wi, ki = ctx["index32"]
     tok = {}
-    for impl in ("bin", "radix", "auto"):
+    for impl in ("auto", "radix", "stream"):  # auto: the materialising path with bin_topk (since session 9)
         if run.gate(10, f"token 32K {impl}"):
             f = lambda impl=impl: tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window, topk_impl=impl)  # noqa: E731
             tok[impl] = run.guarded(f"token {impl}", bench_ms, f, dev, **W)
-    rows_bin = tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window, topk_impl="bin")
-    tok["bin_equals_radix_rows"] = bool(torch.equal(
-        rows_bin, tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window, topk_impl="radix")))
+    rows_bin = tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window, topk_impl="auto")
+    rows_radix = tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window, topk_impl="radix")
+    tok["auto_equals_radix_rows"] = bool(torch.equal(rows_bin, rows_radix))
+    tok["stream_rows_differing_from_radix"] = int((tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window,
+                                                                   topk_impl="stream") != rows_radix).any(-1).sum())
+    del rows_radix
     res["token32"] = tok
     log(f"token 32K select (scores + top-k) {tok}")
     run.save()
@@ -345,9 +353,9 @@ def end_to_end(a, dev, run: Run, ctx: dict) -> None:
         res["dense"][str(L)] = dn
         log(f"dense L={L} {dn}")
         if L == a.L32:
-            sel = lambda: tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window, topk_impl="bin")  # noqa: E731
-            r = {"seqlen": L, "granularity": "kb1", "topk_impl": "bin", "dense_ms": dn["dense_ms"],
-                 "select_ms": tok.get("bin"),
+            sel = lambda: tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window, topk_impl="auto")  # noqa: E731
+            r = {"seqlen": L, "granularity": "kb1", "topk_impl": "auto (bin)", "dense_ms": dn["dense_ms"],
+                 "select_ms": tok.get("auto"),
                  "attn_ms": bench_ms(lambda: sparse_attention(q, k, v, rows_bin, backend="triton"), dev, **W),
                  "prefill_ms": bench_ms(lambda: sparse_attention(q, k, v, sel(), backend="triton"), dev, **W)}
             r["prefill_speedup"] = dn["dense_ms"] / r["prefill_ms"]
@@ -357,7 +365,7 @@ def end_to_end(a, dev, run: Run, ctx: dict) -> None:
             if "index128" not in ctx:
                 continue
             for spec in (f"g{G}" for G in a.groups):
-                for impl in ("bin", "radix"):
+                for impl in ("auto", "radix"):
                     if not run.gate(8, f"L={L} {spec} {impl}"):
                         continue
                     got = run.guarded(f"L={L} {spec} {impl}", granular_rows, q, k, v, {"trained": ctx["index128"]},
@@ -367,6 +375,28 @@ def end_to_end(a, dev, run: Run, ctx: dict) -> None:
                         res["e2e"].append(r)
                     run.save()
         del q, k, v
+        run.save()
+
+
+def token_short(a, dev, run: Run, ctx: dict) -> None:
+    """Token level (scores + top-k) at 8K and 16K, trained input: auto (bin) against radix and stream."""
+    from sparse_rl.bench import patterns
+    from sparse_rl.bench.timing import bench_ms
+    from sparse_rl.sparse.ops.indexer_topk import triton as tri
+
+    K, W = a.shape[4], dict(warmup_ms=5, rep_ms=a.rep_ms)
+    for L in a.short:
+        if not run.gate(10, f"token {L}"):
+            continue
+        qi, wi, ki = patterns.trained_index(ctx["ix"], L, dev, ctx["gen"])
+        res = run.res.setdefault("token_short", {}).setdefault(str(L), {})
+        for impl in ("auto", "radix", "stream"):
+            f = lambda impl=impl: tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window, topk_impl=impl)  # noqa: E731
+            res[impl] = run.guarded(f"token {L} {impl}", bench_ms, f, dev, **W)
+        res["auto_equals_radix_rows"] = bool(torch.equal(
+            tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window, topk_impl="auto"),
+            tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window, topk_impl="radix")))
+        log(f"token {L} select (scores + top-k) {res}")
         run.save()
 
 
@@ -380,15 +410,19 @@ def token128(a, dev, run: Run, ctx: dict) -> None:
     qi, wi, ki = ctx["index128"]
     K, W = a.shape[4], dict(warmup_ms=1, rep_ms=a.rep_ms)
     res = run.res.setdefault("token128", {})
-    for impl in ("bin", "auto"):
+    for impl in ("auto", "stream"):
         if run.gate(12, f"token 128K {impl}"):
             f = lambda impl=impl: tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window, topk_impl=impl)  # noqa: E731
             res[impl] = run.guarded(f"token128 {impl}", bench_ms, f, dev, **W)
             run.save()
-    if run.gate(8, "token 128K rows"):
-        res["bin_equals_auto_rows"] = bool(torch.equal(
-            tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window, topk_impl="bin"),
-            tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window, topk_impl="auto")))
+    if run.gate(10, "token 128K rows"):  # call 1: bin and stream rows differed here; which one is off?
+        rows = {impl: tri.indexer_topk(qi, wi, ki, K, sink=a.sink, window=a.window, topk_impl=impl)
+                for impl in ("auto", "stream", "radix")}
+        for impl in ("auto", "stream"):
+            bad = (rows[impl] != rows["radix"]).any(-1)[0]
+            res[f"{impl}_rows_differing_from_radix"] = int(bad.sum())
+            res[f"{impl}_first_differing_rows"] = bad.nonzero().flatten()[:8].tolist()
+        del rows
     log(f"token 128K select (scores + top-k) {res}")
 
 
@@ -399,7 +433,7 @@ def summary(res: dict) -> None:
         t = {k: round(v, 3) for k, v in c["times"].items() if v}
         print(c["name"], "times", t, "all equal", all(c["equal"].values()), "paths", c.get("bin_paths"),
               "c*", c.get("bin_cstar_p50_p90_p99_max"))
-    print("token32:", res.get("token32"), "token128:", res.get("token128"))
+    print("token32:", res.get("token32"), "token128:", res.get("token128"), "short:", res.get("token_short"))
     for c in res.get("compare", []):
         if c.get("stage_ms"):
             print(c["name"], "stages", {k: round(v, 3) for k, v in c["stage_ms"].items() if v})
@@ -421,7 +455,7 @@ def main(argv=None):
 
     if dev.type == "cuda":
         torch.zeros(1, device=dev)
-    run = Run(a.out, "tok9.json", a.budget, {"device": device_name(dev), "torch": torch.__version__,
+    run = Run(a.out, f"tok9-call{a.call}.json", a.budget, {"device": device_name(dev), "torch": torch.__version__,
                                              "triton": triton.__version__, "commit": a.commit, "args": vars(a)})
     box = {}
     th = warm_async(a, run, box) if a.jobs else None
@@ -445,6 +479,7 @@ def main(argv=None):
         if "index32" in ctx:
             run.guarded("end to end", end_to_end, a, dev, run, ctx)
             run.guarded("token 128K", token128, a, dev, run, ctx)
+            run.guarded("token 8K / 16K", token_short, a, dev, run, ctx)
     run.save()
     summary(run.res)
 

@@ -17,7 +17,7 @@ def _ref(s, K, q_lim=None):
     return select_topk(s, vis, vis & (s == float("inf")), K)
 
 
-def _rows(seed=3, Tc=8, Sc=150):
+def _rows(seed=3, Tc=9, Sc=150):
     g = torch.Generator().manual_seed(seed)
     s = torch.randn(1, Tc, Sc, generator=g)
     s[0, 0, :5] = float("inf")  # forced keys
@@ -30,10 +30,11 @@ def _rows(seed=3, Tc=8, Sc=150):
     s[0, 5] = -s[0, 5].abs() * 1e3  # all negative
     s[0, 6, 3] = 1e30  # one huge outlier: the rest share the lowest bins
     s[0, 7, :] = 2.0  # all equal: one bin holds the whole row
+    s[0, 8, 100] = 300.0  # a milder outlier: the first level's bin overflows, the second level splits it
     return s
 
 
-@pytest.mark.parametrize("launch", [None, (32, 16, 32, 1), (64, 128, 16, 2)])
+@pytest.mark.parametrize("launch", [None, (32, 16, 32, 1), (64, 128, 64, 2)])
 def test_bin_topk_equals_reference(launch):
     """Default (CPU) launch, a buffer too small for most rows (radix fallback), a wide one."""
     s = _rows()
@@ -43,9 +44,11 @@ def test_bin_topk_equals_reference(launch):
         assert torch.equal(got, _ref(s, K)), (K, launch)
         # row 2 (12 visible) is short for K = 20; the all-equal row 7 has one bin and falls back
         assert stats[2, 0] == (0 if K == 20 else 1) and stats[7, 0] == 2, stats.tolist()
+        if launch is None:
+            assert stats[8, 0] == 3, stats.tolist()  # the outlier row: two levels, then the buffer
         cap = (launch or (32, 64))[1]
         for path, cstar in stats.tolist():  # the recorded path agrees with the threshold bin's count
-            assert path == 0 or (path == 1) == (cstar <= cap), stats.tolist()
+            assert path == 0 or (path in (1, 3)) == (cstar <= cap), stats.tolist()
 
 
 def test_bin_topk_buffer_path_and_q_lim():

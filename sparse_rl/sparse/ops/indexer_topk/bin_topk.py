@@ -59,18 +59,22 @@ def _bin(x, lo, scale, NB: tl.constexpr):
 
 
 @triton.jit
-def bin_hist(base, n, K, lo, scale, nvalid, NB: tl.constexpr, BLOCK: tl.constexpr):
-    """Pass 2: the NB-bin histogram of `_bin` over the finite entries of base[0:n] (nvalid > K of them) ->
-    (d*, the bin holding the K-th largest; kk, that entry's rank inside d*; c*, d*'s count)."""
+def bin_hist(base, n, K, lo, scale, total, lo0, scale0, d0, NESTED: tl.constexpr, NB: tl.constexpr,
+             BLOCK: tl.constexpr):
+    """A histogram pass: NB bins of `_bin(x, lo, scale)` over the finite entries of base[0:n] (NESTED: only
+    those in bin d0 of `_bin(x, lo0, scale0)`), `total` > K of them -> (d*, the bin holding their K-th
+    largest; kk, that entry's rank inside d*; c*, d*'s count)."""
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, NB)
     hist = tl.zeros([NB], tl.int32)
     for c in range(0, n, BLOCK):
         x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
-        valid = x > float("-inf")
-        b = tl.where(valid, _bin(x, lo, scale, NB), 0)
-        hist += tl.histogram(b, NB) - tl.where(bins == 0, tl.sum((~valid).to(tl.int32), 0), 0)
-    suf = nvalid - tl.cumsum(hist, 0) + hist  # entries in bins >= b
+        m = x > float("-inf")
+        if NESTED:
+            m = m & (_bin(x, lo0, scale0, NB) == d0)
+        b = tl.where(m, _bin(x, lo, scale, NB), 0)
+        hist += tl.histogram(b, NB) - tl.where(bins == 0, tl.sum((~m).to(tl.int32), 0), 0)
+    suf = total - tl.cumsum(hist, 0) + hist  # entries in bins >= b
     dstar = tl.sum((suf >= K).to(tl.int32), 0) - 1
     kk = K - tl.sum(tl.where(bins > dstar, hist, 0), 0)
     cstar = tl.sum(tl.where(bins == dstar, hist, 0), 0)
@@ -78,13 +82,14 @@ def bin_hist(base, n, K, lo, scale, nvalid, NB: tl.constexpr, BLOCK: tl.constexp
 
 
 @triton.jit
-def bin_compact(base, n, lo, scale, dstar, bufv, NB: tl.constexpr, BLOCK: tl.constexpr):
-    """Pass 3: the finite scores of base[0:n] in bin d* to bufv[0:c*] (any order: only their values count)."""
+def bin_compact(base, n, lo, scale, dstar, lo2, scale2, d2, bufv, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """The finite scores of base[0:n] in bin d* of `_bin(x, lo, scale)` and bin d2 of `_bin(x, lo2, scale2)`
+    (the same test twice without a second level) to bufv (any order: only their values count)."""
     offs = tl.arange(0, BLOCK)
     cnt = 0
     for c in range(0, n, BLOCK):
         x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
-        m = (x > float("-inf")) & (_bin(x, lo, scale, NB) == dstar)
+        m = (x > float("-inf")) & (_bin(x, lo, scale, NB) == dstar) & (_bin(x, lo2, scale2, NB) == d2)
         slot = cnt + tl.cumsum(m.to(tl.int32), 0) - 1
         tl.store(bufv + slot, x, mask=m)
         cnt += tl.sum(m.to(tl.int32), 0)
@@ -92,11 +97,10 @@ def bin_compact(base, n, lo, scale, dstar, bufv, NB: tl.constexpr, BLOCK: tl.con
 
 
 @triton.jit
-def bin_row(base, obase, n, K, bufv, stats, WITH_STATS: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr,
-            BLOCK: tl.constexpr):
-    """Exact top-K of the row base[0:n] fp32 (-inf = not selectable) into obase[0:K] (ascending columns,
-    -1 padded, ties to the later column); bufv: this row's CAP-float scratch. With WITH_STATS, stats[0:2]
-    receives (path, c*): path 0 = <= K finite entries, 1 = the buffer served, 2 = radix fallback."""
+def bin_threshold(base, n, K, bufv, NB: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Passes 1-3 of `bin_row` -> (path, c*, tau, need, n_eq): path 0 = <= K finite entries (keep them
+    all: tau = need = n_eq = 0), 1 = the first level's bin fit the buffer, 3 = a second level over the
+    first's bin d* (NB sub-bins of its width) was needed and fit, 2 = neither fit (no threshold)."""
     lo, hi, nvalid = _row_span(base, n, BLOCK)
     tau = tl.zeros([], tl.uint32)  # keep key > tau, plus the last `need` of the n_eq keys == tau
     need = 0
@@ -106,16 +110,34 @@ def bin_row(base, obase, n, K, bufv, stats, WITH_STATS: tl.constexpr, NB: tl.con
     if nvalid > K:
         span = hi - lo
         scale = tl.where(span > 0.0, NB / span, 0.0)
-        dstar, kk, cstar = bin_hist(base, n, K, lo, scale, nvalid, NB, BLOCK)
+        dstar, kk, cstar = bin_hist(base, n, K, lo, scale, nvalid, lo, scale, 0, False, NB, BLOCK)
+        lo2 = lo
+        scale2 = scale
+        d2 = dstar
+        path = 1
+        if cstar > CAP:  # masses of scores in one bin (an outlier stretched the span): split that bin
+            lo2 = lo + dstar.to(tl.float32) / scale
+            scale2 = scale * NB
+            d2, kk, cstar = bin_hist(base, n, kk, lo2, scale2, cstar, lo, scale, dstar, True, NB, BLOCK)
+            path = 3
         if cstar <= CAP:
-            path = 1
-            bin_compact(base, n, lo, scale, dstar, bufv, NB, BLOCK)
+            bin_compact(base, n, lo, scale, dstar, lo2, scale2, d2, bufv, NB, BLOCK)
             ocap = tl.arange(0, CAP)
             live = ocap < cstar
             xv = tl.load(bufv + ocap, mask=live, other=float("-inf"))
             tau, need, n_eq = select_threshold(xv, live, kk)
         else:
             path = 2
+    return path, cstar, tau, need, n_eq
+
+
+@triton.jit
+def bin_row(base, obase, n, K, bufv, stats, WITH_STATS: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr,
+            BLOCK: tl.constexpr):
+    """Exact top-K of the row base[0:n] fp32 (-inf = not selectable) into obase[0:K] (ascending columns,
+    -1 padded, ties to the later column); bufv: this row's CAP-float scratch. With WITH_STATS, stats[0:2]
+    receives (path, c*) of `bin_threshold`; path 2 takes `radix_row`."""
+    path, cstar, tau, need, n_eq = bin_threshold(base, n, K, bufv, NB, CAP, BLOCK)
     if WITH_STATS:
         tl.store(stats, path)
         tl.store(stats + 1, cstar)
@@ -127,8 +149,9 @@ def bin_row(base, obase, n, K, bufv, stats, WITH_STATS: tl.constexpr, NB: tl.con
 
 @triton.jit
 def _bin_topk_kernel(SC, OUT, BUFV, STATS, Tc, S_c, q_lim, srb, srt, sob, sot, K,
-                     NB: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, WITH_STATS: tl.constexpr):
-    row, base, obase, n = row_bases(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot)
+                     NB: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, WITH_STATS: tl.constexpr,
+                     LONG_FIRST: tl.constexpr):
+    row, base, obase, n = row_bases(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot, LONG_FIRST)
     bin_row(base, obase, n, K, BUFV + row.to(tl.int64) * CAP, STATS + row.to(tl.int64) * 2, WITH_STATS,
             NB, CAP, BLOCK)
 
@@ -139,11 +162,13 @@ def bin_launch(cuda: bool) -> tuple[int, int, int, int]:
 
 
 def bin_topk(scores: torch.Tensor, topk: int, q_lim: int | None = None, out: torch.Tensor | None = None,
-             launch: tuple[int, int, int, int] | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
+             launch: tuple[int, int, int, int] | None = None, stats: torch.Tensor | None = None,
+             long_first: bool = False) -> torch.Tensor:
     """`radix_topk.radix_topk` (same arguments and rows: `[B, Tc, Sc]` fp32, -inf = not visible ->
     `[B, Tc, topk]` int32 ascending, -1 padded, ties to the later column) with one histogram pass.
     launch: (bins NB, buffer slots CAP, BLOCK, num_warps), `bin_launch`'s by default; NB and CAP powers
-    of two, NB >= 32. stats: optional `[B * Tc, 2]` int32 per row (path, c*), see `bin_row`."""
+    of two, NB >= 32. stats: optional `[B * Tc, 2]` int32 per row (path, c*), see `bin_row`. long_first:
+    the programs take the rows last to first (`row_bases`)."""
     B, Tc, Sc = scores.shape
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
@@ -160,5 +185,6 @@ def bin_topk(scores: torch.Tensor, topk: int, q_lim: int | None = None, out: tor
     q_lim = Sc if q_lim is None else q_lim
     _bin_topk_kernel[(B * Tc,)](scores, out, bufv, stats if stats is not None else out, Tc, Sc, q_lim,
                                 scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), topk,
-                                NB=nb, CAP=cap, BLOCK=block, WITH_STATS=stats is not None, num_warps=warps)
+                                NB=nb, CAP=cap, BLOCK=block, WITH_STATS=stats is not None, LONG_FIRST=long_first,
+                                num_warps=warps)
     return out

@@ -12,11 +12,11 @@ Why this shape:
   fewer rows; with left padding every query is its own row (its group differs per batch row).
 - Exact top-k over blocks with the reference's tie rule (the later block wins; -0.0 counts as +0.0),
   in row chunks bounded by `budget` bytes (at 128K keys and key_block 16 a row has 8K blocks), in one
-  of three forms (`top_blocks`, `topk_impl`): the token-level path's radix select on the fp32 block
-  scores; an fp32 `torch.topk` threshold with the ties settled by a prefix sum; or `torch.topk` on
-  int64 keys, the score's order-preserving bits above the block index. `auto` takes radix in prefill
-  (fastest on every prefill shape timed, `resolve_topk_impl`) and, in decode, radix for rows of <= 32K
-  blocks and the threshold beyond. Blocks that are
+  of several forms (`top_blocks`, `topk_impl`): the one-histogram select (`bin_topk.py`) or the
+  token-level path's radix select on the fp32 block scores; an fp32 `torch.topk` threshold with the
+  ties settled by a prefix sum; or `torch.topk` on int64 keys, the score's order-preserving bits above
+  the block index. `auto` takes bin in prefill (fastest on every prefill shape timed,
+  `resolve_topk_impl`) and, in decode, radix for rows of <= 32K blocks and the threshold beyond. Blocks that are
   not candidates (no visible key that is not forced) score -inf (the smallest key) and are dropped.
 - The row is then assembled without a sort of tokens: the sink keys, the chosen blocks' keys (blocks
   sorted, then expanded; forced keys cut out), the window and the group's keys after the
@@ -50,16 +50,18 @@ RADIX_MAX_BLOCKS = 32768  # "auto": radix select for rows up to this many blocks
 
 
 def resolve_topk_impl(impl: str, n_blocks: int, prefill: bool = False) -> str:
-    """`auto` -> "radix" for prefill (H200, session 6, benchmarks/NOTES.md item 13: the radix select beat
-    the fp32 torch.topk threshold on every granular prefill shape timed, 3.9 vs 6.3 ms for 32K rows of
-    2K blocks, 1.9 vs 4.8 for 2K rows of 32K, 42.9 vs 73.3 for 128K rows of 8K, 17.7 vs 53.6 for 8K
-    rows of 128K blocks); for decode (a few rows, one radix program each) "radix" up to
+    """`auto` -> "bin" for prefill (H200, session 9, benchmarks/NOTES.md item 16: the one-histogram select
+    of `bin_topk.py` against radix on the trained indexer's 128K rows, 3.59 vs 5.87 ms for 2K rows (g64),
+    6.36 vs 11.35 for 4K rows (g32); radix had beaten the torch.topk threshold on every prefill shape,
+    item 13); for decode (a few rows, one program each; bin not timed there) "radix" up to
     RADIX_MAX_BLOCKS blocks and "threshold" beyond, the token-level path's rule (NOTES item 4: one
     program per row is latency bound on long rows when rows are few)."""
     if impl not in TOPK_IMPLS:
         raise ValueError(f"topk_impl {impl!r}: expected one of {', '.join(TOPK_IMPLS)}")
     if impl == "auto":
-        return "radix" if prefill or n_blocks <= RADIX_MAX_BLOCKS else "threshold"
+        if prefill:
+            return "bin"
+        return "radix" if n_blocks <= RADIX_MAX_BLOCKS else "threshold"
     return impl
 
 

@@ -142,30 +142,43 @@ def collect_row(base, obase, n, K, tau, need, n_eq, BLOCK: tl.constexpr):
     selected entries), then -1 up to K. tau = 0, need = 0 keeps every finite entry."""
     offs = tl.arange(0, BLOCK)
     cnt = 0
-    eq_seen = 0
-    for c in range(0, n, BLOCK):
-        x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
-        valid = x > float("-inf")
-        key = _okey(x)
-        eq = valid & (key == tau)
-        eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0) - 1
-        # among keys equal to the threshold the later ones win, as in the reference (`select_topk`)
-        sel = valid & ((key > tau) | (eq & (eq_rank >= n_eq - need)))
-        pos = cnt + tl.cumsum(sel.to(tl.int32), 0) - 1
-        tl.store(obase + pos, (c + offs).to(tl.int32), mask=sel)
-        cnt += tl.sum(sel.to(tl.int32), 0)
-        eq_seen += tl.sum(eq.to(tl.int32), 0)
+    if need == n_eq:  # every key equal to tau is kept (the usual case): one prefix sum a step, not two
+        for c in range(0, n, BLOCK):
+            x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
+            sel = (x > float("-inf")) & (_okey(x) >= tau)
+            pos = cnt + tl.cumsum(sel.to(tl.int32), 0) - 1
+            tl.store(obase + pos, (c + offs).to(tl.int32), mask=sel)
+            cnt += tl.sum(sel.to(tl.int32), 0)
+    else:
+        eq_seen = 0
+        for c in range(0, n, BLOCK):
+            x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
+            valid = x > float("-inf")
+            key = _okey(x)
+            eq = valid & (key == tau)
+            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0) - 1
+            # among keys equal to the threshold the later ones win, as in the reference (`select_topk`)
+            sel = valid & ((key > tau) | (eq & (eq_rank >= n_eq - need)))
+            pos = cnt + tl.cumsum(sel.to(tl.int32), 0) - 1
+            tl.store(obase + pos, (c + offs).to(tl.int32), mask=sel)
+            cnt += tl.sum(sel.to(tl.int32), 0)
+            eq_seen += tl.sum(eq.to(tl.int32), 0)
     for c in range(cnt, K, BLOCK):
         tl.store(obase + c + offs, tl.full([BLOCK], -1, tl.int32), mask=c + offs < K)
 
 
 @triton.jit
-def row_bases(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot):
+def row_bases(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot, LONG_FIRST: tl.constexpr = False):
     """This program's row of a `[B, Tc, S_c]` score chunk: (row, its scores, its output row, the
-    columns it reads: those up to the query's position, q_lim + t, and below S_c)."""
+    columns it reads: those up to the query's position, q_lim + t, and below S_c). LONG_FIRST: program
+    i takes the row Tc - 1 - i of its batch row, so the longest causal rows start first and the short
+    ones fill the last wave (the tail of a launch of few long rows otherwise runs the longest alone)."""
     row = tl.program_id(0)
     b = row // Tc
     t = row % Tc
+    if LONG_FIRST:
+        t = Tc - 1 - t
+        row = b * Tc + t
     base = SC + b.to(tl.int64) * srb + t.to(tl.int64) * srt
     obase = OUT + b.to(tl.int64) * sob + t.to(tl.int64) * sot
     n = tl.minimum(S_c, q_lim + t + 1)  # columns past the query's position are -inf: skip them
