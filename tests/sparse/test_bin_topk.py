@@ -62,3 +62,4 @@ def test_bin_topk_buffer_path_and_q_lim():
     for q_lim in (0, 40):
         lim = bin_topk(s, 24, q_lim=q_lim)
         assert torch.equal(lim, _ref(s, 24, q_lim)) and torch.equal(lim, radix_topk(s, 24, q_lim=q_lim))
+        assert torch.equal(bin_topk(s, 24, q_lim=q_lim, long_first=False), lim)  # rows in launch order

@@ -4,20 +4,27 @@ selected exactly in registers, in Triton. Same rows as `radix_topk.radix_topk` (
 -1 padded, among equal scores the later column wins, -0.0 == +0.0, -inf never selected).
 
 Why: `tl.histogram` lowers to a ballot per bit of the bin index plus, per thread, a popcount for each
-bin it owns (~100 instructions per element per warp lane at 256 bins, ~36 at 64 bins: Triton's
+bin it owns (~100 instructions per element per warp lane at 256 bins, ~55 at 128: Triton's
 HistogramOpToLLVM), and the radix select (`radix_row`) runs four 256-bin histograms over every score
-of a row plus a prefix-sum pass. Here a row costs:
+of a row plus a prefix-sum pass; more, smaller radix programs per SM gained <= 1.12x on the H200, so it
+is issue bound more than latency bound (benchmarks/NOTES.md item 16). Here a row costs:
 1. a min / max / count pass (a few instructions per score, the row's one HBM read);
 2. one NB-bin histogram of `bin(x) = floor((x - lo) * NB / (hi - lo))` (monotone in x, so every score
    in a higher bin is larger than every score in a lower one; +inf, the forced keys, in the top bin);
-   the bin d* holding the k-th largest score and its count c* follow from the suffix sums;
-3. if c* <= CAP: one pass compacts the c* scores of bin d* to a per-row buffer (prefix sum, no
-   histogram) and `select_threshold` on the buffer (register radix, 4 x 256-bin levels over CAP lanes)
-   gives the exact k-th key, how many of its ties are kept; otherwise (masses of scores in one bin:
-   all-equal rows, a huge outlier) the row takes `radix_row`, in the same program;
+   the bin d* holding the k-th largest score and its count c* follow from the suffix sums; if c* is
+   over the buffer (an outlier stretched the span), a second histogram pass splits bin d* into NB
+   sub-bins the same way;
+3. if c* <= CAP: one pass compacts the c* scores to a per-row buffer (prefix sum, no histogram) and
+   `select_threshold` on the buffer (register radix, 4 x 256-bin levels over CAP lanes) gives the
+   exact k-th key and how many of its ties are kept; otherwise (masses of equal scores) the row takes
+   `radix_row`, in the same program;
 4. the collect pass of `radix_row` (`collect_row`): ascending output by a running prefix sum.
 Ties: keys equal to the k-th are all in bin d* (equal values, -0.0 and +0.0 included, have equal
 bins), so the buffer counts them all and the collect pass keeps the later ones.
+Measured (H200, session 9, trained indexer, k = 2048; NOTES item 16): 6.21 vs 11.38 ms for radix on
+the 32K token-level scores (32K causal rows), 3.41 vs 5.70 ms on the g64 rows at 128K (2K rows of
+128K blocks), rows equal to radix's everywhere; per pass at 32K: span 0.50, histogram ~1.4, compaction
++ buffer select ~2.1, collect 1.26 ms (the prefix-sum passes are the largest part).
 """
 
 from __future__ import annotations
@@ -157,18 +164,20 @@ def _bin_topk_kernel(SC, OUT, BUFV, STATS, Tc, S_c, q_lim, srb, srt, sob, sot, K
 
 
 def bin_launch(cuda: bool) -> tuple[int, int, int, int]:
-    """Default (bins, buffer slots, BLOCK, num_warps)."""
+    """Default (bins, buffer slots, BLOCK, num_warps): the fastest of the H200 sweeps (NOTES item 16;
+    more bins or buffer slots, BLOCK 512 / 2 warps and BLOCK 2048 were 1.02-1.6x slower)."""
     return (128, 1024, 1024, 4) if cuda else (32, 64, 64, 1)
 
 
 def bin_topk(scores: torch.Tensor, topk: int, q_lim: int | None = None, out: torch.Tensor | None = None,
              launch: tuple[int, int, int, int] | None = None, stats: torch.Tensor | None = None,
-             long_first: bool = False) -> torch.Tensor:
+             long_first: bool = True) -> torch.Tensor:
     """`radix_topk.radix_topk` (same arguments and rows: `[B, Tc, Sc]` fp32, -inf = not visible ->
     `[B, Tc, topk]` int32 ascending, -1 padded, ties to the later column) with one histogram pass.
     launch: (bins NB, buffer slots CAP, BLOCK, num_warps), `bin_launch`'s by default; NB and CAP powers
     of two, NB >= 32. stats: optional `[B * Tc, 2]` int32 per row (path, c*), see `bin_row`. long_first:
-    the programs take the rows last to first (`row_bases`)."""
+    the programs take the rows last to first (`row_bases`; H200: 3.41 vs 3.60 ms on 2K causal rows of
+    128K, equal on 4K-32K rows)."""
     B, Tc, Sc = scores.shape
     if scores.stride(-1) != 1:
         scores = scores.contiguous()

@@ -3,12 +3,15 @@
 `torch.topk` on `[rows, 32K-128K]` fp32 with k = 2048 ran at ~0.2 TB/s effective on an H200
 (12 ms for the 32K prefill, 142 ms for 128K: benchmarks/NOTES.md), far below bandwidth. Here one
 program owns one row and reads it five times (measured: 2x faster than torch.topk on 8K-key rows,
-equal at 32K, slower beyond: one program per row is latency bound on long rows and with few rows,
-which is why `indexer_topk` only takes it for rows of <= 32K keys): four 8-bit histogram passes (`tl.histogram`, 256
-bins, on the order-preserving uint32 image of the float) pin down the exact k-th largest key, and a
-final pass writes the selected column indices in ascending order (a running `cumsum` gives each
-selected element its output slot), so no sort follows. Among keys equal to the threshold the later
-ones are taken, the reference's rule (torch.topk breaks exact ties arbitrarily).
+equal at 32K, slower beyond, which is why `indexer_topk`'s "materialise" only takes it for rows of
+<= 32K keys; its four 256-bin histograms are most of its cost (NOTES item 16), so `bin_topk.py`, one
+histogram pass, is the prefill default since session 9): four 8-bit histogram passes
+(`tl.histogram`, 256 bins, on the order-preserving uint32 image of the float) pin down the exact
+k-th largest key, and a final pass writes the selected column indices in ascending order (a running
+`cumsum` gives each selected element its output slot), so no sort follows (one prefix sum a step
+when every key tied with the k-th is kept, the usual case, two otherwise: H200 1.62 -> 1.26 ms for
+the pass at 32K). Among keys equal to the threshold the later ones are taken, the reference's rule
+(torch.topk breaks exact ties arbitrarily).
 -inf entries are never selected; rows with fewer than k finite entries take all of them and pad
 with -1. Each row only reads its first `n_row` columns (the causal prefix of the query).
 """

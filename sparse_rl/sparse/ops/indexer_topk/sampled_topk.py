@@ -19,7 +19,8 @@ Cost per row: ~SB / n of a pass for the sample (a quarter to a sixteenth), one p
 sum, and a register select over CAP, against five passes with four histograms.
 Measured (H200, benchmarks/NOTES.md item 14): 1.3x faster than radix on random scores, 1.1-1.4x
 slower on a trained indexer's block scores (the sample misses there often enough to pay the
-fallback; not diagnosed per row), so `granular.resolve_topk_impl` keeps radix as the default.
+fallback; session 8: 28% of trained rows fall back), so `granular.resolve_topk_impl` does not take it
+(its prefill default is now `bin_topk.py`).
 """
 
 from __future__ import annotations
