@@ -13,8 +13,11 @@ Phases, highest value first, each gated on the time LEFT of --budget (partial JS
 4. end to end: token level 32K (scores + top-k) bin vs radix vs the stream default; prefill g64 / g32 at
    128K (bin vs radix) and kb1 at 32K (bin) against dense cuDNN SDPA.
 
-    PYTHONPATH=$PWD python benchmarks/gpu_topk_session9.py --budget 140 --commit <sha>
-    PYTHONPATH=$PWD TRITON_INTERPRET=1 python benchmarks/gpu_topk_session9.py --cpu-smoke --budget 600
+    PYTHONPATH=$PWD python benchmarks/gpu_topk_session9.py --budget 140 --call 2 --commit <sha>
+    PYTHONPATH=$PWD TRITON_INTERPRET=1 python benchmarks/gpu_topk_session9.py --cpu-smoke --budget 1400 --warm-s 300
+
+--call 1 / 2: the variant lists of the session's two device calls (results/2026-12-02-h200-topk-session9.md);
+the token-level impls timed end to end are call 2's ("auto", since then the bin select).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.bin_topk import _row_span, bin_hist, bin_threshold
+from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_hist, bin_threshold, row_span
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import collect_row, row_bases
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +51,8 @@ BIN = {1: [(128, 1024, 1024, 4), (128, 1024, 2048, 8), (128, 1024, 512, 2), (64,
 def _stage_kernel(SC, OUT, BUFV, Tc, S_c, q_lim, srb, srt, sob, sot, K, STAGE: tl.constexpr, NB: tl.constexpr,
                   CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Per-pass cost of `bin_row` (a benchmark, rows are not written): STAGE 1 the span pass, 2 + the
-    histogram, 3 + the compaction and the buffer's select, 0 the collect pass alone (nothing selected)."""
+    histogram, 3 `bin_threshold` (+ the second level where a bin overflows, the compaction and the buffer's
+    select), 0 the collect pass alone (nothing selected)."""
     row, base, obase, n = row_bases(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot)
     if STAGE == 0:
         collect_row(base, obase, n, K, 0xFFFFFFFF, 0, 0, BLOCK)
@@ -56,7 +60,7 @@ def _stage_kernel(SC, OUT, BUFV, Tc, S_c, q_lim, srb, srt, sob, sot, K, STAGE: t
         path, cstar, tau, need, n_eq = bin_threshold(base, n, K, BUFV + row.to(tl.int64) * CAP, NB, CAP, BLOCK)
         tl.store(obase, path + cstar + tau.to(tl.int32) + need + n_eq)
     else:
-        lo, hi, acc = _row_span(base, n, BLOCK)
+        lo, hi, acc = row_span(base, n, BLOCK)
         if STAGE >= 2:
             if acc > K:
                 span = hi - lo
@@ -242,7 +246,7 @@ def compare(run: Run, name: str, x, K: int, q_lim, ok: list, dev, W: dict, ref=N
         st = torch.empty(x.shape[0] * x.shape[1], 2, dtype=torch.int32, device=x.device)
         select_fn(*stats_for)(x, K, q_lim, stats=st)
         path, cst = st[:, 0].long(), st[:, 1].double()
-        out["bin_paths"] = {str(p): float((path == p).double().mean()) for p in range(3)}
+        out["bin_paths"] = {str(p): float((path == p).double().mean()) for p in range(4)}
         c1 = cst[path == 1]
         if c1.numel():
             q = torch.tensor([.5, .9, .99, 1.0], dtype=torch.float64, device=x.device)
@@ -471,7 +475,8 @@ def main(argv=None):
         ctx["stages"] = [v for v in stages(a) if done.get(v[0], {}).get("ok")]
     else:
         ok, ctx["stages"] = variants(a), stages(a)
-    log(f"proven: {[v[0] for v in ok]}; failed: {[x for x, r in run.res.get('prove', {}).get('results', {}).items() if not r.get('ok')]}")
+    failed = [x for x, r in run.res.get("prove", {}).get("results", {}).items() if not r.get("ok")]
+    log(f"proven: {[v[0] for v in ok]}; failed: {failed}")
     run.save()
     if ok and ok[0][1][0] == "radix":
         run.guarded("explore", explore, a, dev, run, ok, ctx)

@@ -37,7 +37,7 @@ from sparse_rl.sparse.ops.indexer_topk.radix_topk import collect_row, radix_row,
 
 
 @triton.jit
-def _row_span(base, n, BLOCK: tl.constexpr):
+def row_span(base, n, BLOCK: tl.constexpr):
     """(lo, hi, nvalid) of base[0:n]: the smallest and largest finite score (+inf / -inf if none) and
     the count of entries > -inf."""
     offs = tl.arange(0, BLOCK)
@@ -108,7 +108,7 @@ def bin_threshold(base, n, K, bufv, NB: tl.constexpr, CAP: tl.constexpr, BLOCK: 
     """Passes 1-3 of `bin_row` -> (path, c*, tau, need, n_eq): path 0 = <= K finite entries (keep them
     all: tau = need = n_eq = 0), 1 = the first level's bin fit the buffer, 3 = a second level over the
     first's bin d* (NB sub-bins of its width) was needed and fit, 2 = neither fit (no threshold)."""
-    lo, hi, nvalid = _row_span(base, n, BLOCK)
+    lo, hi, nvalid = row_span(base, n, BLOCK)
     tau = tl.zeros([], tl.uint32)  # keep key > tau, plus the last `need` of the n_eq keys == tau
     need = 0
     n_eq = 0

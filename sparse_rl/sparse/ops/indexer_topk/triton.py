@@ -12,9 +12,10 @@ Design (why):
   `B*Tc*Sc*4 <= budget` bytes (default 1 GiB on CUDA), never `[T, S]` at long context; a chunk
   only covers keys up to its last query's position (`Sc = q_offset + t1`), which halves the causal work.
 - `topk_impl="auto"` on CUDA: the materialising path with the one-histogram select of `bin_topk.py`
-  (benchmarks/NOTES.md item 16, H200, trained indexer, B = 1, k = 2048: scores + top-k 8.32 ms at 32K
-  against 13.38 with radix and 18.34 with the stream select; 134.6 against 163.2 ms for the stream
-  select at 128K; rows equal to radix's at 32K). Under the CPU interpreter: torch.topk.
+  (benchmarks/NOTES.md item 16, H200, trained indexer, B = 1, k = 2048, scores + top-k: 0.73 / 2.35 /
+  7.97 / 132.1 ms at 8K / 16K / 32K / 128K against radix 0.96 / 3.52 / 13.08 and the stream select
+  3.27 / 5.34 / 16.57 / 162.9; rows equal to radix's at every length). Under the CPU interpreter:
+  torch.topk.
 - `topk_impl="stream"`: the streaming select of `stream.py`, which never materialises the scores (per
   query tile: sampled statistics, a threshold, a candidate buffer, an exact select among the
   candidates; see its docstring). NOTES items 10 and 13: 9.25 / 83 ms at 32K / 128K on random input,
@@ -24,11 +25,11 @@ Design (why):
   bin's scores recomputed; see its docstring). Exact, but not faster on the H200 (9.24 / 118.5 ms at
   32K / 128K against 9.06 / 79.0 for "stream"), so "auto" does not take it.
 - Top-k per chunk ("materialise", "radix", "torch"): `torch.topk(sorted=False)` + a sort of the k
-  indices, or the radix select (`radix_topk.py`, output already ascending). On an H200 (bf16 inputs, k = 2048) the radix kernel
-  was faster for rows up to 32K keys (8K prefill: 0.84 vs 1.60 ms; 32K: 11.5 vs 12.2 ms; decode
-  at 32K: 0.21 ms for scores + top-k) and slower beyond (64K: 46 vs 40 ms; 128K: 186 vs 143 ms;
-  benchmarks/NOTES.md), so "materialise" takes radix for rows of <= 32K keys and torch.topk
-  otherwise ("radix" and "torch" force one).
+  indices, or the radix select (`radix_topk.py`, output already ascending). On an H200 (bf16 inputs,
+  k = 2048) the radix kernel was faster for rows up to 32K keys (8K prefill: 0.84 vs 1.60 ms; 32K:
+  11.5 vs 12.2 ms; decode at 32K: 0.21 ms for scores + top-k) and slower beyond (64K: 46 vs 40 ms;
+  128K: 186 vs 143 ms; benchmarks/NOTES.md), so "materialise" takes radix for rows of <= 32K keys
+  and torch.topk otherwise ("radix" and "torch" force one).
 - Ties: the bin, radix and decode selects keep the reference's rule (among equal scores the later
   key wins), so a padded row and the same row unpadded select the same keys; `torch.topk` (rows over
   32K keys, or `topk_impl="torch"`) breaks exact ties its own way.
