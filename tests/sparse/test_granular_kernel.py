@@ -35,7 +35,7 @@ def test_kernel_equals_reference_exactly(case):
     """Odd sizes, left padding, an incremental chunk with history, shared rows; integer scores (exact
     ties); the block top-k forms take turns over the cases (all of them: the float test below)."""
     kb, G, topk, sink, window, score = CASES[case]
-    impl = ("keys", "threshold", "radix", "sampled")[case % 4]
+    impl = ("keys", "threshold", "radix", "sampled", "bin")[case % 5]
     q, w, k = _index(seed=kb * 7 + G)
     kw = dict(sink=sink, window=window, key_block=kb, query_group=G, block_score=score)
     for ks in (None, torch.tensor([0, 5])):

@@ -138,7 +138,7 @@ def _score_values(sc, ix):
 
 @pytest.mark.parametrize("sink,window,topk,budget,impl", [
     (0, 0, 9, None, "torch"), (2, 3, 16, 4 * 2 * 50 * 5, "torch"), (1, 1, 200, None, "torch"),
-    (2, 3, 16, 4 * 2 * 50 * 7, "radix"),
+    (2, 3, 16, 4 * 2 * 50 * 7, "radix"), (2, 3, 16, 4 * 2 * 50 * 7, "bin"),
 ])
 def test_indexer_topk_matches_reference(sink, window, topk, budget, impl):
     g = torch.Generator().manual_seed(topk + sink)

@@ -104,7 +104,7 @@ def granular_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, top
     int32 token positions; shared: one row per group `[B, ceil(T / G), topk]` for `sparse_attention(...,
     query_group=G, q_offset=)` (only where `shared_rows_ok(kv_start, q_offset, G)`: no left padding,
     q_offset a multiple of G). Triton: `indexer_topk/granular.py` (float64 inputs take the reference;
-    topk_impl auto | keys | threshold | radix: its block top-k, `granular.top_blocks`)."""
+    topk_impl auto | keys | threshold | radix | sampled | bin: its block top-k, `granular.top_blocks`)."""
     if shared and not shared_rows_ok(kv_start, q_offset, query_group):
         raise ValueError(f"granular_topk(shared=True): needs query_group > 1, no left padding and q_offset "
                          f"({q_offset}) a multiple of query_group ({query_group})")

@@ -12,11 +12,11 @@ Why this shape:
   fewer rows; with left padding every query is its own row (its group differs per batch row).
 - Exact top-k over blocks with the reference's tie rule (the later block wins; -0.0 counts as +0.0),
   in row chunks bounded by `budget` bytes (at 128K keys and key_block 16 a row has 8K blocks), in one
-  of three forms (`top_blocks`, `topk_impl`): the token-level path's radix select on the fp32 block
-  scores; an fp32 `torch.topk` threshold with the ties settled by a prefix sum; or `torch.topk` on
-  int64 keys, the score's order-preserving bits above the block index. `auto` takes radix in prefill
-  (fastest on every prefill shape timed, `resolve_topk_impl`) and, in decode, radix for rows of <= 32K
-  blocks and the threshold beyond. Blocks that are
+  of several forms (`top_blocks`, `topk_impl`): the one-histogram select (`bin_topk.py`) or the
+  token-level path's radix select on the fp32 block scores; an fp32 `torch.topk` threshold with the
+  ties settled by a prefix sum; or `torch.topk` on int64 keys, the score's order-preserving bits above
+  the block index. `auto` takes bin in prefill (fastest on every prefill shape timed,
+  `resolve_topk_impl`) and, in decode, radix for rows of <= 32K blocks and the threshold beyond. Blocks that are
   not candidates (no visible key that is not forced) score -inf (the smallest key) and are dropped.
 - The row is then assembled without a sort of tokens: the sink keys, the chosen blocks' keys (blocks
   sorted, then expanded; forced keys cut out), the window and the group's keys after the
@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
 from sparse_rl.sparse.ops.indexer_topk.sampled_topk import sampled_topk
 from sparse_rl.sparse.ops.indexer_topk.naive import group_plan, group_start, per_query_rows, rep_queries
@@ -44,21 +45,23 @@ from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 NO_BLOCK = -(2 ** 63)  # the key of a block that is not a candidate (below every real key)
 _BIG = torch.iinfo(torch.int32).max
-TOPK_IMPLS = ("auto", "keys", "threshold", "radix", "sampled")
+TOPK_IMPLS = ("auto", "keys", "threshold", "radix", "sampled", "bin")
 RADIX_MAX_BLOCKS = 32768  # "auto": radix select for rows up to this many blocks, "threshold" beyond
 
 
 def resolve_topk_impl(impl: str, n_blocks: int, prefill: bool = False) -> str:
-    """`auto` -> "radix" for prefill (H200, session 6, benchmarks/NOTES.md item 13: the radix select beat
-    the fp32 torch.topk threshold on every granular prefill shape timed, 3.9 vs 6.3 ms for 32K rows of
-    2K blocks, 1.9 vs 4.8 for 2K rows of 32K, 42.9 vs 73.3 for 128K rows of 8K, 17.7 vs 53.6 for 8K
-    rows of 128K blocks); for decode (a few rows, one radix program each) "radix" up to
+    """`auto` -> "bin" for prefill (H200, session 9, benchmarks/NOTES.md item 16: the one-histogram select
+    of `bin_topk.py` against radix on the trained indexer's 128K rows, 3.59 vs 5.87 ms for 2K rows (g64),
+    6.36 vs 11.35 for 4K rows (g32); radix had beaten the torch.topk threshold on every prefill shape,
+    item 13); for decode (a few rows, one program each; bin not timed there) "radix" up to
     RADIX_MAX_BLOCKS blocks and "threshold" beyond, the token-level path's rule (NOTES item 4: one
     program per row is latency bound on long rows when rows are few)."""
     if impl not in TOPK_IMPLS:
         raise ValueError(f"topk_impl {impl!r}: expected one of {', '.join(TOPK_IMPLS)}")
     if impl == "auto":
-        return "radix" if prefill or n_blocks <= RADIX_MAX_BLOCKS else "threshold"
+        if prefill:
+            return "bin"
+        return "radix" if n_blocks <= RADIX_MAX_BLOCKS else "threshold"
     return impl
 
 
@@ -166,6 +169,8 @@ def top_blocks(x: torch.Tensor, kk: int, impl: str) -> torch.Tensor:
         return radix_topk(x, kk).long()
     if impl == "sampled":
         return sampled_topk(x, kk).long()
+    if impl == "bin":
+        return bin_topk(x, kk).long()
     if impl == "keys":
         top = x.topk(kk, dim=-1, sorted=False).values
         blocks = torch.where(top == NO_BLOCK, _BIG, top & 0xFFFFFFFF).sort(-1).values
@@ -283,7 +288,7 @@ def _chunk_rows(B: int, width: int, budget: int, impl: str) -> int:
     "threshold" (its masks, prefix sums and int64 destinations) ~24 B a block. Fewer, larger chunks
     keep the one-program-per-row radix launch several waves deep (8K rows of 128K blocks: 4 chunks,
     not 24 of 341 rows, ~1.3 waves each on 132 SMs)."""
-    per_block = 4 if impl in ("radix", "sampled") else 24
+    per_block = 4 if impl in ("radix", "sampled", "bin") else 24
     return max(1, budget // max(1, B * width * per_block))
 
 

@@ -3,12 +3,15 @@
 `torch.topk` on `[rows, 32K-128K]` fp32 with k = 2048 ran at ~0.2 TB/s effective on an H200
 (12 ms for the 32K prefill, 142 ms for 128K: benchmarks/NOTES.md), far below bandwidth. Here one
 program owns one row and reads it five times (measured: 2x faster than torch.topk on 8K-key rows,
-equal at 32K, slower beyond: one program per row is latency bound on long rows and with few rows,
-which is why `indexer_topk` only takes it for rows of <= 32K keys): four 8-bit histogram passes (`tl.histogram`, 256
-bins, on the order-preserving uint32 image of the float) pin down the exact k-th largest key, and a
-final pass writes the selected column indices in ascending order (a running `cumsum` gives each
-selected element its output slot), so no sort follows. Among keys equal to the threshold the later
-ones are taken, the reference's rule (torch.topk breaks exact ties arbitrarily).
+equal at 32K, slower beyond, which is why `indexer_topk`'s "materialise" only takes it for rows of
+<= 32K keys; its four 256-bin histograms are most of its cost (NOTES item 16), so `bin_topk.py`, one
+histogram pass, is the prefill default since session 9): four 8-bit histogram passes
+(`tl.histogram`, 256 bins, on the order-preserving uint32 image of the float) pin down the exact
+k-th largest key, and a final pass writes the selected column indices in ascending order (a running
+`cumsum` gives each selected element its output slot), so no sort follows (one prefix sum a step
+when every key tied with the k-th is kept, the usual case, two otherwise: H200 1.62 -> 1.26 ms for
+the pass at 32K). Among keys equal to the threshold the later ones are taken, the reference's rule
+(torch.topk breaks exact ties arbitrarily).
 -inf entries are never selected; rows with fewer than k finite entries take all of them and pad
 with -1. Each row only reads its first `n_row` columns (the causal prefix of the query).
 """
@@ -45,15 +48,17 @@ def _pick_digit(hist, kk, prefix, shift: tl.constexpr):
 
 
 @triton.jit
-def select_mask(x, live, K):
-    """The K largest of one register-resident row x `[CB]` fp32 (+inf allowed) among live `[CB]`, as
-    a mask `[CB]`: among equal values the later entries, the reference's rule (all live if fewer)."""
+def select_threshold(x, live, K):
+    """The threshold of the K largest of one register-resident row x `[CB]` fp32 (+inf allowed) among
+    live `[CB]` (at least one live entry): (tau, need, n_eq) with tau an order-preserving key, keep
+    key > tau and the last `need` of the n_eq live keys == tau. With <= K live entries every one is
+    kept: tau is their smallest key and need = n_eq."""
     bins = tl.arange(0, 256)
     key = _okey(x)
     n = tl.sum(live.to(tl.int32), 0)
-    tau = tl.zeros([], tl.uint32)  # keep key > tau, plus the last `need` of the n_eq keys == tau
-    need = 0
-    n_eq = 0
+    tau = tl.min(tl.where(live, key, 0xFFFFFFFF), 0)
+    n_eq = tl.sum((live & (key == tau)).to(tl.int32), 0)
+    need = n_eq
     if n > K:
         kk = K
         prefix = tl.zeros([], tl.uint32)
@@ -68,6 +73,15 @@ def select_mask(x, live, K):
             prefix, kk, n_eq = _pick_digit(hist, kk, prefix, shift)
         tau = prefix
         need = kk
+    return tau, need, n_eq
+
+
+@triton.jit
+def select_mask(x, live, K):
+    """The K largest of one register-resident row x `[CB]` fp32 (+inf allowed) among live `[CB]`, as
+    a mask `[CB]`: among equal values the later entries, the reference's rule (all live if fewer)."""
+    key = _okey(x)
+    tau, need, n_eq = select_threshold(x, live, K)
     eq = live & (key == tau)
     eq_rank = tl.cumsum(eq.to(tl.int32), 0) - 1
     return live & ((key > tau) | (eq & (eq_rank >= n_eq - need)))
@@ -121,47 +135,78 @@ def radix_row(base, obase, n, K, BLOCK: tl.constexpr):
             prefix, kk, n_eq = _pick_digit(hist, kk, prefix, shift)
         tau = prefix
         need = kk
-    # collect: ascending column order, output slot = running count of selected entries
+    collect_row(base, obase, n, K, tau, need, n_eq, BLOCK)
+
+
+@triton.jit
+def collect_row(base, obase, n, K, tau, need, n_eq, BLOCK: tl.constexpr):
+    """Writes the columns of base[0:n] (fp32, -inf = not selectable) whose key is > tau, and the last
+    `need` of the n_eq keys == tau, in ascending order to obase (output slot = running count of
+    selected entries), then -1 up to K. tau = 0, need = 0 keeps every finite entry."""
+    offs = tl.arange(0, BLOCK)
     cnt = 0
-    eq_seen = 0
-    for c in range(0, n, BLOCK):
-        x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
-        valid = x > float("-inf")
-        key = _okey(x)
-        eq = valid & (key == tau)
-        eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0) - 1
-        # among keys equal to the threshold the later ones win, as in the reference (`select_topk`)
-        sel = valid & ((key > tau) | (eq & (eq_rank >= n_eq - need)))
-        pos = cnt + tl.cumsum(sel.to(tl.int32), 0) - 1
-        tl.store(obase + pos, (c + offs).to(tl.int32), mask=sel)
-        cnt += tl.sum(sel.to(tl.int32), 0)
-        eq_seen += tl.sum(eq.to(tl.int32), 0)
+    if need == n_eq:  # every key equal to tau is kept (the usual case): one prefix sum a step, not two
+        for c in range(0, n, BLOCK):
+            x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
+            sel = (x > float("-inf")) & (_okey(x) >= tau)
+            pos = cnt + tl.cumsum(sel.to(tl.int32), 0) - 1
+            tl.store(obase + pos, (c + offs).to(tl.int32), mask=sel)
+            cnt += tl.sum(sel.to(tl.int32), 0)
+    else:
+        eq_seen = 0
+        for c in range(0, n, BLOCK):
+            x = tl.load(base + c + offs, mask=c + offs < n, other=float("-inf"))
+            valid = x > float("-inf")
+            key = _okey(x)
+            eq = valid & (key == tau)
+            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0) - 1
+            # among keys equal to the threshold the later ones win, as in the reference (`select_topk`)
+            sel = valid & ((key > tau) | (eq & (eq_rank >= n_eq - need)))
+            pos = cnt + tl.cumsum(sel.to(tl.int32), 0) - 1
+            tl.store(obase + pos, (c + offs).to(tl.int32), mask=sel)
+            cnt += tl.sum(sel.to(tl.int32), 0)
+            eq_seen += tl.sum(eq.to(tl.int32), 0)
     for c in range(cnt, K, BLOCK):
         tl.store(obase + c + offs, tl.full([BLOCK], -1, tl.int32), mask=c + offs < K)
 
 
 @triton.jit
-def _radix_topk_kernel(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot, K,
-                       BLOCK: tl.constexpr):
+def row_bases(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot, LONG_FIRST: tl.constexpr = False):
+    """This program's row of a `[B, Tc, S_c]` score chunk: (row, its scores, its output row, the
+    columns it reads: those up to the query's position, q_lim + t, and below S_c). LONG_FIRST: program
+    i takes the row Tc - 1 - i of its batch row, so the longest causal rows start first and the short
+    ones fill the last wave (the tail of a launch of few long rows otherwise runs the longest alone)."""
     row = tl.program_id(0)
     b = row // Tc
     t = row % Tc
+    if LONG_FIRST:
+        t = Tc - 1 - t
+        row = b * Tc + t
     base = SC + b.to(tl.int64) * srb + t.to(tl.int64) * srt
     obase = OUT + b.to(tl.int64) * sob + t.to(tl.int64) * sot
     n = tl.minimum(S_c, q_lim + t + 1)  # columns past the query's position are -inf: skip them
+    return row, base, obase, n
+
+
+@triton.jit
+def _radix_topk_kernel(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot, K,
+                       BLOCK: tl.constexpr):
+    _, base, obase, n = row_bases(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot)
     radix_row(base, obase, n, K, BLOCK)
 
 
-def radix_topk(scores: torch.Tensor, topk: int, q_lim: int | None = None, out: torch.Tensor | None = None):
+def radix_topk(scores: torch.Tensor, topk: int, q_lim: int | None = None, out: torch.Tensor | None = None,
+               launch: tuple[int, int] | None = None):
     """scores `[B, Tc, Sc]` fp32 (last dim contiguous, -inf = not visible) -> `[B, Tc, topk]` int32
-    column indices, ascending, -1 padded. Row t only reads columns `< q_lim + t + 1` (default: all)."""
+    column indices, ascending, -1 padded. Row t only reads columns `< q_lim + t + 1` (default: all).
+    launch: (BLOCK, num_warps), default (2048, 8) on CUDA."""
     B, Tc, Sc = scores.shape
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     if out is None:
         out = torch.empty(B, Tc, topk, device=scores.device, dtype=torch.int32)
     q_lim = Sc if q_lim is None else q_lim
+    block, warps = launch or ((2048, 8) if scores.is_cuda else (64, 1))
     _radix_topk_kernel[(B * Tc,)](scores, out, Tc, Sc, q_lim, scores.stride(0), scores.stride(1),
-                                  out.stride(0), out.stride(1), topk, BLOCK=2048 if scores.is_cuda else 64,
-                                  num_warps=8 if scores.is_cuda else 1)
+                                  out.stride(0), out.stride(1), topk, BLOCK=block, num_warps=warps)
     return out

@@ -19,7 +19,8 @@ Cost per row: ~SB / n of a pass for the sample (a quarter to a sixteenth), one p
 sum, and a register select over CAP, against five passes with four histograms.
 Measured (H200, benchmarks/NOTES.md item 14): 1.3x faster than radix on random scores, 1.1-1.4x
 slower on a trained indexer's block scores (the sample misses there often enough to pay the
-fallback; not diagnosed per row), so `granular.resolve_topk_impl` keeps radix as the default.
+fallback; session 8: 28% of trained rows fall back), so `granular.resolve_topk_impl` does not take it
+(its prefill default is now `bin_topk.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_row, select_mask, select_row
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_row, row_bases, select_mask, select_row
 
 RATE16 = 24  # the sampled threshold aims at rate = RATE16 / 16 = 1.5 x k candidates
 
@@ -37,12 +38,7 @@ RATE16 = 24  # the sampled threshold aims at rate = RATE16 / 16 = 1.5 x k candid
 def _sampled_topk_kernel(SC, OUT, BUFV, BUFI, STATS, Tc, S_c, q_lim, srb, srt, sob, sot, K, rate16,
                          CAP: tl.constexpr, SB: tl.constexpr, PIECE: tl.constexpr, BLOCK: tl.constexpr,
                          WITH_STATS: tl.constexpr):
-    row = tl.program_id(0)
-    b = row // Tc
-    t = row % Tc
-    base = SC + b.to(tl.int64) * srb + t.to(tl.int64) * srt
-    obase = OUT + b.to(tl.int64) * sob + t.to(tl.int64) * sot
-    n = tl.minimum(S_c, q_lim + t + 1)  # columns past the query's position are -inf: skip them
+    row, base, obase, n = row_bases(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot)
     ocap = tl.arange(0, CAP)
     if n <= CAP:
         x = tl.load(base + ocap, mask=ocap < n, other=float("-inf"))

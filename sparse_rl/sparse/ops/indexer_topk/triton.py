@@ -11,24 +11,26 @@ Design (why):
 - Queries are processed in chunks so the score buffer is `[B, Tc, Sc]` with
   `B*Tc*Sc*4 <= budget` bytes (default 1 GiB on CUDA), never `[T, S]` at long context; a chunk
   only covers keys up to its last query's position (`Sc = q_offset + t1`), which halves the causal work.
-- Long rows on CUDA (`topk_impl="auto"` with more than STREAM_MIN_KEYS visible keys, or "stream"):
-  the streaming select of `stream.py`, which never materialises the scores (per query tile: sampled
-  statistics, a threshold, a candidate buffer, an exact select among the candidates; see its
-  docstring). On the H200 (benchmarks/NOTES.md item 9) it took 9.25 ms against 13.3 for the
-  materialising path at 32K and 83 against 143 ms at 128K, but 1.83 against 0.98 ms at 8K: "auto"
-  keeps the materialising path up to 16K keys (the crossover interpolated between 8K and 32K, not
-  measured) and under the CPU interpreter.
+- `topk_impl="auto"` on CUDA: the materialising path with the one-histogram select of `bin_topk.py`
+  (benchmarks/NOTES.md item 16, H200, trained indexer, B = 1, k = 2048, scores + top-k: 0.73 / 2.35 /
+  7.97 / 132.1 ms at 8K / 16K / 32K / 128K against radix 0.96 / 3.52 / 13.08 and the stream select
+  3.27 / 5.34 / 16.57 / 162.9; rows equal to radix's at every length). Under the CPU interpreter:
+  torch.topk.
+- `topk_impl="stream"`: the streaming select of `stream.py`, which never materialises the scores (per
+  query tile: sampled statistics, a threshold, a candidate buffer, an exact select among the
+  candidates; see its docstring). NOTES items 10 and 13: 9.25 / 83 ms at 32K / 128K on random input,
+  14.6-18.4 / 159 ms on the trained one (its sampled threshold is input dependent), 1.83 ms at 8K.
 - `topk_impl="binned"`: the binned streaming select of `stream_binned.py` (one byte code per score
   written densely by the sweep instead of a candidate buffer, a per-row byte histogram, the boundary
   bin's scores recomputed; see its docstring). Exact, but not faster on the H200 (9.24 / 118.5 ms at
   32K / 128K against 9.06 / 79.0 for "stream"), so "auto" does not take it.
-- Top-k per chunk: `torch.topk(sorted=False)` + a sort of the k indices, or our radix select
-  (`radix_topk.py`, output already ascending). On an H200 (bf16 inputs, k = 2048) the radix kernel
-  was faster for rows up to 32K keys (8K prefill: 0.84 vs 1.60 ms; 32K: 11.5 vs 12.2 ms; decode
-  at 32K: 0.21 ms for scores + top-k) and slower beyond (64K: 46 vs 40 ms; 128K: 186 vs 143 ms;
-  benchmarks/NOTES.md), so the materialising path takes radix for rows of <= 32K keys and
-  torch.topk otherwise ("materialise" picks between them; "radix" and "torch" force one).
-- Ties: the radix select and the decode select keep the reference's rule (among equal scores the later
+- Top-k per chunk ("materialise", "radix", "torch"): `torch.topk(sorted=False)` + a sort of the k
+  indices, or the radix select (`radix_topk.py`, output already ascending). On an H200 (bf16 inputs,
+  k = 2048) the radix kernel was faster for rows up to 32K keys (8K prefill: 0.84 vs 1.60 ms; 32K:
+  11.5 vs 12.2 ms; decode at 32K: 0.21 ms for scores + top-k) and slower beyond (64K: 46 vs 40 ms;
+  128K: 186 vs 143 ms; benchmarks/NOTES.md), so "materialise" takes radix for rows of <= 32K keys
+  and torch.topk otherwise ("radix" and "torch" force one).
+- Ties: the bin, radix and decode selects keep the reference's rule (among equal scores the later
   key wins), so a padded row and the same row unpadded select the same keys; `torch.topk` (rows over
   32K keys, or `topk_impl="torch"`) breaks exact ties its own way.
 - One query per row (T = 1, decode through the HF path) goes to the chunked decode select (decode.py).
@@ -40,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
 from sparse_rl.sparse.ops.indexer_topk.decode import indexer_topk_decode
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_naive
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
@@ -49,8 +52,7 @@ from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORE_BUDGET_BYTES = 1 << 30
-TOPK_IMPLS = ("auto", "stream", "binned", "materialise", "radix", "torch")
-STREAM_MIN_KEYS = 16384  # "auto" streams rows longer than this on CUDA (see module docstring)
+TOPK_IMPLS = ("auto", "stream", "binned", "materialise", "radix", "bin", "torch")
 RADIX_MAX_KEYS = 32768  # rows longer than this take torch.topk on CUDA (measured, see module docstring)
 
 
@@ -121,7 +123,7 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
     """Indexer top-k, Triton scores. q_idx `[B, T, H_I, D_I]`, w `[B, T, H_I]`, k_idx `[B, S, D_I]`
     -> `[B, T, topk]` int32 ascending, -1 padded. Index dims above 128, more than 64 index heads
     or float64 take the reference. `topk_impl`: "auto" | "stream" | "binned" | "materialise" | "radix" |
-    "torch" (see module docstring)."""
+    "bin" | "torch" (see module docstring)."""
     if topk_impl not in TOPK_IMPLS:
         raise ValueError(f"topk_impl {topk_impl!r}: expected one of {', '.join(TOPK_IMPLS)}")
     if sink + window > topk:
@@ -140,7 +142,7 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
     if topk_impl == "binned":
         return indexer_topk_binned(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
                                    kv_start=kv_start)
-    if topk_impl == "stream" or (topk_impl == "auto" and q_idx.is_cuda and min(S, q_offset + T) > STREAM_MIN_KEYS):
+    if topk_impl == "stream":
         return indexer_topk_stream(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
                                    kv_start=kv_start)
     kvs = (torch.zeros(B, dtype=torch.int32, device=dev) if kv_start is None
@@ -150,14 +152,17 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
     S_max = max(1, min(S, q_offset + T))
     chunk = max(1, min(T, budget // (4 * B * S_max)))
     out = torch.empty(B, T, topk, dtype=torch.int32, device=dev)
-    radix = topk_impl == "radix" or (topk_impl in ("auto", "materialise") and q_idx.is_cuda
+    use_bin = topk_impl == "bin" or (topk_impl == "auto" and q_idx.is_cuda)
+    radix = topk_impl == "radix" or (topk_impl == "materialise" and q_idx.is_cuda
                                      and min(S, q_offset + T) <= RADIX_MAX_KEYS)
     with torch.no_grad():
         for t0 in range(0, T, chunk):
             t1 = min(T, t0 + chunk)
             S_c = max(1, min(S, q_offset + t1))  # keys past the chunk's last query are never visible
             scores = indexer_scores_chunk(q_idx, w, k_idx, kvs, t0, t1, S_c, q_offset, sink, window)
-            if radix:
+            if use_bin:
+                bin_topk(scores, topk, q_lim=q_offset + t0, out=out[:, t0:t1])
+            elif radix:
                 radix_topk(scores, topk, q_lim=q_offset + t0, out=out[:, t0:t1])
             else:
                 out[:, t0:t1] = topk_from_scores(scores, topk)
