@@ -33,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.radix_topk import collect_row, radix_row, row_bases, select_threshold
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import (collect_row, radix_row, row_bases, row_topk_args,
+                                                         select_threshold)
 
 
 @triton.jit
@@ -178,11 +179,8 @@ def bin_topk(scores: torch.Tensor, topk: int, q_lim: int | None = None, out: tor
     of two, NB >= 32. stats: optional `[B * Tc, 2]` int32 per row (path, c*), see `bin_row`. long_first:
     the programs take the rows last to first (`row_bases`; H200: 3.41 vs 3.60 ms on 2K causal rows of
     128K, equal on 4K-32K rows)."""
+    scores, out = row_topk_args(scores, topk, out)
     B, Tc, Sc = scores.shape
-    if scores.stride(-1) != 1:
-        scores = scores.contiguous()
-    if out is None:
-        out = torch.empty(B, Tc, topk, device=scores.device, dtype=torch.int32)
     if B * Tc == 0 or topk == 0:
         return out
     nb, cap, block, warps = launch or bin_launch(scores.is_cuda)

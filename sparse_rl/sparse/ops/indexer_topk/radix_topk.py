@@ -195,16 +195,24 @@ def _radix_topk_kernel(SC, OUT, Tc, S_c, q_lim, srb, srt, sob, sot, K,
     radix_row(base, obase, n, K, BLOCK)
 
 
+def row_topk_args(scores: torch.Tensor, topk: int, out: torch.Tensor | None):
+    """The row top-k wrappers' shared host prologue: scores `[B, Tc, Sc]` with a contiguous last dim, and
+    the `[B, Tc, topk]` int32 output (allocated unless given)."""
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    if out is None:
+        B, Tc, _ = scores.shape
+        out = torch.empty(B, Tc, topk, device=scores.device, dtype=torch.int32)
+    return scores, out
+
+
 def radix_topk(scores: torch.Tensor, topk: int, q_lim: int | None = None, out: torch.Tensor | None = None,
                launch: tuple[int, int] | None = None):
     """scores `[B, Tc, Sc]` fp32 (last dim contiguous, -inf = not visible) -> `[B, Tc, topk]` int32
     column indices, ascending, -1 padded. Row t only reads columns `< q_lim + t + 1` (default: all).
     launch: (BLOCK, num_warps), default (2048, 8) on CUDA."""
+    scores, out = row_topk_args(scores, topk, out)
     B, Tc, Sc = scores.shape
-    if scores.stride(-1) != 1:
-        scores = scores.contiguous()
-    if out is None:
-        out = torch.empty(B, Tc, topk, device=scores.device, dtype=torch.int32)
     q_lim = Sc if q_lim is None else q_lim
     block, warps = launch or ((2048, 8) if scores.is_cuda else (64, 1))
     _radix_topk_kernel[(B * Tc,)](scores, out, Tc, Sc, q_lim, scores.stride(0), scores.stride(1),

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_row, row_bases, select_mask, select_row
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_row, row_bases, row_topk_args, select_mask, select_row
 
 RATE16 = 24  # the sampled threshold aims at rate = RATE16 / 16 = 1.5 x k candidates
 
@@ -105,11 +105,8 @@ def sampled_topk(scores: torch.Tensor, topk: int, q_lim: int | None = None, out:
     register select (count = its visible columns), 1 = the sampled buffer served, 2 = fallback to the
     radix select with count < topk (threshold too high), 3 = fallback with count > the buffer (too
     low); count = the scores at or above the sampled threshold."""
+    scores, out = row_topk_args(scores, topk, out)
     B, Tc, Sc = scores.shape
-    if scores.stride(-1) != 1:
-        scores = scores.contiguous()
-    if out is None:
-        out = torch.empty(B, Tc, topk, device=scores.device, dtype=torch.int32)
     if B * Tc == 0 or topk == 0:
         return out
     cuda = scores.is_cuda

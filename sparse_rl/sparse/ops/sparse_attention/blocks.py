@@ -113,10 +113,9 @@ def _part_mask(BITS, brow, offs_n, S, t, q_off, rmask):
 
 
 @triton.jit
-def _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l_i, acc, qk_scale, sel,
-              PREC: tl.constexpr, MASKED: tl.constexpr):
-    """One key tile of the online softmax (base 2, the scale folded into one FMA per score). A full tile's
-    keys are all < S, so only a partial tile's loads are masked (the last tile may end past S)."""
+def _kv_tile(kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, MASKED: tl.constexpr):
+    """The K and V rows kb + offs_n `[BLOCK_N, BLOCK_D]` of one contiguous key tile. A full tile's keys are
+    all < S, so only a partial tile's loads are masked (the last tile may end past S)."""
     keys = kb + offs_n
     if MASKED:
         kk = tl.load(kbase + keys[:, None] * sks + offs_d[None, :] * skd, mask=(keys < S)[:, None], other=0.0)
@@ -124,6 +123,14 @@ def _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l
     else:
         kk = tl.load(kbase + keys[:, None] * sks + offs_d[None, :] * skd)
         vv = tl.load(vbase + keys[:, None] * svs + offs_d[None, :] * svd)
+    return kk, vv
+
+
+@triton.jit
+def _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l_i, acc, qk_scale, sel,
+              PREC: tl.constexpr, MASKED: tl.constexpr):
+    """One key tile of the online softmax (base 2, the scale folded into one FMA per score)."""
+    kk, vv = _kv_tile(kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, MASKED)
     s = dot(q, tl.trans(kk), PREC)
     if MASKED:
         s = tl.where(sel, s * qk_scale, float("-inf"))
@@ -244,13 +251,7 @@ def block_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tu
 @triton.jit
 def _dq_step(q, do, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, dq, qk_scale, lse2, delta, sel,
              PREC: tl.constexpr, MASKED: tl.constexpr):
-    keys = kb + offs_n
-    if MASKED:
-        kk = tl.load(kbase + keys[:, None] * sks + offs_d[None, :] * skd, mask=(keys < S)[:, None], other=0.0)
-        vv = tl.load(vbase + keys[:, None] * svs + offs_d[None, :] * svd, mask=(keys < S)[:, None], other=0.0)
-    else:
-        kk = tl.load(kbase + keys[:, None] * sks + offs_d[None, :] * skd)
-        vv = tl.load(vbase + keys[:, None] * svs + offs_d[None, :] * svd)
+    kk, vv = _kv_tile(kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, MASKED)
     s = dot(q, tl.trans(kk), PREC)
     dp = dot(do, tl.trans(vv), PREC)
     p = tl.exp2(s * qk_scale - lse2[:, None])
