@@ -82,17 +82,20 @@ class BenchRolloutConfig:
         if self.long_batches and len(self.long_batches) != len(self.long_new_tokens):
             raise UsageError(f"--long-batches: {len(self.long_batches)} batches for {len(self.long_new_tokens)} "
                              "--long-new-tokens lengths (give one per length)")
-        from sparse_rl.sparse.ops.indexer_topk.decode_select import IMPLS
-
-        if self.decode_select not in IMPLS or self.decode_long not in IMPLS[1:]:
-            raise UsageError(f"--decode-select {self.decode_select} / --decode-long {self.decode_long}: expected one "
-                             f"of {', '.join(IMPLS)} (auto not for --decode-long)")
+        try:
+            self.select()
+        except ValueError as e:  # DecodeSelect's own check (auto is not a --decode-long)
+            raise UsageError(f"--decode-select / --decode-long / --score-block: {e}") from None
         if self.qkv_pad < 1:
             raise UsageError("--qkv-pad must be >= 1")
-        if self.score_block < 0 or self.score_block & (self.score_block - 1):
-            raise UsageError("--score-block must be 0 or a power of two")
         if any(b < 1 for b in self.long_batches) or any(c < 2 for c in self.step_contexts + self.latency_contexts):
             raise UsageError("--long-batches must be >= 1 and --step-contexts/--latency-contexts >= 2")
+
+    def select(self):
+        """The engine's decode select of these options (`DecodeSelect`; ValueError for a bad choice)."""
+        from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
+
+        return DecodeSelect(self.decode_select, long=self.decode_long, score_block=self.score_block)
 
     def long_runs(self) -> list[tuple[int, int]]:
         """(new tokens, batch) of every long run."""
@@ -173,12 +176,9 @@ class _Bench:
 
     def engine(self, B, max_len, **kw):
         from sparse_rl.rl.rollout import RolloutEngine
-        from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
         c = self.cfg
-        opts = kw.pop("runner_options", None) or {
-            "decode_select": DecodeSelect(c.decode_select, long=c.decode_long, score_block=c.score_block),
-            "qkv_pad": c.qkv_pad}
+        opts = kw.pop("runner_options", None) or {"decode_select": c.select(), "qkv_pad": c.qkv_pad}
         return RolloutEngine(self.model, None, max_batch=B, max_seq_len=max_len, device=self.dev, eos_token_ids=[],
                              compile=c.compile, runner_options=opts, **kw)
 

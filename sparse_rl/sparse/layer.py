@@ -304,7 +304,7 @@ def select(st: LayerState, q: torch.Tensor, k: torch.Tensor, index: tuple | None
     tensor, or host ints for the eager block selector. visible: every visible key `[B, S]`, given
     when the caller knows S <= topk (the indexer then keeps them all). ops: `DecodeOps` or the
     compiled step's equivalents. decode_select: the indexer's decode select kernel choice
-    (`ops.indexer_topk.decode.DecodeSelect`, None: its default; the rollout runner's `decode_select`).
+    (`ops.indexer_topk.decode_select.DecodeSelect`, None: its default; the rollout runner's `decode_select`).
 
     Granularity (`cfg.key_block`, `cfg.query_group`, docs/DESIGN.md "Selection granularity"): the
     granular selection of `ops.granular_topk`; a sequence whose first group started before q_offset

@@ -167,7 +167,8 @@ def test_every_recipe_loads_and_config_errors_name_the_key():
                       ({"reward.shaping": "short"}, "reward.shaping"),
                       ({"loss.kl_target": 0.1}, "loss.kl_target"), ({"optim.betas": [0.9]}, "optim.betas"),
                       ({"rollout.decode_select": "rows"}, "rollout.decode_select"),
-                      ({"rollout.decode_long": "auto"}, "rollout.decode_select"), ({"rollout.qkv_pad": 0}, "rollout.qkv_pad")]:
+                      ({"rollout.decode_long": "auto"}, "rollout.decode_select"), ({"rollout.qkv_pad": 0}, "rollout.qkv_pad"),
+                      ({"rollout.score_block": 48}, "score_block 48: must be 0 or a power of two")]:
         with pytest.raises(UsageError, match=msg.replace("(", r"\(")):
             load_config(GRPOConfig, None, over)
 

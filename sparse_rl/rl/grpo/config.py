@@ -192,7 +192,7 @@ def validate(c: GRPOConfig) -> None:
     try:
         r.runner_options()
     except ValueError as e:
-        raise UsageError(f"rollout.decode_select / decode_long: {e}") from None
+        raise UsageError(f"rollout.decode_select / decode_long / score_block: {e}") from None
     if r.samples < r.keep:
         raise UsageError(f"rollout.samples ({r.samples}) must be >= rollout.keep ({r.keep}): samples are drawn, the best keep kept")
     if r.keep < 2:

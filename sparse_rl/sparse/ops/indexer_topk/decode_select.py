@@ -38,6 +38,8 @@ class DecodeSelect:
     def __post_init__(self):
         if self.impl not in IMPLS or self.long not in IMPLS[1:]:
             raise ValueError(f"decode select {self.impl!r} / long {self.long!r}: expected one of {', '.join(IMPLS)}")
+        if self.score_block < 0 or self.score_block & (self.score_block - 1):  # a tl.arange size
+            raise ValueError(f"score_block {self.score_block}: must be 0 or a power of two")
 
     def as_kwargs(self) -> dict:
         return {"impl": self.impl, "row_max_keys": self.row_max_keys, "auto_long": self.long, "fine_cap": self.fine_cap,
