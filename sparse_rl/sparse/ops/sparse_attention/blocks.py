@@ -148,6 +148,15 @@ def _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l
 
 
 @triton.jit
+def _group_tiles(TILES, NFULL, NPART, K, V, b, kvh, tile, skb, skh, svb, svh, NR, W, QG, BT: tl.constexpr):
+    """The shared row of query tile `tile` (its group's selection), that row's tile list (full tiles from the
+    front, partial ones from the back), their counts, and the K / V bases of KV head kvh in batch row b."""
+    row = b * NR + (tile * BT) // QG
+    return (row, TILES + row * W, K + b * skb + kvh * skh, V + b * svb + kvh * svh, tl.load(NFULL + row),
+            tl.load(NPART + row))
+
+
+@triton.jit
 def _block_fwd_kernel(Q, K, V, BITS, TILES, NFULL, NPART, O, LSE,
                       sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                       sob, sot, soh, sod, slb, slt, slh,
@@ -166,12 +175,8 @@ def _block_fwd_kernel(Q, K, V, BITS, TILES, NFULL, NPART, O, LSE,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    row = b * NR + (tile * BT) // QG
-    lrow = TILES + row * W
-    kbase = K + b * skb + kvh * skh
-    vbase = V + b * svb + kvh * svh
-    nf = tl.load(NFULL + row)
-    npart = tl.load(NPART + row)
+    row, lrow, kbase, vbase, nf, npart = _group_tiles(TILES, NFULL, NPART, K, V, b, kvh, tile, skb, skh, svb, svh,
+                                                      NR, W, QG, BT)
     for i in range(0, nf):  # full tiles: no mask (every key selected and before every query of the group)
         kb = tl.load(lrow + i).to(tl.int64) * BLOCK_N
         m_i, l_i, acc = _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l_i, acc, qk_scale,
@@ -278,12 +283,8 @@ def _block_dq_kernel(Q, K, V, BITS, TILES, NFULL, NPART, DO, LSE, DELTA, DQ,
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    row = b * NR + (tile * BT) // QG
-    lrow = TILES + row * W
-    kbase = K + b * skb + kvh * skh
-    vbase = V + b * svb + kvh * svh
-    nf = tl.load(NFULL + row)
-    npart = tl.load(NPART + row)
+    row, lrow, kbase, vbase, nf, npart = _group_tiles(TILES, NFULL, NPART, K, V, b, kvh, tile, skb, skh, svb, svh,
+                                                      NR, W, QG, BT)
     for i in range(0, nf):
         kb = tl.load(lrow + i).to(tl.int64) * BLOCK_N
         dq = _dq_step(q, do, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, dq, qk_scale, lse2, delta,
