@@ -41,11 +41,11 @@ WHOLE = ("auto", "measure", "integrate")
 DENSE_LAYERS = (0, 1)
 
 
-
 def _sig(seconds: float) -> float:
     """A run's seconds to 6 significant figures: a fixed 3 decimals put up to ~2% of rounding into the
     seconds of a CPU-sized run (~0.03 s) beside its tokens/s."""
     return float(f"{seconds:.6g}")
+
 
 @dataclass
 class BenchRolloutConfig:
