@@ -41,9 +41,15 @@ class Variant:
     select: DecodeSelect = field(default_factory=DecodeSelect)
     qkv_pad: int = 64
     skinny_gemm: tuple | bool = ()  # ModelRunner.skinny_gemm: True (all), or names among forward.SKINNY
+    blas: str | None = None  # ModelRunner.blas: the step's BLAS library (None: torch's default)
 
     def describe(self) -> dict:
-        return {"select": self.select.as_kwargs(), "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm}
+        return {"select": self.select.as_kwargs(), "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
+                "blas": self.blas}
+
+    def runner_options(self) -> dict:
+        return {"decode_select": self.select, "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
+                "blas": self.blas}
 
 
 def apply(eng, v: Variant) -> None:
@@ -55,6 +61,8 @@ def apply(eng, v: Variant) -> None:
         r.set_decode_select(v.select)
     if r.skinny_gemm != _skinny_set(v.skinny_gemm):
         r.set_skinny_gemm(v.skinny_gemm)
+    if r.blas != v.blas:
+        r.set_blas(v.blas)
 
 
 def free() -> None:
@@ -175,9 +183,10 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> float:
     return sum(fr) / len(fr)
 
 
-def whole(run, b, new: int, B: int, P: int, plan: list, name: str, need_s: float, runner_options=None) -> list:
+def whole(run, b, new: int, B: int, P: int, plan: list, name: str, need_s, runner_options=None) -> list:
     """Integrated whole generations (`bench rollout --whole integrate`'s model) of every (mode, variant name,
-    Variant) in plan on one engine of batch B, with sparse/dense and the floors' ratio."""
+    Variant) in plan on one engine of batch B, with sparse/dense and the floors' ratio. need_s: each run's
+    gate, seconds, or a dict mode -> seconds (a sparse run at a new batch compiles new select kernels)."""
     from sparse_rl.bench.rollout import _integrated
 
     rows = run.res.setdefault(name, [])
@@ -185,7 +194,7 @@ def whole(run, b, new: int, B: int, P: int, plan: list, name: str, need_s: float
     eng = b.engine(B, P + new, runner_options=runner_options)
     try:
         for mode, vname, v in plan:
-            if not run.gate(need_s, f"{name} {mode} {vname}"):
+            if not run.gate(need_s[mode] if isinstance(need_s, dict) else need_s, f"{name} {mode} {vname}"):
                 continue
             apply(eng, v)
             t = time.time()

@@ -495,3 +495,22 @@ def test_skinny_gemm_names_are_checked():
     assert _skinny_set(("o_proj", "down_proj")) == {"o_proj", "down_proj"}
     with pytest.raises(ValueError, match="lm_head"):
         _skinny_set(("lm_head",))
+
+
+def test_blas_choice_is_checked_and_restored(llama_dir):
+    """`ModelRunner(blas=)`: one of forward.BLAS; the step's library is set for the block only and restored
+    (a runner argument, not a process-wide setting); on a CPU it is a no-op."""
+    from sparse_rl.rl.rollout.forward import _blas_library, _check_blas
+
+    assert _check_blas(None) is None and _check_blas("cublaslt") == "cublaslt"
+    with pytest.raises(ValueError, match="blas"):
+        _check_blas("mkl")
+    before = torch.backends.cuda.preferred_blas_library()
+    with _blas_library("cublaslt", cuda=False):
+        assert torch.backends.cuda.preferred_blas_library() == before
+    if torch.cuda.is_available():  # a CPU build cannot select cuBLASLt at all
+        with _blas_library("cublaslt", cuda=True):
+            assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+        assert torch.backends.cuda.preferred_blas_library() == before
+    with pytest.raises(ValueError, match="blas"):
+        _engine(load_model(llama_dir, attention="sparse"), runner_options={"blas": "mkl"})

@@ -49,6 +49,7 @@ sets the default).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -86,6 +87,24 @@ def _skinny_set(names) -> frozenset:
     return out
 
 
+BLAS = (None, "cublas", "cublaslt")  # `ModelRunner.blas`: None leaves torch's own choice
+
+
+@contextlib.contextmanager
+def _blas_library(name: str | None, cuda: bool):
+    """torch's preferred BLAS library set to `name` for the block (the GEMMs a CUDA graph captures there
+    keep it), then restored: a runner argument, not a process-wide setting."""
+    if name is None or not cuda:
+        yield
+        return
+    old = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(old)
+
+
 def _base(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -100,6 +119,12 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     q `[B, T, H, D]`, k `[B, T, H_kv, D]`, cos/sin `[B, T, D]` -> rotated (q, k)."""
     cos, sin = cos[:, :, None], sin[:, :, None]
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def _check_blas(name):
+    if name not in BLAS:
+        raise ValueError(f"blas {name!r}: expected one of {BLAS}")
+    return name
 
 
 def _rms_norms(*mods) -> bool:
@@ -138,11 +163,13 @@ class ModelRunner:
     the fine select with a 64-key score step; `set_decode_select` changes it later). skinny_gemm: which of the eager step's GEMMs run as
     `ops.skinny_linear` (split-K in one launch; at most 32 rows, no bias) instead of F.linear (cuBLAS:
     split-K + a reduce kernel for o_proj / down_proj at M = 32): names among SKINNY ("o_proj", "down_proj",
-    "qkv", "gate_up"), True for all; opt-in (`set_skinny_gemm`)."""
+    "qkv", "gate_up"), True for all; opt-in (`set_skinny_gemm`). blas: the BLAS library of the eager decode
+    step's GEMMs (None: torch's default; "cublaslt" / "cublas": `torch.backends.cuda.preferred_blas_library`
+    for the step only, `set_blas`)."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
-                 decode_select: DecodeSelect | None = None, skinny_gemm=()):
+                 decode_select: DecodeSelect | None = None, skinny_gemm=(), blas: str | None = None):
         base = _base(model)
         dec = base.get_decoder()
         self.model, self.base = model, base
@@ -183,6 +210,7 @@ class ModelRunner:
         self.qkv_pad = int(qkv_pad)
         self.decode_select = ENGINE_SELECT if decode_select is None else decode_select
         self.skinny_gemm = _skinny_set(skinny_gemm)
+        self.blas = _check_blas(blas)
         self._skinny_cnt: dict = {}  # id(module or fused weight) -> its tile counters (ops.skinny_linear)
         self.fused_layers = ([FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
                              if self.fuse_projections else None)
@@ -434,6 +462,11 @@ class ModelRunner:
             return mod(x)
         return skinny_linear(x, mod.weight, self._counters(mod, mod.out_features, x.device))
 
+    def set_blas(self, name: str | None) -> None:
+        """The eager decode step's BLAS library from the next step (see the class docstring)."""
+        self.blas = _check_blas(name)
+        self.drop_graphs()
+
     def set_skinny_gemm(self, names) -> None:
         """Which GEMMs run as `ops.skinny_linear` from the next step (see the class docstring)."""
         self.skinny_gemm = _skinny_set(names)
@@ -481,8 +514,9 @@ class ModelRunner:
 
     def decode_eager(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, S: int, mode: str) -> torch.Tensor:
         """tokens `[B]` (B = all slots), pos `[B]` (each slot's position for this token) -> logits `[B, V]`."""
-        return self._decode_core(tokens, pos, torch.arange(S, device=tokens.device), cache.k, cache.v, cache.idx,
-                                 cache.idx_scale, mode, self._short(S, mode), False, cache=cache)
+        with _blas_library(self.blas, self.is_cuda):
+            return self._decode_core(tokens, pos, torch.arange(S, device=tokens.device), cache.k, cache.v, cache.idx,
+                                     cache.idx_scale, mode, self._short(S, mode), False, cache=cache)
 
     def _compiled_fn(self, mode: str, short: bool):
         key = (mode, short)
