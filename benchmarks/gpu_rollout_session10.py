@@ -19,18 +19,20 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
 import rollout_harness as rh  # noqa: E402
-from granular_harness import Run, log  # noqa: E402
+from granular_harness import T0, Run, log  # noqa: E402
 from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT, DecodeSelect  # noqa: E402
 
 V = rh.Variant
+BITS = DecodeSelect("bits", score_block=64)
 VARIANTS = {"base": V(ENGINE_SELECT), "lt": V(ENGINE_SELECT, blas="cublaslt"), "cublas": V(ENGINE_SELECT, blas="cublas"),
-            "auto": V(DecodeSelect())}
+            "auto": V(DecodeSelect()), "bits": V(BITS), "bits_lt": V(BITS, blas="cublaslt")}
 # estimated device seconds of each phase (session 9's measured costs: setup 13, select check 22 with the CUDA
 # start, steps ~1 s a row after its first compile, profile 1, batch 1 11, whole 16K 31 for 3 runs, 32K ~24 for 2)
 NEED = {"setup": 16, "gemm": 8, "steps": 14, "alone": 8, "profile": 5, "whole_32k_b16": 34, "batch1": 13,
@@ -89,7 +91,7 @@ def gemm_blas(run, b, smoke) -> dict:
     return out
 
 
-def alone(run, b, eng, ctxs, smoke) -> dict:
+def alone(run, b, eng, ctxs, smoke, bits: bool) -> dict:
     """Score + fine select alone on the engine's layer-2 index cache (`[:, :ctx]`, all rows at ctx - 1), graph
     timed, at several chunk sizes (keys a program), each checked == the engine default's selection."""
     from sparse_rl.bench.timing import bench_ms
@@ -119,6 +121,11 @@ def alone(run, b, eng, ctxs, smoke) -> dict:
         forms = {f"fine_ch{c}": (lambda c=c: itd.indexer_topk_decode(qi, wi, view, pos, K, chunk=c, **kw)) for c in chunks}
         for nw in ((2,) if smoke else (2, 8)):  # the fine kernels' warps (4 by default)
             forms[f"fine_w{nw}"] = lambda nw=nw: itd.indexer_topk_decode(qi, wi, view, pos, K, num_warps=nw, **kw)
+        if bits:
+            bk = dict(sink=sink, window=win, **BITS.as_kwargs())
+            forms["bits"] = lambda: itd.indexer_topk_decode(qi, wi, view, pos, K, **bk)
+            for nw in ((2,) if smoke else (8,)):
+                forms[f"bits_w{nw}"] = lambda nw=nw: itd.indexer_topk_decode(qi, wi, view, pos, K, num_warps=nw, **bk)
         forms["score_only"] = lambda: rh.score_pass(qi, wi, view, pos, ch0, sink, win, bn=16 if smoke else 64)
         with torch.inference_mode():
             for name, fn in forms.items():
@@ -175,6 +182,62 @@ def engine_check(dev, smoke, variants: dict) -> dict:
     return out
 
 
+def prove_bits() -> dict:
+    """Child process (`--prove-bits`): the bits select (decode_bits.py: global atomics, the row's last program
+    resolving) on the GPU == the reference on integer ties, and == the fine select on random bf16 rows at the
+    step's sizes, twice each; a faulting kernel poisons only this process."""
+    import json
+
+    from sparse_rl.sparse.ops.indexer_topk import decode as itd
+    from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
+
+    out = {}
+    g = torch.Generator(device="cuda").manual_seed(10)
+    B, S, K = 4, 3000, 512
+    q = torch.randint(-2, 3, (B, 4, 64), device="cuda", generator=g).bfloat16()
+    w = torch.randint(-1, 3, (B, 4), device="cuda", generator=g).bfloat16()
+    k = torch.randint(-2, 3, (B, S, 64), device="cuda", generator=g).bfloat16()
+    pos = torch.tensor([S - 1, S // 2, K // 2, S - 7], device="cuda")
+    ref = indexer_topk_decode_naive(q.float(), w.float(), k.float(), pos, K, sink=2, window=4)
+    out["ints"] = all(torch.equal(itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=4, **BITS.as_kwargs()), ref)
+                      for _ in range(2))
+    for B, S in ((32, 16384), (16, 32768)):
+        q = torch.randn(B, 4, 64, device="cuda", generator=g).bfloat16()
+        w = torch.randn(B, 4, device="cuda", generator=g).bfloat16()
+        k = torch.randn(B, S, 64, device="cuda", generator=g).bfloat16()
+        pos = torch.randint(S // 2, S, (B,), device="cuda", generator=g)
+        pos[0] = S - 1
+        kw = dict(sink=4, window=64)
+        base = itd.indexer_topk_decode(q, w, k, pos, 2048, **kw, **ENGINE_SELECT.as_kwargs())
+        out[f"b{B}_s{S}"] = all(torch.equal(itd.indexer_topk_decode(q, w, k, pos, 2048, **kw, **BITS.as_kwargs()), base)
+                                for _ in range(2))
+        torch.cuda.synchronize()
+    print("PROVE " + json.dumps({"ok": all(out.values()), "cases": out}), flush=True)
+    return out
+
+
+def start_proof(script: str):
+    import subprocess
+
+    return subprocess.Popen([sys.executable, script, "--prove-bits"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def proof_result(proc, timeout_s: float) -> dict:
+    import json
+
+    try:
+        out, err = proc.communicate(timeout=max(1.0, timeout_s))
+    except Exception as e:  # noqa: BLE001 -- a hung child counts as a failed proof
+        proc.kill()
+        proc.communicate()
+        return {"ok": False, "error": f"{type(e).__name__}"}
+    line = next((x for x in out.splitlines() if x.startswith("PROVE ")), None)
+    if proc.returncode or line is None:
+        return {"ok": False, "rc": proc.returncode, "error": err[-600:]}
+    return json.loads(line[6:])
+
+
 def build(cfg, B, top, st) -> dict:
     from sparse_rl.bench.rollout import _Bench
 
@@ -226,21 +289,22 @@ def whole_run(run, b, cfg, which: str, plan) -> None:
                  runner_options=VARIANTS["base"].runner_options())
 
 
-def call1(run, a, cfg, B, ctxs, big, b1, st, smoke) -> None:
+def call1(run, a, cfg, B, ctxs, big, b1, st, smoke, bits: bool) -> None:
     b, eng = st["b"], st["eng"]
     if run.gate(NEED["gemm"], "gemm"):
         run.res["gemm"] = run.guarded("gemm", gemm_blas, run, b, smoke)
         run.save()
-    steps = {n: VARIANTS[n] for n in ("base", "lt", "cublas")}
+    steps = {n: VARIANTS[n] for n in ("base", "lt", "cublas") + (("bits",) if bits else ())}
     if run.gate(NEED["steps"], "steps"):
         rh.step_rows(run, b, eng, [ctxs[0], big], steps, modes=("sparse",))
-        rh.step_rows(run, b, eng, [b1[0]], steps, modes=("dense",), key="dense_steps", all_dense=True)
+        rh.step_rows(run, b, eng, [b1[0]], {n: v for n, v in steps.items() if n != "bits"}, modes=("dense",),
+                     key="dense_steps", all_dense=True)
     best = best_of(run.res.get("steps") or [], list(steps))
-    dense = best_of(run.res.get("dense_steps") or [], list(steps))
+    dense = best_of(run.res.get("dense_steps") or [], [n for n in steps if n != "bits"])
     run.res["chosen"] = {"sparse": best, "dense": dense}
     log(f"chosen: sparse {best}, dense {dense}")
     if run.gate(NEED["alone"], "alone"):
-        run.res["alone"] = run.guarded("alone", alone, run, b, eng, [ctxs[0], big], smoke)
+        run.res["alone"] = run.guarded("alone", alone, run, b, eng, [ctxs[0], big], smoke, bits)
         run.save()
     profile(run, eng, big, ["base"] + ([best] if best != "base" else []))
     del eng
@@ -248,6 +312,8 @@ def call1(run, a, cfg, B, ctxs, big, b1, st, smoke) -> None:
     rh.free()
     plan = [("dense", "base", VARIANTS["base"]), ("sparse", "base", VARIANTS["base"])]
     plan += [("sparse", best, VARIANTS[best])] if best != "base" else []
+    if bits and best != "bits":  # the new select's whole generation beside the default's, even if not fastest
+        plan.append(("sparse", "bits", VARIANTS["bits"]))
     whole_run(run, b, cfg, "whole_32k_b16", plan)
     if run.gate(NEED["batch1"], "batch1"):  # the issue's batch-1 rows with the current default
         e1 = b.engine(1, b1[-1] + 128, runner_options=VARIANTS["base"].runner_options())
@@ -271,9 +337,14 @@ def main():
     ap.add_argument("--call", type=int, default=1, choices=(1,))
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--cpu-smoke", action="store_true", help="a CPU run of the script itself at tiny sizes")
+    ap.add_argument("--prove-bits", action="store_true", help="(child) prove the bits select on the GPU")
     a = ap.parse_args()
+    if a.prove_bits:
+        prove_bits()
+        return
     smoke = a.cpu_smoke
     dev = torch.device("cpu" if smoke else "cuda")
+    proc = None if smoke else start_proof(os.path.abspath(__file__))
     run = Run(a.out or os.path.join(os.environ.get("OUT", "/tmp"), "roll10"), f"session10_call{a.call}.json",
               a.budget, {"commit": a.commit, "call": a.call, "budget_s": a.budget, "torch": torch.__version__,
                          "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
@@ -296,7 +367,10 @@ def main():
     if "eng" not in st:
         log("setup failed: nothing else runs")
         return
-    call1(run, a, cfg, B, ctxs, big, b1, st, smoke)
+    proof = proof_result(proc, 75 - (time.time() - T0)) if proc is not None else {"ok": True}
+    run.res["bits_proof"] = proof
+    log(f"bits proof: {proof.get('ok')} {proof.get('cases', '')} {proof.get('error', '')}")
+    call1(run, a, cfg, B, ctxs, big, b1, st, smoke, bool(proof.get("ok")))
     run.save()
     log(f"done: skipped {run.res['skipped']}; errors {run.res['errors']}")
     for k in ("steps", "dense_steps", "batch1"):

@@ -1,7 +1,7 @@
 """The decode select's threshold by one in-register sort of the candidates (`sort`, opt-in) and by four
 radix passes (sort=0, the default, and rows with more candidates than `sort`): the same keys as the reference
 (TRITON_INTERPRET=1 on the CPU), with heavy ties (integer scores, ReLU zeros) and without; and the
-implementations after the score pass (`impl`: chunked, row, split, fine, auto) likewise."""
+implementations after the score pass (`impl`: chunked, row, split, fine, bits, auto) likewise."""
 
 import pytest
 import torch
@@ -35,7 +35,7 @@ def test_sort_and_radix_thresholds_pick_the_reference_keys(ints, B, S, K, sink, 
         itd.indexer_topk_decode(q, w, k, pos, K, sort=48)
 
 
-@pytest.mark.parametrize("impl", ["row", "split", "fine", "auto"])
+@pytest.mark.parametrize("impl", ["row", "split", "fine", "bits", "auto"])
 @pytest.mark.parametrize("ints", [True, False])
 def test_row_and_split_selects_pick_the_reference_keys(impl, ints):
     """impl="row" (the score pass, then one program per row: decode_row.py) and "split" (then three
@@ -54,7 +54,7 @@ def test_row_and_split_selects_pick_the_reference_keys(impl, ints):
     pos = torch.tensor([S - 1, 70, 12, 100])
     kvs = torch.tensor([0, 3, 0, 40])
     ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=2, window=3, kv_start=kvs)
-    for sort in (2, 64) if impl != "auto" else (0,):  # 2: most rows overflow to the radix levels; 64: all sort
+    for sort in (2, 64) if impl not in ("auto", "bits") else (0,):  # 2: most rows overflow to the radix levels; 64: all sort
         got = itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=3, kv_start=kvs, chunk=32, impl=impl, sort=sort,
                                       row_max_keys=100)  # auto: this S takes the chunked passes
         assert torch.equal(got, ref), sort
@@ -66,7 +66,7 @@ def test_row_and_split_selects_pick_the_reference_keys(impl, ints):
         itd.DecodeSelect(long="rows")
 
 
-@pytest.mark.parametrize("impl", ["chunked", "split", "fine"])
+@pytest.mark.parametrize("impl", ["chunked", "split", "fine", "bits"])
 def test_chunked_and_split_select_edge_distributions(impl):
     """Forced keys filling the budget, all-equal scores, a span set by a few huge keys (nearly every key
     a candidate), negative weights against the reference (the default, row at these sizes, is held to
@@ -132,7 +132,7 @@ def test_fine_select_relu_zero_ties(K):
         assert int(n2.max()) == 0
 
 
-@pytest.mark.parametrize("impl", ["chunked", "row", "fine"])
+@pytest.mark.parametrize("impl", ["chunked", "row", "fine", "bits"])
 def test_score_block_keeps_the_selection(impl):
     """`score_block` (the score pass's keys a step, a register/occupancy knob) selects the same keys; one that
     does not divide the chunk is refused."""
@@ -145,3 +145,66 @@ def test_score_block_keeps_the_selection(impl):
     assert torch.equal(got, ref)
     with pytest.raises(ValueError, match="score_block"):
         itd.indexer_topk_decode(q, w, k, pos, K, chunk=32, impl=impl, score_block=12)
+
+
+def _bits_code(x):
+    """decode_bits._code in torch: the fp16 image's top 11 bits (+1 above zero), forced +inf on top."""
+    xz = torch.where(x == 0, torch.zeros_like(x), x)
+    h = xz.clamp(-65504, 65504).half().view(torch.int16).int() & 0xFFFF
+    k16 = torch.where((h & 0x8000) != 0, (~h) & 0xFFFF, h | 0x8000)
+    return torch.where(x == float("inf"), 2047, (k16 >> 5) + (xz > 0).int())
+
+
+def _bits_paths(scores, pos, K, rw, chunk):
+    """Which way each row's threshold is resolved (decode_bits._resolve), from the score pass's scores."""
+    out = set()
+    for row, p in zip(scores, pos.tolist()):
+        vis = (row > float("-inf")) & (torch.arange(row.numel()) <= p)
+        code = _bits_code(row[vis])
+        if code.numel() <= K:
+            out.add("all")
+            continue
+        cs = torch.sort(code, descending=True).values
+        bstar = int(cs[K - 1])
+        rem, n_b = K - int((code > bstar).sum()), int((code == bstar).sum())
+        where = torch.nonzero(vis).flatten()[code == bstar] // chunk
+        per_chunk = int(torch.bincount(where).max())
+        out.add("bin" if rem == n_b else "zeros" if bstar == 1024 else "sort" if per_chunk <= rw else "radix")
+    return out
+
+
+@pytest.mark.parametrize("K", [60, 150])
+def test_bits_select_every_threshold_path(K):
+    """impl="bits" (decode_bits.py: fixed fp16-bit bins counted by the score pass, the row's last program
+    resolving the threshold) against the reference on every path of its resolve: the threshold bin taken
+    whole, exact zeros (keys whose every head's ReLU is 0, one tie block: the later ones), the sort tile,
+    and the radix levels when a chunk holds more b* keys than the tile (rw 2; integer scores, heavy ties);
+    tiny nonzero scores beside the zeros, rows shorter than K, left padding."""
+    from sparse_rl.sparse.ops.indexer_topk.decode_bits import bits_scratch, bits_select
+    from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
+
+    g = torch.Generator().manual_seed(K)
+    B, HI, DI, S, chunk = 3, 2, 16, 250, 64
+    q, k = torch.randn(B, HI, DI, generator=g), torch.randn(B, S, DI, generator=g)
+    w = torch.tensor([[1.0, -1.0]]).expand(B, HI).contiguous()
+    k[:, 7::37] *= 1e-7
+    qi, wi = torch.randint(-2, 3, (B, HI, DI), generator=g).float(), torch.randint(1, 3, (B, HI), generator=g).float()
+    ki = torch.randint(-2, 3, (B, S, DI), generator=g).float()
+    pos = torch.tensor([S - 1, 230, 40])
+    kvs = torch.tensor([0, 9, 0])
+    seen = set()
+    for qq, ww, kk in ((q, w, k), (qi, wi, ki)):
+        ref = indexer_topk_decode_naive(qq, ww, kk, pos, K, sink=2, window=3, kv_start=kvs)
+        assert torch.equal(itd.indexer_topk_decode(qq, ww, kk, pos, K, sink=2, window=3, kv_start=kvs, chunk=chunk,
+                                                   impl="bits"), ref)
+        scratch = bits_scratch(B, "cpu")
+        sc = torch.empty(B, S)
+        itd._score_max[(S // chunk + 1, B)](qq, ww, kk, sc, pos, kvs.int(), sc, scratch, *qq.stride(), *ww.stride(),
+                                           *kk.stride(), 0, S, 2, 3, HI, DI, S // chunk + 1, HB=16, BD=16, CH=chunk,
+                                           BN=16, PREC=dot_precision(torch.float32), FP8=False, PER_CHUNK=False, BITS=True)
+        for rw in (2, 64):
+            got = bits_select(sc, pos.int(), scratch.clone(), K, chunk, 16, num_warps=1, interpret=True, rw=rw)
+            assert torch.equal(got, ref), rw
+            seen |= _bits_paths(sc, pos, K, rw, chunk)
+    want = {"all", "radix", "zeros" if K == 150 else "sort"}
+    assert want <= seen, seen

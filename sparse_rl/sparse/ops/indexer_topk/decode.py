@@ -50,6 +50,7 @@ from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _append, _block,
                                                            _okey_inv, _pad_rest, _radix_level, _radix_threshold,
                                                            _sort_threshold)
 from sparse_rl.sparse.ops.indexer_topk.decode_select import AUTO_LONG, IMPLS, ROW_MAX_KEYS, DecodeSelect  # noqa: F401
+from sparse_rl.sparse.ops.indexer_topk.decode_bits import _code
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
@@ -84,7 +85,8 @@ def _bstar(HIST, NF, b, K, NB: tl.constexpr):
 def _score_max(Q, W, KI, KS, POS, KVS, SC, RNG, sqb, sqh, sqd, swb, swh, skb, sks, skd, ssb,
                S, sink, window, HI, DI, P,
                HB: tl.constexpr, BD: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
-               FP8: tl.constexpr, PER_CHUNK: tl.constexpr, HAS_START: tl.constexpr = True):
+               FP8: tl.constexpr, PER_CHUNK: tl.constexpr, HAS_START: tl.constexpr = True, BITS: tl.constexpr = False,
+               NBB: tl.constexpr = 2048):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
@@ -113,11 +115,16 @@ def _score_max(Q, W, KI, KS, POS, KVS, SC, RNG, sqb, sqh, sqd, swb, swh, skb, sk
                 s = tl.sum(tl.maximum(dot(k, qt, PREC), 0.0) * wv[None, :], 1)
             forced = vis & ((offs_n < start + sink) | (offs_n > pos - window))
             s = tl.where(vis, s, float("-inf"))
-            mx = tl.maximum(mx, tl.max(tl.where(forced, float("-inf"), s), 0))
-            mn = tl.minimum(mn, tl.min(tl.where(forced | ~vis, float("inf"), s), 0))
+            if not BITS:
+                mx = tl.maximum(mx, tl.max(tl.where(forced, float("-inf"), s), 0))
+                mn = tl.minimum(mn, tl.min(tl.where(forced | ~vis, float("inf"), s), 0))
             s = tl.where(forced, float("inf"), s)
             tl.store(SC + b * S + offs_n, s, mask=(offs_n <= pos) & (offs_n < S))
-        if PER_CHUNK:  # RNG `[B, P, 2]` fp32: the chunk's own (max, min), for `decode_row` (no atomics)
+            if BITS:  # RNG is the row's histogram `[B, NBB]` over fixed bins (decode_bits.py): one atomic a key
+                tl.atomic_add(RNG + b * NBB + _code(s, NBB), 1, mask=vis, sem="relaxed")
+        if BITS:
+            pass
+        elif PER_CHUNK:  # RNG `[B, P, 2]` fp32: the chunk's own (max, min), for `decode_row` (no atomics)
             tl.store(RNG + (b * P + p) * 2, mx)
             tl.store(RNG + (b * P + p) * 2 + 1, mn)
         else:
@@ -292,7 +299,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
         raise ValueError(f"impl {impl!r} / auto_long {auto_long!r}: expected one of {', '.join(IMPLS)}")
     if impl == "auto":
         impl = "row" if S <= row_max_keys else auto_long
-    if impl == "fine":
+    if impl in ("fine", "bits"):
         from sparse_rl.sparse.ops.indexer_topk.decode_fine import fine_chunk
 
         CH = chunk or fine_chunk(B, S, interpret)
@@ -319,6 +326,13 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
         from sparse_rl.sparse.ops.indexer_topk.decode_row import row_select
         from sparse_rl.sparse.ops.indexer_topk.decode_split import split_select
 
+        if impl == "bits":
+            from sparse_rl.sparse.ops.indexer_topk.decode_bits import bits_scratch, bits_select
+
+            scratch = bits_scratch(B, dev)
+            _score_max[grid](*score_args, scratch, *strides, PER_CHUNK=False, BITS=True, **score)
+            out = bits_select(sc, pos, scratch, topk, CH, BN, num_warps=nw, interpret=interpret)
+            return (out, None) if candidates else out
         span = torch.empty(B, P, 2, device=dev, dtype=torch.float32)
         _score_max[grid](*score_args, span, *strides, PER_CHUNK=True, **score)
         if impl == "row":

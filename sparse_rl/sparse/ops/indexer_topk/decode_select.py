@@ -16,7 +16,7 @@ from dataclasses import dataclass
 # launches, and added 0.6-1.25 ms at 16 x 16K-32K, where one program per row walks the row alone. "split"
 # (decode_split.py) is opt-in; "fine" (decode_fine.py: two levels of bins, exact zeros by count) is what the
 # rollout engine runs (ENGINE_SELECT).
-IMPLS = ("auto", "chunked", "row", "split", "fine")
+IMPLS = ("auto", "chunked", "row", "split", "fine", "bits")
 ROW_MAX_KEYS = 8192
 AUTO_LONG = "chunked"  # what "auto" runs for rows of more than ROW_MAX_KEYS keys
 
