@@ -91,7 +91,7 @@ def gemm_blas(run, b, smoke) -> dict:
     return out
 
 
-def alone(run, b, eng, ctxs, smoke, bits: bool) -> dict:
+def alone(run, b, eng, ctxs, smoke, bits: bool, call: int = 1) -> dict:
     """Score + fine select alone on the engine's layer-2 index cache (`[:, :ctx]`, all rows at ctx - 1), graph
     timed, at several chunk sizes (keys a program), each checked == the engine default's selection."""
     from sparse_rl.bench.timing import bench_ms
@@ -118,14 +118,20 @@ def alone(run, b, eng, ctxs, smoke, bits: bool) -> dict:
         kw = dict(sink=sink, window=win, **ENGINE_SELECT.as_kwargs())
         base = itd.indexer_topk_decode(qi, wi, view, pos, K, **kw)
         chunks = [32, 64] if smoke else [c for c in (512, 1024, 2048, 4096) if c <= ctx]
-        forms = {f"fine_ch{c}": (lambda c=c: itd.indexer_topk_decode(qi, wi, view, pos, K, chunk=c, **kw)) for c in chunks}
-        for nw in ((2,) if smoke else (2, 8)):  # the fine kernels' warps (4 by default)
+        if call == 1:
+            forms = {f"fine_ch{c}": (lambda c=c: itd.indexer_topk_decode(qi, wi, view, pos, K, chunk=c, **kw))
+                     for c in chunks}
+        else:  # call 1 timed the chunks: the default itself here, beside the new select
+            forms = {"fine": lambda: itd.indexer_topk_decode(qi, wi, view, pos, K, **kw)}
+        for nw in ((2,) if smoke else (2, 8) if call == 1 else ()):  # the fine kernels' warps (4 by default)
             forms[f"fine_w{nw}"] = lambda nw=nw: itd.indexer_topk_decode(qi, wi, view, pos, K, num_warps=nw, **kw)
         if bits:
             bk = dict(sink=sink, window=win, **BITS.as_kwargs())
             forms["bits"] = lambda: itd.indexer_topk_decode(qi, wi, view, pos, K, **bk)
-            for nw in ((2,) if smoke else (8,)):
+            for nw in ((2,) if smoke else (2, 8) if ctx > 4096 else (2,)):
                 forms[f"bits_w{nw}"] = lambda nw=nw: itd.indexer_topk_decode(qi, wi, view, pos, K, num_warps=nw, **bk)
+            if call == 2 and not smoke and ctx > 4096:
+                forms["bits_ch2048"] = lambda: itd.indexer_topk_decode(qi, wi, view, pos, K, chunk=2048, **bk)
         forms["score_only"] = lambda: rh.score_pass(qi, wi, view, pos, ch0, sink, win, bn=16 if smoke else 64)
         with torch.inference_mode():
             for name, fn in forms.items():
@@ -330,11 +336,53 @@ def call1(run, a, cfg, B, ctxs, big, b1, st, smoke, bits: bool) -> None:
     whole_run(run, b, cfg, "whole_16k_b32", plan)
 
 
+def call2(run, a, cfg, B, ctxs, big, b1, st, smoke, bits: bool) -> None:
+    """The bits select (proved in a child first) against the default: alone (warps, chunks), steps at 2304 /
+    8192 / 16384, the profile, whole 16K batch 32 (dense, default, bits), batch 1, the engine check (greedy ==
+    HF), whole 32K batch 16 (dense, bits; the default's was call 1's)."""
+    b, eng = st["b"], st["eng"]
+    if not bits:
+        log("bits not proved: the call times the default only")
+    cands = {n: VARIANTS[n] for n in ("base",) + (("bits",) if bits else ())}
+    if run.gate(NEED["steps"], "steps"):
+        rh.step_rows(run, b, eng, [ctxs[0], 8192 if not smoke else ctxs[0] + 32, big], cands, modes=("sparse",))
+    profile(run, eng, big, list(cands)[1:])
+    plan = [("dense", "base", VARIANTS["base"]), *(("sparse", n, v) for n, v in cands.items())]
+    if run.gate(NEED["whole_16k_b32"] + 8, "whole_16k_b32 (with the step engine freed)"):
+        del eng
+        st.pop("eng")
+        rh.free()
+        whole_run(run, b, cfg, "whole_16k_b32", plan)
+        eng = None
+    if bits and run.gate(NEED["engine_check"], "engine_check"):
+        run.res["engine_check"] = run.guarded("engine_check", engine_check, b.dev, smoke, {"bits": VARIANTS["bits"]})
+        run.save()
+    if run.gate(NEED["alone"] + 12, "alone"):
+        if eng is None:
+            eng = b.engine(B, big + 128, runner_options=VARIANTS["base"].runner_options())
+            eng.set_attention("sparse")
+            b.fill(eng, big + 128)
+        run.res["alone"] = run.guarded("alone", alone, run, b, eng, [ctxs[0], big], smoke, bits, 2)
+        run.save()
+    del eng
+    st.pop("eng", None)
+    rh.free()
+    if bits and run.gate(NEED["batch1"], "batch1"):
+        e1 = b.engine(1, b1[-1] + 128, runner_options=VARIANTS["base"].runner_options())
+        e1.set_attention("sparse")
+        b.fill(e1, b1[-1] + 128)
+        rh.step_rows(run, b, e1, b1, cands, modes=("sparse",), key="batch1")
+        del e1
+        rh.free()
+    if bits:
+        whole_run(run, b, cfg, "whole_32k_b16", [("dense", "base", VARIANTS["base"]), ("sparse", "bits", VARIANTS["bits"])])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="default: $OUT/roll10")
     ap.add_argument("--budget", type=float, default=140)
-    ap.add_argument("--call", type=int, default=1, choices=(1,))
+    ap.add_argument("--call", type=int, default=1, choices=(1, 2))
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--cpu-smoke", action="store_true", help="a CPU run of the script itself at tiny sizes")
     ap.add_argument("--prove-bits", action="store_true", help="(child) prove the bits select on the GPU")
@@ -370,7 +418,7 @@ def main():
     proof = proof_result(proc, 75 - (time.time() - T0)) if proc is not None else {"ok": True}
     run.res["bits_proof"] = proof
     log(f"bits proof: {proof.get('ok')} {proof.get('cases', '')} {proof.get('error', '')}")
-    call1(run, a, cfg, B, ctxs, big, b1, st, smoke, bool(proof.get("ok")))
+    (call1 if a.call == 1 else call2)(run, a, cfg, B, ctxs, big, b1, st, smoke, bool(proof.get("ok")))
     run.save()
     log(f"done: skipped {run.res['skipped']}; errors {run.res['errors']}")
     for k in ("steps", "dense_steps", "batch1"):
