@@ -32,7 +32,9 @@ from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT, Decod
 V = rh.Variant
 BITS = DecodeSelect("bits", score_block=64)
 VARIANTS = {"base": V(ENGINE_SELECT), "lt": V(ENGINE_SELECT, blas="cublaslt"), "cublas": V(ENGINE_SELECT, blas="cublas"),
-            "auto": V(DecodeSelect()), "bits": V(BITS), "bits_lt": V(BITS, blas="cublaslt")}
+            "auto": V(DecodeSelect()), "bits": V(BITS), "bits_lt": V(BITS, blas="cublaslt"),
+            "bits_w2": V(DecodeSelect("bits", score_block=64, num_warps=2)),
+            "fine_w2": V(DecodeSelect("fine", score_block=64, num_warps=2))}
 # estimated device seconds of each phase (session 9's measured costs: setup 13, select check 22 with the CUDA
 # start, steps ~1 s a row after its first compile, profile 1, batch 1 11, whole 16K 31 for 3 runs, 32K ~24 for 2)
 NEED = {"setup": 16, "gemm": 8, "steps": 14, "alone": 8, "profile": 5, "whole_32k_b16": 34, "batch1": 13,
@@ -124,12 +126,12 @@ def alone(run, b, eng, ctxs, smoke, bits: bool, call: int = 1) -> dict:
         else:  # call 1 timed the chunks: the default itself here, beside the new select
             forms = {"fine": lambda: itd.indexer_topk_decode(qi, wi, view, pos, K, **kw)}
         for nw in ((2,) if smoke else (2, 8) if call == 1 else ()):  # the fine kernels' warps (4 by default)
-            forms[f"fine_w{nw}"] = lambda nw=nw: itd.indexer_topk_decode(qi, wi, view, pos, K, num_warps=nw, **kw)
+            forms[f"fine_w{nw}"] = lambda nw=nw: itd.indexer_topk_decode(qi, wi, view, pos, K, **{**kw, "num_warps": nw})
         if bits:
             bk = dict(sink=sink, window=win, **BITS.as_kwargs())
             forms["bits"] = lambda: itd.indexer_topk_decode(qi, wi, view, pos, K, **bk)
             for nw in ((2,) if smoke else (2, 8) if ctx > 4096 else (2,)):
-                forms[f"bits_w{nw}"] = lambda nw=nw: itd.indexer_topk_decode(qi, wi, view, pos, K, num_warps=nw, **bk)
+                forms[f"bits_w{nw}"] = lambda nw=nw: itd.indexer_topk_decode(qi, wi, view, pos, K, **{**bk, "num_warps": nw})
             if call == 2 and not smoke and ctx > 4096:
                 forms["bits_ch2048"] = lambda: itd.indexer_topk_decode(qi, wi, view, pos, K, chunk=2048, **bk)
         forms["score_only"] = lambda: rh.score_pass(qi, wi, view, pos, ch0, sink, win, bn=16 if smoke else 64)
@@ -217,6 +219,8 @@ def prove_bits() -> dict:
         base = itd.indexer_topk_decode(q, w, k, pos, 2048, **kw, **ENGINE_SELECT.as_kwargs())
         out[f"b{B}_s{S}"] = all(torch.equal(itd.indexer_topk_decode(q, w, k, pos, 2048, **kw, **BITS.as_kwargs()), base)
                                 for _ in range(2))
+        out[f"b{B}_s{S}_w2"] = torch.equal(itd.indexer_topk_decode(q, w, k, pos, 2048, **kw,
+                                                                   **VARIANTS["bits_w2"].select.as_kwargs()), base)
         torch.cuda.synchronize()
     print("PROVE " + json.dumps({"ok": all(out.values()), "cases": out}), flush=True)
     return out
@@ -337,16 +341,22 @@ def call1(run, a, cfg, B, ctxs, big, b1, st, smoke, bits: bool) -> None:
 
 
 def call2(run, a, cfg, B, ctxs, big, b1, st, smoke, bits: bool) -> None:
-    """The bits select (proved in a child first) against the default: alone (warps, chunks), steps at 2304 /
-    8192 / 16384, the profile, whole 16K batch 32 (dense, default, bits), batch 1, the engine check (greedy ==
-    HF), whole 32K batch 16 (dense, bits; the default's was call 1's)."""
+    """The bits select (proved in a child first; 4 and 2 warps) and the fine select at 2 warps against the
+    default: steps at 2304 / 8192 / 16384, the fastest's profile, whole 16K batch 32 (dense, default, the
+    fastest or bits), the engine check (greedy == HF), alone (warps, chunk), batch 1, whole 32K batch 16
+    (dense, the fastest; the default's was call 1's)."""
     b, eng = st["b"], st["eng"]
     if not bits:
         log("bits not proved: the call times the default only")
-    cands = {n: VARIANTS[n] for n in ("base",) + (("bits",) if bits else ())}
+    cands = {n: VARIANTS[n] for n in ("base",) + (("bits", "bits_w2") if bits else ()) + ("fine_w2",)}
     if run.gate(NEED["steps"], "steps"):
         rh.step_rows(run, b, eng, [ctxs[0], 8192 if not smoke else ctxs[0] + 32, big], cands, modes=("sparse",))
-    profile(run, eng, big, list(cands)[1:])
+    best = best_of(run.res.get("steps") or [], list(cands))
+    new = best if best != "base" else ("bits" if bits else "fine_w2")
+    run.res["chosen"] = {"sparse": best, "whole": new}
+    log(f"chosen: sparse {best}; whole runs with {new}")
+    profile(run, eng, big, [new])
+    cands = {"base": VARIANTS["base"], new: VARIANTS[new]}
     plan = [("dense", "base", VARIANTS["base"]), *(("sparse", n, v) for n, v in cands.items())]
     if run.gate(NEED["whole_16k_b32"] + 8, "whole_16k_b32 (with the step engine freed)"):
         del eng
@@ -354,8 +364,8 @@ def call2(run, a, cfg, B, ctxs, big, b1, st, smoke, bits: bool) -> None:
         rh.free()
         whole_run(run, b, cfg, "whole_16k_b32", plan)
         eng = None
-    if bits and run.gate(NEED["engine_check"], "engine_check"):
-        run.res["engine_check"] = run.guarded("engine_check", engine_check, b.dev, smoke, {"bits": VARIANTS["bits"]})
+    if run.gate(NEED["engine_check"], "engine_check"):
+        run.res["engine_check"] = run.guarded("engine_check", engine_check, b.dev, smoke, {new: VARIANTS[new]})
         run.save()
     if run.gate(NEED["alone"] + 12, "alone"):
         if eng is None:
@@ -367,15 +377,14 @@ def call2(run, a, cfg, B, ctxs, big, b1, st, smoke, bits: bool) -> None:
     del eng
     st.pop("eng", None)
     rh.free()
-    if bits and run.gate(NEED["batch1"], "batch1"):
+    if run.gate(NEED["batch1"], "batch1"):
         e1 = b.engine(1, b1[-1] + 128, runner_options=VARIANTS["base"].runner_options())
         e1.set_attention("sparse")
         b.fill(e1, b1[-1] + 128)
         rh.step_rows(run, b, e1, b1, cands, modes=("sparse",), key="batch1")
         del e1
         rh.free()
-    if bits:
-        whole_run(run, b, cfg, "whole_32k_b16", [("dense", "base", VARIANTS["base"]), ("sparse", "bits", VARIANTS["bits"])])
+    whole_run(run, b, cfg, "whole_32k_b16", [("dense", "base", VARIANTS["base"]), ("sparse", new, VARIANTS[new])])
 
 
 def main():

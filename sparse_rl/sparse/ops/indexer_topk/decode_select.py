@@ -27,23 +27,27 @@ class DecodeSelect:
     by the rollout engine's runner (`ModelRunner.decode_select`) and set by its callers (rollout config,
     bench flags), never a module global. impl: one of IMPLS; "auto" runs "row" for rows of at most
     row_max_keys keys, else `long`; fine_cap: the fine select's most sub-bin keys ranked in registers;
-    score_block: the score pass's keys a step (0: the select's own step, 256 on a GPU)."""
+    score_block: the score pass's keys a step (0: the select's own step, 256 on a GPU); num_warps: the warps of
+    the score pass and the (chunk, row) select passes (0: the kernel's default, 4)."""
 
     impl: str = "auto"
     row_max_keys: int = ROW_MAX_KEYS
     long: str = AUTO_LONG
     fine_cap: int = 32
     score_block: int = 0
+    num_warps: int = 0
 
     def __post_init__(self):
         if self.impl not in IMPLS or self.long not in IMPLS[1:]:
             raise ValueError(f"decode select {self.impl!r} / long {self.long!r}: expected one of {', '.join(IMPLS)}")
         if self.score_block < 0 or self.score_block & (self.score_block - 1):  # a tl.arange size
             raise ValueError(f"score_block {self.score_block}: must be 0 or a power of two")
+        if self.num_warps not in (0, 1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps {self.num_warps}: must be 0 (the default) or a power of two up to 16")
 
     def as_kwargs(self) -> dict:
         return {"impl": self.impl, "row_max_keys": self.row_max_keys, "auto_long": self.long, "fine_cap": self.fine_cap,
-                "score_block": self.score_block}
+                "score_block": self.score_block, "num_warps": self.num_warps or None}
 
 
 # The rollout engine's default (`ModelRunner(decode_select=None)`, the GRPO and `bench rollout` defaults):
