@@ -64,6 +64,9 @@ def test_row_and_split_selects_pick_the_reference_keys(impl, ints):
         itd.indexer_topk_decode(q, w, k, pos, K, auto_long="auto")
     with pytest.raises(ValueError, match="decode select"):
         itd.DecodeSelect(long="rows")
+    with pytest.raises(ValueError, match="num_warps"):
+        itd.DecodeSelect(num_warps=3)
+    assert itd.DecodeSelect(num_warps=2).as_kwargs()["num_warps"] == 2 and itd.DecodeSelect().as_kwargs()["num_warps"] is None
 
 
 @pytest.mark.parametrize("impl", ["chunked", "split", "fine", "bits"])
