@@ -26,6 +26,15 @@ row's histogram `[B, NBB]`. Then:
 2. `_write`: every chunk emits its selected positions (forced, bin above b*, or in b* with (u, position)
    >= (tau, cut): ties to the later key, the reference's rule) in ascending order; the row's last pads -1.
 
+Measured (H200, Qwen3-4B shape, batch 32, random caches; benchmarks/results/2026-12-02-h200-rollout-session10.md,
+call 2): exact (== the reference on integer ties, == fine on random rows at 32 x 16K and 16 x 32K), but SLOWER
+than the fine select in the step: 7.089 / 8.046 / 8.982 ms at 2304 / 8192 / 16384 against 6.515 / 7.568 / 8.763
+(2 warps: slower still). Profile at 32 x 16K: the score pass 26.4 us a layer with the atomics (20.2 without),
+`_gather` 32.9 (its row's last program sorting a 1,024-slot int64 tile after the row's other programs: a serial
+tail), `_write` 4.5, the memset 0.8: 64.6 us a layer against fine's ~57. Opt-in, not the default. Next, if
+taken up: rank the ~100 keys of b* compacted to a [128] list (no 1,024-slot sort), and a per-program histogram
+merged once instead of one atomic a key.
+
 Bins: code(x) = top 11 bits of the order-preserving 16-bit image of fp16(clamp(x, +-65504)), plus 1 for
 x > 0, so that exact zeros (+0 and -0: equal scores) are alone in code 1024 and tiny nonzero scores that
 round to fp16 zero fall beside it; forced keys (+inf) take code NBB - 1. Monotone in x (fp16 rounding

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 # step at 2.3K-8K context (0.32 at batch 16, 2.3K-4K), where the chunked passes are held by their seven
 # launches, and added 0.6-1.25 ms at 16 x 16K-32K, where one program per row walks the row alone. "split"
 # (decode_split.py) is opt-in; "fine" (decode_fine.py: two levels of bins, exact zeros by count) is what the
-# rollout engine runs (ENGINE_SELECT).
+# rollout engine runs (ENGINE_SELECT). "bits" (decode_bits.py: bins fixed by the score's fp16 bits, counted by
+# the score pass, the row's last program resolving) is opt-in: exact, but 0.22-0.57 ms slower a batch-32 step
+# than fine at 2.3K-16K on the H200 (session 10).
 IMPLS = ("auto", "chunked", "row", "split", "fine", "bits")
 ROW_MAX_KEYS = 8192
 AUTO_LONG = "chunked"  # what "auto" runs for rows of more than ROW_MAX_KEYS keys
@@ -55,5 +57,7 @@ class DecodeSelect:
 # 256: 6 programs an SM, 32 x 16K's 512 programs in one wave). On the H200 (Qwen3-4B shape, batch 32, random
 # caches; benchmarks/results/2026-12-02-h200-rollout-session9.md, call 2) its step took 6.52 / 7.47 / 8.71 ms
 # at 2304 / 8192 / 16384 context against auto's 6.80 / 7.67 / 8.88, and the whole 16K generation 4,269 tok/s
-# against 4,147 (1.67x dense instead of 1.63x). Batch 16 and batch 1 were not timed with it.
+# against 4,147 (1.67x dense instead of 1.63x). Session 10 (results/2026-12-02-h200-rollout-session10.md): whole
+# 32K batch 16 2,350 tok/s (1.80x dense), batch 1 sparse 3.72 / 4.85 ms at 2K / 16K; 2 warps instead of 4
+# (`num_warps`) no faster in the step (+0.12 / -0.04 / +0.06 ms at 2304 / 8192 / 16384).
 ENGINE_SELECT = DecodeSelect("fine", score_block=64)
