@@ -1,7 +1,7 @@
 """The decode select's threshold by one in-register sort of the candidates (`sort`, opt-in) and by four
 radix passes (sort=0, the default, and rows with more candidates than `sort`): the same keys as the reference
 (TRITON_INTERPRET=1 on the CPU), with heavy ties (integer scores, ReLU zeros) and without; and the
-implementations after the score pass (`impl`: chunked, row, split, fine, bits, auto) likewise."""
+implementations after the score pass (`impl`: chunked, row, split, fine, bits, bsearch, auto) likewise."""
 
 import pytest
 import torch
@@ -35,7 +35,7 @@ def test_sort_and_radix_thresholds_pick_the_reference_keys(ints, B, S, K, sink, 
         itd.indexer_topk_decode(q, w, k, pos, K, sort=48)
 
 
-@pytest.mark.parametrize("impl", ["row", "split", "fine", "bits", "auto"])
+@pytest.mark.parametrize("impl", ["row", "split", "fine", "bits", "bsearch", "auto"])
 @pytest.mark.parametrize("ints", [True, False])
 def test_row_and_split_selects_pick_the_reference_keys(impl, ints):
     """impl="row" (the score pass, then one program per row: decode_row.py) and "split" (then three
@@ -54,7 +54,7 @@ def test_row_and_split_selects_pick_the_reference_keys(impl, ints):
     pos = torch.tensor([S - 1, 70, 12, 100])
     kvs = torch.tensor([0, 3, 0, 40])
     ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=2, window=3, kv_start=kvs)
-    for sort in (2, 64) if impl not in ("auto", "bits") else (0,):  # 2: most rows overflow to the radix levels; 64: all sort
+    for sort in (2, 64) if impl not in ("auto", "bits", "bsearch") else (0,):  # 2: most rows overflow to the radix levels; 64: all sort
         got = itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=3, kv_start=kvs, chunk=32, impl=impl, sort=sort,
                                       row_max_keys=100)  # auto: this S takes the chunked passes
         assert torch.equal(got, ref), sort
@@ -69,7 +69,7 @@ def test_row_and_split_selects_pick_the_reference_keys(impl, ints):
     assert itd.DecodeSelect(num_warps=2).as_kwargs()["num_warps"] == 2 and itd.DecodeSelect().as_kwargs()["num_warps"] is None
 
 
-@pytest.mark.parametrize("impl", ["chunked", "split", "fine", "bits"])
+@pytest.mark.parametrize("impl", ["chunked", "split", "fine", "bits", "bsearch"])
 def test_chunked_and_split_select_edge_distributions(impl):
     """Forced keys filling the budget, all-equal scores, a span set by a few huge keys (nearly every key
     a candidate), negative weights against the reference (the default, row at these sizes, is held to
@@ -114,6 +114,20 @@ def test_fine_select_sub_bins_rank_and_radix_fallback():
 
 
 @pytest.mark.parametrize("K", [60, 150, 250])
+def test_bsearch_select_relu_zero_ties(K):
+    """impl="bsearch" (decode_bsearch.py) on the ReLU-zero rows below: the threshold above, among (the
+    position search picks the later zeros) or below the zeros."""
+    g = torch.Generator().manual_seed(K)
+    B, HI, DI, S = 3, 2, 16, 300
+    q, k = torch.randn(B, HI, DI, generator=g), torch.randn(B, S, DI, generator=g)
+    w = torch.tensor([[1.0, -1.0]]).expand(B, HI).contiguous()
+    k[:, 7::37] *= 1e-7
+    pos = torch.tensor([S - 1, 280, 270])
+    ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=2, window=3)
+    assert torch.equal(itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=3, chunk=64, impl="bsearch"), ref)
+
+
+@pytest.mark.parametrize("K", [60, 150, 250])
 def test_fine_select_relu_zero_ties(K):
     """impl="fine": keys whose every index head's ReLU is 0 score exactly 0 (one tie, the later keys win):
     with weights of both signs the threshold falls above the zeros (K 60), among them (150: a block of
@@ -135,7 +149,7 @@ def test_fine_select_relu_zero_ties(K):
         assert int(n2.max()) == 0
 
 
-@pytest.mark.parametrize("impl", ["chunked", "row", "fine", "bits"])
+@pytest.mark.parametrize("impl", ["chunked", "row", "fine", "bits", "bsearch"])
 def test_score_block_keeps_the_selection(impl):
     """`score_block` (the score pass's keys a step, a register/occupancy knob) selects the same keys; one that
     does not divide the chunk is refused."""

@@ -299,7 +299,12 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
         raise ValueError(f"impl {impl!r} / auto_long {auto_long!r}: expected one of {', '.join(IMPLS)}")
     if impl == "auto":
         impl = "row" if S <= row_max_keys else auto_long
-    if impl in ("fine", "bits"):
+    if impl == "bsearch":
+        from sparse_rl.sparse.ops.indexer_topk.decode_bsearch import BSEARCH_MAX_KEYS
+
+        if triton.next_power_of_2(S) > BSEARCH_MAX_KEYS:  # the row would not fit one program's registers
+            impl = "fine"
+    if impl in ("fine", "bits", "bsearch"):
         from sparse_rl.sparse.ops.indexer_topk.decode_fine import fine_chunk
 
         CH = chunk or fine_chunk(B, S, interpret)
@@ -335,7 +340,11 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
             return (out, None) if candidates else out
         span = torch.empty(B, P, 2, device=dev, dtype=torch.float32)
         _score_max[grid](*score_args, span, *strides, PER_CHUNK=True, **score)
-        if impl == "row":
+        if impl == "bsearch":
+            from sparse_rl.sparse.ops.indexer_topk.decode_bsearch import bsearch_select
+
+            out, n_c = bsearch_select(sc, pos, topk, interpret=interpret), None
+        elif impl == "row":
             out, n_c = row_select(sc, pos, span, topk, CH, sort=sort, block=row_block, num_warps=row_warps,
                                   interpret=interpret)
         elif impl == "fine":
