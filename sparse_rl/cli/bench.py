@@ -138,11 +138,11 @@ def rollout(
     step_batch: Optional[int] = typer.Option(None, help="Sequences in the one-step rows [default: 32]"),
     latency_contexts: Optional[str] = typer.Option(None, help="One-step rows at batch 1, e.g. 2K [default: none]"),
     decode_select: Optional[str] = typer.Option(None, help="Indexer decode select after the score pass: fine | auto | "
-                                                           "chunked | row | split | bits (same keys) [default: fine]"),
+                                                           "chunked | row | split | bits | bsearch (same keys) [default: fine]"),
     score_block: Optional[int] = typer.Option(None, help="Keys a step of the decode score pass, a power of two (0: the "
                                                          "select's own) [default: 64]"),
     decode_long: Optional[str] = typer.Option(None, help="--decode-select auto past 8192 keys: chunked | row | split | "
-                                                         "fine | bits [default: chunked]"),
+                                                         "fine | bits | bsearch [default: chunked]"),
     qkv_pad: Optional[int] = typer.Option(None, help="Fused q/k/v(+indexer) weight padded to a multiple of this many "
                                                      "output columns [default: 64]"),
     index_heads: Optional[int] = _common["index_heads"], index_dim: Optional[int] = _common["index_dim"],

@@ -41,7 +41,7 @@ class RolloutConfig:
     compile: bool | None = None  # torch.compile the engine's decode step (None: SPARSE_RL_COMPILE, else off)
     backend: str | None = None  # sparse kernels: auto | torch | triton (None: the model's default)
     # the engine's kernel choices (same outputs): the indexer's decode select after the score pass (fine |
-    # auto | chunked | row | split | bits; auto: row up to 8192 keys, decode_long beyond), its score pass's key step
+    # auto | chunked | row | split | bits | bsearch; auto: row up to 8192 keys, decode_long beyond), its score pass's key step
     # (0: the select's own; defaults: decode_select.ENGINE_SELECT) and the fused q/k/v weight's zero-row padding
     decode_select: str = "fine"
     decode_long: str = "chunked"

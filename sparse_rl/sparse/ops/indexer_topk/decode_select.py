@@ -18,6 +18,9 @@ from dataclasses import dataclass
 # rollout engine runs (ENGINE_SELECT). "bits" (decode_bits.py: bins fixed by the score's fp16 bits, counted by
 # the score pass, the row's last program resolving) is opt-in: exact, but 0.22-0.57 ms slower a batch-32 step
 # than fine at 2.3K-16K on the H200 (session 10).
+# "bsearch" (decode_bsearch.py: one program per row, the k-th largest key found bit by bit in registers) is
+# opt-in: exact and two launches a layer, but 0.34-0.36 ms slower a batch-32 step than fine at 2.3K-16K
+# (results/2026-12-02-h200-bsearch-session10.md).
 IMPLS = ("auto", "chunked", "row", "split", "fine", "bits", "bsearch")
 ROW_MAX_KEYS = 8192
 AUTO_LONG = "chunked"  # what "auto" runs for rows of more than ROW_MAX_KEYS keys
