@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
+from sparse_rl.sparse.ops.indexer_topk.cand_topk import indexer_topk_cand
 from sparse_rl.sparse.ops.indexer_topk.decode import indexer_topk_decode
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_naive
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
@@ -52,7 +53,7 @@ from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORE_BUDGET_BYTES = 1 << 30
-TOPK_IMPLS = ("auto", "stream", "binned", "materialise", "radix", "bin", "torch")
+TOPK_IMPLS = ("auto", "cand", "stream", "binned", "materialise", "radix", "bin", "torch")
 RADIX_MAX_KEYS = 32768  # rows longer than this take torch.topk on CUDA (measured, see module docstring)
 
 
@@ -142,6 +143,9 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
     if topk_impl == "binned":
         return indexer_topk_binned(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
                                    kv_start=kv_start)
+    if topk_impl == "cand":
+        return indexer_topk_cand(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
+                                 kv_start=kv_start)
     if topk_impl == "stream":
         return indexer_topk_stream(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
                                    kv_start=kv_start)
