@@ -33,8 +33,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from granular_harness import Run, dense_times, log, parallel_warmup, trained_indexer  # noqa: E402
 
 # (label, CandConfig overrides); the first is the default
-CAND = [("cand", {}), ("cand-zgrid", {"threshold": "zgrid", "target": 1.5}), ("cand-E1.15", {"target": 1.15}),
-        ("cand-sel4w", {"select_warps": 4})]
+CAND = {1: [("cand", {}), ("cand-zgrid", {"threshold": "zgrid", "target": 1.5}), ("cand-E1.15", {"target": 1.15}),
+            ("cand-sel4w", {"select_warps": 4})],
+        2: [("cand", {}), ("cand-dec", {"redo": "decode"}), ("cand-dec-E1.5", {"redo": "decode", "target": 1.5}),
+            ("cand-pk", {"redo": "decode", "packed": True}),
+            ("cand-pkdot", {"redo": "decode", "packed": True, "dot_scan": True}),
+            ("cand-dot", {"redo": "decode", "dot_scan": True}),
+            ("cand-pk-4w", {"redo": "decode", "packed": True, "select_warps": 4})]}
+CAND128 = {1: ["cand"], 2: ["cand-dec", "cand-pk", "cand-pkdot", "cand-dec-E1.5"]}
 
 
 def parse_args(argv=None):
@@ -47,9 +53,11 @@ def parse_args(argv=None):
     ap.add_argument("--rep-ms", type=int, default=20)
     ap.add_argument("--jobs", type=int, default=8, help="warm-up child processes (0: none)")
     ap.add_argument("--warm-s", type=float, default=45.0)
+    ap.add_argument("--call", type=int, default=2, choices=(1, 2), help="which device call's variant lists")
     ap.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prove-dir", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    a.cand = CAND[a.call]
     a.shape, a.index, a.sink, a.window = [1, 32, 8, 128, 2048], [4, 64], 4, 64
     a.L32, a.L128 = 32768, 131072
     if a.cpu_smoke:
@@ -79,7 +87,7 @@ def impl_fn(a, impl: str):
 
 
 def parts(a) -> list[str]:
-    return [f"{lab}@{L}" for lab, _ in CAND for L in (a.L32, a.L128)] + [f"auto@{a.L32}", f"stream@{a.L32}"]
+    return [f"{lab}@{L}" for lab, _ in a.cand for L in (a.L32, a.L128)] + [f"auto@{a.L32}", f"stream@{a.L32}"]
 
 
 def prove(a, dev, part: str) -> None:
@@ -104,7 +112,7 @@ def prove(a, dev, part: str) -> None:
         K = a.shape[4]
         kw = dict(q_offset=L - T, sink=a.sink, window=a.window)
         if name.startswith("cand"):
-            got = indexer_topk_cand(q, w, k, K, config=cand_cfg(a, dict(CAND)[name]), **kw)
+            got = indexer_topk_cand(q, w, k, K, config=cand_cfg(a, dict(a.cand)[name]), **kw)
         else:
             got = tri.indexer_topk(q, w, k, K, topk_impl=name, **kw)
         # the same score kernel's rows (radix select on materialised scores): bf16 scores tie-break as theirs
@@ -143,8 +151,8 @@ def cand_phases(a, qi, wi, ki, over: dict, dev, W: dict) -> dict:
     C = stream_buffer_slots(K)
     kvs = _kv_start(None, B, dev)
     SW = triton.cdiv(S, ct.sample_stride(cfg, S))
-    val = torch.empty(B, T, C, device=dev)
-    idx = torch.empty(B, T, C, device=dev, dtype=torch.int32)
+    val = torch.empty(B, T, C, device=dev, dtype=torch.int64 if cfg.packed else torch.float32)
+    idx = val if cfg.packed else torch.empty(B, T, C, device=dev, dtype=torch.int32)
     smp = torch.empty(B, T, SW, device=dev)
     th = torch.empty(B, T, device=dev)
     nrow = torch.empty(B, T, device=dev, dtype=torch.int32)
@@ -185,7 +193,7 @@ def token_phase(a, run: Run, name: str, index, dev, W: dict, labels: list[str], 
     for lab in labels:
         if lab not in ok or not run.gate(10, f"{name} {lab}"):
             continue
-        over = dict(CAND)[lab]
+        over = dict(a.cand)[lab]
         info = {}
         got = run.guarded(f"{name} {lab}", cand_fn(a, over, info), qi, wi, ki)
         if got is None:
@@ -223,7 +231,8 @@ def prefill(a, run: Run, index, dev, W: dict, impl: str) -> dict:
     q, k, v = (torch.randn(B, L, h, D, device=dev, generator=gen).to(dt) for h in (H, Hkv, Hkv))
     dn = dense_times(q, k, v, dev, W, False)
     qi, wi, ki = index
-    sel = (lambda: cand_fn(a, {})(qi, wi, ki)) if impl == "cand" else (lambda: impl_fn(a, impl)(qi, wi, ki))
+    sel = ((lambda: cand_fn(a, dict(a.cand)[impl])(qi, wi, ki)) if impl.startswith("cand")
+           else (lambda: impl_fn(a, impl)(qi, wi, ki)))
     rows = sel()
     r = {"seqlen": L, "topk_impl": impl, **dn, "select_ms": bench_ms(sel, dev, **W),
          "attn_ms": bench_ms(lambda: sparse_attention(q, k, v, rows, backend="triton"), dev, **W),
@@ -231,6 +240,14 @@ def prefill(a, run: Run, index, dev, W: dict, impl: str) -> dict:
     r["prefill_speedup"] = r["dense_ms"] / r["prefill_ms"]
     log(str(r))
     return r
+
+
+def best_label(tok: dict | None) -> str | None:
+    """The fastest cand variant whose rows equalled auto's in this run's 32K trained phase."""
+    if not tok:
+        return None
+    ok = [(t, lab) for lab, t in tok["times"].items() if lab != "auto" and t and tok["equal_auto"].get(lab)]
+    return min(ok)[1] if ok else None
 
 
 def main(argv=None):
@@ -266,15 +283,15 @@ def main(argv=None):
         th.join()
         done = read_proven(a)
         run.res["prove"] = {"info": box.get("info"), "results": done}
-        ok32 = {lab for lab, _ in CAND if done.get(f"{lab}@{a.L32}", {}).get("ok")}
-        ok128 = {lab for lab, _ in CAND if done.get(f"{lab}@{a.L128}", {}).get("ok")}
+        ok32 = {lab for lab, _ in a.cand if done.get(f"{lab}@{a.L32}", {}).get("ok")}
+        ok128 = {lab for lab, _ in a.cand if done.get(f"{lab}@{a.L128}", {}).get("ok")}
     else:
-        ok32 = ok128 = {lab for lab, _ in CAND}
+        ok32 = ok128 = {lab for lab, _ in a.cand}
     log(f"proven 32K {sorted(ok32)} 128K {sorted(ok128)}; prove results "
         f"{ {k: (v.get('ok'), v.get('rows_differing'), v.get('err')) for k, v in run.res.get('prove', {}).get('results', {}).items()} }")
     run.save()
     W = dict(warmup_ms=5, rep_ms=a.rep_ms)
-    labs = [lab for lab, _ in CAND]
+    labs = [lab for lab, _ in a.cand]
     res = run.res
     res["token"] = []
     idx32 = patterns.trained_index(ix, a.L32, dev, gen)
@@ -283,23 +300,26 @@ def main(argv=None):
         run.save()
     if run.gate(20, "32K random"):
         rnd = random_index(a, a.L32, dev, gen)
-        res["token"].append(run.guarded("32K random", token_phase, a, run, "L32 random", rnd, dev, W, labs[:2], ok32))
+        res["token"].append(run.guarded("32K random", token_phase, a, run, "L32 random", rnd, dev, W,
+                                        labs[:2] if a.call == 1 else labs[1:], ok32))
         del rnd
         run.save()
     if run.gate(30, "128K random"):
         rnd = random_index(a, a.L128, dev, gen)
         W128 = dict(warmup_ms=1, rep_ms=a.rep_ms)
-        res["token"].append(run.guarded("128K random", token_phase, a, run, "L128 random", rnd, dev, W128, labs[:1],
-                                        ok128))
+        res["token"].append(run.guarded("128K random", token_phase, a, run, "L128 random", rnd, dev, W128,
+                                        CAND128[a.call], ok128))
         del rnd
         run.save()
-    if "cand" in ok32 and run.gate(20, "prefill 32K"):
-        res["prefill"] = run.guarded("prefill", prefill, a, run, idx32, dev, W, "cand")
+    best = best_label(res["token"][0] if res["token"] else None)
+    if best and run.gate(20, "prefill 32K"):
+        res["prefill"] = run.guarded("prefill", prefill, a, run, idx32, dev, W, best)
         run.save()
     if run.gate(30, "128K trained"):
         idx128 = patterns.trained_index(ix, a.L128, dev, gen)
         res["token"].append(run.guarded("128K trained", token_phase, a, run, "L128 trained", idx128, dev,
-                                        dict(warmup_ms=1, rep_ms=a.rep_ms), labs[:1], ok128, with_auto=False))
+                                        dict(warmup_ms=1, rep_ms=a.rep_ms), CAND128[a.call][:2], ok128,
+                                        with_auto=a.call == 2))
         del idx128
         run.save()
     if run.gate(12, "stream 32K trained"):

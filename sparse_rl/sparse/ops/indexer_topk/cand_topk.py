@@ -39,7 +39,7 @@ import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
 from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
-from sparse_rl.sparse.ops.indexer_topk.stream import (_common, _gather_kernel, _kv_start, _rows,
+from sparse_rl.sparse.ops.indexer_topk.stream import (_common, _gather_kernel, _kv_start, _redo_rows, _rows,
                                                       _threshold_kernel, NZ, Z0, DZ, score_tile,
                                                       stream_buffer_slots)
 
@@ -131,6 +131,78 @@ def _quantile_kernel(SMP, KVS, TH, spb, spt, stb, Tc, S, t0, q_offset, sink, win
 
 
 @triton.jit
+def _gather_packed_kernel(Q, W, KI, KVS, TH, BUF, NROW, sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, svb, svt,
+                          snb, T, S, t0, q_offset, sink, window, K, C,
+                          HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                          DOT_SCAN: tl.constexpr, PREC: tl.constexpr):
+    """`stream._gather_kernel` with ONE 8-byte store a candidate instead of two 4-byte ones: BUF `[B, Tc, C]`
+    int64 = (order-preserving key << 32) | position (call 1: the gather cost ~5x the sweep, and fewer
+    candidates, E 1.15 vs 1.3, changed nothing, so it is the per-score work: scan, slots, predicated stores)."""
+    b, offs_m, tq, mmask, pos, start, first, last, nvis, nf = _rows(KVS, T, S, t0, q_offset, sink, window, BM, BN)
+    th = tl.load(TH + b * snb + offs_m, mask=mmask, other=float("inf"))
+    run = tl.zeros([BM], tl.int32)
+    if DOT_SCAN:
+        tri = (tl.arange(0, BN)[:, None] <= tl.arange(0, BN)[None, :]).to(tl.float16)  # inclusive prefix
+    for n0 in range(first, last + 1, BN):
+        s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
+                                            sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
+                                            HI, DI, BM, BN, BD, PREC)
+        cand = vis & (forced | (s >= th[:, None]))
+        if DOT_SCAN:  # the in-tile prefix sum on the tensor cores: 0/1 x triangular ones, exact
+            if PREC == 2:
+                pre = tl.dot(cand.to(tl.float32), tri.to(tl.float32)).to(tl.int32)
+            else:
+                pre = tl.dot(cand.to(tl.float16), tri).to(tl.int32)
+        else:
+            pre = tl.cumsum(cand.to(tl.int32), 1)
+        slot = run[:, None] + pre - 1
+        ok = cand & (slot < C)
+        key = _okey(tl.where(forced, float("inf"), s)).to(tl.int64)
+        word = (key << 32) | offs_n[None, :].to(tl.int64)
+        tl.store(BUF + b * svb + offs_m[:, None] * svt + slot, word, mask=ok)
+        run += tl.sum(cand.to(tl.int32), 1)
+    good = (run >= tl.minimum(nvis, K)) & (run <= C)
+    tl.store(NROW + b * snb + offs_m, tl.where(good, run, -1), mask=mmask)
+
+
+@triton.jit
+def _select_packed_kernel(BUF, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.constexpr, KB: tl.constexpr):
+    """`_select_kernel` on the packed buffer of `_gather_packed_kernel`."""
+    row = tl.program_id(0)
+    b = (row // Tc).to(tl.int64)
+    t = (row % Tc).to(tl.int64)
+    n = tl.load(NROW + b * snb + t)
+    if n >= 0:
+        offs = tl.arange(0, CB)
+        live = offs < n
+        word = tl.load(BUF + b * svb + t * svt + offs, mask=live, other=0)
+        key = (word >> 32).to(tl.uint32)
+        idx = (word & 0xFFFFFFFF).to(tl.int32)
+        _write_selected(key, idx, live, n, K, OUT + b * sob + t * sot, KB)
+
+
+@triton.jit
+def _write_selected(key, idx, live, n, K, obase, KB: tl.constexpr):
+    """The K largest live keys (key order = lane order; later lanes win ties) -> their idx ascending at obase,
+    -1 padded to K."""
+    sel = live
+    if n > K:
+        tau = kth_key(key, live, K)
+        gt = live & (key > tau)
+        eq = live & (key == tau)
+        need = K - tl.sum(gt.to(tl.int32), 0)
+        n_eq = tl.sum(eq.to(tl.int32), 0)
+        sel = gt | eq
+        if need < n_eq:  # among keys equal to the k-th the later ones win (the reference's rule)
+            sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) > n_eq - need))
+    slot = tl.cumsum(sel.to(tl.int32), 0) - 1
+    tl.store(obase + slot, idx, mask=sel)
+    for c in range(tl.minimum(n, K), K, KB):
+        o = c + tl.arange(0, KB)
+        tl.store(obase + o, tl.full([KB], -1, tl.int32), mask=o < K)
+
+
+@triton.jit
 def _select_kernel(VAL, IDX, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.constexpr, KB: tl.constexpr):
     """OUT `[B, Tc, K]`: the exact top-K of each row's buffer (NROW >= 0 entries, key order), ascending."""
     row = tl.program_id(0)
@@ -141,24 +213,8 @@ def _select_kernel(VAL, IDX, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.c
         offs = tl.arange(0, CB)
         live = offs < n
         x = tl.load(VAL + b * svb + t * svt + offs, mask=live, other=float("-inf"))
-        key = _okey(x)
-        sel = live
-        if n > K:
-            tau = kth_key(key, live, K)
-            gt = live & (key > tau)
-            eq = live & (key == tau)
-            need = K - tl.sum(gt.to(tl.int32), 0)
-            n_eq = tl.sum(eq.to(tl.int32), 0)
-            sel = gt | eq
-            if need < n_eq:  # among keys equal to the k-th the later ones win (the reference's rule)
-                sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) > n_eq - need))
-        idx = tl.load(IDX + b * svb + t * svt + offs, mask=sel, other=0)
-        slot = tl.cumsum(sel.to(tl.int32), 0) - 1
-        obase = OUT + b * sob + t * sot
-        tl.store(obase + slot, idx, mask=sel)
-        for c in range(tl.minimum(n, K), K, KB):
-            o = c + tl.arange(0, KB)
-            tl.store(obase + o, tl.full([KB], -1, tl.int32), mask=o < K)
+        idx = tl.load(IDX + b * svb + t * svt + offs, mask=live, other=0)
+        _write_selected(_okey(x), idx, live, n, K, OUT + b * sob + t * sot, KB)
 
 
 @dataclass(frozen=True)
@@ -175,6 +231,9 @@ class CandConfig:
     warps: int = 8
     quantile_warps: int = 4
     select_warps: int = 8
+    dot_scan: bool = False  # the gather's in-tile prefix sum by a triangular matmul (stream.py) instead of tl.cumsum
+    packed: bool = False  # one int64 (key, position) store a candidate (`_gather_packed_kernel`)
+    redo: str = "tiles"  # flagged rows: "tiles" (their 64-row tiles materialised + bin_topk) or "decode" (stream's)
 
 
 INTERPRET_CAND = CandConfig(block_m=16, block_n=16, sample_block_n=16, sample_stride=2, sample_lanes=64, warps=1,
@@ -211,12 +270,19 @@ def cand_threshold(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, C
 
 
 def cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, val, idx, nrow, cfg: CandConfig):
-    """Phase 3 (stream.py's gather sweep): val/idx `[B, Tc, C]` in key order, nrow `[B, Tc]` (-1: redo)."""
+    """Phase 3 (stream.py's gather sweep): val/idx `[B, Tc, C]` in key order, nrow `[B, Tc]` (-1: redo); with
+    cfg.packed, val is the `[B, Tc, C]` int64 buffer and idx is unused."""
     B, S, C = q_idx.shape[0], k_idx.shape[1], val.shape[2]
     args, strides, meta = _common(q_idx, w, k_idx, kvs)
+    if cfg.packed:
+        _gather_packed_kernel[(triton.cdiv(t1 - t0, cfg.block_m), B)](
+            *args, th, val, nrow, *strides, val.stride(0), val.stride(1), nrow.stride(0), t1, S, t0, q_offset,
+            sink, window, topk, C, BM=cfg.block_m, BN=cfg.block_n, DOT_SCAN=cfg.dot_scan, **meta,
+            num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1)
+        return
     _gather_kernel[(triton.cdiv(t1 - t0, cfg.block_m), B)](
         *args, th, val, idx, nrow, *strides, val.stride(0), val.stride(1), nrow.stride(0), t1, S, t0, q_offset,
-        sink, window, topk, C, BM=cfg.block_m, BN=cfg.block_n, DOT_SCAN=False, **meta,
+        sink, window, topk, C, BM=cfg.block_m, BN=cfg.block_n, DOT_SCAN=cfg.dot_scan, **meta,
         num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1)
 
 
@@ -224,6 +290,11 @@ def cand_select(val, idx, nrow, out, topk, cfg: CandConfig):
     """Phase 4: one program a row, the exact top-k of its buffer into out `[B, Tc, topk]` (rows < 0 skipped)."""
     B, Tc = out.shape[:2]
     CB = triton.next_power_of_2(val.shape[2])
+    if cfg.packed:
+        _select_packed_kernel[(B * Tc,)](val, nrow, out, Tc, val.stride(0), val.stride(1), nrow.stride(0),
+                                         out.stride(0), out.stride(1), topk, CB=CB, KB=min(1024, CB),
+                                         num_warps=cfg.select_warps)
+        return
     _select_kernel[(B * Tc,)](val, idx, nrow, out, Tc, val.stride(0), val.stride(1), nrow.stride(0), out.stride(0),
                               out.stride(1), topk, CB=CB, KB=min(1024, CB), num_warps=cfg.select_warps)
 
@@ -272,8 +343,8 @@ def indexer_topk_cand(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor,
     BM = cfg.block_m
     chunk = max(BM, min(T, budget // (B * (8 * C + 4 * SW))) // BM * BM)
     rows = min(T, chunk)
-    val = torch.empty(B, rows, C, device=dev, dtype=torch.float32)
-    idx = torch.empty(B, rows, C, device=dev, dtype=torch.int32)
+    val = torch.empty(B, rows, C, device=dev, dtype=torch.int64 if cfg.packed else torch.float32)
+    idx = val if cfg.packed else torch.empty(B, rows, C, device=dev, dtype=torch.int32)
     smp = torch.empty(B, rows, SW, device=dev, dtype=torch.float32)
     small = torch.empty(2, B, rows, device=dev, dtype=torch.int32)  # entry counts, thresholds (fp32 bits)
     nrow, th = small[0], small[1].view(torch.float32)
@@ -289,7 +360,10 @@ def indexer_topk_cand(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor,
             entries += int(nrow[:, :t1 - t0].clamp(min=0).sum())
         if bool(bad.any()):
             redone += int(bad.sum())
-            redo_tiles(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out, BM)
+            if cfg.redo == "decode":
+                _redo_rows(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out)
+            else:
+                redo_tiles(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out, BM)
     if info is not None:
         info.update(mean_entries=entries / max(1, B * T - redone), redone_rows=redone, slots=C, sample_stride=R)
     return out
