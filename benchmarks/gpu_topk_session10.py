@@ -39,8 +39,10 @@ CAND = {1: [("cand", {}), ("cand-zgrid", {"threshold": "zgrid", "target": 1.5}),
             ("cand-pk", {"redo": "decode", "packed": True}),
             ("cand-pkdot", {"redo": "decode", "packed": True, "dot_scan": True}),
             ("cand-dot", {"redo": "decode", "dot_scan": True}),
-            ("cand-pk-4w", {"redo": "decode", "packed": True, "select_warps": 4})]}
-CAND128 = {1: ["cand"], 2: ["cand-dec", "cand-pk", "cand-pkdot", "cand-dec-E1.5"]}
+            ("cand-pk-4w", {"redo": "decode", "packed": True, "select_warps": 4}),
+            ("cand-pk-s8k", {"redo": "decode", "packed": True, "sample_lanes": 8192, "quantile_warps": 8}),
+            ("cand-pk-q16", {"redo": "decode", "packed": True, "quantile_bits": 16})]}
+CAND128 = {1: ["cand"], 2: ["cand-pk", "cand-pk-q16", "cand-pk-s8k", "cand-dec", "cand-pkdot", "cand-dec-E1.5"]}
 
 
 def parse_args(argv=None):

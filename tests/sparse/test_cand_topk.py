@@ -31,6 +31,8 @@ def _inputs(B, T, S, HI, DI, seed, positive_w=False, integer=False):
     (1, 16, 160, 2, 16, 6, 0, 0, None, False, True, None, "sample"),  # integer scores: ties inside the buffer
     (2, 11, 13, 4, 8, 40, 1, 1, [3, 0], False, False, None, "sample"),  # k above every row's visible count
     (1, 16, 160, 2, 16, 6, 1, 2, None, True, False, None, "zgrid"),  # stream.py's moment threshold
+    (2, 21, 75, 3, 16, 8, 2, 3, [0, 17], False, True, None, "packed"),  # int64 (key, position) buffer, integer ties
+    (1, 23, 61, 2, 20, 9, 1, 1, None, False, False, None, "packed-dot-q16"),  # tensor-core scan, 16-bit quantile
 ])
 def test_cand_selects_exactly_the_reference_keys(B, T, S, HI, DI, K, sink, window, kvs, positive_w, integer, budget,
                                                  threshold):
@@ -38,9 +40,10 @@ def test_cand_selects_exactly_the_reference_keys(B, T, S, HI, DI, K, sink, windo
     kv_start = None if kvs is None else torch.tensor(kvs)
     q_off = S - T
     info = {}
+    over = {"packed": dict(packed=True), "packed-dot-q16": dict(packed=True, dot_scan=True, quantile_bits=16)}.get(
+        threshold, dict(threshold=threshold))
     got = indexer_topk_cand(q, w, k, K, q_offset=q_off, sink=sink, window=window, kv_start=kv_start,
-                            config=dataclasses.replace(INTERPRET_CAND, threshold=threshold), budget_bytes=budget,
-                            info=info)
+                            config=dataclasses.replace(INTERPRET_CAND, **over), budget_bytes=budget, info=info)
     ref = indexer_topk_naive(q, w, k, K, q_offset=q_off, sink=sink, window=window, kv_start=kv_start)
     assert got.dtype == torch.int32 and torch.equal(got, ref)
     if S > 4 * K:  # rows longer than the buffer: the threshold served some of them

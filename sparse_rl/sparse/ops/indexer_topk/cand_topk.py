@@ -54,10 +54,11 @@ def _key_to_float(key):
 
 
 @triton.jit
-def kth_key(key, live, K):
+def kth_key(key, live, K, NBITS: tl.constexpr = 32):
     """The K-th largest of the live `[CB]` uint32 keys (K >= 1, at least K live): the largest tau with
     #(live & key >= tau) >= K, by a binary search over the bits where the live min and max differ (the bits
-    above are common to every live key, hence to tau)."""
+    above are common to every live key, hence to tau). NBITS < 32: only the top NBITS bits are searched (the
+    rest left 0), so tau <= the K-th largest and #(key >= tau) >= K: a threshold, not the exact key."""
     lo = tl.min(tl.where(live, key, 0xFFFFFFFF), 0)
     hi = tl.max(tl.where(live, key, 0), 0)
     diff = lo ^ hi
@@ -68,7 +69,7 @@ def kth_key(key, live, K):
     smear = smear | (smear >> 16)  # every bit at or below diff's highest set bit
     tau = lo & ~smear
     bit = tl.full([], 0x80000000, tl.uint32)
-    for _ in range(32):
+    for _ in range(NBITS):
         if (smear & bit) != 0:
             cand = tau | bit
             c = tl.sum((live & (key >= cand)).to(tl.int32), 0)
@@ -103,7 +104,7 @@ def _sample_kernel(Q, W, KI, KVS, SMP, sqb, sqt, sqh, sqd, swb, swt, swh, skb, s
 
 @triton.jit
 def _quantile_kernel(SMP, KVS, TH, spb, spt, stb, Tc, S, t0, q_offset, sink, window, K, C, E, SW,
-                     R: tl.constexpr, CB: tl.constexpr):
+                     R: tl.constexpr, CB: tl.constexpr, QBITS: tl.constexpr):
     """TH `[B, Tc]`: each row's threshold, the m-th largest of its sampled scores (see the module docstring);
     -inf for rows of <= C visible keys (take all) or too few samples, +inf where the forced keys fill k."""
     row = tl.program_id(0)
@@ -126,7 +127,7 @@ def _quantile_kernel(SMP, KVS, TH, spb, spt, stb, Tc, S, t0, q_offset, sink, win
             m = tl.ceil(E * kk.to(tl.float32) * ns.to(tl.float32) / (nvis - nf).to(tl.float32)).to(tl.int32)
             m = tl.maximum(m, 1)
             if ns > m:
-                th = _key_to_float(kth_key(_okey(x), live, m))
+                th = _key_to_float(kth_key(_okey(x), live, m, QBITS))
     tl.store(TH + b * stb + t, th)
 
 
@@ -230,6 +231,7 @@ class CandConfig:
     threshold: str = "sample"
     warps: int = 8
     quantile_warps: int = 4
+    quantile_bits: int = 32  # < 32: the threshold from the keys' top bits only (a lower bound of the m-th sample)
     select_warps: int = 8
     dot_scan: bool = False  # the gather's in-tile prefix sum by a triangular matmul (stream.py) instead of tl.cumsum
     packed: bool = False  # one int64 (key, position) store a candidate (`_gather_packed_kernel`)
@@ -266,7 +268,8 @@ def cand_threshold(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, C
                          num_stages=stages)
     _quantile_kernel[(B * (t1 - t0),)](smp, kvs, th, smp.stride(0), smp.stride(1), th.stride(0), t1 - t0, S, t0,
                                        q_offset, sink, window, topk, C, cfg.target, SW, R=R,
-                                       CB=triton.next_power_of_2(SW), num_warps=cfg.quantile_warps)
+                                       CB=triton.next_power_of_2(SW), QBITS=cfg.quantile_bits,
+                                       num_warps=cfg.quantile_warps)
 
 
 def cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, val, idx, nrow, cfg: CandConfig):
