@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from granular_harness import Run, dense_times, log, parallel_warmup, trained_indexer  # noqa: E402
 
 # (label, CandConfig overrides); the first is the default
+OLD = {"redo": "tiles", "target": 1.3}  # CandConfig's defaults in calls 1 and 2 (labels keep their meaning)
 CAND = {1: [("cand", {}), ("cand-zgrid", {"threshold": "zgrid", "target": 1.5}), ("cand-E1.15", {"target": 1.15}),
             ("cand-sel4w", {"select_warps": 4})],
         2: [("cand", {}), ("cand-dec", {"redo": "decode"}), ("cand-dec-E1.5", {"redo": "decode", "target": 1.5}),
@@ -71,7 +72,7 @@ def parse_args(argv=None):
 def cand_cfg(a, over: dict):
     from sparse_rl.sparse.ops.indexer_topk.cand_topk import INTERPRET_CAND, CandConfig
 
-    return dataclasses.replace(INTERPRET_CAND if a.cpu_smoke else CandConfig(), **over)
+    return dataclasses.replace(INTERPRET_CAND if a.cpu_smoke else CandConfig(), **{**OLD, **over})
 
 
 def cand_fn(a, over: dict, info=None):

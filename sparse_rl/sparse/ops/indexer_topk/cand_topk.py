@@ -22,10 +22,17 @@ Phases (why each):
    (no `tl.histogram`: it lowers to ~55-100 instructions an element, NOTES item 16; a bit step is a compare,
    a convert and a block sum), then the kept lanes (> tau, and the last `need` of the lanes == tau: the
    buffer is in key order, so later lanes are later keys) written ascending by one prefix sum.
-5. Exactness: rows flagged -1 (the sample was unlucky, or masses of equal scores) are redone on the
-   materialising path (`redo_tiles`: the flagged rows' query tiles scored into `[tile, S]` and `bin_topk`),
-   not by the decode select that `stream.py` uses (under the interpreter it broke the tie rule on a row of 57
-   equal scores: tests/sparse/test_cand_topk.py). The buffer holds every key >= the threshold, so a row it serves is exact
+5. Exactness: rows flagged -1 (the sample was unlucky, or masses of equal scores) are redone exactly: on CUDA
+   by the split-row decode select (`stream._redo_rows`, ~10 us a row), under the interpreter on the
+   materialising path (`redo_tiles`: the flagged rows' 64-row tiles scored and `bin_topk`), because there the
+   decode select broke the tie rule on a row of 57 equal scores (tests/sparse/test_cand_topk.py; on the H200
+   every redo matched bin_topk's rows).
+
+Measured (H200, session 10, B = 1, k = 2048, 4 x 64 bf16; NOTES item 18): 128K 71.7 ms (random, this
+default form) / 86.4 (trained: the packed, 16-bit-quantile, E 1.3 form; the default was not timed there) against 112.0 / 132.1 for `bin_topk` on materialised scores and 11.0 for the
+score sweep alone; 32K 7.1-7.2 against 7.1-7.9 (a tie). The gather sweep is most of it (3.5-4.0 ms at 32K,
+45-49 at 128K: 4-5x the sweep alone, whatever the candidate count: per-score scan, slots and predicated
+scattered stores), then the select (1.7-2.1 / 8 ms) and the threshold (0.5-0.7 / 3.6-5.6 ms). The buffer holds every key >= the threshold, so a row it serves is exact
    whatever the threshold was: the sample decides speed only.
 """
 
@@ -39,6 +46,7 @@ import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
 from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
+from sparse_rl.sparse.ops.indexer_topk.scores import indexer_scores_chunk
 from sparse_rl.sparse.ops.indexer_topk.stream import (_common, _gather_kernel, _kv_start, _redo_rows, _rows,
                                                       _threshold_kernel, NZ, Z0, DZ, score_tile,
                                                       stream_buffer_slots)
@@ -220,14 +228,21 @@ def _select_kernel(VAL, IDX, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.c
 
 @dataclass(frozen=True)
 class CandConfig:
-    """Launch shapes and the threshold. `threshold`: "sample" (this module's quantile) or "zgrid" (stream.py's
-    moments and z grid, for comparison). `target` E: keys aimed at above the threshold, in units of k."""
+    """Launch shapes, threshold and redo. The defaults are the H200's fastest measured exact form at 128K
+    (session 10 call 2, NOTES item 18: 71.7 ms against 112.0 for bin_topk on random input; 73.2 at E 1.3, 81.5
+    packed, 76.9 with the 16-bit quantile, 75.2 with an 8K-lane sample). `threshold`: "sample" (the quantile
+    of this module) or "zgrid" (stream.py's moments and z grid). `target` E: keys aimed at above the threshold,
+    in units of k (1.5: 75 of 131K rows redone at 128K against 916 at 1.3; at 32K trained 1.3 redid fewer, 110
+    vs 252, its p99 buffer 3,660 of 4,096). `redo`: flagged rows by "decode" (stream.py's split-row decode select:
+    ~10 us a row on the H200, rows equal to bin_topk's in every call-2 case) or "tiles" (their 64-row tiles
+    materialised + bin_topk: exact under the interpreter where the decode select was not, but ~150 us a row
+    at 128K: 146 ms for 916 rows in call 1)."""
     block_m: int = 64
     block_n: int = 128  # keys per gather tile (stream.py's SASS-chosen shape)
     sample_block_n: int = 64  # sampled keys per sample tile
     sample_stride: int = 16  # R, at least; grows so that a row's sample fits `sample_lanes`
     sample_lanes: int = 4096
-    target: float = 1.3
+    target: float = 1.5
     threshold: str = "sample"
     warps: int = 8
     quantile_warps: int = 4
@@ -235,11 +250,11 @@ class CandConfig:
     select_warps: int = 8
     dot_scan: bool = False  # the gather's in-tile prefix sum by a triangular matmul (stream.py) instead of tl.cumsum
     packed: bool = False  # one int64 (key, position) store a candidate (`_gather_packed_kernel`)
-    redo: str = "tiles"  # flagged rows: "tiles" (their 64-row tiles materialised + bin_topk) or "decode" (stream's)
+    redo: str = "decode"
 
 
-INTERPRET_CAND = CandConfig(block_m=16, block_n=16, sample_block_n=16, sample_stride=2, sample_lanes=64, warps=1,
-                            quantile_warps=1, select_warps=1)
+INTERPRET_CAND = CandConfig(block_m=16, block_n=16, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
+                            warps=1, quantile_warps=1, select_warps=1, redo="tiles")
 
 
 def sample_stride(cfg: CandConfig, s_max: int) -> int:
@@ -304,10 +319,8 @@ def cand_select(val, idx, nrow, out, topk, cfg: CandConfig):
 
 def redo_tiles(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out, tile: int):
     """The exact rows of every `tile`-row span of the chunk holding a flagged row (bad `[B, Tc]`): its scores
-    materialised (`triton.indexer_scores_chunk`, the gather's score tiles) and `bin_topk`; consecutive
+    materialised (`scores.indexer_scores_chunk`, the gather's score tiles) and `bin_topk`; consecutive
     flagged spans go in one launch pair. out `[B, T, topk]` is written for the whole spans (the same rows)."""
-    from sparse_rl.sparse.ops.indexer_topk.triton import indexer_scores_chunk
-
     T, S = q_idx.shape[1], k_idx.shape[1]
     tiles = bad.any(0)
     tiles = torch.nn.functional.pad(tiles, (0, (-tiles.numel()) % tile)).view(-1, tile).any(1).nonzero().flatten()
