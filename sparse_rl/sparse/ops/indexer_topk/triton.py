@@ -11,11 +11,17 @@ Design (why):
 - Queries are processed in chunks so the score buffer is `[B, Tc, Sc]` with
   `B*Tc*Sc*4 <= budget` bytes (default 1 GiB on CUDA), never `[T, S]` at long context; a chunk
   only covers keys up to its last query's position (`Sc = q_offset + t1`), which halves the causal work.
-- `topk_impl="auto"` on CUDA: the materialising path with the one-histogram select of `bin_topk.py`
+- `topk_impl="auto"` on CUDA: for rows of more than 32K keys "cand" (below); otherwise the materialising path
+  with the one-histogram select of `bin_topk.py`
   (benchmarks/NOTES.md item 16, H200, trained indexer, B = 1, k = 2048, scores + top-k: 0.73 / 2.35 /
   7.97 / 132.1 ms at 8K / 16K / 32K / 128K against radix 0.96 / 3.52 / 13.08 and the stream select
   3.27 / 5.34 / 16.57 / 162.9; rows equal to radix's at every length). Under the CPU interpreter:
   torch.topk.
+- `topk_impl="cand"`: `cand_topk.py` (session 10), never materialising: a per-row threshold from the quantile of
+  a strided key sample, stream.py's compacting gather sweep, a binary-search buffer select, flagged rows redone
+  exactly. H200 (NOTES item 18; rows equal to bin's in every case): 71.7 ms at 128K random (its default form;
+  86.4 trained with the packed, 16-bit-quantile form) against bin's 112.0 / 132.1; at 32K a tie (7.1-7.2 vs 7.1-7.9). So `auto` on CUDA takes it for rows of more
+  than `CAND_MIN_KEYS` keys and bin below (not timed between 32K and 128K).
 - `topk_impl="stream"`: the streaming select of `stream.py`, which never materialises the scores (per
   query tile: sampled statistics, a threshold, a candidate buffer, an exact select among the
   candidates; see its docstring). NOTES items 10 and 13: 9.25 / 83 ms at 32K / 128K on random input,
@@ -39,68 +45,21 @@ Design (why):
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
+from sparse_rl.sparse.ops.indexer_topk.cand_topk import indexer_topk_cand
 from sparse_rl.sparse.ops.indexer_topk.decode import indexer_topk_decode
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_naive
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import radix_topk
-from sparse_rl.sparse.ops.indexer_topk.stream import score_tile, indexer_topk_stream
+from sparse_rl.sparse.ops.indexer_topk.scores import indexer_scores_chunk
+from sparse_rl.sparse.ops.indexer_topk.stream import indexer_topk_stream
 from sparse_rl.sparse.ops.indexer_topk.stream_binned import indexer_topk_binned
-from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORE_BUDGET_BYTES = 1 << 30
-TOPK_IMPLS = ("auto", "stream", "binned", "materialise", "radix", "bin", "torch")
+TOPK_IMPLS = ("auto", "cand", "stream", "binned", "materialise", "radix", "bin", "torch")
 RADIX_MAX_KEYS = 32768  # rows longer than this take torch.topk on CUDA (measured, see module docstring)
-
-
-@triton.jit
-def _score_kernel(Q, W, KI, KVS, OUT,
-                  sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, sob, sot, sos,
-                  T, S, t0, q_offset, sink, window,
-                  HI: tl.constexpr, DI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, PREC: tl.constexpr):
-    """OUT `[B, Tc, Sc]` fp32 for queries t0 + m of this chunk: +inf forced, -inf not visible. The
-    tile's scores are `stream.score_tile`, the streaming path's: both paths select from the same values."""
-    pm = tl.program_id(0)
-    pn = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)  # row in the chunk
-    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    tq = t0 + offs_m
-    mmask = tq < T
-    start = tl.load(KVS + b)
-    pos = q_offset + tq
-    last = q_offset + tl.minimum(t0 + pm * BLOCK_M + BLOCK_M, T) - 1  # last visible key of the tile
-    if pn * BLOCK_N <= last:  # tiles wholly in the future need no arithmetic, only -inf
-        acc, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, pn * BLOCK_N, S, sink, window,
-                                                sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
-                                                HI, DI, BLOCK_M, BLOCK_N, BLOCK_D, PREC)
-        acc = tl.where(vis, acc, float("-inf"))
-        acc = tl.where(forced, float("inf"), acc)
-    else:
-        acc = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
-    tl.store(OUT + b * sob + offs_m[:, None] * sot + offs_n[None, :] * sos, acc,
-             mask=mmask[:, None] & (offs_n[None, :] < S))
-
-
-def indexer_scores_chunk(q_idx, w, k_idx, kv_start, t0: int, t1: int, S_c: int, q_offset: int,
-                         sink: int, window: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Masked scores of queries t0..t1-1 against keys 0..S_c-1: `[B, t1-t0, S_c]` fp32."""
-    B, T, HI, DI = q_idx.shape
-    if out is None:
-        out = torch.empty(B, t1 - t0, S_c, device=q_idx.device, dtype=torch.float32)
-    # Decode (one query per row) must not pay for 64 rows of MMA: shrink the query tile.
-    BM, BN = (16 if t1 - t0 <= 16 else 64), 128
-    BD = max(16, triton.next_power_of_2(DI))
-    grid = (triton.cdiv(t1 - t0, BM), triton.cdiv(S_c, BN), B)
-    _score_kernel[grid](q_idx, w, k_idx, kv_start, out, *q_idx.stride(), *w.stride(), *k_idx.stride(),
-                        *out.stride(), t1, S_c, t0, q_offset, sink, window,
-                        HI=HI, DI=DI, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=dot_precision(q_idx.dtype),
-                        num_warps=8 if q_idx.is_cuda else 1, num_stages=2 if q_idx.is_cuda else 1)
-    return out
+CAND_MIN_KEYS = 32768  # `auto` on CUDA: rows longer than this take "cand" (1.5x bin at 128K, a tie at 32K)
 
 
 def topk_from_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -122,7 +81,7 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
                  budget_bytes: int | None = None, topk_impl: str = "auto") -> torch.Tensor:
     """Indexer top-k, Triton scores. q_idx `[B, T, H_I, D_I]`, w `[B, T, H_I]`, k_idx `[B, S, D_I]`
     -> `[B, T, topk]` int32 ascending, -1 padded. Index dims above 128, more than 64 index heads
-    or float64 take the reference. `topk_impl`: "auto" | "stream" | "binned" | "materialise" | "radix" |
+    or float64 take the reference. `topk_impl`: "auto" | "cand" | "stream" | "binned" | "materialise" | "radix" |
     "bin" | "torch" (see module docstring)."""
     if topk_impl not in TOPK_IMPLS:
         raise ValueError(f"topk_impl {topk_impl!r}: expected one of {', '.join(TOPK_IMPLS)}")
@@ -142,6 +101,9 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
     if topk_impl == "binned":
         return indexer_topk_binned(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
                                    kv_start=kv_start)
+    if topk_impl == "cand" or (topk_impl == "auto" and q_idx.is_cuda and min(S, q_offset + T) > CAND_MIN_KEYS):
+        return indexer_topk_cand(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
+                                 kv_start=kv_start)
     if topk_impl == "stream":
         return indexer_topk_stream(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
                                    kv_start=kv_start)

@@ -1,0 +1,385 @@
+"""Prefill indexer top-k from a sampled quantile threshold and ONE compacting score sweep, never writing
+`[T, S]` scores (issue 15 item 1, session 10; `topk_impl="cand"`).
+
+`indexer_topk_cand(q_idx [B, T, H_I, D_I], w [B, T, H_I], k_idx [B, S, D_I], topk)` -> `[B, T, topk]` int32,
+ascending, -1 padded: the reference's keys (`naive.indexer_topk_naive`: forced sinks and window, the highest
+scores, among equal scores the later key, -0.0 == +0.0, -inf never selected, rows with < k keys keep all).
+
+Phases (why each):
+1. Sample (`_sample_kernel`): per 64-query tile, the scores of every R-th key (strided keys, not strided
+   tiles: a trained indexer's scores are locally correlated, so whole sampled tiles would bias the count)
+   are written to a small `[Tc, S/R]` fp32 scratch (1/R of the scores; forced and invisible keys -inf).
+2. Quantile (`_quantile_kernel`, one program a row): the m-th largest sampled score, m = ceil(E * (k - forced)
+   * sampled / visible), found by a bitwise binary search on the order-preserving uint32 keys (one count
+   reduction a bit, only the bits where the row's sampled min and max differ), so that ~E * k keys score
+   >= it. Distribution-free: the z grid of `stream.py`'s moment threshold assumes a shape (on the trained
+   indexer's scores it redid many rows: NOTES item 13). Rows with <= C visible keys take all (-inf).
+3. Gather (`stream._gather_kernel`, shared): every key tile scored once more; keys >= the threshold and the
+   forced ones (+inf) appended in key order to a per-row buffer `[Tc, C]` (value, position) at a running count
+   plus an in-tile prefix sum (one program owns a row tile, so the running count is the slot reservation; no
+   atomics); a count per row, -1 when the buffer overflowed or came out short.
+4. Select (`_select_kernel`, one program a row): the exact k-th key of the buffer by the same binary search
+   (no `tl.histogram`: it lowers to ~55-100 instructions an element, NOTES item 16; a bit step is a compare,
+   a convert and a block sum), then the kept lanes (> tau, and the last `need` of the lanes == tau: the
+   buffer is in key order, so later lanes are later keys) written ascending by one prefix sum.
+5. Exactness: rows flagged -1 (the sample was unlucky, or masses of equal scores) are redone exactly: on CUDA
+   by the split-row decode select (`stream._redo_rows`, ~10 us a row), under the interpreter on the
+   materialising path (`redo_tiles`: the flagged rows' 64-row tiles scored and `bin_topk`), because there the
+   decode select broke the tie rule on a row of 57 equal scores (tests/sparse/test_cand_topk.py; on the H200
+   every redo matched bin_topk's rows).
+
+Measured (H200, session 10, B = 1, k = 2048, 4 x 64 bf16; NOTES item 18): 128K 71.7 ms (random, this
+default form) / 86.4 (trained: the packed, 16-bit-quantile, E 1.3 form; the default was not timed there) against 112.0 / 132.1 for `bin_topk` on materialised scores and 11.0 for the
+score sweep alone; 32K 7.1-7.2 against 7.1-7.9 (a tie). The gather sweep is most of it (3.5-4.0 ms at 32K,
+45-49 at 128K: 4-5x the sweep alone, whatever the candidate count: per-score scan, slots and predicated
+scattered stores), then the select (1.7-2.1 / 8 ms) and the threshold (0.5-0.7 / 3.6-5.6 ms). The buffer holds every key >= the threshold, so a row it serves is exact
+   whatever the threshold was: the sample decides speed only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
+from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
+from sparse_rl.sparse.ops.indexer_topk.scores import indexer_scores_chunk
+from sparse_rl.sparse.ops.indexer_topk.stream import (_common, _gather_kernel, _kv_start, _redo_rows, _rows,
+                                                      _threshold_kernel, NZ, Z0, DZ, score_tile,
+                                                      stream_buffer_slots)
+
+BUFFER_BUDGET_BYTES = 2 << 30  # 32K rows in one chunk (1.3 GB of buffers)
+
+
+@triton.jit
+def _key_to_float(key):
+    """Inverse of `radix_topk._okey` (for keys of finite or infinite floats; -0.0 comes back as +0.0)."""
+    u = tl.where((key >> 31) == 1, key & 0x7FFFFFFF, ~key)
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def kth_key(key, live, K, NBITS: tl.constexpr = 32):
+    """The K-th largest of the live `[CB]` uint32 keys (K >= 1, at least K live): the largest tau with
+    #(live & key >= tau) >= K, by a binary search over the bits where the live min and max differ (the bits
+    above are common to every live key, hence to tau). NBITS < 32: only the top NBITS bits are searched (the
+    rest left 0), so tau <= the K-th largest and #(key >= tau) >= K: a threshold, not the exact key."""
+    lo = tl.min(tl.where(live, key, 0xFFFFFFFF), 0)
+    hi = tl.max(tl.where(live, key, 0), 0)
+    diff = lo ^ hi
+    smear = diff | (diff >> 1)
+    smear = smear | (smear >> 2)
+    smear = smear | (smear >> 4)
+    smear = smear | (smear >> 8)
+    smear = smear | (smear >> 16)  # every bit at or below diff's highest set bit
+    tau = lo & ~smear
+    bit = tl.full([], 0x80000000, tl.uint32)
+    for _ in range(NBITS):
+        if (smear & bit) != 0:
+            cand = tau | bit
+            c = tl.sum((live & (key >= cand)).to(tl.int32), 0)
+            if c >= K:
+                tau = cand
+        bit = bit >> 1
+    return tau
+
+
+@triton.jit
+def _sample_kernel(Q, W, KI, KVS, SMP, sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, spb, spt,
+                   T, S, t0, q_offset, sink, window, C, SW,
+                   R: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BD: tl.constexpr, PREC: tl.constexpr):
+    """SMP `[B, Tc, SW]` fp32: column j = the score of key j * R for the chunk's rows t0 + m (-inf where that
+    key is invisible or forced); rows with <= C visible keys are not needed (their tiles are skipped)."""
+    b, offs_m, tq, mmask, pos, start, first, last, nvis, nf = _rows(KVS, T, S, t0, q_offset, sink, window, BM, BN)
+    if tl.max((nvis > C).to(tl.int32), 0) > 0:
+        SR = (S + R - 1) // R
+        for j0 in range(0, last // R + 1, BN):
+            # score_tile over the sampled keys: key j is position j * R (stride sks * R, bound SR)
+            s, _, _, offs_j = score_tile(Q, W, KI, b, tq, mmask, pos, start, j0, SR, sink, window,
+                                         sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks * R, skd,
+                                         HI, DI, BM, BN, BD, PREC)
+            key = offs_j[None, :] * R
+            vis = (key <= pos[:, None]) & (key >= start) & (key < S)
+            forced = (key < start + sink) | (key > pos[:, None] - window)
+            s = tl.where(vis & ~forced, s, float("-inf"))
+            tl.store(SMP + b * spb + offs_m[:, None] * spt + offs_j[None, :], s,
+                     mask=mmask[:, None] & (offs_j[None, :] < SW))
+
+
+@triton.jit
+def _quantile_kernel(SMP, KVS, TH, spb, spt, stb, Tc, S, t0, q_offset, sink, window, K, C, E, SW,
+                     R: tl.constexpr, CB: tl.constexpr, QBITS: tl.constexpr):
+    """TH `[B, Tc]`: each row's threshold, the m-th largest of its sampled scores (see the module docstring);
+    -inf for rows of <= C visible keys (take all) or too few samples, +inf where the forced keys fill k."""
+    row = tl.program_id(0)
+    b = (row // Tc).to(tl.int64)
+    t = row % Tc
+    start = tl.load(KVS + b)
+    pos = q_offset + t0 + t
+    nvis = tl.maximum(tl.minimum(pos, S - 1) - start + 1, 0)
+    nf = tl.minimum(nvis, sink + window)
+    kk = K - nf
+    th = float("-inf")
+    if nvis > C:
+        if kk <= 0:
+            th = float("inf")
+        else:
+            offs = tl.arange(0, CB)
+            x = tl.load(SMP + b * spb + t.to(tl.int64) * spt + offs, mask=(offs <= pos // R) & (offs < SW), other=float("-inf"))
+            live = x > float("-inf")
+            ns = tl.sum(live.to(tl.int32), 0)
+            m = tl.ceil(E * kk.to(tl.float32) * ns.to(tl.float32) / (nvis - nf).to(tl.float32)).to(tl.int32)
+            m = tl.maximum(m, 1)
+            if ns > m:
+                th = _key_to_float(kth_key(_okey(x), live, m, QBITS))
+    tl.store(TH + b * stb + t, th)
+
+
+@triton.jit
+def _gather_packed_kernel(Q, W, KI, KVS, TH, BUF, NROW, sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, svb, svt,
+                          snb, T, S, t0, q_offset, sink, window, K, C,
+                          HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                          DOT_SCAN: tl.constexpr, PREC: tl.constexpr):
+    """`stream._gather_kernel` with ONE 8-byte store a candidate instead of two 4-byte ones: BUF `[B, Tc, C]`
+    int64 = (order-preserving key << 32) | position (call 1: the gather cost ~5x the sweep, and fewer
+    candidates, E 1.15 vs 1.3, changed nothing, so it is the per-score work: scan, slots, predicated stores)."""
+    b, offs_m, tq, mmask, pos, start, first, last, nvis, nf = _rows(KVS, T, S, t0, q_offset, sink, window, BM, BN)
+    th = tl.load(TH + b * snb + offs_m, mask=mmask, other=float("inf"))
+    run = tl.zeros([BM], tl.int32)
+    if DOT_SCAN:
+        tri = (tl.arange(0, BN)[:, None] <= tl.arange(0, BN)[None, :]).to(tl.float16)  # inclusive prefix
+    for n0 in range(first, last + 1, BN):
+        s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
+                                            sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
+                                            HI, DI, BM, BN, BD, PREC)
+        cand = vis & (forced | (s >= th[:, None]))
+        if DOT_SCAN:  # the in-tile prefix sum on the tensor cores: 0/1 x triangular ones, exact
+            if PREC == 2:
+                pre = tl.dot(cand.to(tl.float32), tri.to(tl.float32)).to(tl.int32)
+            else:
+                pre = tl.dot(cand.to(tl.float16), tri).to(tl.int32)
+        else:
+            pre = tl.cumsum(cand.to(tl.int32), 1)
+        slot = run[:, None] + pre - 1
+        ok = cand & (slot < C)
+        key = _okey(tl.where(forced, float("inf"), s)).to(tl.int64)
+        word = (key << 32) | offs_n[None, :].to(tl.int64)
+        tl.store(BUF + b * svb + offs_m[:, None] * svt + slot, word, mask=ok)
+        run += tl.sum(cand.to(tl.int32), 1)
+    good = (run >= tl.minimum(nvis, K)) & (run <= C)
+    tl.store(NROW + b * snb + offs_m, tl.where(good, run, -1), mask=mmask)
+
+
+@triton.jit
+def _select_packed_kernel(BUF, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.constexpr, KB: tl.constexpr):
+    """`_select_kernel` on the packed buffer of `_gather_packed_kernel`."""
+    row = tl.program_id(0)
+    b = (row // Tc).to(tl.int64)
+    t = (row % Tc).to(tl.int64)
+    n = tl.load(NROW + b * snb + t)
+    if n >= 0:
+        offs = tl.arange(0, CB)
+        live = offs < n
+        word = tl.load(BUF + b * svb + t * svt + offs, mask=live, other=0)
+        key = (word >> 32).to(tl.uint32)
+        idx = (word & 0xFFFFFFFF).to(tl.int32)
+        _write_selected(key, idx, live, n, K, OUT + b * sob + t * sot, KB)
+
+
+@triton.jit
+def _write_selected(key, idx, live, n, K, obase, KB: tl.constexpr):
+    """The K largest live keys (key order = lane order; later lanes win ties) -> their idx ascending at obase,
+    -1 padded to K."""
+    sel = live
+    if n > K:
+        tau = kth_key(key, live, K)
+        gt = live & (key > tau)
+        eq = live & (key == tau)
+        need = K - tl.sum(gt.to(tl.int32), 0)
+        n_eq = tl.sum(eq.to(tl.int32), 0)
+        sel = gt | eq
+        if need < n_eq:  # among keys equal to the k-th the later ones win (the reference's rule)
+            sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) > n_eq - need))
+    slot = tl.cumsum(sel.to(tl.int32), 0) - 1
+    tl.store(obase + slot, idx, mask=sel)
+    for c in range(tl.minimum(n, K), K, KB):
+        o = c + tl.arange(0, KB)
+        tl.store(obase + o, tl.full([KB], -1, tl.int32), mask=o < K)
+
+
+@triton.jit
+def _select_kernel(VAL, IDX, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.constexpr, KB: tl.constexpr):
+    """OUT `[B, Tc, K]`: the exact top-K of each row's buffer (NROW >= 0 entries, key order), ascending."""
+    row = tl.program_id(0)
+    b = (row // Tc).to(tl.int64)
+    t = (row % Tc).to(tl.int64)
+    n = tl.load(NROW + b * snb + t)
+    if n >= 0:
+        offs = tl.arange(0, CB)
+        live = offs < n
+        x = tl.load(VAL + b * svb + t * svt + offs, mask=live, other=float("-inf"))
+        idx = tl.load(IDX + b * svb + t * svt + offs, mask=live, other=0)
+        _write_selected(_okey(x), idx, live, n, K, OUT + b * sob + t * sot, KB)
+
+
+@dataclass(frozen=True)
+class CandConfig:
+    """Launch shapes, threshold and redo. The defaults are the H200's fastest measured exact form at 128K
+    (session 10 call 2, NOTES item 18: 71.7 ms against 112.0 for bin_topk on random input; 73.2 at E 1.3, 81.5
+    packed, 76.9 with the 16-bit quantile, 75.2 with an 8K-lane sample). `threshold`: "sample" (the quantile
+    of this module) or "zgrid" (stream.py's moments and z grid). `target` E: keys aimed at above the threshold,
+    in units of k (1.5: 75 of 131K rows redone at 128K against 916 at 1.3; at 32K trained 1.3 redid fewer, 110
+    vs 252, its p99 buffer 3,660 of 4,096). `redo`: flagged rows by "decode" (stream.py's split-row decode select:
+    ~10 us a row on the H200, rows equal to bin_topk's in every call-2 case) or "tiles" (their 64-row tiles
+    materialised + bin_topk: exact under the interpreter where the decode select was not, but ~150 us a row
+    at 128K: 146 ms for 916 rows in call 1)."""
+    block_m: int = 64
+    block_n: int = 128  # keys per gather tile (stream.py's SASS-chosen shape)
+    sample_block_n: int = 64  # sampled keys per sample tile
+    sample_stride: int = 16  # R, at least; grows so that a row's sample fits `sample_lanes`
+    sample_lanes: int = 4096
+    target: float = 1.5
+    threshold: str = "sample"
+    warps: int = 8
+    quantile_warps: int = 4
+    quantile_bits: int = 32  # < 32: the threshold from the keys' top bits only (a lower bound of the m-th sample)
+    select_warps: int = 8
+    dot_scan: bool = False  # the gather's in-tile prefix sum by a triangular matmul (stream.py) instead of tl.cumsum
+    packed: bool = False  # one int64 (key, position) store a candidate (`_gather_packed_kernel`)
+    redo: str = "decode"
+
+
+INTERPRET_CAND = CandConfig(block_m=16, block_n=16, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
+                            warps=1, quantile_warps=1, select_warps=1, redo="tiles")
+
+
+def sample_stride(cfg: CandConfig, s_max: int) -> int:
+    """R: cfg.sample_stride, doubled until a row's sample (ceil(S / R) keys) fits cfg.sample_lanes."""
+    r = cfg.sample_stride
+    while triton.cdiv(s_max, r) > cfg.sample_lanes:
+        r *= 2
+    return r
+
+
+def cand_threshold(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, C, th, smp, cfg: CandConfig):
+    """Phases 1-2 for rows t0..t1-1 of the chunk: fills th `[B, Tc]` (smp: `[B, Tc, SW]` scratch, "sample")."""
+    B, S = q_idx.shape[0], k_idx.shape[1]
+    args, strides, meta = _common(q_idx, w, k_idx, kvs)
+    stages = 2 if q_idx.is_cuda else 1
+    grid = (triton.cdiv(t1 - t0, cfg.block_m), B)
+    if cfg.threshold == "zgrid":
+        _threshold_kernel[grid](*args, th, *strides, th.stride(0), t1, S, t0, q_offset, sink, window, topk, C,
+                                cfg.target, BM=cfg.block_m, BN=cfg.sample_block_n, R=8, NZ=NZ, Z0=Z0, DZ=DZ,
+                                **meta, num_warps=cfg.warps, num_stages=stages)
+        return
+    R = sample_stride(cfg, S)
+    SW = smp.shape[2]
+    _sample_kernel[grid](*args, smp, *strides, smp.stride(0), smp.stride(1), t1, S, t0, q_offset, sink, window, C,
+                         SW, R=R, BM=cfg.block_m, BN=cfg.sample_block_n, **meta, num_warps=cfg.warps,
+                         num_stages=stages)
+    _quantile_kernel[(B * (t1 - t0),)](smp, kvs, th, smp.stride(0), smp.stride(1), th.stride(0), t1 - t0, S, t0,
+                                       q_offset, sink, window, topk, C, cfg.target, SW, R=R,
+                                       CB=triton.next_power_of_2(SW), QBITS=cfg.quantile_bits,
+                                       num_warps=cfg.quantile_warps)
+
+
+def cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, val, idx, nrow, cfg: CandConfig):
+    """Phase 3 (stream.py's gather sweep): val/idx `[B, Tc, C]` in key order, nrow `[B, Tc]` (-1: redo); with
+    cfg.packed, val is the `[B, Tc, C]` int64 buffer and idx is unused."""
+    B, S, C = q_idx.shape[0], k_idx.shape[1], val.shape[2]
+    args, strides, meta = _common(q_idx, w, k_idx, kvs)
+    if cfg.packed:
+        _gather_packed_kernel[(triton.cdiv(t1 - t0, cfg.block_m), B)](
+            *args, th, val, nrow, *strides, val.stride(0), val.stride(1), nrow.stride(0), t1, S, t0, q_offset,
+            sink, window, topk, C, BM=cfg.block_m, BN=cfg.block_n, DOT_SCAN=cfg.dot_scan, **meta,
+            num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1)
+        return
+    _gather_kernel[(triton.cdiv(t1 - t0, cfg.block_m), B)](
+        *args, th, val, idx, nrow, *strides, val.stride(0), val.stride(1), nrow.stride(0), t1, S, t0, q_offset,
+        sink, window, topk, C, BM=cfg.block_m, BN=cfg.block_n, DOT_SCAN=cfg.dot_scan, **meta,
+        num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1)
+
+
+def cand_select(val, idx, nrow, out, topk, cfg: CandConfig):
+    """Phase 4: one program a row, the exact top-k of its buffer into out `[B, Tc, topk]` (rows < 0 skipped)."""
+    B, Tc = out.shape[:2]
+    CB = triton.next_power_of_2(val.shape[2])
+    if cfg.packed:
+        _select_packed_kernel[(B * Tc,)](val, nrow, out, Tc, val.stride(0), val.stride(1), nrow.stride(0),
+                                         out.stride(0), out.stride(1), topk, CB=CB, KB=min(1024, CB),
+                                         num_warps=cfg.select_warps)
+        return
+    _select_kernel[(B * Tc,)](val, idx, nrow, out, Tc, val.stride(0), val.stride(1), nrow.stride(0), out.stride(0),
+                              out.stride(1), topk, CB=CB, KB=min(1024, CB), num_warps=cfg.select_warps)
+
+
+def redo_tiles(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out, tile: int):
+    """The exact rows of every `tile`-row span of the chunk holding a flagged row (bad `[B, Tc]`): its scores
+    materialised (`scores.indexer_scores_chunk`, the gather's score tiles) and `bin_topk`; consecutive
+    flagged spans go in one launch pair. out `[B, T, topk]` is written for the whole spans (the same rows)."""
+    T, S = q_idx.shape[1], k_idx.shape[1]
+    tiles = bad.any(0)
+    tiles = torch.nn.functional.pad(tiles, (0, (-tiles.numel()) % tile)).view(-1, tile).any(1).nonzero().flatten()
+    runs, prev = [], None
+    for i in tiles.tolist():
+        if prev is not None and i == prev + 1 and (i + 1 - runs[-1][0]) * tile * S * 4 <= 1 << 30:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+        prev = i
+    for a, b in runs:
+        r0, r1 = t0 + a * tile, min(T, t0 + b * tile)
+        S_c = max(1, min(S, q_offset + r1))
+        scores = indexer_scores_chunk(q_idx, w, k_idx, kvs, r0, r1, S_c, q_offset, sink, window)
+        bin_topk(scores, topk, q_lim=q_offset + r0, out=out[:, r0:r1])
+
+
+@torch.no_grad()
+def indexer_topk_cand(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk: int, *, q_offset: int = 0,
+                      sink: int = 0, window: int = 0, kv_start: torch.Tensor | None = None,
+                      budget_bytes: int | None = None, slots: int | None = None, config: CandConfig | None = None,
+                      info: dict | None = None) -> torch.Tensor:
+    """See the module docstring. q_idx `[B, T, H_I, D_I]`, w `[B, T, H_I]`, k_idx `[B, S, D_I]` (T, S >= 1; the
+    caller, `triton.indexer_topk`, checks dtypes) -> `[B, T, topk]` int32. slots: buffer entries a row (default
+    `stream_buffer_slots(topk)`, 2k rounded up to a power of two); config: `CandConfig()` on CUDA,
+    `INTERPRET_CAND` otherwise; info (costs a sync per chunk): mean buffer entries a served row, rows redone."""
+    B, T = q_idx.shape[:2]
+    S = k_idx.shape[1]
+    dev = q_idx.device
+    cfg = config or (CandConfig() if q_idx.is_cuda else INTERPRET_CAND)
+    C = slots or stream_buffer_slots(topk)
+    kvs = _kv_start(kv_start, B, dev)
+    R = sample_stride(cfg, S)
+    SW = triton.cdiv(min(S, q_offset + T), R) if cfg.threshold == "sample" else 1
+    budget = budget_bytes or (BUFFER_BUDGET_BYTES if q_idx.is_cuda else 1 << 22)
+    BM = cfg.block_m
+    chunk = max(BM, min(T, budget // (B * (8 * C + 4 * SW))) // BM * BM)
+    rows = min(T, chunk)
+    val = torch.empty(B, rows, C, device=dev, dtype=torch.int64 if cfg.packed else torch.float32)
+    idx = val if cfg.packed else torch.empty(B, rows, C, device=dev, dtype=torch.int32)
+    smp = torch.empty(B, rows, SW, device=dev, dtype=torch.float32)
+    small = torch.empty(2, B, rows, device=dev, dtype=torch.int32)  # entry counts, thresholds (fp32 bits)
+    nrow, th = small[0], small[1].view(torch.float32)
+    out = torch.empty(B, T, topk, dtype=torch.int32, device=dev)
+    entries, redone = 0, 0
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        cand_threshold(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, C, th, smp, cfg)
+        cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, val, idx, nrow, cfg)
+        cand_select(val, idx, nrow, out[:, t0:t1], topk, cfg)
+        bad = nrow[:, :t1 - t0] < 0
+        if info is not None:
+            entries += int(nrow[:, :t1 - t0].clamp(min=0).sum())
+        if bool(bad.any()):
+            redone += int(bad.sum())
+            if cfg.redo == "decode":
+                _redo_rows(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out)
+            else:
+                redo_tiles(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out, BM)
+    if info is not None:
+        info.update(mean_entries=entries / max(1, B * T - redone), redone_rows=redone, slots=C, sample_stride=R)
+    return out
