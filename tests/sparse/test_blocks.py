@@ -130,6 +130,28 @@ def test_key_tile_lists_split_puts_full_pairs_first():
     assert int(nfull.sum()) > 0
 
 
+@pytest.mark.parametrize("BN,BT,group", [(16, 8, 16), (32, 4, 8), (64, 8, 8)])
+def test_dense_key_tile_lists_equal_the_torch_lists(BN, BT, group):
+    """`key_tile_lists_dense` (one launch, no host sync) lists per key tile what the torch CSR lists, in the
+    same order (split: the full pairs first, each part ascending, as the stable sort)."""
+    from sparse_rl.sparse.ops.sparse_attention import keymajor
+
+    T = 61
+    _, q, k, v, sh, q_off = block_rows_case(8, 2, group, T, 16, left=9)
+    S = k.shape[1]
+    sel = union.shared_tiles(sh, S, group, BT, q_off, bits=True)
+    NKT = -(-S // BN)
+    for split in (False, True):
+        ref = keymajor.key_tile_lists(sel, T, S, BN, split=split)
+        lst, cnt, nfull = keymajor.key_tile_lists_dense(sel, T, S, BN, split=split)
+        for b in range(2):
+            for j in range(NKT):
+                lo, hi = int(ref[0][b * NKT + j]), int(ref[0][b * NKT + j + 1])
+                assert int(cnt[b, j]) == hi - lo
+                assert lst[b, j, :hi - lo].tolist() == ref[1][lo:hi].tolist()
+                assert int(nfull[b, j]) == (int(ref[3][b * NKT + j]) if split else 0)
+
+
 @pytest.mark.parametrize("key_block,path", [(16, "block"), (1, "tile")])
 def test_auto_takes_the_block_path_for_key_block_rows(key_block, path):
     """`auto` with shared rows: the block kernels when the caller says the rows are key blocks >= 16
