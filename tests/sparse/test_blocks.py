@@ -71,6 +71,21 @@ def test_block_path_matches_reference(H, H_kv, group, T, kb, left, BN, form):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("H,H_kv,group,T,kb,BN", [(8, 2, 16, 45, 16, 16), (4, 4, 32, 70, 32, 32)])
+def test_block_forward_tma_loads_match_pointer_loads(H, H_kv, group, T, kb, BN):
+    """loads="tma" (tensor descriptors; the last tile's rows past S read as zero) gives the pointer loads' output."""
+    from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention_forward
+
+    g, q, k, v, sh, q_off = block_rows_case(H, H_kv, group, T, kb, 3)
+    ref = sparse_attention_forward(q, k, v, sh, query_group=group, q_offset=q_off, fwd_path="block",
+                                   tune={"fwd": (BN, 4, 1)})
+    got = sparse_attention_forward(q, k, v, sh, query_group=group, q_offset=q_off, fwd_path="block",
+                                   tune={"fwd": (BN, 4, 1, "tma")})
+    assert got[2].fwd == "block"
+    torch.testing.assert_close(got[0], ref[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got[1], ref[1], atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("BN", [16, 32])
 def test_block_lists_split_full_and_partial(BN):
     """Each group's list holds exactly the key tiles with a key its last query sees; a tile is full iff all BN

@@ -128,9 +128,14 @@ def _kv_tile(kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, MASKED: tl
 
 @triton.jit
 def _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l_i, acc, qk_scale, sel,
-              PREC: tl.constexpr, MASKED: tl.constexpr):
-    """One key tile of the online softmax (base 2, the scale folded into one FMA per score)."""
-    kk, vv = _kv_tile(kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, MASKED)
+              kdesc, vdesc, PREC: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+    """One key tile of the online softmax (base 2, the scale folded into one FMA per score). TMA: K / V rows
+    through the tensor descriptors kdesc / vdesc (Hopper's bulk copies; rows past S read as zero)."""
+    if TMA:
+        kk = kdesc.load([kb.to(tl.int32), 0])
+        vv = vdesc.load([kb.to(tl.int32), 0])
+    else:
+        kk, vv = _kv_tile(kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, MASKED)
     s = dot(q, tl.trans(kk), PREC)
     if MASKED:
         s = tl.where(sel, s * qk_scale, float("-inf"))
@@ -162,7 +167,7 @@ def _block_fwd_kernel(Q, K, V, BITS, TILES, NFULL, NPART, O, LSE,
                       sob, sot, soh, sod, slb, slt, slh,
                       T, S, G, D, NR, NW, W, QG, q_off, qk_scale,
                       BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      PREC: tl.constexpr):
+                      PREC: tl.constexpr, TMA: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -177,15 +182,21 @@ def _block_fwd_kernel(Q, K, V, BITS, TILES, NFULL, NPART, O, LSE,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row, lrow, kbase, vbase, nf, npart = _group_tiles(TILES, NFULL, NPART, K, V, b, kvh, tile, skb, skh, svb, svh,
                                                       NR, W, QG, BT)
+    if TMA:  # [S, D] views of this (batch row, KV head)'s keys and values (D == BLOCK_D, unit stride along D)
+        kdesc = tl.make_tensor_descriptor(kbase, shape=[S, BLOCK_D], strides=[sks, 1], block_shape=[BLOCK_N, BLOCK_D])
+        vdesc = tl.make_tensor_descriptor(vbase, shape=[S, BLOCK_D], strides=[svs, 1], block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        kdesc = kbase
+        vdesc = vbase
     for i in range(0, nf):  # full tiles: no mask (every key selected and before every query of the group)
         kb = tl.load(lrow + i).to(tl.int64) * BLOCK_N
         m_i, l_i, acc = _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l_i, acc, qk_scale,
-                                  rmask[:, None], PREC, False)
+                                  rmask[:, None], kdesc, vdesc, PREC, False, TMA)
     for i in range(0, npart):
         kb = tl.load(lrow + W - 1 - i).to(tl.int64) * BLOCK_N
         sel = _part_mask(BITS, row * NW, kb + offs_n, S, t, q_off, rmask)
         m_i, l_i, acc = _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l_i, acc, qk_scale,
-                                  sel, PREC, True)
+                                  sel, kdesc, vdesc, PREC, True, TMA)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
@@ -234,12 +245,16 @@ def lists_for(sel: TileSelection, T: int, S: int, BN: int, cache: dict | None = 
 def block_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tune: tuple | None = None,
               cache: dict | None = None, key_block: int = 1):
     """Forward over a shared selection's key tiles: q `[B, T, H, D]` -> out `[B, T, H, D]`, lse `[B, T, H]`
-    fp32. sel: `union.shared_tiles(..., bits=True)`. `tune=(BLOCK_N, num_warps, num_stages)`; `cache` {BN:
-    BlockLists} reuses lists between passes; key_block (the rows' key block) picks the default launch."""
+    fp32. sel: `union.shared_tiles(..., bits=True)`. `tune=(BLOCK_N, num_warps, num_stages[, loads])`, loads
+    "ptr" (default: pointer loads) or "tma" (tensor descriptors, sm_90+); `cache` {BN: BlockLists} reuses
+    lists between passes; key_block (the rows' key block) picks the default launch."""
     B, T, H, D, G, BM, BD, NT, _ = _common(q, k, sel)
     S = k.shape[1]
-    BN, warps, stages = tune or default_tune(BM, q.is_cuda, key_block)
+    BN, warps, stages, loads = (*(tune or default_tune(BM, q.is_cuda, key_block)), "ptr")[:4]
     _check_dims(q)
+    tma = loads == "tma"
+    if tma:
+        _tma_ready(q, k, v)
     bl = lists_for(sel, T, S, BN, cache)
     if out is None:
         o = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
@@ -249,8 +264,23 @@ def block_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tu
     _block_fwd_kernel[(NT, k.shape[2], B)](
         q, k, v, sel.bits, bl.tiles, bl.nfull, bl.npart, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         *lse.stride(), T, S, G, D, sel.bits.shape[1], sel.bits.shape[2], bl.tiles.shape[2], sel.group, sel.q_offset,
-        scale * LOG2E, BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=prec, num_warps=warps, num_stages=stages)
+        scale * LOG2E, BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=prec, TMA=tma, num_warps=warps,
+        num_stages=stages)
     return o, lse
+
+
+def _tma_alloc(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _tma_ready(q, k, v) -> None:
+    """Tensor-descriptor loads need K / V rows with a unit stride along D and 16-byte aligned row strides and
+    bases, and a scratch allocator for the descriptors built in the kernel (`triton.set_allocator`)."""
+    for x in (k, v):
+        es = x.element_size()
+        if x.stride(-1) != 1 or (x.stride(1) * es) % 16 or (x.stride(2) * es) % 16 or x.data_ptr() % 16:
+            raise ValueError("block_fwd(loads='tma'): K / V need unit stride along D and 16-byte aligned rows")
+    triton.set_allocator(_tma_alloc)
 
 
 @triton.jit
