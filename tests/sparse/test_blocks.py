@@ -84,6 +84,13 @@ def test_block_forward_tma_loads_match_pointer_loads(H, H_kv, group, T, kb, BN):
     assert got[2].fwd == "block"
     torch.testing.assert_close(got[0], ref[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got[1], ref[1], atol=1e-6, rtol=1e-6)
+    sel = union.shared_tiles(sh, k.shape[1], group, min(union.tile_queries(H // H_kv), group), q_off, bits=True)
+    do = torch.randn(q.shape, generator=g)
+    delta = (got[0] * do).sum(-1)
+    dq = [blocks.block_dq(q, k, v, sel, do, ref[1], delta, 0.25, 2, tune=(BN, 4, 1, ld)) for ld in ("ptr", "tma")]
+    torch.testing.assert_close(dq[1], dq[0], atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="loads"):  # K without a unit stride along D cannot take descriptors
+        blocks.block_fwd(q, k.transpose(1, 3).contiguous().transpose(1, 3), v, sel, 0.25, 2, tune=(BN, 4, 1, "tma"))
 
 
 @pytest.mark.parametrize("BN", [16, 32])

@@ -182,12 +182,7 @@ def _block_fwd_kernel(Q, K, V, BITS, TILES, NFULL, NPART, O, LSE,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row, lrow, kbase, vbase, nf, npart = _group_tiles(TILES, NFULL, NPART, K, V, b, kvh, tile, skb, skh, svb, svh,
                                                       NR, W, QG, BT)
-    if TMA:  # [S, D] views of this (batch row, KV head)'s keys and values (D == BLOCK_D, unit stride along D)
-        kdesc = tl.make_tensor_descriptor(kbase, shape=[S, BLOCK_D], strides=[sks, 1], block_shape=[BLOCK_N, BLOCK_D])
-        vdesc = tl.make_tensor_descriptor(vbase, shape=[S, BLOCK_D], strides=[svs, 1], block_shape=[BLOCK_N, BLOCK_D])
-    else:
-        kdesc = kbase
-        vdesc = vbase
+    kdesc, vdesc = _kv_descs(kbase, vbase, S, sks, svs, BLOCK_N, BLOCK_D, TMA)
     for i in range(0, nf):  # full tiles: no mask (every key selected and before every query of the group)
         kb = tl.load(lrow + i).to(tl.int64) * BLOCK_N
         m_i, l_i, acc = _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l_i, acc, qk_scale,
@@ -229,7 +224,9 @@ def default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple[int, int, int
     if BM > 64 and key_block >= 128:
         return (128, 8, 3)
     if BM > 64 and key_block >= 32:
-        return (32, 4, 3)
+        # session 10 call 1 (NOTES item 19): tensor-descriptor loads 2.743 vs 3.002 ms (kb64g64), 2.770 vs 3.035
+        # (kb32g32); (64, 4, 3, tma) 2.746, (32, 4, 4, tma) 2.745, 8 warps 2.93 (64 keys) / 3.75 (32 keys)
+        return (32, 4, 3, "tma")
     return (16, 4, 2)
 
 
@@ -246,15 +243,14 @@ def block_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tu
               cache: dict | None = None, key_block: int = 1):
     """Forward over a shared selection's key tiles: q `[B, T, H, D]` -> out `[B, T, H, D]`, lse `[B, T, H]`
     fp32. sel: `union.shared_tiles(..., bits=True)`. `tune=(BLOCK_N, num_warps, num_stages[, loads])`, loads
-    "ptr" (default: pointer loads) or "tma" (tensor descriptors, sm_90+); `cache` {BN: BlockLists} reuses
+    "ptr" (pointer loads) or "tma" (tensor descriptors, sm_90+; the default's "tma" falls back to pointer loads
+    where the strides or the GPU do not allow it, `_use_tma`); `cache` {BN: BlockLists} reuses
     lists between passes; key_block (the rows' key block) picks the default launch."""
     B, T, H, D, G, BM, BD, NT, _ = _common(q, k, sel)
     S = k.shape[1]
     BN, warps, stages, loads = (*(tune or default_tune(BM, q.is_cuda, key_block)), "ptr")[:4]
     _check_dims(q)
-    tma = loads == "tma"
-    if tma:
-        _tma_ready(q, k, v)
+    tma = _use_tma(loads, tune is not None, q, k, v)
     bl = lists_for(sel, T, S, BN, cache)
     if out is None:
         o = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
@@ -273,20 +269,53 @@ def _tma_alloc(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _tma_ready(q, k, v) -> None:
-    """Tensor-descriptor loads need K / V rows with a unit stride along D and 16-byte aligned row strides and
-    bases, and a scratch allocator for the descriptors built in the kernel (`triton.set_allocator`)."""
-    for x in (k, v):
-        es = x.element_size()
-        if x.stride(-1) != 1 or (x.stride(1) * es) % 16 or (x.stride(2) * es) % 16 or x.data_ptr() % 16:
-            raise ValueError("block_fwd(loads='tma'): K / V need unit stride along D and 16-byte aligned rows")
+def _tma_capable(x) -> bool:
+    """Tensor-descriptor loads of x's `[S, D]` rows per (batch row, head): unit stride along D, 16-byte aligned
+    row / head / batch strides and base; on CUDA a Hopper-class GPU (sm_90+: the bulk tensor copies)."""
+    es = x.element_size()
+    if x.stride(-1) != 1 or any((x.stride(i) * es) % 16 for i in range(3)) or x.data_ptr() % 16:
+        return False
+    return not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _use_tma(loads: str, explicit: bool, *xs) -> bool:
+    """Whether a block kernel takes tensor-descriptor loads: asked for ("tma") and possible for every tensor
+    xs; a launch given explicitly (`tune`) that cannot raises, the default falls back to pointer loads. Sets the
+    scratch allocator the in-kernel descriptors need (`triton.set_allocator`)."""
+    if loads not in ("ptr", "tma"):
+        raise ValueError(f"block kernels: loads {loads!r} (ptr or tma)")
+    if loads == "ptr":
+        return False
+    if not all(_tma_capable(x) for x in xs):
+        if explicit:
+            raise ValueError("block kernels (loads='tma'): rows need unit stride along D, 16-byte aligned strides "
+                             "and bases, and an sm_90+ GPU")
+        return False
     triton.set_allocator(_tma_alloc)
+    return True
+
+
+@triton.jit
+def _kv_descs(kbase, vbase, S, sks, svs, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """[S, D] tensor descriptors of one (batch row, KV head)'s keys and values (D == BLOCK_D, unit stride along
+    D), or the bases themselves without TMA (unused then)."""
+    if TMA:
+        kdesc = tl.make_tensor_descriptor(kbase, shape=[S, BLOCK_D], strides=[sks, 1], block_shape=[BLOCK_N, BLOCK_D])
+        vdesc = tl.make_tensor_descriptor(vbase, shape=[S, BLOCK_D], strides=[svs, 1], block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        kdesc = kbase
+        vdesc = vbase
+    return kdesc, vdesc
 
 
 @triton.jit
 def _dq_step(q, do, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, dq, qk_scale, lse2, delta, sel,
-             PREC: tl.constexpr, MASKED: tl.constexpr):
-    kk, vv = _kv_tile(kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, MASKED)
+             kdesc, vdesc, PREC: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+    if TMA:
+        kk = kdesc.load([kb.to(tl.int32), 0])
+        vv = vdesc.load([kb.to(tl.int32), 0])
+    else:
+        kk, vv = _kv_tile(kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, MASKED)
     s = dot(q, tl.trans(kk), PREC)
     dp = dot(do, tl.trans(vv), PREC)
     p = tl.exp2(s * qk_scale - lse2[:, None])
@@ -302,8 +331,9 @@ def _block_dq_kernel(Q, K, V, BITS, TILES, NFULL, NPART, DO, LSE, DELTA, DQ,
                      sdob, sdot, sdoh, sdod, slb, slt, slh, sdqb, sdqt, sdqh, sdqd,
                      T, S, G, D, NR, NW, W, QG, q_off, scale, qk_scale,
                      BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PREC: tl.constexpr):
-    """dq of one (query tile, kv head) over its group's full then partial key tiles, stored once."""
+                     PREC: tl.constexpr, TMA: tl.constexpr):
+    """dq of one (query tile, kv head) over its group's full then partial key tiles, stored once (TMA: K / V
+    through tensor descriptors)."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -315,15 +345,16 @@ def _block_dq_kernel(Q, K, V, BITS, TILES, NFULL, NPART, DO, LSE, DELTA, DQ,
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row, lrow, kbase, vbase, nf, npart = _group_tiles(TILES, NFULL, NPART, K, V, b, kvh, tile, skb, skh, svb, svh,
                                                       NR, W, QG, BT)
+    kdesc, vdesc = _kv_descs(kbase, vbase, S, sks, svs, BLOCK_N, BLOCK_D, TMA)
     for i in range(0, nf):
         kb = tl.load(lrow + i).to(tl.int64) * BLOCK_N
         dq = _dq_step(q, do, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, dq, qk_scale, lse2, delta,
-                      row_ok[:, None], PREC, False)
+                      row_ok[:, None], kdesc, vdesc, PREC, False, TMA)
     for i in range(0, npart):
         kb = tl.load(lrow + W - 1 - i).to(tl.int64) * BLOCK_N
         sel = _part_mask(BITS, row * NW, kb + offs_n, S, t, q_off, row_ok)
         dq = _dq_step(q, do, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, dq, qk_scale, lse2, delta,
-                      sel, PREC, True)
+                      sel, kdesc, vdesc, PREC, True, TMA)
     tl.store(DQ + b * sdqb + t[:, None] * sdqt + heads[:, None] * sdqh + offs_d[None, :] * sdqd,
              (dq * scale).to(DQ.dtype.element_ty), mask=rd)
 
@@ -345,16 +376,17 @@ def dq_default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple[int, int, 
 def block_dq(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int, tune: tuple | None = None,
              cache: dict | None = None, key_block: int = 1):
     """dq `[B, T, H, D]` (q.dtype) over a shared selection's key tiles; lse/delta `[B, T, H]` fp32 with equal
-    strides (keymajor.bwd_delta)."""
+    strides (keymajor.bwd_delta). `tune=(BLOCK_N, num_warps, num_stages[, loads])` as `block_fwd`'s."""
     B, T, H, D, G, BM, BD, NT, _ = _common(q, k, sel)
     S = k.shape[1]
-    BN, warps, stages = tune or dq_default_tune(BM, q.is_cuda, key_block)
+    BN, warps, stages, loads = (*(tune or dq_default_tune(BM, q.is_cuda, key_block)), "ptr")[:4]
     _check_dims(q)
+    tma = _use_tma(loads, tune is not None, q, k, v)
     bl = lists_for(sel, T, S, BN, cache)
     dq = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
     _block_dq_kernel[(NT, k.shape[2], B)](
         q, k, v, sel.bits, bl.tiles, bl.nfull, bl.npart, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(),
         *do.stride(), *lse.stride(), *dq.stride(), T, S, G, D, sel.bits.shape[1], sel.bits.shape[2],
         bl.tiles.shape[2], sel.group, sel.q_offset, scale, scale * LOG2E,
-        BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=prec, num_warps=warps, num_stages=stages)
+        BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=prec, TMA=tma, num_warps=warps, num_stages=stages)
     return dq
