@@ -211,8 +211,8 @@ def _check_dims(q):
         raise ValueError(f"block kernels: head dim {q.shape[-1]} must be a power of two >= 16 (unmasked tile loads)")
 
 
-def default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the block forward. H200, 32K, trained input (session 9 call 1,
+def default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple:
+    """(BLOCK_N, num_warps, num_stages[, loads]) of the block forward. H200, 32K, trained input (session 9 call 1,
     NOTES.md item 17), ms: 128-row tiles kb64g64 (32, 4, 3) 2.98, (64, 8, 3) 3.09, (64, 4, 2) 3.16, (64, 4, 3)
     3.18, (16, 4, 2) 4.07, (128, 8, 3) 5.45, (128, 8, 2) 6.05 (gather tiles 4.27); kb32g32 (32, 4, 3) 3.02,
     (16, 4, 2) 4.08, 64-key tiles 5.0-6.0 (half of them partial); 64-row tiles kb16g16 (16, 4, 2) 4.25,
@@ -222,7 +222,9 @@ def default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple[int, int, int
     if not cuda:
         return (16, 4, 1)
     if BM > 64 and key_block >= 128:
-        return (128, 8, 3)
+        # session 10 call 2 (NOTES item 19), the block pattern: (128, 8, 3, tma) 2.638 vs pointer loads 2.788 ms,
+        # (64, 4, 3, tma) 2.696, (32, 4, 3, tma) 2.797, (64, 8, 3, tma) 2.944; FlexAttention 2.610
+        return (128, 8, 3, "tma")
     if BM > 64 and key_block >= 32:
         # session 10 call 1 (NOTES item 19): tensor-descriptor loads 2.743 vs 3.002 ms (kb64g64), 2.770 vs 3.035
         # (kb32g32); (64, 4, 3, tma) 2.746, (32, 4, 4, tma) 2.745, 8 warps 2.93 (64 keys) / 3.75 (32 keys)
@@ -359,17 +361,20 @@ def _block_dq_kernel(Q, K, V, BITS, TILES, NFULL, NPART, DO, LSE, DELTA, DQ,
              (dq * scale).to(DQ.dtype.element_ty), mask=rd)
 
 
-def dq_default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the block dq pass. H200, 32K, trained input (session 9 call 1), ms:
+def dq_default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple:
+    """(BLOCK_N, num_warps, num_stages[, loads]) of the block dq pass. H200, 32K, trained input (session 9 call 1), ms:
     128-row tiles kb64g64 (64, 8, 2) 3.17, (32, 4, 2) 3.37, (16, 4, 2) 4.43, (128, 8, 2) 7.50, (64, 4, 2) 8.19
     (gather tiles 4.73); kb32g32 (32, 4, 2) 3.36, (16, 4, 2) 4.48, (64, 8, 2) 5.05; 64-row tiles kb16g16
     (16, 4, 2) 4.41, (32, 4, 2) 5.33, (64, 4, 2) 7.20 (gather 4.62)."""
     if not cuda:
         return (16, 4, 1)
+    # session 10 call 2 (NOTES item 19), tensor-descriptor loads: kb64g64 (64, 8, 2) 3.156 ms vs tma 3.254, (64, 8,
+    # 3, tma) 3.123, (32, 4, 2, tma) 3.177, (64, 4, 2, tma) 6.54: no gain, pointer loads stay; kb32g32 (32, 4, 2)
+    # 3.392 vs tma 3.203, (32, 4, 3, tma) 4.18, (32, 8, 2, tma) 4.21
     if BM > 64 and key_block >= 64:
         return (64, 8, 2)
     if BM > 64 and key_block >= 32:
-        return (32, 4, 2)
+        return (32, 4, 2, "tma")
     return (16, 4, 2)
 
 
