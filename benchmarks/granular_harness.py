@@ -165,7 +165,8 @@ def timeline_profile(fn, dev, top: int = 12) -> dict:
         fn()
         host = time.perf_counter() - t0
         torch.cuda.synchronize()
-    ker = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    ker = [e for e in prof.events()
+           if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
     if not ker:
         return {"kernels": 0, "host_ms": host * 1e3}
     ker.sort(key=lambda e: e.time_range.start)

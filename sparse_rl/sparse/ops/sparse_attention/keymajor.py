@@ -274,9 +274,10 @@ def default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple[int, int, int
     tiles "dt" (64, 8, 2) 15.7, (32, 8, 2) 17.0, (32, 4, 2) 17.8, (16, 8, 2) 23.4, "rows" (32, 4, 2) 24.9."""
     if not cuda:
         return (32, 4, 1, "dt")
-    # on key-block rows (session 9 call 2, 32K, dk/dv with the torch lists, ms) the same launches won: kb64g64 (64, 8, 2) "dt" 9.59 / "dts" 9.71 (its kernel 0.8 ms faster, its sorted lists 0.9 ms
-    # slower), (64, 8, 3, "dts") 9.71, (32, 8, 2) 11.4 / 11.7; kb32g32 "dt" 11.6 / "dts" 12.3, (32, 8, 2) 12.0 /
-    # 12.2; kb16g16 (64-row tiles) (32, 4, 3) 13.8 / 14.3, (16, 4, 2) 17.0 / 15.9.
+    # on key-block rows (session 9 call 2, 32K, dk/dv with the torch lists, ms) the same launches won: kb64g64
+    # (64, 8, 2) "dt" 9.59 / "dts" 9.71 (its kernel 0.8 ms faster, its sorted lists 0.9 ms slower), (64, 8, 3, "dts")
+    # 9.71, (32, 8, 2) 11.4 / 11.7; kb32g32 "dt" 11.6 / "dts" 12.3, (32, 8, 2) 12.0 / 12.2; kb16g16 (64-row tiles)
+    # (32, 4, 3) 13.8 / 14.3, (16, 4, 2) 17.0 / 15.9.
     # session 10 call 1 (NOTES item 19), fwd+bwd at 32K with the device lists: "dts" 13.99 vs "dt" 14.70 ms at
     # kb64g64 (its dk/dv kernel 7.60 vs 8.38), 16.52 vs 16.69 at kb32g32; token rows not re-timed: "dt"
     if BM > 64 and key_block >= 32:
