@@ -146,3 +146,38 @@ def parallel_warmup(script: str, args: list[str], jobs: int, timeout_s: float, p
             p.communicate()
             rcs.append("timeout")
     return {"jobs": len(parts), "rc": rcs, "wall_s": time.time() - t, "errors": errs[:3]}
+
+
+def timeline_profile(fn, dev, top: int = 12) -> dict:
+    """One call of fn (after a warm call) under torch.profiler, CPU and CUDA: the kernels' count, their summed
+    time (busy_ms), the span from the first kernel's start to the last one's end (span_ms), the idle time
+    inside it (gaps_ms = span - busy: the GPU waiting for the host), the host's wall time of the call until
+    its last kernel was queued (host_ms) and the largest kernels {name xcount: ms}."""
+    import torch
+
+    if dev.type != "cuda":
+        return {}
+    fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        fn()
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+    ker = [e for e in prof.events()
+           if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    if not ker:
+        return {"kernels": 0, "host_ms": host * 1e3}
+    ker.sort(key=lambda e: e.time_range.start)
+    busy, end = 0.0, ker[0].time_range.start
+    for e in ker:  # union of the kernels' intervals (one stream: they do not overlap)
+        s = max(e.time_range.start, end)
+        busy += max(0.0, e.time_range.end - s)
+        end = max(end, e.time_range.end)
+    names = {}
+    for e in ker:
+        names.setdefault(e.name[:60], []).append(e.time_range.end - e.time_range.start)
+    tops = sorted(((f"{n} x{len(v)}", sum(v) / 1e3) for n, v in names.items()), key=lambda x: -x[1])[:top]
+    return {"kernels": len(ker), "busy_ms": busy / 1e3, "span_ms": (end - ker[0].time_range.start) / 1e3,
+            "gaps_ms": (end - ker[0].time_range.start - busy) / 1e3, "host_ms": host * 1e3, "top": dict(tops)}

@@ -71,6 +71,28 @@ def test_block_path_matches_reference(H, H_kv, group, T, kb, left, BN, form):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("H,H_kv,group,T,kb,BN", [(8, 2, 16, 45, 16, 16), (4, 4, 32, 70, 32, 32)])
+def test_block_forward_tma_loads_match_pointer_loads(H, H_kv, group, T, kb, BN):
+    """loads="tma" (tensor descriptors; the last tile's rows past S read as zero) gives the pointer loads' output."""
+    from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention_forward
+
+    g, q, k, v, sh, q_off = block_rows_case(H, H_kv, group, T, kb, 3)
+    ref = sparse_attention_forward(q, k, v, sh, query_group=group, q_offset=q_off, fwd_path="block",
+                                   tune={"fwd": (BN, 4, 1)})
+    got = sparse_attention_forward(q, k, v, sh, query_group=group, q_offset=q_off, fwd_path="block",
+                                   tune={"fwd": (BN, 4, 1, "tma")})
+    assert got[2].fwd == "block"
+    torch.testing.assert_close(got[0], ref[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got[1], ref[1], atol=1e-6, rtol=1e-6)
+    sel = union.shared_tiles(sh, k.shape[1], group, min(union.tile_queries(H // H_kv), group), q_off, bits=True)
+    do = torch.randn(q.shape, generator=g)
+    delta = (got[0] * do).sum(-1)
+    dq = [blocks.block_dq(q, k, v, sel, do, ref[1], delta, 0.25, 2, tune=(BN, 4, 1, ld)) for ld in ("ptr", "tma")]
+    torch.testing.assert_close(dq[1], dq[0], atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="loads"):  # K without a unit stride along D cannot take descriptors
+        blocks.block_fwd(q, k.transpose(1, 3).contiguous().transpose(1, 3), v, sel, 0.25, 2, tune=(BN, 4, 1, "tma"))
+
+
 @pytest.mark.parametrize("BN", [16, 32])
 def test_block_lists_split_full_and_partial(BN):
     """Each group's list holds exactly the key tiles with a key its last query sees; a tile is full iff all BN
@@ -128,6 +150,28 @@ def test_key_tile_lists_split_puts_full_pairs_first():
                 full = all(x in keys for x in range(j * BN, j * BN + BN)) and j * BN + BN - 1 <= tile * BT + q_off
                 assert full == (i < nf)
     assert int(nfull.sum()) > 0
+
+
+@pytest.mark.parametrize("BN,BT,group", [(16, 8, 16), (32, 4, 8), (64, 8, 8)])
+def test_dense_key_tile_lists_equal_the_torch_lists(BN, BT, group):
+    """`key_tile_lists_dense` (one launch, no host sync) lists per key tile what the torch CSR lists, in the
+    same order (split: the full pairs first, each part ascending, as the stable sort)."""
+    from sparse_rl.sparse.ops.sparse_attention import keymajor
+
+    T = 61
+    _, q, k, v, sh, q_off = block_rows_case(8, 2, group, T, 16, left=9)
+    S = k.shape[1]
+    sel = union.shared_tiles(sh, S, group, BT, q_off, bits=True)
+    NKT = -(-S // BN)
+    for split in (False, True):
+        ref = keymajor.key_tile_lists(sel, T, S, BN, split=split)
+        lst, cnt, nfull = keymajor.key_tile_lists_dense(sel, T, S, BN, split=split)
+        for b in range(2):
+            for j in range(NKT):
+                lo, hi = int(ref[0][b * NKT + j]), int(ref[0][b * NKT + j + 1])
+                assert int(cnt[b, j]) == hi - lo
+                assert lst[b, j, :hi - lo].tolist() == ref[1][lo:hi].tolist()
+                assert int(nfull[b, j]) == (int(ref[3][b * NKT + j]) if split else 0)
 
 
 @pytest.mark.parametrize("key_block,path", [(16, "block"), (1, "tile")])

@@ -46,6 +46,10 @@ def test_kernel_equals_reference_exactly(case):
     ref = granular_topk_naive(q[:, off:], w[:, off:], k, topk, q_offset=off, history=hist, **kw)
     assert torch.equal(granular_topk(q[:, off:], w[:, off:], k, topk, q_offset=off, history=hist, backend="triton",
                                      topk_impl=impl, **kw), ref)
+    # a chunk at q_offset (a multiple of G) without history: the arithmetic-rows path (no group_plan tensors)
+    ref = granular_topk_naive(q[:, off:], w[:, off:], k, topk, q_offset=off, **kw)
+    assert torch.equal(granular.granular_topk(q[:, off:], w[:, off:], k, topk, q_offset=off, budget=2048,
+                                              topk_impl=impl, **kw), ref)
     if G > 1:  # one row per group, in row chunks smaller than the rows (budget in bytes)
         ref = granular_topk_naive(q, w, k, topk, shared=True, **kw)
         assert ref.shape[1] == -(-q.shape[1] // G)

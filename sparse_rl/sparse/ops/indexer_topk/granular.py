@@ -68,21 +68,28 @@ def resolve_topk_impl(impl: str, n_blocks: int, prefill: bool = False) -> str:
 @triton.jit
 def _block_keys_kernel(Q, W, K, REP, START, OUT,
                        sqb, sqn, sqh, sqd, swb, swn, swh, skb, sks, skd, sob, son, sok,
-                       N, S, NBC, DI, sink, window,
+                       N, S, NBC, DI, sink, window, rep0, rstep,
                        HI: tl.constexpr, KB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
-                       BLOCK_D: tl.constexpr, MEAN: tl.constexpr, KEYS: tl.constexpr, PREC: tl.constexpr):
-    """OUT `[B, N, NBC]`: for row n (representative position REP `[B, N]`, contiguous) and key block c
-    (keys START[b] + c*KB ...), with KEYS the int64 (ordered score bits << 32) | c, or the smallest int64
-    when the block holds no key the representative sees and does not force; without KEYS the fp32
-    block score, -inf for such a block."""
+                       BLOCK_D: tl.constexpr, MEAN: tl.constexpr, KEYS: tl.constexpr, PREC: tl.constexpr,
+                       ARITH: tl.constexpr, HAS_START: tl.constexpr):
+    """OUT `[B, N, NBC]`: for row n (representative position REP `[B, N]`, contiguous, or with ARITH
+    rep0 + n * rstep) and key block c (keys START[b] + c*KB ..., START 0 without HAS_START), with KEYS the
+    int64 (ordered score bits << 32) | c, or the smallest int64 when the block holds no key the
+    representative sees and does not force; without KEYS the fp32 block score, -inf for such a block."""
     pm = tl.program_id(0)
     pk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     BN: tl.constexpr = BLOCK_B * KB
     rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < N
-    r = tl.load(REP + b * N + rows, mask=rmask, other=-1).to(tl.int64)
-    st = tl.load(START + b).to(tl.int64)
+    if ARITH:
+        r = tl.where(rmask, rep0 + rows.to(tl.int64) * rstep, -1)
+    else:
+        r = tl.load(REP + b * N + rows, mask=rmask, other=-1).to(tl.int64)
+    if HAS_START:
+        st = tl.load(START + b).to(tl.int64)
+    else:
+        st = tl.zeros([], tl.int64)
     blk = pk * BLOCK_B + tl.arange(0, BLOCK_B)
     s = st + pk * BN + tl.arange(0, BN)
     optr = OUT + b * sob + rows[:, None] * son + blk[None, :] * sok
@@ -135,20 +142,25 @@ def _launch(key_block: int, cuda: bool) -> tuple[int, int, int]:
 
 def block_keys(qr, wr, k_idx, rep, start, n_blocks: int, *, key_block: int, sink: int, window: int,
                block_score: str, keys: bool = True, launch: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """qr `[B, N, H_I, D_I]`, wr `[B, N, H_I]` the rows' representatives, rep `[B, N]` their positions,
-    start `[B, 1]`, k_idx `[B, S, D_I]` -> `[B, N, n_blocks]` int64 block keys, or with keys=False fp32
-    block scores (`_block_keys_kernel`). launch: (rows, keys per program (a multiple of key_block),
-    num_warps) instead of `_launch`'s (benchmarks)."""
+    """qr `[B, N, H_I, D_I]`, wr `[B, N, H_I]` the rows' representatives (any strides: the arithmetic rows
+    pass strided views), rep `[B, N]` their positions or a pair (rep0, step): row n's is rep0 + n * step,
+    start `[B, 1]` or None (0), k_idx `[B, S, D_I]` -> `[B, N, n_blocks]` int64 block keys, or with
+    keys=False fp32 block scores (`_block_keys_kernel`). launch: (rows, keys per program (a multiple of
+    key_block), num_warps) instead of `_launch`'s (benchmarks)."""
     B, N, HI, DI = qr.shape
     out = torch.empty(B, N, n_blocks, dtype=torch.int64 if keys else torch.float32, device=qr.device)
     BM, BN, warps = launch or _launch(key_block, qr.is_cuda)
     BB = BN // key_block
     grid = (triton.cdiv(N, BM), triton.cdiv(n_blocks, BB), B)
-    _block_keys_kernel[grid](qr, wr, k_idx, rep.contiguous(), start.contiguous(), out,
+    arith = isinstance(rep, tuple)
+    rep0, rstep = rep if arith else (0, 0)
+    _block_keys_kernel[grid](qr, wr, k_idx, out if arith else rep.contiguous(),
+                             out if start is None else start.contiguous(), out,
                              *qr.stride(), *wr.stride(), *k_idx.stride(), *out.stride(),
-                             N, k_idx.shape[1], n_blocks, DI, sink, window,
+                             N, k_idx.shape[1], n_blocks, DI, sink, window, rep0, rstep,
                              HI=HI, KB=key_block, BLOCK_M=BM, BLOCK_B=BB, BLOCK_D=max(16, triton.next_power_of_2(DI)),
-                             MEAN=block_score == "mean", KEYS=keys, PREC=dot_precision(qr.dtype), num_warps=warps)
+                             MEAN=block_score == "mean", KEYS=keys, PREC=dot_precision(qr.dtype), ARITH=arith,
+                             HAS_START=start is not None, num_warps=warps)
     return out
 
 
@@ -217,19 +229,27 @@ def assemble_rows(blocks: torch.Tensor, pos, rep, start, topk: int, *, key_block
 
 @triton.jit
 def _assemble_kernel(BLK, POS, REP, START, OUT, sbb, sbn, sbk, sob, son, sok, N, NB, topk, sink, window,
-                     KB: tl.constexpr, KBP: tl.constexpr, G: tl.constexpr, NBP: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     rep0, pmax, KB: tl.constexpr, KBP: tl.constexpr, G: tl.constexpr, NBP: tl.constexpr,
+                     BLOCK: tl.constexpr, ARITH: tl.constexpr, HAS_START: tl.constexpr):
     """One row of `assemble_rows` per program: OUT[b, n, :topk] int32 from the chosen blocks BLK
     `[B, N, NB]` (ascending, -1 padded) of the row at POS / REP `[B, N]`, START `[B]`. The parts (sink,
     the blocks' non-forced keys, window, the group's keys after the representative) are ascending and
     disjoint, so each part's destination is a running count: only a block's first and last tokens can
     be cut (by the sink or the window), so its kept keys are one range and a prefix sum over the
-    blocks places them."""
+    blocks places them. ARITH: row n's representative is rep0 + n * G and its position
+    min(rep + G - 1, pmax) (no POS / REP read); without HAS_START the rows start at key 0."""
     n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    p = tl.load(POS + b * N + n).to(tl.int64)
-    r = tl.load(REP + b * N + n).to(tl.int64)
-    st = tl.load(START + b).to(tl.int64)
+    if ARITH:
+        r = rep0 + n.to(tl.int64) * G
+        p = tl.minimum(r + G - 1, pmax)
+    else:
+        p = tl.load(POS + b * N + n).to(tl.int64)
+        r = tl.load(REP + b * N + n).to(tl.int64)
+    if HAS_START:
+        st = tl.load(START + b).to(tl.int64)
+    else:
+        st = tl.zeros([], tl.int64)
     obase = OUT + b * sob + n * son
     offs = tl.arange(0, BLOCK)
     if r + G - st <= topk:  # the group's last member sees <= topk keys: all of them
@@ -267,18 +287,28 @@ def assemble_rows_triton(blocks: torch.Tensor, pos, rep, start, topk: int, *, ke
                          sink: int, window: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """`assemble_rows` (same arguments and rows, `[B, N, topk]` int32) in one Triton program per row, no
     `[B, N, topk]` int64 intermediates; `out` (a `[B, N, topk]` int32 view, last dim of any stride)
-    receives the rows. The chunked prefill writes each chunk's rows into its slice of the result."""
+    receives the rows. The chunked prefill writes each chunk's rows into its slice of the result.
+    Arithmetic rows (no left padding: `granular_topk`'s launch-light path): rep a pair (rep0, pmax), row n's
+    representative rep0 + n * query_group and its position min(rep + query_group - 1, pmax); pos is then
+    ignored and start may be None (0). blocks: int32 or int64."""
     B, N, NB = blocks.shape
     if out is None:
         out = torch.empty(B, N, topk, dtype=torch.int32, device=blocks.device)
     if N == 0 or topk == 0:
         return out
-    pos, rep = pos.expand(B, N).contiguous(), rep.expand(B, N).contiguous()
+    arith = isinstance(rep, tuple)
+    if arith:
+        (rep0, pmax), pos = rep, out
+        rep = out
+    else:
+        rep0 = pmax = 0
+        pos, rep = pos.expand(B, N).contiguous(), rep.expand(B, N).contiguous()
     cuda = blocks.is_cuda
-    _assemble_kernel[(N, B)](blocks, pos, rep, start.reshape(B).contiguous(), out, *blocks.stride(), *out.stride(),
-                             N, NB, topk, sink, window, KB=key_block, KBP=max(2, key_block), G=query_group,
-                             NBP=max(2, triton.next_power_of_2(NB)), BLOCK=1024 if cuda else 64,
-                             num_warps=4 if cuda else 1)
+    _assemble_kernel[(N, B)](blocks, pos, rep, out if start is None else start.reshape(B).contiguous(), out,
+                             *blocks.stride(), *out.stride(), N, NB, topk, sink, window, rep0, pmax,
+                             KB=key_block, KBP=max(2, key_block), G=query_group,
+                             NBP=max(2, triton.next_power_of_2(NB)), BLOCK=1024 if cuda else 64, ARITH=arith,
+                             HAS_START=start is not None, num_warps=4 if cuda else 1)
     return out
 
 
@@ -307,6 +337,9 @@ def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 
     G, kb = query_group, key_block
     B, T = q_idx.shape[:2]
     S = k_idx.shape[1]
+    if kv_start is None and history is None and q_offset % G == 0:
+        return _arith_topk(q_idx, w, k_idx, topk, q_offset, sink, window, kb, G, block_score, shared, budget,
+                           topk_impl)
     start, pos, ev_pos, ev_rep, inv, q_all, w_all, j = group_plan(q_idx, w, q_offset, kv_start, G, history)
     N = ev_pos.shape[1]
     nb = max(0, (topk - (G - 1) - sink - window) // kb)
@@ -330,6 +363,50 @@ def granular_topk(q_idx, w, k_idx, topk: int, *, q_offset: int = 0, sink: int = 
             assemble_rows_triton(blocks, ev_pos[:, n0:n1], rep_c, start, topk, key_block=kb, query_group=G,
                                  sink=sink, window=window, out=rows[:, n0:n1])
     return rows if shared else per_query_rows(rows, pos, inv)
+
+
+def _row_blocks(x: torch.Tensor, kk: int, impl: str) -> torch.Tensor:
+    """`top_blocks` without its int64 copy for the row forms (their int32 rows go to the assembly as they are)."""
+    if kk and impl in ("radix", "bin", "sampled"):
+        return {"radix": radix_topk, "bin": bin_topk, "sampled": sampled_topk}[impl](x, kk)
+    return top_blocks(x, kk, impl)
+
+
+def _arith_topk(q_idx, w, k_idx, topk: int, q_offset: int, sink: int, window: int, kb: int, G: int,
+                block_score: str, shared: bool, budget: int | None, topk_impl: str) -> torch.Tensor:
+    """`granular_topk` without left padding or history, q_offset a multiple of G: group n's representative is
+    q_offset + n * G and its row's position min(rep + G - 1, q_offset + T - 1), so the kernels compute both
+    instead of reading `group_plan`'s tensors, the representatives' index queries are the strided views
+    q_idx[:, ::G] (no gather), and nothing is read back to the host (group_plan's check of a group before
+    q_offset is arithmetic here): per chunk three launches (block scores, block top-k, assembly) and no
+    torch kernel, where the general path ran ~10 small torch kernels and one host sync (benchmarks/NOTES.md
+    item 19: the 32K selection was host-launch bound)."""
+    B, T = q_idx.shape[:2]
+    S = k_idx.shape[1]
+    N = triton.cdiv(T, G)
+    nb = max(0, (topk - (G - 1) - sink - window) // kb)
+    budget = budget or ((1 << 30) if q_idx.is_cuda else (1 << 22))
+    n_all = triton.cdiv(S, kb)
+    impl = resolve_topk_impl(topk_impl, n_all, prefill=True)
+    step = _chunk_rows(B, max(n_all, topk + sink + window + G), budget, impl)
+    rows = torch.empty(B, N, topk, dtype=torch.int32, device=q_idx.device)
+    pmax = q_offset + T - 1
+    with torch.no_grad():
+        for n0 in range(0, N, step):
+            n1 = min(N, n0 + step)
+            rep0 = q_offset + n0 * G
+            nbc = min(n_all, (q_offset + (n1 - 1) * G) // kb + 1)  # blocks past the last representative: unread
+            x = block_keys(q_idx[:, n0 * G:n1 * G:G], w[:, n0 * G:n1 * G:G], k_idx, (rep0, G), None, nbc,
+                           key_block=kb, sink=sink, window=window, block_score=block_score, keys=impl == "keys")
+            blocks = _row_blocks(x, min(nb, nbc), impl)
+            del x
+            assemble_rows_triton(blocks, None, (rep0, pmax), None, topk, key_block=kb, query_group=G, sink=sink,
+                                 window=window, out=rows[:, n0:n1])
+    if shared or G == 1:
+        return rows
+    pos = torch.arange(T, device=q_idx.device) + q_offset  # each query's row: its group's, cut at its position
+    per = rows[:, torch.arange(T, device=q_idx.device) // G]
+    return torch.where(per <= pos[None, :, None], per, torch.full_like(per, -1))
 
 
 def granular_topk_decode(q_rep, w_rep, k_idx, pos, topk: int, *, sink: int = 0, window: int = 0, kv_start=None,

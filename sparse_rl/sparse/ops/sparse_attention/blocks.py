@@ -128,9 +128,14 @@ def _kv_tile(kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, MASKED: tl
 
 @triton.jit
 def _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l_i, acc, qk_scale, sel,
-              PREC: tl.constexpr, MASKED: tl.constexpr):
-    """One key tile of the online softmax (base 2, the scale folded into one FMA per score)."""
-    kk, vv = _kv_tile(kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, MASKED)
+              kdesc, vdesc, PREC: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+    """One key tile of the online softmax (base 2, the scale folded into one FMA per score). TMA: K / V rows
+    through the tensor descriptors kdesc / vdesc (Hopper's bulk copies; rows past S read as zero)."""
+    if TMA:
+        kk = kdesc.load([kb.to(tl.int32), 0])
+        vv = vdesc.load([kb.to(tl.int32), 0])
+    else:
+        kk, vv = _kv_tile(kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, MASKED)
     s = dot(q, tl.trans(kk), PREC)
     if MASKED:
         s = tl.where(sel, s * qk_scale, float("-inf"))
@@ -162,7 +167,7 @@ def _block_fwd_kernel(Q, K, V, BITS, TILES, NFULL, NPART, O, LSE,
                       sob, sot, soh, sod, slb, slt, slh,
                       T, S, G, D, NR, NW, W, QG, q_off, qk_scale,
                       BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      PREC: tl.constexpr):
+                      PREC: tl.constexpr, TMA: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -177,15 +182,16 @@ def _block_fwd_kernel(Q, K, V, BITS, TILES, NFULL, NPART, O, LSE,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row, lrow, kbase, vbase, nf, npart = _group_tiles(TILES, NFULL, NPART, K, V, b, kvh, tile, skb, skh, svb, svh,
                                                       NR, W, QG, BT)
+    kdesc, vdesc = _kv_descs(kbase, vbase, S, sks, svs, BLOCK_N, BLOCK_D, TMA)
     for i in range(0, nf):  # full tiles: no mask (every key selected and before every query of the group)
         kb = tl.load(lrow + i).to(tl.int64) * BLOCK_N
         m_i, l_i, acc = _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l_i, acc, qk_scale,
-                                  rmask[:, None], PREC, False)
+                                  rmask[:, None], kdesc, vdesc, PREC, False, TMA)
     for i in range(0, npart):
         kb = tl.load(lrow + W - 1 - i).to(tl.int64) * BLOCK_N
         sel = _part_mask(BITS, row * NW, kb + offs_n, S, t, q_off, rmask)
         m_i, l_i, acc = _fwd_step(q, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, m_i, l_i, acc, qk_scale,
-                                  sel, PREC, True)
+                                  sel, kdesc, vdesc, PREC, True, TMA)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
@@ -205,8 +211,8 @@ def _check_dims(q):
         raise ValueError(f"block kernels: head dim {q.shape[-1]} must be a power of two >= 16 (unmasked tile loads)")
 
 
-def default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the block forward. H200, 32K, trained input (session 9 call 1,
+def default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple:
+    """(BLOCK_N, num_warps, num_stages[, loads]) of the block forward. H200, 32K, trained input (session 9 call 1,
     NOTES.md item 17), ms: 128-row tiles kb64g64 (32, 4, 3) 2.98, (64, 8, 3) 3.09, (64, 4, 2) 3.16, (64, 4, 3)
     3.18, (16, 4, 2) 4.07, (128, 8, 3) 5.45, (128, 8, 2) 6.05 (gather tiles 4.27); kb32g32 (32, 4, 3) 3.02,
     (16, 4, 2) 4.08, 64-key tiles 5.0-6.0 (half of them partial); 64-row tiles kb16g16 (16, 4, 2) 4.25,
@@ -216,9 +222,13 @@ def default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple[int, int, int
     if not cuda:
         return (16, 4, 1)
     if BM > 64 and key_block >= 128:
-        return (128, 8, 3)
+        # session 10 call 2 (NOTES item 19), the block pattern: (128, 8, 3, tma) 2.638 vs pointer loads 2.788 ms,
+        # (64, 4, 3, tma) 2.696, (32, 4, 3, tma) 2.797, (64, 8, 3, tma) 2.944; FlexAttention 2.610
+        return (128, 8, 3, "tma")
     if BM > 64 and key_block >= 32:
-        return (32, 4, 3)
+        # session 10 call 1 (NOTES item 19): tensor-descriptor loads 2.743 vs 3.002 ms (kb64g64), 2.770 vs 3.035
+        # (kb32g32); (64, 4, 3, tma) 2.746, (32, 4, 4, tma) 2.745, 8 warps 2.93 (64 keys) / 3.75 (32 keys)
+        return (32, 4, 3, "tma")
     return (16, 4, 2)
 
 
@@ -234,12 +244,15 @@ def lists_for(sel: TileSelection, T: int, S: int, BN: int, cache: dict | None = 
 def block_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tune: tuple | None = None,
               cache: dict | None = None, key_block: int = 1):
     """Forward over a shared selection's key tiles: q `[B, T, H, D]` -> out `[B, T, H, D]`, lse `[B, T, H]`
-    fp32. sel: `union.shared_tiles(..., bits=True)`. `tune=(BLOCK_N, num_warps, num_stages)`; `cache` {BN:
-    BlockLists} reuses lists between passes; key_block (the rows' key block) picks the default launch."""
+    fp32. sel: `union.shared_tiles(..., bits=True)`. `tune=(BLOCK_N, num_warps, num_stages[, loads])`, loads
+    "ptr" (pointer loads) or "tma" (tensor descriptors, sm_90+; the default's "tma" falls back to pointer loads
+    where the strides or the GPU do not allow it, `_use_tma`); `cache` {BN: BlockLists} reuses
+    lists between passes; key_block (the rows' key block) picks the default launch."""
     B, T, H, D, G, BM, BD, NT, _ = _common(q, k, sel)
     S = k.shape[1]
-    BN, warps, stages = tune or default_tune(BM, q.is_cuda, key_block)
+    BN, warps, stages, loads = (*(tune or default_tune(BM, q.is_cuda, key_block)), "ptr")[:4]
     _check_dims(q)
+    tma = _use_tma(loads, tune is not None, q, k, v)
     bl = lists_for(sel, T, S, BN, cache)
     if out is None:
         o = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
@@ -249,14 +262,62 @@ def block_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tu
     _block_fwd_kernel[(NT, k.shape[2], B)](
         q, k, v, sel.bits, bl.tiles, bl.nfull, bl.npart, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         *lse.stride(), T, S, G, D, sel.bits.shape[1], sel.bits.shape[2], bl.tiles.shape[2], sel.group, sel.q_offset,
-        scale * LOG2E, BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=prec, num_warps=warps, num_stages=stages)
+        scale * LOG2E, BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=prec, TMA=tma, num_warps=warps,
+        num_stages=stages)
     return o, lse
+
+
+def _tma_alloc(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _tma_capable(x) -> bool:
+    """Tensor-descriptor loads of x's `[S, D]` rows per (batch row, head): unit stride along D, 16-byte aligned
+    row / head / batch strides and base; on CUDA a Hopper-class GPU (sm_90+: the bulk tensor copies)."""
+    es = x.element_size()
+    if x.stride(-1) != 1 or any((x.stride(i) * es) % 16 for i in range(3)) or x.data_ptr() % 16:
+        return False
+    return not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _use_tma(loads: str, explicit: bool, *xs) -> bool:
+    """Whether a block kernel takes tensor-descriptor loads: asked for ("tma") and possible for every tensor
+    xs; a launch given explicitly (`tune`) that cannot raises, the default falls back to pointer loads. Sets the
+    scratch allocator the in-kernel descriptors need (`triton.set_allocator`)."""
+    if loads not in ("ptr", "tma"):
+        raise ValueError(f"block kernels: loads {loads!r} (ptr or tma)")
+    if loads == "ptr":
+        return False
+    if not all(_tma_capable(x) for x in xs):
+        if explicit:
+            raise ValueError("block kernels (loads='tma'): rows need unit stride along D, 16-byte aligned strides "
+                             "and bases, and an sm_90+ GPU")
+        return False
+    triton.set_allocator(_tma_alloc)
+    return True
+
+
+@triton.jit
+def _kv_descs(kbase, vbase, S, sks, svs, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """[S, D] tensor descriptors of one (batch row, KV head)'s keys and values (D == BLOCK_D, unit stride along
+    D), or the bases themselves without TMA (unused then)."""
+    if TMA:
+        kdesc = tl.make_tensor_descriptor(kbase, shape=[S, BLOCK_D], strides=[sks, 1], block_shape=[BLOCK_N, BLOCK_D])
+        vdesc = tl.make_tensor_descriptor(vbase, shape=[S, BLOCK_D], strides=[svs, 1], block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        kdesc = kbase
+        vdesc = vbase
+    return kdesc, vdesc
 
 
 @triton.jit
 def _dq_step(q, do, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, dq, qk_scale, lse2, delta, sel,
-             PREC: tl.constexpr, MASKED: tl.constexpr):
-    kk, vv = _kv_tile(kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, MASKED)
+             kdesc, vdesc, PREC: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+    if TMA:
+        kk = kdesc.load([kb.to(tl.int32), 0])
+        vv = vdesc.load([kb.to(tl.int32), 0])
+    else:
+        kk, vv = _kv_tile(kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, MASKED)
     s = dot(q, tl.trans(kk), PREC)
     dp = dot(do, tl.trans(vv), PREC)
     p = tl.exp2(s * qk_scale - lse2[:, None])
@@ -272,8 +333,9 @@ def _block_dq_kernel(Q, K, V, BITS, TILES, NFULL, NPART, DO, LSE, DELTA, DQ,
                      sdob, sdot, sdoh, sdod, slb, slt, slh, sdqb, sdqt, sdqh, sdqd,
                      T, S, G, D, NR, NW, W, QG, q_off, scale, qk_scale,
                      BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PREC: tl.constexpr):
-    """dq of one (query tile, kv head) over its group's full then partial key tiles, stored once."""
+                     PREC: tl.constexpr, TMA: tl.constexpr):
+    """dq of one (query tile, kv head) over its group's full then partial key tiles, stored once (TMA: K / V
+    through tensor descriptors)."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -285,46 +347,51 @@ def _block_dq_kernel(Q, K, V, BITS, TILES, NFULL, NPART, DO, LSE, DELTA, DQ,
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row, lrow, kbase, vbase, nf, npart = _group_tiles(TILES, NFULL, NPART, K, V, b, kvh, tile, skb, skh, svb, svh,
                                                       NR, W, QG, BT)
+    kdesc, vdesc = _kv_descs(kbase, vbase, S, sks, svs, BLOCK_N, BLOCK_D, TMA)
     for i in range(0, nf):
         kb = tl.load(lrow + i).to(tl.int64) * BLOCK_N
         dq = _dq_step(q, do, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, dq, qk_scale, lse2, delta,
-                      row_ok[:, None], PREC, False)
+                      row_ok[:, None], kdesc, vdesc, PREC, False, TMA)
     for i in range(0, npart):
         kb = tl.load(lrow + W - 1 - i).to(tl.int64) * BLOCK_N
         sel = _part_mask(BITS, row * NW, kb + offs_n, S, t, q_off, row_ok)
         dq = _dq_step(q, do, kbase, vbase, kb, offs_n, offs_d, sks, skd, svs, svd, S, dq, qk_scale, lse2, delta,
-                      sel, PREC, True)
+                      sel, kdesc, vdesc, PREC, True, TMA)
     tl.store(DQ + b * sdqb + t[:, None] * sdqt + heads[:, None] * sdqh + offs_d[None, :] * sdqd,
              (dq * scale).to(DQ.dtype.element_ty), mask=rd)
 
 
-def dq_default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the block dq pass. H200, 32K, trained input (session 9 call 1), ms:
+def dq_default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple:
+    """(BLOCK_N, num_warps, num_stages[, loads]) of the block dq pass. H200, 32K, trained input (session 9 call 1), ms:
     128-row tiles kb64g64 (64, 8, 2) 3.17, (32, 4, 2) 3.37, (16, 4, 2) 4.43, (128, 8, 2) 7.50, (64, 4, 2) 8.19
     (gather tiles 4.73); kb32g32 (32, 4, 2) 3.36, (16, 4, 2) 4.48, (64, 8, 2) 5.05; 64-row tiles kb16g16
     (16, 4, 2) 4.41, (32, 4, 2) 5.33, (64, 4, 2) 7.20 (gather 4.62)."""
     if not cuda:
         return (16, 4, 1)
+    # session 10 call 2 (NOTES item 19), tensor-descriptor loads: kb64g64 (64, 8, 2) 3.156 ms vs tma 3.254, (64, 8,
+    # 3, tma) 3.123, (32, 4, 2, tma) 3.177, (64, 4, 2, tma) 6.54: no gain, pointer loads stay; kb32g32 (32, 4, 2)
+    # 3.392 vs tma 3.203, (32, 4, 3, tma) 4.18, (32, 8, 2, tma) 4.21
     if BM > 64 and key_block >= 64:
         return (64, 8, 2)
     if BM > 64 and key_block >= 32:
-        return (32, 4, 2)
+        return (32, 4, 2, "tma")
     return (16, 4, 2)
 
 
 def block_dq(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int, tune: tuple | None = None,
              cache: dict | None = None, key_block: int = 1):
     """dq `[B, T, H, D]` (q.dtype) over a shared selection's key tiles; lse/delta `[B, T, H]` fp32 with equal
-    strides (keymajor.bwd_delta)."""
+    strides (keymajor.bwd_delta). `tune=(BLOCK_N, num_warps, num_stages[, loads])` as `block_fwd`'s."""
     B, T, H, D, G, BM, BD, NT, _ = _common(q, k, sel)
     S = k.shape[1]
-    BN, warps, stages = tune or dq_default_tune(BM, q.is_cuda, key_block)
+    BN, warps, stages, loads = (*(tune or dq_default_tune(BM, q.is_cuda, key_block)), "ptr")[:4]
     _check_dims(q)
+    tma = _use_tma(loads, tune is not None, q, k, v)
     bl = lists_for(sel, T, S, BN, cache)
     dq = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
     _block_dq_kernel[(NT, k.shape[2], B)](
         q, k, v, sel.bits, bl.tiles, bl.nfull, bl.npart, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(),
         *do.stride(), *lse.stride(), *dq.stride(), T, S, G, D, sel.bits.shape[1], sel.bits.shape[2],
         bl.tiles.shape[2], sel.group, sel.q_offset, scale, scale * LOG2E,
-        BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=prec, num_warps=warps, num_stages=stages)
+        BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=prec, TMA=tma, num_warps=warps, num_stages=stages)
     return dq

@@ -92,6 +92,73 @@ def key_tile_lists(sel: TileSelection, T: int, S: int, BN: int, split: bool = Fa
 
 
 @triton.jit
+def _key_lists_kernel(BITS, LIST, CNT, NFULL, T, NT, NKT, NRB, NW, QG, q_off, BT: tl.constexpr, BN: tl.constexpr,
+                      CH: tl.constexpr, SPLIT: tl.constexpr):
+    """The transposed shared selection for key tile j of batch row b, written to LIST[b, j, :NT] (the
+    dense form of `key_tile_lists`): the query tiles whose group row touches the tile and whose last
+    query sees its first key, ascending; with SPLIT the full pairs (all BN keys selected, none after
+    the tile's first query) first, then the others, each ascending. CNT / NFULL `[B, NKT]`: entries,
+    full entries. The scan starts at the first query tile that can see the key tile."""
+    j = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    lbase = LIST + (b * NKT + j) * NT
+    k0 = j * BN
+    t0 = tl.maximum(k0 - q_off, 0) // BT
+    n = 0
+    nf = 0
+    for p in tl.static_range(2 if SPLIT else 1):
+        for c0 in range(t0, NT, CH):
+            tiles = c0 + tl.arange(0, CH)
+            tm = tiles < NT
+            brow = (b * NRB + (tiles * BT) // QG) * NW
+            if BN == 16:
+                word = tl.load(BITS + brow + (j >> 1), mask=tm, other=0)
+                half = (word >> ((j & 1) * 16)) & 0xFFFF
+                touched = half != 0
+                allset = half == 0xFFFF
+            else:
+                WPT: tl.constexpr = BN // 32
+                wi = j * WPT + tl.arange(0, WPT)
+                words = tl.load(BITS + brow[:, None] + wi[None, :], mask=tm[:, None] & (wi < NW)[None, :], other=0)
+                touched = tl.max((words != 0).to(tl.int32), 1) > 0
+                allset = tl.min((words == -1).to(tl.int32), 1) > 0
+            last = tl.minimum(tiles * BT + BT - 1, T - 1) + q_off
+            live = tm & touched & (k0 <= last)
+            if SPLIT:
+                full = live & allset & (k0 + BN - 1 <= tiles * BT + q_off)
+                take = full if p == 0 else live & ~full
+            else:
+                take = live
+            ti = take.to(tl.int32)
+            tl.store(lbase + n + tl.cumsum(ti, 0) - 1, tiles, mask=take)
+            n += tl.sum(ti, 0)
+        if SPLIT and p == 0:
+            nf = n
+    tl.store(CNT + b * NKT + j, n)
+    tl.store(NFULL + b * NKT + j, nf)
+
+
+def key_tile_lists_dense(sel: TileSelection, T: int, S: int, BN: int, split: bool = False):
+    """`key_tile_lists` of a shared selection built on the device in one launch, no host sync: (list `[B, NKT, NT]`
+    int32, count `[B, NKT]` int32, full count `[B, NKT]` int32: with `split` the first `full` entries of a key tile are
+    its full pairs, else 0). A key tile's list has room for every query tile (NT), so its size is known before the
+    bitmap is read; the torch form's `nonzero` synchronised the host (~0.8 ms of the 32K fwd+bwd, NOTES item 17)."""
+    if not sel.shared:
+        raise ValueError("key_tile_lists_dense takes a shared selection")
+    bits = sel.bits
+    B, NRB, NW = bits.shape
+    NKT = triton.cdiv(S, BN)
+    NT = triton.cdiv(T, sel.BT)
+    lst = torch.empty(B, NKT, NT, dtype=torch.int32, device=bits.device)
+    cnt = torch.empty(B, NKT, dtype=torch.int32, device=bits.device)
+    nfull = torch.empty_like(cnt)
+    CH = 256 if bits.is_cuda else 32
+    _key_lists_kernel[(NKT, B)](bits, lst, cnt, nfull, T, NT, NKT, NRB, NW, sel.group, sel.q_offset, BT=sel.BT, BN=BN,
+                                CH=CH, SPLIT=split, num_warps=4)
+    return lst, cnt, nfull
+
+
+@triton.jit
 def _key_tile_mask(BITS, PREF, QMASK, b, tile, offs_n, nmask, qi, t, row_ok, NT, NRB, NW, UMAX, QG, q_off,
                    BT: tl.constexpr, SHARED: tl.constexpr, TRANSPOSED: tl.constexpr):
     """The (row, key) pairs of the query tile that were selected, for the key tile offs_n:
@@ -126,10 +193,13 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, BITS, PREF, QMASK, OFF, LIST, NFULL, D
                  sdob, sdot, sdoh, sdod, slb, slt, slh, sdkb, sdks, sdkh, sdkd,
                  T, S, G, D, NT, NKT, NRB, NW, UMAX, QG, q_off, scale, qk_scale,
                  BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 SHARED: tl.constexpr, PREC: tl.constexpr, TRANSPOSED: tl.constexpr, SPLIT: tl.constexpr):
+                 SHARED: tl.constexpr, PREC: tl.constexpr, TRANSPOSED: tl.constexpr, SPLIT: tl.constexpr,
+                 DENSE: tl.constexpr):
     """dk/dv of one (key tile, kv head) over the query tiles listed for it, written once (no atomics).
     DK/DV share the layout `[B, S, H_kv, D]` (strides sdk*). TRANSPOSED: the "dt" form (module doc);
-    SPLIT ("dts"): the key tile's first NFULL entries are full pairs, run without the mask."""
+    SPLIT ("dts"): the key tile's first NFULL entries are full pairs, run without the mask. DENSE: the
+    lists of `key_tile_lists_dense` (key tile (b, j) at LIST + (b * NKT + j) * NT, OFF its counts), else
+    the CSR of `key_tile_lists` (OFF its offsets)."""
     j = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -146,8 +216,12 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, BITS, PREF, QMASK, OFF, LIST, NFULL, D
     else:
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    lo = tl.load(OFF + b * NKT + j)
-    hi = tl.load(OFF + b * NKT + j + 1)
+    if DENSE:
+        lo = (b * NKT + j) * NT
+        hi = lo + tl.load(OFF + b * NKT + j)
+    else:
+        lo = tl.load(OFF + b * NKT + j)
+        hi = tl.load(OFF + b * NKT + j + 1)
     if SPLIT:
         mid = lo + tl.load(NFULL + b * NKT + j)
         for p in range(lo, mid):  # full pairs: q / dO rows past T are zero, so they add nothing unmasked
@@ -200,29 +274,42 @@ def default_tune(BM: int, cuda: bool, key_block: int = 1) -> tuple[int, int, int
     tiles "dt" (64, 8, 2) 15.7, (32, 8, 2) 17.0, (32, 4, 2) 17.8, (16, 8, 2) 23.4, "rows" (32, 4, 2) 24.9."""
     if not cuda:
         return (32, 4, 1, "dt")
-    # key_block is not a factor yet: on key-block rows (session 9 call 2, 32K, dk/dv with lists, ms) the same
-    # launches won: kb64g64 (64, 8, 2) "dt" 9.59 / "dts" 9.71 (its kernel 0.8 ms faster, its sorted lists 0.9 ms
-    # slower), (64, 8, 3, "dts") 9.71, (32, 8, 2) 11.4 / 11.7; kb32g32 "dt" 11.6 / "dts" 12.3, (32, 8, 2) 12.0 /
-    # 12.2; kb16g16 (64-row tiles) (32, 4, 3) 13.8 / 14.3, (16, 4, 2) 17.0 / 15.9.
+    # on key-block rows (session 9 call 2, 32K, dk/dv with the torch lists, ms) the same launches won: kb64g64
+    # (64, 8, 2) "dt" 9.59 / "dts" 9.71 (its kernel 0.8 ms faster, its sorted lists 0.9 ms slower), (64, 8, 3, "dts")
+    # 9.71, (32, 8, 2) 11.4 / 11.7; kb32g32 "dt" 11.6 / "dts" 12.3, (32, 8, 2) 12.0 / 12.2; kb16g16 (64-row tiles)
+    # (32, 4, 3) 13.8 / 14.3, (16, 4, 2) 17.0 / 15.9.
+    # session 10 call 1 (NOTES item 19), fwd+bwd at 32K with the device lists: "dts" 13.99 vs "dt" 14.70 ms at
+    # kb64g64 (its dk/dv kernel 7.60 vs 8.38), 16.52 vs 16.69 at kb32g32; token rows not re-timed: "dt"
+    if BM > 64 and key_block >= 32:
+        return (64, 8, 2, "dts")
     return (32, 4, 3, "dt") if BM <= 64 else (64, 8, 2, "dt")
 
 
 def key_major_dkdv(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int, tune: tuple | None = None,
                    key_block: int = 1):
     """dk, dv `[B, S, H_kv, D]` in k's dtype, one write per element (no atomics). lse/delta `[B, T, H]`
-    fp32 with equal strides. `tune=(BLOCK_N, num_warps, num_stages[, form])` overrides the launch config
-    (BLOCK_N in 16/32/64/128; form "rows" | "dt" | "dts", module doc); key_block (shared rows' key block)
-    picks the default."""
+    fp32 with equal strides. `tune=(BLOCK_N, num_warps, num_stages[, form[, lists]])` overrides the launch
+    config (BLOCK_N in 16/32/64/128; form "rows" | "dt" | "dts", module doc; lists "device" (default:
+    `key_tile_lists_dense` for shared selections, no host sync) | "torch" (`key_tile_lists`, the CSR built
+    with `nonzero`; per-query union tiles always take it)); key_block (shared rows' key block) picks the
+    default."""
     B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
     S, H_kv = k.shape[1], k.shape[2]
-    BN, warps, stages, form = (*(tune or default_tune(BM, q.is_cuda, key_block)), "rows")[:4]
+    t = tuple(tune or default_tune(BM, q.is_cuda, key_block))
+    BN, warps, stages, form, lists = t[:3] + (t[3:] + ("rows", "device")[len(t) - 3:])[:2]
+    if lists not in ("device", "torch"):
+        raise ValueError(f"key_major_dkdv: lists {lists!r} (device or torch)")
     if form not in FORMS or BN not in (16, 32, 64, 128):
         raise ValueError(f"key_major_dkdv: form {form!r} (one of {FORMS}), BLOCK_N {BN} (16/32/64/128)")
     if form == "dts" and not sel.shared:
         form = "dt"  # per-query union tiles have no full pairs to split off
-    lists = key_tile_lists(sel, T, S, BN, split=form == "dts")
-    off, lst = lists[0], lists[1]
-    nfull = lists[3] if form == "dts" else off
+    dense = sel.shared and lists == "device"
+    if dense:
+        lst, off, nfull = key_tile_lists_dense(sel, T, S, BN, split=form == "dts")
+    else:
+        tl_lists = key_tile_lists(sel, T, S, BN, split=form == "dts")
+        off, lst = tl_lists[0], tl_lists[1]
+        nfull = tl_lists[3] if form == "dts" else off
     NKT = triton.cdiv(S, BN)
     dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
     dv = torch.empty_like(dk)
@@ -232,7 +319,8 @@ def key_major_dkdv(q, k, v, sel: TileSelection, do, lse, delta, scale: float, pr
             *do.stride(), *lse.stride(), *dk.stride(), T, S, G, D, NT, NKT, sel.bits.shape[1], sel.bits.shape[2],
             umax, sel.group, sel.q_offset, scale, scale * LOG2E)
     _dkdv_kernel[(NKT, H_kv, B)](*args, BT=sel.BT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, SHARED=sel.shared, PREC=prec,
-                                 TRANSPOSED=form != "rows", SPLIT=form == "dts", num_warps=warps, num_stages=stages)
+                                 TRANSPOSED=form != "rows", SPLIT=form == "dts", DENSE=dense, num_warps=warps,
+                                 num_stages=stages)
     return dk, dv
 
 
