@@ -196,7 +196,7 @@ def check_attention(q, k, v, idx, n: int, **kw) -> dict:
 def time_pattern(q, k, v, idx, dev, W, prefix: str, **kw) -> dict:
     """Forward time of each path, of building the union and of the tile kernel alone, the path `auto`
     takes and its estimate, union/pairs and TFLOP/s on selected pairs, for one index pattern.
-    `kw` (query_group, q_offset) describes a shared selection (then nothing is built)."""
+    `kw` (query_group, q_offset, key_block) describes a shared selection (then nothing is built)."""
     from sparse_rl.sparse.ops import shared_to_per_query
     from sparse_rl.sparse.ops.sparse_attention import union
     from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
@@ -408,9 +408,11 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
             bidx = block_pattern_indices(fb, cnt, L, cfg.block_size, K)
             row["block_attn_ms"] = bench_ms(lambda: sparse_attention(q, k, v, bidx, backend="triton"), dev, **W)
             row["block_attn_tflops"] = 4.0 * pairs(bidx) * H * D / row["block_attn_ms"] / 1e9
-            # the same selection, one row per query block: what a block-granular selector emits
+            # the same selection, one row per query block: what a block-granular selector emits, with its
+            # key-block hint, so `auto` can take the block kernels (blocks.py) as a key_block model does
             shared_rows = bidx[:, cfg.block_size - 1::cfg.block_size].contiguous()
-            pats += [("blk", bidx, {}), ("blkshared", shared_rows, {"query_group": cfg.block_size})]
+            pats += [("blk", bidx, {}), ("blkshared", shared_rows, {"query_group": cfg.block_size,
+                                                                    "key_block": cfg.block_size})]
         if "local" in cfg.patterns:
             pats.append(("local", patterns.local_retrieval(L, K, dev, gen), {}))
         if "trained" in cfg.patterns:
