@@ -8,9 +8,8 @@ dependent launches. Here one program per row loads the row's visible scores once
 (`RB` = the next power of two of S, up to 32 warps) and finds the k-th largest key by its
 order-preserving uint32 image (`radix_topk._okey`, -0.0 == +0.0) one bit at a time, from the top:
 32 steps of "how many keys are >= t | bit", each a compare and a block sum, no histogram, no
-scratch. Among keys equal to that threshold the later ones are kept (the reference's tie rule), by
-a second search on the position when the ties overflow the budget (<= log2(RB) steps). The selected
-positions go out ascending through one prefix sum, -1 padded. Forced keys (+inf) are the largest
+scratch. Among keys equal to that threshold the later ones are kept (the reference's tie rule) by a prefix
+count over them; positions go out ascending through one prefix sum, -1 padded. Forced keys (+inf) are the largest
 keys and so always kept (sink + window <= top-k); -inf (invisible) keys never.
 
 Rows longer than BSEARCH_MAX_KEYS keys would not fit the registers of one program; for them
@@ -28,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.decode_steps import _pad_rest
+from sparse_rl.sparse.ops.indexer_topk.cand_topk import _write_selected
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
 
 # the longest row one program holds: 32 warps x 32 lanes x 32 keys (a uint32 key and its position a lane)
@@ -36,34 +35,14 @@ BSEARCH_MAX_KEYS = 32768
 
 
 @triton.jit
-def _bsearch_select(SC, POS, OUT, S, sob, K, RB: tl.constexpr, LOG_RB: tl.constexpr, PAD: tl.constexpr):
+def _bsearch_select(SC, POS, OUT, S, sob, K, RB: tl.constexpr, PAD: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
     offs = tl.arange(0, RB)
     x = tl.load(SC + b * S + offs, mask=(offs <= pos) & (offs < S), other=float("-inf"))
     valid = x > float("-inf")
-    u = tl.where(valid, _okey(x), tl.zeros([RB], tl.uint32))  # every valid key is > 0: okey(-inf) > 0
-    n_valid = tl.sum(valid.to(tl.int32), 0)
-    sel = valid
-    if n_valid > K:
-        # t: the largest key with at least K keys >= t, i.e. the K-th largest key, bit by bit
-        t = tl.zeros([], tl.uint32)
-        for i in tl.static_range(32):
-            c = t | (tl.full([], 1, tl.uint32) << (31 - i))
-            t = tl.where(tl.sum((u >= c).to(tl.int32), 0) >= K, c, t)
-        gt = u > t
-        eq = u == t
-        need = K - tl.sum(gt.to(tl.int32), 0)  # >= 1 keys equal to t to take, the later ones
-        cut = 0
-        if tl.sum(eq.to(tl.int32), 0) > need:
-            # the largest position cut with at least `need` equal keys at or after it
-            for i in tl.static_range(LOG_RB):
-                c2 = cut | (1 << (LOG_RB - 1 - i))
-                cut = tl.where(tl.sum((eq & (offs >= c2)).to(tl.int32), 0) >= need, c2, cut)
-        sel = gt | (eq & (offs >= cut))
-    slot = tl.cumsum(sel.to(tl.int32), 0) - 1
-    tl.store(OUT + b * sob + slot, offs, mask=sel)
-    _pad_rest(OUT, b, sob, tl.sum(sel.to(tl.int32), 0), K, PAD)
+    # the prefill cand select's register resolve: k-th key by bit search, later keys win ties, ascending, -1 padded
+    _write_selected(_okey(x), offs, valid, tl.sum(valid.to(tl.int32), 0), K, OUT + b * sob, PAD)
 
 
 def bsearch_warps(rb: int) -> int:
@@ -81,6 +60,6 @@ def bsearch_select(sc: torch.Tensor, pos: torch.Tensor, topk: int, *, interpret:
         raise ValueError(f"bsearch_select: rows of {S} keys exceed BSEARCH_MAX_KEYS ({BSEARCH_MAX_KEYS})")
     out = torch.empty(B, topk, device=sc.device, dtype=torch.int32)
     nw = 1 if interpret else (num_warps or bsearch_warps(rb))
-    _bsearch_select[(B,)](sc, pos, out, S, out.stride(0), topk, RB=rb, LOG_RB=rb.bit_length() - 1,
+    _bsearch_select[(B,)](sc, pos, out, S, out.stride(0), topk, RB=rb,
                           PAD=16 if interpret else 1024, num_warps=nw)
     return out
