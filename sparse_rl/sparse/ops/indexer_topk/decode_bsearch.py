@@ -27,8 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.cand_topk import _write_selected
-from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, _write_selected
 
 # the longest row one program holds: 32 warps x 32 lanes x 32 keys (a uint32 key and its position a lane)
 BSEARCH_MAX_KEYS = 32768
@@ -41,7 +40,7 @@ def _bsearch_select(SC, POS, OUT, S, sob, K, RB: tl.constexpr, PAD: tl.constexpr
     offs = tl.arange(0, RB)
     x = tl.load(SC + b * S + offs, mask=(offs <= pos) & (offs < S), other=float("-inf"))
     valid = x > float("-inf")
-    # the prefill cand select's register resolve: k-th key by bit search, later keys win ties, ascending, -1 padded
+    # the register resolve the prefill cand select also uses (radix_topk._write_selected): k-th key by bit search, later keys win ties, ascending, -1 padded
     _write_selected(_okey(x), offs, valid, tl.sum(valid.to(tl.int32), 0), K, OUT + b * sob, PAD)
 
 

@@ -218,3 +218,50 @@ def radix_topk(scores: torch.Tensor, topk: int, q_lim: int | None = None, out: t
     _radix_topk_kernel[(B * Tc,)](scores, out, Tc, Sc, q_lim, scores.stride(0), scores.stride(1),
                                   out.stride(0), out.stride(1), topk, BLOCK=block, num_warps=warps)
     return out
+
+
+@triton.jit
+def kth_key(key, live, K, NBITS: tl.constexpr = 32):
+    """The K-th largest of the live `[CB]` uint32 keys (K >= 1, at least K live): the largest tau with
+    #(live & key >= tau) >= K, by a binary search over the bits where the live min and max differ (the bits
+    above are common to every live key, hence to tau). NBITS < 32: only the top NBITS bits are searched (the
+    rest left 0), so tau <= the K-th largest and #(key >= tau) >= K: a threshold, not the exact key."""
+    lo = tl.min(tl.where(live, key, 0xFFFFFFFF), 0)
+    hi = tl.max(tl.where(live, key, 0), 0)
+    diff = lo ^ hi
+    smear = diff | (diff >> 1)
+    smear = smear | (smear >> 2)
+    smear = smear | (smear >> 4)
+    smear = smear | (smear >> 8)
+    smear = smear | (smear >> 16)  # every bit at or below diff's highest set bit
+    tau = lo & ~smear
+    bit = tl.full([], 0x80000000, tl.uint32)
+    for _ in range(NBITS):
+        if (smear & bit) != 0:
+            cand = tau | bit
+            c = tl.sum((live & (key >= cand)).to(tl.int32), 0)
+            if c >= K:
+                tau = cand
+        bit = bit >> 1
+    return tau
+
+
+@triton.jit
+def _write_selected(key, idx, live, n, K, obase, KB: tl.constexpr):
+    """The K largest live keys (key order = lane order; later lanes win ties) -> their idx ascending at obase,
+    -1 padded to K."""
+    sel = live
+    if n > K:
+        tau = kth_key(key, live, K)
+        gt = live & (key > tau)
+        eq = live & (key == tau)
+        need = K - tl.sum(gt.to(tl.int32), 0)
+        n_eq = tl.sum(eq.to(tl.int32), 0)
+        sel = gt | eq
+        if need < n_eq:  # among keys equal to the k-th the later ones win (the reference's rule)
+            sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) > n_eq - need))
+    slot = tl.cumsum(sel.to(tl.int32), 0) - 1
+    tl.store(obase + slot, idx, mask=sel)
+    for c in range(tl.minimum(n, K), K, KB):
+        o = c + tl.arange(0, KB)
+        tl.store(obase + o, tl.full([KB], -1, tl.int32), mask=o < K)
