@@ -40,7 +40,8 @@ def _bsearch_select(SC, POS, OUT, S, sob, K, RB: tl.constexpr, PAD: tl.constexpr
     offs = tl.arange(0, RB)
     x = tl.load(SC + b * S + offs, mask=(offs <= pos) & (offs < S), other=float("-inf"))
     valid = x > float("-inf")
-    # the register resolve the prefill cand select also uses (radix_topk._write_selected): k-th key by bit search, later keys win ties, ascending, -1 padded
+    # the register resolve the prefill cand select uses too (radix_topk._write_selected): the k-th key by
+    # a bit search, later keys win ties, ascending, -1 padded
     _write_selected(_okey(x), offs, valid, tl.sum(valid.to(tl.int32), 0), K, OUT + b * sob, PAD)
 
 
