@@ -327,7 +327,7 @@ def run(cfg: IndexerTrainConfig, resume: bool = False, force: bool = False, cons
         with atomic_dir(out, force=force, flag="--out") as tmp, writing(out, "--out"):
             save_model(model, tmp, tokenizer, sc)
         atomic_write_json(run_dir / "summary.json", summary)
-    pg.barrier()
+    pg.close()  # barrier, then an explicit teardown: gloo's threads die at interpreter exit otherwise (SIGABRT)
     return summary
 
 
