@@ -76,7 +76,7 @@ class BenchRolloutConfig:
     decode_long: str = "chunked"  # what auto runs past 8192 keys (DecodeSelect.long)
     score_block: int = 64  # the score pass's keys a step (DecodeSelect.score_block; 0: the select's own)
     qkv_pad: int = 64  # the fused q/k/v(+indexer) weight padded with zero rows to a multiple of this
-    pdl: bool | None = None  # programmatic dependent launch in the step (ModelRunner.pdl; None: its default)
+    pdl: int | None = None  # PDL in the step (ModelRunner.pdl: 0-2 or a bool; None: its default)
 
     def __post_init__(self):
         if self.shape not in SHAPES:

@@ -29,6 +29,6 @@ def test_pdl_option_reaches_the_runner_and_resolves_off_on_the_cpu():
 
     cfg = BenchRolloutConfig(shape="tiny", device="cpu", dtype="float32", long_new_tokens=[16], pdl=True)
     b = _Bench(cfg, lambda m: None, None)
-    assert b.cfg.pdl is True and b.engine(2, 64).runner.pdl is False
+    assert b.cfg.pdl is True and b.engine(2, 64).runner.pdl == 0
     res = CliRunner().invoke(app, ["bench", "rollout", "--help"])
     assert "--pdl" in res.output and "--no-pdl" in res.output
