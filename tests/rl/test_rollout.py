@@ -561,3 +561,7 @@ def test_pdl_resolves_off_on_the_cpu_and_is_threaded_to_every_step_kernel(llama_
             "_hist_chunk", "_sub_gather", "_resolve_write", "_fwd_kernel"} <= set(waits)
     assert launches == waits[n_wait:]  # level 2: every program triggers its dependents right after its wait
     assert torch.equal(plain, early) and torch.equal(plain, trig)
+    # the default level (None) is the eager step's alone; the compiled step's inductor PDL only when asked for
+    assert eng.runner._inductor_pdl()
+    eng.runner.set_pdl(None)
+    assert eng.runner.pdl == forward.PDL_DEFAULT and not eng.runner._inductor_pdl()

@@ -79,8 +79,13 @@ QKV_PAD = 64
 # `launch_pdl`, not the interpreter): the eager step's Triton kernels (add + RMSNorm, q/k norm + RoPE + cache,
 # SiLU * up, the indexer's per-token kernel, its score and fine-select passes, the decode attention and its
 # merge) launched with programmatic dependent launch, each waiting in `griddepcontrol.wait` before its first
-# load. Off until measured (benchmarks/gpu_pdl11_session11.py)
-PDL_DEFAULT = 0  # a level of `_backend.PDL_LEVELS`
+# load. Level 1 (wait first, no explicit trigger): on the H200 (Qwen3-4B shape, graph replay, the three levels
+# interleaved in one engine; benchmarks/results/2026-12-02-h200-pdl-session11.md) the batch-32 step took 6.366 /
+# 8.449 ms sparse at 2304 / 16384 against 6.420 / 8.557 plain, dense 5.762 / 20.531 against 5.808 / 20.586, batch 1
+# 0.00-0.13 ms less in all four rows; logits bitwise equal, eager and graphed; whole 16K batch-32 generation 4,350
+# vs 4,327 tok/s sparse, 2,620 vs 2,599 dense. Level 2 (trigger after the wait) is opt-in: +0.13 ms sparse at 16K
+# (waiting programs hold SM slots: busy 8.24 -> 8.56 ms in the profile)
+PDL_DEFAULT = 1  # a level of `_backend.PDL_LEVELS`
 
 
 SKINNY = ("o_proj", "down_proj", "qkv", "gate_up")  # the decode GEMMs `skinny_gemm` may name
@@ -176,9 +181,10 @@ class ModelRunner:
     step's GEMMs (None: torch's default; "cublaslt" / "cublas": `torch.backends.cuda.preferred_blas_library`
     for the step only, `set_blas`). pdl: the eager step's Triton kernels launched with programmatic dependent
     launch at a level of `_backend.PDL_LEVELS` (True = 1: each kernel waits first; 2: also triggers its
-    dependents after the wait; None: `PDL_DEFAULT`; resolved to 0 wherever `_backend.pdl_supported` is not,
-    so True on a CPU or under the interpreter is no error; the compiled step gets inductor's
-    `triton.enable_pdl` instead; `set_pdl`). The runner owns it: the decode select it passes down carries it (`DecodeSelect.pdl`)."""
+    dependents after the wait; None: `PDL_DEFAULT`, level 1 (measured); resolved to 0 wherever
+    `_backend.pdl_supported` is not, so True on a CPU, an A100 or under the interpreter is no error; the compiled
+    step gets inductor's `triton.enable_pdl` instead, only when pdl is given (never timed); `set_pdl`). The runner
+    owns it: the decode select it passes down carries it (`DecodeSelect.pdl`)."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
@@ -226,6 +232,7 @@ class ModelRunner:
         self.skinny_gemm = _skinny_set(skinny_gemm)
         self.blas = _check_blas(blas)
         self.pdl = resolve_pdl(pdl, self.device, PDL_DEFAULT)  # the step's launches (resolved once)
+        self._pdl_asked = pdl  # the request: the compiled step's inductor PDL only when asked for (never timed)
         self._skinny_cnt: dict = {}  # id(module or fused weight) -> its tile counters (ops.skinny_linear)
         self.fused_layers = ([FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
                              if self.fuse_projections else None)
@@ -548,7 +555,8 @@ class ModelRunner:
 
             fn = self._compiled[key] = torch.compile(C.fresh_function(step), dynamic=None,
                                                      backend=C.counting_backend(self.compile_backend,
-                                                                                self.compile_stats, pdl=self.pdl))
+                                                                                self.compile_stats,
+                                                                                pdl=self._inductor_pdl()))
         return fn
 
     def decode_compiled(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, S: int,
@@ -675,12 +683,19 @@ class ModelRunner:
 
     def set_pdl(self, pdl: bool | int | None) -> None:
         """Programmatic dependent launch from the next step (see the class docstring), dropping the CUDA graphs
-        (they hold the old launches) and, when compiling, the compiled steps (inductor's flag is fixed at compile)."""
-        new = resolve_pdl(pdl, self.device, PDL_DEFAULT)
-        if new != self.pdl:
-            self.pdl = new
+        (they hold the old launches) when the level changes, and the compiled steps when inductor's flag does (it
+        is fixed at compile)."""
+        new, ind = resolve_pdl(pdl, self.device, PDL_DEFAULT), self._inductor_pdl()
+        old, self.pdl, self._pdl_asked = self.pdl, new, pdl
+        if self._inductor_pdl() != ind:
             self._compiled.clear()
+        if new != old or self._inductor_pdl() != ind:
             self.drop_graphs()
+
+    def _inductor_pdl(self) -> bool:
+        """Whether the compiled step compiles under inductor's `triton.enable_pdl`: only when `pdl` was asked for
+        (not by default: it was never timed; the default covers the eager step's own kernels)."""
+        return bool(self.pdl) and self._pdl_asked is not None
 
     def set_decode_select(self, decode_select: DecodeSelect) -> None:
         """Run `decode_select` from the next step on, dropping the CUDA graphs (they hold the old kernels;
