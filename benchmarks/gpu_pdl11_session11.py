@@ -42,6 +42,12 @@ of graph gaps):
   1.65x -> ~1.68x (sparse gains more than dense). Uncertain: how cuBLAS's kernels before our PDL kernels
   trigger (if they never do, those boundaries gain only the launch), and whether waiting programs hold SM
   slots the previous grid's tail needs (level 2 only).
+
+Outcome (call 1, commit c49f408; benchmarks/results/2026-12-02-h200-pdl-session11.md): proof bitwise equal at both
+levels, eager and graphed, greedy tokens equal. Level 1: -0.054 / -0.108 ms sparse b32 at 2304 / 16384, -0.046 /
+-0.055 dense, batch 1 0.000 / -0.071 / -0.131 / -0.032 (predicted -0.2 sparse, -0.1 dense: the direction right,
+half to a quarter of the size); profile gaps 1.028 -> 1.005 ms (predicted -0.2); whole 16K b32 4,327 -> 4,350 tok/s
+sparse, 2,599 -> 2,620 dense. Level 2: mixed, +0.133 sparse 16K, busy +0.32 ms. Level 1 is now the default.
 """
 
 from __future__ import annotations
