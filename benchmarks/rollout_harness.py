@@ -42,14 +42,15 @@ class Variant:
     qkv_pad: int = 64
     skinny_gemm: tuple | bool = ()  # ModelRunner.skinny_gemm: True (all), or names among forward.SKINNY
     blas: str | None = None  # ModelRunner.blas: the step's BLAS library (None: torch's default)
+    pdl: bool | None = None  # ModelRunner.pdl: programmatic dependent launch (None: forward.PDL_DEFAULT)
 
     def describe(self) -> dict:
         return {"select": self.select.as_kwargs(), "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
-                "blas": self.blas}
+                "blas": self.blas, "pdl": self.pdl}
 
     def runner_options(self) -> dict:
         return {"decode_select": self.select, "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
-                "blas": self.blas}
+                "blas": self.blas, "pdl": self.pdl}
 
 
 def apply(eng, v: Variant) -> None:
@@ -63,6 +64,7 @@ def apply(eng, v: Variant) -> None:
         r.set_skinny_gemm(v.skinny_gemm)
     if r.blas != v.blas:
         r.set_blas(v.blas)
+    r.set_pdl(v.pdl)  # drops the graphs only when the resolved choice changes
 
 
 def free() -> None:

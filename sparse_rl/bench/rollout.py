@@ -76,6 +76,7 @@ class BenchRolloutConfig:
     decode_long: str = "chunked"  # what auto runs past 8192 keys (DecodeSelect.long)
     score_block: int = 64  # the score pass's keys a step (DecodeSelect.score_block; 0: the select's own)
     qkv_pad: int = 64  # the fused q/k/v(+indexer) weight padded with zero rows to a multiple of this
+    pdl: int | None = None  # PDL in the step (ModelRunner.pdl: 0-2 or a bool; None: its default)
 
     def __post_init__(self):
         if self.shape not in SHAPES:
@@ -184,7 +185,7 @@ class _Bench:
         from sparse_rl.rl.rollout import RolloutEngine
 
         c = self.cfg
-        opts = kw.pop("runner_options", None) or {"decode_select": c.select(), "qkv_pad": c.qkv_pad}
+        opts = kw.pop("runner_options", None) or {"decode_select": c.select(), "qkv_pad": c.qkv_pad, "pdl": c.pdl}
         return RolloutEngine(self.model, None, max_batch=B, max_seq_len=max_len, device=self.dev, eos_token_ids=[],
                              compile=c.compile, runner_options=opts, **kw)
 

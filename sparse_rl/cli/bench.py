@@ -145,6 +145,8 @@ def rollout(
                                                          "fine | bits | bsearch [default: chunked]"),
     qkv_pad: Optional[int] = typer.Option(None, help="Fused q/k/v(+indexer) weight padded to a multiple of this many "
                                                      "output columns [default: 64]"),
+    pdl: Optional[bool] = typer.Option(None, "--pdl/--no-pdl", help="Programmatic dependent launch of the decode "
+                                       "step's Triton kernels (Hopper+; off elsewhere) [default: the engine's]"),
     index_heads: Optional[int] = _common["index_heads"], index_dim: Optional[int] = _common["index_dim"],
     dtype: Optional[str] = typer.Option(None, help="bfloat16 | float16 | float32 [default: bfloat16]"),
     device: Optional[str] = device_option(),
@@ -168,6 +170,6 @@ def rollout(
             step_contexts=ints("--step-contexts", step_contexts), step_batch=step_batch,
             latency_contexts=ints("--latency-contexts", latency_contexts), topk=index_topk, index_heads=index_heads,
             index_dim=index_dim, dtype=dtype, device=device, compile=compile, decode_select=decode_select,
-            decode_long=decode_long, score_block=score_block, qkv_pad=qkv_pad), sets=set_)
+            decode_long=decode_long, score_block=score_block, qkv_pad=qkv_pad, pdl=pdl), sets=set_)
         res = run_rollout_bench(cfg, log=lambda m: console.print(f"[dim]{m}[/]"))
         _finish(res, markdown_rollout(res), out)

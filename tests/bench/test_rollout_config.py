@@ -1,4 +1,4 @@
-"""`bench rollout`'s kernel-choice options (--decode-select, --decode-long, --score-block, --qkv-pad): validated
+"""`bench rollout`'s kernel-choice options (--decode-select, --decode-long, --score-block, --qkv-pad, --pdl): validated
 at config time, and passed to the engine's runner as arguments."""
 
 import pytest
@@ -19,3 +19,16 @@ def test_kernel_choices_reach_the_runner():
                              decode_long="row", qkv_pad=8)
     eng = _Bench(cfg, lambda m: None, None).engine(2, 64)
     assert eng.runner.decode_select == DecodeSelect("fine", long="row", score_block=64) and eng.runner.qkv_pad == 8
+
+
+def test_pdl_option_reaches_the_runner_and_resolves_off_on_the_cpu():
+    """--pdl: the runner's `pdl` request (no error where PDL is impossible: resolved off on a CPU)."""
+    from typer.testing import CliRunner
+
+    from sparse_rl.cli.main import app
+
+    cfg = BenchRolloutConfig(shape="tiny", device="cpu", dtype="float32", long_new_tokens=[16], pdl=True)
+    b = _Bench(cfg, lambda m: None, None)
+    assert b.cfg.pdl is True and b.engine(2, 64).runner.pdl == 0
+    res = CliRunner().invoke(app, ["bench", "rollout", "--help"])
+    assert "--pdl" in res.output and "--no-pdl" in res.output

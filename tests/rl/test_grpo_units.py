@@ -168,7 +168,8 @@ def test_every_recipe_loads_and_config_errors_name_the_key():
                       ({"loss.kl_target": 0.1}, "loss.kl_target"), ({"optim.betas": [0.9]}, "optim.betas"),
                       ({"rollout.decode_select": "rows"}, "rollout.decode_select"),
                       ({"rollout.decode_long": "auto"}, "rollout.decode_select"), ({"rollout.qkv_pad": 0}, "rollout.qkv_pad"),
-                      ({"rollout.score_block": 48}, "score_block 48: must be 0 or a power of two")]:
+                      ({"rollout.score_block": 48}, "score_block 48: must be 0 or a power of two"),
+                      ({"rollout.pdl": 3}, "rollout.pdl")]:
         with pytest.raises(UsageError, match=msg.replace("(", r"\(")):
             load_config(GRPOConfig, None, over)
 
@@ -181,7 +182,8 @@ def test_rollout_kernel_choices_reach_the_engine_runner():
 
     assert load_config(GRPOConfig, None, {}).rollout.runner_options()["decode_select"] == ENGINE_SELECT
     cfg = load_config(GRPOConfig, None, {"rollout.decode_select": "auto", "rollout.score_block": 0, "rollout.qkv_pad": 8})
-    assert cfg.rollout.runner_options() == {"decode_select": DecodeSelect("auto"), "qkv_pad": 8}
+    assert cfg.rollout.runner_options() == {"decode_select": DecodeSelect("auto"), "qkv_pad": 8, "pdl": None}
+    assert load_config(GRPOConfig, None, {"rollout.pdl": 2}).rollout.runner_options()["pdl"] == 2
 
 
 def test_metrics_truncate_and_plot(tmp_path):

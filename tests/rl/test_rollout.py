@@ -514,3 +514,54 @@ def test_blas_choice_is_checked_and_restored(llama_dir):
         assert torch.backends.cuda.preferred_blas_library() == before
     with pytest.raises(ValueError, match="blas"):
         _engine(load_model(llama_dir, attention="sparse"), runner_options={"blas": "mkl"})
+
+
+def test_pdl_resolves_off_on_the_cpu_and_is_threaded_to_every_step_kernel(llama_dir, monkeypatch):
+    """`ModelRunner(pdl=True)` on a CPU is no error and resolves off (`_backend.resolve_pdl`); with the choice
+    forced on (as on an H200), one eager sparse decode step on the Triton kernels (interpreter; 2 rows at 20
+    and 14 keys, past the top-k of 12, on a random cache) waits in `gdc_wait` in every kernel it launches
+    (fused norms / RoPE / SiLU, the indexer's per-token kernel, the score pass, the fine select's passes, the
+    decode attention) and gives bitwise the logits of plain launches; at level 2 each also triggers its
+    dependents (`gdc_launch_dependents`) after the wait."""
+    import sys
+
+    import triton.language as tl
+
+    from sparse_rl.rl.rollout import forward
+
+    model = load_model(llama_dir, attention="sparse")
+    eng = _engine(model, max_batch=2, fuse_projections=True, runner_options={"pdl": True})
+    assert eng.runner.pdl == 0
+    eng.runner.set_pdl(None)
+    assert eng.runner.pdl == 0  # nothing resolves on on a CPU, whatever PDL_DEFAULT says
+    with pytest.raises(ValueError, match="pdl"):
+        eng.runner.set_pdl(3)
+    waits = []
+    monkeypatch.setattr(tl.extra.cuda, "gdc_wait", lambda: waits.append(sys._getframe(1).f_code.co_name))
+    launches = []
+    monkeypatch.setattr(tl.extra.cuda, "gdc_launch_dependents", lambda: launches.append(sys._getframe(1).f_code.co_name))
+    monkeypatch.setattr(forward, "resolve_pdl", lambda pdl, device, default: int(default if pdl is None else pdl))
+    monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
+    cache = eng._ensure_cache(32)
+    g = torch.Generator().manual_seed(4)
+    for t in (cache.k, cache.v, cache.idx):
+        t.copy_(torch.randn(t.shape, generator=g))
+    tok, pos = torch.tensor([7, 99]), torch.tensor([19, 13])
+    with torch.inference_mode():
+        plain = eng.runner.decode_eager(cache, tok, pos, 20, "sparse")
+        assert waits == []
+        eng.runner.set_pdl(True)
+        assert eng.runner.pdl == 1
+        early = eng.runner.decode_eager(cache, tok, pos, 20, "sparse")
+        n_wait = len(waits)
+        eng.runner.set_pdl(2)
+        trig = eng.runner.decode_eager(cache, tok, pos, 20, "sparse")
+    monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
+    assert {"_add_rmsnorm_kernel", "_qk_rope_kernel", "_silu_mul_kernel", "_indexer_decode_kernel", "_score_max",
+            "_hist_chunk", "_sub_gather", "_resolve_write", "_fwd_kernel"} <= set(waits)
+    assert launches == waits[n_wait:]  # level 2: every program triggers its dependents right after its wait
+    assert torch.equal(plain, early) and torch.equal(plain, trig)
+    # the default level (None) is the eager step's alone; the compiled step's inductor PDL only when asked for
+    assert eng.runner._inductor_pdl()
+    eng.runner.set_pdl(None)
+    assert eng.runner.pdl == forward.PDL_DEFAULT and not eng.runner._inductor_pdl()

@@ -47,13 +47,16 @@ class RolloutConfig:
     decode_long: str = "chunked"
     score_block: int = 64
     qkv_pad: int = 64
+    # programmatic dependent launch of the decode step's Triton kernels (ModelRunner.pdl: 0 / 1 / 2, False / True;
+    # None: the engine's default; off wherever the GPU / Triton cannot)
+    pdl: int | None = None
 
     def runner_options(self) -> dict:
         """`RolloutEngine(runner_options=...)` of these choices (raises ValueError for an unknown select)."""
         from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
         return {"decode_select": DecodeSelect(self.decode_select, long=self.decode_long, score_block=self.score_block),
-                "qkv_pad": self.qkv_pad}
+                "qkv_pad": self.qkv_pad, "pdl": self.pdl}
 
 
 @dataclass
@@ -189,6 +192,8 @@ def validate(c: GRPOConfig) -> None:
     _positive(r.keep, "rollout.keep")
     _positive(r.qkv_pad, "rollout.qkv_pad")
     _positive(r.score_block, "rollout.score_block", allow_zero=True)
+    if r.pdl not in (None, 0, 1, 2):
+        raise UsageError(f"rollout.pdl {r.pdl!r}: expected 0, 1, 2 (false / true) or null (the engine's default)")
     try:
         r.runner_options()
     except ValueError as e:

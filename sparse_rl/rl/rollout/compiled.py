@@ -108,14 +108,23 @@ def fresh_function(fn):
 INDUCTOR_PATCHES = {"triton.autotune_pointwise": False}
 
 
-def counting_backend(name, counter: dict):
+def inductor_pdl_patch() -> dict:
+    """Inductor's programmatic-dependent-launch switch as a config patch (`triton.enable_pdl`, in torch 2.13's
+    config; {} where this torch has none). Inductor itself emits it only for CUDA sm_90+."""
+    import torch._inductor.config as inductor_config
+
+    return {"triton.enable_pdl": True} if hasattr(inductor_config.triton, "enable_pdl") else {}
+
+
+def counting_backend(name, counter: dict, pdl: bool = False):
     """The dynamo backend `name` ("inductor", "aot_eager", ... or a callable), counting compiled graphs in
     counter["graphs"] and the symbolic sizes of the last graph's inputs in counter["symbols"] (1 = S only).
-    "inductor" compiles under `INDUCTOR_PATCHES`."""
+    "inductor" compiles under `INDUCTOR_PATCHES`, and with pdl under its `triton.enable_pdl` where this torch has
+    it (`inductor_pdl_patch`)."""
     from torch._dynamo import lookup_backend
 
     inner = lookup_backend(name)
-    patches = INDUCTOR_PATCHES if name == "inductor" else None
+    patches = {**INDUCTOR_PATCHES, **(inductor_pdl_patch() if pdl else {})} if name == "inductor" else None
 
     def backend(gm, example_inputs):
         counter["graphs"] += 1

@@ -50,6 +50,7 @@ sets the default).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 
@@ -62,6 +63,7 @@ from sparse_rl.rl.rollout import compiled as C
 from sparse_rl.sparse.layer import DecodeOps, attend, layer_states, select, select_rows
 from sparse_rl.rl.rollout.fused_weights import FusedLayer
 from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT, DecodeSelect
+from sparse_rl.sparse.ops._backend import resolve_pdl
 from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cache, quantize_index_keys, silu_mul,
                                   skinny_linear, sparse_decode)
 
@@ -72,6 +74,18 @@ from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cach
 # 0.22-0.28 ms less at every context (9.76 -> 9.52 ms at 16K); dense steps multiply by the first 6144 rows
 # only, unchanged
 QKV_PAD = 64
+
+# `ModelRunner(pdl=None)`'s choice where PDL is possible (`_backend.pdl_supported`: CUDA sm_90+, a Triton with
+# `launch_pdl`, not the interpreter): the eager step's Triton kernels (add + RMSNorm, q/k norm + RoPE + cache,
+# SiLU * up, the indexer's per-token kernel, its score and fine-select passes, the decode attention and its
+# merge) launched with programmatic dependent launch, each waiting in `griddepcontrol.wait` before its first
+# load. Level 1 (wait first, no explicit trigger): on the H200 (Qwen3-4B shape, graph replay, the three levels
+# interleaved in one engine; benchmarks/results/2026-12-02-h200-pdl-session11.md) the batch-32 step took 6.366 /
+# 8.449 ms sparse at 2304 / 16384 against 6.420 / 8.557 plain, dense 5.762 / 20.531 against 5.808 / 20.586, batch 1
+# 0.00-0.13 ms less in all four rows; logits bitwise equal, eager and graphed; whole 16K batch-32 generation 4,350
+# vs 4,327 tok/s sparse, 2,620 vs 2,599 dense. Level 2 (trigger after the wait) is opt-in: +0.13 ms sparse at 16K
+# (waiting programs hold SM slots: busy 8.24 -> 8.56 ms in the profile)
+PDL_DEFAULT = 1  # a level of `_backend.PDL_LEVELS`
 
 
 SKINNY = ("o_proj", "down_proj", "qkv", "gate_up")  # the decode GEMMs `skinny_gemm` may name
@@ -165,11 +179,17 @@ class ModelRunner:
     split-K + a reduce kernel for o_proj / down_proj at M = 32): names among SKINNY ("o_proj", "down_proj",
     "qkv", "gate_up"), True for all; opt-in (`set_skinny_gemm`). blas: the BLAS library of the eager decode
     step's GEMMs (None: torch's default; "cublaslt" / "cublas": `torch.backends.cuda.preferred_blas_library`
-    for the step only, `set_blas`)."""
+    for the step only, `set_blas`). pdl: the eager step's Triton kernels launched with programmatic dependent
+    launch at a level of `_backend.PDL_LEVELS` (True = 1: each kernel waits first; 2: also triggers its
+    dependents after the wait; None: `PDL_DEFAULT`, level 1 (measured); resolved to 0 wherever
+    `_backend.pdl_supported` is not, so True on a CPU, an A100 or under the interpreter is no error; the compiled
+    step gets inductor's `triton.enable_pdl` instead, only when pdl is given (never timed); `set_pdl`). The runner
+    owns it: the decode select it passes down carries it (`DecodeSelect.pdl`)."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
-                 decode_select: DecodeSelect | None = None, skinny_gemm=(), blas: str | None = None):
+                 decode_select: DecodeSelect | None = None, skinny_gemm=(), blas: str | None = None,
+                 pdl: bool | int | None = None):
         base = _base(model)
         dec = base.get_decoder()
         self.model, self.base = model, base
@@ -211,6 +231,8 @@ class ModelRunner:
         self.decode_select = ENGINE_SELECT if decode_select is None else decode_select
         self.skinny_gemm = _skinny_set(skinny_gemm)
         self.blas = _check_blas(blas)
+        self.pdl = resolve_pdl(pdl, self.device, PDL_DEFAULT)  # the step's launches (resolved once)
+        self._pdl_asked = pdl  # the request: the compiled step's inductor PDL only when asked for (never timed)
         self._skinny_cnt: dict = {}  # id(module or fused weight) -> its tile counters (ops.skinny_linear)
         self.fused_layers = ([FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
                              if self.fuse_projections else None)
@@ -345,6 +367,10 @@ class ModelRunner:
             vis_full = torch.arange(k_all.shape[2], device=dev)[None] <= pos[:, None]  # [B, S_max]
         pos_list = None
         pos32 = None
+        pdl = 0 if compiled else self.pdl  # the compiled step's custom ops launch plainly (inductor has its own)
+        dsel = self.decode_select
+        if dsel.pdl != pdl:  # the runner's pdl reaches the select's kernels through the select it passes
+            dsel = dataclasses.replace(dsel, pdl=pdl)
 
         def write(buf, i, val):
             if compiled:
@@ -372,7 +398,7 @@ class ModelRunner:
                 qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
                 q = qk_norm_rope_cache(q, k, v, None if qn is None else qn.weight, None if kn is None else kn.weight,
                                        1e-6 if qn is None else qn.variance_epsilon, cos[:, 0], sin[:, 0], pos,
-                                       k_all[i], v_all[i])
+                                       k_all[i], v_all[i], pdl=pdl)
             if self._sparse(i, mode):
                 st = self.states[i]
                 index = None
@@ -388,7 +414,7 @@ class ModelRunner:
                         q_i, w = q_i[:, 0], w[:, 0]
                     else:
                         q_i, w = self._indexer_step(attn.indexer, x, cos, sin, pos, idx_all[i], st.backend, z,
-                                                    None if scale_all is None else scale_all[i])
+                                                    None if scale_all is None else scale_all[i], pdl)
                     index = (q_i, w, idx_all[i]) if scale_all is None else (q_i, w, idx_all[i], scale_all[i])
                 elif not compiled:  # the eager block selector reads positions on the host, once per step
                     pos_list = pos.tolist() if pos_list is None else pos_list
@@ -400,10 +426,10 @@ class ModelRunner:
                 # with no more visible keys than top-k the indexer keeps them all (`short`)
                 sel = select(st, q, k_all[i], index, pos=sel_pos,
                              S=S, visible=all_idx if short else None, ops=C if compiled else DecodeOps,
-                             group=cache.group(i) if cache is not None else None, decode_select=self.decode_select)
-                o = self._attend(q, k_all[i], v_all[i], sel, attn.scaling, st.backend, compiled)
+                             group=cache.group(i) if cache is not None else None, decode_select=dsel)
+                o = self._attend(q, k_all[i], v_all[i], sel, attn.scaling, st.backend, compiled, pdl)
             elif self.dense_impl == "index":
-                o = self._attend(q, k_all[i], v_all[i], all_idx, attn.scaling, "auto", compiled)
+                o = self._attend(q, k_all[i], v_all[i], all_idx, attn.scaling, "auto", compiled, pdl)
             else:
                 if compiled:  # the whole cache, masked: a view cut at S would make dynamo specialize S
                     kc, vc, mask = k_all[i], v_all[i], vis_full
@@ -424,7 +450,7 @@ class ModelRunner:
         if compiled or not self.fused:
             h = x if res is None else res + x
             return norm(h), h
-        return add_rmsnorm(x, res, norm.weight, norm.variance_epsilon)
+        return add_rmsnorm(x, res, norm.weight, norm.variance_epsilon, pdl=self.pdl)
 
     def _projections(self, attn, fl, x, indexed: bool):
         """x `[B, hidden]` -> q `[B, H, D]`, k/v `[B, H_kv, D]` and z, the indexer's (wq, wk, ww) outputs
@@ -478,14 +504,14 @@ class ModelRunner:
             return mlp(x)
         gu = fl.gate_up(x, skinny=self._skinny("gate_up", fl.gate_up, x))
         if fl.silu:
-            a = silu_mul(gu)
+            a = silu_mul(gu, pdl=self.pdl)
         else:
             g, u = gu.split(fl.gate_up.sizes, dim=1)
             a = mlp.act_fn(g) * u
         return self._out(mlp.down_proj, a, compiled, "down_proj")
 
     @staticmethod
-    def _indexer_step(ix, x, cos, sin, pos, k_cache, backend, z=None, k_scale=None):
+    def _indexer_step(ix, x, cos, sin, pos, k_cache, backend, z=None, k_scale=None, pdl: bool = False):
         """The indexer for one token per row, eager: its three projections (z, their outputs from the
         layer's fused GEMM, else the modules themselves, so peft wrappers apply), then
         `ops.indexer_decode` (one Triton launch on a GPU for what the module's elementwise ops take ~20)
@@ -493,14 +519,14 @@ class ModelRunner:
         x `[B, hidden]`, cos/sin `[B, 1, D_h]` -> q_I `[B, H_I, d_I]`, w `[B, H_I]`."""
         zq, zk, zw = z if z is not None else (ix.wq(x), ix.wk(x), ix.ww(x))
         return indexer_decode(zq, zk, zw, cos[:, 0], sin[:, 0], ix.k_norm.weight, ix.k_norm.bias, ix.k_norm.eps,
-                              ix.rope_dim, pos, k_cache, k_scale, backend=backend)
+                              ix.rope_dim, pos, k_cache, k_scale, backend=backend, pdl=pdl)
 
     @staticmethod
-    def _attend(q, kc, vc, sel, scale, backend, compiled):
+    def _attend(q, kc, vc, sel, scale, backend, compiled, pdl: bool = False):
         """q `[B, H, D]`, full layer caches `[B, S_max, H_kv, D]`, sel `[B, K]` -> `[B, H, D]`."""
         if compiled:
             return C.sparse_decode(q, kc, vc, sel, scale, backend)
-        return sparse_decode(q, kc, vc, sel, scale=scale, backend=backend)[0]
+        return sparse_decode(q, kc, vc, sel, scale=scale, backend=backend, pdl=pdl)[0]
 
     def _short(self, S: int, mode: str) -> bool:
         return mode == "sparse" and all(st is None or S <= st.cfg.topk for st in self.states)
@@ -529,7 +555,8 @@ class ModelRunner:
 
             fn = self._compiled[key] = torch.compile(C.fresh_function(step), dynamic=None,
                                                      backend=C.counting_backend(self.compile_backend,
-                                                                                self.compile_stats))
+                                                                                self.compile_stats,
+                                                                                pdl=self._inductor_pdl()))
         return fn
 
     def decode_compiled(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, S: int,
@@ -653,6 +680,22 @@ class ModelRunner:
         if self.fused_layers is not None:
             self.fused_layers = [FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
             self.drop_graphs()
+
+    def set_pdl(self, pdl: bool | int | None) -> None:
+        """Programmatic dependent launch from the next step (see the class docstring), dropping the CUDA graphs
+        (they hold the old launches) when the level changes, and the compiled steps when inductor's flag does (it
+        is fixed at compile)."""
+        new, ind = resolve_pdl(pdl, self.device, PDL_DEFAULT), self._inductor_pdl()
+        old, self.pdl, self._pdl_asked = self.pdl, new, pdl
+        if self._inductor_pdl() != ind:
+            self._compiled.clear()
+        if new != old or self._inductor_pdl() != ind:
+            self.drop_graphs()
+
+    def _inductor_pdl(self) -> bool:
+        """Whether the compiled step compiles under inductor's `triton.enable_pdl`: only when `pdl` was asked for
+        (not by default: it was never timed; the default covers the eager step's own kernels)."""
+        return bool(self.pdl) and self._pdl_asked is not None
 
     def set_decode_select(self, decode_select: DecodeSelect) -> None:
         """Run `decode_select` from the next step on, dropping the CUDA graphs (they hold the old kernels;

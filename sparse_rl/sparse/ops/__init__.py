@@ -57,12 +57,14 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
 
 
 def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor,
-                  scale: float | None = None, *, backend: str = "auto"):
+                  scale: float | None = None, *, backend: str = "auto", pdl: bool = False):
     """One decode step. q `[B, H, D]`, caches `[B, S_max, H_kv, D]`, indices `[B, K]` (-1 = none;
-    each row names only filled cache slots) -> (out `[B, H, D]`, lse `[B, H]`)."""
+    each row names only filled cache slots) -> (out `[B, H, D]`, lse `[B, H]`). pdl: the Triton launches with
+    programmatic dependent launch (decided by the caller, `_backend.resolve_pdl`; the reference ignores it;
+    so do the decode ops below)."""
     fn = kernel("sparse_attention", "sparse_decode")
     if resolve_backend(backend, q, fn is not None) == "triton":
-        return fn(q, k_cache, v_cache, indices, scale)
+        return fn(q, k_cache, v_cache, indices, scale, pdl=pdl)
     out, lse = sparse_attention_naive(q[:, None], k_cache, v_cache, indices[:, None], scale)
     return out[:, 0], lse[:, 0]
 
@@ -133,14 +135,14 @@ def granular_topk_decode(q_rep: torch.Tensor, w_rep: torch.Tensor, k_idx: torch.
 def indexer_decode(zq: torch.Tensor, zk: torch.Tensor, zw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, eps: float, rope_dim: int,
                    pos: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None = None, *,
-                   backend: str = "auto"):
+                   backend: str = "auto", pdl: bool = False):
     """The lightning indexer's per-token work in a decode step, after its projections: zq `[B, H_I * d_I]`,
     zk `[B, d_I]`, zw `[B, H_I]`, the model's rotary cos/sin `[B, D_h]` at pos `[B]` -> q_I
     `[B, H_I, d_I]`, w `[B, H_I]`; writes the normalised, rotated key into k_cache `[B, S_max, d_I]` at pos
     (float8_e4m3fn with k_scale `[B, S_max]` fp32: quantized, its per-token scale into k_scale)."""
     fn = kernel("indexer_decode")
     if resolve_backend(backend, zq, fn is not None) == "triton":
-        return fn(zq, zk, zw, cos, sin, ln_weight, ln_bias, eps, rope_dim, pos, k_cache, k_scale)
+        return fn(zq, zk, zw, cos, sin, ln_weight, ln_bias, eps, rope_dim, pos, k_cache, k_scale, pdl=pdl)
     return indexer_decode_naive(zq, zk, zw, cos, sin, ln_weight, ln_bias, eps, rope_dim, pos, k_cache, k_scale)
 
 
@@ -185,32 +187,33 @@ def warmup_kl(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, w: torch.Te
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
-                backend: str = "auto"):
+                backend: str = "auto", pdl: bool = False):
     """Residual add + RMSNorm of one token per row, as the HF modules compute it: x `[B, N]`, residual
     `[B, N]` or None, weight `[N]` -> (RMSNorm(residual + x) `[B, N]`, residual + x `[B, N]`)."""
     fn = kernel("decode_fused", "add_rmsnorm")
     if resolve_backend(backend, x, fn is not None) == "triton":
-        return fn(x, residual, weight, eps)
+        return fn(x, residual, weight, eps, pdl=pdl)
     return add_rmsnorm_naive(x, residual, weight, eps)
 
 
 def qk_norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                        k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, backend: str = "auto"):
+                       pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, backend: str = "auto",
+                       pdl: bool = False):
     """A decode step's q/k work after the projections: q `[B, H, D]`, k/v `[B, H_kv, D]`, Qwen3's q/k
     RMSNorm weights `[D]` (None: none), the rotary cos/sin `[B, D]` at pos `[B]` -> q rotated `[B, H, D]`;
     writes the (normalised) rotated k and v into the caches `[B, S_max, H_kv, D]` at pos."""
     fn = kernel("decode_fused", "qk_norm_rope_cache")
     if resolve_backend(backend, q, fn is not None) == "triton":
-        return fn(q, k, v, q_weight, k_weight, eps, cos, sin, pos, k_cache, v_cache)
+        return fn(q, k, v, q_weight, k_weight, eps, cos, sin, pos, k_cache, v_cache, pdl=pdl)
     return qk_norm_rope_cache_naive(q, k, v, q_weight, k_weight, eps, cos, sin, pos, k_cache, v_cache)
 
 
-def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto", pdl: bool = False) -> torch.Tensor:
     """The gated MLP's SiLU(gate) * up from one fused gate/up GEMM: gate_up `[B, 2N]` -> `[B, N]`."""
     fn = kernel("decode_fused", "silu_mul")
     if resolve_backend(backend, gate_up, fn is not None) == "triton":
-        return fn(gate_up)
+        return fn(gate_up, pdl=pdl)
     return silu_mul_naive(gate_up)
 
 

@@ -4,6 +4,7 @@ registered, the PyTorch reference otherwise. `SPARSE_RL_BACKEND=torch|triton` fo
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -39,3 +40,64 @@ def resolve_backend(backend: str | None, x: torch.Tensor, has_triton: bool) -> s
         if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "") != "1":
             raise UsageError("backend 'triton' on CPU tensors needs TRITON_INTERPRET=1")
     return backend
+
+
+# What a kernel's `PDL` constexpr / a wrapper's `pdl` may be. 0 (False): plain launches. 1 (True): launched with
+# programmatic dependent launch, the kernel's first statement `gdc_wait` (nothing read before the previous kernel
+# has finished and its memory is visible); with no explicit trigger a kernel's dependents launch as its programs
+# exit, so the overlap is the launch itself. 2: as 1, then `gdc_launch_dependents` right after the wait, so the next
+# kernel's programs launch once every program of this one has started (the trigger fires only when all have
+# called it or exited: all of this kernel is resident by then, so the waiting dependents cannot starve it) and
+# wait on SMs this one leaves idle; memory order is the wait's alone, as at 1
+PDL_LEVELS = (0, 1, 2)
+
+
+def _triton_has_pdl() -> bool:
+    """Whether the installed Triton has programmatic dependent launch: the `launch_pdl` launch option and
+    `tl.extra.cuda.gdc_wait` (both since Triton 3.4, triton-lang/triton#6394; 3.6 and 3.9 have them)."""
+    try:
+        import triton.language as tl
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except Exception:
+        return False
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return "launch_pdl" in fields and hasattr(cuda, "gdc_wait")
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_probe(index: int) -> bool:
+    """One launch of a tiny kernel with PDL on device `index` (eagerly, outside any capture): False if the
+    compiler, the driver or the launch rejects it, so a caller falls back to plain launches with no error."""
+    try:
+        from sparse_rl.sparse.ops._pdl_probe import probe
+
+        return probe(index)
+    except Exception:
+        return False
+
+
+def pdl_supported(device) -> bool:
+    """Whether kernels on `device` can be launched with programmatic dependent launch (Hopper's PDL: a
+    kernel's programs start while the previous kernel drains, then wait in `griddepcontrol.wait`): a CUDA
+    device of compute capability 9.0 or later, not under TRITON_INTERPRET=1, a Triton with `launch_pdl` and
+    `gdc_wait`, and one probe launch that succeeds. Everything else (CPU, interpreter, Ampere, an older
+    Triton, a driver that rejects the attribute) is False, never an error."""
+    device = torch.device(device)
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "") == "1" or not torch.cuda.is_available():
+        return False
+    if not triton_available() or not _triton_has_pdl():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.get_device_capability(index)[0] < 9:
+        return False
+    return _pdl_probe(index)
+
+
+def resolve_pdl(pdl: bool | int | None, device, default: int) -> int:
+    """The PDL level (`PDL_LEVELS`) of `pdl` (None: `default`) where `pdl_supported(device)`, else 0: the one
+    place that decides whether a caller's Triton launches carry PDL."""
+    want = int(default if pdl is None else pdl)
+    if want not in PDL_LEVELS:
+        raise ValueError(f"pdl {pdl!r}: expected one of {PDL_LEVELS} (False / True are 0 / 1)")
+    return want if want and pdl_supported(device) else 0

@@ -17,7 +17,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_rmsnorm_kernel(X, R, W, Y, H, sx, sr, sy, sh, N, eps, HAS_RES: tl.constexpr, BN: tl.constexpr):
+def _add_rmsnorm_kernel(X, R, W, Y, H, sx, sr, sy, sh, N, eps, HAS_RES: tl.constexpr, BN: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
+        tl.extra.cuda.gdc_wait()
+    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BN)
     m = offs < N
@@ -31,8 +36,9 @@ def _add_rmsnorm_kernel(X, R, W, Y, H, sx, sr, sy, sh, N, eps, HAS_RES: tl.const
     tl.store(Y + b * sy + offs, y.to(Y.dtype.element_ty), mask=m)
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """Same contract as `naive.add_rmsnorm_naive`; x, residual `[B, N]` with the last dim contiguous."""
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, pdl: bool = False):
+    """Same contract as `naive.add_rmsnorm_naive`; x, residual `[B, N]` with the last dim contiguous. pdl: launch
+    with programmatic dependent launch (the caller decides it once: `_backend.resolve_pdl`)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     B, N = x.shape
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
@@ -44,7 +50,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         h = torch.empty_like(x)
     BN = triton.next_power_of_2(N)
     _add_rmsnorm_kernel[(B,)](x, r, weight, y, h, x.stride(0), r.stride(0), y.stride(0), h.stride(0), N, eps,
-                              HAS_RES=residual is not None, BN=BN,
+                              HAS_RES=residual is not None, BN=BN, PDL=pdl, launch_pdl=bool(pdl),
                               num_warps=1 if not x.is_cuda else min(8, max(1, BN // 512)))
     return y, h
 
@@ -52,7 +58,11 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 @triton.jit
 def _qk_rope_kernel(Q, K, V, QW, KW, COS, SIN, POS, KC, VC, QO,
                     sqb, sqh, skb, skh, svb, svh, scos, ssin, skcb, skcs, skch, svcb, svcs, svch, sqob, sqoh,
-                    H, D, eps, NORM: tl.constexpr, BD: tl.constexpr):
+                    H, D, eps, NORM: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
+        tl.extra.cuda.gdc_wait()
+    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BD)
@@ -91,8 +101,9 @@ def _qk_rope_kernel(Q, K, V, QW, KW, COS, SIN, POS, KC, VC, QO,
 
 def qk_norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                        k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """Same contract as `naive.qk_norm_rope_cache_naive`; every tensor's last dim contiguous."""
+                       pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       pdl: bool = False) -> torch.Tensor:
+    """Same contract as `naive.qk_norm_rope_cache_naive`; every tensor's last dim contiguous. pdl: as `add_rmsnorm`."""
     B, H, D = q.shape
     H_kv = k.shape[1]
     assert D % 2 == 0 and all(t.stride(-1) == 1 for t in (q, k, v, k_cache, v_cache))
@@ -106,12 +117,16 @@ def qk_norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), qo.stride(0), qo.stride(1), H, D, eps, NORM=norm, BD=triton.next_power_of_2(D),
-        num_warps=1)
+        PDL=pdl, launch_pdl=bool(pdl), num_warps=1)
     return qo
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Y, sg, sy, N, BN: tl.constexpr):
+def _silu_mul_kernel(GU, Y, sg, sy, N, BN: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
+        tl.extra.cuda.gdc_wait()
+    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BN + tl.arange(0, BN)
     m = offs < N
@@ -122,13 +137,14 @@ def _silu_mul_kernel(GU, Y, sg, sy, N, BN: tl.constexpr):
     tl.store(Y + b * sy + offs, (a.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=m)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """Same contract as `naive.silu_mul_naive`; gate_up `[B, 2N]` with the last dim contiguous."""
+def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """Same contract as `naive.silu_mul_naive`; gate_up `[B, 2N]` with the last dim contiguous. pdl: as
+    `add_rmsnorm`."""
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     B, N2 = gate_up.shape
     N = N2 // 2
     y = torch.empty(B, N, device=gate_up.device, dtype=gate_up.dtype)
     BN = min(1024, triton.next_power_of_2(N)) if gate_up.is_cuda else min(64, triton.next_power_of_2(N))
-    _silu_mul_kernel[(B, triton.cdiv(N, BN))](gate_up, y, gate_up.stride(0), y.stride(0), N, BN=BN,
-                                             num_warps=4 if gate_up.is_cuda else 1)
+    _silu_mul_kernel[(B, triton.cdiv(N, BN))](gate_up, y, gate_up.stride(0), y.stride(0), N, BN=BN, PDL=pdl,
+                                             launch_pdl=bool(pdl), num_warps=4 if gate_up.is_cuda else 1)
     return y

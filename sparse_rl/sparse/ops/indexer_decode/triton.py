@@ -41,7 +41,12 @@ def _indexer_decode_kernel(ZQ, ZK, ZW, COS, SIN, LNW, LNB, POS, KC, KS, QO, WO,
                            szq, szk, szw, scos, ssin, skb, sks, sksb, sqb, sqh, swb,
                            HI, DI, q_scale, w_scale, eps,
                            HB: tl.constexpr, BD: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr,
-                           AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr):
+                           AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
+        tl.extra.cuda.gdc_wait()
+    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BD)
     offs_h = tl.arange(0, HB)
@@ -89,8 +94,9 @@ def _indexer_decode_kernel(ZQ, ZK, ZW, COS, SIN, LNW, LNB, POS, KC, KS, QO, WO,
 
 def indexer_decode(zq: torch.Tensor, zk: torch.Tensor, zw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, eps: float, rope_dim: int,
-                   pos: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None = None):
-    """Same contract as `naive.indexer_decode_naive`. Every row's last dim must be contiguous."""
+                   pos: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None = None, pdl: bool = False):
+    """Same contract as `naive.indexer_decode_naive`. Every row's last dim must be contiguous. pdl: launch with
+    programmatic dependent launch (the caller decides it once: `_backend.resolve_pdl`)."""
     B, DI = zk.shape
     HI = zw.shape[1]
     zq, zk, zw, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (zq, zk, zw, cos, sin))
@@ -107,5 +113,5 @@ def indexer_decode(zq: torch.Tensor, zk: torch.Tensor, zw: torch.Tensor, cos: to
         q.stride(0), q.stride(1), w.stride(0), HI, DI, DI ** -0.5, 1.0 / math.sqrt(HI), eps,
         HB=max(2, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), HALF=rope_dim // 2,
         ROPE=rope_dim, AFFINE=ln_weight is not None, HAS_BIAS=ln_bias is not None, FP8=k_scale is not None,
-        num_warps=1 if HI * DI <= 1024 else 4)
+        PDL=pdl, launch_pdl=bool(pdl), num_warps=1 if HI * DI <= 1024 else 4)
     return q, w

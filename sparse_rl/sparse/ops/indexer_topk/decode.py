@@ -86,7 +86,11 @@ def _score_max(Q, W, KI, KS, POS, KVS, SC, RNG, sqb, sqh, sqd, swb, swh, skb, sk
                S, sink, window, HI, DI, P,
                HB: tl.constexpr, BD: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
                FP8: tl.constexpr, PER_CHUNK: tl.constexpr, HAS_START: tl.constexpr = True, BITS: tl.constexpr = False,
-               NBB: tl.constexpr = 2048):
+               NBB: tl.constexpr = 2048, PDL: tl.constexpr = False):
+    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
+        tl.extra.cuda.gdc_wait()
+    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
+        tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
@@ -253,7 +257,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
                         chunk: int | None = None, num_warps: int | None = None, candidates: bool = False,
                         k_scale: torch.Tensor | None = None, sort: int | None = None, impl: str | None = None,
                         row_block: int = 4096, row_warps: int = 16, fine_cap: int | None = None,
-                        row_max_keys: int = ROW_MAX_KEYS, auto_long: str = AUTO_LONG, score_block: int = 0):
+                        row_max_keys: int = ROW_MAX_KEYS, auto_long: str = AUTO_LONG, score_block: int = 0,
+                        pdl: bool = False):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference. candidates=True also returns each row's number of second-level
@@ -269,7 +274,9 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     row) launches with a second level of bins: `decode_fine.py`; fine_cap: its most sub-bin keys ranked in
     registers) or "auto" (the default: row for S <= row_max_keys, else auto_long; `DecodeSelect` holds these
     three). score_block: the score pass's keys a step (0: the passes' common step). Every impl selects the
-    same keys."""
+    same keys. pdl: the score pass and the fine / split passes launched with programmatic dependent launch
+    (`DecodeSelect.pdl`, set by the rollout runner from `ModelRunner.pdl`; the other impls' passes launch
+    plainly: any mix is safe, since every PDL kernel waits before its first load)."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:
@@ -323,7 +330,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     if SBN & (SBN - 1) or CH % SBN:
         raise ValueError(f"score_block ({score_block}) must be a power of two dividing the chunk ({CH})")
     score = dict(HB=max(16, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), CH=CH, BN=SBN,
-                 PREC=dot_precision(q_idx.dtype), FP8=fp8, HAS_START=kv_start is not None, num_warps=nw)
+                 PREC=dot_precision(q_idx.dtype), FP8=fp8, HAS_START=kv_start is not None, num_warps=nw,
+                 PDL=pdl, launch_pdl=bool(pdl))
     score_args = (q_idx, w, k_idx, k_scale if fp8 else sc, pos, kvs, sc)
     strides = (*q_idx.stride(), *w.stride(), *k_idx.stride(), k_scale.stride(0) if fp8 else 0, S, sink, window, HI,
                DI, P)
@@ -351,9 +359,10 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
             from sparse_rl.sparse.ops.indexer_topk.decode_fine import CAP, fine_select
 
             out, n_c = fine_select(sc, pos, span, topk, CH, BN, num_warps=nw, interpret=interpret,
-                                   cap=CAP if fine_cap is None else fine_cap)
+                                   cap=CAP if fine_cap is None else fine_cap, pdl=pdl)
         else:
-            out, n_c = split_select(sc, pos, span, topk, CH, BN, sort=sort, num_warps=nw, interpret=interpret)
+            out, n_c = split_select(sc, pos, span, topk, CH, BN, sort=sort, num_warps=nw, interpret=interpret,
+                                    pdl=pdl)
         return (out, n_c) if candidates else out
     cu = torch.empty(B, S, device=dev, dtype=torch.int32)
     ci = torch.empty(B, S, device=dev, dtype=torch.int32)

@@ -79,7 +79,11 @@ def _sub(x, fin, d, mx, inv, NB: tl.constexpr, NB2: tl.constexpr):
 
 @triton.jit
 def _sub_gather(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, S, K, P, CH: tl.constexpr, BN: tl.constexpr,
-                NB: tl.constexpr, NB2: tl.constexpr, PMAX: tl.constexpr):
+                NB: tl.constexpr, NB2: tl.constexpr, PMAX: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
+        tl.extra.cuda.gdc_wait()
+    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
+        tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
@@ -163,7 +167,11 @@ def _rank_sub_bin(CU, CI, CD, b, S, col, zc, h2b, b2, n2, rem2, CH: tl.constexpr
 @triton.jit
 def _resolve_write(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, OUT, NC, sob, S, K, P, CH: tl.constexpr,
                    BN: tl.constexpr, NB: tl.constexpr, NB2: tl.constexpr, PMAX: tl.constexpr,
-                   CAPB: tl.constexpr, CB: tl.constexpr, BLOCK: tl.constexpr):
+                   CAPB: tl.constexpr, CB: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
+        tl.extra.cuda.gdc_wait()
+    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
+        tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
@@ -257,10 +265,12 @@ def fine_chunk(B: int, S: int, interpret: bool) -> int:
 
 
 def fine_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: int, chunk: int, block: int, *,
-                num_warps: int, interpret: bool, cap: int = CAP, cb: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                num_warps: int, interpret: bool, cap: int = CAP, cb: int | None = None,
+                pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_row.row_select`'s inputs and result, in three (chunk, row) launches (block: keys a step of
     each chunk's loop; cap: a power of two, the most sub-bin keys ranked in registers; cb: list slots a
-    step of the sub-bin's compaction, default `CB`, 16 under the interpreter). The second
+    step of the sub-bin's compaction, default `CB`, 16 under the interpreter; pdl: the three launches with
+    programmatic dependent launch, each waiting before its first load). The second
     result is each row's count of keys in the threshold's sub-bin `[B]` (0 where none was resolved)."""
     if cap < 1 or cap & (cap - 1):
         raise ValueError(f"cap ({cap}) must be a power of two")
@@ -278,7 +288,7 @@ def fine_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: i
     out = torch.empty(B, topk, device=dev, dtype=torch.int32)
     n2 = torch.empty(B, device=dev, dtype=torch.int32)
     grid = (P, B)
-    kw = dict(CH=chunk, BN=block, NB=NB, PMAX=PMAX, num_warps=num_warps)
+    kw = dict(CH=chunk, BN=block, NB=NB, PMAX=PMAX, num_warps=num_warps, PDL=pdl, launch_pdl=bool(pdl))
     _hist_chunk[grid](sc, pos, span, hp, nfp, S, P, **kw)
     _sub_gather[grid](sc, pos, span, hp, nfp, h2, zc, cu, ci, cd, S, topk, P, NB2=NB2, **kw)
     _resolve_write[grid](sc, pos, span, hp, nfp, h2, zc, cu, ci, cd, out, n2, out.stride(0), S, topk, P, NB2=NB2,

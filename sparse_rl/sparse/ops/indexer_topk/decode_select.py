@@ -33,7 +33,10 @@ class DecodeSelect:
     bench flags), never a module global. impl: one of IMPLS; "auto" runs "row" for rows of at most
     row_max_keys keys, else `long`; fine_cap: the fine select's most sub-bin keys ranked in registers;
     score_block: the score pass's keys a step (0: the select's own step, 256 on a GPU); num_warps: the warps of
-    the score pass and the (chunk, row) select passes (0: the kernel's default, 4)."""
+    the score pass and the (chunk, row) select passes (0: the kernel's default, 4); pdl: the score pass and the
+    fine / split passes launched with programmatic dependent launch at this level (`_backend.PDL_LEVELS`; only
+    where `_backend.pdl_supported`: the rollout runner sets it from its own `ModelRunner.pdl`, the one owner;
+    0 launches plainly)."""
 
     impl: str = "auto"
     row_max_keys: int = ROW_MAX_KEYS
@@ -41,6 +44,7 @@ class DecodeSelect:
     fine_cap: int = 32
     score_block: int = 0
     num_warps: int = 0
+    pdl: int = 0
 
     def __post_init__(self):
         if self.impl not in IMPLS or self.long not in IMPLS[1:]:
@@ -49,10 +53,12 @@ class DecodeSelect:
             raise ValueError(f"score_block {self.score_block}: must be 0 or a power of two")
         if self.num_warps not in (0, 1, 2, 4, 8, 16):
             raise ValueError(f"num_warps {self.num_warps}: must be 0 (the default) or a power of two up to 16")
+        if self.pdl not in (0, 1, 2):  # ops/_backend.PDL_LEVELS (not imported here: this module has no torch)
+            raise ValueError(f"pdl {self.pdl!r}: must be 0, 1 or 2 (False / True are 0 / 1)")
 
     def as_kwargs(self) -> dict:
         return {"impl": self.impl, "row_max_keys": self.row_max_keys, "auto_long": self.long, "fine_cap": self.fine_cap,
-                "score_block": self.score_block, "num_warps": self.num_warps or None}
+                "score_block": self.score_block, "num_warps": self.num_warps or None, "pdl": self.pdl}
 
 
 # The rollout engine's default (`ModelRunner(decode_select=None)`, the GRPO and `bench rollout` defaults):

@@ -50,7 +50,11 @@ def _list_start(HP, NFP, SPAN, b, p, pos, K, P, CH: tl.constexpr, NB: tl.constex
 
 @triton.jit
 def _hist_chunk(SC, POS, SPAN, HP, NFP, S, P, CH: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-                PMAX: tl.constexpr):
+                PMAX: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
+        tl.extra.cuda.gdc_wait()
+    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
+        tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
@@ -70,7 +74,11 @@ def _hist_chunk(SC, POS, SPAN, HP, NFP, S, P, CH: tl.constexpr, BN: tl.constexpr
 
 @triton.jit
 def _gather_chunk(SC, POS, SPAN, HP, NFP, CU, CI, S, K, P, CH: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-                  PMAX: tl.constexpr):
+                  PMAX: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
+        tl.extra.cuda.gdc_wait()
+    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
+        tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
@@ -86,7 +94,12 @@ def _gather_chunk(SC, POS, SPAN, HP, NFP, CU, CI, S, K, P, CH: tl.constexpr, BN:
 
 @triton.jit
 def _thresh_write(SC, POS, SPAN, HP, NFP, CU, CI, OUT, NC, sob, S, K, P, CH: tl.constexpr, BN: tl.constexpr,
-                  NB: tl.constexpr, PMAX: tl.constexpr, BLOCK: tl.constexpr, SORT: tl.constexpr):
+                  NB: tl.constexpr, PMAX: tl.constexpr, BLOCK: tl.constexpr, SORT: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
+        tl.extra.cuda.gdc_wait()
+    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
+        tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
@@ -123,9 +136,9 @@ def _thresh_write(SC, POS, SPAN, HP, NFP, CU, CI, OUT, NC, sob, S, K, P, CH: tl.
 
 
 def split_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: int, chunk: int, block: int, *,
-                 sort: int, num_warps: int, interpret: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 sort: int, num_warps: int, interpret: bool, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_row.row_select`'s inputs and result (block: the keys a step of each chunk's loop), in
-    three (chunk, row) launches."""
+    three (chunk, row) launches (pdl: each with programmatic dependent launch)."""
     B, S = sc.shape
     P = span.shape[1]
     PMAX = max(16, triton.next_power_of_2(P))
@@ -137,7 +150,7 @@ def split_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: 
     out = torch.empty(B, topk, device=dev, dtype=torch.int32)
     n_c = torch.empty(B, device=dev, dtype=torch.int32)
     grid = (P, B)
-    kw = dict(CH=chunk, BN=block, NB=NB, PMAX=PMAX, num_warps=num_warps)
+    kw = dict(CH=chunk, BN=block, NB=NB, PMAX=PMAX, num_warps=num_warps, PDL=pdl, launch_pdl=bool(pdl))
     _hist_chunk[grid](sc, pos, span, hp, nfp, S, P, **kw)
     _gather_chunk[grid](sc, pos, span, hp, nfp, cu, ci, S, topk, P, **kw)
     _thresh_write[grid](sc, pos, span, hp, nfp, cu, ci, out, n_c, out.stride(0), S, topk, P,

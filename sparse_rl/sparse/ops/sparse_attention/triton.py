@@ -62,9 +62,13 @@ def _fwd_kernel(Q, K, V, IDX, O, LSE,
                 sib, sit, sik, sob, sot, soh, sod, slb, slt, slh,
                 T, NK, S, G, D, KPS, qk_scale,
                 NSPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+                BLOCK_D: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
     """O/LSE: `[B, T, H, D]`/`[B, T, H]` when NSPLIT == 1, else fp32 partials
     `[B, T*NSPLIT, H, D]`/`[B, T*NSPLIT, H]` (split index fastest) merged by `_merge_kernel`."""
+    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
+        tl.extra.cuda.gdc_wait()
+    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -113,9 +117,13 @@ def _fwd_kernel(Q, K, V, IDX, O, LSE,
 
 @triton.jit
 def _merge_kernel(PO, PL, O, LSE, H, D, sob, soh, slb, slh,
-                  NSPLIT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                  NSPLIT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """Merge split partials `PO [B, NSPLIT, H, D]`, `PL [B, NSPLIT, H]` (contiguous fp32) into
     O `[B, H, D]`, LSE `[B, H]`. One program per (head, batch row)."""
+    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
+        tl.extra.cuda.gdc_wait()
+    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
+        tl.extra.cuda.gdc_launch_dependents()
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
@@ -197,8 +205,10 @@ def _meta(q, k):
     return G, D, max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))
 
 
-def _fwd(q, k, v, indices, scale, nsplit: int = 1, out=None, tune: tuple[int, int, int] | None = None):
+def _fwd(q, k, v, indices, scale, nsplit: int = 1, out=None, tune: tuple[int, int, int] | None = None,
+         pdl: bool = False):
     """q `[B, T, H, D]` -> out `[B, T, H, D]` (q.dtype), lse `[B, T, H]` fp32, nsplit used.
+    pdl: launch with programmatic dependent launch (decode: `sparse_decode(pdl=)`).
     `out=(o, lse)` writes into given buffers (nsplit 1 only; the benchmark poisons them);
     `tune=(BLOCK_K, num_warps, num_stages)` overrides the launch config (benchmark sweeps)."""
     B, T, H, D = q.shape
@@ -223,7 +233,7 @@ def _fwd(q, k, v, indices, scale, nsplit: int = 1, out=None, tune: tuple[int, in
     _fwd_kernel[grid](q, k, v, indices, o, lse, *q.stride(), *k.stride(), *v.stride(), *indices.stride(),
                       *o.stride(), *lse.stride(), T, NK, k.shape[1], G, D, kps, scale * LOG2E,
                       NSPLIT=nsplit, BLOCK_H=BH, BLOCK_K=BK, BLOCK_D=BD, PREC=dot_precision(q.dtype),
-                      num_warps=warps, num_stages=stages)
+                      PDL=pdl, launch_pdl=bool(pdl), num_warps=warps, num_stages=stages)
     return o, lse, nsplit
 
 
@@ -403,11 +413,12 @@ def _decode_splits(B: int, H_kv: int, NK: int, device) -> int:
 
 
 def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor,
-                  scale: float | None = None, nsplit: int | None = None):
+                  scale: float | None = None, nsplit: int | None = None, pdl: bool = False):
     """One decode step, Triton. q `[B, H, D]`, caches `[B, S_max, H_kv, D]`, indices `[B, K]`
     (-1 = none) -> (out `[B, H, D]`, lse `[B, H]` fp32). Reads only the selected cache rows.
     Inference only: with inputs that need grad (and grad enabled) it takes the differentiable
-    reference. `nsplit` overrides the split-K heuristic (benchmarks)."""
+    reference. `nsplit` overrides the split-K heuristic (benchmarks). pdl: both launches with programmatic
+    dependent launch (the caller decides it once: `_backend.resolve_pdl`)."""
     B, H, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     q4, idx3 = q[:, None], indices[:, None]
@@ -420,12 +431,12 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         idx3 = idx3.to(torch.int32)
     H_kv, NK = k_cache.shape[2], indices.shape[-1]
     ns = nsplit or _decode_splits(B, H_kv, NK, q.device)
-    po, pl, ns = _fwd(q4, k_cache, v_cache, idx3, scale, ns)
+    po, pl, ns = _fwd(q4, k_cache, v_cache, idx3, scale, ns, pdl=pdl)
     if ns == 1:
         return po[:, 0], pl[:, 0]
     out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, H, device=q.device, dtype=torch.float32)
     _merge_kernel[(H, B)](po, pl, out, lse, H, D, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
                           NSPLIT=ns, BLOCK_S=max(2, triton.next_power_of_2(ns)),
-                          BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+                          BLOCK_D=triton.next_power_of_2(D), PDL=pdl, launch_pdl=bool(pdl), num_warps=1)
     return out, lse
