@@ -119,13 +119,14 @@ def _sub_gather(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, S, K, P, CH: tl.cons
 
 @triton.jit
 def _rank_sub_bin(CU, CI, CD, b, S, col, zc, h2b, b2, n2, rem2, CH: tl.constexpr, PMAX: tl.constexpr,
-                  CAPB: tl.constexpr, CB: tl.constexpr):
+                  CAPB: tl.constexpr, CB: tl.constexpr, CM: tl.constexpr = ""):
     """The rem2-th largest (u, position) among the n2 <= CAPB keys of sub-bin b2, and each chunk's count of
     those kept `[PMAX]`. The keys are compacted into registers from the list regions of the chunks that
     hold some (h2b `[PMAX]`: each chunk's keys in b2; col `[PMAX]`: its slots in the row's list, zc of them
     its zeros' empty ones at the region's end), ~3 regions of ~30 slots at 32 x 16K instead of the row's
     whole list (~440 slots, up to ~2,300: the walk that took `_resolve_write` to 31 us a layer on the
-    H200, session 8), then each key is ranked by how many beat it."""
+    H200, session 8), then each key is ranked by how many beat it. CM: the list loads' cache modifier (".cg"
+    where this launch's other programs wrote the list: decode_fine_once's last-arriving program)."""
     slots = tl.arange(0, CAPB)
     offs = tl.arange(0, CB)
     offs_p = tl.arange(0, PMAX)
@@ -140,9 +141,9 @@ def _rank_sub_bin(CU, CI, CD, b, S, col, zc, h2b, b2, n2, rem2, CH: tl.constexpr
         end = st + tl.sum(tl.where(offs_p == q, col - zc, 0), 0)
         for c in range(st, end, CB):
             live = c + offs < end
-            m = live & (tl.load(CD + b * S + c + offs, mask=live, other=-1) == b2)
-            u = tl.load(CU + b * S + c + offs, mask=m, other=0)
-            idx = tl.load(CI + b * S + c + offs, mask=m, other=0)
+            m = live & (tl.load(CD + b * S + c + offs, mask=live, other=-1, cache_modifier=CM) == b2)
+            u = tl.load(CU + b * S + c + offs, mask=m, other=0, cache_modifier=CM)
+            idx = tl.load(CI + b * S + c + offs, mask=m, other=0, cache_modifier=CM)
             slot = seen + tl.cumsum(m.to(tl.int32), 0) - 1
             hit = m[None, :] & (slot[None, :] == slots[:, None])  # [CAPB, CB]
             fu += tl.sum(tl.where(hit, u[None, :], 0), 1)
