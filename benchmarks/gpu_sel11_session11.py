@@ -7,7 +7,7 @@
 
 Phases, each gated on the time LEFT of --budget (compiles included; the JSON and log under $OUT/sel11/ are
 rewritten after every row):
-1. two child processes (`--prove arrive`, `--prove pass`), started first: the new form on the GPU == the
+1. one child process a new form (`--prove FORM`), started first: the new form on the GPU == the
    reference on integer ties (ReLU zeros among them; the sub-bin ranked, cap 2: the radix levels) and == the
    default on random bf16 rows at 32 x 2304 / 8192 / 16384 and 16 x 32768 (mixed-sign weights; and weights
    (-1, -1, -1, 1), whose ReLU zeros put the threshold among the zeros in some rows), twice each. They also
@@ -37,8 +37,15 @@ at 32 x 2304 / 8192 / 16384, 0.0502 at 16 x 32K; the score pass alone 0.0094-0.0
   32 x 2304 0.021 -> ~0.017. arrive <= pass by ~2-3 us everywhere (one launch fewer).
 - Steps, batch 32: -0.35 / -0.30 / -0.25 ms at 16384 / 8192 / 2304 (8.74 -> ~8.4 ms at 16K) with arrive;
   whole 16K batch 32 1.65x -> ~1.71x dense.
+- fine_block 1024 (one loop step a chunk at 16K; 512 at 8K, 256 = the default at 2304): every pass's loads
+  issued at once and one scan/histogram instead of four dependent steps. Registers (sm_90a): `_gather_once`
+  pass 84, arrive 128, `_hist_tick` 29, `_write_once` 32, `_sub_gather` 80, `_resolve_write` 128: occupancy
+  unchanged. Predicted ~-1 us a pass: "each_b1k" (the old fine with it) -3 us a layer (-0.1 ms a step at
+  16K), "arrive_b1k" -3 us below arrive; no change at 2304 (the same step).
 - Uncertain: the last-arriver's ticket (one acq_rel atomic a program) and its ".cg" loads; whether the
-  gather's 128 registers (arrive) slow its 511 non-resolving programs (pass avoids that).
+  gather's 128 registers (arrive) slow its 511 non-resolving programs (pass avoids that); whether the
+  resolve's chain is latency (then once a row buys little: the same chain, after the gather instead of
+  inside the write) or the 512 programs' contention for it (then once a row buys most of the 22.8 - 4 us).
 """
 
 from __future__ import annotations
@@ -60,13 +67,16 @@ from granular_harness import T0, Run, log  # noqa: E402
 from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT, DecodeSelect  # noqa: E402
 
 FORMS = {"base": ENGINE_SELECT, "arrive": DecodeSelect("fine", score_block=64, fine_resolve="arrive"),
-         "pass": DecodeSelect("fine", score_block=64, fine_resolve="pass")}
-NEW = ("arrive", "pass")
+         "pass": DecodeSelect("fine", score_block=64, fine_resolve="pass"),
+         # one loop step a chunk (up to 1024 keys: every load of a pass issued at once, one scan instead of four)
+         "arrive_b1k": DecodeSelect("fine", score_block=64, fine_resolve="arrive", fine_block=1024),
+         "each_b1k": DecodeSelect("fine", score_block=64, fine_block=1024)}
+NEW = ("arrive", "pass", "arrive_b1k", "each_b1k")
 for _n, _s in FORMS.items():
     S10.VARIANTS[_n] = rh.Variant(_s)
 # device seconds a phase needs (session 10's logs: setup ~15, alone ~6 s a shape with its compiles, steps
 # ~0.3 s a row after the first compile, profile ~1, whole 16K batch 32 ~30 for three runs)
-NEED = {"setup": 18, "steps": 6, "profile": 3, "alone": 12, "whole_16k_b32": 34}
+NEED = {"setup": 18, "steps": 8, "profile": 3, "alone": 16, "whole_16k_b32": 34}
 S10.NEED["whole_16k_b32"] = NEED["whole_16k_b32"]
 
 
@@ -88,7 +98,8 @@ def prove(form: str, smoke: bool) -> dict:
     pos = torch.tensor([S - 1, S // 2, K // 2, S - 7][:B], device=dev)
     ref = indexer_topk_decode_naive(q.float(), w.float(), k.float(), pos, K, sink=2, window=4)
     for cap in (32, 2):
-        s = DecodeSelect("fine", score_block=sel.score_block, fine_resolve=sel.fine_resolve, fine_cap=cap)
+        s = DecodeSelect("fine", score_block=sel.score_block, fine_resolve=sel.fine_resolve, fine_cap=cap,
+                         fine_block=sel.fine_block)
         out[f"ints_cap{cap}"] = all(torch.equal(itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=4,
                                                                         **s.as_kwargs()), ref) for _ in range(2))
     shapes = [(3, 300)] if smoke else [(32, 2304), (32, 8192), (32, 16384), (16, 32768)]

@@ -42,7 +42,7 @@ def test_fine_once_zero_thresholds(resolve, K):
 def test_fine_once_ties_radix_short_rows_padding(resolve):
     """Integer inputs (exact, heavily tied scores, ReLU zeros among them) with cap 2: rows take the radix levels
     over the list (zeros as keys); left padding (kv_start), a row shorter than K, a row whose forced keys fill
-    K, and cap 32 (ranked) on the same rows."""
+    K, and cap 32 (ranked) on the same rows, there with one loop step a chunk (fine_block 64)."""
     g = torch.Generator().manual_seed(5)
     B, HI, DI, S, K = 4, 3, 16, 200, 24
     q = torch.randint(-2, 3, (B, HI, DI), generator=g).float()
@@ -54,7 +54,8 @@ def test_fine_once_ties_radix_short_rows_padding(resolve):
     paths = set()
     for cap in (2, 32):
         got, n2 = itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=3, kv_start=kvs, chunk=64, impl="fine",
-                                          fine_resolve=resolve, fine_cap=cap, candidates=True)
+                                          fine_resolve=resolve, fine_cap=cap, candidates=True,
+                                          fine_block=64 if cap == 32 else 0)
         assert torch.equal(got, ref), cap
         paths |= {"radix" if n > cap else "rank" for n in n2.tolist() if n > 0}
     assert paths == {"radix", "rank"}
@@ -70,3 +71,6 @@ def test_fine_resolve_is_checked_and_carried():
     with pytest.raises(ValueError, match="fine_resolve"):
         itd.indexer_topk_decode(q, w, k, torch.tensor([7]), 4, impl="fine", fine_resolve="once")
     assert itd.DecodeSelect("fine", fine_resolve="arrive").as_kwargs()["fine_resolve"] == "arrive"
+    with pytest.raises(ValueError, match="fine_block"):
+        itd.DecodeSelect("fine", fine_block=48)
+    assert itd.DecodeSelect("fine", fine_block=1024).as_kwargs()["fine_block"] == 1024

@@ -255,7 +255,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
                         k_scale: torch.Tensor | None = None, sort: int | None = None, impl: str | None = None,
                         row_block: int = 4096, row_warps: int = 16, fine_cap: int | None = None,
                         row_max_keys: int = ROW_MAX_KEYS, auto_long: str = AUTO_LONG, score_block: int = 0,
-                        fine_resolve: str = "each"):
+                        fine_resolve: str = "each", fine_block: int = 0):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference. candidates=True also returns each row's number of second-level
@@ -273,7 +273,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     three). score_block: the score pass's keys a step (0: the passes' common step). fine_resolve: where the fine
     select resolves its row's threshold: "each" (every (chunk, row) program of its last pass, decode_fine.py),
     "arrive" (the row's last program of its gather pass) or "pass" (a [B]-program pass; both
-    decode_fine_once.py). Every impl selects the same keys."""
+    decode_fine_once.py); fine_block: the keys a step of the fine select's (chunk, row) loops (0: the passes'
+    common step, 256 on a GPU; capped at the chunk). Every impl selects the same keys."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:
@@ -358,10 +359,13 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
             from sparse_rl.sparse.ops.indexer_topk.decode_fine_once import fine_once_select
 
             cap = CAP if fine_cap is None else fine_cap
+            FBN = min(CH, fine_block) if fine_block else BN
+            if FBN & (FBN - 1) or CH % FBN:
+                raise ValueError(f"fine_block ({fine_block}) must be a power of two")
             if fine_resolve == "each":
-                out, n_c = fine_select(sc, pos, span, topk, CH, BN, num_warps=nw, interpret=interpret, cap=cap)
+                out, n_c = fine_select(sc, pos, span, topk, CH, FBN, num_warps=nw, interpret=interpret, cap=cap)
             else:
-                out, n_c = fine_once_select(sc, pos, span, topk, CH, BN, num_warps=nw, interpret=interpret, cap=cap,
+                out, n_c = fine_once_select(sc, pos, span, topk, CH, FBN, num_warps=nw, interpret=interpret, cap=cap,
                                             resolve=fine_resolve)
         else:
             out, n_c = split_select(sc, pos, span, topk, CH, BN, sort=sort, num_warps=nw, interpret=interpret)

@@ -38,7 +38,8 @@ class DecodeSelect:
     row_max_keys keys, else `long`; fine_cap: the fine select's most sub-bin keys ranked in registers;
     score_block: the score pass's keys a step (0: the select's own step, 256 on a GPU); num_warps: the warps of
     the score pass and the (chunk, row) select passes (0: the kernel's default, 4); fine_resolve: one of
-    FINE_RESOLVES, where the fine select resolves its row's threshold."""
+    FINE_RESOLVES, where the fine select resolves its row's threshold; fine_block: the keys a step of the fine
+    select's (chunk, row) loops (0: the select's own step, 256 on a GPU; capped at the chunk)."""
 
     impl: str = "auto"
     row_max_keys: int = ROW_MAX_KEYS
@@ -47,6 +48,7 @@ class DecodeSelect:
     score_block: int = 0
     num_warps: int = 0
     fine_resolve: str = "each"
+    fine_block: int = 0
 
     def __post_init__(self):
         if self.impl not in IMPLS or self.long not in IMPLS[1:]:
@@ -55,12 +57,15 @@ class DecodeSelect:
             raise ValueError(f"score_block {self.score_block}: must be 0 or a power of two")
         if self.fine_resolve not in FINE_RESOLVES:
             raise ValueError(f"fine_resolve {self.fine_resolve!r}: expected one of {', '.join(FINE_RESOLVES)}")
+        if self.fine_block < 0 or self.fine_block & (self.fine_block - 1):  # a tl.arange size
+            raise ValueError(f"fine_block {self.fine_block}: must be 0 or a power of two")
         if self.num_warps not in (0, 1, 2, 4, 8, 16):
             raise ValueError(f"num_warps {self.num_warps}: must be 0 (the default) or a power of two up to 16")
 
     def as_kwargs(self) -> dict:
         return {"impl": self.impl, "row_max_keys": self.row_max_keys, "auto_long": self.long, "fine_cap": self.fine_cap,
-                "score_block": self.score_block, "num_warps": self.num_warps or None, "fine_resolve": self.fine_resolve}
+                "score_block": self.score_block, "num_warps": self.num_warps or None, "fine_resolve": self.fine_resolve,
+                "fine_block": self.fine_block}
 
 
 # The rollout engine's default (`ModelRunner(decode_select=None)`, the GRPO and `bench rollout` defaults):
