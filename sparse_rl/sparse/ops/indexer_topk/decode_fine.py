@@ -119,14 +119,13 @@ def _sub_gather(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, S, K, P, CH: tl.cons
 
 @triton.jit
 def _rank_sub_bin(CU, CI, CD, b, S, col, zc, h2b, b2, n2, rem2, CH: tl.constexpr, PMAX: tl.constexpr,
-                  CAPB: tl.constexpr, CB: tl.constexpr, CM: tl.constexpr = ""):
+                  CAPB: tl.constexpr, CB: tl.constexpr):
     """The rem2-th largest (u, position) among the n2 <= CAPB keys of sub-bin b2, and each chunk's count of
     those kept `[PMAX]`. The keys are compacted into registers from the list regions of the chunks that
     hold some (h2b `[PMAX]`: each chunk's keys in b2; col `[PMAX]`: its slots in the row's list, zc of them
     its zeros' empty ones at the region's end), ~3 regions of ~30 slots at 32 x 16K instead of the row's
     whole list (~440 slots, up to ~2,300: the walk that took `_resolve_write` to 31 us a layer on the
-    H200, session 8), then each key is ranked by how many beat it. CM: the list loads' cache modifier (".cg"
-    where this launch's other programs wrote the list: decode_fine_once's last-arriving program)."""
+    H200, session 8), then each key is ranked by how many beat it."""
     slots = tl.arange(0, CAPB)
     offs = tl.arange(0, CB)
     offs_p = tl.arange(0, PMAX)
@@ -141,9 +140,9 @@ def _rank_sub_bin(CU, CI, CD, b, S, col, zc, h2b, b2, n2, rem2, CH: tl.constexpr
         end = st + tl.sum(tl.where(offs_p == q, col - zc, 0), 0)
         for c in range(st, end, CB):
             live = c + offs < end
-            m = live & (tl.load(CD + b * S + c + offs, mask=live, other=-1, cache_modifier=CM) == b2)
-            u = tl.load(CU + b * S + c + offs, mask=m, other=0, cache_modifier=CM)
-            idx = tl.load(CI + b * S + c + offs, mask=m, other=0, cache_modifier=CM)
+            m = live & (tl.load(CD + b * S + c + offs, mask=live, other=-1) == b2)
+            u = tl.load(CU + b * S + c + offs, mask=m, other=0)
+            idx = tl.load(CI + b * S + c + offs, mask=m, other=0)
             slot = seen + tl.cumsum(m.to(tl.int32), 0) - 1
             hit = m[None, :] & (slot[None, :] == slots[:, None])  # [CAPB, CB]
             fu += tl.sum(tl.where(hit, u[None, :], 0), 1)
@@ -258,10 +257,12 @@ def fine_chunk(B: int, S: int, interpret: bool) -> int:
 
 
 def fine_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: int, chunk: int, block: int, *,
-                num_warps: int, interpret: bool, cap: int = CAP, cb: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                num_warps: int, interpret: bool, cap: int = CAP, cb: int | None = None,
+                maxnreg: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_row.row_select`'s inputs and result, in three (chunk, row) launches (block: keys a step of
     each chunk's loop; cap: a power of two, the most sub-bin keys ranked in registers; cb: list slots a
-    step of the sub-bin's compaction, default `CB`, 16 under the interpreter). The second
+    step of the sub-bin's compaction, default `CB`, 16 under the interpreter; maxnreg: a register cap for
+    `_resolve_write`, 0 = the compiler's choice, not applied under the interpreter). The second
     result is each row's count of keys in the threshold's sub-bin `[B]` (0 where none was resolved)."""
     if cap < 1 or cap & (cap - 1):
         raise ValueError(f"cap ({cap}) must be a power of two")
@@ -282,6 +283,10 @@ def fine_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: i
     kw = dict(CH=chunk, BN=block, NB=NB, PMAX=PMAX, num_warps=num_warps)
     _hist_chunk[grid](sc, pos, span, hp, nfp, S, P, **kw)
     _sub_gather[grid](sc, pos, span, hp, nfp, h2, zc, cu, ci, cd, S, topk, P, NB2=NB2, **kw)
+    # maxnreg: Triton 3.6 (the H200's) compiles `_resolve_write` to 147 registers at CB 32 (3 programs an SM:
+    # 32 x 16K's 512 programs in two waves); capped at 128 it spills nothing (sm_90a, compiled on the CPU host)
+    cap_regs = {"maxnreg": maxnreg} if maxnreg and not interpret else {}
     _resolve_write[grid](sc, pos, span, hp, nfp, h2, zc, cu, ci, cd, out, n2, out.stride(0), S, topk, P, NB2=NB2,
-                         CAPB=max(2, cap), CB=cb or (16 if interpret else CB), BLOCK=64 if interpret else 1024, **kw)
+                         CAPB=max(2, cap), CB=cb or (16 if interpret else CB), BLOCK=64 if interpret else 1024, **kw,
+                         **cap_regs)
     return out, n2

@@ -46,7 +46,7 @@ RESOLVES = ("arrive", "pass")
 
 @triton.jit
 def _hist_tick(SC, POS, SPAN, HP, NFP, TICK, S, P, CH: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-               PMAX: tl.constexpr, TICKS: tl.constexpr, PDL: tl.constexpr = False):
+               PMAX: tl.constexpr, TICKS: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
     if PDL:  # launched early (PDL): no load before the previous kernel is done
         tl.extra.cuda.gdc_wait()
     p = tl.program_id(0)
@@ -57,12 +57,18 @@ def _hist_tick(SC, POS, SPAN, HP, NFP, TICK, S, P, CH: tl.constexpr, BN: tl.cons
         if p == 0:  # the row's ticket for `_gather_once` (the next launch, so stream order makes it visible)
             tl.store(TICK + b, 0)
     if c0 <= pos:
+        if PREFETCH:  # the chunk's first scores are loaded before the span's loads and reductions
+            xn = _scores(SC, b, S, pos, c0, c0 + CH, BN)
         mx, inv = _row_span(SPAN, b, pos, P, CH, NB, PMAX)
         bins = tl.arange(0, NB)
         hist = tl.zeros([NB], tl.int32)
         nf = 0
         for i in range(0, CH // BN):
-            offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
+            if PREFETCH:  # this step's scores, loaded a step ahead; the next step's now
+                offs_n, x, fin, d, u = _bins(c0 + i * BN, xn, mx, inv, BN, NB)
+                xn = _scores(SC, b, S, pos, c0 + (i + 1) * BN, c0 + CH, BN)
+            else:
+                offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
             hist += tl.histogram(tl.where(fin, d, 0), NB) - tl.where(bins == 0, tl.sum((~fin).to(tl.int32), 0), 0)
             nf += tl.sum((x == float("inf")).to(tl.int32), 0)
         tl.store(HP + (b * P + p) * NB + bins, hist)
@@ -70,11 +76,30 @@ def _hist_tick(SC, POS, SPAN, HP, NFP, TICK, S, P, CH: tl.constexpr, BN: tl.cons
 
 
 @triton.jit
+def _scores(SC, b, S, pos, n0, end, BN: tl.constexpr):
+    """Scores `[BN]` of keys n0..n0+BN-1 of row b below `end` (the chunk's end), -inf elsewhere (as `_block`)."""
+    offs_n = n0 + tl.arange(0, BN)
+    return tl.load(SC + b * S + offs_n, mask=(offs_n <= pos) & (offs_n < S) & (offs_n < end), other=float("-inf"))
+
+
+@triton.jit
+def _bins(n0, x, mx, inv, BN: tl.constexpr, NB: tl.constexpr):
+    """`decode_steps._block`'s results for scores x `[BN]` of keys n0..n0+BN-1 already loaded."""
+    offs_n = n0 + tl.arange(0, BN)
+    fin = (x > float("-inf")) & (x < float("inf"))
+    d = tl.minimum(((mx - tl.where(fin, x, mx)) * inv).to(tl.int32), NB - 1)
+    return offs_n, x, fin, d, _okey(x)
+
+
+@triton.jit
 def _resolve_row(HP, NFP, H2, ZC, CU, CI, CD, OFFS, TC, NC, b, pos, S, K, P, CH: tl.constexpr, NB: tl.constexpr,
                  NB2: tl.constexpr, PMAX: tl.constexpr, CAPB: tl.constexpr, CB: tl.constexpr, BLOCK: tl.constexpr,
                  CM: tl.constexpr):
     """Row b's threshold pair and output offsets (see the module docstring, step 3). CM: the cache modifier of
-    the loads of what this launch's other programs wrote (".cg" in the last-arriving program)."""
+    this function's own loads of what this launch's other programs wrote (".cg" in the last-arriving program;
+    the list loads of `_rank_sub_bin` / `_radix_threshold` are plain: the ticket's acq_rel atomic and the
+    barrier after it order them, the pattern of CUTLASS's split-K semaphore. Passed explicitly: Triton 3.6
+    leaves a nested jit call's defaulted constexpr a bare str, which failed to compile on the H200)."""
     offs_p = tl.arange(0, PMAX)
     pm = offs_p <= pos // CH
     hp, nfp = _tile(HP, NFP, b, pos, P, CH, NB, PMAX)
@@ -115,11 +140,10 @@ def _resolve_row(HP, NFP, H2, ZC, CU, CI, CD, OFFS, TC, NC, b, pos, S, K, P, CH:
                 h2b = tl.sum(tl.where(bins2 == b2, h2p, 0), 1)  # [PMAX] each chunk's keys in b2
                 n2 = tl.sum(h2b, 0)
                 if n2 <= CAPB:
-                    tau, cut, kept = _rank_sub_bin(CU, CI, CD, b, S, col, zc, h2b, b2, n2, rem2, CH, PMAX, CAPB, CB,
-                                                   CM)
+                    tau, cut, kept = _rank_sub_bin(CU, CI, CD, b, S, col, zc, h2b, b2, n2, rem2, CH, PMAX, CAPB, CB)
                     emit += tl.sum(tl.where(bins2 < b2, h2p, 0), 1) + kept + tl.where(below, zc, 0)
                 else:  # many equal scores: the radix levels over all of b*'s keys, zeros among them
-                    tau, cut, kept = _radix_threshold(CU, CI, b, S, tl.sum(col, 0), rem, CH, PMAX, BLOCK, CM)
+                    tau, cut, kept = _radix_threshold(CU, CI, b, S, tl.sum(col, 0), rem, CH, PMAX, BLOCK)
                     emit += kept
     pl = offs_p < P
     tl.store(OFFS + b * P + offs_p, tl.cumsum(emit, 0) - emit, mask=pl)
@@ -132,7 +156,8 @@ def _resolve_row(HP, NFP, H2, ZC, CU, CI, CD, OFFS, TC, NC, b, pos, S, K, P, CH:
 @triton.jit
 def _gather_once(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, TICK, OFFS, TC, NC, S, K, P, CH: tl.constexpr,
                  BN: tl.constexpr, NB: tl.constexpr, NB2: tl.constexpr, PMAX: tl.constexpr, CAPB: tl.constexpr,
-                 CB: tl.constexpr, BLOCK: tl.constexpr, ARRIVE: tl.constexpr, PDL: tl.constexpr = False):
+                 CB: tl.constexpr, BLOCK: tl.constexpr, ARRIVE: tl.constexpr, PREFETCH: tl.constexpr = False,
+                 PDL: tl.constexpr = False):
     if PDL:  # launched early (PDL): no load before the previous kernel is done
         tl.extra.cuda.gdc_wait()
     p = tl.program_id(0)
@@ -140,6 +165,8 @@ def _gather_once(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, TICK, OFFS, TC, NC,
     pos = tl.load(POS + b).to(tl.int32)
     c0 = p * CH
     if c0 <= pos:
+        if PREFETCH:  # the chunk's first scores are loaded before the row's tiles and their reductions
+            xn = _scores(SC, b, S, pos, c0, c0 + CH, BN)
         hp, nfp = _tile(HP, NFP, b, pos, P, CH, NB, PMAX)
         bstar, rem, take_all = _bstar_of(tl.sum(hp, 0), tl.sum(nfp, 0), K, NB)
         if (bstar < NB) & (rem > 0):
@@ -153,7 +180,11 @@ def _gather_once(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, TICK, OFFS, TC, NC,
             zeros = 0
             above = 0
             for i in range(0, CH // BN):
-                offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
+                if PREFETCH:
+                    offs_n, x, fin, d, u = _bins(c0 + i * BN, xn, mx, inv, BN, NB)
+                    xn = _scores(SC, b, S, pos, c0 + (i + 1) * BN, c0 + CH, BN)
+                else:
+                    offs_n, x, fin, d, u = _block(SC, b, S, pos, c0 + i * BN, mx, inv, BN, NB)
                 inb = fin & (d == bstar)
                 zero = inb & (u == U0)
                 cand = inb & ~zero
@@ -215,11 +246,14 @@ def _write_once(SC, POS, TC, OFFS, OUT, sob, S, K, P, CH: tl.constexpr, BN: tl.c
 
 def fine_once_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: int, chunk: int, block: int, *,
                      num_warps: int, interpret: bool, resolve: str = "arrive", cap: int = CAP, cb: int | None = None,
-                     pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     prefetch: bool = False, maxnreg: int = 0, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_fine.fine_select`'s inputs and results (sc `[B, S]` fp32 scores, pos `[B]` int32, span `[B, P, 2]`
     -> (`[B, topk]` int32 ascending, -1 padded; `[B]` keys ranked in the threshold's sub-bin, 0 where none)), the
     threshold resolved once a row: by the row's last `_gather_once` program ("arrive", three launches) or a
-    `[B]`-program pass ("pass", four). pdl: every launch with programmatic dependent launch."""
+    `[B]`-program pass ("pass", four). prefetch: the histogram and gather passes load their chunk's first scores
+    before the row's tiles (and each step's next scores a step ahead). maxnreg: a register cap for the passes
+    that hold the resolve (`_gather_once` with "arrive", `_resolve_rows`), 0 = the compiler's choice, not
+    applied under the interpreter. pdl: every launch with programmatic dependent launch."""
     if resolve not in RESOLVES:
         raise ValueError(f"fine resolve {resolve!r}: expected one of {', '.join(RESOLVES)}")
     if cap < 1 or cap & (cap - 1):
@@ -242,10 +276,16 @@ def fine_once_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, to
     lk = dict(num_warps=num_warps, PDL=pdl, launch_pdl=pdl) if pdl else dict(num_warps=num_warps)
     res = dict(NB2=NB2, PMAX=PMAX, CAPB=max(2, cap), CB=cb or (16 if interpret else CB),
                BLOCK=64 if interpret else 1024)
-    _hist_tick[grid](sc, pos, span, hp, nfp, tick, S, P, CH=chunk, BN=block, NB=NB, PMAX=PMAX, TICKS=arrive, **lk)
+    _hist_tick[grid](sc, pos, span, hp, nfp, tick, S, P, CH=chunk, BN=block, NB=NB, PMAX=PMAX, TICKS=arrive,
+                     PREFETCH=prefetch, **lk)
+    # Triton 3.6 (the H200's) compiles `_gather_once` with the resolve inlined to 156 registers (168 at one
+    # 1024-key step; 3 programs an SM, 32 x 16K's 512 programs in two waves), without it to 64 / 123; a cap of
+    # 128 spills 8-16 bytes (sm_90a, compiled on the CPU host)
+    cap_regs = {"maxnreg": maxnreg} if maxnreg and not interpret else {}
     _gather_once[grid](sc, pos, span, hp, nfp, h2, zc, cu, ci, cd, tick, offs, tc, n2, S, topk, P, CH=chunk, BN=block,
-                       NB=NB, ARRIVE=arrive, **res, **lk)
+                       NB=NB, ARRIVE=arrive, PREFETCH=prefetch, **res, **lk, **(cap_regs if arrive else {}))
     if not arrive:
-        _resolve_rows[(B,)](pos, hp, nfp, h2, zc, cu, ci, cd, offs, tc, n2, S, topk, P, CH=chunk, NB=NB, **res, **lk)
+        _resolve_rows[(B,)](pos, hp, nfp, h2, zc, cu, ci, cd, offs, tc, n2, S, topk, P, CH=chunk, NB=NB, **res, **lk,
+                            **cap_regs)
     _write_once[grid](sc, pos, tc, offs, out, out.stride(0), S, topk, P, CH=chunk, BN=block, **lk)
     return out, n2

@@ -74,16 +74,15 @@ def _bstar_of(h, nf, K, NB: tl.constexpr):
 
 
 @triton.jit
-def _radix_level(CU, b, S, n, prefix, kk, lo: tl.constexpr, BLOCK: tl.constexpr, CM: tl.constexpr = ""):
+def _radix_level(CU, b, S, n, prefix, kk, lo: tl.constexpr, BLOCK: tl.constexpr):
     """One 8-bit digit (bits lo..lo+7) over the n candidates whose bits above lo+7 equal `prefix`'s:
-    the updated prefix, the rank left to place inside it, and the count of keys equal to the prefix (CM: the
-    loads' cache modifier, ".cg" where this launch's other programs wrote the list)."""
+    the updated prefix, the rank left to place inside it, and the count of keys equal to the prefix."""
     bins = tl.arange(0, 256)
     offs = tl.arange(0, BLOCK)
     hist = tl.zeros([256], tl.int32)
     for c in range(0, n, BLOCK):
         live = c + offs < n
-        key = tl.load(CU + b * S + c + offs, mask=live, other=0, cache_modifier=CM).to(tl.uint32, bitcast=True)
+        key = tl.load(CU + b * S + c + offs, mask=live, other=0).to(tl.uint32, bitcast=True)
         if lo == 24:
             m = live
         else:
@@ -99,18 +98,17 @@ def _radix_level(CU, b, S, n, prefix, kk, lo: tl.constexpr, BLOCK: tl.constexpr,
 
 
 @triton.jit
-def _radix_threshold(CU, CI, b, S, n_c, rem, CH: tl.constexpr, PMAX: tl.constexpr, BLOCK: tl.constexpr,
-                     CM: tl.constexpr = ""):
+def _radix_threshold(CU, CI, b, S, n_c, rem, CH: tl.constexpr, PMAX: tl.constexpr, BLOCK: tl.constexpr):
     """The threshold over n_c candidates by four 8-bit radix levels (any n_c): tau (the rem-th largest u),
     cut (keys equal to tau at positions >= cut are kept: the later ones, as the reference's index cut)
-    and each chunk's count of kept candidates `[PMAX]` (CM: the list loads' cache modifier, see `_radix_level`)."""
+    and each chunk's count of kept candidates `[PMAX]`."""
     offs_p = tl.arange(0, PMAX)
     prefix = tl.zeros([], tl.uint32)
     kk = rem
-    prefix, kk, n_eq = _radix_level(CU, b, S, n_c, prefix, kk, 24, BLOCK, CM)
-    prefix, kk, n_eq = _radix_level(CU, b, S, n_c, prefix, kk, 16, BLOCK, CM)
-    prefix, kk, n_eq = _radix_level(CU, b, S, n_c, prefix, kk, 8, BLOCK, CM)
-    prefix, kk, n_eq = _radix_level(CU, b, S, n_c, prefix, kk, 0, BLOCK, CM)
+    prefix, kk, n_eq = _radix_level(CU, b, S, n_c, prefix, kk, 24, BLOCK)
+    prefix, kk, n_eq = _radix_level(CU, b, S, n_c, prefix, kk, 16, BLOCK)
+    prefix, kk, n_eq = _radix_level(CU, b, S, n_c, prefix, kk, 8, BLOCK)
+    prefix, kk, n_eq = _radix_level(CU, b, S, n_c, prefix, kk, 0, BLOCK)
     tau = prefix
     r = n_eq - kk  # keys equal to tau of rank >= r (in key order) are kept: the later keys win
     offs = tl.arange(0, BLOCK)
@@ -119,8 +117,8 @@ def _radix_threshold(CU, CI, b, S, n_c, rem, CH: tl.constexpr, PMAX: tl.constexp
     per_chunk = tl.zeros([PMAX], tl.int32)
     for c in range(0, n_c, BLOCK):
         live = c + offs < n_c
-        u = tl.load(CU + b * S + c + offs, mask=live, other=0, cache_modifier=CM).to(tl.uint32, bitcast=True)
-        idx = tl.load(CI + b * S + c + offs, mask=live, other=0, cache_modifier=CM)
+        u = tl.load(CU + b * S + c + offs, mask=live, other=0).to(tl.uint32, bitcast=True)
+        idx = tl.load(CI + b * S + c + offs, mask=live, other=0)
         eq = live & (u == tau)
         rank = seen + tl.cumsum(eq.to(tl.int32), 0) - 1
         cut += tl.sum(tl.where(eq & (rank == r), idx, 0), 0)
