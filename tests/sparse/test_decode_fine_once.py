@@ -26,11 +26,12 @@ def _zero_rows(K, B=3, S=300):
 @pytest.mark.parametrize("resolve", ["arrive", "pass"])
 def test_fine_once_zero_thresholds(resolve, K):
     """The k-th key above the zeros (K 60), a zero itself (150: n2 stays 0, no sub-bin is ranked), below them
-    (250: every zero kept)."""
+    (250: every zero kept); K 60 and 250 with the scores prefetched (fine_prefetch: loaded a step ahead)."""
     q, w, k, pos = _zero_rows(K)
     ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=2, window=3)
     got, n2 = itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=3, chunk=64, impl="fine",
-                                      fine_resolve=resolve, candidates=True)
+                                      fine_resolve=resolve, candidates=True, fine_prefetch=K != 150,
+                                      fine_maxnreg=128)  # a GPU launch option: not applied under the interpreter
     assert torch.equal(got, ref)
     if K == 150:
         assert int(n2.max()) == 0
@@ -74,3 +75,7 @@ def test_fine_resolve_is_checked_and_carried():
     with pytest.raises(ValueError, match="fine_block"):
         itd.DecodeSelect("fine", fine_block=48)
     assert itd.DecodeSelect("fine", fine_block=1024).as_kwargs()["fine_block"] == 1024
+    with pytest.raises(ValueError, match="fine_maxnreg"):
+        itd.DecodeSelect("fine", fine_maxnreg=8)
+    kw = itd.DecodeSelect("fine", fine_prefetch=True, fine_maxnreg=128).as_kwargs()
+    assert kw["fine_prefetch"] is True and kw["fine_maxnreg"] == 128

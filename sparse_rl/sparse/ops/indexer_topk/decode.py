@@ -49,8 +49,8 @@ import triton.language as tl
 from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _append, _block, _bstar_of, _emit,  # noqa: F401
                                                            _okey_inv, _pad_rest, _radix_level, _radix_threshold,
                                                            _sort_threshold)
-from sparse_rl.sparse.ops.indexer_topk.decode_select import (AUTO_LONG, FINE_RESOLVES, IMPLS, ROW_MAX_KEYS,  # noqa: F401
-                                                             DecodeSelect)
+from sparse_rl.sparse.ops.indexer_topk.decode_select import (AUTO_LONG, FINE_RESOLVES, IMPLS,  # noqa: F401
+                                                             ROW_MAX_KEYS, DecodeSelect)
 from sparse_rl.sparse.ops.indexer_topk.decode_bits import _code
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
@@ -255,7 +255,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
                         k_scale: torch.Tensor | None = None, sort: int | None = None, impl: str | None = None,
                         row_block: int = 4096, row_warps: int = 16, fine_cap: int | None = None,
                         row_max_keys: int = ROW_MAX_KEYS, auto_long: str = AUTO_LONG, score_block: int = 0,
-                        fine_resolve: str = "each", fine_block: int = 0):
+                        fine_resolve: str = "each", fine_block: int = 0, fine_prefetch: bool = False,
+                        fine_maxnreg: int = 0):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference. candidates=True also returns each row's number of second-level
@@ -274,7 +275,9 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     select resolves its row's threshold: "each" (every (chunk, row) program of its last pass, decode_fine.py),
     "arrive" (the row's last program of its gather pass) or "pass" (a [B]-program pass; both
     decode_fine_once.py); fine_block: the keys a step of the fine select's (chunk, row) loops (0: the passes'
-    common step, 256 on a GPU; capped at the chunk). Every impl selects the same keys."""
+    common step, 256 on a GPU; capped at the chunk); fine_prefetch: with "arrive" / "pass", the histogram and
+    gather passes load their chunk's first scores before the row's tiles; fine_maxnreg: a register cap for the fine
+    select's pass that resolves the threshold (0: the compiler's choice). Every impl selects the same keys."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:
@@ -363,10 +366,11 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
             if FBN & (FBN - 1) or CH % FBN:
                 raise ValueError(f"fine_block ({fine_block}) must be a power of two")
             if fine_resolve == "each":
-                out, n_c = fine_select(sc, pos, span, topk, CH, FBN, num_warps=nw, interpret=interpret, cap=cap)
+                out, n_c = fine_select(sc, pos, span, topk, CH, FBN, num_warps=nw, interpret=interpret, cap=cap,
+                                       maxnreg=fine_maxnreg)
             else:
                 out, n_c = fine_once_select(sc, pos, span, topk, CH, FBN, num_warps=nw, interpret=interpret, cap=cap,
-                                            resolve=fine_resolve)
+                                            resolve=fine_resolve, prefetch=fine_prefetch, maxnreg=fine_maxnreg)
         else:
             out, n_c = split_select(sc, pos, span, topk, CH, BN, sort=sort, num_warps=nw, interpret=interpret)
         return (out, n_c) if candidates else out

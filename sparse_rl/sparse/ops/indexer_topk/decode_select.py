@@ -39,7 +39,10 @@ class DecodeSelect:
     score_block: the score pass's keys a step (0: the select's own step, 256 on a GPU); num_warps: the warps of
     the score pass and the (chunk, row) select passes (0: the kernel's default, 4); fine_resolve: one of
     FINE_RESOLVES, where the fine select resolves its row's threshold; fine_block: the keys a step of the fine
-    select's (chunk, row) loops (0: the select's own step, 256 on a GPU; capped at the chunk)."""
+    select's (chunk, row) loops (0: the select's own step, 256 on a GPU; capped at the chunk); fine_prefetch: with
+    fine_resolve "arrive" / "pass", its histogram and gather passes load their first scores before the row's
+    tiles; fine_maxnreg: a register cap (Triton's `maxnreg`) for the fine select's pass that resolves the threshold,
+    0 = the compiler's choice (Triton 3.6 on the H200 gives `_resolve_write` 147 registers: 3 programs an SM)."""
 
     impl: str = "auto"
     row_max_keys: int = ROW_MAX_KEYS
@@ -49,6 +52,8 @@ class DecodeSelect:
     num_warps: int = 0
     fine_resolve: str = "each"
     fine_block: int = 0
+    fine_prefetch: bool = False
+    fine_maxnreg: int = 0
 
     def __post_init__(self):
         if self.impl not in IMPLS or self.long not in IMPLS[1:]:
@@ -59,13 +64,16 @@ class DecodeSelect:
             raise ValueError(f"fine_resolve {self.fine_resolve!r}: expected one of {', '.join(FINE_RESOLVES)}")
         if self.fine_block < 0 or self.fine_block & (self.fine_block - 1):  # a tl.arange size
             raise ValueError(f"fine_block {self.fine_block}: must be 0 or a power of two")
+        if self.fine_maxnreg and not 24 <= self.fine_maxnreg <= 255:
+            raise ValueError(f"fine_maxnreg {self.fine_maxnreg}: must be 0 (the compiler's choice) or 24-255")
         if self.num_warps not in (0, 1, 2, 4, 8, 16):
             raise ValueError(f"num_warps {self.num_warps}: must be 0 (the default) or a power of two up to 16")
 
     def as_kwargs(self) -> dict:
         return {"impl": self.impl, "row_max_keys": self.row_max_keys, "auto_long": self.long, "fine_cap": self.fine_cap,
                 "score_block": self.score_block, "num_warps": self.num_warps or None, "fine_resolve": self.fine_resolve,
-                "fine_block": self.fine_block}
+                "fine_block": self.fine_block, "fine_prefetch": self.fine_prefetch,
+                "fine_maxnreg": self.fine_maxnreg}
 
 
 # The rollout engine's default (`ModelRunner(decode_select=None)`, the GRPO and `bench rollout` defaults):
