@@ -1,51 +1,57 @@
 """Session 11, helper sel11 (issue 14): the fine decode select with its row's threshold resolved ONCE a row
-(`DecodeSelect(fine_resolve="arrive" | "pass")`, decode_fine_once.py) against the engine's default (fine,
-64-key score step, every (chunk, row) program resolving: `fine_resolve="each"`), on the shared harness.
+(`DecodeSelect(fine_resolve="arrive" | "pass")`, decode_fine_once.py) and the default's resolving pass with a
+register cap (`fine_maxnreg`), against the engine's default (fine, 64-key score step, every (chunk, row) program
+resolving: `fine_resolve="each"`), on the shared harness.
 
     PYTHONPATH=$PWD python benchmarks/gpu_sel11_session11.py --budget 140 --commit SHA                   (H200)
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/gpu_sel11_session11.py --cpu-smoke --budget 900
 
 Phases, each gated on the time LEFT of --budget (compiles included; the JSON and log under $OUT/sel11/ are
 rewritten after every row):
-1. one child process a new form (`--prove FORM`), started first: the new form on the GPU == the
-   reference on integer ties (ReLU zeros among them; the sub-bin ranked, cap 2: the radix levels) and == the
-   default on random bf16 rows at 32 x 2304 / 8192 / 16384 and 16 x 32768 (mixed-sign weights; and weights
-   (-1, -1, -1, 1), whose ReLU zeros put the threshold among the zeros in some rows), twice each. They also
-   compile the new kernels for the timed shapes into Triton's disk cache while the parent builds the model;
+1. one child process a new form (`--prove FORM`), started first: the form on the GPU == the reference on
+   integer ties (ReLU zeros among them; the sub-bin ranked, and cap 2: the radix levels) and == the default on
+   random bf16 rows at 32 x 2304 / 8192 / 16384 and 16 x 32768 (mixed-sign weights; and weights (-1, -1, -1,
+   1), whose ReLU zeros put the threshold among the zeros in some rows), twice each. The children also compile
+   the new kernels for the timed shapes into Triton's disk cache while the parent builds the model;
 2. meanwhile the parent (old kernels only): setup, the default's steps at 2304 / 8192 / 16384 (batch 32: its
    compiles; "steps_early", beside the children's work) and its one-step profile at 16K;
-3. only if a form's proof passed: the select alone (score + select, graph-timed; the default in the same
-   run) at 32 x 2304 / 8192 / 16384 (the engine's layer-2 index cache) and 16 x 32768 (random keys), each
-   form's rows == the default's; the steps of the default and the new forms, context by context; the faster
+3. only for the forms whose proof passed: the select alone (score + select, graph-timed; the default in the
+   same run) at 32 x 2304 / 8192 / 16384 (the engine's layer-2 index cache) and 16 x 32768 (random keys), each
+   form's rows == the default's; the steps of the default and the new forms, context by context; the fastest
    form's profile (us a layer per kernel);
-4. the whole 16K batch-32 generation (integrated: dense, default, the faster new form) if budget is left;
+4. the whole 16K batch-32 generation (integrated: dense, default, the fastest new form) if budget is left;
 5. a summary table.
 
-Predictions (written before the call, 14:25 UTC; the session-9/10 profile at 32 x 16K: `_hist_chunk` 4.9 us a
-layer, `_sub_gather` 9.1, `_resolve_write` 22.8; the lead's bsearch run: fine alone 0.0206 / 0.0348 / 0.0500 ms
-at 32 x 2304 / 8192 / 16384, 0.0502 at 16 x 32K; the score pass alone 0.0094-0.0178):
-- Registers (sm_90a, Triton 3.9, compiled on the CPU host, 4 warps, 32 x 16K's constants): `_gather_once`
-  with the resolve inlined ("arrive") 128 (8 B of stack), without ("pass") 62; `_resolve_rows` 133 (32
-  programs only); `_write_once` 38; against `_sub_gather` 48 and `_resolve_write` 128. So "arrive" keeps 4
-  programs an SM: the 512 programs of 32 x 16K in one wave.
-- Profile at 32 x 16K, us a layer: `_hist_tick` ~4.9 (as `_hist_chunk`), `_gather_once` ~9 + a resolve
-  tail of ~6-8 in "arrive" (~15-17), `_write_once` ~4 (as decode._write / decode_bits._write: 3.9 / 4.5);
-  "pass": `_gather_once` ~9, `_resolve_rows` ~7, `_write_once` ~4. Select after the score: ~25 us (arrive)
-  / ~26 (pass) against 36.8: -11 us a layer, ~-0.35 ms a step (the task's target was <= ~20 us, -0.5 ms;
-  predicted to fall short: the resolve's chain of dependent reductions is not shortened, only done once).
-- Alone (score + select): 32 x 16K 0.050 -> ~0.040 ms; 16 x 32K 0.050 -> ~0.041; 32 x 8192 0.035 -> ~0.028;
-  32 x 2304 0.021 -> ~0.017. arrive <= pass by ~2-3 us everywhere (one launch fewer).
-- Steps, batch 32: -0.35 / -0.30 / -0.25 ms at 16384 / 8192 / 2304 (8.74 -> ~8.4 ms at 16K) with arrive;
-  whole 16K batch 32 1.65x -> ~1.71x dense.
-- fine_block 1024 (one loop step a chunk at 16K; 512 at 8K, 256 = the default at 2304): every pass's loads
-  issued at once and one scan/histogram instead of four dependent steps. Registers (sm_90a): `_gather_once`
-  pass 84, arrive 128, `_hist_tick` 29, `_write_once` 32, `_sub_gather` 80, `_resolve_write` 128: occupancy
-  unchanged. Predicted ~-1 us a pass: "each_b1k" (the old fine with it) -3 us a layer (-0.1 ms a step at
-  16K), "arrive_b1k" -3 us below arrive; no change at 2304 (the same step).
-- Uncertain: the last-arriver's ticket (one acq_rel atomic a program) and its ".cg" loads; whether the
-  gather's 128 registers (arrive) slow its 511 non-resolving programs (pass avoids that); whether the
-  resolve's chain is latency (then once a row buys little: the same chain, after the gather instead of
-  inside the write) or the 512 programs' contention for it (then once a row buys most of the 22.8 - 4 us).
+Call 1 (commit 7cf68c1, 16 s; results/call1/sel11): nothing measured. Every fine select, the default too, failed
+to COMPILE on the H200's Triton 3.6: a `CM: tl.constexpr = ""` parameter added to `decode_fine._rank_sub_bin`
+and `decode_steps._radix_threshold`, left to its default by the old callers, reaches 3.6's code generator as a
+bare str ("'str' object has no attribute 'type'"); Triton 3.9 (the CPU tests') accepts it. Fixed by keeping
+those helpers as they were (decode_fine_once passes its cache modifier only to its own loads, explicitly), and
+checked by compiling every kernel of both forms for sm_90a under Triton 3.6 on the CPU host
+(benchmarks/sm90_regs.py; results/2026-12-02-cpu-sm90-regs-sel11.txt). That check also shows that 3.6's
+register counts are not 3.9's (the ones the session-9 notes quote): `_resolve_write` 147 (3 programs an SM, so
+32 x 16K's 512 programs in two waves), 128 with no spill when capped (maxnreg 128); `_gather_once` with the
+resolve inlined ("arrive") 156 (168 at one 1024-key step), 128 capped with 8-16 B of stack; without it
+("pass") 64 (123); `_resolve_rows` 153 (32 programs only); `_write_once` 32; `_sub_gather` 56; hist 32. Hence
+this call's forms: base_r128, pass, pass_b1k, arrive_r128 (uncapped arrive dropped: two waves on 3.6).
+
+Predictions (written before any measurement, session 11; the session-9/10 profile at 32 x 16K: `_hist_chunk`
+4.9 us a layer, `_sub_gather` 9.1, `_resolve_write` 22.8; the lead's bsearch run: fine alone 0.0206 / 0.0348 /
+0.0500 ms at 32 x 2304 / 8192 / 16384, 0.0502 at 16 x 32K; the score pass alone 0.0094-0.0178):
+- base_r128: `_resolve_write` in one wave: 22.8 -> ~18 us a layer (session 9's 2 -> 3 programs an SM took
+  28.4 -> 22.8), the step -0.15 ms at 16K; equal at 2304 (32 x 9 programs fit one wave anyway).
+- pass: `_hist_tick` ~4.9, `_gather_once` ~9, `_resolve_rows` ~7 (the chain once, 32 programs), `_write_once`
+  ~4 (as decode._write / decode_bits._write: 3.9 / 4.5): ~25 us after the score against 36.8, ~-0.35 ms a step
+  at 16K (the task's target, <= ~20 us and -0.5 ms, is predicted to be missed: the resolve's chain of dependent
+  reductions is done once, not shortened). Alone: 32 x 16K 0.050 -> ~0.040 ms, 16 x 32K 0.050 -> ~0.041,
+  32 x 8192 0.035 -> ~0.028, 32 x 2304 0.021 -> ~0.018.
+- pass_b1k (one loop step a chunk: every load of a pass issued at once, one scan instead of four): -2 to -3 us a
+  layer below pass at 8K-16K (the same code at 2304).
+- arrive_r128: one launch fewer than pass (-2 us) but its 8-16 B spill and the ticket's atomic (+1 us): within
+  1-2 us of pass.
+- Whole 16K batch 32 with the fastest: 1.65x -> ~1.70x dense.
+- Uncertain: whether the resolve's chain is latency (then once a row buys little: the same chain after the
+  gather instead of inside the write) or the 512 programs' contention (then once a row buys most of 22.8 - 4).
 """
 
 from __future__ import annotations
@@ -66,12 +72,17 @@ import rollout_harness as rh  # noqa: E402
 from granular_harness import T0, Run, log  # noqa: E402
 from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT, DecodeSelect  # noqa: E402
 
-FORMS = {"base": ENGINE_SELECT, "arrive": DecodeSelect("fine", score_block=64, fine_resolve="arrive"),
+FORMS = {"base": ENGINE_SELECT,
+         # the default with its resolving pass capped at 128 registers (Triton 3.6 gives `_resolve_write` 147:
+         # 3 programs an SM; capped, no spill: 4, 32 x 16K's 512 programs in one wave)
+         "base_r128": DecodeSelect("fine", score_block=64, fine_maxnreg=128),
+         # resolved once a row by a [B]-program pass (the gather at 64 registers on 3.6)
          "pass": DecodeSelect("fine", score_block=64, fine_resolve="pass"),
-         # one loop step a chunk (up to 1024 keys: every load of a pass issued at once, one scan instead of four)
-         "arrive_b1k": DecodeSelect("fine", score_block=64, fine_resolve="arrive", fine_block=1024),
-         "each_b1k": DecodeSelect("fine", score_block=64, fine_block=1024)}
-NEW = ("arrive", "pass", "arrive_b1k", "each_b1k")
+         # ... with one loop step a chunk (up to 1024 keys: every load of a pass issued at once, one scan not four)
+         "pass_b1k": DecodeSelect("fine", score_block=64, fine_resolve="pass", fine_block=1024),
+         # resolved by the row's last gather program, capped at 128 registers (156 on 3.6 uncapped; 8-16 B spill)
+         "arrive_r128": DecodeSelect("fine", score_block=64, fine_resolve="arrive", fine_maxnreg=128)}
+NEW = ("base_r128", "pass", "pass_b1k", "arrive_r128")
 for _n, _s in FORMS.items():
     S10.VARIANTS[_n] = rh.Variant(_s)
 # device seconds a phase needs (session 10's logs: setup ~15, alone ~6 s a shape with its compiles, steps
@@ -99,7 +110,7 @@ def prove(form: str, smoke: bool) -> dict:
     ref = indexer_topk_decode_naive(q.float(), w.float(), k.float(), pos, K, sink=2, window=4)
     for cap in (32, 2):
         s = DecodeSelect("fine", score_block=sel.score_block, fine_resolve=sel.fine_resolve, fine_cap=cap,
-                         fine_block=sel.fine_block)
+                         fine_block=sel.fine_block, fine_maxnreg=sel.fine_maxnreg)
         out[f"ints_cap{cap}"] = all(torch.equal(itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=4,
                                                                         **s.as_kwargs()), ref) for _ in range(2))
     shapes = [(3, 300)] if smoke else [(32, 2304), (32, 8192), (32, 16384), (16, 32768)]

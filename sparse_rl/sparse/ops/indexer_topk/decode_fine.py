@@ -62,7 +62,9 @@ NB2 = 128  # sub-bins of the threshold's first-level bin
 # list slots a step when the sub-bin's keys are compacted (regions of ~30 slots at 32 x 16K; max ~150). 32:
 # `_resolve_write` takes 128 registers on sm_90a (4 programs an SM: the 512 programs at 32 x 16K in one wave)
 # against 168 at 64 or 128 (3 an SM: two waves); alone at 32 x 16K on the H200 the fine select took 0.0545
-# ms with 32, 0.0636 with 64, 0.0629 with 128 (session 9, call 1)
+# ms with 32, 0.0636 with 64, 0.0629 with 128 (session 9, call 1). Those register counts are Triton 3.9's (the
+# CPU host's); the H200's Triton 3.6 gives 147 / 205 / 168 + 40 B of stack (session 11, benchmarks/sm90_regs.py):
+# 3 programs an SM at 32, 2 at 64, so the 512 programs still take two waves there (`fine_select(maxnreg=128)`)
 CB = 32
 CAP = 32  # at most this many nonzero-score keys in the threshold's sub-bin are ranked in registers (else radix)
 U0 = tl.constexpr(0x80000000)  # okey(0.0) (and of -0.0): the score of a key whose every head's ReLU is 0

@@ -27,6 +27,14 @@ Here that chain runs once a row and the write pass only loads (tau, cut) and its
    chunk's offset, the row's last program pads with -1 (as `decode._write`).
 
 So four launches after the score pass with "pass", three with "arrive" (as fine).
+
+Status (session 11): exact under the interpreter (tests/sparse/test_decode_fine_once.py), NOT measured on a GPU:
+the one device call of the session failed before any timing (a compile error on the H200's Triton 3.6 in the
+shared helpers, since fixed; benchmarks/gpu_sel11_session11.py is the script for the next call). Opt-in; the
+engine's default stays "each". Registers on sm_90a under Triton 3.6 (compiled on the CPU host,
+benchmarks/sm90_regs.py, 32 x 16K's constants): `_gather_once` 64 ("pass") / 156 ("arrive": the resolve
+inlined; 3 programs an SM, so 32 x 16K's 512 programs in two waves; `fine_maxnreg=128` caps it with 8-16 B of
+spill), `_resolve_rows` 153 (32 programs), `_write_once` 32, `_hist_tick` 32; the old `_resolve_write` 147.
 """
 
 from __future__ import annotations

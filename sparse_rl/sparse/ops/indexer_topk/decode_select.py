@@ -24,7 +24,8 @@ from dataclasses import dataclass
 IMPLS = ("auto", "chunked", "row", "split", "fine", "bits", "bsearch")
 # where the fine select resolves a row's threshold (`DecodeSelect.fine_resolve`): "each" (decode_fine.py: every
 # (chunk, row) program of its last pass repeats it), "arrive" (decode_fine_once.py: once, by the row's last
-# program of the gather pass), "pass" (decode_fine_once.py: once, by a [B]-program pass of its own)
+# program of the gather pass), "pass" (decode_fine_once.py: once, by a [B]-program pass of its own); "arrive" /
+# "pass" are opt-in and not yet timed on a GPU (session 11: exact under the interpreter)
 FINE_RESOLVES = ("each", "arrive", "pass")
 ROW_MAX_KEYS = 8192
 AUTO_LONG = "chunked"  # what "auto" runs for rows of more than ROW_MAX_KEYS keys
