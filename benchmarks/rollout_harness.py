@@ -28,7 +28,7 @@ CLASSES = (("gemm", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "gemv", "sm90
            ("attention", ("_fwd_kernel", "_merge_kernel", "_decode")),
            ("index_score", ("_score_max",)),
            ("select", ("_hist", "_count", "_gather", "_select", "_write", "_row_select", "_thresh_write",
-                       "_sub_gather", "_resolve_write", "fillfunctor", "memset", "aten::zeros", "aten::fill_")),
+                       "_sub_gather", "_resolve", "fillfunctor", "memset", "aten::zeros", "aten::fill_")),
            ("norm_rope_cache", ("_add_rmsnorm", "_qk_rope", "_indexer_decode", "_silu_mul")),
            ("sampling_copies", ("copy", "memcpy", "elementwise", "index_put", "scatter", "cat", "gather",
                                 "arange", "aten::")))

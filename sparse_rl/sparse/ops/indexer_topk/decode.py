@@ -49,7 +49,8 @@ import triton.language as tl
 from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _append, _block, _bstar_of, _emit,  # noqa: F401
                                                            _okey_inv, _pad_rest, _radix_level, _radix_threshold,
                                                            _sort_threshold)
-from sparse_rl.sparse.ops.indexer_topk.decode_select import AUTO_LONG, IMPLS, ROW_MAX_KEYS, DecodeSelect  # noqa: F401
+from sparse_rl.sparse.ops.indexer_topk.decode_select import (AUTO_LONG, FINE_RESOLVES, IMPLS,  # noqa: F401
+                                                             ROW_MAX_KEYS, DecodeSelect)
 from sparse_rl.sparse.ops.indexer_topk.decode_bits import _code
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
@@ -258,7 +259,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
                         k_scale: torch.Tensor | None = None, sort: int | None = None, impl: str | None = None,
                         row_block: int = 4096, row_warps: int = 16, fine_cap: int | None = None,
                         row_max_keys: int = ROW_MAX_KEYS, auto_long: str = AUTO_LONG, score_block: int = 0,
-                        pdl: bool = False):
+                        fine_resolve: str = "each", fine_block: int = 0, fine_prefetch: bool = False,
+                        fine_maxnreg: int = 0, pdl: bool = False):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference. candidates=True also returns each row's number of second-level
@@ -273,10 +275,16 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     pass, then three (chunk, row) launches: `decode_split.py`), "fine" (the score pass, then three (chunk,
     row) launches with a second level of bins: `decode_fine.py`; fine_cap: its most sub-bin keys ranked in
     registers) or "auto" (the default: row for S <= row_max_keys, else auto_long; `DecodeSelect` holds these
-    three). score_block: the score pass's keys a step (0: the passes' common step). Every impl selects the
-    same keys. pdl: the score pass and the fine / split passes launched with programmatic dependent launch
-    (`DecodeSelect.pdl`, set by the rollout runner from `ModelRunner.pdl`; the other impls' passes launch
-    plainly: any mix is safe, since every PDL kernel waits before its first load)."""
+    three). score_block: the score pass's keys a step (0: the passes' common step). fine_resolve: where the fine
+    select resolves its row's threshold: "each" (every (chunk, row) program of its last pass, decode_fine.py),
+    "arrive" (the row's last program of its gather pass) or "pass" (a [B]-program pass; both
+    decode_fine_once.py); fine_block: the keys a step of the fine select's (chunk, row) loops (0: the passes'
+    common step, 256 on a GPU; capped at the chunk); fine_prefetch: with "arrive" / "pass", the histogram and
+    gather passes load their chunk's first scores before the row's tiles; fine_maxnreg: a register cap for the fine
+    select's pass that resolves the threshold (0: the compiler's choice). Every impl selects the same keys. pdl: the
+    score pass and the fine / split passes launched with programmatic dependent launch (`DecodeSelect.pdl`, set by
+    the rollout runner from `ModelRunner.pdl`; the other impls' passes launch plainly: any mix is safe, since
+    every PDL kernel waits before its first load)."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:
@@ -304,6 +312,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     impl = "auto" if impl is None else impl
     if impl not in IMPLS or auto_long not in IMPLS[1:]:
         raise ValueError(f"impl {impl!r} / auto_long {auto_long!r}: expected one of {', '.join(IMPLS)}")
+    if fine_resolve not in FINE_RESOLVES:
+        raise ValueError(f"fine_resolve {fine_resolve!r}: expected one of {', '.join(FINE_RESOLVES)}")
     if impl == "auto":
         impl = "row" if S <= row_max_keys else auto_long
     if impl == "bsearch":
@@ -357,9 +367,18 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
                                   interpret=interpret)
         elif impl == "fine":
             from sparse_rl.sparse.ops.indexer_topk.decode_fine import CAP, fine_select
+            from sparse_rl.sparse.ops.indexer_topk.decode_fine_once import fine_once_select
 
-            out, n_c = fine_select(sc, pos, span, topk, CH, BN, num_warps=nw, interpret=interpret,
-                                   cap=CAP if fine_cap is None else fine_cap, pdl=pdl)
+            cap = CAP if fine_cap is None else fine_cap
+            FBN = min(CH, fine_block) if fine_block else BN
+            if FBN & (FBN - 1) or CH % FBN:
+                raise ValueError(f"fine_block ({fine_block}) must be a power of two")
+            if fine_resolve == "each":
+                out, n_c = fine_select(sc, pos, span, topk, CH, FBN, num_warps=nw, interpret=interpret, cap=cap,
+                                       maxnreg=fine_maxnreg, pdl=pdl)
+            else:
+                out, n_c = fine_once_select(sc, pos, span, topk, CH, FBN, num_warps=nw, interpret=interpret, cap=cap,
+                                            resolve=fine_resolve, prefetch=fine_prefetch, maxnreg=fine_maxnreg, pdl=pdl)
         else:
             out, n_c = split_select(sc, pos, span, topk, CH, BN, sort=sort, num_warps=nw, interpret=interpret,
                                     pdl=pdl)

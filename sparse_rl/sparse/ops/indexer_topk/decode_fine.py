@@ -62,7 +62,9 @@ NB2 = 128  # sub-bins of the threshold's first-level bin
 # list slots a step when the sub-bin's keys are compacted (regions of ~30 slots at 32 x 16K; max ~150). 32:
 # `_resolve_write` takes 128 registers on sm_90a (4 programs an SM: the 512 programs at 32 x 16K in one wave)
 # against 168 at 64 or 128 (3 an SM: two waves); alone at 32 x 16K on the H200 the fine select took 0.0545
-# ms with 32, 0.0636 with 64, 0.0629 with 128 (session 9, call 1)
+# ms with 32, 0.0636 with 64, 0.0629 with 128 (session 9, call 1). Those register counts are Triton 3.9's (the
+# CPU host's); the H200's Triton 3.6 gives 147 / 205 / 168 + 40 B of stack (session 11, benchmarks/sm90_regs.py):
+# 3 programs an SM at 32, 2 at 64, so the 512 programs still take two waves there (`fine_select(maxnreg=128)`)
 CB = 32
 CAP = 32  # at most this many nonzero-score keys in the threshold's sub-bin are ranked in registers (else radix)
 U0 = tl.constexpr(0x80000000)  # okey(0.0) (and of -0.0): the score of a key whose every head's ReLU is 0
@@ -266,11 +268,12 @@ def fine_chunk(B: int, S: int, interpret: bool) -> int:
 
 def fine_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: int, chunk: int, block: int, *,
                 num_warps: int, interpret: bool, cap: int = CAP, cb: int | None = None,
-                pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                maxnreg: int = 0, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_row.row_select`'s inputs and result, in three (chunk, row) launches (block: keys a step of
     each chunk's loop; cap: a power of two, the most sub-bin keys ranked in registers; cb: list slots a
-    step of the sub-bin's compaction, default `CB`, 16 under the interpreter; pdl: the three launches with
-    programmatic dependent launch, each waiting before its first load). The second
+    step of the sub-bin's compaction, default `CB`, 16 under the interpreter; maxnreg: a register cap for
+    `_resolve_write`, 0 = the compiler's choice, not applied under the interpreter; pdl: the three launches
+    with programmatic dependent launch, each waiting before its first load). The second
     result is each row's count of keys in the threshold's sub-bin `[B]` (0 where none was resolved)."""
     if cap < 1 or cap & (cap - 1):
         raise ValueError(f"cap ({cap}) must be a power of two")
@@ -291,6 +294,10 @@ def fine_select(sc: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, topk: i
     kw = dict(CH=chunk, BN=block, NB=NB, PMAX=PMAX, num_warps=num_warps, PDL=pdl, launch_pdl=bool(pdl))
     _hist_chunk[grid](sc, pos, span, hp, nfp, S, P, **kw)
     _sub_gather[grid](sc, pos, span, hp, nfp, h2, zc, cu, ci, cd, S, topk, P, NB2=NB2, **kw)
+    # maxnreg: Triton 3.6 (the H200's) compiles `_resolve_write` to 147 registers at CB 32 (3 programs an SM:
+    # 32 x 16K's 512 programs in two waves); capped at 128 it spills nothing (sm_90a, compiled on the CPU host)
+    cap_regs = {"maxnreg": maxnreg} if maxnreg and not interpret else {}
     _resolve_write[grid](sc, pos, span, hp, nfp, h2, zc, cu, ci, cd, out, n2, out.stride(0), S, topk, P, NB2=NB2,
-                         CAPB=max(2, cap), CB=cb or (16 if interpret else CB), BLOCK=64 if interpret else 1024, **kw)
+                         CAPB=max(2, cap), CB=cb or (16 if interpret else CB), BLOCK=64 if interpret else 1024, **kw,
+                         **cap_regs)
     return out, n2

@@ -22,6 +22,11 @@ from dataclasses import dataclass
 # opt-in: exact and two launches a layer, but 0.34-0.36 ms slower a batch-32 step than fine at 2.3K-16K
 # (results/2026-12-02-h200-bsearch-session10.md).
 IMPLS = ("auto", "chunked", "row", "split", "fine", "bits", "bsearch")
+# where the fine select resolves a row's threshold (`DecodeSelect.fine_resolve`): "each" (decode_fine.py: every
+# (chunk, row) program of its last pass repeats it), "arrive" (decode_fine_once.py: once, by the row's last
+# program of the gather pass), "pass" (decode_fine_once.py: once, by a [B]-program pass of its own); "arrive" /
+# "pass" are opt-in and not yet timed on a GPU (session 11: exact under the interpreter)
+FINE_RESOLVES = ("each", "arrive", "pass")
 ROW_MAX_KEYS = 8192
 AUTO_LONG = "chunked"  # what "auto" runs for rows of more than ROW_MAX_KEYS keys
 
@@ -33,10 +38,16 @@ class DecodeSelect:
     bench flags), never a module global. impl: one of IMPLS; "auto" runs "row" for rows of at most
     row_max_keys keys, else `long`; fine_cap: the fine select's most sub-bin keys ranked in registers;
     score_block: the score pass's keys a step (0: the select's own step, 256 on a GPU); num_warps: the warps of
-    the score pass and the (chunk, row) select passes (0: the kernel's default, 4); pdl: the score pass and the
-    fine / split passes launched with programmatic dependent launch at this level (`_backend.PDL_LEVELS`; only
-    where `_backend.pdl_supported`: the rollout runner sets it from its own `ModelRunner.pdl`, the one owner;
-    0 launches plainly)."""
+    the score pass and the (chunk, row) select passes (0: the kernel's default, 4); fine_resolve: one of
+    FINE_RESOLVES, where the fine select resolves its row's threshold; fine_block: the keys a step of the fine
+    select's (chunk, row) loops (0: the select's own step, 256 on a GPU; capped at the chunk); fine_prefetch: with
+    fine_resolve "arrive" / "pass", its histogram and gather passes load their first scores before the row's
+    tiles; fine_maxnreg: a register cap (Triton's `maxnreg`) for the fine select's pass that resolves the threshold,
+    0 = the compiler's choice (Triton 3.6 on the H200 gives `_resolve_write` 147 registers: 3 programs an SM);
+    pdl: the score pass and the fine / split passes launched with programmatic dependent launch at this level
+    (`_backend.PDL_LEVELS`; only where `_backend.pdl_supported`: the rollout runner sets it from its own
+    `ModelRunner.pdl`, the one owner; 0 launches plainly). pdl stays the last field: the compiled step's op
+    builds this positionally."""
 
     impl: str = "auto"
     row_max_keys: int = ROW_MAX_KEYS
@@ -44,6 +55,10 @@ class DecodeSelect:
     fine_cap: int = 32
     score_block: int = 0
     num_warps: int = 0
+    fine_resolve: str = "each"
+    fine_block: int = 0
+    fine_prefetch: bool = False
+    fine_maxnreg: int = 0
     pdl: int = 0
 
     def __post_init__(self):
@@ -51,6 +66,12 @@ class DecodeSelect:
             raise ValueError(f"decode select {self.impl!r} / long {self.long!r}: expected one of {', '.join(IMPLS)}")
         if self.score_block < 0 or self.score_block & (self.score_block - 1):  # a tl.arange size
             raise ValueError(f"score_block {self.score_block}: must be 0 or a power of two")
+        if self.fine_resolve not in FINE_RESOLVES:
+            raise ValueError(f"fine_resolve {self.fine_resolve!r}: expected one of {', '.join(FINE_RESOLVES)}")
+        if self.fine_block < 0 or self.fine_block & (self.fine_block - 1):  # a tl.arange size
+            raise ValueError(f"fine_block {self.fine_block}: must be 0 or a power of two")
+        if self.fine_maxnreg and not 24 <= self.fine_maxnreg <= 255:
+            raise ValueError(f"fine_maxnreg {self.fine_maxnreg}: must be 0 (the compiler's choice) or 24-255")
         if self.num_warps not in (0, 1, 2, 4, 8, 16):
             raise ValueError(f"num_warps {self.num_warps}: must be 0 (the default) or a power of two up to 16")
         if self.pdl not in (0, 1, 2):  # ops/_backend.PDL_LEVELS (not imported here: this module has no torch)
@@ -58,7 +79,9 @@ class DecodeSelect:
 
     def as_kwargs(self) -> dict:
         return {"impl": self.impl, "row_max_keys": self.row_max_keys, "auto_long": self.long, "fine_cap": self.fine_cap,
-                "score_block": self.score_block, "num_warps": self.num_warps or None, "pdl": self.pdl}
+                "score_block": self.score_block, "num_warps": self.num_warps or None, "fine_resolve": self.fine_resolve,
+                "fine_block": self.fine_block, "fine_prefetch": self.fine_prefetch,
+                "fine_maxnreg": self.fine_maxnreg, "pdl": self.pdl}
 
 
 # The rollout engine's default (`ModelRunner(decode_select=None)`, the GRPO and `bench rollout` defaults):
