@@ -7,9 +7,11 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk import triton as it
-from sparse_rl.sparse.ops.indexer_topk.cand_topk import INTERPRET_CAND, indexer_topk_cand
+from sparse_rl.sparse.ops.indexer_topk.cand_topk import INTERPRET_CAND, _popc, indexer_topk_cand
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_naive
 
 
@@ -65,3 +67,74 @@ def test_cand_redoes_rows_of_equal_scores_exactly():
     got = indexer_topk_cand(q, w, k, K, q_offset=S - T, sink=2, window=4, info=info)
     assert info["redone_rows"] > 0
     assert torch.equal(got, indexer_topk_naive(q, w, k, K, q_offset=S - T, sink=2, window=4))
+
+
+def _words(**over):
+    return dataclasses.replace(INTERPRET_CAND, block_n=32, gather="words", **over)  # 32-key words
+
+
+@pytest.mark.parametrize("over", [dict(), dict(packed=True), dict(split=False), dict(word_compact=False)])
+def test_words_gather_fills_the_scan_gathers_buffer(over):
+    """`_gather_words_kernel` (32-key words + popcounts, the whole-tile loop, the store helper) writes the same
+    entries in the same (key) order and the same counts as stream.py's cumsum gather, row by row, on the same
+    thresholds: left padding, sinks and window (head, whole and diagonal tiles), a row tile past T, a tight
+    buffer (rows that overflow: count -1 on both)."""
+    from sparse_rl.sparse.ops.indexer_topk import cand_topk as ct
+    from sparse_rl.sparse.ops.indexer_topk.stream import _kv_start
+
+    B, T, S, K, C = 1, 30, 131, 6, 32
+    q, w, k = _inputs(B, T, S, 2, 16, seed=5)
+    kvs = _kv_start(torch.tensor([35]), B, q.device)
+    sink, window, q_off = 2, 3, S - T
+    base = dataclasses.replace(INTERPRET_CAND, block_n=32)
+    cfg = _words(**over)
+    R = ct.sample_stride(base, S)
+    th = torch.empty(B, T)
+    smp = torch.empty(B, T, triton.cdiv(S, R))
+    ct.cand_threshold(q, w, k, kvs, 0, T, q_off, sink, window, K, C, th, smp, base)
+    th[0, ::5] = float("-inf")  # take-all rows: every visible key (these overflow C: -1)
+    val, idx, nrow = torch.full((B, T, C), 7.0), torch.full((B, T, C), -9, dtype=torch.int32), torch.empty(B, T, dtype=torch.int32)
+    ct.cand_gather(q, w, k, kvs, 0, T, q_off, sink, window, K, th, val, idx, nrow, base)
+    wv = torch.full((B, T, C), -9, dtype=torch.int64) if cfg.packed else torch.full((B, T, C), 7.0)
+    wi = wv if cfg.packed else torch.full((B, T, C), -9, dtype=torch.int32)
+    wn = torch.empty(B, T, dtype=torch.int32)
+    ct.cand_gather(q, w, k, kvs, 0, T, q_off, sink, window, K, th, wv, wi, wn, cfg)
+    assert torch.equal(wn, nrow) and bool((nrow >= 0).any()) and bool((nrow < 0).any())
+    if cfg.packed:
+        wi = (wv & 0xFFFFFFFF).to(torch.int32)
+        wv = (wv >> 32).to(torch.int32).view(torch.float32)
+    live = torch.arange(C)[None, None, :] < nrow[:, :, None]
+    assert torch.equal(torch.where(live, wi, 0), torch.where(live, idx, 0))
+    assert torch.equal(torch.where(live, wv, 0.0), torch.where(live, val, 0.0))
+
+
+@pytest.mark.parametrize("case", ["integer", "inf"])
+def test_words_cand_selects_exactly_the_reference_keys(case):
+    """The whole cand path with the words gather (packed buffer: the select makes the key from the fp32 bits):
+    integer scores (masses of ties, -0.0), and +inf / -inf scores (a head weight of +-1e38 on every third row:
+    1e38 x ReLU(dot) overflows to +inf, which ties the forced keys; -1e38 gives -inf, never selected)."""
+    B, T, S, K = 1, 16, 100, 7
+    if case == "integer":
+        q, w, k = _inputs(B, T, S, 2, 16, seed=11, integer=True)
+    else:
+        q, w, k = _inputs(B, T, S, 2, 16, seed=12)
+        w[0, ::3, 0], w[0, 1::3, 1] = 1e38, -1e38  # disjoint rows: no inf - inf
+    ref = indexer_topk_naive(q, w, k, K, q_offset=S - T, sink=1, window=2)
+    got = indexer_topk_cand(q, w, k, K, q_offset=S - T, sink=1, window=2, config=_words(packed=True))
+    assert torch.equal(got, ref)
+
+
+@triton.jit
+def _popc_kernel(X, Y, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, _popc(tl.load(X + offs).to(tl.uint32, bitcast=True), False))
+
+
+def test_swar_popcount():
+    """`cand_topk._popc`'s interpreter form (the SWAR popcount; CUDA takes libdevice's POPC) on edge words."""
+    vals = [0, 1, -1, -2**31, 2**31 - 1, 0x55555555, -0x55555556, 0x0F0F0F0F] + list(
+        torch.randint(-2**31, 2**31 - 1, (8,), generator=torch.Generator().manual_seed(0)).tolist())
+    x = torch.tensor(vals, dtype=torch.int32)
+    y = torch.empty_like(x)
+    _popc_kernel[(1,)](x, y, N=16)
+    assert y.tolist() == [bin(v & 0xFFFFFFFF).count("1") for v in vals]

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, _write_selected, kth_key
 from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
@@ -149,8 +150,149 @@ def _gather_packed_kernel(Q, W, KI, KVS, TH, BUF, NROW, sqb, sqt, sqh, sqd, swb,
 
 
 @triton.jit
-def _select_packed_kernel(BUF, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.constexpr, KB: tl.constexpr):
-    """`_select_kernel` on the packed buffer of `_gather_packed_kernel`."""
+def _popc(x, HW: tl.constexpr):
+    """Set bits of each uint32 x, as int32: the hardware POPC (libdevice) on CUDA; the SWAR form under the
+    interpreter, which has no libdevice (both are tested: tests/sparse/test_cand_topk.py)."""
+    if HW:
+        return libdevice.popc(x.to(tl.int32, bitcast=True))
+    else:
+        x = x - ((x >> 1) & 0x55555555)
+        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+        x = (x + (x >> 4)) & 0x0F0F0F0F
+        return ((x * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _append_words(s, cand, forced, n0, run, vbase, ibase, C, EDGE: tl.constexpr, PACKED: tl.constexpr,
+                  HWPOPC: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Append the cand `[BM, BN]` keys of tile n0 (scores s; +inf where forced, EDGE tiles only) to the row
+    buffers at vbase / ibase `[BM, 1]` pointers, in key order, from slot run `[BM]`; returns the new run.
+    A key's slot, without a scan over the BN scores: the row's mask packed into BN / 32 words of 32
+    consecutive keys (one OR-reduction over each word's lanes), each word's popcount, an exclusive prefix
+    over the BN / 32 counts, and in the word the popcount of the bits below the key's lane."""
+    NW: tl.constexpr = BN // 32
+    lane = tl.arange(0, 32).to(tl.uint32)
+    c3 = tl.reshape(cand, [BM, NW, 32])
+    word = tl.reduce(tl.where(c3, (1 << lane)[None, None, :], 0).to(tl.uint32), 2, _or)  # [BM, NW]
+    cnt = _popc(word, HWPOPC)
+    excl = tl.cumsum(cnt, 1) - cnt
+    below = _popc(word[:, :, None] & ((1 << lane) - 1)[None, None, :], HWPOPC)
+    slot = (run[:, None] + excl)[:, :, None] + below  # [BM, NW, 32]
+    ok = c3 & (slot < C)
+    key3 = n0 + (tl.arange(0, NW)[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
+    v = tl.reshape(s, [BM, NW, 32])
+    if EDGE:
+        v = tl.where(tl.reshape(forced, [BM, NW, 32]), float("inf"), v)
+    _store_kept(vbase[:, :, None] + slot, ibase[:, :, None] + slot, v, tl.broadcast_to(key3, [BM, NW, 32]), ok,
+                PACKED, ASM)
+    return run + tl.sum(cnt, 1)
+
+
+@triton.jit
+def _store_kept(vptr, iptr, v, idx, ok, PACKED: tl.constexpr, ASM: tl.constexpr):
+    """Predicated stores of the kept (ok) lanes: v fp32 at vptr and idx int32 at iptr, or PACKED one int64 at vptr
+    = (v's fp32 bits << 32) | idx. ASM: as PTX `st.global` in the values' own register layout; `tl.store`'s
+    coalescing pass otherwise converts value, index, mask and pointers of the scattered store to a blocked layout
+    through shared memory (sm_90a SASS of the [64, 128] tile: ~160 STS + ~80 LDS a tile, more than the scores
+    take). The interpreter has no inline asm (ASM False there; the device script checks ASM True)."""
+    if ASM:
+        vb = v.to(tl.int32, bitcast=True)
+        if PACKED:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.v2.b32 [$1], {$4, $2}; mov.b32 $0, 0; }",
+                "=r,l,r,r,r", [vptr.to(tl.int64), vb, ok.to(tl.int32), idx], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; @p st.global.b32 [$4], $5; "
+                "mov.b32 $0, 0; }",
+                "=r,l,r,r,l,r", [vptr.to(tl.int64), vb, ok.to(tl.int32), iptr.to(tl.int64), idx], dtype=tl.int32,
+                is_pure=False, pack=1)
+    else:
+        if PACKED:
+            word = (v.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (idx.to(tl.int64) & 0xFFFFFFFF)
+            tl.store(vptr, word, mask=ok)
+        else:
+            tl.store(vptr, v, mask=ok)
+            tl.store(iptr, idx, mask=ok)
+
+
+@triton.jit
+def _gather_words_kernel(Q, W, KI, KVS, TH, VAL, IDX, NROW, sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, svb,
+                         svt, snb, T, S, t0, q_offset, sink, window, K, C,
+                         HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                         COMPACT: tl.constexpr, SPLIT: tl.constexpr, PACKED: tl.constexpr, HWPOPC: tl.constexpr,
+                         ASM: tl.constexpr, PREC: tl.constexpr):
+    """`stream._gather_kernel` (same buffers, key order, counts; PACKED: `_gather_packed_kernel`'s int64 buffer)
+    with two changes, each a constexpr so that the device run can time them apart:
+    COMPACT 1: slots by `_append_words` (32-key words and popcounts) instead of `tl.cumsum` over the tile;
+    SPLIT: the key tiles every row of the program sees whole and unforced (n0 >= start + sink and
+    n0 + BN - 1 <= the first row's position - window, below S) run in a loop of their own whose candidate test
+    is the one compare `s >= th`: the sm_90a SASS of the single loop spends several integer compares a score on
+    the visibility / forced masks, which only the head (sinks, kv_start) and diagonal tiles need."""
+    b, offs_m, tq, mmask, pos, start, first, last, nvis, nf = _rows(KVS, T, S, t0, q_offset, sink, window, BM, BN)
+    th = tl.load(TH + b * snb + offs_m, mask=mmask, other=float("inf"))  # +inf: rows past T take nothing
+    run = tl.zeros([BM], tl.int32)
+    vbase = (VAL + b * svb + offs_m * svt)[:, None]
+    ibase = vbase
+    if not PACKED:
+        ibase = (IDX + b * svb + offs_m * svt)[:, None]
+    if SPLIT:
+        pos0 = tl.min(tl.where(mmask, pos, S + window), 0)  # the program's first row
+        a = tl.maximum(first, tl.minimum((start + sink + BN - 1) // BN * BN, last + 1))
+        e = tl.maximum(a, (tl.minimum(pos0 - window, S - 1) + 1) // BN * BN)
+    else:
+        a = last + 1
+        e = a
+    for n0 in range(first, a, BN):  # head tiles (all tiles without SPLIT)
+        s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
+                                            sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
+                                            HI, DI, BM, BN, BD, PREC)
+        cand = vis & (forced | (s >= th[:, None]))
+        run = _append(s, cand, forced, n0, offs_n, run, vbase, ibase, C, True, COMPACT, PACKED, HWPOPC, ASM, BM, BN)
+    for n0 in range(a, e, BN):  # whole, unforced tiles
+        s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
+                                            sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
+                                            HI, DI, BM, BN, BD, PREC)
+        cand = s >= th[:, None]
+        run = _append(s, cand, forced, n0, offs_n, run, vbase, ibase, C, False, COMPACT, PACKED, HWPOPC, ASM, BM, BN)
+    for n0 in range(e, last + 1, BN):  # diagonal / window tiles
+        s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
+                                            sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
+                                            HI, DI, BM, BN, BD, PREC)
+        cand = vis & (forced | (s >= th[:, None]))
+        run = _append(s, cand, forced, n0, offs_n, run, vbase, ibase, C, True, COMPACT, PACKED, HWPOPC, ASM, BM, BN)
+    good = (run >= tl.minimum(nvis, K)) & (run <= C)
+    tl.store(NROW + b * snb + offs_m, tl.where(good, run, -1), mask=mmask)
+
+
+@triton.jit
+def _append(s, cand, forced, n0, offs_n, run, vbase, ibase, C, EDGE: tl.constexpr, COMPACT: tl.constexpr,
+            PACKED: tl.constexpr, HWPOPC: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """One tile's append: COMPACT 1 by words (`_append_words`), 0 by `tl.cumsum` (stream.py's form)."""
+    if COMPACT == 1:
+        run = _append_words(s, cand, forced, n0, run, vbase, ibase, C, EDGE, PACKED, HWPOPC, ASM, BM, BN)
+    else:
+        slot = run[:, None] + tl.cumsum(cand.to(tl.int32), 1) - 1
+        ok = cand & (slot < C)
+        v = s
+        if EDGE:
+            v = tl.where(forced, float("inf"), s)
+        _store_kept(vbase + slot, ibase + slot, v, tl.broadcast_to(offs_n[None, :], [BM, BN]), ok, PACKED, ASM)
+        run += tl.sum(cand.to(tl.int32), 1)
+    return run
+
+
+@triton.jit
+def _select_packed_kernel(BUF, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.constexpr, KB: tl.constexpr,
+                          RAW: tl.constexpr = False):
+    """`_select_kernel` on the packed buffer of `_gather_packed_kernel` (high word the order-preserving key) or,
+    RAW, of `_gather_words_kernel` (high word the score's fp32 bits: the key is made here, once a candidate,
+    instead of once a score in the gather)."""
     row = tl.program_id(0)
     b = (row // Tc).to(tl.int64)
     t = (row % Tc).to(tl.int64)
@@ -159,7 +301,10 @@ def _select_packed_kernel(BUF, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl
         offs = tl.arange(0, CB)
         live = offs < n
         word = tl.load(BUF + b * svb + t * svt + offs, mask=live, other=0)
-        key = (word >> 32).to(tl.uint32)
+        if RAW:
+            key = _okey((word >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+        else:
+            key = (word >> 32).to(tl.uint32)
         idx = (word & 0xFFFFFFFF).to(tl.int32)
         _write_selected(key, idx, live, n, K, OUT + b * sob + t * sot, KB)
 
@@ -204,6 +349,12 @@ class CandConfig:
     dot_scan: bool = False  # the gather's in-tile prefix sum by a triangular matmul (stream.py) instead of tl.cumsum
     packed: bool = False  # one int64 (key, position) store a candidate (`_gather_packed_kernel`)
     redo: str = "decode"
+    # the gather kernel: "scan" (session 10: stream._gather_kernel, or _gather_packed_kernel when packed) or
+    # "words" (`_gather_words_kernel`; packed there = (fp32 bits, position) int64, its select makes the key)
+    gather: str = "scan"
+    word_compact: bool = True  # words: slots from 32-key words and popcounts (False: tl.cumsum, for timing apart)
+    split: bool = True  # words: the whole, unforced key tiles in a loop of their own (one compare a score)
+    asm_store: bool = True  # words, CUDA only: the predicated stores as inline PTX (no layout conversion)
 
 
 INTERPRET_CAND = CandConfig(block_m=16, block_n=16, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
@@ -245,6 +396,14 @@ def cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, 
     cfg.packed, val is the `[B, Tc, C]` int64 buffer and idx is unused."""
     B, S, C = q_idx.shape[0], k_idx.shape[1], val.shape[2]
     args, strides, meta = _common(q_idx, w, k_idx, kvs)
+    if cfg.gather == "words":
+        assert cfg.block_n % 32 == 0, "the word compaction packs 32-key words"
+        _gather_words_kernel[(triton.cdiv(t1 - t0, cfg.block_m), B)](
+            *args, th, val, idx, nrow, *strides, val.stride(0), val.stride(1), nrow.stride(0), t1, S, t0, q_offset,
+            sink, window, topk, C, BM=cfg.block_m, BN=cfg.block_n, COMPACT=int(cfg.word_compact), SPLIT=cfg.split,
+            PACKED=cfg.packed, HWPOPC=q_idx.is_cuda, ASM=cfg.asm_store and q_idx.is_cuda, **meta,
+            num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1)
+        return
     if cfg.packed:
         _gather_packed_kernel[(triton.cdiv(t1 - t0, cfg.block_m), B)](
             *args, th, val, nrow, *strides, val.stride(0), val.stride(1), nrow.stride(0), t1, S, t0, q_offset,
@@ -264,7 +423,7 @@ def cand_select(val, idx, nrow, out, topk, cfg: CandConfig):
     if cfg.packed:
         _select_packed_kernel[(B * Tc,)](val, nrow, out, Tc, val.stride(0), val.stride(1), nrow.stride(0),
                                          out.stride(0), out.stride(1), topk, CB=CB, KB=min(1024, CB),
-                                         num_warps=cfg.select_warps)
+                                         RAW=cfg.gather == "words", num_warps=cfg.select_warps)
         return
     _select_kernel[(B * Tc,)](val, idx, nrow, out, Tc, val.stride(0), val.stride(1), nrow.stride(0), out.stride(0),
                               out.stride(1), topk, CB=CB, KB=min(1024, CB), num_warps=cfg.select_warps)
