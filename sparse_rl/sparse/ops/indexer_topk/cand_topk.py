@@ -43,7 +43,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import libdevice
 
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, _write_selected, kth_key
 from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
@@ -51,6 +50,15 @@ from sparse_rl.sparse.ops.indexer_topk.scores import indexer_scores_chunk
 from sparse_rl.sparse.ops.indexer_topk.stream import (_common, _gather_kernel, _kv_start, _redo_rows, _rows,
                                                       _threshold_kernel, NZ, Z0, DZ, score_tile,
                                                       stream_buffer_slots)
+
+try:  # libdevice's POPC for the words gather (the module moved between Triton versions; without it, SWAR)
+    from triton.language.extra.cuda import libdevice
+except ImportError:  # pragma: no cover -- depends on the Triton build
+    try:
+        from triton.language.extra import libdevice
+    except ImportError:
+        libdevice = None
+HAS_POPC = libdevice is not None and hasattr(libdevice, "popc")
 
 BUFFER_BUDGET_BYTES = 2 << 30  # 32K rows in one chunk (1.3 GB of buffers)
 
@@ -401,7 +409,7 @@ def cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, 
         _gather_words_kernel[(triton.cdiv(t1 - t0, cfg.block_m), B)](
             *args, th, val, idx, nrow, *strides, val.stride(0), val.stride(1), nrow.stride(0), t1, S, t0, q_offset,
             sink, window, topk, C, BM=cfg.block_m, BN=cfg.block_n, COMPACT=int(cfg.word_compact), SPLIT=cfg.split,
-            PACKED=cfg.packed, HWPOPC=q_idx.is_cuda, ASM=cfg.asm_store and q_idx.is_cuda, **meta,
+            PACKED=cfg.packed, HWPOPC=q_idx.is_cuda and HAS_POPC, ASM=cfg.asm_store and q_idx.is_cuda, **meta,
             num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1)
         return
     if cfg.packed:
