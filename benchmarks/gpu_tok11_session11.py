@@ -59,7 +59,8 @@ CAND = {1: [("cand", {}), ("cand-pk-q16", {"packed": True, "quantile_bits": 16})
             ("w", W_), ("w-pk", {**W_, "packed": True}), ("w-scan", {**W_, "word_compact": False}),
             ("w-nosplit", {**W_, "split": False}), ("w-noasm", {**W_, "asm_store": False}),
             ("w-pk-q16", {**W_, "packed": True, "quantile_bits": 16}), ("w-E1.3", {**W_, "target": 1.3}),
-            ("w-pk-4w", {**W_, "packed": True, "select_warps": 4})],
+            ("w-pk-4w", {**W_, "packed": True, "select_warps": 4}),
+            ("w-pk-n64", {**W_, "packed": True, "block_n": 64, "warps": 4})],
         2: [("cand", {}), ("w", W_)]}
 CAND128 = {1: ["cand", "w", "w-pk", "w-pk-q16"], 2: ["cand", "w"]}
 RANDOM32 = {"cand", "cand-pk-q16", "w", "w-pk", "w-pk-q16"}
