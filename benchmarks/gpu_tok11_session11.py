@@ -34,6 +34,26 @@ in the diagonal tiles, no spills (session 10's words-free form at 255 registers)
 - 128K random: gather 45 -> ~17-28 ms; whole **~35-45 ms** against 71.7 (target <= 50).
 - token-level prefill at 32K: 18.5 -> ~15.5-16.5 ms, ~0.9-0.97x dense (0.81x in session 10).
 
+Call 1 (`2c441f3`, 42 s of 140; results/call1/tok11): rows equal to bin's everywhere but w-pk-q16 at 128K random
+(1 row of 131K). 32K trained gather 4.22 -> 1.87 ms (w), 1.56 (w-pk), 1.35 (w-pk-n64: 64-key tiles, 4 warps);
+attribution: tl.cumsum kept (w-scan) 2.19, no split 2.19, tl.store kept (w-noasm) 3.87. Whole 32K trained 8.27
+(cand default) -> 5.06 (w-pk-q16) / 5.51 (w-pk), bin 7.93; random 6.91 -> 4.75 / 5.00, bin 7.12. 128K random
+72.5 -> 44.5 (w-pk), gather 45.0 -> 22.2; 128K trained 84.9 -> 54.1 (3,166 rows redone). The select (2.0 / 8.3
+ms) is now the largest phase after the gather; the redo the largest at 128K trained.
+
+Call 2 predictions (written before the call):
+- w-pk-n64 at 128K: gather 22.2 -> ~19-20 ms (the 32K ratio 0.87); whole random ~41-43 ms.
+- the 2-bit k-th key search (s2: half the dependent count / reduce / barrier rounds, ~1.3x the instructions a
+  searched bit): select 2.05 -> 1.6-1.9 ms at 32K, 8.3 -> 6.5-7.5 at 128K; quantile a little faster.
+- 7 GB buffer budget (b7g: the 128K rows in one chunk instead of 3): -2 to -5 ms at 128K (two fewer causal-tail
+  waves and host syncs); no change at 32K (already one chunk).
+- cand-pk-q16 at 128K random (scan gather, same 16-bit threshold): if it also differs from bin on a row, the
+  difference is in the threshold / decode-redo path, not the words gather (diff_rows records the row's count).
+- 128K trained: E 1.7 fewer rows redone than 1.5's 3,166 (most are short, p99 entries 3,451 of 4,096): ~45-50 ms;
+  E 1.3 more rows, slower.
+- 16K: w-pk-n64 ~1.6-2.0 ms against bin ~2.3 (session 9: 2.35), so auto's cand boundary moves to >= 16K.
+- token-level prefill at 32K (fastest exact variant): ~16-17 ms, 0.88-0.94x dense (session 10: 0.81x).
+
     PYTHONPATH=$PWD python benchmarks/gpu_tok11_session11.py --budget 140 --commit <sha>
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python benchmarks/gpu_tok11_session11.py --cpu-smoke --budget 900 --jobs 2
 """
@@ -54,6 +74,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from granular_harness import Run, dense_times, log, parallel_warmup, trained_indexer  # noqa: E402
 
 W_ = {"gather": "words"}
+P64 = {"gather": "words", "packed": True, "block_n": 64, "warps": 4}  # call 1's fastest gather
 # (label, CandConfig overrides on CandConfig()); the first is the current default (session 10's scan gather)
 CAND = {1: [("cand", {}), ("cand-pk-q16", {"packed": True, "quantile_bits": 16}),
             ("w", W_), ("w-pk", {**W_, "packed": True}), ("w-scan", {**W_, "word_compact": False}),
@@ -61,9 +82,17 @@ CAND = {1: [("cand", {}), ("cand-pk-q16", {"packed": True, "quantile_bits": 16})
             ("w-pk-q16", {**W_, "packed": True, "quantile_bits": 16}), ("w-E1.3", {**W_, "target": 1.3}),
             ("w-pk-4w", {**W_, "packed": True, "select_warps": 4}),
             ("w-pk-n64", {**W_, "packed": True, "block_n": 64, "warps": 4})],
-        2: [("cand", {}), ("w", W_)]}
-CAND128 = {1: ["cand", "w", "w-pk", "w-pk-q16"], 2: ["cand", "w"]}
-RANDOM32 = {"cand", "cand-pk-q16", "w", "w-pk", "w-pk-q16"}
+        2: [("cand", {}), ("w-pk", {**W_, "packed": True}), ("w-pk-n64", P64), ("w-pk-n64-s2", {**P64, "search_bits": 2}),
+            ("w-pk-s2", {**W_, "packed": True, "search_bits": 2}), ("w-pk-n64-q16", {**P64, "quantile_bits": 16}),
+            ("cand-pk-q16", {"packed": True, "quantile_bits": 16}), ("w-pk-n64-b7g", {**P64, "budget": 7 << 30}),
+            ("w-pk-n64-E1.7", {**P64, "target": 1.7}), ("w-pk-n64-E1.3", {**P64, "target": 1.3})]}
+CAND128 = {1: ["cand", "w", "w-pk", "w-pk-q16"],
+           2: ["cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-n64-b7g", "w-pk-n64-q16", "cand-pk-q16"]}
+RANDOM32 = {1: {"cand", "cand-pk-q16", "w", "w-pk", "w-pk-q16"},
+            2: {"cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-n64-q16"}}
+TRAINED32 = {1: None, 2: ["cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-s2", "w-pk-n64-q16", "w-pk-n64-E1.3"]}
+TRAINED128 = {1: ["cand", "w", "w-pk"], 2: ["cand", "w-pk-n64", "w-pk-n64-E1.7", "w-pk-n64-E1.3"]}
+L16 = {1: [], 2: ["w-pk", "w-pk-n64"]}
 
 
 def parse_args(argv=None):
@@ -76,21 +105,29 @@ def parse_args(argv=None):
     ap.add_argument("--rep-ms", type=int, default=20)
     ap.add_argument("--jobs", type=int, default=8, help="warm-up child processes (0: none)")
     ap.add_argument("--warm-s", type=float, default=45.0)
-    ap.add_argument("--call", type=int, default=1, choices=(1, 2), help="which device call's variant lists")
+    ap.add_argument("--call", type=int, default=2, choices=(1, 2), help="which device call's variant lists")
     ap.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prove-dir", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.cand = CAND[a.call]
+    if a.cpu_smoke:  # every phase and code path once, few variants (the interpreter takes ~1 min a variant)
+        keep = {"cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-n64-b7g"}
+        a.cand = [x for x in a.cand if x[0] in keep]
+        for d in (CAND128, RANDOM32, TRAINED32, TRAINED128, L16):
+            if d[a.call] is not None:
+                d[a.call] = type(d[a.call])(x for x in d[a.call] if x in keep)
     a.shape, a.index, a.sink, a.window = [1, 32, 8, 128, 2048], [4, 64], 4, 64
-    a.L32, a.L128 = 32768, 131072
+    a.L16, a.L32, a.L128 = 16384, 32768, 131072
     if a.cpu_smoke:
         a.shape, a.index, a.sink, a.window, a.train_steps, a.rep_ms = [1, 4, 1, 32, 16], [2, 16], 2, 4, 3, 1
-        a.L32, a.L128 = 96, 160
+        a.L16, a.L32, a.L128 = 64, 96, 160
     return a
 
 
 def cand_cfg(a, over: dict):
     from sparse_rl.sparse.ops.indexer_topk.cand_topk import INTERPRET_CAND, CandConfig
+
+    over = {k: v for k, v in over.items() if k != "budget"}
 
     if a.cpu_smoke and over.get("gather") == "words":
         over = {"block_n": 32, **over}  # the word compaction packs 32-key words
@@ -100,9 +137,12 @@ def cand_cfg(a, over: dict):
 def cand_fn(a, over: dict, info=None):
     from sparse_rl.sparse.ops.indexer_topk.cand_topk import indexer_topk_cand
 
+    over = dict(over)
+    budget = over.pop("budget", None)  # an argument of indexer_topk_cand, not a config field
     cfg = cand_cfg(a, over)
     K = a.shape[4]
-    return lambda qi, wi, ki: indexer_topk_cand(qi, wi, ki, K, sink=a.sink, window=a.window, config=cfg, info=info)
+    return lambda qi, wi, ki: indexer_topk_cand(qi, wi, ki, K, sink=a.sink, window=a.window, config=cfg, info=info,
+                                                budget_bytes=budget)
 
 
 def impl_fn(a, impl: str):
@@ -112,8 +152,9 @@ def impl_fn(a, impl: str):
 
 
 def parts(a) -> list[str]:
-    return ([f"{lab}@{a.L32}" for lab, _ in a.cand] + [f"{lab}@{a.L128}" for lab in CAND128[a.call]]
-            + [f"bin@{a.L32}"])
+    l128 = dict.fromkeys(CAND128[a.call] + TRAINED128[a.call])
+    return ([f"{lab}@{a.L32}" for lab, _ in a.cand] + [f"{lab}@{a.L128}" for lab in l128]
+            + [f"{lab}@{a.L16}" for lab in L16[a.call]] + [f"bin@{a.L32}"])
 
 
 def prove(a, dev, part: str) -> None:
@@ -162,7 +203,7 @@ def read_proven(a) -> dict:
     return done
 
 
-def cand_phases(a, qi, wi, ki, over: dict, dev, W: dict) -> dict:
+def cand_phases(a, qi, wi, ki, over: dict, dev, W: dict, rows=()) -> dict:
     """Per-phase times of one cand variant over all rows in one chunk: threshold (sample + quantile), gather,
     select; buffer entries and the rows flagged for the exact redo."""
     import triton
@@ -199,6 +240,20 @@ def cand_phases(a, qi, wi, ki, over: dict, dev, W: dict) -> dict:
     r["entries_p01_p50_p99"] = [float(v) for v in torch.quantile(n[big & (n >= 0)].double(), q)] if bool(
         (big & (n >= 0)).any()) else []
     r["rows_short"] = int(((n < 0) & big).sum())
+    if r["rows_flagged"] and dev.type == "cuda" and T * 2 * C * 8 <= 9 << 30:
+        # why rows were flagged: the same thresholds into a 2C-slot buffer: C < entries <= 2C (an overflow), or
+        # still -1 there (short of K, or more than 2C)
+        v2 = torch.empty(B, T, 2 * C, device=dev, dtype=val.dtype)
+        i2 = v2 if cfg.packed else torch.empty(B, T, 2 * C, device=dev, dtype=torch.int32)
+        n2 = torch.empty(B, T, device=dev, dtype=torch.int32)
+        ct.cand_gather(qi, wi, ki, kvs, 0, T, 0, a.sink, a.window, K, th, v2, i2, n2, cfg)
+        f = (n < 0) & big
+        m = n2[0].long()
+        r["flagged_over_c_within_2c"] = int((f & (m > C)).sum())
+        r["flagged_short_or_over_2c"] = int((f & (m < 0)).sum())
+        del v2, i2
+    if rows:  # rows that differed from the reference: their buffer count (-1: redone) and threshold
+        r["diff_rows"] = {int(i): [int(n[i]), float(th[0, i])] for i in rows}
     return r
 
 
@@ -230,10 +285,16 @@ def token_phase(a, run: Run, name: str, index, dev, W: dict, labels: list[str], 
         else:
             res["equal_bin"][lab] = bool(torch.equal(got, ref))
             res.setdefault("rows_differing", {})[lab] = int((got != ref).any(-1).sum())
+            bad = (got != ref).any(-1)[0].nonzero().flatten()[:4]
+            diff = {int(i): [int((got[0, i] != ref[0, i]).sum()), int(((got[0, i] >= 0) & ~torch.isin(got[0, i], ref[0, i])).sum())]
+                    for i in bad.tolist()}  # row -> (positions differing, keys not in the reference's set)
+            if diff:
+                res.setdefault("diff_rows", {})[lab] = diff
         del got
         res["times"][lab] = run.guarded(f"{name} {lab} time", bench_ms, lambda: cand_fn(a, over)(qi, wi, ki), dev, **W)
         if run.left() > 8:
-            res["phases"][lab] = run.guarded(f"{name} {lab} phases", cand_phases, a, qi, wi, ki, over, dev, W)
+            res["phases"][lab] = run.guarded(f"{name} {lab} phases", cand_phases, a, qi, wi, ki, over, dev, W,
+                                             list(res.get("diff_rows", {}).get(lab, {})))
         log(f"{name} {lab}: {res['times'][lab]} ms, equal bin {res['equal_bin'].get(lab)}, info {info}, "
             f"phases {res['phases'].get(lab)}")
         run.save()
@@ -259,7 +320,7 @@ def prefill(a, run: Run, index, dev, W: dict, impl: str) -> dict:
     q, k, v = (torch.randn(B, L, h, D, device=dev, generator=gen).to(dt) for h in (H, Hkv, Hkv))
     dn = dense_times(q, k, v, dev, W, False)
     qi, wi, ki = index
-    sel = ((lambda: cand_fn(a, dict(a.cand)[impl])(qi, wi, ki)) if impl.startswith("cand")
+    sel = ((lambda: cand_fn(a, dict(a.cand)[impl])(qi, wi, ki)) if impl in dict(a.cand)
            else (lambda: impl_fn(a, impl)(qi, wi, ki)))
     rows = sel()
     r = {"seqlen": L, "topk_impl": impl, **dn, "select_ms": bench_ms(sel, dev, **W),
@@ -324,12 +385,13 @@ def main(argv=None):
     res["token"] = []
     idx32 = patterns.trained_index(ix, a.L32, dev, gen)
     if run.gate(20, "32K trained"):
-        res["token"].append(run.guarded("32K trained", token_phase, a, run, "L32 trained", idx32, dev, W, labs, ok32))
+        res["token"].append(run.guarded("32K trained", token_phase, a, run, "L32 trained", idx32, dev, W,
+                                        TRAINED32[a.call] or labs, ok32))
         run.save()
     if run.gate(20, "32K random"):
         rnd = random_index(a, a.L32, dev, gen)
         res["token"].append(run.guarded("32K random", token_phase, a, run, "L32 random", rnd, dev, W,
-                                        [x for x in labs if x in RANDOM32], ok32))
+                                        [x for x in labs if x in RANDOM32[a.call]], ok32))
         del rnd
         run.save()
     if run.gate(30, "128K random"):
@@ -343,10 +405,17 @@ def main(argv=None):
     if best and run.gate(20, "prefill 32K"):
         res["prefill"] = run.guarded("prefill", prefill, a, run, idx32, dev, W, best)
         run.save()
+    if L16[a.call] and run.gate(15, "16K"):  # where auto's cand / bin boundary goes
+        for kind in ("trained", "random"):
+            ix16 = patterns.trained_index(ix, a.L16, dev, gen) if kind == "trained" else random_index(a, a.L16, dev, gen)
+            res["token"].append(run.guarded(f"16K {kind}", token_phase, a, run, f"L16 {kind}", ix16, dev, W,
+                                            L16[a.call], ok32))
+            del ix16
+            run.save()
     if run.gate(25, "128K trained"):  # no bin here (132 ms a call in session 10): rows against the default's
         idx128 = patterns.trained_index(ix, a.L128, dev, gen)
         res["token"].append(run.guarded("128K trained", token_phase, a, run, "L128 trained", idx128, dev,
-                                        dict(warmup_ms=1, rep_ms=a.rep_ms), CAND128[a.call][:3], ok128,
+                                        dict(warmup_ms=1, rep_ms=a.rep_ms), TRAINED128[a.call], ok128,
                                         with_auto=False))
         del idx128
         run.save()

@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk import triton as it
-from sparse_rl.sparse.ops.indexer_topk.cand_topk import INTERPRET_CAND, _popc, indexer_topk_cand
+from sparse_rl.sparse.ops.indexer_topk.cand_topk import INTERPRET_CAND, _popc, indexer_topk_cand, kth_key2
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, kth_key
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_naive
 
 
@@ -120,7 +121,8 @@ def test_words_cand_selects_exactly_the_reference_keys(case):
         q, w, k = _inputs(B, T, S, 2, 16, seed=12)
         w[0, ::3, 0], w[0, 1::3, 1] = 1e38, -1e38  # disjoint rows: no inf - inf
     ref = indexer_topk_naive(q, w, k, K, q_offset=S - T, sink=1, window=2)
-    got = indexer_topk_cand(q, w, k, K, q_offset=S - T, sink=1, window=2, config=_words(packed=True))
+    cfg = _words(packed=True, search_bits=2 if case == "integer" else 1)  # the 2-bit k-th key search on ties
+    got = indexer_topk_cand(q, w, k, K, q_offset=S - T, sink=1, window=2, config=cfg)
     assert torch.equal(got, ref)
 
 
@@ -138,3 +140,34 @@ def test_swar_popcount():
     y = torch.empty_like(x)
     _popc_kernel[(1,)](x, y, N=16)
     assert y.tolist() == [bin(v & 0xFFFFFFFF).count("1") for v in vals]
+
+
+@triton.jit
+def _kth_kernel(X, OUT, K, N: tl.constexpr, NBITS: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(X + offs)
+    live = x > float("-inf")
+    key = _okey(x)
+    tl.store(OUT + 0, kth_key(key, live, K, NBITS).to(tl.int32, bitcast=True))
+    tl.store(OUT + 1, kth_key2(key, live, K, NBITS).to(tl.int32, bitcast=True))
+
+
+@pytest.mark.parametrize("nbits", [32, 16])
+def test_kth_key2_equals_the_one_bit_search(nbits):
+    """`kth_key2` (two bits a step, one reduction) finds the one-bit search's tau: distinct scores, masses of
+    ties, +inf, -inf (not live), one live key, keys differing in the lowest bit only, K at the edges."""
+    g = torch.Generator().manual_seed(nbits)
+    rows = [torch.randn(64, generator=g), torch.randint(-3, 4, (64,), generator=g).float(),
+            torch.full((64,), 1.5), torch.tensor([float("inf")] * 3 + [0.0] * 61)]
+    one = torch.full((64,), float("-inf"))
+    one[17] = 2.0
+    lowbit = (torch.full((64,), 1.0).view(torch.int32) + torch.arange(64, dtype=torch.int32) % 2).view(torch.float32)
+    neg = torch.randn(64, generator=g)
+    neg[::3] = float("-inf")
+    rows += [one, lowbit, neg]
+    out = torch.empty(2, dtype=torch.int32)
+    for x in rows:
+        n = int((x > float("-inf")).sum())
+        for k in sorted({1, 2, n // 2 or 1, max(1, n - 1), n}):
+            _kth_kernel[(1,)](x, out, k, N=64, NBITS=nbits)
+            assert out[0] == out[1], (x, k)

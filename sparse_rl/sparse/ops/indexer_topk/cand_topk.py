@@ -71,6 +71,72 @@ def _key_to_float(key):
 
 
 @triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def kth_key2(key, live, K, NBITS: tl.constexpr = 32):
+    """`radix_topk.kth_key` two bits a step: the live keys >= tau | lo bit, | hi bit, | both of the step's pair
+    are counted in ONE reduction (three 21-bit fields of an int64 a lane; CB < 2^21), so a row takes half the
+    dependent count / reduce / barrier rounds (sm_90a: the 1-bit loop is ~89 instructions a step at 8 warps,
+    100 registers, 2 programs an SM: latency bound). Same tau: the largest with #(live & key >= tau) >= K over
+    the top NBITS bits (NBITS even; < 32 leaves the bits below 0: a lower bound)."""
+    lo = tl.min(tl.where(live, key, 0xFFFFFFFF), 0)
+    hi = tl.max(tl.where(live, key, 0), 0)
+    diff = lo ^ hi
+    smear = diff | (diff >> 1)
+    smear = smear | (smear >> 2)
+    smear = smear | (smear >> 4)
+    smear = smear | (smear >> 8)
+    smear = smear | (smear >> 16)  # every bit at or below diff's highest set bit
+    tau = lo & ~smear
+    b1 = tl.full([], 0x80000000, tl.uint32)
+    for _ in range(NBITS // 2):
+        e1 = smear & b1
+        e0 = smear & (b1 >> 1)
+        if e0 != 0:  # smear is a low mask: e1 != 0 implies e0 != 0
+            t1 = tau | e0
+            t2 = tau | e1
+            t3 = t2 | e0
+            v12 = tl.where(live, (key >= t1).to(tl.int32) | ((key >= t2).to(tl.int32) << 16), 0)
+            v3 = tl.where(live, (key >= t3).to(tl.int32), 0)
+            c12, c3 = tl.reduce((v12, v3), 0, _add2)
+            if c3 >= K:
+                tau = t3
+            elif (c12 >> 16) >= K:
+                tau = t2
+            elif (c12 & 0xFFFF) >= K:
+                tau = t1
+        b1 = b1 >> 2
+    return tau
+
+
+@triton.jit
+def _write_top(key, idx, live, n, K, obase, KB: tl.constexpr, STEP2: tl.constexpr):
+    """`radix_topk._write_selected` (the K largest live keys, later lanes win ties, idx ascending at obase, -1
+    padded) with the k-th key by `kth_key2` when STEP2."""
+    if STEP2:
+        sel = live
+        if n > K:
+            tau = kth_key2(key, live, K)
+            gt = live & (key > tau)
+            eq = live & (key == tau)
+            need = K - tl.sum(gt.to(tl.int32), 0)
+            n_eq = tl.sum(eq.to(tl.int32), 0)
+            sel = gt | eq
+            if need < n_eq:  # among keys equal to the k-th the later ones win (the reference's rule)
+                sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) > n_eq - need))
+        slot = tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(obase + slot, idx, mask=sel)
+        for c in range(tl.minimum(n, K), K, KB):
+            o = c + tl.arange(0, KB)
+            tl.store(obase + o, tl.full([KB], -1, tl.int32), mask=o < K)
+    else:
+        _write_selected(key, idx, live, n, K, obase, KB)
+
+
+@triton.jit
 def _sample_kernel(Q, W, KI, KVS, SMP, sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, spb, spt,
                    T, S, t0, q_offset, sink, window, C, SW,
                    R: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -95,7 +161,7 @@ def _sample_kernel(Q, W, KI, KVS, SMP, sqb, sqt, sqh, sqd, swb, swt, swh, skb, s
 
 @triton.jit
 def _quantile_kernel(SMP, KVS, TH, spb, spt, stb, Tc, S, t0, q_offset, sink, window, K, C, E, SW,
-                     R: tl.constexpr, CB: tl.constexpr, QBITS: tl.constexpr):
+                     R: tl.constexpr, CB: tl.constexpr, QBITS: tl.constexpr, STEP2: tl.constexpr = False):
     """TH `[B, Tc]`: each row's threshold, the m-th largest of its sampled scores (see the module docstring);
     -inf for rows of <= C visible keys (take all) or too few samples, +inf where the forced keys fill k."""
     row = tl.program_id(0)
@@ -118,7 +184,10 @@ def _quantile_kernel(SMP, KVS, TH, spb, spt, stb, Tc, S, t0, q_offset, sink, win
             m = tl.ceil(E * kk.to(tl.float32) * ns.to(tl.float32) / (nvis - nf).to(tl.float32)).to(tl.int32)
             m = tl.maximum(m, 1)
             if ns > m:
-                th = _key_to_float(kth_key(_okey(x), live, m, QBITS))
+                if STEP2:
+                    th = _key_to_float(kth_key2(_okey(x), live, m, QBITS))
+                else:
+                    th = _key_to_float(kth_key(_okey(x), live, m, QBITS))
     tl.store(TH + b * stb + t, th)
 
 
@@ -297,7 +366,7 @@ def _append(s, cand, forced, n0, offs_n, run, vbase, ibase, C, EDGE: tl.constexp
 
 @triton.jit
 def _select_packed_kernel(BUF, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.constexpr, KB: tl.constexpr,
-                          RAW: tl.constexpr = False):
+                          RAW: tl.constexpr = False, STEP2: tl.constexpr = False):
     """`_select_kernel` on the packed buffer of `_gather_packed_kernel` (high word the order-preserving key) or,
     RAW, of `_gather_words_kernel` (high word the score's fp32 bits: the key is made here, once a candidate,
     instead of once a score in the gather)."""
@@ -314,11 +383,12 @@ def _select_packed_kernel(BUF, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl
         else:
             key = (word >> 32).to(tl.uint32)
         idx = (word & 0xFFFFFFFF).to(tl.int32)
-        _write_selected(key, idx, live, n, K, OUT + b * sob + t * sot, KB)
+        _write_top(key, idx, live, n, K, OUT + b * sob + t * sot, KB, STEP2)
 
 
 @triton.jit
-def _select_kernel(VAL, IDX, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.constexpr, KB: tl.constexpr):
+def _select_kernel(VAL, IDX, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.constexpr, KB: tl.constexpr,
+                   STEP2: tl.constexpr = False):
     """OUT `[B, Tc, K]`: the exact top-K of each row's buffer (NROW >= 0 entries, key order), ascending."""
     row = tl.program_id(0)
     b = (row // Tc).to(tl.int64)
@@ -329,7 +399,7 @@ def _select_kernel(VAL, IDX, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.c
         live = offs < n
         x = tl.load(VAL + b * svb + t * svt + offs, mask=live, other=float("-inf"))
         idx = tl.load(IDX + b * svb + t * svt + offs, mask=live, other=0)
-        _write_selected(_okey(x), idx, live, n, K, OUT + b * sob + t * sot, KB)
+        _write_top(_okey(x), idx, live, n, K, OUT + b * sob + t * sot, KB, STEP2)
 
 
 @dataclass(frozen=True)
@@ -363,6 +433,7 @@ class CandConfig:
     word_compact: bool = True  # words: slots from 32-key words and popcounts (False: tl.cumsum, for timing apart)
     split: bool = True  # words: the whole, unforced key tiles in a loop of their own (one compare a score)
     asm_store: bool = True  # words, CUDA only: the predicated stores as inline PTX (no layout conversion)
+    search_bits: int = 1  # bits a step of the quantile's and the select's k-th key search (2: `kth_key2`)
 
 
 INTERPRET_CAND = CandConfig(block_m=16, block_n=16, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
@@ -396,7 +467,7 @@ def cand_threshold(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, C
     _quantile_kernel[(B * (t1 - t0),)](smp, kvs, th, smp.stride(0), smp.stride(1), th.stride(0), t1 - t0, S, t0,
                                        q_offset, sink, window, topk, C, cfg.target, SW, R=R,
                                        CB=triton.next_power_of_2(SW), QBITS=cfg.quantile_bits,
-                                       num_warps=cfg.quantile_warps)
+                                       STEP2=cfg.search_bits == 2, num_warps=cfg.quantile_warps)
 
 
 def cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, val, idx, nrow, cfg: CandConfig):
@@ -431,10 +502,12 @@ def cand_select(val, idx, nrow, out, topk, cfg: CandConfig):
     if cfg.packed:
         _select_packed_kernel[(B * Tc,)](val, nrow, out, Tc, val.stride(0), val.stride(1), nrow.stride(0),
                                          out.stride(0), out.stride(1), topk, CB=CB, KB=min(1024, CB),
-                                         RAW=cfg.gather == "words", num_warps=cfg.select_warps)
+                                         RAW=cfg.gather == "words", STEP2=cfg.search_bits == 2,
+                                         num_warps=cfg.select_warps)
         return
     _select_kernel[(B * Tc,)](val, idx, nrow, out, Tc, val.stride(0), val.stride(1), nrow.stride(0), out.stride(0),
-                              out.stride(1), topk, CB=CB, KB=min(1024, CB), num_warps=cfg.select_warps)
+                              out.stride(1), topk, CB=CB, KB=min(1024, CB), STEP2=cfg.search_bits == 2,
+                              num_warps=cfg.select_warps)
 
 
 def redo_tiles(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out, tile: int):
