@@ -41,6 +41,7 @@ attribution: tl.cumsum kept (w-scan) 2.19, no split 2.19, tl.store kept (w-noasm
 72.5 -> 44.5 (w-pk), gather 45.0 -> 22.2; 128K trained 84.9 -> 54.1 (3,166 rows redone). The select (2.0 / 8.3
 ms) is now the largest phase after the gather; the redo the largest at 128K trained.
 
+Call 2 (`2452f14`, below) was NOT run: the session's device time was spent. Its predictions stay unchecked.
 Call 2 predictions (written before the call):
 - w-pk-n64 at 128K: gather 22.2 -> ~19-20 ms (the 32K ratio 0.87); whole random ~41-43 ms.
 - the 2-bit k-th key search (s2: half the dependent count / reduce / barrier rounds, ~1.3x the instructions a
@@ -82,7 +83,8 @@ CAND = {1: [("cand", {}), ("cand-pk-q16", {"packed": True, "quantile_bits": 16})
             ("w-pk-q16", {**W_, "packed": True, "quantile_bits": 16}), ("w-E1.3", {**W_, "target": 1.3}),
             ("w-pk-4w", {**W_, "packed": True, "select_warps": 4}),
             ("w-pk-n64", {**W_, "packed": True, "block_n": 64, "warps": 4})],
-        2: [("cand", {}), ("w-pk", {**W_, "packed": True}), ("w-pk-n64", P64), ("w-pk-n64-s2", {**P64, "search_bits": 2}),
+        2: [("cand", {}), ("w-pk", {**W_, "packed": True}), ("w-pk-n64", P64),
+            ("w-pk-n64-s2", {**P64, "search_bits": 2}),
             ("w-pk-s2", {**W_, "packed": True, "search_bits": 2}), ("w-pk-n64-q16", {**P64, "quantile_bits": 16}),
             ("cand-pk-q16", {"packed": True, "quantile_bits": 16}), ("w-pk-n64-b7g", {**P64, "budget": 7 << 30}),
             ("w-pk-n64-E1.7", {**P64, "target": 1.7}), ("w-pk-n64-E1.3", {**P64, "target": 1.3})]}
@@ -286,8 +288,9 @@ def token_phase(a, run: Run, name: str, index, dev, W: dict, labels: list[str], 
             res["equal_bin"][lab] = bool(torch.equal(got, ref))
             res.setdefault("rows_differing", {})[lab] = int((got != ref).any(-1).sum())
             bad = (got != ref).any(-1)[0].nonzero().flatten()[:4]
-            diff = {int(i): [int((got[0, i] != ref[0, i]).sum()), int(((got[0, i] >= 0) & ~torch.isin(got[0, i], ref[0, i])).sum())]
-                    for i in bad.tolist()}  # row -> (positions differing, keys not in the reference's set)
+            # row -> (positions differing, keys not in the reference's set)
+            diff = {int(i): [int((got[0, i] != ref[0, i]).sum()),
+                             int(((got[0, i] >= 0) & ~torch.isin(got[0, i], ref[0, i])).sum())] for i in bad.tolist()}
             if diff:
                 res.setdefault("diff_rows", {})[lab] = diff
         del got
@@ -407,7 +410,8 @@ def main(argv=None):
         run.save()
     if L16[a.call] and run.gate(15, "16K"):  # where auto's cand / bin boundary goes
         for kind in ("trained", "random"):
-            ix16 = patterns.trained_index(ix, a.L16, dev, gen) if kind == "trained" else random_index(a, a.L16, dev, gen)
+            ix16 = (patterns.trained_index(ix, a.L16, dev, gen) if kind == "trained"
+                    else random_index(a, a.L16, dev, gen))
             res["token"].append(run.guarded(f"16K {kind}", token_phase, a, run, f"L16 {kind}", ix16, dev, W,
                                             L16[a.call], ok32))
             del ix16

@@ -14,10 +14,13 @@ Phases (why each):
    reduction a bit, only the bits where the row's sampled min and max differ), so that ~E * k keys score
    >= it. Distribution-free: the z grid of `stream.py`'s moment threshold assumes a shape (on the trained
    indexer's scores it redid many rows: NOTES item 13). Rows with <= C visible keys take all (-inf).
-3. Gather (`stream._gather_kernel`, shared): every key tile scored once more; keys >= the threshold and the
-   forced ones (+inf) appended in key order to a per-row buffer `[Tc, C]` (value, position) at a running count
-   plus an in-tile prefix sum (one program owns a row tile, so the running count is the slot reservation; no
-   atomics); a count per row, -1 when the buffer overflowed or came out short.
+3. Gather (`_gather_words_kernel`, the default `gather="words"`; session 10's `stream._gather_kernel` with
+   "scan"): every key tile scored once more; keys >= the threshold and the forced ones (+inf) appended in key
+   order to a per-row buffer `[Tc, C]` (packed: one int64 (fp32 bits, position)) at a running count (one program
+   owns a row tile, so the running count is the slot reservation; no atomics); a count per row, -1 when the
+   buffer overflowed or came out short. Slots without a scan over the tile: the row's mask packed into 32-key
+   words, popcounts, a prefix over the BN/32 word counts; the whole, unforced tiles in a loop whose candidate
+   test is one compare; the predicated stores as inline PTX in the accumulator's layout (see the kernel).
 4. Select (`_select_kernel`, one program a row): the exact k-th key of the buffer by the same binary search
    (no `tl.histogram`: it lowers to ~55-100 instructions an element, NOTES item 16; a bit step is a compare,
    a convert and a block sum), then the kept lanes (> tau, and the last `need` of the lanes == tau: the
@@ -26,14 +29,17 @@ Phases (why each):
    by the split-row decode select (`stream._redo_rows`, ~10 us a row), under the interpreter on the
    materialising path (`redo_tiles`: the flagged rows' 64-row tiles scored and `bin_topk`), because there the
    decode select broke the tie rule on a row of 57 equal scores (tests/sparse/test_cand_topk.py; on the H200
-   every redo matched bin_topk's rows).
+   the redone rows matched bin_topk's in every session-10 case, and in session 11 in all but one, below).
 
-Measured (H200, session 10, B = 1, k = 2048, 4 x 64 bf16; NOTES item 18): 128K 71.7 ms (random, this
-default form) / 86.4 (trained: the packed, 16-bit-quantile, E 1.3 form; the default was not timed there) against 112.0 / 132.1 for `bin_topk` on materialised scores and 11.0 for the
-score sweep alone; 32K 7.1-7.2 against 7.1-7.9 (a tie). The gather sweep is most of it (3.5-4.0 ms at 32K,
-45-49 at 128K: 4-5x the sweep alone, whatever the candidate count: per-score scan, slots and predicated
-scattered stores), then the select (1.7-2.1 / 8 ms) and the threshold (0.5-0.7 / 3.6-5.6 ms). The buffer holds every key >= the threshold, so a row it serves is exact
-   whatever the threshold was: the sample decides speed only.
+Measured (H200, B = 1, k = 2048, 4 x 64 bf16; session 11 call 1, NOTES item 20): the words gather 1.56 ms at
+32K trained (scan: 4.22; the sweep alone 0.76), 22.2 at 128K random (scan: 45.0; sweep 11.0); whole (this default
+form) 32K 5.51 trained / 5.00 random against bin_topk's 7.93 / 7.12 on materialised scores; 128K 44.5 random
+(bin 111.6, session 10's default 72.5) / 54.1 trained (3,166 rows redone). Then the select (2.0 / 8.3 ms), the
+threshold (0.7 / 5.6 ms) and the redo. The buffer holds every key >= the threshold, so a row it serves is exact
+whatever the threshold was: the sample decides speed only. A redone row takes the decode select's own score pass
+(a tree sum over the heads instead of the gather's running FMA): at a near-tie of last-ulp size at the k-th key
+it can differ from bin's row; the one row of 131K that differed in call 1 (16-bit quantile, 133 rows redone at
+128K random) is most likely that (not reproducible on the CPU), so quantile_bits stays 32.
 """
 
 from __future__ import annotations
@@ -404,9 +410,13 @@ def _select_kernel(VAL, IDX, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.c
 
 @dataclass(frozen=True)
 class CandConfig:
-    """Launch shapes, threshold and redo. The defaults are the H200's fastest measured exact form at 128K
-    (session 10 call 2, NOTES item 18: 71.7 ms against 112.0 for bin_topk on random input; 73.2 at E 1.3, 81.5
-    packed, 76.9 with the 16-bit quantile, 75.2 with an 8K-lane sample). `threshold`: "sample" (the quantile
+    """Launch shapes, threshold and redo. The defaults are the H200's fastest form measured exact at 32K and
+    128K (session 11 call 1, NOTES item 20: the words gather, packed; 44.5 ms at 128K random against 72.5 for
+    session 10's default and 111.6 for bin_topk; 5.51 / 5.00 at 32K trained / random against 7.93 / 7.12).
+    Measured and not the default: 64-key tiles and 4 warps (`block_n=64, warps=4`: gather 1.35 vs 1.56 ms at 32K
+    trained, whole 5.87 vs 5.51 there, 128K not timed); the 16-bit quantile (5.06 at 32K trained, 42.3 at 128K
+    random, but one row of 131K differed from bin's there, see the module docstring). Never run on a GPU:
+    `search_bits=2` (compiled for sm_90a with Triton 3.6 on the CPU host only). `threshold`: "sample" (the quantile
     of this module) or "zgrid" (stream.py's moments and z grid). `target` E: keys aimed at above the threshold,
     in units of k (1.5: 75 of 131K rows redone at 128K against 916 at 1.3; at 32K trained 1.3 redid fewer, 110
     vs 252, its p99 buffer 3,660 of 4,096). `redo`: flagged rows by "decode" (stream.py's split-row decode select:
@@ -425,19 +435,19 @@ class CandConfig:
     quantile_bits: int = 32  # < 32: the threshold from the keys' top bits only (a lower bound of the m-th sample)
     select_warps: int = 8
     dot_scan: bool = False  # the gather's in-tile prefix sum by a triangular matmul (stream.py) instead of tl.cumsum
-    packed: bool = False  # one int64 (key, position) store a candidate (`_gather_packed_kernel`)
+    packed: bool = True  # one int64 store a candidate: (fp32 bits, position) with words, (key, position) with scan
     redo: str = "decode"
-    # the gather kernel: "scan" (session 10: stream._gather_kernel, or _gather_packed_kernel when packed) or
-    # "words" (`_gather_words_kernel`; packed there = (fp32 bits, position) int64, its select makes the key)
-    gather: str = "scan"
+    # the gather kernel: "words" (`_gather_words_kernel`: session 11, 32-key words, no scan over the tile) or
+    # "scan" (session 10: stream._gather_kernel, or `_gather_packed_kernel` when packed; dot_scan applies to it)
+    gather: str = "words"
     word_compact: bool = True  # words: slots from 32-key words and popcounts (False: tl.cumsum, for timing apart)
     split: bool = True  # words: the whole, unforced key tiles in a loop of their own (one compare a score)
     asm_store: bool = True  # words, CUDA only: the predicated stores as inline PTX (no layout conversion)
     search_bits: int = 1  # bits a step of the quantile's and the select's k-th key search (2: `kth_key2`)
 
 
-INTERPRET_CAND = CandConfig(block_m=16, block_n=16, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
-                            warps=1, quantile_warps=1, select_warps=1, redo="tiles")
+INTERPRET_CAND = CandConfig(block_m=16, block_n=32, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
+                            warps=1, quantile_warps=1, select_warps=1, redo="tiles")  # block_n: one 32-key word
 
 
 def sample_stride(cfg: CandConfig, s_max: int) -> int:
