@@ -7,9 +7,12 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk import triton as it
-from sparse_rl.sparse.ops.indexer_topk.cand_topk import INTERPRET_CAND, indexer_topk_cand
+from sparse_rl.sparse.ops.indexer_topk.cand_topk import INTERPRET_CAND, _popc, indexer_topk_cand, kth_key2
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, kth_key
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_naive
 
 
@@ -33,6 +36,7 @@ def _inputs(B, T, S, HI, DI, seed, positive_w=False, integer=False):
     (1, 16, 160, 2, 16, 6, 1, 2, None, True, False, None, "zgrid"),  # stream.py's moment threshold
     (2, 21, 75, 3, 16, 8, 2, 3, [0, 17], False, True, None, "packed"),  # int64 (key, position) buffer, integer ties
     (1, 23, 61, 2, 20, 9, 1, 1, None, False, False, None, "packed-dot-q16"),  # tensor-core scan, 16-bit quantile
+    (1, 16, 160, 2, 16, 6, 0, 0, None, False, True, None, "scan"),  # session 10's pair-buffer gather, integer ties
 ])
 def test_cand_selects_exactly_the_reference_keys(B, T, S, HI, DI, K, sink, window, kvs, positive_w, integer, budget,
                                                  threshold):
@@ -40,8 +44,9 @@ def test_cand_selects_exactly_the_reference_keys(B, T, S, HI, DI, K, sink, windo
     kv_start = None if kvs is None else torch.tensor(kvs)
     q_off = S - T
     info = {}
-    over = {"packed": dict(packed=True), "packed-dot-q16": dict(packed=True, dot_scan=True, quantile_bits=16)}.get(
-        threshold, dict(threshold=threshold))
+    over = {"packed": dict(gather="scan", packed=True),  # session 10's gather kernels, still selectable
+            "packed-dot-q16": dict(gather="scan", packed=True, dot_scan=True, quantile_bits=16),
+            "scan": dict(gather="scan", packed=False)}.get(threshold, dict(threshold=threshold))
     got = indexer_topk_cand(q, w, k, K, q_offset=q_off, sink=sink, window=window, kv_start=kv_start,
                             config=dataclasses.replace(INTERPRET_CAND, **over), budget_bytes=budget, info=info)
     ref = indexer_topk_naive(q, w, k, K, q_offset=q_off, sink=sink, window=window, kv_start=kv_start)
@@ -65,3 +70,108 @@ def test_cand_redoes_rows_of_equal_scores_exactly():
     got = indexer_topk_cand(q, w, k, K, q_offset=S - T, sink=2, window=4, info=info)
     assert info["redone_rows"] > 0
     assert torch.equal(got, indexer_topk_naive(q, w, k, K, q_offset=S - T, sink=2, window=4))
+
+
+def _words(**over):
+    return dataclasses.replace(INTERPRET_CAND, **{"gather": "words", "packed": False, **over})
+
+
+@pytest.mark.parametrize("over", [dict(), dict(packed=True), dict(split=False), dict(word_compact=False)])
+def test_words_gather_fills_the_scan_gathers_buffer(over):
+    """`_gather_words_kernel` (32-key words + popcounts, the whole-tile loop, the store helper) writes the same
+    entries in the same (key) order and the same counts as stream.py's cumsum gather, row by row, on the same
+    thresholds: left padding, sinks and window (head, whole and diagonal tiles), a row tile past T, a tight
+    buffer (rows that overflow: count -1 on both)."""
+    from sparse_rl.sparse.ops.indexer_topk import cand_topk as ct
+    from sparse_rl.sparse.ops.indexer_topk.stream import _kv_start
+
+    B, T, S, K, C = 1, 30, 131, 6, 32
+    q, w, k = _inputs(B, T, S, 2, 16, seed=5)
+    kvs = _kv_start(torch.tensor([35]), B, q.device)
+    sink, window, q_off = 2, 3, S - T
+    base = dataclasses.replace(INTERPRET_CAND, gather="scan", packed=False)
+    cfg = _words(**over)
+    R = ct.sample_stride(base, S)
+    th = torch.empty(B, T)
+    smp = torch.empty(B, T, triton.cdiv(S, R))
+    ct.cand_threshold(q, w, k, kvs, 0, T, q_off, sink, window, K, C, th, smp, base)
+    th[0, ::5] = float("-inf")  # take-all rows: every visible key (these overflow C: -1)
+    val, idx = torch.full((B, T, C), 7.0), torch.full((B, T, C), -9, dtype=torch.int32)
+    nrow = torch.empty(B, T, dtype=torch.int32)
+    ct.cand_gather(q, w, k, kvs, 0, T, q_off, sink, window, K, th, val, idx, nrow, base)
+    wv = torch.full((B, T, C), -9, dtype=torch.int64) if cfg.packed else torch.full((B, T, C), 7.0)
+    wi = wv if cfg.packed else torch.full((B, T, C), -9, dtype=torch.int32)
+    wn = torch.empty(B, T, dtype=torch.int32)
+    ct.cand_gather(q, w, k, kvs, 0, T, q_off, sink, window, K, th, wv, wi, wn, cfg)
+    assert torch.equal(wn, nrow) and bool((nrow >= 0).any()) and bool((nrow < 0).any())
+    if cfg.packed:
+        wi = (wv & 0xFFFFFFFF).to(torch.int32)
+        wv = (wv >> 32).to(torch.int32).view(torch.float32)
+    live = torch.arange(C)[None, None, :] < nrow[:, :, None]
+    assert torch.equal(torch.where(live, wi, 0), torch.where(live, idx, 0))
+    assert torch.equal(torch.where(live, wv, 0.0), torch.where(live, val, 0.0))
+
+
+@pytest.mark.parametrize("case", ["integer", "inf"])
+def test_words_cand_selects_exactly_the_reference_keys(case):
+    """The whole cand path with the words gather (packed buffer: the select makes the key from the fp32 bits):
+    integer scores (masses of ties, -0.0), and +inf / -inf scores (a head weight of +-1e38 on every third row:
+    1e38 x ReLU(dot) overflows to +inf, which ties the forced keys; -1e38 gives -inf, never selected)."""
+    B, T, S, K = 1, 16, 100, 7
+    if case == "integer":
+        S = 72
+        q, w, k = _inputs(B, T, S, 2, 16, seed=11, integer=True)
+    else:
+        q, w, k = _inputs(B, T, S, 2, 16, seed=12)
+        w[0, ::3, 0], w[0, 1::3, 1] = 1e38, -1e38  # disjoint rows: no inf - inf
+    ref = indexer_topk_naive(q, w, k, K, q_offset=S - T, sink=1, window=2)
+    cfg = _words(packed=True, search_bits=2 if case == "integer" else 1)  # the 2-bit k-th key search on ties
+    got = indexer_topk_cand(q, w, k, K, q_offset=S - T, sink=1, window=2, config=cfg)
+    assert torch.equal(got, ref)
+
+
+@triton.jit
+def _popc_kernel(X, Y, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, _popc(tl.load(X + offs).to(tl.uint32, bitcast=True), False))
+
+
+def test_swar_popcount():
+    """`cand_topk._popc`'s interpreter form (the SWAR popcount; CUDA takes libdevice's POPC) on edge words."""
+    vals = [0, 1, -1, -2**31, 2**31 - 1, 0x55555555, -0x55555556, 0x0F0F0F0F] + list(
+        torch.randint(-2**31, 2**31 - 1, (8,), generator=torch.Generator().manual_seed(0)).tolist())
+    x = torch.tensor(vals, dtype=torch.int32)
+    y = torch.empty_like(x)
+    _popc_kernel[(1,)](x, y, N=16)
+    assert y.tolist() == [bin(v & 0xFFFFFFFF).count("1") for v in vals]
+
+
+@triton.jit
+def _kth_kernel(X, OUT, K, N: tl.constexpr, NBITS: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(X + offs)
+    live = x > float("-inf")
+    key = _okey(x)
+    tl.store(OUT + 0, kth_key(key, live, K, NBITS).to(tl.int32, bitcast=True))
+    tl.store(OUT + 1, kth_key2(key, live, K, NBITS).to(tl.int32, bitcast=True))
+
+
+@pytest.mark.parametrize("nbits", [32, 16])
+def test_kth_key2_equals_the_one_bit_search(nbits):
+    """`kth_key2` (two bits a step, one reduction) finds the one-bit search's tau: distinct scores, masses of
+    ties, +inf, -inf (not live), one live key, keys differing in the lowest bit only, K at the edges."""
+    g = torch.Generator().manual_seed(nbits)
+    rows = [torch.randn(64, generator=g), torch.randint(-3, 4, (64,), generator=g).float(),
+            torch.full((64,), 1.5), torch.tensor([float("inf")] * 3 + [0.0] * 61)]
+    one = torch.full((64,), float("-inf"))
+    one[17] = 2.0
+    lowbit = (torch.full((64,), 1.0).view(torch.int32) + torch.arange(64, dtype=torch.int32) % 2).view(torch.float32)
+    neg = torch.randn(64, generator=g)
+    neg[::3] = float("-inf")
+    rows += [one, lowbit, neg]
+    out = torch.empty(2, dtype=torch.int32)
+    for x in rows:
+        n = int((x > float("-inf")).sum())
+        for k in sorted({1, n // 2 or 1, n}):
+            _kth_kernel[(1,)](x, out, k, N=64, NBITS=nbits)
+            assert out[0] == out[1], (x, k)

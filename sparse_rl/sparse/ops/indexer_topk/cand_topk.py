@@ -14,10 +14,13 @@ Phases (why each):
    reduction a bit, only the bits where the row's sampled min and max differ), so that ~E * k keys score
    >= it. Distribution-free: the z grid of `stream.py`'s moment threshold assumes a shape (on the trained
    indexer's scores it redid many rows: NOTES item 13). Rows with <= C visible keys take all (-inf).
-3. Gather (`stream._gather_kernel`, shared): every key tile scored once more; keys >= the threshold and the
-   forced ones (+inf) appended in key order to a per-row buffer `[Tc, C]` (value, position) at a running count
-   plus an in-tile prefix sum (one program owns a row tile, so the running count is the slot reservation; no
-   atomics); a count per row, -1 when the buffer overflowed or came out short.
+3. Gather (`_gather_words_kernel`, the default `gather="words"`; session 10's `stream._gather_kernel` with
+   "scan"): every key tile scored once more; keys >= the threshold and the forced ones (+inf) appended in key
+   order to a per-row buffer `[Tc, C]` (packed: one int64 (fp32 bits, position)) at a running count (one program
+   owns a row tile, so the running count is the slot reservation; no atomics); a count per row, -1 when the
+   buffer overflowed or came out short. Slots without a scan over the tile: the row's mask packed into 32-key
+   words, popcounts, a prefix over the BN/32 word counts; the whole, unforced tiles in a loop whose candidate
+   test is one compare; the predicated stores as inline PTX in the accumulator's layout (see the kernel).
 4. Select (`_select_kernel`, one program a row): the exact k-th key of the buffer by the same binary search
    (no `tl.histogram`: it lowers to ~55-100 instructions an element, NOTES item 16; a bit step is a compare,
    a convert and a block sum), then the kept lanes (> tau, and the last `need` of the lanes == tau: the
@@ -26,14 +29,17 @@ Phases (why each):
    by the split-row decode select (`stream._redo_rows`, ~10 us a row), under the interpreter on the
    materialising path (`redo_tiles`: the flagged rows' 64-row tiles scored and `bin_topk`), because there the
    decode select broke the tie rule on a row of 57 equal scores (tests/sparse/test_cand_topk.py; on the H200
-   every redo matched bin_topk's rows).
+   the redone rows matched bin_topk's in every session-10 case, and in session 11 in all but one, below).
 
-Measured (H200, session 10, B = 1, k = 2048, 4 x 64 bf16; NOTES item 18): 128K 71.7 ms (random, this
-default form) / 86.4 (trained: the packed, 16-bit-quantile, E 1.3 form; the default was not timed there) against 112.0 / 132.1 for `bin_topk` on materialised scores and 11.0 for the
-score sweep alone; 32K 7.1-7.2 against 7.1-7.9 (a tie). The gather sweep is most of it (3.5-4.0 ms at 32K,
-45-49 at 128K: 4-5x the sweep alone, whatever the candidate count: per-score scan, slots and predicated
-scattered stores), then the select (1.7-2.1 / 8 ms) and the threshold (0.5-0.7 / 3.6-5.6 ms). The buffer holds every key >= the threshold, so a row it serves is exact
-   whatever the threshold was: the sample decides speed only.
+Measured (H200, B = 1, k = 2048, 4 x 64 bf16; session 11 call 1, NOTES item 20): the words gather 1.56 ms at
+32K trained (scan: 4.22; the sweep alone 0.76), 22.2 at 128K random (scan: 45.0; sweep 11.0); whole (this default
+form) 32K 5.51 trained / 5.00 random against bin_topk's 7.93 / 7.12 on materialised scores; 128K 44.5 random
+(bin 111.6, session 10's default 72.5) / 54.1 trained (3,166 rows redone). Then the select (2.0 / 8.3 ms), the
+threshold (0.7 / 5.6 ms) and the redo. The buffer holds every key >= the threshold, so a row it serves is exact
+whatever the threshold was: the sample decides speed only. A redone row takes the decode select's own score pass
+(a tree sum over the heads instead of the gather's running FMA): at a near-tie of last-ulp size at the k-th key
+it can differ from bin's row; the one row of 131K that differed in call 1 (16-bit quantile, 133 rows redone at
+128K random) is most likely that (not reproducible on the CPU), so quantile_bits stays 32.
 """
 
 from __future__ import annotations
@@ -51,6 +57,15 @@ from sparse_rl.sparse.ops.indexer_topk.stream import (_common, _gather_kernel, _
                                                       _threshold_kernel, NZ, Z0, DZ, score_tile,
                                                       stream_buffer_slots)
 
+try:  # libdevice's POPC for the words gather (the module moved between Triton versions; without it, SWAR)
+    from triton.language.extra.cuda import libdevice
+except ImportError:  # pragma: no cover -- depends on the Triton build
+    try:
+        from triton.language.extra import libdevice
+    except ImportError:
+        libdevice = None
+HAS_POPC = libdevice is not None and hasattr(libdevice, "popc")
+
 BUFFER_BUDGET_BYTES = 2 << 30  # 32K rows in one chunk (1.3 GB of buffers)
 
 
@@ -59,6 +74,72 @@ def _key_to_float(key):
     """Inverse of `radix_topk._okey` (for keys of finite or infinite floats; -0.0 comes back as +0.0)."""
     u = tl.where((key >> 31) == 1, key & 0x7FFFFFFF, ~key)
     return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def kth_key2(key, live, K, NBITS: tl.constexpr = 32):
+    """`radix_topk.kth_key` two bits a step: the live keys >= tau | lo bit, | hi bit, | both of the step's pair
+    are counted in ONE reduction (three 21-bit fields of an int64 a lane; CB < 2^21), so a row takes half the
+    dependent count / reduce / barrier rounds (sm_90a: the 1-bit loop is ~89 instructions a step at 8 warps,
+    100 registers, 2 programs an SM: latency bound). Same tau: the largest with #(live & key >= tau) >= K over
+    the top NBITS bits (NBITS even; < 32 leaves the bits below 0: a lower bound)."""
+    lo = tl.min(tl.where(live, key, 0xFFFFFFFF), 0)
+    hi = tl.max(tl.where(live, key, 0), 0)
+    diff = lo ^ hi
+    smear = diff | (diff >> 1)
+    smear = smear | (smear >> 2)
+    smear = smear | (smear >> 4)
+    smear = smear | (smear >> 8)
+    smear = smear | (smear >> 16)  # every bit at or below diff's highest set bit
+    tau = lo & ~smear
+    b1 = tl.full([], 0x80000000, tl.uint32)
+    for _ in range(NBITS // 2):
+        e1 = smear & b1
+        e0 = smear & (b1 >> 1)
+        if e0 != 0:  # smear is a low mask: e1 != 0 implies e0 != 0
+            t1 = tau | e0
+            t2 = tau | e1
+            t3 = t2 | e0
+            v12 = tl.where(live, (key >= t1).to(tl.int32) | ((key >= t2).to(tl.int32) << 16), 0)
+            v3 = tl.where(live, (key >= t3).to(tl.int32), 0)
+            c12, c3 = tl.reduce((v12, v3), 0, _add2)
+            if c3 >= K:
+                tau = t3
+            elif (c12 >> 16) >= K:
+                tau = t2
+            elif (c12 & 0xFFFF) >= K:
+                tau = t1
+        b1 = b1 >> 2
+    return tau
+
+
+@triton.jit
+def _write_top(key, idx, live, n, K, obase, KB: tl.constexpr, STEP2: tl.constexpr):
+    """`radix_topk._write_selected` (the K largest live keys, later lanes win ties, idx ascending at obase, -1
+    padded) with the k-th key by `kth_key2` when STEP2."""
+    if STEP2:
+        sel = live
+        if n > K:
+            tau = kth_key2(key, live, K)
+            gt = live & (key > tau)
+            eq = live & (key == tau)
+            need = K - tl.sum(gt.to(tl.int32), 0)
+            n_eq = tl.sum(eq.to(tl.int32), 0)
+            sel = gt | eq
+            if need < n_eq:  # among keys equal to the k-th the later ones win (the reference's rule)
+                sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) > n_eq - need))
+        slot = tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(obase + slot, idx, mask=sel)
+        for c in range(tl.minimum(n, K), K, KB):
+            o = c + tl.arange(0, KB)
+            tl.store(obase + o, tl.full([KB], -1, tl.int32), mask=o < K)
+    else:
+        _write_selected(key, idx, live, n, K, obase, KB)
 
 
 @triton.jit
@@ -86,7 +167,7 @@ def _sample_kernel(Q, W, KI, KVS, SMP, sqb, sqt, sqh, sqd, swb, swt, swh, skb, s
 
 @triton.jit
 def _quantile_kernel(SMP, KVS, TH, spb, spt, stb, Tc, S, t0, q_offset, sink, window, K, C, E, SW,
-                     R: tl.constexpr, CB: tl.constexpr, QBITS: tl.constexpr):
+                     R: tl.constexpr, CB: tl.constexpr, QBITS: tl.constexpr, STEP2: tl.constexpr = False):
     """TH `[B, Tc]`: each row's threshold, the m-th largest of its sampled scores (see the module docstring);
     -inf for rows of <= C visible keys (take all) or too few samples, +inf where the forced keys fill k."""
     row = tl.program_id(0)
@@ -109,7 +190,10 @@ def _quantile_kernel(SMP, KVS, TH, spb, spt, stb, Tc, S, t0, q_offset, sink, win
             m = tl.ceil(E * kk.to(tl.float32) * ns.to(tl.float32) / (nvis - nf).to(tl.float32)).to(tl.int32)
             m = tl.maximum(m, 1)
             if ns > m:
-                th = _key_to_float(kth_key(_okey(x), live, m, QBITS))
+                if STEP2:
+                    th = _key_to_float(kth_key2(_okey(x), live, m, QBITS))
+                else:
+                    th = _key_to_float(kth_key(_okey(x), live, m, QBITS))
     tl.store(TH + b * stb + t, th)
 
 
@@ -149,8 +233,149 @@ def _gather_packed_kernel(Q, W, KI, KVS, TH, BUF, NROW, sqb, sqt, sqh, sqd, swb,
 
 
 @triton.jit
-def _select_packed_kernel(BUF, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.constexpr, KB: tl.constexpr):
-    """`_select_kernel` on the packed buffer of `_gather_packed_kernel`."""
+def _popc(x, HW: tl.constexpr):
+    """Set bits of each uint32 x, as int32: the hardware POPC (libdevice) on CUDA; the SWAR form under the
+    interpreter, which has no libdevice (both are tested: tests/sparse/test_cand_topk.py)."""
+    if HW:
+        return libdevice.popc(x.to(tl.int32, bitcast=True))
+    else:
+        x = x - ((x >> 1) & 0x55555555)
+        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+        x = (x + (x >> 4)) & 0x0F0F0F0F
+        return ((x * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _append_words(s, cand, forced, n0, run, vbase, ibase, C, EDGE: tl.constexpr, PACKED: tl.constexpr,
+                  HWPOPC: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Append the cand `[BM, BN]` keys of tile n0 (scores s; +inf where forced, EDGE tiles only) to the row
+    buffers at vbase / ibase `[BM, 1]` pointers, in key order, from slot run `[BM]`; returns the new run.
+    A key's slot, without a scan over the BN scores: the row's mask packed into BN / 32 words of 32
+    consecutive keys (one OR-reduction over each word's lanes), each word's popcount, an exclusive prefix
+    over the BN / 32 counts, and in the word the popcount of the bits below the key's lane."""
+    NW: tl.constexpr = BN // 32
+    lane = tl.arange(0, 32).to(tl.uint32)
+    c3 = tl.reshape(cand, [BM, NW, 32])
+    word = tl.reduce(tl.where(c3, (1 << lane)[None, None, :], 0).to(tl.uint32), 2, _or)  # [BM, NW]
+    cnt = _popc(word, HWPOPC)
+    excl = tl.cumsum(cnt, 1) - cnt
+    below = _popc(word[:, :, None] & ((1 << lane) - 1)[None, None, :], HWPOPC)
+    slot = (run[:, None] + excl)[:, :, None] + below  # [BM, NW, 32]
+    ok = c3 & (slot < C)
+    key3 = n0 + (tl.arange(0, NW)[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
+    v = tl.reshape(s, [BM, NW, 32])
+    if EDGE:
+        v = tl.where(tl.reshape(forced, [BM, NW, 32]), float("inf"), v)
+    _store_kept(vbase[:, :, None] + slot, ibase[:, :, None] + slot, v, tl.broadcast_to(key3, [BM, NW, 32]), ok,
+                PACKED, ASM)
+    return run + tl.sum(cnt, 1)
+
+
+@triton.jit
+def _store_kept(vptr, iptr, v, idx, ok, PACKED: tl.constexpr, ASM: tl.constexpr):
+    """Predicated stores of the kept (ok) lanes: v fp32 at vptr and idx int32 at iptr, or PACKED one int64 at vptr
+    = (v's fp32 bits << 32) | idx. ASM: as PTX `st.global` in the values' own register layout; `tl.store`'s
+    coalescing pass otherwise converts value, index, mask and pointers of the scattered store to a blocked layout
+    through shared memory (sm_90a SASS of the [64, 128] tile: ~160 STS + ~80 LDS a tile, more than the scores
+    take). The interpreter has no inline asm (ASM False there; the device script checks ASM True)."""
+    if ASM:
+        vb = v.to(tl.int32, bitcast=True)
+        if PACKED:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.v2.b32 [$1], {$4, $2}; mov.b32 $0, 0; }",
+                "=r,l,r,r,r", [vptr.to(tl.int64), vb, ok.to(tl.int32), idx], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; @p st.global.b32 [$4], $5; "
+                "mov.b32 $0, 0; }",
+                "=r,l,r,r,l,r", [vptr.to(tl.int64), vb, ok.to(tl.int32), iptr.to(tl.int64), idx], dtype=tl.int32,
+                is_pure=False, pack=1)
+    else:
+        if PACKED:
+            word = (v.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (idx.to(tl.int64) & 0xFFFFFFFF)
+            tl.store(vptr, word, mask=ok)
+        else:
+            tl.store(vptr, v, mask=ok)
+            tl.store(iptr, idx, mask=ok)
+
+
+@triton.jit
+def _gather_words_kernel(Q, W, KI, KVS, TH, VAL, IDX, NROW, sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, svb,
+                         svt, snb, T, S, t0, q_offset, sink, window, K, C,
+                         HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                         COMPACT: tl.constexpr, SPLIT: tl.constexpr, PACKED: tl.constexpr, HWPOPC: tl.constexpr,
+                         ASM: tl.constexpr, PREC: tl.constexpr):
+    """`stream._gather_kernel` (same buffers, key order, counts; PACKED: `_gather_packed_kernel`'s int64 buffer)
+    with two changes, each a constexpr so that the device run can time them apart:
+    COMPACT 1: slots by `_append_words` (32-key words and popcounts) instead of `tl.cumsum` over the tile;
+    SPLIT: the key tiles every row of the program sees whole and unforced (n0 >= start + sink and
+    n0 + BN - 1 <= the first row's position - window, below S) run in a loop of their own whose candidate test
+    is the one compare `s >= th`: the sm_90a SASS of the single loop spends several integer compares a score on
+    the visibility / forced masks, which only the head (sinks, kv_start) and diagonal tiles need."""
+    b, offs_m, tq, mmask, pos, start, first, last, nvis, nf = _rows(KVS, T, S, t0, q_offset, sink, window, BM, BN)
+    th = tl.load(TH + b * snb + offs_m, mask=mmask, other=float("inf"))  # +inf: rows past T take nothing
+    run = tl.zeros([BM], tl.int32)
+    vbase = (VAL + b * svb + offs_m * svt)[:, None]
+    ibase = vbase
+    if not PACKED:
+        ibase = (IDX + b * svb + offs_m * svt)[:, None]
+    if SPLIT:
+        pos0 = tl.min(tl.where(mmask, pos, S + window), 0)  # the program's first row
+        a = tl.maximum(first, tl.minimum((start + sink + BN - 1) // BN * BN, last + 1))
+        e = tl.maximum(a, (tl.minimum(pos0 - window, S - 1) + 1) // BN * BN)
+    else:
+        a = last + 1
+        e = a
+    for n0 in range(first, a, BN):  # head tiles (all tiles without SPLIT)
+        s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
+                                            sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
+                                            HI, DI, BM, BN, BD, PREC)
+        cand = vis & (forced | (s >= th[:, None]))
+        run = _append(s, cand, forced, n0, offs_n, run, vbase, ibase, C, True, COMPACT, PACKED, HWPOPC, ASM, BM, BN)
+    for n0 in range(a, e, BN):  # whole, unforced tiles
+        s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
+                                            sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
+                                            HI, DI, BM, BN, BD, PREC)
+        cand = s >= th[:, None]
+        run = _append(s, cand, forced, n0, offs_n, run, vbase, ibase, C, False, COMPACT, PACKED, HWPOPC, ASM, BM, BN)
+    for n0 in range(e, last + 1, BN):  # diagonal / window tiles
+        s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
+                                            sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
+                                            HI, DI, BM, BN, BD, PREC)
+        cand = vis & (forced | (s >= th[:, None]))
+        run = _append(s, cand, forced, n0, offs_n, run, vbase, ibase, C, True, COMPACT, PACKED, HWPOPC, ASM, BM, BN)
+    good = (run >= tl.minimum(nvis, K)) & (run <= C)
+    tl.store(NROW + b * snb + offs_m, tl.where(good, run, -1), mask=mmask)
+
+
+@triton.jit
+def _append(s, cand, forced, n0, offs_n, run, vbase, ibase, C, EDGE: tl.constexpr, COMPACT: tl.constexpr,
+            PACKED: tl.constexpr, HWPOPC: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """One tile's append: COMPACT 1 by words (`_append_words`), 0 by `tl.cumsum` (stream.py's form)."""
+    if COMPACT == 1:
+        run = _append_words(s, cand, forced, n0, run, vbase, ibase, C, EDGE, PACKED, HWPOPC, ASM, BM, BN)
+    else:
+        slot = run[:, None] + tl.cumsum(cand.to(tl.int32), 1) - 1
+        ok = cand & (slot < C)
+        v = s
+        if EDGE:
+            v = tl.where(forced, float("inf"), s)
+        _store_kept(vbase + slot, ibase + slot, v, tl.broadcast_to(offs_n[None, :], [BM, BN]), ok, PACKED, ASM)
+        run += tl.sum(cand.to(tl.int32), 1)
+    return run
+
+
+@triton.jit
+def _select_packed_kernel(BUF, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.constexpr, KB: tl.constexpr,
+                          RAW: tl.constexpr = False, STEP2: tl.constexpr = False):
+    """`_select_kernel` on the packed buffer of `_gather_packed_kernel` (high word the order-preserving key) or,
+    RAW, of `_gather_words_kernel` (high word the score's fp32 bits: the key is made here, once a candidate,
+    instead of once a score in the gather)."""
     row = tl.program_id(0)
     b = (row // Tc).to(tl.int64)
     t = (row % Tc).to(tl.int64)
@@ -159,13 +384,17 @@ def _select_packed_kernel(BUF, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl
         offs = tl.arange(0, CB)
         live = offs < n
         word = tl.load(BUF + b * svb + t * svt + offs, mask=live, other=0)
-        key = (word >> 32).to(tl.uint32)
+        if RAW:
+            key = _okey((word >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+        else:
+            key = (word >> 32).to(tl.uint32)
         idx = (word & 0xFFFFFFFF).to(tl.int32)
-        _write_selected(key, idx, live, n, K, OUT + b * sob + t * sot, KB)
+        _write_top(key, idx, live, n, K, OUT + b * sob + t * sot, KB, STEP2)
 
 
 @triton.jit
-def _select_kernel(VAL, IDX, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.constexpr, KB: tl.constexpr):
+def _select_kernel(VAL, IDX, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.constexpr, KB: tl.constexpr,
+                   STEP2: tl.constexpr = False):
     """OUT `[B, Tc, K]`: the exact top-K of each row's buffer (NROW >= 0 entries, key order), ascending."""
     row = tl.program_id(0)
     b = (row // Tc).to(tl.int64)
@@ -176,14 +405,18 @@ def _select_kernel(VAL, IDX, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.c
         live = offs < n
         x = tl.load(VAL + b * svb + t * svt + offs, mask=live, other=float("-inf"))
         idx = tl.load(IDX + b * svb + t * svt + offs, mask=live, other=0)
-        _write_selected(_okey(x), idx, live, n, K, OUT + b * sob + t * sot, KB)
+        _write_top(_okey(x), idx, live, n, K, OUT + b * sob + t * sot, KB, STEP2)
 
 
 @dataclass(frozen=True)
 class CandConfig:
-    """Launch shapes, threshold and redo. The defaults are the H200's fastest measured exact form at 128K
-    (session 10 call 2, NOTES item 18: 71.7 ms against 112.0 for bin_topk on random input; 73.2 at E 1.3, 81.5
-    packed, 76.9 with the 16-bit quantile, 75.2 with an 8K-lane sample). `threshold`: "sample" (the quantile
+    """Launch shapes, threshold and redo. The defaults are the H200's fastest form measured exact at 32K and
+    128K (session 11 call 1, NOTES item 20: the words gather, packed; 44.5 ms at 128K random against 72.5 for
+    session 10's default and 111.6 for bin_topk; 5.51 / 5.00 at 32K trained / random against 7.93 / 7.12).
+    Measured and not the default: 64-key tiles and 4 warps (`block_n=64, warps=4`: gather 1.35 vs 1.56 ms at 32K
+    trained, whole 5.87 vs 5.51 there, 128K not timed); the 16-bit quantile (5.06 at 32K trained, 42.3 at 128K
+    random, but one row of 131K differed from bin's there, see the module docstring). Never run on a GPU:
+    `search_bits=2` (compiled for sm_90a with Triton 3.6 on the CPU host only). `threshold`: "sample" (the quantile
     of this module) or "zgrid" (stream.py's moments and z grid). `target` E: keys aimed at above the threshold,
     in units of k (1.5: 75 of 131K rows redone at 128K against 916 at 1.3; at 32K trained 1.3 redid fewer, 110
     vs 252, its p99 buffer 3,660 of 4,096). `redo`: flagged rows by "decode" (stream.py's split-row decode select:
@@ -202,12 +435,19 @@ class CandConfig:
     quantile_bits: int = 32  # < 32: the threshold from the keys' top bits only (a lower bound of the m-th sample)
     select_warps: int = 8
     dot_scan: bool = False  # the gather's in-tile prefix sum by a triangular matmul (stream.py) instead of tl.cumsum
-    packed: bool = False  # one int64 (key, position) store a candidate (`_gather_packed_kernel`)
+    packed: bool = True  # one int64 store a candidate: (fp32 bits, position) with words, (key, position) with scan
     redo: str = "decode"
+    # the gather kernel: "words" (`_gather_words_kernel`: session 11, 32-key words, no scan over the tile) or
+    # "scan" (session 10: stream._gather_kernel, or `_gather_packed_kernel` when packed; dot_scan applies to it)
+    gather: str = "words"
+    word_compact: bool = True  # words: slots from 32-key words and popcounts (False: tl.cumsum, for timing apart)
+    split: bool = True  # words: the whole, unforced key tiles in a loop of their own (one compare a score)
+    asm_store: bool = True  # words, CUDA only: the predicated stores as inline PTX (no layout conversion)
+    search_bits: int = 1  # bits a step of the quantile's and the select's k-th key search (2: `kth_key2`)
 
 
-INTERPRET_CAND = CandConfig(block_m=16, block_n=16, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
-                            warps=1, quantile_warps=1, select_warps=1, redo="tiles")
+INTERPRET_CAND = CandConfig(block_m=16, block_n=32, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
+                            warps=1, quantile_warps=1, select_warps=1, redo="tiles")  # block_n: one 32-key word
 
 
 def sample_stride(cfg: CandConfig, s_max: int) -> int:
@@ -237,7 +477,7 @@ def cand_threshold(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, C
     _quantile_kernel[(B * (t1 - t0),)](smp, kvs, th, smp.stride(0), smp.stride(1), th.stride(0), t1 - t0, S, t0,
                                        q_offset, sink, window, topk, C, cfg.target, SW, R=R,
                                        CB=triton.next_power_of_2(SW), QBITS=cfg.quantile_bits,
-                                       num_warps=cfg.quantile_warps)
+                                       STEP2=cfg.search_bits == 2, num_warps=cfg.quantile_warps)
 
 
 def cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, val, idx, nrow, cfg: CandConfig):
@@ -245,6 +485,14 @@ def cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, 
     cfg.packed, val is the `[B, Tc, C]` int64 buffer and idx is unused."""
     B, S, C = q_idx.shape[0], k_idx.shape[1], val.shape[2]
     args, strides, meta = _common(q_idx, w, k_idx, kvs)
+    if cfg.gather == "words":
+        assert cfg.block_n % 32 == 0, "the word compaction packs 32-key words"
+        _gather_words_kernel[(triton.cdiv(t1 - t0, cfg.block_m), B)](
+            *args, th, val, idx, nrow, *strides, val.stride(0), val.stride(1), nrow.stride(0), t1, S, t0, q_offset,
+            sink, window, topk, C, BM=cfg.block_m, BN=cfg.block_n, COMPACT=int(cfg.word_compact), SPLIT=cfg.split,
+            PACKED=cfg.packed, HWPOPC=q_idx.is_cuda and HAS_POPC, ASM=cfg.asm_store and q_idx.is_cuda, **meta,
+            num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1)
+        return
     if cfg.packed:
         _gather_packed_kernel[(triton.cdiv(t1 - t0, cfg.block_m), B)](
             *args, th, val, nrow, *strides, val.stride(0), val.stride(1), nrow.stride(0), t1, S, t0, q_offset,
@@ -264,10 +512,12 @@ def cand_select(val, idx, nrow, out, topk, cfg: CandConfig):
     if cfg.packed:
         _select_packed_kernel[(B * Tc,)](val, nrow, out, Tc, val.stride(0), val.stride(1), nrow.stride(0),
                                          out.stride(0), out.stride(1), topk, CB=CB, KB=min(1024, CB),
+                                         RAW=cfg.gather == "words", STEP2=cfg.search_bits == 2,
                                          num_warps=cfg.select_warps)
         return
     _select_kernel[(B * Tc,)](val, idx, nrow, out, Tc, val.stride(0), val.stride(1), nrow.stride(0), out.stride(0),
-                              out.stride(1), topk, CB=CB, KB=min(1024, CB), num_warps=cfg.select_warps)
+                              out.stride(1), topk, CB=CB, KB=min(1024, CB), STEP2=cfg.search_bits == 2,
+                              num_warps=cfg.select_warps)
 
 
 def redo_tiles(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out, tile: int):

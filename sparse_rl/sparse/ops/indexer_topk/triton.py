@@ -17,11 +17,12 @@ Design (why):
   7.97 / 132.1 ms at 8K / 16K / 32K / 128K against radix 0.96 / 3.52 / 13.08 and the stream select
   3.27 / 5.34 / 16.57 / 162.9; rows equal to radix's at every length). Under the CPU interpreter:
   torch.topk.
-- `topk_impl="cand"`: `cand_topk.py` (session 10), never materialising: a per-row threshold from the quantile of
-  a strided key sample, stream.py's compacting gather sweep, a binary-search buffer select, flagged rows redone
-  exactly. H200 (NOTES item 18; rows equal to bin's in every case): 71.7 ms at 128K random (its default form;
-  86.4 trained with the packed, 16-bit-quantile form) against bin's 112.0 / 132.1; at 32K a tie (7.1-7.2 vs 7.1-7.9). So `auto` on CUDA takes it for rows of more
-  than `CAND_MIN_KEYS` keys and bin below (not timed between 32K and 128K).
+- `topk_impl="cand"`: `cand_topk.py` (sessions 10-11), never materialising: a per-row threshold from the quantile
+  of a strided key sample, a compacting gather sweep (session 11: 32-key words and popcounts, no scan over the
+  tile), a binary-search buffer select, flagged rows redone. H200, session 11 call 1 (rows equal to bin's):
+  32K 5.51 ms trained / 5.00 random against bin's 7.93 / 7.12; 128K random 44.5 against 111.6 (session 10's
+  cand 72.5), trained 54.1. So `auto` on CUDA takes it for rows of at least `CAND_MIN_KEYS` keys and bin below
+  (cand not timed below 32K).
 - `topk_impl="stream"`: the streaming select of `stream.py`, which never materialises the scores (per
   query tile: sampled statistics, a threshold, a candidate buffer, an exact select among the
   candidates; see its docstring). NOTES items 10 and 13: 9.25 / 83 ms at 32K / 128K on random input,
@@ -59,7 +60,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORE_BUDGET_BYTES = 1 << 30
 TOPK_IMPLS = ("auto", "cand", "stream", "binned", "materialise", "radix", "bin", "torch")
 RADIX_MAX_KEYS = 32768  # rows longer than this take torch.topk on CUDA (measured, see module docstring)
-CAND_MIN_KEYS = 32768  # `auto` on CUDA: rows longer than this take "cand" (1.5x bin at 128K, a tie at 32K)
+CAND_MIN_KEYS = 32768  # `auto` on CUDA: rows of this many keys or more take "cand" (1.4x bin at 32K, 2.5x at 128K)
 
 
 def topk_from_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -101,7 +102,7 @@ def indexer_topk(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor, topk
     if topk_impl == "binned":
         return indexer_topk_binned(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
                                    kv_start=kv_start)
-    if topk_impl == "cand" or (topk_impl == "auto" and q_idx.is_cuda and min(S, q_offset + T) > CAND_MIN_KEYS):
+    if topk_impl == "cand" or (topk_impl == "auto" and q_idx.is_cuda and min(S, q_offset + T) >= CAND_MIN_KEYS):
         return indexer_topk_cand(q_idx, w, k_idx, topk, q_offset=q_offset, sink=sink, window=window,
                                  kv_start=kv_start)
     if topk_impl == "stream":
