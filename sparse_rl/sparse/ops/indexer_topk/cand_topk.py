@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, _write_selected, kth_key
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, _write_selected, kth_key, kth_key2
 from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
 from sparse_rl.sparse.ops.indexer_topk.scores import indexer_scores_chunk
 from sparse_rl.sparse.ops.indexer_topk.stream import (_common, _gather_kernel, _kv_start, _redo_rows, _rows,
@@ -74,72 +74,6 @@ def _key_to_float(key):
     """Inverse of `radix_topk._okey` (for keys of finite or infinite floats; -0.0 comes back as +0.0)."""
     u = tl.where((key >> 31) == 1, key & 0x7FFFFFFF, ~key)
     return u.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _add2(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
-def kth_key2(key, live, K, NBITS: tl.constexpr = 32):
-    """`radix_topk.kth_key` two bits a step: the live keys >= tau | lo bit, | hi bit, | both of the step's pair
-    are counted in ONE reduction (three 21-bit fields of an int64 a lane; CB < 2^21), so a row takes half the
-    dependent count / reduce / barrier rounds (sm_90a: the 1-bit loop is ~89 instructions a step at 8 warps,
-    100 registers, 2 programs an SM: latency bound). Same tau: the largest with #(live & key >= tau) >= K over
-    the top NBITS bits (NBITS even; < 32 leaves the bits below 0: a lower bound)."""
-    lo = tl.min(tl.where(live, key, 0xFFFFFFFF), 0)
-    hi = tl.max(tl.where(live, key, 0), 0)
-    diff = lo ^ hi
-    smear = diff | (diff >> 1)
-    smear = smear | (smear >> 2)
-    smear = smear | (smear >> 4)
-    smear = smear | (smear >> 8)
-    smear = smear | (smear >> 16)  # every bit at or below diff's highest set bit
-    tau = lo & ~smear
-    b1 = tl.full([], 0x80000000, tl.uint32)
-    for _ in range(NBITS // 2):
-        e1 = smear & b1
-        e0 = smear & (b1 >> 1)
-        if e0 != 0:  # smear is a low mask: e1 != 0 implies e0 != 0
-            t1 = tau | e0
-            t2 = tau | e1
-            t3 = t2 | e0
-            v12 = tl.where(live, (key >= t1).to(tl.int32) | ((key >= t2).to(tl.int32) << 16), 0)
-            v3 = tl.where(live, (key >= t3).to(tl.int32), 0)
-            c12, c3 = tl.reduce((v12, v3), 0, _add2)
-            if c3 >= K:
-                tau = t3
-            elif (c12 >> 16) >= K:
-                tau = t2
-            elif (c12 & 0xFFFF) >= K:
-                tau = t1
-        b1 = b1 >> 2
-    return tau
-
-
-@triton.jit
-def _write_top(key, idx, live, n, K, obase, KB: tl.constexpr, STEP2: tl.constexpr):
-    """`radix_topk._write_selected` (the K largest live keys, later lanes win ties, idx ascending at obase, -1
-    padded) with the k-th key by `kth_key2` when STEP2."""
-    if STEP2:
-        sel = live
-        if n > K:
-            tau = kth_key2(key, live, K)
-            gt = live & (key > tau)
-            eq = live & (key == tau)
-            need = K - tl.sum(gt.to(tl.int32), 0)
-            n_eq = tl.sum(eq.to(tl.int32), 0)
-            sel = gt | eq
-            if need < n_eq:  # among keys equal to the k-th the later ones win (the reference's rule)
-                sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) > n_eq - need))
-        slot = tl.cumsum(sel.to(tl.int32), 0) - 1
-        tl.store(obase + slot, idx, mask=sel)
-        for c in range(tl.minimum(n, K), K, KB):
-            o = c + tl.arange(0, KB)
-            tl.store(obase + o, tl.full([KB], -1, tl.int32), mask=o < K)
-    else:
-        _write_selected(key, idx, live, n, K, obase, KB)
 
 
 @triton.jit
@@ -389,7 +323,7 @@ def _select_packed_kernel(BUF, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl
         else:
             key = (word >> 32).to(tl.uint32)
         idx = (word & 0xFFFFFFFF).to(tl.int32)
-        _write_top(key, idx, live, n, K, OUT + b * sob + t * sot, KB, STEP2)
+        _write_selected(key, idx, live, n, K, OUT + b * sob + t * sot, KB, STEP2)
 
 
 @triton.jit
@@ -405,7 +339,7 @@ def _select_kernel(VAL, IDX, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.c
         live = offs < n
         x = tl.load(VAL + b * svb + t * svt + offs, mask=live, other=float("-inf"))
         idx = tl.load(IDX + b * svb + t * svt + offs, mask=live, other=0)
-        _write_top(_okey(x), idx, live, n, K, OUT + b * sob + t * sot, KB, STEP2)
+        _write_selected(_okey(x), idx, live, n, K, OUT + b * sob + t * sot, KB, STEP2)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ def _bsearch_select(SC, POS, OUT, S, sob, K, RB: tl.constexpr, PAD: tl.constexpr
     valid = x > float("-inf")
     # the register resolve the prefill cand select uses too (radix_topk._write_selected): the k-th key by
     # a bit search, later keys win ties, ascending, -1 padded
-    _write_selected(_okey(x), offs, valid, tl.sum(valid.to(tl.int32), 0), K, OUT + b * sob, PAD)
+    _write_selected(_okey(x), offs, valid, tl.sum(valid.to(tl.int32), 0), K, OUT + b * sob, PAD, False)
 
 
 def bsearch_warps(rb: int) -> int:

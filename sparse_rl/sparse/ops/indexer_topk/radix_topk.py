@@ -247,12 +247,57 @@ def kth_key(key, live, K, NBITS: tl.constexpr = 32):
 
 
 @triton.jit
-def _write_selected(key, idx, live, n, K, obase, KB: tl.constexpr):
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def kth_key2(key, live, K, NBITS: tl.constexpr = 32):
+    """`kth_key` two bits a step: the live keys >= tau | lo bit, | hi bit, | both of the step's pair
+    are counted in ONE reduction (three 21-bit fields of an int64 a lane; CB < 2^21), so a row takes half the
+    dependent count / reduce / barrier rounds (sm_90a: the 1-bit loop is ~89 instructions a step at 8 warps,
+    100 registers, 2 programs an SM: latency bound). Same tau: the largest with #(live & key >= tau) >= K over
+    the top NBITS bits (NBITS even; < 32 leaves the bits below 0: a lower bound)."""
+    lo = tl.min(tl.where(live, key, 0xFFFFFFFF), 0)
+    hi = tl.max(tl.where(live, key, 0), 0)
+    diff = lo ^ hi
+    smear = diff | (diff >> 1)
+    smear = smear | (smear >> 2)
+    smear = smear | (smear >> 4)
+    smear = smear | (smear >> 8)
+    smear = smear | (smear >> 16)  # every bit at or below diff's highest set bit
+    tau = lo & ~smear
+    b1 = tl.full([], 0x80000000, tl.uint32)
+    for _ in range(NBITS // 2):
+        e1 = smear & b1
+        e0 = smear & (b1 >> 1)
+        if e0 != 0:  # smear is a low mask: e1 != 0 implies e0 != 0
+            t1 = tau | e0
+            t2 = tau | e1
+            t3 = t2 | e0
+            v12 = tl.where(live, (key >= t1).to(tl.int32) | ((key >= t2).to(tl.int32) << 16), 0)
+            v3 = tl.where(live, (key >= t3).to(tl.int32), 0)
+            c12, c3 = tl.reduce((v12, v3), 0, _add2)
+            if c3 >= K:
+                tau = t3
+            elif (c12 >> 16) >= K:
+                tau = t2
+            elif (c12 & 0xFFFF) >= K:
+                tau = t1
+        b1 = b1 >> 2
+    return tau
+
+
+@triton.jit
+def _write_selected(key, idx, live, n, K, obase, KB: tl.constexpr, STEP2: tl.constexpr):
     """The K largest live keys (key order = lane order; later lanes win ties) -> their idx ascending at obase,
-    -1 padded to K."""
+    -1 padded to K. STEP2: the k-th key by `kth_key2` (two bits a step) instead of `kth_key`."""
     sel = live
     if n > K:
-        tau = kth_key(key, live, K)
+        if STEP2:
+            tau = kth_key2(key, live, K)
+        else:
+            tau = kth_key(key, live, K)
         gt = live & (key > tau)
         eq = live & (key == tau)
         need = K - tl.sum(gt.to(tl.int32), 0)
