@@ -70,7 +70,7 @@ def _pdl_probe(index: int) -> bool:
     """One launch of a tiny kernel with PDL on device `index` (eagerly, outside any capture): False if the
     compiler, the driver or the launch rejects it, so a caller falls back to plain launches with no error."""
     try:
-        from sparse_rl.sparse.ops._pdl_probe import probe
+        from sparse_rl.sparse.ops.pdl import probe
 
         return probe(index)
     except Exception:

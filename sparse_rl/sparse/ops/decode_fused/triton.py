@@ -15,14 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_rl.sparse.ops.pdl import pdl_enter
+
 
 @triton.jit
 def _add_rmsnorm_kernel(X, R, W, Y, H, sx, sr, sy, sh, N, eps, HAS_RES: tl.constexpr, BN: tl.constexpr,
                         PDL: tl.constexpr = False):
-    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
-        tl.extra.cuda.gdc_wait()
-    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BN)
     m = offs < N
@@ -59,10 +58,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 def _qk_rope_kernel(Q, K, V, QW, KW, COS, SIN, POS, KC, VC, QO,
                     sqb, sqh, skb, skh, svb, svh, scos, ssin, skcb, skcs, skch, svcb, svcs, svch, sqob, sqoh,
                     H, D, eps, NORM: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
-        tl.extra.cuda.gdc_wait()
-    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BD)
@@ -123,10 +119,7 @@ def qk_norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
 
 @triton.jit
 def _silu_mul_kernel(GU, Y, sg, sy, N, BN: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
-        tl.extra.cuda.gdc_wait()
-    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BN + tl.arange(0, BN)
     m = offs < N

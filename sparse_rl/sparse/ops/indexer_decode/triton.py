@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_rl.sparse.ops.pdl import pdl_enter
+
 
 @triton.jit
 def _rope(x, cs, sn, offs_d, x_partner, HALF: tl.constexpr, ROPE: tl.constexpr):
@@ -43,10 +45,7 @@ def _indexer_decode_kernel(ZQ, ZK, ZW, COS, SIN, LNW, LNB, POS, KC, KS, QO, WO,
                            HB: tl.constexpr, BD: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr,
                            AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
                            PDL: tl.constexpr = False):
-    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
-        tl.extra.cuda.gdc_wait()
-    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
     b = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BD)
     offs_h = tl.arange(0, HB)

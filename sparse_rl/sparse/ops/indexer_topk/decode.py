@@ -54,6 +54,7 @@ from sparse_rl.sparse.ops.indexer_topk.decode_select import (AUTO_LONG, FINE_RES
 from sparse_rl.sparse.ops.indexer_topk.decode_bits import _code
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
+from sparse_rl.sparse.ops.pdl import pdl_enter
 
 # candidates (keys in the threshold's bin) resolved by one sort rather than four radix passes over them
 # (`_sort_threshold`) when there are at most this many: off by default, since on the H200 it bought
@@ -88,10 +89,7 @@ def _score_max(Q, W, KI, KS, POS, KVS, SC, RNG, sqb, sqh, sqd, swb, swh, skb, sk
                HB: tl.constexpr, BD: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
                FP8: tl.constexpr, PER_CHUNK: tl.constexpr, HAS_START: tl.constexpr = True, BITS: tl.constexpr = False,
                NBB: tl.constexpr = 2048, PDL: tl.constexpr = False):
-    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
-        tl.extra.cuda.gdc_wait()
-    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)

@@ -57,6 +57,7 @@ from sparse_rl.sparse.ops.indexer_topk.decode_row import _row_span
 from sparse_rl.sparse.ops.indexer_topk.decode_split import _hist_chunk, _list_start, _tile
 from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _append, _block, _bstar_of, _emit, _pad_rest,
                                                            _radix_threshold)
+from sparse_rl.sparse.ops.pdl import pdl_enter
 
 NB2 = 128  # sub-bins of the threshold's first-level bin
 # list slots a step when the sub-bin's keys are compacted (regions of ~30 slots at 32 x 16K; max ~150). 32:
@@ -82,10 +83,7 @@ def _sub(x, fin, d, mx, inv, NB: tl.constexpr, NB2: tl.constexpr):
 @triton.jit
 def _sub_gather(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, S, K, P, CH: tl.constexpr, BN: tl.constexpr,
                 NB: tl.constexpr, NB2: tl.constexpr, PMAX: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
-        tl.extra.cuda.gdc_wait()
-    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
@@ -170,10 +168,7 @@ def _rank_sub_bin(CU, CI, CD, b, S, col, zc, h2b, b2, n2, rem2, CH: tl.constexpr
 def _resolve_write(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, OUT, NC, sob, S, K, P, CH: tl.constexpr,
                    BN: tl.constexpr, NB: tl.constexpr, NB2: tl.constexpr, PMAX: tl.constexpr,
                    CAPB: tl.constexpr, CB: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
-        tl.extra.cuda.gdc_wait()
-    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)

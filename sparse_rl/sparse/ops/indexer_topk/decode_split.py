@@ -25,6 +25,7 @@ import triton.language as tl
 from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _append, _block, _bstar_of, _emit, _pad_rest,
                                                            _radix_threshold, _sort_threshold)
 from sparse_rl.sparse.ops.indexer_topk.decode_row import _row_span
+from sparse_rl.sparse.ops.pdl import pdl_enter
 
 
 @triton.jit
@@ -51,10 +52,7 @@ def _list_start(HP, NFP, SPAN, b, p, pos, K, P, CH: tl.constexpr, NB: tl.constex
 @triton.jit
 def _hist_chunk(SC, POS, SPAN, HP, NFP, S, P, CH: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
                 PMAX: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
-        tl.extra.cuda.gdc_wait()
-    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
@@ -75,10 +73,7 @@ def _hist_chunk(SC, POS, SPAN, HP, NFP, S, P, CH: tl.constexpr, BN: tl.constexpr
 @triton.jit
 def _gather_chunk(SC, POS, SPAN, HP, NFP, CU, CI, S, K, P, CH: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
                   PMAX: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
-        tl.extra.cuda.gdc_wait()
-    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
@@ -96,10 +91,7 @@ def _gather_chunk(SC, POS, SPAN, HP, NFP, CU, CI, S, K, P, CH: tl.constexpr, BN:
 def _thresh_write(SC, POS, SPAN, HP, NFP, CU, CI, OUT, NC, sob, S, K, P, CH: tl.constexpr, BN: tl.constexpr,
                   NB: tl.constexpr, PMAX: tl.constexpr, BLOCK: tl.constexpr, SORT: tl.constexpr,
                   PDL: tl.constexpr = False):
-    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
-        tl.extra.cuda.gdc_wait()
-    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)

@@ -44,6 +44,7 @@ import triton.language as tl
 from sparse_rl.sparse.ops.sparse_attention import blocks, keymajor, paths, union
 from sparse_rl.sparse.ops.sparse_attention.naive import shared_to_per_query, sparse_attention_naive
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
+from sparse_rl.sparse.ops.pdl import pdl_enter
 
 LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -65,10 +66,7 @@ def _fwd_kernel(Q, K, V, IDX, O, LSE,
                 BLOCK_D: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
     """O/LSE: `[B, T, H, D]`/`[B, T, H]` when NSPLIT == 1, else fp32 partials
     `[B, T*NSPLIT, H, D]`/`[B, T*NSPLIT, H]` (split index fastest) merged by `_merge_kernel`."""
-    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
-        tl.extra.cuda.gdc_wait()
-    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -120,10 +118,7 @@ def _merge_kernel(PO, PL, O, LSE, H, D, sob, soh, slb, slh,
                   NSPLIT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """Merge split partials `PO [B, NSPLIT, H, D]`, `PL [B, NSPLIT, H]` (contiguous fp32) into
     O `[B, H, D]`, LSE `[B, H]`. One program per (head, batch row)."""
-    if PDL:  # launched early (PDL): no load before the previous kernel is done (_backend.pdl_supported)
-        tl.extra.cuda.gdc_wait()
-    if PDL == 2:  # level 2: the next kernel may launch now (its programs wait too; _backend.PDL_LEVELS)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
