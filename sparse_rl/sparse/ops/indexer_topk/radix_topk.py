@@ -221,11 +221,10 @@ def radix_topk(scores: torch.Tensor, topk: int, q_lim: int | None = None, out: t
 
 
 @triton.jit
-def kth_key(key, live, K, NBITS: tl.constexpr = 32):
-    """The K-th largest of the live `[CB]` uint32 keys (K >= 1, at least K live): the largest tau with
-    #(live & key >= tau) >= K, by a binary search over the bits where the live min and max differ (the bits
-    above are common to every live key, hence to tau). NBITS < 32: only the top NBITS bits are searched (the
-    rest left 0), so tau <= the K-th largest and #(key >= tau) >= K: a threshold, not the exact key."""
+def _search_span(key, live):
+    """Where a k-th key search over the live `[CB]` uint32 keys starts: smear, the bits at or below the highest
+    bit in which the live min and max differ (the only bits to search), and tau, the bits above it (common to
+    every live key, hence to the answer)."""
     lo = tl.min(tl.where(live, key, 0xFFFFFFFF), 0)
     hi = tl.max(tl.where(live, key, 0), 0)
     diff = lo ^ hi
@@ -235,6 +234,16 @@ def kth_key(key, live, K, NBITS: tl.constexpr = 32):
     smear = smear | (smear >> 8)
     smear = smear | (smear >> 16)  # every bit at or below diff's highest set bit
     tau = lo & ~smear
+    return smear, tau
+
+
+@triton.jit
+def kth_key(key, live, K, NBITS: tl.constexpr = 32):
+    """The K-th largest of the live `[CB]` uint32 keys (K >= 1, at least K live): the largest tau with
+    #(live & key >= tau) >= K, by a binary search over the bits where the live min and max differ (the bits
+    above are common to every live key, hence to tau). NBITS < 32: only the top NBITS bits are searched (the
+    rest left 0), so tau <= the K-th largest and #(key >= tau) >= K: a threshold, not the exact key."""
+    smear, tau = _search_span(key, live)
     bit = tl.full([], 0x80000000, tl.uint32)
     for _ in range(NBITS):
         if (smear & bit) != 0:
@@ -258,15 +267,7 @@ def kth_key2(key, live, K, NBITS: tl.constexpr = 32):
     dependent count / reduce / barrier rounds (sm_90a: the 1-bit loop is ~89 instructions a step at 8 warps,
     100 registers, 2 programs an SM: latency bound). Same tau: the largest with #(live & key >= tau) >= K over
     the top NBITS bits (NBITS even; < 32 leaves the bits below 0: a lower bound)."""
-    lo = tl.min(tl.where(live, key, 0xFFFFFFFF), 0)
-    hi = tl.max(tl.where(live, key, 0), 0)
-    diff = lo ^ hi
-    smear = diff | (diff >> 1)
-    smear = smear | (smear >> 2)
-    smear = smear | (smear >> 4)
-    smear = smear | (smear >> 8)
-    smear = smear | (smear >> 16)  # every bit at or below diff's highest set bit
-    tau = lo & ~smear
+    smear, tau = _search_span(key, live)
     b1 = tl.full([], 0x80000000, tl.uint32)
     for _ in range(NBITS // 2):
         e1 = smear & b1
