@@ -22,3 +22,21 @@ def tiny_model_dir(tmp_path_factory):
     res = CliRunner().invoke(app, ["model", "init", str(out), "--arch", "llama", "--size", "tiny", "--seed", "0"])
     assert res.exit_code == 0, res.output
     return out
+
+
+@pytest.fixture
+def pdl_kernel_name():
+    """Under the interpreter, called from a stand-in for `gdc_wait` / `gdc_launch_dependents`: the name of the
+    kernel whose prologue (`ops.pdl.pdl_enter`) made the call, past the interpreter's own frames."""
+    import sys
+
+    def name():
+        f = sys._getframe(2)
+        while f.f_code.co_name != "pdl_enter":
+            f = f.f_back
+        f = f.f_back
+        while "sparse_rl" not in f.f_code.co_filename:
+            f = f.f_back
+        return f.f_code.co_name
+
+    return name

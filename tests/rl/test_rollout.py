@@ -516,15 +516,13 @@ def test_blas_choice_is_checked_and_restored(llama_dir):
         _engine(load_model(llama_dir, attention="sparse"), runner_options={"blas": "mkl"})
 
 
-def test_pdl_resolves_off_on_the_cpu_and_is_threaded_to_every_step_kernel(llama_dir, monkeypatch):
+def test_pdl_resolves_off_on_the_cpu_and_is_threaded_to_every_step_kernel(llama_dir, monkeypatch, pdl_kernel_name):
     """`ModelRunner(pdl=True)` on a CPU is no error and resolves off (`_backend.resolve_pdl`); with the choice
     forced on (as on an H200), one eager sparse decode step on the Triton kernels (interpreter; 2 rows at 20
     and 14 keys, past the top-k of 12, on a random cache) waits in `gdc_wait` in every kernel it launches
     (fused norms / RoPE / SiLU, the indexer's per-token kernel, the score pass, the fine select's passes, the
     decode attention) and gives bitwise the logits of plain launches; at level 2 each also triggers its
     dependents (`gdc_launch_dependents`) after the wait."""
-    import sys
-
     import triton.language as tl
 
     from sparse_rl.rl.rollout import forward
@@ -537,9 +535,9 @@ def test_pdl_resolves_off_on_the_cpu_and_is_threaded_to_every_step_kernel(llama_
     with pytest.raises(ValueError, match="pdl"):
         eng.runner.set_pdl(3)
     waits = []
-    monkeypatch.setattr(tl.extra.cuda, "gdc_wait", lambda: waits.append(sys._getframe(1).f_code.co_name))
+    monkeypatch.setattr(tl.extra.cuda, "gdc_wait", lambda: waits.append(pdl_kernel_name()))
     launches = []
-    monkeypatch.setattr(tl.extra.cuda, "gdc_launch_dependents", lambda: launches.append(sys._getframe(1).f_code.co_name))
+    monkeypatch.setattr(tl.extra.cuda, "gdc_launch_dependents", lambda: launches.append(pdl_kernel_name()))
     monkeypatch.setattr(forward, "resolve_pdl", lambda pdl, device, default: int(default if pdl is None else pdl))
     monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
     cache = eng._ensure_cache(32)

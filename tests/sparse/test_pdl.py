@@ -6,8 +6,6 @@ recorder: the interpreter has no grid dependency control of its own)."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 import triton.language as tl
@@ -52,22 +50,12 @@ def test_probe_failure_reads_as_unsupported(monkeypatch):
 
 
 @pytest.fixture
-def waits(monkeypatch):
+def waits(monkeypatch, pdl_kernel_name):
     """Records the kernel (its function name) of every `gdc_wait` under the interpreter, and as ("launch", name)
     every `gdc_launch_dependents`."""
     got = []
-
-    def kernel_name():  # the kernel that called `ops.pdl.pdl_enter` (its prologue), past the interpreter's frames
-        f = sys._getframe(2)
-        while f.f_code.co_name != "pdl_enter":
-            f = f.f_back
-        f = f.f_back
-        while "sparse_rl" not in f.f_code.co_filename:
-            f = f.f_back
-        return f.f_code.co_name
-
-    monkeypatch.setattr(tl.extra.cuda, "gdc_wait", lambda: got.append(kernel_name()))
-    monkeypatch.setattr(tl.extra.cuda, "gdc_launch_dependents", lambda: got.append(("launch", kernel_name())))
+    monkeypatch.setattr(tl.extra.cuda, "gdc_wait", lambda: got.append(pdl_kernel_name()))
+    monkeypatch.setattr(tl.extra.cuda, "gdc_launch_dependents", lambda: got.append(("launch", pdl_kernel_name())))
     return got
 
 
