@@ -32,3 +32,17 @@ def test_pdl_option_reaches_the_runner_and_resolves_off_on_the_cpu():
     assert b.cfg.pdl is True and b.engine(2, 64).runner.pdl == 0
     res = CliRunner().invoke(app, ["bench", "rollout", "--help"])
     assert "--pdl" in res.output and "--no-pdl" in res.output
+
+
+def test_integration_contexts_straddle_every_power_of_two():
+    """The integrated whole generation times steps on both sides of each power of two (the decode select's
+    launch constants double there, so the step jumps) and of top-k, and at both ends."""
+    from sparse_rl.bench.rollout import _span_contexts
+
+    pts = _span_contexts(128, 32896, topk=2048, bucket=256)
+    assert pts[0] == 129 and pts[-1] == 32896
+    for p in (256, 512, 1024, 2048, 4096, 8192, 16384):
+        assert p in pts and p + 256 in pts, p
+    assert 32768 in pts and 32768 + 256 not in pts  # past the end: the end itself (32896) is the other side
+    assert 2048 + 256 in pts and pts == sorted(set(pts)) and all(128 < c <= 32896 for c in pts)
+    assert 65536 not in pts and 16384 + 512 not in pts
