@@ -38,6 +38,7 @@ from sparse_rl.bench.floor import SHAPES, build_model as _build, copy_bandwidth,
 from sparse_rl.errors import UsageError
 
 WHOLE = ("auto", "measure", "integrate")
+STEP_TIMINGS = ("synced", "queued")  # RolloutEngine.time_step: each step on an idle device (median) | back to back (mean)
 DENSE_LAYERS = (0, 1)
 
 
@@ -77,6 +78,7 @@ class BenchRolloutConfig:
     score_block: int = 64  # the score pass's keys a step (DecodeSelect.score_block; 0: the select's own)
     qkv_pad: int = 64  # the fused q/k/v(+indexer) weight padded with zero rows to a multiple of this
     pdl: int | None = None  # PDL in the step (ModelRunner.pdl: 0-2 or a bool; None: its default)
+    step_timing: str = "synced"  # step rows: "synced" (each step on an idle device, median) | "queued" (back to back)
 
     def __post_init__(self):
         if self.shape not in SHAPES:
@@ -95,6 +97,8 @@ class BenchRolloutConfig:
             raise UsageError(f"--decode-select / --decode-long / --score-block: {e}") from None
         if self.qkv_pad < 1:
             raise UsageError("--qkv-pad must be >= 1")
+        if self.step_timing not in STEP_TIMINGS:
+            raise UsageError(f"--step-timing {self.step_timing}: expected one of {', '.join(STEP_TIMINGS)}")
         if any(b < 1 for b in self.long_batches) or any(c < 2 for c in self.step_contexts + self.latency_contexts):
             raise UsageError("--long-batches must be >= 1 and --step-contexts/--latency-contexts >= 2")
 
@@ -216,7 +220,7 @@ class _Bench:
 
     def step_row(self, eng, B, ctx, mode, run="step") -> dict:
         eng.set_attention(mode)
-        ms = eng.time_step(ctx - 1)
+        ms = eng.time_step(ctx - 1, queued=self.cfg.step_timing == "queued")
         fb = self.floor_bytes(B, ctx, mode)
         fl = 1e3 * fb / self.bw
         return {"run": run, "mode": mode, "batch": B, "context": ctx, "ms": round(ms, 3), "floor_ms": float(f"{fl:.4g}"),

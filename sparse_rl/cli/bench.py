@@ -147,6 +147,10 @@ def rollout(
                                                      "output columns [default: 64]"),
     pdl: Optional[bool] = typer.Option(None, "--pdl/--no-pdl", help="Programmatic dependent launch of the decode "
                                        "step's Triton kernels (Hopper+; off elsewhere) [default: the engine's]"),
+    step_timing: Optional[str] = typer.Option(None, help="Step rows (and the integrated generations' points): synced "
+                                                         "(each step on an idle device, median of 20) | queued (20 "
+                                                         "steps back to back, as a generation runs them) "
+                                                         "[default: synced]"),
     index_heads: Optional[int] = _common["index_heads"], index_dim: Optional[int] = _common["index_dim"],
     dtype: Optional[str] = typer.Option(None, help="bfloat16 | float16 | float32 [default: bfloat16]"),
     device: Optional[str] = device_option(),
@@ -170,6 +174,7 @@ def rollout(
             step_contexts=ints("--step-contexts", step_contexts), step_batch=step_batch,
             latency_contexts=ints("--latency-contexts", latency_contexts), topk=index_topk, index_heads=index_heads,
             index_dim=index_dim, dtype=dtype, device=device, compile=compile, decode_select=decode_select,
-            decode_long=decode_long, score_block=score_block, qkv_pad=qkv_pad, pdl=pdl), sets=set_)
+            decode_long=decode_long, score_block=score_block, qkv_pad=qkv_pad, pdl=pdl,
+            step_timing=step_timing), sets=set_)
         res = run_rollout_bench(cfg, log=lambda m: console.print(f"[dim]{m}[/]"))
         _finish(res, markdown_rollout(res), out)

@@ -8,9 +8,10 @@ from sparse_rl.errors import UsageError
 from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
 
-@pytest.mark.parametrize("bad", [{"decode_select": "rows"}, {"decode_long": "auto"}, {"qkv_pad": 0}, {"score_block": 48}])
+@pytest.mark.parametrize("bad", [{"decode_select": "rows"}, {"decode_long": "auto"}, {"qkv_pad": 0}, {"score_block": 48},
+                                 {"step_timing": "fast"}])
 def test_bad_kernel_choices_are_usage_errors(bad):
-    with pytest.raises(UsageError, match="--decode-select|--qkv-pad|--score-block"):
+    with pytest.raises(UsageError, match="--decode-select|--qkv-pad|--score-block|--step-timing"):
         BenchRolloutConfig(**bad)
 
 

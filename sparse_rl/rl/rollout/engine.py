@@ -265,14 +265,27 @@ class RolloutEngine:
             self.runner.decode(cache, zeros, zeros, min(S, cache.s_max), self.mode)
 
     @torch.inference_mode()
-    def time_step(self, pos: int, reps: int = 20) -> float:
-        """Median milliseconds of one decode step with every slot at position `pos` (CUDA events on a GPU)."""
+    def time_step(self, pos: int, reps: int = 20, queued: bool = False) -> float:
+        """Milliseconds of one decode step with every slot at position `pos` (CUDA events on a GPU).
+        queued=False: the median of `reps` steps, each launched on an idle device and waited for; queued=True:
+        `reps` steps launched back to back between two events, their mean, as a generation runs them (its loop
+        queues the next step before the last one ends, so no step starts on an idle device or waits for the
+        host's launch)."""
         self.runner.sync_weights()
         cache = self._ensure_cache(pos + 1)
         tok = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
         p = torch.full_like(tok, pos)
         S = self._bucket(pos + 1, cache.s_max)
         self.runner.decode(cache, tok, p, S, self.mode)
+        if queued and self.device.type == "cuda":
+            self.runner.decode(cache, tok, p, S, self.mode)  # the device busy before the first timed step
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(reps):
+                self.runner.decode(cache, tok, p, S, self.mode)
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / reps
         times = []
         for _ in range(reps):
             if self.device.type == "cuda":
