@@ -43,14 +43,15 @@ class Variant:
     skinny_gemm: tuple | bool = ()  # ModelRunner.skinny_gemm: True (all), or names among forward.SKINNY
     blas: str | None = None  # ModelRunner.blas: the step's BLAS library (None: torch's default)
     pdl: bool | None = None  # ModelRunner.pdl: programmatic dependent launch (None: forward.PDL_DEFAULT)
+    fuse_indexer: bool = True  # ModelRunner.fuse_indexer: a sparse layer's q/k RoPE and indexer in one launch
 
     def describe(self) -> dict:
         return {"select": self.select.as_kwargs(), "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
-                "blas": self.blas, "pdl": self.pdl}
+                "blas": self.blas, "pdl": self.pdl, "fuse_indexer": self.fuse_indexer}
 
     def runner_options(self) -> dict:
         return {"decode_select": self.select, "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
-                "blas": self.blas, "pdl": self.pdl}
+                "blas": self.blas, "pdl": self.pdl, "fuse_indexer": self.fuse_indexer}
 
 
 def apply(eng, v: Variant) -> None:
@@ -65,6 +66,7 @@ def apply(eng, v: Variant) -> None:
     if r.blas != v.blas:
         r.set_blas(v.blas)
     r.set_pdl(v.pdl)  # drops the graphs only when the resolved choice changes
+    r.set_fuse_indexer(v.fuse_indexer)  # likewise
 
 
 def free() -> None:

@@ -516,6 +516,40 @@ def test_blas_choice_is_checked_and_restored(llama_dir):
         _engine(load_model(llama_dir, attention="sparse"), runner_options={"blas": "mkl"})
 
 
+def test_fused_indexer_launch_gives_the_logits_of_two_launches(llama_dir, monkeypatch):
+    """`ModelRunner(fuse_indexer=)`: a sparse layer's q/k norm + RoPE + cache write and its indexer's per-token
+    work as one launch (`ops.qk_rope_indexer_decode`, the default) or two (`qk_norm_rope_cache`,
+    `indexer_decode`): one eager sparse step on the Triton kernels (interpreter; rows at 20 and 14 keys, past the
+    top-k of 12, on a random cache) gives bitwise the same logits and the same caches either way."""
+    from sparse_rl.rl.rollout import forward
+
+    model = load_model(llama_dir, attention="sparse")
+    eng = _engine(model, max_batch=2, fuse_projections=True)
+    assert eng.runner.fuse_indexer
+    fused = []
+    real = forward.qk_rope_indexer_decode
+    monkeypatch.setattr(forward, "qk_rope_indexer_decode", lambda *a, **k: fused.append(1) or real(*a, **k))
+    monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
+    cache = eng._ensure_cache(32)
+    g = torch.Generator().manual_seed(6)
+    for t in (cache.k, cache.v, cache.idx):
+        t.copy_(torch.randn(t.shape, generator=g))
+    start = [t.clone() for t in (cache.k, cache.v, cache.idx)]
+    tok, pos = torch.tensor([7, 99]), torch.tensor([19, 13])
+    out = {}
+    with torch.inference_mode():
+        for on in (True, False):
+            for t, t0 in zip((cache.k, cache.v, cache.idx), start):
+                t.copy_(t0)
+            eng.runner.fuse_indexer = on
+            n = len(fused)
+            out[on] = (eng.runner.decode_eager(cache, tok, pos, 20, "sparse"), cache.k.clone(), cache.v.clone(),
+                       cache.idx.clone())
+            assert (len(fused) > n) == on
+    monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
+    assert all(torch.equal(a, b) for a, b in zip(out[True], out[False]))
+
+
 def test_pdl_resolves_off_on_the_cpu_and_is_threaded_to_every_step_kernel(llama_dir, monkeypatch, pdl_kernel_name):
     """`ModelRunner(pdl=True)` on a CPU is no error and resolves off (`_backend.resolve_pdl`); with the choice
     forced on (as on an H200), one eager sparse decode step on the Triton kernels (interpreter; 2 rows at 20
@@ -555,7 +589,8 @@ def test_pdl_resolves_off_on_the_cpu_and_is_threaded_to_every_step_kernel(llama_
         eng.runner.set_pdl(2)
         trig = eng.runner.decode_eager(cache, tok, pos, 20, "sparse")
     monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
-    assert {"_add_rmsnorm_kernel", "_qk_rope_kernel", "_silu_mul_kernel", "_indexer_decode_kernel", "_score_max",
+    # a sparse layer's q/k RoPE and its indexer run as one launch (`_qk_rope_index_kernel`, the runner's default)
+    assert {"_add_rmsnorm_kernel", "_qk_rope_index_kernel", "_silu_mul_kernel", "_score_max",
             "_hist_chunk", "_sub_gather", "_resolve_write", "_fwd_kernel"} <= set(waits)
     assert launches == waits[n_wait:]  # level 2: every program triggers its dependents right after its wait
     assert torch.equal(plain, early) and torch.equal(plain, trig)

@@ -97,3 +97,46 @@ def test_silu_mul_equals_the_mlp(dtype, backend):
     tol = dict(atol=0, rtol=0) if backend == "torch" else _tol(dtype)
     torch.testing.assert_close(got, ref, **tol)
     torch.testing.assert_close(mlp.down_proj(got), mlp(x), **tol)
+
+
+@pytest.mark.parametrize("dtype,HI,DI,rope_dim,affine,fp8,norm", [
+    (torch.float32, 3, 20, 8, True, False, True),  # odd index heads and dim
+    (torch.bfloat16, 4, 64, 32, True, False, True),
+    (torch.float32, 5, 16, 0, False, False, False),  # no index RoPE, LayerNorm without weight / bias, no q/k norm
+    (torch.bfloat16, 4, 32, 16, True, True, True),  # fp8 index keys with their scales
+])
+def test_qk_rope_indexer_decode_equals_the_two_launches(dtype, HI, DI, rope_dim, affine, fp8, norm):
+    """One launch for a sparse layer's q/k norm + RoPE + K/V cache write and its indexer's per-token work
+    (`ops.qk_rope_indexer_decode`): the Triton kernel (interpreter) gives exactly what `qk_norm_rope_cache` and
+    `indexer_decode` give as two launches, every cache row written where those write it and nowhere else; the
+    reference path is the two references."""
+    from sparse_rl.sparse.ops import indexer_decode, qk_rope_indexer_decode
+
+    g = torch.Generator().manual_seed(HI * DI + rope_dim)
+    B, H, H_kv, D, S = 5, 7, 1, 16, 23
+    q, k, v = (torch.randn(B, n, D, generator=g).to(dtype) for n in (H, H_kv, H_kv))
+    qw, kw = (torch.rand(D, generator=g).add(0.5).to(dtype) for _ in range(2)) if norm else (None, None)
+    ang = torch.rand(B, D // 2, generator=g) * 10
+    cos, sin = (torch.cat([f, f], -1).to(dtype) for f in (ang.cos(), ang.sin()))
+    zq, zk, zw = (torch.randn(B, n, generator=g).to(dtype) for n in (HI * DI, DI, HI))
+    lnw, lnb = (torch.randn(DI, generator=g).to(dtype) for _ in range(2)) if affine else (None, None)
+    pos = torch.tensor([22, 0, 9, 9, 3])
+    idt = torch.float8_e4m3fn if fp8 else dtype
+
+    def caches():
+        return (torch.full((B, S, H_kv, D), 5.0, dtype=dtype), torch.full((B, S, H_kv, D), 5.0, dtype=dtype),
+                torch.zeros(B, S, DI, dtype=idt), torch.zeros(B, S) if fp8 else None)
+
+    for backend in ("torch", "triton"):
+        kc, vc, ic, isc = caches()
+        qo, qi, wi = qk_rope_indexer_decode(q, k, v, qw, kw, 1e-6, cos, sin, pos, kc, vc, zq, zk, zw, lnw, lnb, 1e-5,
+                                            rope_dim, ic, isc, backend=backend)
+        kc2, vc2, ic2, isc2 = caches()
+        qo2 = qk_norm_rope_cache(q, k, v, qw, kw, 1e-6, cos, sin, pos, kc2, vc2, backend=backend)
+        qi2, wi2 = indexer_decode(zq, zk, zw, cos, sin, lnw, lnb, 1e-5, rope_dim, pos, ic2, isc2, backend=backend)
+        for a, b in ((qo, qo2), (qi, qi2), (wi, wi2), (kc, kc2), (vc, vc2), (ic.float(), ic2.float())):
+            assert torch.equal(a, b), backend
+        if fp8:
+            assert torch.equal(isc, isc2)
+        other = torch.arange(S)[None] != pos[:, None]  # [B, S]: every row but the one at pos stays as it was
+        assert (kc[torch.arange(B), pos] != 5.0).any() and (kc[other] == 5.0).all() and (vc[other] == 5.0).all()

@@ -64,8 +64,8 @@ from sparse_rl.sparse.layer import DecodeOps, attend, layer_states, select, sele
 from sparse_rl.rl.rollout.fused_weights import FusedLayer
 from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT, DecodeSelect
 from sparse_rl.sparse.ops._backend import resolve_pdl
-from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cache, quantize_index_keys, silu_mul,
-                                  skinny_linear, sparse_decode)
+from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cache, qk_rope_indexer_decode,
+                                  quantize_index_keys, silu_mul, skinny_linear, sparse_decode)
 
 
 # `ModelRunner.qkv_pad`'s default: zero rows after the fused q/k/v(+indexer) weight up to 64 output columns.
@@ -189,7 +189,7 @@ class ModelRunner:
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
                  decode_select: DecodeSelect | None = None, skinny_gemm=(), blas: str | None = None,
-                 pdl: bool | int | None = None):
+                 pdl: bool | int | None = None, fuse_indexer: bool = True):
         base = _base(model)
         dec = base.get_decoder()
         self.model, self.base = model, base
@@ -232,6 +232,9 @@ class ModelRunner:
         self.skinny_gemm = _skinny_set(skinny_gemm)
         self.blas = _check_blas(blas)
         self.pdl = resolve_pdl(pdl, self.device, PDL_DEFAULT)  # the step's launches (resolved once)
+        # a sparse layer's q/k norm + RoPE + cache write and its indexer's per-token work in one launch
+        # (`ops.qk_rope_indexer_decode`, the same values as the two launches; needs the fused projections)
+        self.fuse_indexer = bool(fuse_indexer)
         self._pdl_asked = pdl  # the request: the compiled step's inductor PDL only when asked for (never timed)
         self._skinny_cnt: dict = {}  # id(module or fused weight) -> its tile counters (ops.skinny_linear)
         self.fused_layers = ([FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
@@ -387,6 +390,7 @@ class ModelRunner:
             fl = None if compiled or not self.fused or self.fused_layers is None else self.fused_layers[i]
             indexed = self._sparse(i, mode) and self.states[i].cfg.selector == "indexer"
             q, k, v, z = self._projections(attn, fl, x, indexed)
+            early = None  # the indexer's (q_I, w), when the q/k launch computed them
             if compiled or not self.fused:  # the modules (inductor fuses their elementwise ops itself)
                 if getattr(attn, "q_norm", None) is not None:
                     q, k = attn.q_norm(q), attn.k_norm(k)
@@ -394,16 +398,25 @@ class ModelRunner:
                 q, k = q[:, 0], k[:, 0]
                 write(k_all, i, k)
                 write(v_all, i, v)
-            else:  # one launch: Qwen3's q/k norms, RoPE and the K/V cache write
+            else:  # one launch: Qwen3's q/k norms, RoPE and the K/V cache write (+ the indexer's work, `early`)
                 qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-                q = qk_norm_rope_cache(q, k, v, None if qn is None else qn.weight, None if kn is None else kn.weight,
-                                       1e-6 if qn is None else qn.variance_epsilon, cos[:, 0], sin[:, 0], pos,
-                                       k_all[i], v_all[i], pdl=pdl)
+                qk = (q, k, v, None if qn is None else qn.weight, None if kn is None else kn.weight,
+                      1e-6 if qn is None else qn.variance_epsilon, cos[:, 0], sin[:, 0], pos, k_all[i], v_all[i])
+                if indexed and z is not None and self.fuse_indexer:
+                    ix = attn.indexer
+                    q, *early = qk_rope_indexer_decode(*qk, *z, ix.k_norm.weight, ix.k_norm.bias, ix.k_norm.eps,
+                                                       ix.rope_dim, idx_all[i],
+                                                       None if scale_all is None else scale_all[i],
+                                                       backend=self.states[i].backend, pdl=pdl)
+                else:
+                    q = qk_norm_rope_cache(*qk, pdl=pdl)
             if self._sparse(i, mode):
                 st = self.states[i]
                 index = None
                 if st.cfg.selector == "indexer":
-                    if compiled:
+                    if early is not None:
+                        q_i, w = early
+                    elif compiled:
                         q_i, w, k_i = attn.indexer(x[:, None], cos, sin)
                         if scale_all is not None:
                             k8, sc = quantize_index_keys(k_i[:, 0])
@@ -696,6 +709,13 @@ class ModelRunner:
         """Whether the compiled step compiles under inductor's `triton.enable_pdl`: only when `pdl` was asked for
         (not by default: it was never timed; the default covers the eager step's own kernels)."""
         return bool(self.pdl) and self._pdl_asked is not None
+
+    def set_fuse_indexer(self, on: bool) -> None:
+        """One launch (True) or two for a sparse layer's q/k RoPE and its indexer from the next step (the CUDA
+        graphs hold the old launches: dropped when the choice changes)."""
+        if bool(on) != self.fuse_indexer:
+            self.fuse_indexer = bool(on)
+            self.drop_graphs()
 
     def set_decode_select(self, decode_select: DecodeSelect) -> None:
         """Run `decode_select` from the next step on, dropping the CUDA graphs (they hold the old kernels;

@@ -209,6 +209,24 @@ def qk_norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
     return qk_norm_rope_cache_naive(q, k, v, q_weight, k_weight, eps, cos, sin, pos, k_cache, v_cache)
 
 
+def qk_rope_indexer_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                           k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                           pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, zq: torch.Tensor,
+                           zk: torch.Tensor, zw: torch.Tensor, ln_weight: torch.Tensor | None,
+                           ln_bias: torch.Tensor | None, ln_eps: float, rope_dim: int, idx_cache: torch.Tensor,
+                           idx_scale: torch.Tensor | None = None, *, backend: str = "auto", pdl: bool = False):
+    """`qk_norm_rope_cache` and `indexer_decode` of one sparse decode layer (same arguments, the indexer's after
+    the K/V cache's) -> (q rotated `[B, H, D]`, q_I `[B, H_I, d_I]`, w `[B, H_I]`), every cache written; Triton:
+    one launch for the two (`decode_fused.triton.qk_rope_indexer_decode`), the same values."""
+    fn = kernel("decode_fused", "qk_rope_indexer_decode")
+    if resolve_backend(backend, q, fn is not None) == "triton":
+        return fn(q, k, v, q_weight, k_weight, eps, cos, sin, pos, k_cache, v_cache, zq, zk, zw, ln_weight, ln_bias,
+                  ln_eps, rope_dim, idx_cache, idx_scale, pdl=pdl)
+    qo = qk_norm_rope_cache_naive(q, k, v, q_weight, k_weight, eps, cos, sin, pos, k_cache, v_cache)
+    return (qo, *indexer_decode_naive(zq, zk, zw, cos, sin, ln_weight, ln_bias, ln_eps, rope_dim, pos, idx_cache,
+                                      idx_scale))
+
+
 def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto", pdl: bool = False) -> torch.Tensor:
     """The gated MLP's SiLU(gate) * up from one fused gate/up GEMM: gate_up `[B, 2N]` -> `[B, N]`."""
     fn = kernel("decode_fused", "silu_mul")

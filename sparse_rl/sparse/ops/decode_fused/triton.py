@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_rl.sparse.ops.indexer_decode.triton import indexer_launch, indexer_row
 from sparse_rl.sparse.ops.pdl import pdl_enter
 
 
@@ -55,12 +56,10 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 
 @triton.jit
-def _qk_rope_kernel(Q, K, V, QW, KW, COS, SIN, POS, KC, VC, QO,
-                    sqb, sqh, skb, skh, svb, svh, scos, ssin, skcb, skcs, skch, svcb, svcs, svch, sqob, sqoh,
-                    H, D, eps, NORM: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+def _qk_rope_head(b, h, Q, K, V, QW, KW, COS, SIN, POS, KC, VC, QO,
+                  sqb, sqh, skb, skh, svb, svh, scos, ssin, skcb, skcs, skch, svcb, svcs, svch, sqob, sqoh,
+                  H, D, eps, NORM: tl.constexpr, BD: tl.constexpr):
+    """Head h < H + H_kv of row b: a query head's norm + RoPE, or a KV head's norm + RoPE and K/V cache write."""
     offs = tl.arange(0, BD)
     half = D // 2
     m = offs < D
@@ -95,26 +94,85 @@ def _qk_rope_kernel(Q, K, V, QW, KW, COS, SIN, POS, KC, VC, QO,
         tl.store(VC + b * svcb + p * svcs + kh * svch + offs, vv.to(VC.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _qk_rope_kernel(Q, K, V, QW, KW, COS, SIN, POS, KC, VC, QO,
+                    sqb, sqh, skb, skh, svb, svh, scos, ssin, skcb, skcs, skch, svcb, svcs, svch, sqob, sqoh,
+                    H, D, eps, NORM: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
+    _qk_rope_head(tl.program_id(0).to(tl.int64), tl.program_id(1), Q, K, V, QW, KW, COS, SIN, POS, KC, VC, QO,
+                  sqb, sqh, skb, skh, svb, svh, scos, ssin, skcb, skcs, skch, svcb, svcs, svch, sqob, sqoh,
+                  H, D, eps, NORM, BD)
+
+
+@triton.jit
+def _qk_rope_index_kernel(Q, K, V, QW, KW, COS, SIN, POS, KC, VC, QO,
+                          sqb, sqh, skb, skh, svb, svh, scos, ssin, skcb, skcs, skch, svcb, svcs, svch, sqob, sqoh,
+                          H, H_KV, D, eps,
+                          ZQ, ZK, ZW, ICOS, ISIN, LNW, LNB, IPOS, IKC, IKS, IQO, IWO,
+                          szq, szk, szw, iscos, issin, iskb, isks, isksb, isqb, isqh, iswb,
+                          HI, DI, q_scale, w_scale, ln_eps,
+                          NORM: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr, IBD: tl.constexpr,
+                          HALF: tl.constexpr, ROPE: tl.constexpr, AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          FP8: tl.constexpr, PDL: tl.constexpr):
+    """`_qk_rope_kernel` over heads 0..H+H_kv-1 and, as each row's last program (h = H + H_kv), the layer's
+    indexer (`indexer_decode.triton.indexer_row`): one launch a sparse layer instead of two."""
+    pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    if h < H + H_KV:
+        _qk_rope_head(b, h, Q, K, V, QW, KW, COS, SIN, POS, KC, VC, QO,
+                      sqb, sqh, skb, skh, svb, svh, scos, ssin, skcb, skcs, skch, svcb, svcs, svch, sqob, sqoh,
+                      H, D, eps, NORM, BD)
+    else:
+        indexer_row(b, ZQ, ZK, ZW, ICOS, ISIN, LNW, LNB, IPOS, IKC, IKS, IQO, IWO,
+                    szq, szk, szw, iscos, issin, iskb, isks, isksb, isqb, isqh, iswb, HI, DI, q_scale, w_scale,
+                    ln_eps, HB, IBD, HALF, ROPE, AFFINE, HAS_BIAS, FP8)
+
+
+def _qk_args(q, k, v, q_weight, k_weight, eps, cos, sin, pos, k_cache, v_cache):
+    """The rotated q's buffer and `_qk_rope_head`'s arguments (tuple, in order) and constexprs (dict)."""
+    B, H, D = q.shape
+    assert D % 2 == 0 and all(t.stride(-1) == 1 for t in (q, k, v, k_cache, v_cache))
+    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+    qo = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
+    norm = q_weight is not None
+    args = (q, k, v, q_weight if norm else q, k_weight if norm else q, cos, sin, pos.reshape(B), k_cache, v_cache,
+            qo, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+            v_cache.stride(1), v_cache.stride(2), qo.stride(0), qo.stride(1))
+    return qo, args, dict(NORM=norm, BD=triton.next_power_of_2(D))
+
+
 def qk_norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                        k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                        pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        pdl: bool = False) -> torch.Tensor:
     """Same contract as `naive.qk_norm_rope_cache_naive`; every tensor's last dim contiguous. pdl: as `add_rmsnorm`."""
     B, H, D = q.shape
-    H_kv = k.shape[1]
-    assert D % 2 == 0 and all(t.stride(-1) == 1 for t in (q, k, v, k_cache, v_cache))
-    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
-    qo = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
-    norm = q_weight is not None
-    qw = q_weight if norm else q
-    kw = k_weight if norm else q
-    _qk_rope_kernel[(B, H + H_kv)](
-        q, k, v, qw, kw, cos, sin, pos.reshape(B), k_cache, v_cache, qo,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), qo.stride(0), qo.stride(1), H, D, eps, NORM=norm, BD=triton.next_power_of_2(D),
-        PDL=pdl, launch_pdl=bool(pdl), num_warps=1)
+    qo, args, const = _qk_args(q, k, v, q_weight, k_weight, eps, cos, sin, pos, k_cache, v_cache)
+    _qk_rope_kernel[(B, H + k.shape[1])](*args, H, D, eps, **const, PDL=pdl, launch_pdl=bool(pdl), num_warps=1)
     return qo
+
+
+def qk_rope_indexer_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                           k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                           pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, zq: torch.Tensor,
+                           zk: torch.Tensor, zw: torch.Tensor, ln_weight: torch.Tensor | None,
+                           ln_bias: torch.Tensor | None, ln_eps: float, rope_dim: int, idx_cache: torch.Tensor,
+                           idx_scale: torch.Tensor | None = None, pdl: bool = False):
+    """`qk_norm_rope_cache` and `indexer_decode.triton.indexer_decode` of one sparse layer in one launch (grid
+    `[B, H + H_kv + 1]`: the last program of a row runs the indexer): -> (q rotated `[B, H, D]`, q_I
+    `[B, H_I, d_I]`, w `[B, H_I]`), the same values as the two launches; both caches written."""
+    B, H, D = q.shape
+    qo, args, const = _qk_args(q, k, v, q_weight, k_weight, eps, cos, sin, pos, k_cache, v_cache)
+    qi, wi, iargs, iconst = indexer_launch(zq, zk, zw, cos, sin, ln_weight, ln_bias, ln_eps, rope_dim, pos,
+                                           idx_cache, idx_scale)
+    HI, DI = qi.shape[1], qi.shape[2]
+    _qk_rope_index_kernel[(B, H + k.shape[1] + 1)](
+        *args, H, k.shape[1], D, eps, *iargs, **const, HB=iconst["HB"], IBD=iconst["BD"], HALF=iconst["HALF"],
+        ROPE=iconst["ROPE"], AFFINE=iconst["AFFINE"], HAS_BIAS=iconst["HAS_BIAS"], FP8=iconst["FP8"], PDL=pdl,
+        launch_pdl=bool(pdl), num_warps=1 if HI * DI <= 1024 else 4)
+    return qo, qi, wi
 
 
 @triton.jit

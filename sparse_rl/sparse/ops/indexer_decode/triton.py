@@ -39,14 +39,14 @@ def _e4m3(y):
 
 
 @triton.jit
-def _indexer_decode_kernel(ZQ, ZK, ZW, COS, SIN, LNW, LNB, POS, KC, KS, QO, WO,
-                           szq, szk, szw, scos, ssin, skb, sks, sksb, sqb, sqh, swb,
-                           HI, DI, q_scale, w_scale, eps,
-                           HB: tl.constexpr, BD: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr,
-                           AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
-                           PDL: tl.constexpr = False):
-    pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
-    b = tl.program_id(0).to(tl.int64)
+def indexer_row(b, ZQ, ZK, ZW, COS, SIN, LNW, LNB, POS, KC, KS, QO, WO,
+                szq, szk, szw, scos, ssin, skb, sks, sksb, sqb, sqh, swb,
+                HI, DI, q_scale, w_scale, eps,
+                HB: tl.constexpr, BD: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr,
+                AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr):
+    """Row b's indexer work (`_indexer_decode_kernel`'s body; also the last program of each row of
+    decode_fused's `_qk_rope_index_kernel`). Every constexpr is passed explicitly: Triton 3.6 mis-binds a
+    defaulted constexpr of a nested jit call."""
     offs_d = tl.arange(0, BD)
     offs_h = tl.arange(0, HB)
     dm = offs_d < DI
@@ -91,26 +91,48 @@ def _indexer_decode_kernel(ZQ, ZK, ZW, COS, SIN, LNW, LNB, POS, KC, KS, QO, WO,
     tl.store(WO + b * swb + offs_h, wv.to(WO.dtype.element_ty), mask=offs_h < HI)
 
 
-def indexer_decode(zq: torch.Tensor, zk: torch.Tensor, zw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+@triton.jit
+def _indexer_decode_kernel(ZQ, ZK, ZW, COS, SIN, LNW, LNB, POS, KC, KS, QO, WO,
+                           szq, szk, szw, scos, ssin, skb, sks, sksb, sqb, sqh, swb,
+                           HI, DI, q_scale, w_scale, eps,
+                           HB: tl.constexpr, BD: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr,
+                           AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
+    indexer_row(tl.program_id(0).to(tl.int64), ZQ, ZK, ZW, COS, SIN, LNW, LNB, POS, KC, KS, QO, WO,
+                szq, szk, szw, scos, ssin, skb, sks, sksb, sqb, sqh, swb, HI, DI, q_scale, w_scale, eps,
+                HB, BD, HALF, ROPE, AFFINE, HAS_BIAS, FP8)
+
+
+def indexer_launch(zq: torch.Tensor, zk: torch.Tensor, zw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, eps: float, rope_dim: int,
-                   pos: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None = None, pdl: bool = False):
-    """Same contract as `naive.indexer_decode_naive`. Every row's last dim must be contiguous. pdl: launch with
-    programmatic dependent launch (the caller decides it once: `_backend.resolve_pdl`)."""
+                   pos: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None = None):
+    """The outputs q_I `[B, H_I, d_I]`, w `[B, H_I]`, and `indexer_row`'s arguments (a tuple, in its order)
+    and constexprs (a dict) for those inputs: shared by `indexer_decode` and decode_fused's fused launch."""
     B, DI = zk.shape
     HI = zw.shape[1]
     zq, zk, zw, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (zq, zk, zw, cos, sin))
     assert k_cache.stride(-1) == 1 and rope_dim % 2 == 0 and rope_dim <= DI
     q = torch.empty(B, HI, DI, device=zq.device, dtype=zq.dtype)
     w = torch.empty(B, HI, device=zq.device, dtype=zw.dtype)
-    pos = pos.reshape(B)
     dummy = zk  # unused pointer when the LayerNorm has no weight/bias
-    _indexer_decode_kernel[(B,)](
-        zq, zk, zw, cos, sin, ln_weight if ln_weight is not None else dummy,
-        ln_bias if ln_bias is not None else dummy, pos, k_cache, k_scale if k_scale is not None else dummy, q, w,
-        zq.stride(0), zk.stride(0), zw.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1),
-        k_scale.stride(0) if k_scale is not None else 0,
-        q.stride(0), q.stride(1), w.stride(0), HI, DI, DI ** -0.5, 1.0 / math.sqrt(HI), eps,
-        HB=max(2, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), HALF=rope_dim // 2,
-        ROPE=rope_dim, AFFINE=ln_weight is not None, HAS_BIAS=ln_bias is not None, FP8=k_scale is not None,
-        PDL=pdl, launch_pdl=bool(pdl), num_warps=1 if HI * DI <= 1024 else 4)
+    args = (zq, zk, zw, cos, sin, ln_weight if ln_weight is not None else dummy,
+            ln_bias if ln_bias is not None else dummy, pos.reshape(B), k_cache, k_scale if k_scale is not None else dummy,
+            q, w, zq.stride(0), zk.stride(0), zw.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0),
+            k_cache.stride(1), k_scale.stride(0) if k_scale is not None else 0, q.stride(0), q.stride(1), w.stride(0),
+            HI, DI, DI ** -0.5, 1.0 / math.sqrt(HI), eps)
+    const = dict(HB=max(2, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), HALF=rope_dim // 2,
+                 ROPE=rope_dim, AFFINE=ln_weight is not None, HAS_BIAS=ln_bias is not None, FP8=k_scale is not None)
+    return q, w, args, const
+
+
+def indexer_decode(zq: torch.Tensor, zk: torch.Tensor, zw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, eps: float, rope_dim: int,
+                   pos: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None = None, pdl: bool = False):
+    """Same contract as `naive.indexer_decode_naive`. Every row's last dim must be contiguous. pdl: launch with
+    programmatic dependent launch (the caller decides it once: `_backend.resolve_pdl`)."""
+    q, w, args, const = indexer_launch(zq, zk, zw, cos, sin, ln_weight, ln_bias, eps, rope_dim, pos, k_cache, k_scale)
+    HI, DI = q.shape[1], q.shape[2]
+    _indexer_decode_kernel[(q.shape[0],)](*args, **const, PDL=pdl, launch_pdl=bool(pdl),
+                                          num_warps=1 if HI * DI <= 1024 else 4)
     return q, w
