@@ -18,7 +18,13 @@ against the rule's 2,048 (~0.069); at 16 x 16,640 / 24,576 a 2,048-key chunk (PM
 rule's 1,024 (PMAX 32), i.e. PMAX costs little and the jump at 16 x 16K is small; at 16 x 32,896 1,024-key
 chunks (P 33, PMAX 64: spills, session 9 says 255 registers at P = 64) slower than the rule's 2,048.
 
-    PYTHONPATH=$PWD python benchmarks/gpu_chunk_session12.py --budget 60
+Call 1 (`9279655`, session 12): 32 x 16,640: the rule's 2,048-key chunk 0.0686 ms, 1,024 0.0564 (-18%), 4,096
+0.1041; 16 x 16,384 / 16,640 / 24,576 / 32,768: the rule's chunk (512 / 1,024 / 1,024 / 1,024) the fastest
+(0.0323 / 0.0406 / 0.0462 / 0.0646 ms; 2,048 +22-33%). So the rule's 512-program cap was wrong at 32 x 16,640:
+raised to 640. Call 2 (`--call 2`) times the shapes whose chunk that changes (32 x 8,448 / 16,640 / 20,480,
+64 x 2,304 / 8,448 / 16,640); predicted: the new rule's chunk within 5% of the fastest at each.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_chunk_session12.py --budget 60 [--call 2]
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/gpu_chunk_session12.py --cpu-smoke --budget 300
 """
 
@@ -41,6 +47,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=60.0)
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--call", type=int, default=1, choices=(1, 2))
     a = ap.parse_args()
     from sparse_rl.bench.timing import bench_ms, device_name
     from sparse_rl.sparse.ops.indexer_topk import decode as itd
@@ -49,12 +56,15 @@ def main() -> None:
 
     smoke = a.cpu_smoke
     dev = torch.device("cpu" if smoke else "cuda")
-    run = Run(a.out, "chunk_session12.json", a.budget, {"device": device_name(dev), "commit": a.commit,
+    run = Run(a.out, f"chunk_session12_call{a.call}.json", a.budget, {"device": device_name(dev), "commit": a.commit,
                                                        "torch": torch.__version__})
     K, HI, DI = (40, 2, 16) if smoke else (2048, 4, 64)
-    shapes = [(2, 300), (2, 520)] if smoke else [(32, 16384), (32, 16640), (16, 16384), (16, 16640), (16, 24576),
-                                                 (16, 32768), (16, 33024)]
-    chunks = (64, 128) if smoke else (1024, 2048, 4096)
+    # call 2 (after the rule's cap went 512 -> 640 programs): the shapes whose chunk that changed
+    shapes = [(2, 300), (2, 520)] if smoke else ([(32, 8448), (32, 16640), (32, 20480), (64, 2304), (64, 8448),
+                                                  (64, 16640)] if a.call == 2 else
+                                                 [(32, 16384), (32, 16640), (16, 16384), (16, 16640), (16, 24576),
+                                                  (16, 32768), (16, 33024)])
+    chunks = (64, 128) if smoke else ((256, 512, 1024, 2048, 4096) if a.call == 2 else (1024, 2048, 4096))
     g = torch.Generator(device=dev).manual_seed(12)
     dt = torch.float32 if smoke else torch.bfloat16
     rows = run.res.setdefault("rows", [])
@@ -76,7 +86,7 @@ def main() -> None:
             row["rule_ms"] = round(bench_ms(lambda: itd.indexer_topk_decode(qi, wi, keys, pos, K, **kw), dev,
                                             graph=not smoke), 4)
             for ch in chunks:
-                if ch == rule or -(-S // ch) > 64:
+                if ch == rule or -(-S // ch) > 64 or -(-S // ch) < 2:
                     continue
                 fn = (lambda c=ch: itd.indexer_topk_decode(qi, wi, keys, pos, K, chunk=c, **kw))
                 row[f"c{ch}_equal"] = bool(torch.equal(fn(), ref))

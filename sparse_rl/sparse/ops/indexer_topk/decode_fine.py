@@ -250,13 +250,16 @@ def _resolve_write(SC, POS, SPAN, HP, NFP, H2, ZC, CU, CI, CD, OUT, NC, sob, S, 
 
 def fine_chunk(B: int, S: int, interpret: bool) -> int:
     """Keys per program for the fine select: the smallest power of two from 256 that keeps the grid at
-    most ~4 programs per SM of an H200 (B x P <= 512) and a row at most 32 chunks, so short rows still
+    most ~5 programs per SM of an H200 (B x P <= 640) and a row at most 32 chunks, so short rows still
     spread over many SMs and long ones do not pay for summing many per-chunk histograms (`[P, NB]` per
-    program: at P = 64 `_resolve_write` needs 255 registers and spills, at P <= 16 it takes 154)."""
+    program: at P = 64 `_resolve_write` needs 255 registers and spills, at P <= 16 it takes 154). 640, not
+    512: at 32 x 16,640 keys the 1,024-key chunk (544 programs) took 0.0564 ms alone against the 2,048-key
+    chunk's 0.0686 (H200, session 12, benchmarks/gpu_chunk_session12.py); 16 rows x 16-33K keys are as
+    before (the rule's chunk was the fastest there)."""
     if interpret:
         return 32
     ch = 256
-    while ch < 8192 and (B * triton.cdiv(S, ch) > 512 or triton.cdiv(S, ch) > 32):
+    while ch < 8192 and (B * triton.cdiv(S, ch) > 640 or triton.cdiv(S, ch) > 32):
         ch *= 2
     return ch
 

@@ -1,0 +1,120 @@
+"""Session 12 (lead, issue 14): why a real sparse generation ran 1.40x its integral (call 3 of the session,
+`gpu_lead_session12.py`: batch 32, 128 + 3,072 tokens, Qwen3-4B shape, random weights: sparse measured 23.38 s
+against 16.70 s integrated from graph-replayed step rows; dense 17.47 against 16.40, 1.07x).
+
+Candidates, each checked here: (a) the real generation does not replay graphs for some buckets (captures or
+eager steps during the timed run: counted by wrapping the runner's `_capture` and `decode_eager`); (b) the
+select's time depends on the cache's data: a random-weight model sampled at temperature 1 may repeat tokens,
+so its index keys cluster and the fine select's threshold bin fills (the step timed and profiled on the
+generation's own cache, then on the random cache the step rows use, same context); (c) host work per step
+(the generation's steps per second against the step rows').
+
+Predictions (before the call): (a) no captures and no eager steps during the timed run (warm-up captured every
+bucket); (b) the step on the generation's cache 1.5-2x the step on the random cache at the same context, the
+difference in `_resolve_write` / `_sub_gather` (the sub-bin), the generated rows with few distinct tokens;
+(c) not the cause (dense pays the same host work: 1.07x).
+
+    PYTHONPATH=$PWD python benchmarks/gpu_realgen_session12.py --budget 90
+    PYTHONPATH=$PWD python benchmarks/gpu_realgen_session12.py --cpu-smoke --budget 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import rollout_harness as rh  # noqa: E402
+from granular_harness import Run, log  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "realgen"))
+    ap.add_argument("--budget", type=float, default=90.0)
+    ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    ap.add_argument("--cpu-smoke", action="store_true")
+    a = ap.parse_args()
+    import torch
+
+    from sparse_rl.bench.rollout import BenchRolloutConfig, _Bench
+    from sparse_rl.rl.rollout import SamplingParams
+
+    smoke = a.cpu_smoke
+    if smoke:
+        cfg = BenchRolloutConfig(shape="tiny-qwen3", hf=False, long_new_tokens=[40], long_batches=[3],
+                                 long_prompt_len=16, topk=24, index_heads=2, index_dim=16, device="cpu",
+                                 dtype="float32")
+        B, P, N = 3, 16, 40
+    else:
+        cfg = BenchRolloutConfig(shape="qwen3-4b", hf=False, long_new_tokens=[2600], long_batches=[32],
+                                 long_prompt_len=128, topk=2048, index_heads=4, index_dim=64)
+        B, P, N = 32, 128, 2600
+    run = Run(a.out, "realgen_session12.json", a.budget, {"commit": a.commit, "torch": torch.__version__,
+                                                          "batch": B, "prompt": P, "new_tokens": N})
+    b = _Bench(cfg, log, None)
+    b.attach_sparse()
+    eng = b.engine(B, P + N + 8)
+    ids = b.prompts(B, P)
+    r = eng.runner
+    counts = {"capture": 0, "eager": 0}
+    cap, eag = r._capture, r.decode_eager
+
+    def counting_capture(*x, **k):
+        counts["capture"] += 1
+        return cap(*x, **k)
+
+    def counting_eager(*x, **k):
+        counts["eager"] += 1
+        return eag(*x, **k)
+
+    res = run.res
+    for mode in ("sparse", "dense"):
+        if not run.gate(30, f"generate {mode}"):
+            continue
+        eng.set_attention(mode)
+        eng.warmup(P + N)
+        r._capture, r.decode_eager = counting_capture, counting_eager
+        counts.update(capture=0, eager=0)
+        p = SamplingParams(temperature=1.0, max_new_tokens=N, ignore_eos=True, seed=cfg.seed)
+        if eng.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = eng.generate(ids.tolist(), p)
+        if eng.device.type == "cuda":
+            torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
+        r._capture, r.decode_eager = cap, eag
+        distinct = sorted(len(set(o.tokens)) for o in outs)
+        row = res.setdefault("generate", {})[mode] = {
+            "seconds": round(secs, 3), "ms_per_step": round(1e3 * secs / N, 3), "captures_during": counts["capture"],
+            "eager_steps_during": counts["eager"], "use_graphs": r.use_graphs, "graph_error": r.graph_error,
+            "distinct_tokens_min_median_max": [distinct[0], distinct[len(distinct) // 2], distinct[-1]]}
+        log(f"generate {mode}: " + " ".join(f"{k}={v}" for k, v in row.items()))
+        run.save()
+        if mode != "sparse":
+            continue
+        ctx = P + N  # the generation's own cache, rows at its end
+        for cache_kind in ("generated", "random"):
+            if not run.gate(10, f"step {cache_kind}"):
+                break
+            if cache_kind == "random":
+                b.fill(eng, P + N + 8)
+            st = res.setdefault("step", {})[cache_kind] = {
+                "synced_ms": b.step_row(eng, B, ctx, "sparse")["ms"]}
+            prof = rh.profile_step(eng, ctx, "sparse", top=12)
+            st["kernel_us_total"] = prof["kernel_us_total"]
+            st["classes_us"] = prof["classes_us"]
+            st["top"] = prof["top"]
+            log(f"step sparse {ctx} on the {cache_kind} cache: {st['synced_ms']} ms, kernels {prof['kernel_us_total']} "
+                f"us: {prof['classes_us']}")
+            log("  top: " + "; ".join(f"{t['kernel'][:28]} {t['us']} us x{t['calls']}" for t in prof["top"][:8]))
+            run.save()
+    run.save()
+
+
+if __name__ == "__main__":
+    main()
