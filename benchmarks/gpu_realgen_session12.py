@@ -14,6 +14,17 @@ bucket); (b) the step on the generation's cache 1.5-2x the step on the random ca
 difference in `_resolve_write` / `_sub_gather` (the sub-bin), the generated rows with few distinct tokens;
 (c) not the cause (dense pays the same host work: 1.07x).
 
+Call 1 (`68415d1`, session 12's fourth device call): (a) right: no captures, no eager steps; (b) wrong: the step
+on the generation's own cache took 6.559 ms at 2,728 against 6.816 on a random one (kernels 6,262 vs 6,231 us),
+and the generated rows held 2,559-2,581 distinct tokens of 2,600; (c) wrong as stated: the sparse generation
+took 20.27 s (7.80 ms a step), the dense one 13.33 s (5.13), while sparse and dense steps are within 0.1 ms of
+each other up to 2,048 context. Reading: the ~7 s is one-time, in the first sparse PREFILL of 32 x 128 tokens
+(the warm-up prefills one 8-token prompt only; the sparse prefill's Triton kernels specialise on the batch and
+the length, dense's prefill is SDPA). Call 2 (`--call 2`): per mode, two generations of the same prompts back
+to back, the first after `warmup(P + N)` as before, the second warm; then `warmup(prompts=)` (the fix) and a
+third with new prompts of the same shape. Predicted: sparse first - second ~6-8 s, dense < 1 s; the third
+within 2% of the second.
+
     PYTHONPATH=$PWD python benchmarks/gpu_realgen_session12.py --budget 90
     PYTHONPATH=$PWD python benchmarks/gpu_realgen_session12.py --cpu-smoke --budget 300
 """
@@ -31,12 +42,60 @@ import rollout_harness as rh  # noqa: E402
 from granular_harness import Run, log  # noqa: E402
 
 
+def call2(a, smoke: bool) -> None:
+    """First vs warm generation of the same prompts, then the warm-up with the prompts (see the docstring)."""
+    import torch
+
+    from sparse_rl.bench.rollout import BenchRolloutConfig, _Bench
+    from sparse_rl.rl.rollout import SamplingParams
+
+    if smoke:
+        cfg = BenchRolloutConfig(shape="tiny-qwen3", hf=False, long_new_tokens=[40], long_batches=[3],
+                                 long_prompt_len=16, topk=24, index_heads=2, index_dim=16, device="cpu",
+                                 dtype="float32")
+        B, P, N = 3, 16, 20
+    else:
+        cfg = BenchRolloutConfig(shape="qwen3-4b", hf=False, long_new_tokens=[1200], long_batches=[32],
+                                 long_prompt_len=128, topk=2048, index_heads=4, index_dim=64)
+        B, P, N = 32, 128, 1200
+    run = Run(a.out, "realgen_session12_call2.json", a.budget, {"commit": a.commit, "batch": B, "prompt": P,
+                                                                "new_tokens": N})
+    b = _Bench(cfg, log, None)
+    b.attach_sparse()
+    eng = b.engine(B, P + N + 8)
+    p = SamplingParams(temperature=1.0, max_new_tokens=N, ignore_eos=True, seed=cfg.seed)
+
+    def timed(toks):
+        if eng.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.generate(toks, p)
+        if eng.device.type == "cuda":
+            torch.cuda.synchronize()
+        return round(time.perf_counter() - t0, 3)
+
+    for mode in ("sparse", "dense"):
+        if not run.gate(25, f"generate {mode}"):
+            continue
+        eng.set_attention(mode)
+        eng.warmup(P + N)
+        ids = b.prompts(B, P).tolist()
+        row = run.res.setdefault("generate", {})[mode] = {"first_s": timed(ids), "second_s": timed(ids)}
+        ids2 = [[(t * 7 + 3) % eng.runner.vocab for t in r] for r in ids]  # other prompts, same shape
+        eng.warmup(P + N, prompts=ids2)
+        row["after_prompt_warmup_s"] = timed(ids2)
+        log(f"generate {mode}: " + " ".join(f"{k}={v}" for k, v in row.items()))
+        run.save()
+    run.save()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "realgen"))
     ap.add_argument("--budget", type=float, default=90.0)
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--call", type=int, default=1, choices=(1, 2))
     a = ap.parse_args()
     import torch
 
@@ -53,6 +112,8 @@ def main() -> None:
         cfg = BenchRolloutConfig(shape="qwen3-4b", hf=False, long_new_tokens=[2600], long_batches=[32],
                                  long_prompt_len=128, topk=2048, index_heads=4, index_dim=64)
         B, P, N = 32, 128, 2600
+    if a.call == 2:
+        return call2(a, smoke)
     run = Run(a.out, "realgen_session12.json", a.budget, {"commit": a.commit, "torch": torch.__version__,
                                                           "batch": B, "prompt": P, "new_tokens": N})
     b = _Bench(cfg, log, None)

@@ -210,8 +210,8 @@ class _Bench:
         eng.set_attention(mode)
         p = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=self.cfg.seed)
         toks = ids.tolist()
-        if warm:  # compile kernels and capture every graph bucket this run will use
-            eng.warmup(max(len(t) for t in toks) + new)
+        if warm:  # compile kernels (the prefill's for these prompts too) and capture every graph bucket
+            eng.warmup(max(len(t) for t in toks) + new, prompts=toks)
         _sync(self.dev)
         t0 = time.perf_counter()
         outs = eng.generate(toks, p)

@@ -253,11 +253,17 @@ class RolloutEngine:
         return min(s_max, -(-length // self.bucket) * self.bucket)
 
     @torch.inference_mode()
-    def warmup(self, max_len: int) -> None:
+    def warmup(self, max_len: int, prompts: list | None = None) -> None:
         """Compile kernels and capture the decode graph of every cache bucket up to `max_len` tokens,
-        so that a timed `generate` pays none of it (the graphs are kept until `refresh`)."""
+        so that a timed `generate` pays none of it (the graphs are kept until `refresh`). prompts: also
+        prefill these (one new token each), so that the prefill kernels are compiled for the batch and
+        prompt lengths the timed run will prefill: the sparse prefill's Triton kernels specialise on them,
+        and a first sparse prefill of 32 x 128 tokens paid ~7 s of compiling in a timed 2,600-token
+        generation on an H200 (session 12, benchmarks/gpu_realgen_session12.py)."""
         cache = self._ensure_cache(max_len)
         self.generate([[0] * 8], SamplingParams(max_new_tokens=2, ignore_eos=True, logprobs=False))
+        if prompts:
+            self.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True, logprobs=False))
         if not self.runner.graphable(self.mode):
             return
         zeros = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
