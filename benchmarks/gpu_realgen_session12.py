@@ -42,22 +42,26 @@ import rollout_harness as rh  # noqa: E402
 from granular_harness import Run, log  # noqa: E402
 
 
+def setup(smoke: bool, N: int):
+    """(config, batch, prompt tokens, new tokens): the Qwen3-4B shape at batch 32, or a tiny CPU one."""
+    from sparse_rl.bench.rollout import BenchRolloutConfig
+
+    if smoke:
+        return (BenchRolloutConfig(shape="tiny-qwen3", hf=False, long_new_tokens=[N], long_batches=[3],
+                                   long_prompt_len=16, topk=24, index_heads=2, index_dim=16, device="cpu",
+                                   dtype="float32"), 3, 16, N)
+    return (BenchRolloutConfig(shape="qwen3-4b", hf=False, long_new_tokens=[N], long_batches=[32], long_prompt_len=128,
+                               topk=2048, index_heads=4, index_dim=64), 32, 128, N)
+
+
 def call2(a, smoke: bool) -> None:
     """First vs warm generation of the same prompts, then the warm-up with the prompts (see the docstring)."""
     import torch
 
-    from sparse_rl.bench.rollout import BenchRolloutConfig, _Bench
+    from sparse_rl.bench.rollout import _Bench
     from sparse_rl.rl.rollout import SamplingParams
 
-    if smoke:
-        cfg = BenchRolloutConfig(shape="tiny-qwen3", hf=False, long_new_tokens=[40], long_batches=[3],
-                                 long_prompt_len=16, topk=24, index_heads=2, index_dim=16, device="cpu",
-                                 dtype="float32")
-        B, P, N = 3, 16, 20
-    else:
-        cfg = BenchRolloutConfig(shape="qwen3-4b", hf=False, long_new_tokens=[1200], long_batches=[32],
-                                 long_prompt_len=128, topk=2048, index_heads=4, index_dim=64)
-        B, P, N = 32, 128, 1200
+    cfg, B, P, N = setup(smoke, 20 if smoke else 1200)
     run = Run(a.out, "realgen_session12_call2.json", a.budget, {"commit": a.commit, "batch": B, "prompt": P,
                                                                 "new_tokens": N})
     b = _Bench(cfg, log, None)
@@ -99,19 +103,11 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from sparse_rl.bench.rollout import BenchRolloutConfig, _Bench
+    from sparse_rl.bench.rollout import _Bench
     from sparse_rl.rl.rollout import SamplingParams
 
     smoke = a.cpu_smoke
-    if smoke:
-        cfg = BenchRolloutConfig(shape="tiny-qwen3", hf=False, long_new_tokens=[40], long_batches=[3],
-                                 long_prompt_len=16, topk=24, index_heads=2, index_dim=16, device="cpu",
-                                 dtype="float32")
-        B, P, N = 3, 16, 40
-    else:
-        cfg = BenchRolloutConfig(shape="qwen3-4b", hf=False, long_new_tokens=[2600], long_batches=[32],
-                                 long_prompt_len=128, topk=2048, index_heads=4, index_dim=64)
-        B, P, N = 32, 128, 2600
+    cfg, B, P, N = setup(smoke, 40 if smoke else 2600)
     if a.call == 2:
         return call2(a, smoke)
     run = Run(a.out, "realgen_session12.json", a.budget, {"commit": a.commit, "torch": torch.__version__,
