@@ -93,13 +93,94 @@ def call2(a, smoke: bool) -> None:
     run.save()
 
 
+def call3(a, smoke: bool) -> None:
+    """A real sparse generation with every decode call's device time (CUDA events around the runner's decode,
+    read after the run) and a profile of 8 of its steps past top-k, beside `time_step` on its cache."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from sparse_rl.bench.rollout import _Bench
+    from sparse_rl.rl.rollout import SamplingParams
+
+    cfg, B, P, N = setup(smoke, 40 if smoke else 2400)
+    run = Run(a.out, "realgen_session12_call3.json", a.budget, {"commit": a.commit, "batch": B, "prompt": P,
+                                                                "new_tokens": N})
+    b = _Bench(cfg, log, None)
+    b.attach_sparse()
+    eng = b.engine(B, P + N + 8)
+    eng.set_attention("sparse")
+    ids = b.prompts(B, P).tolist()
+    eng.warmup(P + N, prompts=ids)
+    r, cuda = eng.runner, eng.device.type == "cuda"
+    real = r.decode
+    marks: list = []
+    prof_at = (N - 60, N - 52)  # 8 steps past top-k
+    state: dict = {}
+
+    def timed_decode(cache, tokens, pos, S, mode):
+        i = len(marks)
+        if i == prof_at[0]:
+            state["prof"] = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+            state["prof"].__enter__()
+        e0 = torch.cuda.Event(enable_timing=True) if cuda else None
+        if cuda:
+            e0.record()
+        out = real(cache, tokens, pos, S, mode)
+        e1 = torch.cuda.Event(enable_timing=True) if cuda else None
+        if cuda:
+            e1.record()
+        marks.append((S, e0, e1, time.perf_counter()))
+        if i == prof_at[1] and "prof" in state:
+            if cuda:
+                torch.cuda.synchronize()
+            state["prof"].__exit__(None, None, None)
+        return out
+
+    r.decode = timed_decode
+    p = SamplingParams(temperature=1.0, max_new_tokens=N, ignore_eos=True, seed=cfg.seed)
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    eng.generate(ids, p)
+    if cuda:
+        torch.cuda.synchronize()
+    secs = time.perf_counter() - t0
+    r.decode = real
+    by: dict = {}
+    for S, e0, e1, _ in marks:
+        ms = e0.elapsed_time(e1) if cuda else 0.0
+        k = "above_topk" if S > cfg.topk else "up_to_topk"
+        by.setdefault(k, []).append(ms)
+    host = [marks[i + 1][3] - marks[i][3] for i in range(len(marks) - 1)]
+    res = run.res["generate"] = {"seconds": round(secs, 3), "steps": len(marks),
+                                 "decode_device_ms_mean": {k: round(sum(v) / len(v), 3) for k, v in by.items()},
+                                 "decode_device_ms_max": {k: round(max(v), 3) for k, v in by.items()},
+                                 "steps_by_kind": {k: len(v) for k, v in by.items()},
+                                 "host_gap_ms_mean_last_200": round(1e3 * sum(host[-200:]) / max(1, len(host[-200:])), 3)}
+    log("generate: " + " ".join(f"{k}={v}" for k, v in res.items()))
+    if "prof" in state:
+        agg: dict = {}
+        want = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+        for e in state["prof"].events():
+            if e.device_type == want:
+                a_ = agg.setdefault(e.name[:60], [0.0, 0])
+                a_[0] += e.device_time if cuda else e.cpu_time
+                a_[1] += 1
+        top = sorted(agg.items(), key=lambda kv: -kv[1][0])[:16]
+        run.res["profile_8_steps"] = [{"kernel": k, "us": round(v[0], 1), "calls": v[1]} for k, v in top]
+        log("profile of 8 steps: " + "; ".join(f"{k[:30]} {v[0]:.0f} us x{v[1]}" for k, v in top[:10]))
+    run.res["time_step_ms"] = b.step_row(eng, B, P + N, "sparse")["ms"]
+    log(f"time_step at {P + N} on the generation's cache: {run.res['time_step_ms']} ms")
+    run.save()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "realgen"))
     ap.add_argument("--budget", type=float, default=90.0)
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     ap.add_argument("--cpu-smoke", action="store_true")
-    ap.add_argument("--call", type=int, default=1, choices=(1, 2))
+    ap.add_argument("--call", type=int, default=1, choices=(1, 2, 3))
     a = ap.parse_args()
     import torch
 
@@ -110,6 +191,8 @@ def main() -> None:
     cfg, B, P, N = setup(smoke, 40 if smoke else 2600)
     if a.call == 2:
         return call2(a, smoke)
+    if a.call == 3:
+        return call3(a, smoke)
     run = Run(a.out, "realgen_session12.json", a.budget, {"commit": a.commit, "torch": torch.__version__,
                                                           "batch": B, "prompt": P, "new_tokens": N})
     b = _Bench(cfg, log, None)
