@@ -43,6 +43,7 @@ class Plan:
     bwd: str  # "atomic" | "tile"
     dq: str  # "query" | "tile" | "block" (with bwd == "tile")
     estimate_ms: dict
+    union: tuple | None = None  # stats="full": (bits, ulen, umax) of every tile, for union.build_union
 
 
 def _popcount_sum(bits: torch.Tensor) -> int:
@@ -68,15 +69,44 @@ def sample_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE) -> 
     return pairs, _popcount_sum(bits) / n, touched
 
 
+PAIR_ROWS = 1024  # stats="full": rows (evenly strided, a view) that the selected pairs per tile are counted on
+
+
+def full_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE):
+    """Every tile's bitmap and |U| (the first two steps of a union build, which `build_union` then skips),
+    and from them (selected pairs, union keys, touched key tiles) per tile averaged, with ONE host sync:
+    -> ((pairs, ukeys, touched), (bits, ulen, umax)). Why not a sample: the sample's bitmap runs on
+    SAMPLE_TILES programs, each looping over BT*K atomics, so it is latency bound (~1.9 ms of `auto`
+    over union build + tile kernel at 32K on the H200, session 12's measurement of 4eda7e8), and the
+    tile path builds the full bitmap anyway. Pairs come from a strided view of PAIR_ROWS rows."""
+    from sparse_rl.sparse.ops.sparse_attention.union import _bitmap, count_union
+
+    T = indices.shape[1]
+    bits = _bitmap(indices, S, BT)
+    ulen = count_union(bits, indices)
+    n = bits.shape[0] * bits.shape[1]
+    step = max(1, T // PAIR_ROWS)
+    sub = indices[:, ::step]
+    pairs = ((sub >= 0) & (sub < S)).sum(dtype=torch.float64) * (T / sub.shape[1]) / n
+    touched = bits.view(bits.shape[0], bits.shape[1], -1, BN // 32).ne(0).any(-1).sum(dtype=torch.float64) / n
+    vals = torch.stack([pairs, ulen.sum(dtype=torch.float64) / n, touched,
+                        ulen.max().to(torch.float64)]).tolist()  # the one host sync
+    return (vals[0], vals[1], vals[2]), (bits, ulen, max(1, int(vals[3])))
+
+
 BLOCK_MIN_KEY_BLOCK = 16  # shared rows of whole key blocks >= this take the block path (blocks.py) under `auto`:
 # H200, 32K, trained input (session 9, NOTES.md item 17): forward / dq vs the gather tiles 1.43x / 1.49x at kb64g64,
 # 1.41x / 1.41x at kb32g32, 1.03x / 1.05x at kb16g16, but 0.60-0.66x on token rows (g16, g64: partial tiles)
 
 
 def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", bwd: str = "auto",
-         shared: bool = False, is_cuda: bool = True, key_block: int = 1) -> Plan:
+         shared: bool = False, is_cuda: bool = True, key_block: int = 1, stats: str = "sample") -> Plan:
     """Resolve `auto` paths for one call. indices `[B, T, K]` per query (or shared rows when `shared`);
-    key_block: the rows' key block (a hint from the selection's config; 1 = token rows)."""
+    key_block: the rows' key block (a hint from the selection's config; 1 = token rows); stats: what the
+    estimate reads, "sample" (SAMPLE_TILES tiles' bitmaps, `sample_stats`) or "full" (every tile's bitmap
+    and |U|, one host sync, kept in Plan.union for the union build: `full_stats`)."""
+    if stats not in ("sample", "full"):
+        raise ValueError(f"plan stats {stats!r}: expected 'sample' or 'full'")
     if fwd not in FWD_PATHS:
         raise ValueError(f"fwd_path {fwd!r}: expected one of {', '.join(FWD_PATHS)}")
     if bwd not in BWD_PATHS:
@@ -92,7 +122,11 @@ def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", b
         f = "query" if fwd == "auto" else fwd
         b = "atomic" if bwd == "auto" else bwd
         return Plan(f, b, f if b == "tile" else "query", {})
-    pairs, ukeys, touched = sample_stats(indices, S, BT)
+    prebuilt = None
+    if stats == "full":
+        (pairs, ukeys, touched), prebuilt = full_stats(indices, S, BT)
+    else:
+        pairs, ukeys, touched = sample_stats(indices, S, BT)
     nt = -(-T // BT) * indices.shape[0]
     est = {"query_fwd": pairs * nt * H_kv * NS_QUERY_FWD * 1e-6,
            "tile_fwd": (ukeys * nt * H_kv * NS_TILE_FWD + pairs * nt * NS_BUILD) * 1e-6,
@@ -104,4 +138,4 @@ def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", b
     dq = "tile" if est["tile_dq"] < est["query_dq"] else "query"
     if bwd == "auto":
         bwd = "tile" if est[f"{dq}_dq"] + est["keymajor_dkdv"] < est["atomic_bwd"] else "atomic"
-    return Plan(f, bwd, dq, est)
+    return Plan(f, bwd, dq, est, prebuilt if f == "tile" or bwd == "tile" else None)

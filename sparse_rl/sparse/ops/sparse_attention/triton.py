@@ -256,7 +256,8 @@ def _pow2_divisor(n: int) -> int:
 
 class _Call:
     """One call's arguments besides the tensors: scale, sharing, requested paths, launch overrides
-    (`tune`: {"fwd" | "dq" | "dkdv" | "bwd": (block, num_warps, num_stages)}, benchmarks)."""
+    (`tune`: {"fwd" | "dq" | "dkdv" | "bwd": (block, num_warps, num_stages)}, benchmarks; "plan": the
+    statistics `auto` estimates from, "sample" or "full", paths.plan's `stats`)."""
 
     def __init__(self, scale, query_group, q_offset, fwd_path, bwd_path, tune, key_block: int = 1):
         self.scale, self.group, self.q_offset, self.key_block = scale, query_group, q_offset, key_block
@@ -288,9 +289,10 @@ def _forward(q, k, v, indices, call: _Call, out=None):
                 o, lse = union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
             return o, lse, None, sel, pl
         indices = shared_to_per_query(indices, call.group, q.shape[1], call.q_offset)
-    pl = paths.plan(indices, S, H_kv, BT, call.fwd_path, call.bwd_path, is_cuda=q.is_cuda)
+    pl = paths.plan(indices, S, H_kv, BT, call.fwd_path, call.bwd_path, is_cuda=q.is_cuda,
+                    stats=call.tune.get("plan", "sample"))
     if pl.fwd == "tile":
-        sel = union.build_union(indices, S, BT)
+        sel = union.build_union(indices, S, BT, prebuilt=pl.union)
         o, lse = union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
     else:
         o, lse, _ = _fwd(q, k, v, indices, call.scale, out=out, tune=call.tune.get("fwd"))
@@ -326,7 +328,8 @@ class _SparseAttention(torch.autograd.Function):
             dq, dk, dv = _query_bwd(q, k, v, per_query, o, lse, do, dlse, call.scale, tune=call.tune.get("bwd"))
             return dq, dk, dv, None, None
         if sel is None:
-            sel = union.build_union(per_query, k.shape[1], union.tile_queries(q.shape[2] // k.shape[2]))
+            sel = union.build_union(per_query, k.shape[1], union.tile_queries(q.shape[2] // k.shape[2]),
+                                    prebuilt=pl.union)
         delta = keymajor.bwd_delta(o, do, dlse)
         if pl.dq == "block":
             dq = blocks.block_dq(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dq"),
