@@ -7,7 +7,8 @@ Backward: "atomic" (the per-query kernel: dq stored, dk/dv by fp32 atomics) or "
 query-major pass, per tile, per query or per key tile, and dk/dv from the key-major pass, no atomics).
 
 `auto` estimates each path's time from a sample of query tiles (at most SAMPLE_TILES tiles' bitmaps:
-~1/30 of a union build at 32K) and a per-unit cost of each kernel: a few numbers, below, measured on
+~1/30 of a union build at 32K; `stats="full"`: every tile's bitmap and |U| with one host sync, which the
+union build then reuses, `full_stats`) and a per-unit cost of each kernel: a few numbers, below, measured on
 an H200 (bf16, G = 4, D = 128; benchmarks/NOTES.md) and re-checked by `sparse-rl bench attention`,
 which prints the estimate beside the measured times. Shared selections (`query_group`) take the tile
 path without an estimate (their union is the selection, so nothing is built), or the block path when
