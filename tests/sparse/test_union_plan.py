@@ -41,7 +41,7 @@ def test_full_stats_equal_the_sample_when_it_covers_every_tile_and_feed_the_buil
     ref_ulen = union.union_sizes(idx, S, BT)
     assert torch.equal(ulen, ref_ulen) and umax == int(ref_ulen.max())
     # the plans agree, and the full one carries what the build skips
-    ps = paths.plan(idx, S, 8, BT, is_cuda=True)
+    ps = paths.plan(idx, S, 8, BT, is_cuda=True, stats="sample")
     pf = paths.plan(idx, S, 8, BT, is_cuda=True, stats="full")
     assert (ps.fwd, ps.bwd, ps.dq) == (pf.fwd, pf.bwd, pf.dq) and ps.union is None
     assert ps.estimate_ms == pytest.approx(pf.estimate_ms, rel=1e-12)
@@ -120,3 +120,39 @@ def test_lazy_rescale_survives_a_max_that_grows_late_and_rows_that_start_empty()
     torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
     assert (o - ref).abs().max() <= 2 * (o0 - ref).abs().max() + 1e-6
     torch.testing.assert_close(lse[fin], rl[fin], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T", [96, 83])
+def test_half_tiles_stats_and_the_choice_of_16_query_tiles(T):
+    """full_stats(half=True): BT's bitmap is the OR of its two BT/2 tiles' (== a direct build), |U| of both;
+    the plan takes 16-query tiles where 16 queries share their keys but 32 do not, 32 where 32 share them,
+    and the 16-query union it hands over builds tiles whose forward matches the reference."""
+    from sparse_rl.sparse.ops.sparse_attention import union as un
+
+    g = torch.Generator().manual_seed(T)
+    B, S, K = 1, 400, 40
+    idx = _clustered(B, T, S, K, g)
+    (_, ukeys, _), (bits, ulen, umax), (ukeys_h, (bits_h, ulen_h, umax_h)) = paths.full_stats(idx, S, 32, half=True)
+    assert torch.equal(bits, un._bitmap(idx, S, 32)) and torch.equal(ulen, un.union_sizes(idx, S, 32))
+    assert torch.equal(bits_h, un._bitmap(idx, S, 16)) and torch.equal(ulen_h, un.union_sizes(idx, S, 16))
+    assert umax == int(ulen.max()) and umax_h == int(ulen_h.max())
+    assert ukeys_h == pytest.approx(float(ulen_h.sum()) / ulen_h.numel(), rel=1e-12)
+    t = torch.arange(T)[:, None]
+    by16 = (torch.arange(K)[None] + (t // 16) * K).clamp(max=S - 1)  # 16 queries share K keys, the next 16 others
+    by16 = torch.where(by16 <= t + 300, by16, -1)[None].to(torch.int32)  # (keys past the query allowed: any rows)
+    p16 = paths.plan(by16, S, 8, 32, is_cuda=True, small_tiles=True)
+    assert p16.bt == 16 and p16.estimate_ms["tile_fwd"] == p16.estimate_ms["tile_fwd_half"]
+    assert paths.plan(by16, S, 8, 32, is_cuda=True).bt == 32  # without small_tiles: the backward's tiles
+    by32 = (torch.arange(K)[None] + (t // 32) * K).clamp(max=S - 1)
+    p32 = paths.plan(by32[None].to(torch.int32), S, 8, 32, is_cuda=True, small_tiles=True)
+    assert p32.bt == 32 and p32.estimate_ms["tile_fwd_half"] > p32.estimate_ms["tile_fwd"]
+    # the handed-over 16-query union == a direct build, and its forward == the reference
+    sel = un.build_union(by16, S, p16.bt, prebuilt=p16.union)
+    direct = un.build_union(by16, S, 16)
+    assert torch.equal(sel.qmask, direct.qmask) and torch.equal(sel.ulen, direct.ulen)
+    H, Hkv, D = 8, 2, 16
+    q = torch.randn(B, T, H, D, generator=g)
+    k, v = torch.randn(B, S, Hkv, D, generator=g), torch.randn(B, S, Hkv, D, generator=g)
+    o, lse = un.tile_fwd(q, k, v, sel, D ** -0.5, dot_precision(q.dtype))
+    ref, rl = sparse_attention_naive(q, k, v, by16, D ** -0.5)
+    torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)

@@ -349,29 +349,36 @@ def _common(q, k, sel: TileSelection):
     return B, T, H, D, G, BM, BD, NT, umax
 
 
-def _default_tune(BM: int, cuda: bool) -> tuple[int, int, int]:
+def _default_tune(BM: int, cuda: bool, shared: bool = True) -> tuple:
     # 128-row tiles, 32K block pattern, H200 run 2 (NOTES.md item 9): (32, 4, 2) 3.87 ms, (64, 8, 2) 4.27,
     # (128, 8, 2) 4.67, (64, 8, 3) 4.80, (32, 8, 2) 6.57; the K rows gathered transposed (run 1's layout) 4.49
     # at (64, 8, 2). Query groups 32 on the trained pattern (session 8, item 15): (32, 4, 3) 4.24 ms, (32, 4, 2)
     # 4.38, (64, 8, 2) 4.69, (64, 4, 2) 4.74, (128, 8, 2) 4.96, (32, 8, 2) 6.68. 64-row tiles (16 queries x 4
     # heads: query_group 16, 32K; session 6, item 13, and session 8 the same within 1%): (64, 4, 2) 4.37 ms,
     # (64, 4, 3) 4.42, (32, 4, 3) 4.81, (32, 4, 2) 4.90, (128, 8, 3) 8.78, (64, 8, 2) 9.44, (128, 4, 2) 9.45.
+    # Per-query unions on the trained pattern (session 12, fwd12, H200, one run): 128-row tiles (32, 4, 3) 9.29 ms,
+    # with the AND bit test 9.11 (the same bits; block pattern 4.01 -> 3.92), lazy rescale + AND 9.04, (64, 8, 2)
+    # 9.68, (16, 4, 4) 12.5, (32, 8, 3) 13.3; 64-row tiles (32, 4, 3) 7.88, (64, 4, 2) 8.12, (64, 4, 2) lazy+AND 11.5
+    # (128K: 37.7 / 40.0 against 47.1 for 128 rows). Returned as (BLOCK_K, warps, stages, kt_load, lazy, mask_and).
     if not cuda:
         return (64 if BM <= 64 else 32, 4, 1)
-    return (64, 4, 2) if BM <= 64 else (32, 4, 3)
+    if shared:
+        return (64, 4, 2) if BM <= 64 else (32, 4, 3)
+    return (32, 4, 3) if BM <= 64 else (32, 4, 3, 0, 0, 1)
 
 
 def tile_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tune: tuple | None = None):
     """Forward over tiles: q `[B, T, H, D]` -> out `[B, T, H, D]`, lse `[B, T, H]` fp32.
     `tune=(BLOCK_K, num_warps, num_stages[, kt_load[, lazy[, mask_and]]])` overrides the launch config
-    (the three flags default to 0: K rows gathered row-major, a rescale every key block, the shift test)."""
+    (the flags default to 0, K rows gathered row-major and a rescale every key block; mask_and, the AND bit test,
+    is on in the default launch of 128-row per-query tiles: `_default_tune`)."""
     B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
     if out is None:
         o = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
         lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     else:
         o, lse = out
-    BK, warps, stages, kt_load, lazy, mask_and = (*(tune or _default_tune(BM, q.is_cuda)), 0, 0, 0)[:6]
+    BK, warps, stages, kt_load, lazy, mask_and = (*(tune or _default_tune(BM, q.is_cuda, sel.shared)), 0, 0, 0)[:6]
     ulen = sel.ulen if sel.ulen is not None else sel.ukey
     qmask = sel.qmask if sel.qmask is not None else sel.ukey
     _tile_fwd_kernel[(NT, k.shape[2], B)](
