@@ -359,19 +359,20 @@ def _default_tune(BM: int, cuda: bool, shared: bool = True) -> tuple:
     # Per-query unions on the trained pattern (session 12, fwd12, H200, one run): 128-row tiles (32, 4, 3) 9.29 ms,
     # with the AND bit test 9.11 (the same bits; block pattern 4.01 -> 3.92), lazy rescale + AND 9.04, (64, 8, 2)
     # 9.68, (16, 4, 4) 12.5, (32, 8, 3) 13.3; 64-row tiles (32, 4, 3) 7.88, (64, 4, 2) 8.12, (64, 4, 2) lazy+AND 11.5
-    # (128K: 37.7 / 40.0 against 47.1 for 128 rows). Returned as (BLOCK_K, warps, stages, kt_load, lazy, mask_and).
+    # (128K: 37.7 / 40.0 against 47.1 for 128 rows); call 2: 64-row (32, 4, 3) with the AND test 7.49 vs 7.88 ms,
+    # bit-equal. Returned as (BLOCK_K, warps, stages, kt_load, lazy, mask_and).
     if not cuda:
         return (64 if BM <= 64 else 32, 4, 1)
     if shared:
         return (64, 4, 2) if BM <= 64 else (32, 4, 3)
-    return (32, 4, 3) if BM <= 64 else (32, 4, 3, 0, 0, 1)
+    return (32, 4, 3, 0, 0, 1)
 
 
 def tile_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tune: tuple | None = None):
     """Forward over tiles: q `[B, T, H, D]` -> out `[B, T, H, D]`, lse `[B, T, H]` fp32.
     `tune=(BLOCK_K, num_warps, num_stages[, kt_load[, lazy[, mask_and]]])` overrides the launch config
     (the flags default to 0, K rows gathered row-major and a rescale every key block; mask_and, the AND bit test,
-    is on in the default launch of 128-row per-query tiles: `_default_tune`)."""
+    is on in the default launches of per-query tiles: `_default_tune`)."""
     B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
     if out is None:
         o = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
