@@ -9,7 +9,9 @@ heads of 64 dims, bf16. Index patterns timed for the sparse attention kernels (`
   block, causal diagonal), so the token-level kernel and FlexAttention compute the same attention;
   also timed as a shared selection (`query_group` = block size: one row per query block, no union);
 - `local`: sinks + local window + shared retrieval spans + per-query noise (bench/patterns.py);
-- `trained`: the top-k of an indexer trained in the same run on synthetic data (bench/patterns.py).
+- `trained`: the top-k of an indexer trained in the same run on synthetic data (bench/patterns.py); its
+  token-level prefill is also timed end to end (the trained indexer's scores -> the default top-k -> the
+  `auto` attention: `trained_prefill_ms`, with union/pairs), the measure issue 15's targets name.
 Granular rows (`granular`, bench/granular.py): prefill at key_block / query_group granularities (the
 granular selection kernel + the attention over its rows) on the random and the trained index inputs.
 Each pattern prints union/pairs (the tiles' union over the selected pairs: lower = more sharing),
@@ -421,7 +423,21 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
                 steps = cfg.trained_steps if dev.type == "cuda" else min(cfg.trained_steps, 3)  # CPU: smoke test
                 trained = patterns.train_indexer(dev, gen, steps=steps, crop=min(1024, L), log=log)
                 row["trained_indexer_kl"] = trained[1]
-            pats.append(("trained", patterns.trained_selection(trained[0], L, K, dev, gen), {}))
+            # the trained indexer's inputs, then its default top-k (what trained_selection does, same RNG use),
+            # kept for the end-to-end row below: scores -> top-k -> the auto attention, the issue's measure
+            tix = patterns.trained_index(trained[0], L, dev, gen)
+            tkw = dict(sink=min(4, K // 4), window=min(64, K // 2))
+            tsel = indexer_topk(*tix, K, **tkw)
+            pats.append(("trained", tsel, {}))
+            row["trained_indexer_topk_ms"] = bench_ms(lambda: indexer_topk(*tix, K, **tkw), dev, **W)
+            row["trained_prefill_ms"] = bench_ms(
+                lambda: sparse_attention(q, k, v, indexer_topk(*tix, K, **tkw), backend="triton"), dev, **W)
+            row["trained_prefill_speedup"] = row["dense_ms"] / row["trained_prefill_ms"]
+            from sparse_rl.sparse.ops.sparse_attention import union as _union  # (time_pattern reports it on CUDA too)
+
+            BT = _union.tile_queries(H // Hkv)
+            row["trained_union_ratio"] = float(_union.union_sizes(tsel, L, BT).sum()) / max(1, pairs(tsel))
+            del tix, tsel
         for pre, ix, kw in pats:
             if dev.type == "cuda":
                 row.update(time_pattern(q, k, v, ix, dev, W, pre, **kw))
@@ -525,6 +541,16 @@ def markdown_attention(res: dict) -> str:
                         r.get(f"{pre}_union_build_ms"), r[f"{pre}_tile_kernel_ms"], r[f"{pre}_tile_kernel_tflops"],
                         r[f"{pre}_auto_ms"], r[f"{pre}_auto_path"], r[f"{pre}_auto_tflops"],
                         r.get(f"{pre}_tile_kernel_vs_flex"))) + " |")
+    tp = [r for r in res["rows"] if "trained_prefill_ms" in r]
+    if tp:
+        lines += ["", "Token-level prefill on the trained indexer's selection (its scores -> the default top-k -> "
+                  "`auto` sparse attention; sink 4, window 64), end to end vs dense; union/pairs of 32-query tiles",
+                  "", "| L | dense ms | idx+top-k ms | attn ms (auto) | prefill ms | speedup vs dense | union/pairs |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in tp:
+            lines.append("| " + " | ".join(fmt(x) for x in (
+                r["seqlen"], r.get("dense_ms"), r.get("trained_indexer_topk_ms"), r.get("trained_auto_ms"),
+                r["trained_prefill_ms"], r.get("trained_prefill_speedup"), r.get("trained_union_ratio"))) + " |")
     bw = [r for r in res["rows"] if "dense_fwdbwd_ms" in r]
     if bw:
         lines += ["", "Forward + backward (ms): backward `atomic` (per query, fp32 atomics) vs `tile` (dq per tile, "

@@ -7,7 +7,8 @@ Backward: "atomic" (the per-query kernel: dq stored, dk/dv by fp32 atomics) or "
 query-major pass, per tile, per query or per key tile, and dk/dv from the key-major pass, no atomics).
 
 `auto` estimates each path's time from a sample of query tiles (at most SAMPLE_TILES tiles' bitmaps:
-~1/30 of a union build at 32K) and a per-unit cost of each kernel: a few numbers, below, measured on
+~1/30 of a union build at 32K; `stats="full"`: every tile's bitmap and |U| with one host sync, which the
+union build then reuses, `full_stats`) and a per-unit cost of each kernel: a few numbers, below, measured on
 an H200 (bf16, G = 4, D = 128; benchmarks/NOTES.md) and re-checked by `sparse-rl bench attention`,
 which prints the estimate beside the measured times. Shared selections (`query_group`) take the tile
 path without an estimate (their union is the selection, so nothing is built), or the block path when
@@ -26,6 +27,9 @@ NS_QUERY_FWD = 0.067  # per (query, selected key): per-query forward, L2 gather 
 NS_QUERY_BWD = 0.32  # per (query, selected key): per-query backward with fp32 atomics (174 ms; session 4, not re-timed)
 NS_QUERY_DQ = 0.091  # per (query, selected key): per-query dq only, no atomics (47.1 ms; first timing)
 NS_TILE_FWD = 0.25  # per (tile, union key): tile forward, 128 rows (9.31 ms over 4.61 M union keys; session 4: 0.27)
+NS_TILE_FWD_64 = 0.135  # per (16-query tile, union key): 64-row tiles at (32, 4, 3) cost 1.07-1.09x the 128-row
+# tiles' time per unit of MMA work (rows x union keys): H200, session 12 (fwd12), 32K trained 7.88 vs 9.29 ms at
+# work 0.785x, 32K block 4.28 vs 4.01 at 0.996x, 128K trained 37.7 vs 47.1 at 0.732x; 0.25 * 0.5 * 1.08
 NS_TILE_DQ = 0.30  # per (tile, union key): tile dq pass (10.9 ms; session 4: 0.27)
 NS_KEYMAJOR = 30.2  # per (key tile of KEY_TILE, query tile) touched: key-major dk/dv at its default launch for
 # 128-row tiles, (64, 8, 2, "dt") (32.6 ms over 135 K touched pairs; at (32, 8, 2, "dt") 21.1 ns per 32-key pair,
@@ -43,6 +47,8 @@ class Plan:
     bwd: str  # "atomic" | "tile"
     dq: str  # "query" | "tile" | "block" (with bwd == "tile")
     estimate_ms: dict
+    union: tuple | None = None  # stats="full": (bits, ulen, umax) of every tile, for union.build_union
+    bt: int = 0  # the forward's query tile (0: the caller's BT); stats="full" with small_tiles may halve it
 
 
 def _popcount_sum(bits: torch.Tensor) -> int:
@@ -68,15 +74,61 @@ def sample_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE) -> 
     return pairs, _popcount_sum(bits) / n, touched
 
 
+PAIR_ROWS = 1024  # stats="full": rows (evenly strided, a view) that the selected pairs per tile are counted on
+
+
+def full_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE, half: bool = False):
+    """Every tile's bitmap and |U| (the first two steps of a union build, which `build_union` then skips),
+    and from them (selected pairs, union keys, touched key tiles) per tile averaged, with ONE host sync:
+    -> ((pairs, ukeys, touched), (bits, ulen, umax)). Why not a sample: the sample's bitmap runs on
+    SAMPLE_TILES programs, each looping over BT*K atomics, so it is latency bound (~1.9 ms of `auto`
+    over union build + tile kernel at 32K on the H200, session 12's measurement of 4eda7e8), and the
+    tile path builds the full bitmap anyway. Pairs come from a strided view of PAIR_ROWS rows.
+    half: also the tiles of BT/2 queries: their bitmap is built and BT's is its OR over pairs of tiles (the same
+    bits), -> (..., (bits, ulen, umax), (ukeys per BT/2 tile, (bits, ulen, umax) of BT/2)); one sync still."""
+    from sparse_rl.sparse.ops.sparse_attention.union import _bitmap, count_union
+
+    T = indices.shape[1]
+    if half:
+        bits_h = _bitmap(indices, S, BT // 2)
+        ulen_h = count_union(bits_h, indices)
+        pair = bits_h if bits_h.shape[1] % 2 == 0 else torch.cat([bits_h, torch.zeros_like(bits_h[:, :1])], 1)
+        bits = (pair[:, 0::2] | pair[:, 1::2]).contiguous()
+    else:
+        bits = _bitmap(indices, S, BT)
+    ulen = count_union(bits, indices)
+    n = bits.shape[0] * bits.shape[1]
+    step = max(1, T // PAIR_ROWS)
+    sub = indices[:, ::step]
+    pairs = ((sub >= 0) & (sub < S)).sum(dtype=torch.float64) * (T / sub.shape[1]) / n
+    touched = bits.view(bits.shape[0], bits.shape[1], -1, BN // 32).ne(0).any(-1).sum(dtype=torch.float64) / n
+    parts = [pairs, ulen.sum(dtype=torch.float64) / n, touched, ulen.max().to(torch.float64)]
+    if half:
+        parts += [ulen_h.sum(dtype=torch.float64) / ulen_h.numel(), ulen_h.max().to(torch.float64)]
+    vals = torch.stack(parts).tolist()  # the one host sync
+    out = (vals[0], vals[1], vals[2]), (bits, ulen, max(1, int(vals[3])))
+    if half:
+        return (*out, (vals[4], (bits_h, ulen_h, max(1, int(vals[5])))))
+    return out
+
+
 BLOCK_MIN_KEY_BLOCK = 16  # shared rows of whole key blocks >= this take the block path (blocks.py) under `auto`:
 # H200, 32K, trained input (session 9, NOTES.md item 17): forward / dq vs the gather tiles 1.43x / 1.49x at kb64g64,
 # 1.41x / 1.41x at kb32g32, 1.03x / 1.05x at kb16g16, but 0.60-0.66x on token rows (g16, g64: partial tiles)
 
 
 def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", bwd: str = "auto",
-         shared: bool = False, is_cuda: bool = True, key_block: int = 1) -> Plan:
+         shared: bool = False, is_cuda: bool = True, key_block: int = 1, stats: str = "full",
+         small_tiles: bool = False) -> Plan:
     """Resolve `auto` paths for one call. indices `[B, T, K]` per query (or shared rows when `shared`);
-    key_block: the rows' key block (a hint from the selection's config; 1 = token rows)."""
+    key_block: the rows' key block (a hint from the selection's config; 1 = token rows); stats: what the
+    estimate reads, "full" (every tile's bitmap and |U|, one host sync, kept in Plan.union for the union
+    build: `full_stats`; 32K trained on the H200, session 12: auto 11.55 -> 10.69 ms, the same output) or
+    "sample" (SAMPLE_TILES tiles' bitmaps, `sample_stats`: latency bound, ~1 ms of host-synced work). small_tiles (with "full"):
+    the forward may take tiles of BT/2 queries (Plan.bt) where their estimate (NS_TILE_FWD_64) is lower; for a
+    forward that no backward follows (the tile backward's passes are measured at BT only)."""
+    if stats not in ("sample", "full"):
+        raise ValueError(f"plan stats {stats!r}: expected 'sample' or 'full'")
     if fwd not in FWD_PATHS:
         raise ValueError(f"fwd_path {fwd!r}: expected one of {', '.join(FWD_PATHS)}")
     if bwd not in BWD_PATHS:
@@ -92,7 +144,13 @@ def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", b
         f = "query" if fwd == "auto" else fwd
         b = "atomic" if bwd == "auto" else bwd
         return Plan(f, b, f if b == "tile" else "query", {})
-    pairs, ukeys, touched = sample_stats(indices, S, BT)
+    prebuilt, half = None, None
+    if stats == "full" and small_tiles and BT >= 16:
+        (pairs, ukeys, touched), prebuilt, half = full_stats(indices, S, BT, half=True)
+    elif stats == "full":
+        (pairs, ukeys, touched), prebuilt = full_stats(indices, S, BT)
+    else:
+        pairs, ukeys, touched = sample_stats(indices, S, BT)
     nt = -(-T // BT) * indices.shape[0]
     est = {"query_fwd": pairs * nt * H_kv * NS_QUERY_FWD * 1e-6,
            "tile_fwd": (ukeys * nt * H_kv * NS_TILE_FWD + pairs * nt * NS_BUILD) * 1e-6,
@@ -100,8 +158,16 @@ def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", b
            "query_dq": pairs * nt * H_kv * NS_QUERY_DQ * 1e-6,
            "tile_dq": ukeys * nt * H_kv * NS_TILE_DQ * 1e-6,
            "keymajor_dkdv": (touched * nt * H_kv * NS_KEYMAJOR + pairs * nt * NS_BUILD) * 1e-6}
+    bt = BT
+    if half is not None:
+        nt_h = -(-T // (BT // 2)) * indices.shape[0]
+        est["tile_fwd_half"] = (half[0] * nt_h * H_kv * NS_TILE_FWD_64 + pairs * nt * NS_BUILD) * 1e-6
+        if est["tile_fwd_half"] < est["tile_fwd"]:
+            bt, prebuilt = BT // 2, half[1]
+            est["tile_fwd"] = est["tile_fwd_half"]
     f = fwd if fwd != "auto" else ("tile" if est["tile_fwd"] < est["query_fwd"] else "query")
     dq = "tile" if est["tile_dq"] < est["query_dq"] else "query"
     if bwd == "auto":
         bwd = "tile" if est[f"{dq}_dq"] + est["keymajor_dkdv"] < est["atomic_bwd"] else "atomic"
-    return Plan(f, bwd, dq, est)
+    # (with small_tiles no backward follows; one that did would rebuild BT's tiles: triton._SparseAttention)
+    return Plan(f, bwd, dq, est, prebuilt if f == "tile" or bwd == "tile" else None, bt if f == "tile" else 0)

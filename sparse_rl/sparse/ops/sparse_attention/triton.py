@@ -256,7 +256,9 @@ def _pow2_divisor(n: int) -> int:
 
 class _Call:
     """One call's arguments besides the tensors: scale, sharing, requested paths, launch overrides
-    (`tune`: {"fwd" | "dq" | "dkdv" | "bwd": (block, num_warps, num_stages)}, benchmarks)."""
+    (`tune`: {"fwd" | "dq" | "dkdv" | "bwd": (block, num_warps, num_stages)}, benchmarks; "plan": the
+    statistics `auto` estimates from, "full" (default) or "sample", paths.plan's `stats`; "small_tiles": whether
+    a forward that no backward follows may take 16-query tiles, default True)."""
 
     def __init__(self, scale, query_group, q_offset, fwd_path, bwd_path, tune, key_block: int = 1):
         self.scale, self.group, self.q_offset, self.key_block = scale, query_group, q_offset, key_block
@@ -288,9 +290,12 @@ def _forward(q, k, v, indices, call: _Call, out=None):
                 o, lse = union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
             return o, lse, None, sel, pl
         indices = shared_to_per_query(indices, call.group, q.shape[1], call.q_offset)
-    pl = paths.plan(indices, S, H_kv, BT, call.fwd_path, call.bwd_path, is_cuda=q.is_cuda)
+    # 16-query tiles only for a forward that no backward follows (the tile backward is measured at BT)
+    small = bool(call.tune.get("small_tiles", True)) and not call.needs_grad
+    pl = paths.plan(indices, S, H_kv, BT, call.fwd_path, call.bwd_path, is_cuda=q.is_cuda,
+                    stats=call.tune.get("plan", "full"), small_tiles=small)
     if pl.fwd == "tile":
-        sel = union.build_union(indices, S, BT)
+        sel = union.build_union(indices, S, pl.bt or BT, prebuilt=pl.union)
         o, lse = union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
     else:
         o, lse, _ = _fwd(q, k, v, indices, call.scale, out=out, tune=call.tune.get("fwd"))
@@ -313,6 +318,8 @@ class _SparseAttention(torch.autograd.Function):
         q, k, v, o, lse, idx, *st = ctx.saved_tensors
         call, pl = ctx.call, ctx.plan
         sel = union.TileSelection.from_tensors(*ctx.sel_meta[:3], st) if ctx.sel_meta else None
+        if sel is not None and not sel.shared and sel.BT != union.tile_queries(q.shape[2] // k.shape[2]):
+            sel = None  # a forward on smaller tiles (small_tiles): the backward builds its own
         if sel is not None and sel.shared:
             sel = union.with_bits(sel, k.shape[1])
         do = do if do is not None else torch.zeros_like(o)
@@ -326,7 +333,8 @@ class _SparseAttention(torch.autograd.Function):
             dq, dk, dv = _query_bwd(q, k, v, per_query, o, lse, do, dlse, call.scale, tune=call.tune.get("bwd"))
             return dq, dk, dv, None, None
         if sel is None:
-            sel = union.build_union(per_query, k.shape[1], union.tile_queries(q.shape[2] // k.shape[2]))
+            sel = union.build_union(per_query, k.shape[1], union.tile_queries(q.shape[2] // k.shape[2]),
+                                    prebuilt=pl.union)
         delta = keymajor.bwd_delta(o, do, dlse)
         if pl.dq == "block":
             dq = blocks.block_dq(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dq"),

@@ -177,27 +177,35 @@ def _bitmap(indices: torch.Tensor, S: int, BT: int) -> torch.Tensor:
     return bits
 
 
-def union_sizes(indices: torch.Tensor, S: int, BT: int) -> torch.Tensor:
-    """|U| per tile `[B, NT]` int32 (bitmap + popcount only: the cheap part of a build)."""
-    bits = _bitmap(indices, S, BT)
+def count_union(bits: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """|U| per tile `[B, NT]` int32 from the tiles' bitmaps `[B, NT, NW]` (`like`: a tensor on the launch's device)."""
     B, NT, NW = bits.shape
     ulen = torch.empty(B, NT, dtype=torch.int32, device=bits.device)
-    _, BW, warps = _launch(indices)
+    _, BW, warps = _launch(like)
     _count_kernel[(NT, B)](bits, ulen, NW, NT, BLOCK_W=BW, num_warps=warps)
     return ulen
 
 
-def build_union(indices: torch.Tensor, S: int, BT: int) -> TileSelection:
+def union_sizes(indices: torch.Tensor, S: int, BT: int) -> torch.Tensor:
+    """|U| per tile `[B, NT]` int32 (bitmap + popcount only: the cheap part of a build)."""
+    return count_union(_bitmap(indices, S, BT), indices)
+
+
+def build_union(indices: torch.Tensor, S: int, BT: int, prebuilt: tuple | None = None) -> TileSelection:
     """Per-query indices `[B, T, K]` int32 -> the tiles' unions (see TileSelection). One host sync
-    (the largest union sizes the key lists)."""
+    (the largest union sizes the key lists). `prebuilt=(bits, ulen, umax)`: the bitmap, |U| and its
+    maximum of these indices and BT already computed (paths.full_stats): the build starts at the compact
+    step and does not sync."""
     B, T, K = indices.shape
-    bits = _bitmap(indices, S, BT)
-    NT, NW = bits.shape[1], bits.shape[2]
     dev = indices.device
     BK, BW, warps = _launch(indices)
-    ulen = torch.empty(B, NT, dtype=torch.int32, device=dev)
-    _count_kernel[(NT, B)](bits, ulen, NW, NT, BLOCK_W=BW, num_warps=warps)
-    umax = max(1, int(ulen.max()) if ulen.numel() else 1)
+    if prebuilt is not None:
+        bits, ulen, umax = prebuilt
+    else:
+        bits = _bitmap(indices, S, BT)
+        ulen = count_union(bits, indices)
+        umax = max(1, int(ulen.max()) if ulen.numel() else 1)
+    NT, NW = bits.shape[1], bits.shape[2]
     pref = torch.empty(B, NT, NW, dtype=torch.int32, device=dev)
     ukey = torch.empty(B, NT, umax, dtype=torch.int32, device=dev)
     qmask = torch.zeros(B, NT, umax, dtype=torch.int32, device=dev)
@@ -235,9 +243,11 @@ def _tile_rows(tile, G, T, BT: tl.constexpr, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _tile_slots(UKEY, QMASK, urow, qrow, suk, u0, n, S, q_off, qi, t, rmask,
-                BLOCK_K: tl.constexpr, SHARED: tl.constexpr):
+                BLOCK_K: tl.constexpr, SHARED: tl.constexpr, MASK_AND: tl.constexpr):
     """One block of a tile's key list: key positions `[BLOCK_K]` (0 where unused), their validity and
-    the `[BLOCK_M, BLOCK_K]` mask of (row, key) pairs that were selected."""
+    the `[BLOCK_M, BLOCK_K]` mask of (row, key) pairs that were selected. MASK_AND: test a row's bit as
+    qmask & (1 << qi) != 0 (the row's bit made once, one AND + compare an element) instead of
+    (qmask >> qi) & 1 == 1 (shift, AND, compare); the same bits."""
     offs = u0 + tl.arange(0, BLOCK_K)
     um = offs < n
     key = tl.load(UKEY + urow + offs * suk, mask=um, other=-1).to(tl.int64)
@@ -247,7 +257,10 @@ def _tile_slots(UKEY, QMASK, urow, qrow, suk, u0, n, S, q_off, qi, t, rmask,
     else:
         ok = um
         qm = tl.load(QMASK + qrow + offs, mask=um, other=0)
-        sel = (((qm[None, :] >> qi[:, None]) & 1) == 1) & um[None, :] & rmask[:, None]
+        if MASK_AND:
+            sel = ((qm[None, :] & (tl.full(qi.shape, 1, tl.int32) << qi)[:, None]) != 0) & rmask[:, None]
+        else:
+            sel = (((qm[None, :] >> qi[:, None]) & 1) == 1) & um[None, :] & rmask[:, None]
     return tl.where(ok, key, 0), ok, sel
 
 
@@ -257,7 +270,11 @@ def _tile_fwd_kernel(Q, K, V, UKEY, QMASK, ULEN, O, LSE,
                      sob, sot, soh, sod, slb, slt, slh, sub, sur, suk,
                      T, S, G, D, NT, UMAX, QG, NKEYS, q_off, qk_scale,
                      BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                     SHARED: tl.constexpr, PREC: tl.constexpr, KT_LOAD: tl.constexpr):
+                     SHARED: tl.constexpr, PREC: tl.constexpr, KT_LOAD: tl.constexpr, LAZY: tl.constexpr,
+                     MASK_AND: tl.constexpr):
+    """LAZY: rescale acc / l only when a row's running max grew by more than 8 (log2 units) in a key block
+    (one tile-wide max and a uniform branch a block instead of BLOCK_M * BLOCK_D multiplies a thread's share;
+    not bit-equal to the default, equal within rounding). MASK_AND: see _tile_slots."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -280,7 +297,8 @@ def _tile_fwd_kernel(Q, K, V, UKEY, QMASK, ULEN, O, LSE,
     kbase = K + b * skb + kvh * skh
     vbase = V + b * svb + kvh * svh
     for u0 in range(0, n, BLOCK_K):
-        key, ok, sel = _tile_slots(UKEY, QMASK, urow, qrow, suk, u0, n, S, q_off, qi, t, rmask, BLOCK_K, SHARED)
+        key, ok, sel = _tile_slots(UKEY, QMASK, urow, qrow, suk, u0, n, S, q_off, qi, t, rmask, BLOCK_K, SHARED,
+                                   MASK_AND)
         if KT_LOAD:  # gathered as [BLOCK_D, BLOCK_K] (run 1's layout: 4.7 ms on the 32K block pattern)
             kt = tl.load(kbase + key[None, :] * sks + offs_d[:, None] * skd, mask=ok[None, :] & dmask[:, None],
                          other=0.0)
@@ -290,13 +308,29 @@ def _tile_fwd_kernel(Q, K, V, UKEY, QMASK, ULEN, O, LSE,
         s = dot(q, kt, PREC)
         s = tl.where(sel, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        # (V's load sits here or after the softmax: the same SASS, the pipeliner issues both gathers ahead)
         v = tl.load(vbase + key[:, None] * svs + offs_d[None, :] * svd, mask=ok[:, None] & dmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PREC)
-        m_i = m_new
+        if LAZY:
+            # the running max moves (and acc, l are rescaled) only when some row's max grew by more than 2^8:
+            # p = exp2(s - m) <= 256 otherwise, exact in fp32 and within bf16's range, and the final
+            # acc / l and lse = m + log2(l) do not depend on which reference m was used
+            if tl.max((m_new > m_i + 8.0).to(tl.int32), 0) > 0:
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha
+                acc = acc * alpha[:, None]
+                m_i = m_new
+            m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
+            p = tl.exp2(s - m_ref[:, None])
+            l_i = l_i + tl.sum(p, 1)
+            acc = acc + dot(p.to(v.dtype), v, PREC)
+        else:
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PREC)
+            m_i = m_new
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
@@ -315,35 +349,44 @@ def _common(q, k, sel: TileSelection):
     return B, T, H, D, G, BM, BD, NT, umax
 
 
-def _default_tune(BM: int, cuda: bool) -> tuple[int, int, int]:
+def _default_tune(BM: int, cuda: bool, shared: bool = True) -> tuple:
     # 128-row tiles, 32K block pattern, H200 run 2 (NOTES.md item 9): (32, 4, 2) 3.87 ms, (64, 8, 2) 4.27,
     # (128, 8, 2) 4.67, (64, 8, 3) 4.80, (32, 8, 2) 6.57; the K rows gathered transposed (run 1's layout) 4.49
     # at (64, 8, 2). Query groups 32 on the trained pattern (session 8, item 15): (32, 4, 3) 4.24 ms, (32, 4, 2)
     # 4.38, (64, 8, 2) 4.69, (64, 4, 2) 4.74, (128, 8, 2) 4.96, (32, 8, 2) 6.68. 64-row tiles (16 queries x 4
     # heads: query_group 16, 32K; session 6, item 13, and session 8 the same within 1%): (64, 4, 2) 4.37 ms,
     # (64, 4, 3) 4.42, (32, 4, 3) 4.81, (32, 4, 2) 4.90, (128, 8, 3) 8.78, (64, 8, 2) 9.44, (128, 4, 2) 9.45.
+    # Per-query unions on the trained pattern (session 12, fwd12, H200, one run): 128-row tiles (32, 4, 3) 9.29 ms,
+    # with the AND bit test 9.11 (the same bits; block pattern 4.01 -> 3.92), lazy rescale + AND 9.04, (64, 8, 2)
+    # 9.68, (16, 4, 4) 12.5, (32, 8, 3) 13.3; 64-row tiles (32, 4, 3) 7.88, (64, 4, 2) 8.12, (64, 4, 2) lazy+AND 11.5
+    # (128K: 37.7 / 40.0 against 47.1 for 128 rows); call 2: 64-row (32, 4, 3) with the AND test 7.49 vs 7.88 ms,
+    # bit-equal. Returned as (BLOCK_K, warps, stages, kt_load, lazy, mask_and).
     if not cuda:
         return (64 if BM <= 64 else 32, 4, 1)
-    return (64, 4, 2) if BM <= 64 else (32, 4, 3)
+    if shared:
+        return (64, 4, 2) if BM <= 64 else (32, 4, 3)
+    return (32, 4, 3, 0, 0, 1)
 
 
-def tile_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tune: tuple[int, int, int] | None = None):
+def tile_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tune: tuple | None = None):
     """Forward over tiles: q `[B, T, H, D]` -> out `[B, T, H, D]`, lse `[B, T, H]` fp32.
-    `tune=(BLOCK_K, num_warps, num_stages)` overrides the launch config."""
+    `tune=(BLOCK_K, num_warps, num_stages[, kt_load[, lazy[, mask_and]]])` overrides the launch config
+    (the flags default to 0, K rows gathered row-major and a rescale every key block; mask_and, the AND bit test,
+    is on in the default launches of per-query tiles: `_default_tune`)."""
     B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
     if out is None:
         o = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
         lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     else:
         o, lse = out
-    BK, warps, stages, kt_load = (*(tune or _default_tune(BM, q.is_cuda)), 0)[:4]
+    BK, warps, stages, kt_load, lazy, mask_and = (*(tune or _default_tune(BM, q.is_cuda, sel.shared)), 0, 0, 0)[:6]
     ulen = sel.ulen if sel.ulen is not None else sel.ukey
     qmask = sel.qmask if sel.qmask is not None else sel.ukey
     _tile_fwd_kernel[(NT, k.shape[2], B)](
         q, k, v, sel.ukey, qmask, ulen, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
         *sel.ukey.stride(), T, k.shape[1], G, D, NT, umax, sel.group, sel.ukey.shape[2], sel.q_offset,
         scale * LOG2E, BT=sel.BT, BLOCK_M=BM, BLOCK_K=BK, BLOCK_D=BD, SHARED=sel.shared, PREC=prec,
-        KT_LOAD=bool(kt_load), num_warps=warps, num_stages=stages)
+        KT_LOAD=bool(kt_load), LAZY=bool(lazy), MASK_AND=bool(mask_and), num_warps=warps, num_stages=stages)
     return o, lse
 
 
@@ -394,7 +437,8 @@ def _tile_dq_kernel(Q, K, V, UKEY, QMASK, ULEN, DO, LSE, DELTA, DQ,
     kbase = K + b * skb + kvh * skh
     vbase = V + b * svb + kvh * svh
     for u0 in range(0, n, BLOCK_K):
-        key, ok, sel = _tile_slots(UKEY, QMASK, urow, qrow, suk, u0, n, S, q_off, qi, t, row_ok, BLOCK_K, SHARED)
+        key, ok, sel = _tile_slots(UKEY, QMASK, urow, qrow, suk, u0, n, S, q_off, qi, t, row_ok, BLOCK_K, SHARED,
+                                   False)
         kk = tl.load(kbase + key[:, None] * sks + offs_d[None, :] * skd, mask=ok[:, None] & dmask[None, :], other=0.0)
         vv = tl.load(vbase + key[:, None] * svs + offs_d[None, :] * svd, mask=ok[:, None] & dmask[None, :], other=0.0)
         s = dot(q, tl.trans(kk), PREC)

@@ -1,0 +1,158 @@
+"""`auto`'s full statistics (paths.full_stats: every tile's bitmap and |U|, one host sync, handed to the union
+build) against the sampled ones and a plain build, and the tile forward's variants (the lazy rescale, the AND
+bit test; 16- and 32-query tiles) against the float32 reference and the default kernel, on the CPU
+(TRITON_INTERPRET=1, tests/conftest.py), odd sizes."""
+
+import pytest
+import torch
+
+from sparse_rl.sparse.ops.sparse_attention import paths, union
+from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
+from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
+
+
+def _clustered(B, T, S, K, g, drop=0.2):
+    """Per-query selections that neighbours partly share (a window of K keys around a drifting centre plus
+    random keys), -1 holes, out-of-range entries, one empty row: a small stand-in for a trained indexer."""
+    t = torch.arange(T)[:, None]
+    base = (t * S // T - torch.arange(K // 2)[None]).clamp(min=-1)
+    rnd = torch.randint(0, S, (B, T, K - K // 2), generator=g)
+    idx = torch.cat([base[None].expand(B, T, K // 2), rnd], -1).to(torch.int32)
+    idx[torch.rand(B, T, K, generator=g) < drop] = -1
+    idx[:, 1, 0] = S + 3  # out of range: ignored like -1
+    idx[0, 5] = -1
+    # distinct keys per row (the contract): duplicates -> -1
+    srt, order = idx.sort(-1)
+    dup = torch.zeros_like(srt, dtype=torch.bool)
+    dup[..., 1:] = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+    srt[dup] = -1
+    return srt.gather(-1, order.argsort(-1))
+
+
+@pytest.mark.parametrize("T,BT", [(75, 32), (49, 16)])
+def test_full_stats_equal_the_sample_when_it_covers_every_tile_and_feed_the_build(T, BT):
+    g = torch.Generator().manual_seed(T)
+    B, S, K = 2, 70, 24
+    idx = _clustered(B, T, S, K, g)
+    assert -(-T // BT) <= paths.SAMPLE_TILES and T <= paths.PAIR_ROWS  # the sample is every tile, every row
+    sample = paths.sample_stats(idx, S, BT)
+    (pairs, ukeys, touched), (bits, ulen, umax) = paths.full_stats(idx, S, BT)
+    assert (pairs, ukeys, touched) == pytest.approx(sample, rel=1e-12)
+    ref_ulen = union.union_sizes(idx, S, BT)
+    assert torch.equal(ulen, ref_ulen) and umax == int(ref_ulen.max())
+    # the plans agree, and the full one carries what the build skips
+    ps = paths.plan(idx, S, 8, BT, is_cuda=True, stats="sample")
+    pf = paths.plan(idx, S, 8, BT, is_cuda=True, stats="full")
+    assert (ps.fwd, ps.bwd, ps.dq) == (pf.fwd, pf.bwd, pf.dq) and ps.union is None
+    assert ps.estimate_ms == pytest.approx(pf.estimate_ms, rel=1e-12)
+    plain = union.build_union(idx, S, BT)
+    pre = union.build_union(idx, S, BT, prebuilt=(bits, ulen, umax))
+    for name in ("ukey", "qmask", "ulen", "bits", "pref"):
+        a, b = getattr(plain, name), getattr(pre, name)
+        if name == "ukey":  # slots past |U| are never read (uninitialised memory)
+            live = torch.arange(a.shape[-1])[None, None] < plain.ulen[..., None]
+            a, b = a[live], b[live]
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="stats"):
+        paths.plan(idx, S, 8, BT, is_cuda=True, stats="all")
+
+
+def test_full_stats_count_pairs_on_strided_rows_at_length():
+    """Past PAIR_ROWS rows the pairs come from a strided view: within a few percent of the exact count here
+    (and the union / touched statistics stay exact: every tile)."""
+    g = torch.Generator().manual_seed(1)
+    B, T, S, K, BT = 1, 2 * paths.PAIR_ROWS + 40, 3000, 16, 32
+    idx = _clustered(B, T, S, K, g)
+    (pairs, ukeys, _), (bits, ulen, _) = paths.full_stats(idx, S, BT)
+    nt = -(-T // BT)
+    exact = float(((idx >= 0) & (idx < S)).sum()) / nt
+    assert abs(pairs - exact) / exact < 0.03
+    assert ukeys == pytest.approx(float(ulen.sum()) / nt, rel=1e-12)
+
+
+VARIANTS = [(0, 0), (0, 1), (1, 0), (1, 1)]  # (lazy, mask_and)
+
+
+@pytest.mark.parametrize("BT", [32, 16])
+@pytest.mark.parametrize("H,H_kv,D,T", [(8, 2, 64, 71), (12, 3, 32, 37)])
+def test_tile_fwd_variants_match_reference_and_the_default(BT, H, H_kv, D, T):
+    g = torch.Generator().manual_seed(T + BT)
+    B, S, K = 2, 83, 28
+    q = torch.randn(B, T, H, D, generator=g)
+    k, v = torch.randn(B, S, H_kv, D, generator=g), torch.randn(B, S, H_kv, D, generator=g)
+    idx = _clustered(B, T, S, K, g)
+    sel = union.build_union(idx, S, BT)
+    scale = D ** -0.5
+    ref, rl = sparse_attention_naive(q, k, v, idx, scale)
+    fin = torch.isfinite(rl)
+    base = None
+    for lazy, ma in VARIANTS:
+        o, lse = union.tile_fwd(q, k, v, sel, scale, dot_precision(q.dtype),
+                                tune=(32 if BT == 32 else 64, 4, 1, 0, lazy, ma))
+        torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(torch.isfinite(lse), fin)
+        torch.testing.assert_close(lse[fin], rl[fin], atol=1e-5, rtol=1e-5)
+        if base is None:
+            base = (o, lse)
+        elif not lazy:  # the AND test selects the same pairs, the same arithmetic: the default's bits
+            assert torch.equal(o, base[0]) and torch.equal(lse, base[1])
+
+
+def test_lazy_rescale_survives_a_max_that_grows_late_and_rows_that_start_empty():
+    """Scores that rise by far more than 2^8 (log2) along the union (each later key block holds a larger
+    score) and rows whose first keys come late: the lazy rescale must move the max then, never overflow."""
+    g = torch.Generator().manual_seed(5)
+    B, T, S, H, H_kv, D, K = 1, 40, 96, 4, 1, 16, 24
+    q = torch.randn(B, T, H, D, generator=g)
+    k = torch.randn(B, S, H_kv, D, generator=g) * 0.1
+    k[:, :, :, 0] = torch.linspace(0, 60, S)[None, :, None]  # key s scores ~ q0 * s * 0.6: rises along the keys
+    q[..., 0] = q[..., 0].abs() + 1.0
+    v = torch.randn(B, S, H_kv, D, generator=g)
+    idx = _clustered(B, T, S, K, g, drop=0.1)
+    idx[0, :7, : K // 2] = -1  # rows whose selection starts in a later key block
+    sel = union.build_union(idx, S, 32)
+    ref, rl = sparse_attention_naive(q, k, v, idx, 1.0)
+    fin = torch.isfinite(rl)
+    o, lse = union.tile_fwd(q, k, v, sel, 1.0, dot_precision(q.dtype), tune=(16, 4, 1, 0, 1, 1))
+    o0, _ = union.tile_fwd(q, k, v, sel, 1.0, dot_precision(q.dtype), tune=(16, 4, 1, 0, 0, 0))
+    assert torch.isfinite(o).all()
+    # logits up to ~1e2: fp32 rounding of the exponent is ~1e-5 relative here, for the default kernel too
+    torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
+    assert (o - ref).abs().max() <= 2 * (o0 - ref).abs().max() + 1e-6
+    torch.testing.assert_close(lse[fin], rl[fin], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T", [96, 83])
+def test_half_tiles_stats_and_the_choice_of_16_query_tiles(T):
+    """full_stats(half=True): BT's bitmap is the OR of its two BT/2 tiles' (== a direct build), |U| of both;
+    the plan takes 16-query tiles where 16 queries share their keys but 32 do not, 32 where 32 share them,
+    and the 16-query union it hands over builds tiles whose forward matches the reference."""
+    from sparse_rl.sparse.ops.sparse_attention import union as un
+
+    g = torch.Generator().manual_seed(T)
+    B, S, K = 1, 400, 40
+    idx = _clustered(B, T, S, K, g)
+    (_, ukeys, _), (bits, ulen, umax), (ukeys_h, (bits_h, ulen_h, umax_h)) = paths.full_stats(idx, S, 32, half=True)
+    assert torch.equal(bits, un._bitmap(idx, S, 32)) and torch.equal(ulen, un.union_sizes(idx, S, 32))
+    assert torch.equal(bits_h, un._bitmap(idx, S, 16)) and torch.equal(ulen_h, un.union_sizes(idx, S, 16))
+    assert umax == int(ulen.max()) and umax_h == int(ulen_h.max())
+    assert ukeys_h == pytest.approx(float(ulen_h.sum()) / ulen_h.numel(), rel=1e-12)
+    t = torch.arange(T)[:, None]
+    by16 = (torch.arange(K)[None] + (t // 16) * K).clamp(max=S - 1)  # 16 queries share K keys, the next 16 others
+    by16 = torch.where(by16 <= t + 300, by16, -1)[None].to(torch.int32)  # (keys past the query allowed: any rows)
+    p16 = paths.plan(by16, S, 8, 32, is_cuda=True, small_tiles=True)
+    assert p16.bt == 16 and p16.estimate_ms["tile_fwd"] == p16.estimate_ms["tile_fwd_half"]
+    assert paths.plan(by16, S, 8, 32, is_cuda=True).bt == 32  # without small_tiles: the backward's tiles
+    by32 = (torch.arange(K)[None] + (t // 32) * K).clamp(max=S - 1)
+    p32 = paths.plan(by32[None].to(torch.int32), S, 8, 32, is_cuda=True, small_tiles=True)
+    assert p32.bt == 32 and p32.estimate_ms["tile_fwd_half"] > p32.estimate_ms["tile_fwd"]
+    # the handed-over 16-query union == a direct build, and its forward == the reference
+    sel = un.build_union(by16, S, p16.bt, prebuilt=p16.union)
+    direct = un.build_union(by16, S, 16)
+    assert torch.equal(sel.qmask, direct.qmask) and torch.equal(sel.ulen, direct.ulen)
+    H, Hkv, D = 8, 2, 16
+    q = torch.randn(B, T, H, D, generator=g)
+    k, v = torch.randn(B, S, Hkv, D, generator=g), torch.randn(B, S, Hkv, D, generator=g)
+    o, lse = un.tile_fwd(q, k, v, sel, D ** -0.5, dot_precision(q.dtype))
+    ref, rl = sparse_attention_naive(q, k, v, by16, D ** -0.5)
+    torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
