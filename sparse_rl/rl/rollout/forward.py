@@ -64,8 +64,8 @@ from sparse_rl.sparse.layer import DecodeOps, attend, layer_states, select, sele
 from sparse_rl.rl.rollout.fused_weights import FusedLayer
 from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT, DecodeSelect
 from sparse_rl.sparse.ops._backend import resolve_pdl
-from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cache, quantize_index_keys, silu_mul,
-                                  skinny_linear, sparse_decode)
+from sparse_rl.sparse.ops import (SKINNY_ROWS, add_rmsnorm, indexer_decode, qk_norm_rope_cache, quantize_index_keys,
+                                  silu_mul, skinny_linear, sparse_decode)
 
 
 # `ModelRunner.qkv_pad`'s default: zero rows after the fused q/k/v(+indexer) weight up to 64 output columns.
@@ -89,6 +89,17 @@ PDL_DEFAULT = 1  # a level of `_backend.PDL_LEVELS`
 
 
 SKINNY = ("o_proj", "down_proj", "qkv", "gate_up")  # the decode GEMMs `skinny_gemm` may name
+
+
+SKINNY_IMPL = "splitk"  # `ModelRunner.skinny_impl`'s default: ops.SKINNY_IMPLS ("swapab": session 12, opt-in)
+
+
+def _skinny_impl(impl: str) -> str:
+    from sparse_rl.sparse.ops import SKINNY_IMPLS
+
+    if impl not in SKINNY_IMPLS:
+        raise ValueError(f"skinny_impl {impl!r}: expected one of {SKINNY_IMPLS}")
+    return impl
 
 
 def _skinny_set(names) -> frozenset:
@@ -177,7 +188,9 @@ class ModelRunner:
     the fine select with a 64-key score step; `set_decode_select` changes it later). skinny_gemm: which of the eager step's GEMMs run as
     `ops.skinny_linear` (split-K in one launch; at most 32 rows, no bias) instead of F.linear (cuBLAS:
     split-K + a reduce kernel for o_proj / down_proj at M = 32): names among SKINNY ("o_proj", "down_proj",
-    "qkv", "gate_up"), True for all; opt-in (`set_skinny_gemm`). blas: the BLAS library of the eager decode
+    "qkv", "gate_up"), True for all; opt-in (`set_skinny_gemm`). skinny_impl: the kernel behind it
+    (`ops.SKINNY_IMPLS`: "splitk", session 9's, or "swapab", yᵀ = W xᵀ with wgmma on sm_90a, which also takes
+    the step's PDL level; None: SKINNY_IMPL). blas: the BLAS library of the eager decode
     step's GEMMs (None: torch's default; "cublaslt" / "cublas": `torch.backends.cuda.preferred_blas_library`
     for the step only, `set_blas`). pdl: the eager step's Triton kernels launched with programmatic dependent
     launch at a level of `_backend.PDL_LEVELS` (True = 1: each kernel waits first; 2: also triggers its
@@ -189,6 +202,7 @@ class ModelRunner:
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
                  decode_select: DecodeSelect | None = None, skinny_gemm=(), blas: str | None = None,
+                 skinny_impl: str | None = None,
                  pdl: bool | int | None = None):
         base = _base(model)
         dec = base.get_decoder()
@@ -230,6 +244,7 @@ class ModelRunner:
         self.qkv_pad = int(qkv_pad)
         self.decode_select = ENGINE_SELECT if decode_select is None else decode_select
         self.skinny_gemm = _skinny_set(skinny_gemm)
+        self.skinny_impl = _skinny_impl(SKINNY_IMPL if skinny_impl is None else skinny_impl)
         self.blas = _check_blas(blas)
         self.pdl = resolve_pdl(pdl, self.device, PDL_DEFAULT)  # the step's launches (resolved once)
         self._pdl_asked = pdl  # the request: the compiled step's inductor PDL only when asked for (never timed)
@@ -461,7 +476,7 @@ class ModelRunner:
             return (*(p(x).view(B, -1, self.D) for p in (attn.q_proj, attn.k_proj, attn.v_proj)), None)
         with_ix = indexed and len(fl.qkv.sizes) == 6
         y = fl.qkv(x, None if with_ix else fl.qkv_rows, weight_left=self.qkv_weight_left,
-                   skinny=self._skinny("qkv", fl.qkv, x))
+                   skinny=self._skinny("qkv", fl.qkv, x), **self._skinny_kw())
         parts = y.split(fl.qkv.sizes[:len(fl.qkv.sizes) if with_ix else 3], dim=1)
         q, k, v = (t.view(B, -1, self.D) for t in parts[:3])
         return q, k, v, (parts[3:] if with_ix else None)
@@ -474,6 +489,10 @@ class ModelRunner:
             cnt = self._skinny_cnt[id(key)] = counters(n, device)
         return cnt
 
+    def _skinny_kw(self) -> dict:
+        """`ops.skinny_linear`'s kernel choice (and the PDL level swapab takes) for this runner's calls."""
+        return {"skinny_impl": self.skinny_impl, "pdl": self.pdl if self.skinny_impl == "swapab" else 0}
+
     def _skinny(self, name: str, fused, x):
         """The tile counters of a fused GEMM (`FusedLinear`) when `skinny_gemm` names it, else None."""
         if name not in self.skinny_gemm or fused is None:
@@ -483,26 +502,32 @@ class ModelRunner:
     def _out(self, mod, x, compiled: bool, name: str = "o_proj"):
         """mod(x) for a layer's o_proj / down_proj: `ops.skinny_linear` when `skinny_gemm` names it and it
         applies (eager, a plain bias-free Linear, at most 32 rows), else the module (peft wrappers included)."""
-        if (name not in self.skinny_gemm or compiled or x.shape[0] > 32 or type(mod) is not torch.nn.Linear
+        if (name not in self.skinny_gemm or compiled or x.shape[0] > SKINNY_ROWS[self.skinny_impl]
+                or type(mod) is not torch.nn.Linear
                 or mod.bias is not None):
             return mod(x)
-        return skinny_linear(x, mod.weight, self._counters(mod, mod.out_features, x.device))
+        kw = self._skinny_kw()
+        return skinny_linear(x, mod.weight, self._counters(mod, mod.out_features, x.device), impl=kw["skinny_impl"],
+                             **({"pdl": kw["pdl"]} if kw["pdl"] else {}))
 
     def set_blas(self, name: str | None) -> None:
         """The eager decode step's BLAS library from the next step (see the class docstring)."""
         self.blas = _check_blas(name)
         self.drop_graphs()
 
-    def set_skinny_gemm(self, names) -> None:
-        """Which GEMMs run as `ops.skinny_linear` from the next step (see the class docstring)."""
+    def set_skinny_gemm(self, names, impl: str | None = None) -> None:
+        """Which GEMMs run as `ops.skinny_linear` from the next step, and (impl given) its kernel (see the class
+        docstring)."""
         self.skinny_gemm = _skinny_set(names)
+        if impl is not None:
+            self.skinny_impl = _skinny_impl(impl)
         self.drop_graphs()
 
     def _mlp(self, mlp, fl, x, compiled: bool = False):
         """The MLP of one token per row: one gate/up GEMM and `ops.silu_mul` when fused, else the module."""
         if fl is None or fl.gate_up is None:
             return mlp(x)
-        gu = fl.gate_up(x, skinny=self._skinny("gate_up", fl.gate_up, x))
+        gu = fl.gate_up(x, skinny=self._skinny("gate_up", fl.gate_up, x), **self._skinny_kw())
         if fl.silu:
             a = silu_mul(gu, pdl=self.pdl)
         else:
