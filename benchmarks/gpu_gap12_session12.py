@@ -9,32 +9,38 @@ tile loaded before `gdc_wait`) against cuBLAS (F.linear, the default), alone and
 Phases, each gated on the time LEFT of --budget (compiles and model building included), the JSON + log rewritten
 after every row ($OUT/gap12/gap12.json, .log):
 1. proof (child process `--prove`, started first beside the parent's setup: a bad launch poisons only its
-   context): swapab at Qwen3-4B's decode GEMM shapes (q/k/v+indexer padded 6528 and unpadded 6468, o_proj,
-   gate/up, down) x M = 1, 16, 32, tiles "sw" (128 x 128, one wave of 132) and "sw64" (64 x 128, 264), PDL
-   0 and 1, each twice against x @ Wᵀ in fp32 (bf16 rounding: max |err| <= 0.02 max |ref| + 0.01), the two
-   calls bitwise equal, the counters back at zero. Unproved: swapab is not timed.
-2. setup: the 36-layer Qwen3-4B-shaped model (random bf16 weights), an engine of 32 x 16,512, filled.
-3. alone M = 32 (graph-timed, `rollout_harness.gemm_alone`): F.linear vs sw / sw64 per GEMM, weight-byte floor.
-4. steps, batch 32 (graph replay, median of 20; base = the default, interleaved base, swapab, base, swapab on
-   the same engine, after a first base row, "base#0", timed beside the proof while it runs):
-   dense 2048, sparse 16384, sparse 2304. Variants: "swapab" (all four GEMMs), "swapab_win"
-   (only the GEMMs where a swapab tile beat F.linear alone at M = 32, when that is some but not all).
-5. sparse 16384 with swapab at PDL level 2 (the step's launches trigger their dependents: the weight prefetch
-   before the wait then overlaps the previous kernel), only if the phases after it still fit; 6. alone M = 1;
-   7. batch 1 dense 2048 steps (base / swapab interleaved); 8. LM head alone at M = 32.
+   context): swapab at Qwen3-4B's decode GEMM shapes (o_proj, down, q/k/v+indexer padded to 6528, gate/up;
+   the unpadded 6468 too) x M = 1, 16, 32: the default tile "sw" (what the engine runs) at PDL 0 and 1, the
+   alternative tiles "sw_bk128" / "sw64" (timed alone only) at M = 1 and 32 without PDL; each twice against
+   x @ Wᵀ in fp32 (bf16 rounding: max |err| <= 0.02 max |ref| + 0.01), the two calls bitwise equal, the
+   counters back at zero. Unproved: swapab is not timed.
+2. setup: the 36-layer Qwen3-4B-shaped model (random bf16 weights), an engine of 32 x 16,512, filled; while
+   the proof still runs, a first default step row per case ("base#0", beside the child: not used to decide).
+3. step check: one graph-replayed step, dense 2048 and sparse 2304, base vs swapab logits (relative max
+   |diff|, argmax agreement, swapab's replays bitwise equal). A sanity guard, recorded.
+4. alone M = 32 (graph-timed, `rollout_harness.gemm_alone`): F.linear vs the three tiles per GEMM, floor.
+5. steps, batch 32 (graph replay, median of 20): base, swapab, base, swapab on the same engine at dense 2048,
+   sparse 16384, sparse 2304. Variants: "swapab" (all four GEMMs), "swapab_win" (only the GEMMs whose "sw"
+   beat F.linear alone at M = 32, when that is some but not all).
+6. sparse 16384, swapab at PDL level 2 (the step's launches trigger their dependents: the weight prefetch
+   before the wait then overlaps the previous kernel), only if the phases after it still fit; 7. alone M = 1;
+   8. batch 1 dense 2048 steps (base / swapab interleaved); 9. LM head alone at M = 32.
 
 Predictions (written before the call; cuBLAS alone at M = 32 / 1 from session 10, us, floor in brackets):
 - Proof: all cases within bf16 rounding, repeat calls bitwise equal, counters zero.
-- Alone M = 32: o_proj sw ~6.0 (4.9; cuBLAS 7.5), down ~13.5 (11.7; 15.9), q/k/v ~9.0 (7.8; 8.9), gate/up ~28
-  (23.3; 30.6: 152 tiles on 132 SMs leave a 20-program tail; sw64's 304 on 264 slots the same). sw64 within
-  +-10% of sw. On sm_90a (Triton 3.6, CPU-host compile) sw is 32 HGMMA + 80 LDGSTS (cp.async, 4 stages, ~200 KB
-  shared), 124 registers, no spills; session 9's split-K kernel was mma.sync at 168.
-- Alone M = 1: o_proj ~6.5 (cuBLAS 8.4), down ~13 (14.8): the same kernel, padded to 16.
+- On sm_90a (Triton 3.6, CPU-host compile, benchmarks/sm90_swapab.py) "sw" at 32 rows is 16 HGMMA (wgmma) +
+  40 LDGSTS (cp.async, 4 stages) a loop, 101 registers, no stack, 100 KB shared: two programs an SM;
+  session 9's split-K kernel was mma.sync at 168 registers.
+- Alone M = 32, sw: o_proj ~6.0 (4.9; cuBLAS 7.5), down ~13.5 (11.7; 15.9), q/k/v ~8.8 (7.8; 8.9), gate/up
+  ~27 (23.3; 30.6). sw_bk128 (one program an SM: q/k/v 102 programs, gate/up 152 in two waves) 5-15% slower
+  than sw at q/k/v and gate/up, within 5% at o_proj / down; sw64 within +-10% of sw.
+- Alone M = 1: o_proj ~6.5 (cuBLAS 8.4), down ~13 (14.8): the same kernel, padded to 16 rows.
 - LM head M = 32: sw ~190 (cuBLAS 194, floor 182; 1187 tiles, no split): within 3%.
+- Step check: relative max |diff| ~1e-2 (bf16 rounding through 36 layers), argmax agreement >= 0.9, replays equal.
 - Steps: swapab -0.15 to -0.35 ms at batch 32 (36 layers x ~5-8 us, the 72 split-K reduce launches gone):
   dense 2K 5.66 -> ~5.40, sparse 16K 8.85 -> ~8.60, sparse 2304 ~-0.25; batch-1 dense 2K 3.41 -> ~3.25.
-  Uncertain: the step's L2 state (x and partials are tiny; the weight streams either way), and whether the
-  cp.async pipeline of a 4-6-step K slice (o_proj: 6 slices of 640) reaches the stream rate.
+  PDL 2 with swapab: within +-0.1 ms of level 1. Uncertain: whether a 5-13-step K slice's cp.async pipeline
+  reaches the stream rate, and the last program's reduce latency (13 partials of 16 KB from L2 at o_proj / down).
 """
 
 from __future__ import annotations
@@ -57,8 +63,13 @@ V = rh.Variant
 SITES = {"qkv": "qkv", "o_proj": "o_proj", "gate_up": "gate_up", "down": "down_proj"}  # gemm_shapes -> SKINNY
 VARIANTS = {"base": V(), "swapab": V(skinny_gemm=True, skinny_impl="swapab"),
             "swapab_pdl2": V(skinny_gemm=True, skinny_impl="swapab", pdl=2)}
+# swapab tiles (swapab_linear's keywords). sw: the default (what the engine runs), 128 x 64 K steps, 4 stages
+# (~100 KB shared: two programs an SM, at most 264): gate/up's 152 tiles all at once; sw_bk128: 128 x 128,
+# 4 stages (~200 KB: one an SM, 132: gate/up's last 20 tiles a second wave); sw64: 64-row tiles, 128 K steps,
+# 3 stages (~96 KB: two an SM, 264)
 TILES = {"sw": {"impl": "swapab", "backend": "triton"},  # backend: the kernel (the interpreter in --cpu-smoke)
-         "sw64": {"impl": "swapab", "backend": "triton", "bw": 64, "programs": 264, "num_stages": 3}}
+         "sw_bk128": {"impl": "swapab", "backend": "triton", "bw": 128, "bk": 128, "programs": 132, "num_stages": 4},
+         "sw64": {"impl": "swapab", "backend": "triton", "bw": 64, "bk": 128, "programs": 264, "num_stages": 3}}
 # device seconds of each phase, estimated (session 9-11: setup ~14 s, a step row ~2 s with its graph capture,
 # a graph-timed GEMM ~0.5 s + a compile ~1.5 s per new specialization)
 NEED = {"setup": 16, "step_check": 6, "alone32": 14, "steps": 10, "alone1": 8, "batch1": 10, "lm_head": 5, "pdl2": 4}
@@ -87,7 +98,11 @@ def prove(smoke: bool, path: str) -> None:
             x = torch.randn(M, K, device=dev, generator=g).to(dt)
             ref = x.float() @ w.float().t()
             for tname, kw in TILES.items():
-                for pdl in (0, res["pdl_level"]):
+                # the engine's tile ("sw") at every row count and PDL level; the other tiles (timed alone only,
+                # without PDL) at 1 and 32 rows; the unpadded q/k/v (odd N) with "sw" only: fewer compiles
+                if tname != "sw" and (M == 16 or name == "qkv_unpadded"):
+                    continue
+                for pdl in sorted({0, res["pdl_level"]} if tname == "sw" else {0}):
                     a = skinny_linear(x, w, cnt, pdl=pdl, **kw)
                     b = skinny_linear(x, w, cnt, pdl=pdl, **kw)
                     if dev.type == "cuda":
@@ -176,11 +191,11 @@ def step_check(eng, cases) -> dict:
 
 
 def winners(alone: dict) -> tuple:
-    """The SKINNY names whose GEMM ran faster alone at M = 32 with some swapab tile than with F.linear."""
+    """The SKINNY names whose GEMM ran faster alone at M = 32 with swapab's default tile than with F.linear."""
     out = []
-    for k, site in SITES.items():
+    for k, site in SITES.items():  # the engine runs the default tile, sw: only its time counts
         row = alone.get(f"{k}_M32")
-        if row and min((v["ms"] for n, v in row.items() if n.startswith("skinny_")), default=1e9) < row["linear_ms"]:
+        if row and "skinny_sw" in row and row["skinny_sw"]["ms"] < row["linear_ms"]:
             out.append(site)
     return tuple(out)
 

@@ -50,12 +50,13 @@ def compile_swapab(BW, BX, BK, ONE, PDL, num_warps=4, num_stages=4) -> dict:
 
 def main():
     errors = 0
-    # (BW, BX, BK, stages): "sw" (the default, 128 x 128, 4 stages) at 16 / 32 / 64 rows (64: 3 stages, the
-    # swapab_linear clamp), "sw64" (64 x 128, 3 stages: two programs an SM)
-    for (bw, bx, bk, st), one, pdl in [((128, 16, 128, 4), True, 0), ((128, 16, 128, 4), False, 1),
-                                       ((128, 32, 128, 4), False, 1), ((128, 32, 128, 4), True, 1),
-                                       ((128, 32, 128, 4), False, 2), ((128, 64, 128, 3), False, 1),
-                                       ((64, 32, 128, 3), False, 1), ((64, 16, 128, 3), True, 0)]:
+    # (BW, BX, BK, stages): the default tile (128 x 64, 4 stages) at 16 / 32 / 64 rows, split or not, PDL 0-2;
+    # "sw_bk128" (128 x 128, 4 stages; at 64 rows 3, the swapab_linear clamp); "sw64" (64 x 128, 3 stages)
+    for (bw, bx, bk, st), one, pdl in [((128, 16, 64, 4), True, 0), ((128, 16, 64, 4), False, 1),
+                                       ((128, 32, 64, 4), False, 1), ((128, 32, 64, 4), True, 1),
+                                       ((128, 32, 64, 4), False, 2), ((128, 64, 64, 4), False, 1),
+                                       ((128, 32, 128, 4), False, 0), ((128, 64, 128, 3), False, 0),
+                                       ((64, 32, 128, 3), False, 0), ((64, 16, 128, 3), True, 0)]:
         try:
             r = compile_swapab(bw, bx, bk, one, pdl, num_stages=st)
             fit = "" if r["smem"] <= SMEM_MAX else " SHARED MEMORY OVER 227 KB"

@@ -60,9 +60,10 @@ def test_swapab_rejects_what_it_cannot_run():
 
 
 def test_plan_fills_one_wave_at_most():
-    """The device tiles: o_proj / down of Qwen3-4B at 128-row weight tiles split into at most 132 programs;
-    gate/up (152 tiles) is not split."""
+    """The device tiles: o_proj / down / q/k/v of Qwen3-4B at 128-row weight tiles split into at most 264
+    programs (two an SM); gate/up (152 tiles) is not split; 128-wide K steps halve the programs."""
     for N, K in ((2560, 4096), (2560, 9728), (6528, 2560)):
         bx, bw, bk, split, ks = plan(32, N, K)
-        assert bx == 32 and -(-N // bw) * split <= 132 and split > 1 and (split - 1) * ks < K <= split * ks
+        assert bx == 32 and 200 < -(-N // bw) * split <= 264 and split > 1 and (split - 1) * ks < K <= split * ks
     assert plan(1, 19456, 2560)[3] == 1
+    assert plan(32, 2560, 4096, 128, 128, 132)[3:] == (6, 768)

@@ -70,11 +70,12 @@ def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT, BW: 
             tl.atomic_xchg(CNT + pn, 0)
 
 
-def plan(M: int, N: int, K: int, bw: int = 128, bk: int = 128, programs: int = 132) -> tuple[int, int, int, int, int]:
+def plan(M: int, N: int, K: int, bw: int = 128, bk: int = 64, programs: int = 264) -> tuple[int, int, int, int, int]:
     """(BX, BW, BK, SPLIT, KS): the batch padded to 16 / 32 / 64 (the MMA's N), and K split so that at most
-    `programs` programs run (one wave: the H200's 132 SMs hold one program each at BW = BK = 128, 4 stages,
-    ~160 KB of shared memory; more than a wave leaves a tail), but at least the weight tiles' count; every
-    slice a whole number of BK steps."""
+    `programs` programs run, one wave (the H200's 132 SMs hold two programs each at BW = 128, BK = 64, BX = 32,
+    4 stages: ~100 KB of shared memory, 101-126 registers; more than a wave leaves a tail), but at least the
+    weight tiles' count (Qwen3-4B at M = 32: o_proj 20 tiles x 13 slices, down 20 x 13, q/k/v 51 x 5,
+    gate/up 152 x 1, all at once); every slice a whole number of BK steps."""
     bx = max(16, triton.next_power_of_2(M))
     k_blocks = triton.cdiv(K, bk)
     split = max(1, min(k_blocks, programs // triton.cdiv(N, bw)))
@@ -82,8 +83,8 @@ def plan(M: int, N: int, K: int, bw: int = 128, bk: int = 128, programs: int = 1
     return bx, bw, bk, triton.cdiv(k_blocks, ks_blocks), ks_blocks * bk
 
 
-def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = None, *, bw: int = 128, bk: int = 128,
-                  programs: int = 132, num_warps: int = 4, num_stages: int = 4, pdl: int = 0) -> torch.Tensor:
+def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = None, *, bw: int = 128, bk: int = 64,
+                  programs: int = 264, num_warps: int = 4, num_stages: int = 4, pdl: int = 0) -> torch.Tensor:
     """x `[M, K]` (M <= 64, last dim contiguous), w `[N, K]` (contiguous rows) -> `[M, N]` in x's dtype, as
     `naive.skinny_linear_naive` up to the fp32 summation order. cnt: this call site's `triton.counters(N, ...)`
     (None: fresh ones, not for CUDA graphs). pdl: a resolved PDL level (0 off; launched with launch_pdl at >= 1)."""
@@ -104,8 +105,9 @@ def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = N
         raise ValueError(f"swapab_linear: {cnt.numel()} counters for {triton.cdiv(N, BW)} tiles")
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     part = torch.empty(SPLIT if SPLIT > 1 else 1, BX, N, device=x.device, dtype=torch.float32)
-    # shared memory ~(stages + 1) * (BW + BX) * BK * 2 bytes (sm_90a compile under Triton 3.6: 200 KB at 128 /
-    # 32 / 128, 4 stages); the H200 gives a program at most 227 KB, so fewer stages where the tile is larger
+    # shared memory ~(stages + 1) * (BW + BX) * BK * 2 bytes (sm_90a compile under Triton 3.6: 100 KB at 128 /
+    # 32 / 64, 200 KB at BK 128, 4 stages); the H200 gives a program at most 227 KB, so fewer stages where the
+    # tile is larger
     while num_stages > 2 and (num_stages + 1) * (BW + BX) * BK * x.element_size() > 220 * 1024:
         num_stages -= 1
     kw = {"launch_pdl": True} if pdl else {}
