@@ -288,6 +288,9 @@ def main():
         plan = interleaved(names)
         for mode, ctx in cases:
             rh.step_rows(run, b, eng, [ctx], plan, modes=(mode,), key="steps", all_dense=True, need_s=3.0)
+    # a capture that failed leaves the runner eager for every later row (both variants): visible here
+    run.res["graphs_after_steps"] = {"use_graphs": eng.runner.use_graphs, "graph_error": eng.runner.graph_error}
+    run.save()
     later = NEED["alone1"] + NEED["batch1"] + NEED["lm_head"]  # what the rest needs: pdl2 only on top of it
     if ok and run.gate(NEED["pdl2"] + later, "pdl2"):
         rh.step_rows(run, b, eng, [big], {"swapab": VARIANTS["swapab"], "swapab_pdl2": VARIANTS["swapab_pdl2"]},
