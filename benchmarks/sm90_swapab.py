@@ -27,9 +27,9 @@ DIV = ("X", "W", "OUT", "PART", "CNT", "K", "sxm", "swn", "som", "KS")
 SMEM_MAX = 232448  # bytes a program may take on an H100 / H200 (227 KB)
 
 
-def compile_swapab(BW, BX, BK, ONE, PDL, num_warps=4, num_stages=4) -> dict:
+def compile_swapab(BW, BX, BK, ONE, PDL, num_warps=4, num_stages=4, SPLIT=13) -> dict:
     names = list(inspect.signature(S._swapab_kernel.fn).parameters)
-    cx = dict(BW=BW, BX=BX, BK=BK, ONE=ONE, PDL=PDL, PREC=0)
+    cx = dict(BW=BW, BX=BX, BK=BK, ONE=ONE, PDL=PDL, PREC=0, SPLIT=1 if ONE else SPLIT)
     sig = {n: "constexpr" if n in cx else "*bf16" if n in ("X", "W", "OUT") else "*fp32" if n == "PART"
            else "*i32" if n == "CNT" else "i32" for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIV}

@@ -102,6 +102,17 @@ def _skinny_impl(impl: str) -> str:
     return impl
 
 
+def _skinny_tiles(tiles) -> dict:
+    """`ModelRunner.skinny_tiles`: {site among SKINNY: swapab_linear's tile keywords}, from a dict or pairs."""
+    out = {k: dict(v) for k, v in dict(tiles or {}).items()}
+    if set(out) - set(SKINNY):
+        raise ValueError(f"skinny_tiles: {sorted(set(out) - set(SKINNY))} not among {', '.join(SKINNY)}")
+    bad = {k for v in out.values() for k in v} - {"bw", "bk", "programs", "num_warps", "num_stages"}
+    if bad:
+        raise ValueError(f"skinny_tiles: unknown keywords {sorted(bad)}")
+    return out
+
+
 def _skinny_set(names) -> frozenset:
     """`ModelRunner.skinny_gemm` from True (all), False / None / () (none) or names among SKINNY."""
     if names is True:
@@ -190,7 +201,8 @@ class ModelRunner:
     split-K + a reduce kernel for o_proj / down_proj at M = 32): names among SKINNY ("o_proj", "down_proj",
     "qkv", "gate_up"), True for all; opt-in (`set_skinny_gemm`). skinny_impl: the kernel behind it
     (`ops.SKINNY_IMPLS`: "splitk", session 9's, or "swapab", yᵀ = W xᵀ with wgmma on sm_90a, which also takes
-    the step's PDL level; None: SKINNY_IMPL). blas: the BLAS library of the eager decode
+    the step's PDL level; None: SKINNY_IMPL). skinny_tiles: swapab's tiles per site ({"gate_up": {"bw": 128,
+    "bk": 64, "programs": 264}}, keywords of `swapab_linear`; a site not named gets its defaults). blas: the BLAS library of the eager decode
     step's GEMMs (None: torch's default; "cublaslt" / "cublas": `torch.backends.cuda.preferred_blas_library`
     for the step only, `set_blas`). pdl: the eager step's Triton kernels launched with programmatic dependent
     launch at a level of `_backend.PDL_LEVELS` (True = 1: each kernel waits first; 2: also triggers its
@@ -202,7 +214,7 @@ class ModelRunner:
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
                  decode_select: DecodeSelect | None = None, skinny_gemm=(), blas: str | None = None,
-                 skinny_impl: str | None = None,
+                 skinny_impl: str | None = None, skinny_tiles=None,
                  pdl: bool | int | None = None):
         base = _base(model)
         dec = base.get_decoder()
@@ -245,6 +257,7 @@ class ModelRunner:
         self.decode_select = ENGINE_SELECT if decode_select is None else decode_select
         self.skinny_gemm = _skinny_set(skinny_gemm)
         self.skinny_impl = _skinny_impl(SKINNY_IMPL if skinny_impl is None else skinny_impl)
+        self.skinny_tiles = _skinny_tiles(skinny_tiles)
         self.blas = _check_blas(blas)
         self.pdl = resolve_pdl(pdl, self.device, PDL_DEFAULT)  # the step's launches (resolved once)
         self._pdl_asked = pdl  # the request: the compiled step's inductor PDL only when asked for (never timed)
@@ -476,7 +489,7 @@ class ModelRunner:
             return (*(p(x).view(B, -1, self.D) for p in (attn.q_proj, attn.k_proj, attn.v_proj)), None)
         with_ix = indexed and len(fl.qkv.sizes) == 6
         y = fl.qkv(x, None if with_ix else fl.qkv_rows, weight_left=self.qkv_weight_left,
-                   skinny=self._skinny("qkv", fl.qkv, x), **self._skinny_kw())
+                   skinny=self._skinny("qkv", fl.qkv, x), skinny_kw=self._skinny_kw("qkv"))
         parts = y.split(fl.qkv.sizes[:len(fl.qkv.sizes) if with_ix else 3], dim=1)
         q, k, v = (t.view(B, -1, self.D) for t in parts[:3])
         return q, k, v, (parts[3:] if with_ix else None)
@@ -489,9 +502,12 @@ class ModelRunner:
             cnt = self._skinny_cnt[id(key)] = counters(n, device)
         return cnt
 
-    def _skinny_kw(self) -> dict:
-        """`ops.skinny_linear`'s kernel choice (and the PDL level swapab takes) for this runner's calls."""
-        return {"skinny_impl": self.skinny_impl, "pdl": self.pdl if self.skinny_impl == "swapab" else 0}
+    def _skinny_kw(self, name: str) -> dict:
+        """`ops.skinny_linear`'s keywords at call site `name`: the kernel, and for swapab the step's PDL level and
+        the site's tiles (`skinny_tiles`)."""
+        if self.skinny_impl != "swapab":
+            return {"impl": self.skinny_impl}
+        return {"impl": "swapab", "pdl": self.pdl, **self.skinny_tiles.get(name, {})}
 
     def _skinny(self, name: str, fused, x):
         """The tile counters of a fused GEMM (`FusedLinear`) when `skinny_gemm` names it, else None."""
@@ -506,28 +522,28 @@ class ModelRunner:
                 or type(mod) is not torch.nn.Linear
                 or mod.bias is not None):
             return mod(x)
-        kw = self._skinny_kw()
-        return skinny_linear(x, mod.weight, self._counters(mod, mod.out_features, x.device), impl=kw["skinny_impl"],
-                             **({"pdl": kw["pdl"]} if kw["pdl"] else {}))
+        return skinny_linear(x, mod.weight, self._counters(mod, mod.out_features, x.device), **self._skinny_kw(name))
 
     def set_blas(self, name: str | None) -> None:
         """The eager decode step's BLAS library from the next step (see the class docstring)."""
         self.blas = _check_blas(name)
         self.drop_graphs()
 
-    def set_skinny_gemm(self, names, impl: str | None = None) -> None:
-        """Which GEMMs run as `ops.skinny_linear` from the next step, and (impl given) its kernel (see the class
-        docstring)."""
+    def set_skinny_gemm(self, names, impl: str | None = None, tiles=None) -> None:
+        """Which GEMMs run as `ops.skinny_linear` from the next step, and (given) its kernel and swapab's tiles
+        per site (see the class docstring)."""
         self.skinny_gemm = _skinny_set(names)
         if impl is not None:
             self.skinny_impl = _skinny_impl(impl)
+        if tiles is not None:
+            self.skinny_tiles = _skinny_tiles(tiles)
         self.drop_graphs()
 
     def _mlp(self, mlp, fl, x, compiled: bool = False):
         """The MLP of one token per row: one gate/up GEMM and `ops.silu_mul` when fused, else the module."""
         if fl is None or fl.gate_up is None:
             return mlp(x)
-        gu = fl.gate_up(x, skinny=self._skinny("gate_up", fl.gate_up, x), **self._skinny_kw())
+        gu = fl.gate_up(x, skinny=self._skinny("gate_up", fl.gate_up, x), skinny_kw=self._skinny_kw("gate_up"))
         if fl.silu:
             a = silu_mul(gu, pdl=self.pdl)
         else:
