@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 
 from granular_harness import log
-from sparse_rl.rl.rollout.forward import _skinny_set, _skinny_tiles
 from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
 # kernel name fragments -> class of a step's time (first match wins)
@@ -40,16 +39,18 @@ class Variant:
 
     select: DecodeSelect = field(default_factory=DecodeSelect)
     qkv_pad: int = 64
-    skinny_gemm: tuple | bool = ()  # ModelRunner.skinny_gemm: True (all), or names among forward.SKINNY
+    skinny_gemm: tuple | bool | None = None  # ModelRunner.skinny_gemm: True (all), names among forward.SKINNY, None its
+    # default (forward.skinny_default: all four on sm_90+ since session 12; () is cuBLAS, the old default)
     blas: str | None = None  # ModelRunner.blas: the step's BLAS library (None: torch's default)
     pdl: bool | None = None  # ModelRunner.pdl: programmatic dependent launch (None: forward.PDL_DEFAULT)
-    skinny_impl: str = "splitk"  # ModelRunner.skinny_impl: the kernel behind skinny_gemm (ops.SKINNY_IMPLS)
-    skinny_tiles: tuple = ()  # ModelRunner.skinny_tiles as pairs: ((site, ((keyword, value), ...)), ...)
+    skinny_impl: str | None = None  # ModelRunner.skinny_impl: the kernel behind skinny_gemm (None: SKINNY_IMPL)
+    skinny_tiles: tuple | None = None  # ModelRunner.skinny_tiles as pairs ((site, ((keyword, value), ...)), ...); None
+    # its default (forward.SKINNY_TILES)
 
     def describe(self) -> dict:
         return {"select": self.select.as_kwargs(), "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
                 "blas": self.blas, "pdl": self.pdl, "skinny_impl": self.skinny_impl,
-                "skinny_tiles": {k: dict(v) for k, v in self.skinny_tiles}}
+                "skinny_tiles": None if self.skinny_tiles is None else {k: dict(v) for k, v in self.skinny_tiles}}
 
     def runner_options(self) -> dict:
         return {"decode_select": self.select, "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
@@ -63,8 +64,7 @@ def apply(eng, v: Variant) -> None:
         r.set_qkv_pad(v.qkv_pad)
     if r.decode_select != v.select:
         r.set_decode_select(v.select)
-    if (r.skinny_gemm != _skinny_set(v.skinny_gemm) or r.skinny_impl != v.skinny_impl
-            or r.skinny_tiles != _skinny_tiles(v.skinny_tiles)):
+    if r._skinny_choice(v.skinny_gemm, v.skinny_impl, v.skinny_tiles) != (r.skinny_gemm, r.skinny_impl, r.skinny_tiles):
         r.set_skinny_gemm(v.skinny_gemm, v.skinny_impl, v.skinny_tiles)
     if r.blas != v.blas:
         r.set_blas(v.blas)

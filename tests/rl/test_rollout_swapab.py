@@ -67,15 +67,28 @@ def test_engine_on_swapab_gemms_equals_reference_forward(llama_sw, monkeypatch):
         torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(model, c, params), atol=1e-4, rtol=0)
 
 
-def test_skinny_impl_is_checked_and_set(llama_sw):
+def test_skinny_choice_is_checked_and_defaults(llama_sw):
+    """The skinny GEMM choice: checked; None is the default (on a CPU no GEMM: `skinny_default` names GEMMs only
+    on sm_90+ CUDA devices with PDL); swapab's default tiles; the PDL level that goes with swapab (2) only where
+    PDL is supported (here 0)."""
+    from sparse_rl.rl.rollout import forward
+
+    assert forward.skinny_default("cpu") == frozenset()
     model = load_model(llama_sw, attention="sparse")
     with pytest.raises(ValueError, match="skinny_impl"):
         _engine(model, runner_options={"skinny_impl": "cublas"})
+    with pytest.raises(ValueError, match="skinny_tiles"):
+        _engine(model, runner_options={"skinny_tiles": {"o_proj": {"bm": 32}}})
     r = _engine(model).runner
-    assert r.skinny_impl == "splitk" and r.skinny_gemm == frozenset()  # the default: unchanged, off
-    r.set_skinny_gemm(("o_proj",), "swapab")
-    assert r.skinny_impl == "swapab" and r.skinny_gemm == {"o_proj"}
-    r.set_skinny_gemm(True)  # impl None: kept
-    assert r.skinny_impl == "swapab"
+    assert r.skinny_gemm == frozenset() and r.skinny_impl == "swapab" and r.skinny_tiles == forward.SKINNY_TILES
+    assert r._pdl_default() == forward.PDL_DEFAULT and r.pdl == 0  # no GEMM as swapab: level 1 asked, 0 here
+    r.set_skinny_gemm(("o_proj",), "splitk")
+    assert r.skinny_impl == "splitk" and r.skinny_gemm == {"o_proj"} and r.skinny_tiles == {}
+    assert r._pdl_default() == forward.PDL_DEFAULT
+    r.set_skinny_gemm(True, None, {"gate_up": {"bw": 64}})  # impl None: the default, swapab
+    assert r.skinny_impl == "swapab" and r.skinny_tiles == {"gate_up": {"bw": 64}}
+    assert r._pdl_default() == forward.PDL_SWAPAB
+    r.set_pdl(None)
+    assert r.pdl == 0  # level 2 asked, PDL unsupported on a CPU
     with pytest.raises(ValueError, match="skinny_impl"):
         r.set_skinny_gemm(True, "mma")
