@@ -73,7 +73,7 @@ def test_skinny_choice_is_checked_and_defaults(llama_sw):
     PDL is supported (here 0)."""
     from sparse_rl.rl.rollout import forward
 
-    assert forward.skinny_default("cpu") == frozenset()
+    assert forward.skinny_default("cpu") == frozenset() == forward.skinny_default("cpu", torch.float32)
     model = load_model(llama_sw, attention="sparse")
     with pytest.raises(ValueError, match="skinny_impl"):
         _engine(model, runner_options={"skinny_impl": "cublas"})

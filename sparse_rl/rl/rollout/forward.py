@@ -105,13 +105,14 @@ SKINNY_MAX_ROWS = 32  # the engine's skinny GEMMs up to this batch (measured at 
 PDL_SWAPAB = 2  # the PDL level when `pdl` is None and swapab GEMMs run (PDL_DEFAULT otherwise)
 
 
-def skinny_default(device) -> frozenset:
-    """The GEMMs run as `ops.skinny_linear` when `skinny_gemm` is None: all four on a CUDA device of compute
-    capability >= 9.0 with PDL (where it was measured), none elsewhere (F.linear)."""
+def skinny_default(device, dtype=torch.bfloat16) -> frozenset:
+    """The GEMMs run as `ops.skinny_linear` when `skinny_gemm` is None: all four for a bf16 / fp16 model on a CUDA
+    device of compute capability >= 9.0 with PDL (where it was measured: bf16), none elsewhere (F.linear; fp32
+    operands would leave wgmma for full-precision FMA dots)."""
     from sparse_rl.sparse.ops._backend import pdl_supported
 
     device = torch.device(device)
-    if device.type != "cuda" or not pdl_supported(device):
+    if dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda" or not pdl_supported(device):
         return frozenset()
     return frozenset(SKINNY) if torch.cuda.get_device_capability(device) >= (9, 0) else frozenset()
 
@@ -221,8 +222,8 @@ class ModelRunner:
     the fine select with a 64-key score step; `set_decode_select` changes it later). skinny_gemm: which of the eager step's GEMMs run as
     `ops.skinny_linear` (split-K in one launch; at most SKINNY_MAX_ROWS = 32 rows, no bias) instead of F.linear
     (cuBLAS: split-K + a reduce kernel for o_proj / down_proj at M = 32): names among SKINNY ("o_proj",
-    "down_proj", "qkv", "gate_up"), True for all, () for none; None: `skinny_default(device)`, all four on
-    sm_90+ (measured, session 12), none elsewhere (`set_skinny_gemm`). skinny_impl: the kernel behind it
+    "down_proj", "qkv", "gate_up"), True for all, () for none; None: `skinny_default(device, dtype)`, all four
+    for a bf16 / fp16 model on sm_90+ (measured, session 12), none elsewhere (`set_skinny_gemm`). skinny_impl: the kernel behind it
     (`ops.SKINNY_IMPLS`: "splitk", session 9's, or "swapab", yᵀ = W xᵀ with wgmma on sm_90a, which also takes
     the step's PDL level; None: SKINNY_IMPL, swapab). skinny_tiles: swapab's tiles per site ({"gate_up":
     {"bw": 128, "bk": 64, "programs": 264}}, keywords of `swapab_linear`; a site not named gets its defaults;
@@ -557,7 +558,7 @@ class ModelRunner:
         """(GEMMs, kernel, swapab tiles) from `skinny_gemm` / `skinny_impl` / `skinny_tiles`, each None its
         default: `skinny_default(device)`, SKINNY_IMPL, SKINNY_TILES (for swapab; none for splitk)."""
         impl = _skinny_impl(SKINNY_IMPL if impl is None else impl)
-        gemms = skinny_default(self.device) if names is None else _skinny_set(names)
+        gemms = skinny_default(self.device, self.dtype) if names is None else _skinny_set(names)
         return gemms, impl, _skinny_tiles((SKINNY_TILES if impl == "swapab" else {}) if tiles is None else tiles)
 
     def _pdl_default(self) -> int:
