@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 
 from granular_harness import log
-from sparse_rl.rl.rollout.forward import _skinny_set
 from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
 # kernel name fragments -> class of a step's time (first match wins)
@@ -40,18 +39,25 @@ class Variant:
 
     select: DecodeSelect = field(default_factory=DecodeSelect)
     qkv_pad: int = 64
-    skinny_gemm: tuple | bool = ()  # ModelRunner.skinny_gemm: True (all), or names among forward.SKINNY
+    skinny_gemm: tuple | bool | None = None  # ModelRunner.skinny_gemm: True (all), names among forward.SKINNY, None its
+    # default (forward.skinny_default: all four on sm_90+ since session 12; () is cuBLAS, the old default)
     blas: str | None = None  # ModelRunner.blas: the step's BLAS library (None: torch's default)
     pdl: bool | None = None  # ModelRunner.pdl: programmatic dependent launch (None: forward.PDL_DEFAULT)
+    skinny_impl: str | None = None  # ModelRunner.skinny_impl: the kernel behind skinny_gemm (None: SKINNY_IMPL)
+    skinny_tiles: tuple | None = None  # ModelRunner.skinny_tiles as pairs ((site, ((keyword, value), ...)), ...); None
+    # its default (forward.SKINNY_TILES)
     fuse_indexer: bool = True  # ModelRunner.fuse_indexer: a sparse layer's q/k RoPE and indexer in one launch
 
     def describe(self) -> dict:
         return {"select": self.select.as_kwargs(), "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
-                "blas": self.blas, "pdl": self.pdl, "fuse_indexer": self.fuse_indexer}
+                "blas": self.blas, "pdl": self.pdl, "skinny_impl": self.skinny_impl,
+                "skinny_tiles": None if self.skinny_tiles is None else {k: dict(v) for k, v in self.skinny_tiles},
+                "fuse_indexer": self.fuse_indexer}
 
     def runner_options(self) -> dict:
         return {"decode_select": self.select, "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
-                "blas": self.blas, "pdl": self.pdl, "fuse_indexer": self.fuse_indexer}
+                "blas": self.blas, "pdl": self.pdl, "skinny_impl": self.skinny_impl, "skinny_tiles": self.skinny_tiles,
+                "fuse_indexer": self.fuse_indexer}
 
 
 def apply(eng, v: Variant) -> None:
@@ -61,8 +67,8 @@ def apply(eng, v: Variant) -> None:
         r.set_qkv_pad(v.qkv_pad)
     if r.decode_select != v.select:
         r.set_decode_select(v.select)
-    if r.skinny_gemm != _skinny_set(v.skinny_gemm):
-        r.set_skinny_gemm(v.skinny_gemm)
+    if r._skinny_choice(v.skinny_gemm, v.skinny_impl, v.skinny_tiles) != (r.skinny_gemm, r.skinny_impl, r.skinny_tiles):
+        r.set_skinny_gemm(v.skinny_gemm, v.skinny_impl, v.skinny_tiles)
     if r.blas != v.blas:
         r.set_blas(v.blas)
     r.set_pdl(v.pdl)  # drops the graphs only when the resolved choice changes
@@ -238,10 +244,12 @@ def gemm_shapes(model) -> dict:
 
 
 def gemm_alone(run, dev, bw, shapes: dict, rows=(32, 1), configs=None, smoke=False) -> dict:
-    """F.linear vs `ops.skinny_linear` (tile configs: (bn, bk, programs)) per GEMM shape and row count,
-    graph-timed, against the weight's bytes; every skinny result checked against F.linear's."""
+    """F.linear vs `ops.skinny_linear` (tile configs: (bn, bk, programs) of the split-K kernel, or a dict of
+    `ops.skinny_linear` keywords, impl included) per GEMM shape and row count, graph-timed, against the
+    weight's bytes; every skinny result checked against F.linear's."""
     from sparse_rl.bench.timing import bench_ms
-    from sparse_rl.sparse.ops.skinny_gemm.triton import counters, skinny_linear
+    from sparse_rl.sparse.ops import skinny_linear
+    from sparse_rl.sparse.ops.skinny_gemm.triton import counters
 
     configs = configs or {"d": (64, 64, 528)}
     out = {}
@@ -259,10 +267,14 @@ def gemm_alone(run, dev, bw, shapes: dict, rows=(32, 1), configs=None, smoke=Fal
                                          "linear_ms": round(bench_ms(lambda: torch.nn.functional.linear(x, w), dev,
                                                                      graph=not smoke), 4)}
             cnt = counters(N, dev)
-            for cname, (bn, bk, pr) in configs.items():
-                y = skinny_linear(x, w, cnt, bn=bn, bk=bk, programs=pr)
+            for cname, c in configs.items():
+                # the kernel itself: on a CPU (smoke runs) the interpreter, not the op's torch fallback
+                kw = {"backend": "triton", **(c if isinstance(c, dict) else dict(zip(("bn", "bk", "programs"), c)))}
+                if not run.gate(1.5, f"gemm {name} M{M} {cname}"):
+                    break
+                y = skinny_linear(x, w, cnt, **kw)
                 err = float((y.float() - ref.float()).abs().max())
-                ms = bench_ms(lambda: skinny_linear(x, w, cnt, bn=bn, bk=bk, programs=pr), dev, graph=not smoke)
+                ms = bench_ms(lambda: skinny_linear(x, w, cnt, **kw), dev, graph=not smoke)
                 row[f"skinny_{cname}"] = {"ms": round(ms, 4), "x_floor": round(ms / floor, 2), "max_abs_err": err,
                                           "counters_zero": int(cnt.abs().sum()) == 0}
             log(f"gemm {name} M={M}: floor {row['floor_ms']} linear {row['linear_ms']} " + " ".join(

@@ -64,7 +64,7 @@ from sparse_rl.sparse.layer import DecodeOps, attend, layer_states, select, sele
 from sparse_rl.rl.rollout.fused_weights import FusedLayer
 from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT, DecodeSelect
 from sparse_rl.sparse.ops._backend import resolve_pdl
-from sparse_rl.sparse.ops import (add_rmsnorm, indexer_decode, qk_norm_rope_cache, qk_rope_indexer_decode,
+from sparse_rl.sparse.ops import (SKINNY_ROWS, add_rmsnorm, indexer_decode, qk_norm_rope_cache, qk_rope_indexer_decode,
                                   quantize_index_keys, silu_mul, skinny_linear, sparse_decode)
 
 
@@ -89,6 +89,51 @@ PDL_DEFAULT = 1  # a level of `_backend.PDL_LEVELS`
 
 
 SKINNY = ("o_proj", "down_proj", "qkv", "gate_up")  # the decode GEMMs `skinny_gemm` may name
+
+
+# The decode GEMMs' default (session 12, helper gap12; benchmarks/results/2026-12-02-h200-gap12-session12.md,
+# call 2, H200, Qwen3-4B shape, interleaved pairs on one engine): on sm_90+ all four as the swap-AB wgmma kernel
+# (`ops.skinny_linear(impl="swapab")`) with the step at PDL level 2, so the kernel before each GEMM lets it launch
+# early and its first weight tile loads before `gdc_wait`: batch 32 dense 2K 5.64 -> 5.56 ms, sparse 16K 8.92 ->
+# 8.66, sparse 2304 6.61 -> 6.40; batch 1 dense 2K 3.43 -> 3.07. Alone at M = 32 the split-K shapes still lose to
+# cuBLAS (o_proj 9.6 vs 7.6 us); the prefetch under level 2 is what wins in the step (swapab at level 1: +0.6 ms;
+# level 2 alone, cuBLAS GEMMs: -0.07 to +0.06). Not measured with it: dense 16K, sparse batch 1, whole runs.
+SKINNY_IMPL = "swapab"  # `ModelRunner.skinny_impl`'s default: ops.SKINNY_IMPLS
+_SW64 = {"bw": 64, "bk": 128, "programs": 264, "num_stages": 3}  # the split-K sites' faster tile alone (call 2)
+SKINNY_TILES = {"qkv": _SW64, "o_proj": _SW64, "down_proj": _SW64}  # swapab's per site (gate_up: its defaults)
+SKINNY_MAX_ROWS = 32  # the engine's skinny GEMMs up to this batch (measured at 1 and 32; the op takes up to 64)
+PDL_SWAPAB = 2  # the PDL level when `pdl` is None and swapab GEMMs run (PDL_DEFAULT otherwise)
+
+
+def skinny_default(device, dtype=torch.bfloat16) -> frozenset:
+    """The GEMMs run as `ops.skinny_linear` when `skinny_gemm` is None: all four for a bf16 / fp16 model on a CUDA
+    device of compute capability >= 9.0 with PDL (where it was measured: bf16), none elsewhere (F.linear; fp32
+    operands would leave wgmma for full-precision FMA dots)."""
+    from sparse_rl.sparse.ops._backend import pdl_supported
+
+    device = torch.device(device)
+    if dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda" or not pdl_supported(device):
+        return frozenset()
+    return frozenset(SKINNY) if torch.cuda.get_device_capability(device) >= (9, 0) else frozenset()
+
+
+def _skinny_impl(impl: str) -> str:
+    from sparse_rl.sparse.ops import SKINNY_IMPLS
+
+    if impl not in SKINNY_IMPLS:
+        raise ValueError(f"skinny_impl {impl!r}: expected one of {SKINNY_IMPLS}")
+    return impl
+
+
+def _skinny_tiles(tiles) -> dict:
+    """`ModelRunner.skinny_tiles`: {site among SKINNY: swapab_linear's tile keywords}, from a dict or pairs."""
+    out = {k: dict(v) for k, v in dict(tiles or {}).items()}
+    if set(out) - set(SKINNY):
+        raise ValueError(f"skinny_tiles: {sorted(set(out) - set(SKINNY))} not among {', '.join(SKINNY)}")
+    bad = {k for v in out.values() for k in v} - {"bw", "bk", "programs", "num_warps", "num_stages"}
+    if bad:
+        raise ValueError(f"skinny_tiles: unknown keywords {sorted(bad)}")
+    return out
 
 
 def _skinny_set(names) -> frozenset:
@@ -175,20 +220,27 @@ class ModelRunner:
     qkv_pad: zero rows after the fused q/k/v(+indexer) weight up to a multiple of this (`set_qkv_pad`).
     decode_select: the indexer's decode select after the score pass (`DecodeSelect`; None: `ENGINE_SELECT`,
     the fine select with a 64-key score step; `set_decode_select` changes it later). skinny_gemm: which of the eager step's GEMMs run as
-    `ops.skinny_linear` (split-K in one launch; at most 32 rows, no bias) instead of F.linear (cuBLAS:
-    split-K + a reduce kernel for o_proj / down_proj at M = 32): names among SKINNY ("o_proj", "down_proj",
-    "qkv", "gate_up"), True for all; opt-in (`set_skinny_gemm`). blas: the BLAS library of the eager decode
+    `ops.skinny_linear` (split-K in one launch; at most SKINNY_MAX_ROWS = 32 rows, no bias) instead of F.linear
+    (cuBLAS: split-K + a reduce kernel for o_proj / down_proj at M = 32): names among SKINNY ("o_proj",
+    "down_proj", "qkv", "gate_up"), True for all, () for none; None: `skinny_default(device, dtype)`, all four
+    for a bf16 / fp16 model on sm_90+ (measured, session 12), none elsewhere (`set_skinny_gemm`). skinny_impl: the kernel behind it
+    (`ops.SKINNY_IMPLS`: "splitk", session 9's, or "swapab", yᵀ = W xᵀ with wgmma on sm_90a, which also takes
+    the step's PDL level; None: SKINNY_IMPL, swapab). skinny_tiles: swapab's tiles per site ({"gate_up":
+    {"bw": 128, "bk": 64, "programs": 264}}, keywords of `swapab_linear`; a site not named gets its defaults;
+    None: SKINNY_TILES). blas: the BLAS library of the eager decode
     step's GEMMs (None: torch's default; "cublaslt" / "cublas": `torch.backends.cuda.preferred_blas_library`
     for the step only, `set_blas`). pdl: the eager step's Triton kernels launched with programmatic dependent
     launch at a level of `_backend.PDL_LEVELS` (True = 1: each kernel waits first; 2: also triggers its
-    dependents after the wait; None: `PDL_DEFAULT`, level 1 (measured); resolved to 0 wherever
+    dependents after the wait; None: `PDL_DEFAULT`, level 1 (measured), or PDL_SWAPAB, level 2, while swapab
+    GEMMs run (measured with them, session 12); resolved to 0 wherever
     `_backend.pdl_supported` is not, so True on a CPU, an A100 or under the interpreter is no error; the compiled
     step gets inductor's `triton.enable_pdl` instead, only when pdl is given (never timed); `set_pdl`). The runner
     owns it: the decode select it passes down carries it (`DecodeSelect.pdl`)."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
-                 decode_select: DecodeSelect | None = None, skinny_gemm=(), blas: str | None = None,
+                 decode_select: DecodeSelect | None = None, skinny_gemm=None, blas: str | None = None,
+                 skinny_impl: str | None = None, skinny_tiles=None,
                  pdl: bool | int | None = None, fuse_indexer: bool = True):
         base = _base(model)
         dec = base.get_decoder()
@@ -229,9 +281,10 @@ class ModelRunner:
         # zero rows after the fused q/k/v(+indexer) weight up to a multiple of this (`set_qkv_pad`)
         self.qkv_pad = int(qkv_pad)
         self.decode_select = ENGINE_SELECT if decode_select is None else decode_select
-        self.skinny_gemm = _skinny_set(skinny_gemm)
+        self.skinny_gemm, self.skinny_impl, self.skinny_tiles = self._skinny_choice(skinny_gemm, skinny_impl,
+                                                                                     skinny_tiles)
         self.blas = _check_blas(blas)
-        self.pdl = resolve_pdl(pdl, self.device, PDL_DEFAULT)  # the step's launches (resolved once)
+        self.pdl = resolve_pdl(pdl, self.device, self._pdl_default())  # the step's launches (resolved once)
         # a sparse layer's q/k norm + RoPE + cache write and its indexer's per-token work in one launch
         # (`ops.qk_rope_indexer_decode`, the same values as the two launches; needs the fused projections)
         self.fuse_indexer = bool(fuse_indexer)
@@ -474,7 +527,7 @@ class ModelRunner:
             return (*(p(x).view(B, -1, self.D) for p in (attn.q_proj, attn.k_proj, attn.v_proj)), None)
         with_ix = indexed and len(fl.qkv.sizes) == 6
         y = fl.qkv(x, None if with_ix else fl.qkv_rows, weight_left=self.qkv_weight_left,
-                   skinny=self._skinny("qkv", fl.qkv, x))
+                   skinny=self._skinny("qkv", fl.qkv, x), skinny_kw=self._skinny_kw("qkv"))
         parts = y.split(fl.qkv.sizes[:len(fl.qkv.sizes) if with_ix else 3], dim=1)
         q, k, v = (t.view(B, -1, self.D) for t in parts[:3])
         return q, k, v, (parts[3:] if with_ix else None)
@@ -487,35 +540,57 @@ class ModelRunner:
             cnt = self._skinny_cnt[id(key)] = counters(n, device)
         return cnt
 
+    def _skinny_kw(self, name: str) -> dict:
+        """`ops.skinny_linear`'s keywords at call site `name`: the kernel, and for swapab the step's PDL level and
+        the site's tiles (`skinny_tiles`)."""
+        if self.skinny_impl != "swapab":
+            return {"impl": self.skinny_impl}
+        return {"impl": "swapab", "pdl": self.pdl, **self.skinny_tiles.get(name, {})}
+
     def _skinny(self, name: str, fused, x):
         """The tile counters of a fused GEMM (`FusedLinear`) when `skinny_gemm` names it, else None."""
-        if name not in self.skinny_gemm or fused is None:
+        if name not in self.skinny_gemm or fused is None or x.shape[0] > SKINNY_MAX_ROWS:
             return None
         return self._counters(fused, fused.weight.shape[0], x.device)
 
     def _out(self, mod, x, compiled: bool, name: str = "o_proj"):
         """mod(x) for a layer's o_proj / down_proj: `ops.skinny_linear` when `skinny_gemm` names it and it
         applies (eager, a plain bias-free Linear, at most 32 rows), else the module (peft wrappers included)."""
-        if (name not in self.skinny_gemm or compiled or x.shape[0] > 32 or type(mod) is not torch.nn.Linear
+        if (name not in self.skinny_gemm or compiled or x.shape[0] > min(SKINNY_ROWS[self.skinny_impl], SKINNY_MAX_ROWS)
+                or type(mod) is not torch.nn.Linear
                 or mod.bias is not None):
             return mod(x)
-        return skinny_linear(x, mod.weight, self._counters(mod, mod.out_features, x.device))
+        return skinny_linear(x, mod.weight, self._counters(mod, mod.out_features, x.device), **self._skinny_kw(name))
 
     def set_blas(self, name: str | None) -> None:
         """The eager decode step's BLAS library from the next step (see the class docstring)."""
         self.blas = _check_blas(name)
         self.drop_graphs()
 
-    def set_skinny_gemm(self, names) -> None:
-        """Which GEMMs run as `ops.skinny_linear` from the next step (see the class docstring)."""
-        self.skinny_gemm = _skinny_set(names)
+    def _skinny_choice(self, names, impl, tiles) -> tuple:
+        """(GEMMs, kernel, swapab tiles) from `skinny_gemm` / `skinny_impl` / `skinny_tiles`, each None its
+        default: `skinny_default(device)`, SKINNY_IMPL, SKINNY_TILES (for swapab; none for splitk)."""
+        impl = _skinny_impl(SKINNY_IMPL if impl is None else impl)
+        gemms = skinny_default(self.device, self.dtype) if names is None else _skinny_set(names)
+        return gemms, impl, _skinny_tiles((SKINNY_TILES if impl == "swapab" else {}) if tiles is None else tiles)
+
+    def _pdl_default(self) -> int:
+        """The PDL level of `pdl=None`: PDL_SWAPAB while swapab GEMMs run (they want the previous kernel's trigger),
+        else PDL_DEFAULT."""
+        return PDL_SWAPAB if self.skinny_gemm and self.skinny_impl == "swapab" else PDL_DEFAULT
+
+    def set_skinny_gemm(self, names, impl: str | None = None, tiles=None) -> None:
+        """Which GEMMs run as `ops.skinny_linear` from the next step, its kernel and swapab's tiles per site, each
+        None its default (see the class docstring). The PDL level is not changed: `set_pdl` after (None: the
+        level that goes with the new choice)."""
+        self.skinny_gemm, self.skinny_impl, self.skinny_tiles = self._skinny_choice(names, impl, tiles)
         self.drop_graphs()
 
     def _mlp(self, mlp, fl, x, compiled: bool = False):
         """The MLP of one token per row: one gate/up GEMM and `ops.silu_mul` when fused, else the module."""
         if fl is None or fl.gate_up is None:
             return mlp(x)
-        gu = fl.gate_up(x, skinny=self._skinny("gate_up", fl.gate_up, x))
+        gu = fl.gate_up(x, skinny=self._skinny("gate_up", fl.gate_up, x), skinny_kw=self._skinny_kw("gate_up"))
         if fl.silu:
             a = silu_mul(gu, pdl=self.pdl)
         else:
@@ -698,7 +773,7 @@ class ModelRunner:
         """Programmatic dependent launch from the next step (see the class docstring), dropping the CUDA graphs
         (they hold the old launches) when the level changes, and the compiled steps when inductor's flag does (it
         is fixed at compile)."""
-        new, ind = resolve_pdl(pdl, self.device, PDL_DEFAULT), self._inductor_pdl()
+        new, ind = resolve_pdl(pdl, self.device, self._pdl_default()), self._inductor_pdl()
         old, self.pdl, self._pdl_asked = self.pdl, new, pdl
         if self._inductor_pdl() != ind:
             self._compiled.clear()

@@ -93,21 +93,25 @@ class FusedLinear:
         return True
 
     def __call__(self, x: torch.Tensor, rows: int | None = None, weight_left: bool = False,
-                 skinny: torch.Tensor | None = None) -> torch.Tensor:
+                 skinny: torch.Tensor | None = None, skinny_kw: dict | None = None) -> torch.Tensor:
         """x `[B, in]` -> `[B, rows or sum(out)]`: the members' outputs side by side (the first `rows`).
         weight_left: the same product as W @ xᵀ, then one transpose copy back to `[B, out]` (cuBLAS
         picks another kernel for it: on an H200 at M = 32 the q/k/v + indexer GEMM of Qwen3-4B's shape,
         N = 6468, took 8.4 us this way against 17.5 through F.linear; equal for the other shapes;
         benchmarks/results/2026-12-01-h200-rollout-session7.md). skinny: tile counters of this GEMM for
-        `ops.skinny_linear` (split-K in one launch), used when there is no bias and x has at most 32 rows."""
+        `ops.skinny_linear` (split-K in one launch; skinny_kw its keywords: impl, the PDL level and tiles "swapab"
+        takes), used when there is no bias and x has no more rows than that kernel takes (`ops.SKINNY_ROWS`)."""
         w, b = self.weight, self.bias
         n = sum(self.sizes)
         if rows is not None:
             w, b, n = w[:rows], None if b is None else b[:rows], rows
-        if skinny is not None and b is None and x.shape[0] <= 32:
+        from sparse_rl.sparse.ops import SKINNY_ROWS
+
+        skinny_kw = skinny_kw or {}
+        if skinny is not None and b is None and x.shape[0] <= SKINNY_ROWS[skinny_kw.get("impl", "splitk")]:
             from sparse_rl.sparse.ops import skinny_linear
 
-            y = skinny_linear(x, w, skinny)
+            y = skinny_linear(x, w, skinny, **skinny_kw)
         elif not weight_left:
             y = torch.nn.functional.linear(x, w, b)
         else:

@@ -235,14 +235,23 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto", pdl: bool = False)
     return silu_mul_naive(gate_up)
 
 
+SKINNY_IMPLS = ("splitk", "swapab")  # `skinny_linear`'s kernels
+SKINNY_ROWS = {"splitk": 32, "swapab": 64}  # the most rows each takes
+
+
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = None, *, backend: str = "auto",
-                  **kw) -> torch.Tensor:
-    """x `[M, K]` (M <= 32) @ w `[N, K]`ᵀ -> `[M, N]`, no bias: the Triton kernel splits K inside one launch
-    (`skinny_gemm/triton.py`; cnt: the call site's tile counters, `skinny_gemm.triton.counters`; kw: its
-    tiles), the reference is F.linear's arithmetic."""
+                  impl: str = "splitk", **kw) -> torch.Tensor:
+    """x `[M, K]` (M <= 32; 64 for "swapab") @ w `[N, K]`ᵀ -> `[M, N]`, no bias: the Triton kernel splits K inside
+    one launch (cnt: the call site's tile counters, `skinny_gemm.triton.counters`; kw: its tiles). impl:
+    "splitk" (`skinny_gemm/triton.py`: the rows in the MMA's M) or "swapab" (`skinny_gemm/swapab.py`: yᵀ = W xᵀ,
+    the weight rows in the MMA's M, wgmma on sm_90a; kw may carry its `pdl` level). The reference is
+    F.linear's arithmetic."""
     from sparse_rl.sparse.ops.skinny_gemm.naive import skinny_linear_naive
 
-    fn = kernel("skinny_gemm", "skinny_linear")
-    if x.shape[0] <= 32 and resolve_backend(backend, x, fn is not None) == "triton":
+    if impl not in SKINNY_IMPLS:
+        raise ValueError(f"skinny_linear: impl {impl!r} not among {SKINNY_IMPLS}")
+    fn = (kernel("skinny_gemm", "skinny_linear") if impl == "splitk"
+          else kernel("skinny_gemm", "swapab_linear", module="swapab"))
+    if x.shape[0] <= SKINNY_ROWS[impl] and resolve_backend(backend, x, fn is not None) == "triton":
         return fn(x, w, cnt, **kw)
     return skinny_linear_naive(x, w)

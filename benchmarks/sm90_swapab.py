@@ -1,0 +1,73 @@
+"""The swap-AB skinny GEMM (`skinny_gemm/swapab.py:_swapab_kernel`) compiled for sm_90a on a CPU host (no GPU
+needed), in the specializations the decode step launches: per tile, registers / stack (cuobjdump), shared
+memory, and the instructions that say whether the weight streams as intended: HGMMA (wgmma), LDGSTS (cp.async,
+the software pipeline's copies), plain LDG, griddepcontrol (PDL).
+
+    PYTHONPATH=$PWD /tmp/t36/bin/python benchmarks/sm90_swapab.py        (Triton 3.6.0, the H200's)
+
+The pointers and the strides / K / KS get 16-divisibility, as a launch with the step's tensors specializes them
+(x / W rows of 2560 / 4096 / 9728 elements): without it Triton cannot vectorize the loads to 16 bytes, emits no
+cp.async, and the loop is not pipelined (255 registers and a stack: a compile artifact, not the device's).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from sparse_rl.sparse.ops.skinny_gemm import swapab as S
+
+DIV = ("X", "W", "OUT", "PART", "CNT", "K", "sxm", "swn", "som", "KS")
+SMEM_MAX = 232448  # bytes a program may take on an H100 / H200 (227 KB)
+
+
+def compile_swapab(BW, BX, BK, ONE, PDL, num_warps=4, num_stages=4, SPLIT=13) -> dict:
+    names = list(inspect.signature(S._swapab_kernel.fn).parameters)
+    cx = dict(BW=BW, BX=BX, BK=BK, ONE=ONE, PDL=PDL, PREC=0, SPLIT=1 if ONE else SPLIT)
+    sig = {n: "constexpr" if n in cx else "*bf16" if n in ("X", "W", "OUT") else "*fp32" if n == "PART"
+           else "*i32" if n == "CNT" else "i32" for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIV}
+    k = triton.compile(ASTSource(S._swapab_kernel, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    cubin = "/tmp/_sm90_swapab.cubin"
+    with open(cubin, "wb") as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    res = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True).stdout
+    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", res)
+    ptx = k.asm["ptx"]
+    return {"regs": int(m.group(1)), "stack": int(m.group(2)), "smem": k.metadata.shared,
+            "HGMMA": len(re.findall(r"HGMMA", sass)), "LDGSTS": len(re.findall(r"LDGSTS", sass)),
+            "LDG": len(re.findall(r"LDG\.", sass)), "griddep": len(re.findall("griddepcontrol", ptx))}
+
+
+def main():
+    errors = 0
+    # (BW, BX, BK, stages): the default tile (128 x 64, 4 stages) at 16 / 32 / 64 rows, split or not, PDL 0-2;
+    # "sw_bk128" (128 x 128, 4 stages; at 64 rows 3, the swapab_linear clamp); "sw64" (64 x 128, 3 stages)
+    for (bw, bx, bk, st), one, pdl in [((128, 16, 64, 4), True, 0), ((128, 16, 64, 4), False, 1),
+                                       ((128, 32, 64, 4), False, 1), ((128, 32, 64, 4), True, 1),
+                                       ((128, 32, 64, 4), False, 2), ((128, 64, 64, 4), False, 1),
+                                       ((128, 32, 128, 4), False, 0), ((128, 64, 128, 3), False, 0),
+                                       ((64, 32, 128, 3), False, 0), ((64, 16, 128, 3), True, 0)]:
+        try:
+            r = compile_swapab(bw, bx, bk, one, pdl, num_stages=st)
+            fit = "" if r["smem"] <= SMEM_MAX else " SHARED MEMORY OVER 227 KB"
+            res = " ".join(f"{k} {v}" for k, v in r.items()) + fit
+            errors += bool(fit)
+        except Exception as e:  # noqa: BLE001 -- reported, the others still compile
+            errors += 1
+            res = f"ERROR {type(e).__name__}: {str(e)[-300:]}"
+        print(f"triton {triton.__version__} BW {bw} BX {bx} BK {bk} stages {st} ONE {one:d} PDL {pdl}: {res}", flush=True)
+    print(f"errors: {errors}")
+
+
+if __name__ == "__main__":
+    main()

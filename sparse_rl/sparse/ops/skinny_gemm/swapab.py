@@ -1,0 +1,121 @@
+"""Triton `swapab_linear`: y = x @ wᵀ for a decode step's few rows (M <= 64) computed as yᵀ = W xᵀ ("swap AB"),
+split over K inside one launch, the split-K reduce done by the last program of each output tile.
+
+Why: `triton.skinny_linear` (session 9) puts the batch (M = 32) in the MMA's M dimension: on sm_90a Triton then
+emits mma.sync (wgmma needs M >= 64 a warpgroup), a [32, BN] fp32 accumulator at 168 registers, and the
+weight streamed at 40-60% of the H200's bandwidth: slower than cuBLAS (NOTES.md session 9). Here the weight's
+BW rows (64 / 128 output features) are the MMA's M and the batch, padded to BX = 16 / 32 / 64, its N: wgmma
+reads the weight tile from shared memory (filled by the software pipeline's asynchronous copies, num_stages
+deep), and the accumulator [BW, BX] is 16-32 fp32 registers a thread. Program (n, s) multiplies weight rows
+n * BW.. by xᵀ over the s-th slice of K; with SPLIT > 1 it stores its fp32 partial `[BX, BW]`, counts itself in
+the tile's counter, and the tile's last program sums the partials (from L2), writes y and resets the counter
+to 0 (CUDA-graph replays need no memset; the counters are `triton.counters`, one set a call site).
+
+PDL (programmatic dependent launch, level `_backend.PDL_LEVELS`): the weight is no output of the previous
+kernel, so the program's first weight tile is loaded BEFORE `gdc_wait` (overlapping this kernel's ramp with
+the previous kernel's tail); x (the previous kernel's output) only after it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
+
+
+@triton.jit
+def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.constexpr, BW: tl.constexpr,
+                   BX: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr):
+    pn = tl.program_id(0)
+    ps = tl.program_id(1)
+    offs_w = pn * BW + tl.arange(0, BW)
+    offs_x = tl.arange(0, BX)
+    offs_k = tl.arange(0, BK)
+    mw = offs_w < N
+    mx = offs_x < M
+    k0 = ps * KS
+    k_end = tl.minimum(k0 + KS, K)
+    wp = W + offs_w[:, None].to(tl.int64) * swn + offs_k[None, :]  # [BW, BK]: the weight rows as the MMA's M
+    xp = X + offs_x[None, :] * sxm + offs_k[:, None]  # [BK, BX]: xᵀ read in place (its rows are x's columns)
+    kk = k0 + offs_k
+    # the first weight tile before the wait: weights are never written by the kernels this one depends on
+    w = tl.load(wp + k0, mask=mw[:, None] & (kk[None, :] < k_end), other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+    x = tl.load(xp + k0, mask=(kk[:, None] < k_end) & mx[None, :], other=0.0)
+    acc = dot(w, x, PREC)  # [BW, BX] fp32
+    for k in range(k0 + BK, k_end, BK):
+        kk = k + offs_k
+        mk = kk < k_end
+        w = tl.load(wp + k, mask=mw[:, None] & mk[None, :], other=0.0)
+        x = tl.load(xp + k, mask=mk[:, None] & mx[None, :], other=0.0)
+        acc += dot(w, x, PREC)
+    omask = mw[:, None] & mx[None, :]
+    if ONE:
+        tl.store(OUT + offs_x[None, :] * som + offs_w[:, None], acc.to(OUT.dtype.element_ty), mask=omask)
+    else:
+        tl.store(PART + (ps * BX + offs_x[None, :]) * N + offs_w[:, None], acc, mask=omask)
+        tl.debug_barrier()  # every thread's partial is written before the count releases it
+        done = tl.atomic_add(CNT + pn, 1, sem="acq_rel")
+        if done == SPLIT - 1:  # the tile's last program: sum the partials (L2), write, reset the counter
+            # SPLIT a constexpr, the loop unrolled: the partials' loads are all in flight at once (session 12's
+            # first call: with a runtime bound they went one L2 round trip after another, ~0.5 us a partial:
+            # o_proj at 13 slices 14.8 us alone against cuBLAS's 8.0)
+            tot = tl.zeros([BW, BX], tl.float32)
+            for s in tl.static_range(SPLIT):
+                tot += tl.load(PART + (s * BX + offs_x[None, :]) * N + offs_w[:, None], mask=omask, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(OUT + offs_x[None, :] * som + offs_w[:, None], tot.to(OUT.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(CNT + pn, 0)
+
+
+def plan(M: int, N: int, K: int, bw: int = 128, bk: int = 64, programs: int = 264) -> tuple[int, int, int, int, int]:
+    """(BX, BW, BK, SPLIT, KS): the batch padded to 16 / 32 / 64 (the MMA's N), and K split so that at most
+    `programs` programs run, one wave (the H200's 132 SMs hold two programs each at BW = 128, BK = 64, BX = 32,
+    4 stages: ~100 KB of shared memory, 101-126 registers; more than a wave leaves a tail), but at least the
+    weight tiles' count (Qwen3-4B at M = 32: o_proj 20 tiles x 13 slices, down 20 x 13, q/k/v 51 x 5,
+    gate/up 152 x 1, all at once); every slice a whole number of BK steps."""
+    bx = max(16, triton.next_power_of_2(M))
+    k_blocks = triton.cdiv(K, bk)
+    split = max(1, min(k_blocks, programs // triton.cdiv(N, bw)))
+    ks_blocks = triton.cdiv(k_blocks, split)
+    return bx, bw, bk, triton.cdiv(k_blocks, ks_blocks), ks_blocks * bk
+
+
+def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = None, *, bw: int = 128, bk: int = 64,
+                  programs: int = 264, num_warps: int = 4, num_stages: int = 4, pdl: int = 0) -> torch.Tensor:
+    """x `[M, K]` (M <= 64, last dim contiguous), w `[N, K]` (contiguous rows) -> `[M, N]` in x's dtype, as
+    `naive.skinny_linear_naive` up to the fp32 summation order. cnt: this call site's `triton.counters(N, ...)`
+    (None: fresh ones, not for CUDA graphs). pdl: a resolved PDL level (0 off; launched with launch_pdl at >= 1)."""
+    from sparse_rl.sparse.ops.skinny_gemm.triton import counters
+
+    M, K = x.shape
+    N = w.shape[0]
+    if M > 64 or w.shape[1] != K:
+        raise ValueError(f"swapab_linear: x {tuple(x.shape)}, w {tuple(w.shape)} (needs M <= 64 and a shared K)")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    interp = not x.is_cuda
+    if interp:  # few, small programs (the interpreter runs them one by one); still split over K
+        bw, bk, programs, pdl = 16, 16, 3 * triton.cdiv(N, 16), 0
+    BX, BW, BK, SPLIT, KS = plan(M, N, K, bw, bk, programs)
+    cnt = counters(N, x.device) if cnt is None else cnt
+    if BW < 16 or cnt.numel() < triton.cdiv(N, BW):
+        raise ValueError(f"swapab_linear: {cnt.numel()} counters for {triton.cdiv(N, BW)} tiles")
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    part = torch.empty(SPLIT if SPLIT > 1 else 1, BX, N, device=x.device, dtype=torch.float32)
+    # shared memory ~(stages + 1) * (BW + BX) * BK * 2 bytes (sm_90a compile under Triton 3.6: 100 KB at 128 /
+    # 32 / 64, 200 KB at BK 128, 4 stages); the H200 gives a program at most 227 KB, so fewer stages where the
+    # tile is larger
+    while num_stages > 2 and (num_stages + 1) * (BW + BX) * BK * x.element_size() > 220 * 1024:
+        num_stages -= 1
+    kw = {"launch_pdl": True} if pdl else {}
+    _swapab_kernel[(triton.cdiv(N, BW), SPLIT)](x, w, out, part, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+                                                KS, SPLIT, BW=BW, BX=BX, BK=BK, ONE=SPLIT == 1, PDL=int(pdl),
+                                                PREC=dot_precision(x.dtype), num_warps=1 if interp else num_warps,
+                                                num_stages=1 if interp else num_stages, **kw)
+    return out

@@ -1,0 +1,94 @@
+"""`ModelRunner(skinny_impl="swapab")`: the engine's decode GEMMs (fused q/k/v, gate/up, o_proj, down) as the
+swap-AB kernel (skinny_gemm/swapab.py, the interpreter on the CPU) give the log-probs of a teacher-forced
+forward; the choice is checked and `set_skinny_gemm(names, impl)` changes it."""
+
+import pytest
+import torch
+
+from sparse_rl.modelinit import ModelInitConfig, init_model
+from sparse_rl.rl.rollout import RolloutEngine, SamplingParams, process_logits
+from sparse_rl.sparse.config import SparseConfig
+from sparse_rl.sparse.convert import ConvertConfig, convert
+from sparse_rl.sparse.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def llama_sw(tmp_path_factory):
+    """A tiny sparse llama (test_rollout's: top-k 12 below the prompts' lengths, layer 0 dense)."""
+    root = tmp_path_factory.mktemp("llama-sw")
+    init_model(root / "dense", ModelInitConfig(arch="llama", size="tiny", seed=1))
+    convert(root / "dense", root / "sparse", ConvertConfig(sparse=SparseConfig(
+        topk=12, index_heads=2, index_dim=16, rope_dim=8, sink=1, window=2, dense_layers=[0]), seed=3))
+    return root / "sparse"
+
+
+def _engine(model, max_batch=2, **kw):
+    return RolloutEngine(model, None, max_batch=max_batch, max_seq_len=96, eos_token_ids=[], **kw)
+
+
+def _prompts(seed, lengths):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 500, (n,), generator=g).tolist() for n in lengths]
+
+
+def _teacher_forced(model, c, params):
+    ids = torch.tensor([c.prompt_tokens + c.tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(c.prompt_tokens) - 1:-1]
+    return process_logits(logits, params).gather(-1, torch.tensor(c.tokens)[:, None])[:, 0]
+
+
+def test_engine_on_swapab_gemms_equals_reference_forward(llama_sw, monkeypatch):
+    from sparse_rl.sparse.ops.skinny_gemm import swapab
+
+    model = load_model(llama_sw, attention="sparse")
+    params = SamplingParams(temperature=0.7, max_new_tokens=4, seed=5)
+    calls = []
+
+    class Count:  # the kernel's launches (grids), counted; `ops.kernel` caches the wrapper, not this global
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+
+    real = swapab._swapab_kernel
+    monkeypatch.setattr(swapab, "_swapab_kernel", Count())
+    monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
+    eng = _engine(model, max_batch=2, fuse_projections=True,
+                  runner_options={"skinny_gemm": True, "skinny_impl": "swapab", "pdl": 1})
+    assert eng.runner.skinny_impl == "swapab" and eng.runner.pdl == 0  # PDL resolves off on a CPU
+    outs = eng.generate(_prompts(2, lengths=(14, 9)), params)
+    monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
+    layers = eng.runner.n_layers
+    # every decode step: four GEMMs a layer (q/k/v fused, o_proj, gate/up fused, down; distinct grids), 3 steps
+    # after the prefill
+    assert len(calls) >= 4 * layers * 3 and len(set(calls)) >= 3
+    for c in outs:
+        assert len(c.tokens) == 4
+        torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(model, c, params), atol=1e-4, rtol=0)
+
+
+def test_skinny_choice_is_checked_and_defaults(llama_sw):
+    """The skinny GEMM choice: checked; None is the default (on a CPU no GEMM: `skinny_default` names GEMMs only
+    on sm_90+ CUDA devices with PDL); swapab's default tiles; the PDL level that goes with swapab (2) only where
+    PDL is supported (here 0)."""
+    from sparse_rl.rl.rollout import forward
+
+    assert forward.skinny_default("cpu") == frozenset() == forward.skinny_default("cpu", torch.float32)
+    model = load_model(llama_sw, attention="sparse")
+    with pytest.raises(ValueError, match="skinny_impl"):
+        _engine(model, runner_options={"skinny_impl": "cublas"})
+    with pytest.raises(ValueError, match="skinny_tiles"):
+        _engine(model, runner_options={"skinny_tiles": {"o_proj": {"bm": 32}}})
+    r = _engine(model).runner
+    assert r.skinny_gemm == frozenset() and r.skinny_impl == "swapab" and r.skinny_tiles == forward.SKINNY_TILES
+    assert r._pdl_default() == forward.PDL_DEFAULT and r.pdl == 0  # no GEMM as swapab: level 1 asked, 0 here
+    r.set_skinny_gemm(("o_proj",), "splitk")
+    assert r.skinny_impl == "splitk" and r.skinny_gemm == {"o_proj"} and r.skinny_tiles == {}
+    assert r._pdl_default() == forward.PDL_DEFAULT
+    r.set_skinny_gemm(True, None, {"gate_up": {"bw": 64}})  # impl None: the default, swapab
+    assert r.skinny_impl == "swapab" and r.skinny_tiles == {"gate_up": {"bw": 64}}
+    assert r._pdl_default() == forward.PDL_SWAPAB
+    r.set_pdl(None)
+    assert r.pdl == 0  # level 2 asked, PDL unsupported on a CPU
+    with pytest.raises(ValueError, match="skinny_impl"):
+        r.set_skinny_gemm(True, "mma")

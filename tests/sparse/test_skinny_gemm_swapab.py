@@ -1,0 +1,69 @@
+"""`swapab_linear` (yᵀ = W xᵀ, split-K in one launch, the last program of a tile reducing) and
+`ops.skinny_linear(impl="swapab")` against F.linear's arithmetic under TRITON_INTERPRET=1: odd sizes, 1-64 rows
+(the batch padded to 16 / 32 / 64), one split and many, fp32 and bf16, strided x rows, the counters left at zero
+(so a second call, or a CUDA-graph replay, needs no reset), PDL asked for (it resolves off here)."""
+
+import pytest
+import torch
+
+from sparse_rl.sparse import ops
+from sparse_rl.sparse.ops.skinny_gemm.naive import skinny_linear_naive
+from sparse_rl.sparse.ops.skinny_gemm.swapab import plan, swapab_linear
+from sparse_rl.sparse.ops.skinny_gemm.triton import counters
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 37, 50), (3, 100, 200), (17, 80, 300), (32, 64, 16), (45, 19, 77)])
+def test_swapab_linear_equals_reference(M, N, K):
+    g = torch.Generator().manual_seed(M + N + K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    cnt = counters(N, "cpu")
+    bx, _, _, split, ks = plan(M, N, K, 16, 16, 3 * -(-N // 16))
+    assert bx == max(16, 1 << (M - 1).bit_length()) and (split > 1) == (K > 16)  # K = 16: one slice, written directly
+    assert (split - 1) * ks < K <= split * ks  # every slice holds some of K
+    for _ in range(2):  # the same counters twice: the first call left them at zero
+        torch.testing.assert_close(swapab_linear(x, w, cnt), skinny_linear_naive(x, w), atol=1e-4, rtol=1e-5)
+        assert int(cnt.abs().sum()) == 0
+    xb, wb = x.bfloat16(), w.bfloat16()
+    torch.testing.assert_close(swapab_linear(xb, wb).float(), skinny_linear_naive(xb, wb).float(), atol=0.3, rtol=1e-2)
+
+
+def test_swapab_strided_rows_and_pdl_request():
+    """x rows with a stride above K (a column slice of a wider tensor), through the ops entry, PDL asked for:
+    the result is the reference's, and the interpreter runs it without PDL."""
+    g = torch.Generator().manual_seed(3)
+    wide, w = torch.randn(5, 90, generator=g), torch.randn(70, 61, generator=g)
+    x = wide[:, 7:68]
+    assert x.stride(0) == 90
+    cnt = counters(70, "cpu")
+    got = ops.skinny_linear(x, w, cnt, impl="swapab", pdl=1)
+    torch.testing.assert_close(got, skinny_linear_naive(x, w), atol=1e-4, rtol=1e-5)
+    assert int(cnt.abs().sum()) == 0
+
+
+def test_skinny_linear_impls_agree_and_fall_back():
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(9, 40, generator=g), torch.randn(33, 40, generator=g)
+    a = ops.skinny_linear(x, w, impl="splitk")
+    b = ops.skinny_linear(x, w, impl="swapab")
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
+    x65 = torch.randn(65, 40, generator=g)  # more rows than the kernel takes: the reference runs
+    torch.testing.assert_close(ops.skinny_linear(x65, w, impl="swapab"), skinny_linear_naive(x65, w))
+    with pytest.raises(ValueError, match="impl"):
+        ops.skinny_linear(x, w, impl="cublas")
+
+
+def test_swapab_rejects_what_it_cannot_run():
+    with pytest.raises(ValueError, match="M <= 64"):
+        swapab_linear(torch.randn(65, 8), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="counters"):
+        swapab_linear(torch.randn(2, 8), torch.randn(64, 8), torch.zeros(1, dtype=torch.int32))
+
+
+def test_plan_fills_one_wave_at_most():
+    """The device tiles: o_proj / down / q/k/v of Qwen3-4B at 128-row weight tiles split into at most 264
+    programs (two an SM); gate/up (152 tiles) is not split; 128-wide K steps halve the programs."""
+    for N, K in ((2560, 4096), (2560, 9728), (6528, 2560)):
+        bx, bw, bk, split, ks = plan(32, N, K)
+        assert bx == 32 and 200 < -(-N // bw) * split <= 264 and split > 1 and (split - 1) * ks < K <= split * ks
+    assert plan(1, 19456, 2560)[3] == 1
+    assert plan(32, 2560, 4096, 128, 128, 132)[3:] == (6, 768)
