@@ -3,8 +3,9 @@
 Paths. Forward: "query" (one program per (query, KV head), `triton._fwd_kernel`), "tile" (GQA-packed
 query tiles over the union of their selections, `union.tile_fwd`) or, for shared rows only, "block" (the
 tiles over contiguous key tiles, full ones unmasked, `blocks.block_fwd`; its dq pass likewise).
-Backward: "atomic" (the per-query kernel: dq stored, dk/dv by fp32 atomics) or "tile" (dq from a
-query-major pass, per tile, per query or per key tile, and dk/dv from the key-major pass, no atomics).
+Backward: "atomic" (the per-query kernel: dq stored, dk/dv by fp32 atomics), "tile" (dq from a
+query-major pass, per tile, per query or per key tile, and dk/dv from the key-major pass, no atomics) or
+"keyq" (dq as "tile"; dk/dv key-major over each key tile's compacted query list, keyq.py; never `auto`).
 
 `auto` estimates each path's time from a sample of query tiles (at most SAMPLE_TILES tiles' bitmaps:
 ~1/30 of a union build at 32K) and a per-unit cost of each kernel: a few numbers, below, measured on
@@ -34,7 +35,7 @@ NS_BUILD = 0.020  # per selected (query, key), once (not per KV head): the union
 KEY_TILE = 64  # keys per touched tile in the estimate: the default dk/dv launch's BLOCK_N
 SAMPLE_TILES = 32
 FWD_PATHS = ("auto", "query", "tile", "block")  # "block": shared selections only (blocks.py)
-BWD_PATHS = ("auto", "atomic", "tile")
+BWD_PATHS = ("auto", "atomic", "tile", "keyq")  # "keyq": opt-in until timed (keyq.py, session 12)
 
 
 @dataclass
@@ -91,7 +92,7 @@ def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", b
         # nothing to estimate, too few queries to share keys, or the interpreter (the simple paths)
         f = "query" if fwd == "auto" else fwd
         b = "atomic" if bwd == "auto" else bwd
-        return Plan(f, b, f if b == "tile" else "query", {})
+        return Plan(f, b, f if b in ("tile", "keyq") else "query", {})
     pairs, ukeys, touched = sample_stats(indices, S, BT)
     nt = -(-T // BT) * indices.shape[0]
     est = {"query_fwd": pairs * nt * H_kv * NS_QUERY_FWD * 1e-6,
