@@ -87,3 +87,24 @@ def test_key_query_lists_are_the_transposed_selection(BN):
             assert got_m == want_m
             n += len(want_q)
     assert int(off[-1]) == n
+
+
+def test_auto_takes_keyq_on_scattered_runs_and_keeps_keymajor_on_blocks():
+    """paths.plan: per-query rows of scattered 16-key runs (few of a 32-query tile's queries in each touched key
+    tile, as the trained indexer's) -> dk/dv from the query lists; 64-query blocks sharing their keys (every
+    query of a touched tile selects the whole tile) -> the key-major pass (keyq's estimate is not below
+    KEYQ_MARGIN of it)."""
+    from sparse_rl.sparse.ops.sparse_attention import paths
+
+    T = 2048
+    t = torch.arange(T)[None, :, None]
+    starts = (torch.rand(1, T, 8, generator=torch.Generator().manual_seed(0)) * t).long()
+    runs = (starts[..., None] + torch.arange(16)).flatten(2)
+    runs = torch.where(runs <= t, runs, -1).to(torch.int32)
+    p = paths.plan(runs, T, 8, 32, is_cuda=True)
+    assert (p.bwd, p.dq) == ("keyq", "tile")
+    assert p.estimate_ms["keyq_dkdv"] < paths.KEYQ_MARGIN * p.estimate_ms["keymajor_dkdv"]
+    block = (t[0] // 64) * 64 - torch.arange(64)[None]
+    block = torch.where(block >= 0, block, -1)[None, :512].to(torch.int32)
+    assert paths.plan(block, 512, 8, 32, is_cuda=True).bwd == "tile"
+    assert paths.plan(runs, T, 8, 32, bwd="keyq", is_cuda=False).bwd == "keyq"  # explicit: taken as asked

@@ -20,7 +20,8 @@ The lists (`key_query_lists`), three small kernels and one host sync (the list's
 2. count: per key tile the number of nonzero words, a device cumsum -> CSR offsets (the sync: the sum);
 3. compact: per key tile the query ids and their masks, ascending.
 Cost model (per KV head): one chunk of BQ queries costs about one touched pair of keymajor.py's "dt"
-form at the same (BN, rows); the chunks are sum_j ceil(n_j / BQ) with n_j the queries of tile j.
+form at the same (BN, rows) (measured: 26.4 ns a 128-row chunk at (64, 128, 8, 3) vs 27.9 ns a touched pair of
+"dt" (64, 8, 2), session 12); the chunks are sum_j ceil(n_j / BQ) with n_j the queries of tile j.
 """
 
 from __future__ import annotations
@@ -171,9 +172,10 @@ def _kq_dkdv_kernel(Q, K, V, DO, LSE, DELTA, OFF, LIST, MSK, DK, DV,
 
 
 def default_tune(cuda: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, rows, num_warps, num_stages): not measured yet (session 12's device call times the choices);
-    (64, 128, 8, 2) is keymajor.py's best "dt" launch for 128-row tiles."""
-    return (64, 128, 8, 2) if cuda else (32, 64, 4, 1)
+    """(BLOCK_N, rows, num_warps, num_stages). H200, 32K, trained-indexer rows, G 4, the kernel alone on prebuilt
+    lists (session 12 call 1, NOTES.md; keymajor "dt" (64, 8, 2) 30.16 ms in the same run): (64, 128, 8, 3) 15.44 ms,
+    (32, 64, 4, 2) 16.47, (64, 128, 8, 2) 16.79, (32, 128, 8, 3) 18.98, (32, 128, 8, 2) 21.13, (16, 128, 8, 2) 30.76."""
+    return (64, 128, 8, 3) if cuda else (32, 64, 4, 1)
 
 
 def keyq_dkdv(q, k, v, indices, do, lse, delta, scale: float, prec: int, tune: tuple | None = None, lists=None):

@@ -5,7 +5,8 @@ query tiles over the union of their selections, `union.tile_fwd`) or, for shared
 tiles over contiguous key tiles, full ones unmasked, `blocks.block_fwd`; its dq pass likewise).
 Backward: "atomic" (the per-query kernel: dq stored, dk/dv by fp32 atomics), "tile" (dq from a
 query-major pass, per tile, per query or per key tile, and dk/dv from the key-major pass, no atomics) or
-"keyq" (dq as "tile"; dk/dv key-major over each key tile's compacted query list, keyq.py; never `auto`).
+"keyq" (dq as "tile"; dk/dv key-major over each key tile's compacted query list, keyq.py; `auto` takes it
+for per-query rows when its estimate beats the key-major pass's: session 12, trained rows 38.3 vs 50.4 ms fwd+bwd).
 
 `auto` estimates each path's time from a sample of query tiles (at most SAMPLE_TILES tiles' bitmaps:
 ~1/30 of a union build at 32K) and a per-unit cost of each kernel: a few numbers, below, measured on
@@ -32,10 +33,20 @@ NS_KEYMAJOR = 30.2  # per (key tile of KEY_TILE, query tile) touched: key-major 
 # 128-row tiles, (64, 8, 2, "dt") (32.6 ms over 135 K touched pairs; at (32, 8, 2, "dt") 21.1 ns per 32-key pair,
 # 38.3 ms; session 4's "rows" form 25 ns per 32-key pair)
 NS_BUILD = 0.020  # per selected (query, key), once (not per KV head): the union build (1.32 ms)
+# session 12 call 1 (NOTES.md, results/2026-12-02-h200-bwd12-session12.md; 32K trained rows, same run as each other):
+# keymajor "dt" (64, 8, 2) 30.16 ms over 135 K touched pairs = 27.9 ns (NS_KEYMAJOR kept: session 9's, lists included)
+NS_KEYQ = 26.4  # per 128-row chunk of a key tile's query list (KEYQ_TILE keys) and KV head: keyq.py at (64, 128, 8, 3)
+# (15.44 ms over 2.33 M (64-key tile, query) pairs = 73 K chunks x 8 KV heads)
+NS_KEYQ_LISTS = 0.017  # per selected (query, key), once: keyq's query lists (1.10 ms at 65 M pairs)
+KEYQ_TILE = 64  # keys per tile of keyq's default launch
+KEYQ_MARGIN = 0.85  # `auto` takes keyq when its dk/dv estimate is below this share of the key-major pass's: on
+# per-query block rows (128-key blocks) the estimate said 7.6 vs 8.7 ms but fwd+bwd measured 18.98 vs 18.68 ms
+# (keyq 1.6% slower); trained rows 16.6 vs 31.7 estimated, 38.3 vs 50.4 fwd+bwd measured; local+spans+noise 50.3
+# vs 64.7 estimated, 112.6 vs 119.2 measured (session 12 call 1)
 KEY_TILE = 64  # keys per touched tile in the estimate: the default dk/dv launch's BLOCK_N
 SAMPLE_TILES = 32
 FWD_PATHS = ("auto", "query", "tile", "block")  # "block": shared selections only (blocks.py)
-BWD_PATHS = ("auto", "atomic", "tile", "keyq")  # "keyq": opt-in until timed (keyq.py, session 12)
+BWD_PATHS = ("auto", "atomic", "tile", "keyq")  # "keyq": keyq.py (session 12)
 
 
 @dataclass
@@ -51,9 +62,11 @@ def _popcount_sum(bits: torch.Tensor) -> int:
     return int(table[bits.contiguous().view(torch.uint8).long()].sum())
 
 
-def sample_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE) -> tuple[float, float, float]:
-    """From SAMPLE_TILES evenly spread tiles: (selected pairs, union keys, touched key tiles), each per
-    tile and averaged (one small bitmap build and one host sync)."""
+def sample_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE,
+                 BNQ: int = KEYQ_TILE) -> tuple[float, float, float, float]:
+    """From SAMPLE_TILES evenly spread tiles: (selected pairs, union keys, touched key tiles of BN keys,
+    (query, key tile of BNQ keys) pairs), each per tile and averaged (one small bitmap build and one
+    host sync)."""
     from sparse_rl.sparse.ops.sparse_attention.union import _bitmap
 
     B, T, K = indices.shape
@@ -66,7 +79,11 @@ def sample_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE) -> 
     n = bits.shape[0] * bits.shape[1]
     pairs = float(((sub >= 0) & (sub < S)).sum()) / n
     touched = float(bits.view(bits.shape[0], bits.shape[1], -1, BN // 32).ne(0).any(-1).sum()) / n
-    return pairs, _popcount_sum(bits) / n, touched
+    kt = torch.where((sub >= 0) & (sub < S), sub // BNQ, -1).sort(-1).values  # a row's key tiles, ascending
+    first = torch.ones_like(kt, dtype=torch.bool)
+    first[..., 1:] = kt[..., 1:] != kt[..., :-1]
+    kq = float((first & (kt >= 0)).sum()) / n
+    return pairs, _popcount_sum(bits) / n, touched, kq
 
 
 BLOCK_MIN_KEY_BLOCK = 16  # shared rows of whole key blocks >= this take the block path (blocks.py) under `auto`:
@@ -93,16 +110,21 @@ def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", b
         f = "query" if fwd == "auto" else fwd
         b = "atomic" if bwd == "auto" else bwd
         return Plan(f, b, f if b in ("tile", "keyq") else "query", {})
-    pairs, ukeys, touched = sample_stats(indices, S, BT)
+    pairs, ukeys, touched, kq = sample_stats(indices, S, BT)
     nt = -(-T // BT) * indices.shape[0]
+    # keyq's chunks: its query lists in steps of ~BT queries (128 rows), a partial last chunk per key tile
+    chunks = kq * nt / BT + indices.shape[0] * -(-S // KEYQ_TILE) / 2
     est = {"query_fwd": pairs * nt * H_kv * NS_QUERY_FWD * 1e-6,
            "tile_fwd": (ukeys * nt * H_kv * NS_TILE_FWD + pairs * nt * NS_BUILD) * 1e-6,
            "atomic_bwd": pairs * nt * H_kv * NS_QUERY_BWD * 1e-6,
            "query_dq": pairs * nt * H_kv * NS_QUERY_DQ * 1e-6,
            "tile_dq": ukeys * nt * H_kv * NS_TILE_DQ * 1e-6,
-           "keymajor_dkdv": (touched * nt * H_kv * NS_KEYMAJOR + pairs * nt * NS_BUILD) * 1e-6}
+           "keymajor_dkdv": (touched * nt * H_kv * NS_KEYMAJOR + pairs * nt * NS_BUILD) * 1e-6,
+           "keyq_dkdv": (chunks * H_kv * NS_KEYQ + pairs * nt * NS_KEYQ_LISTS) * 1e-6}
     f = fwd if fwd != "auto" else ("tile" if est["tile_fwd"] < est["query_fwd"] else "query")
     dq = "tile" if est["tile_dq"] < est["query_dq"] else "query"
     if bwd == "auto":
-        bwd = "tile" if est[f"{dq}_dq"] + est["keymajor_dkdv"] < est["atomic_bwd"] else "atomic"
+        dkdv = "keyq" if est["keyq_dkdv"] < KEYQ_MARGIN * est["keymajor_dkdv"] else "tile"
+        bwd = dkdv if est[f"{dq}_dq"] + est[f"{'keyq' if dkdv == 'keyq' else 'keymajor'}_dkdv"] < est["atomic_bwd"] \
+            else "atomic"
     return Plan(f, bwd, dq, est)
