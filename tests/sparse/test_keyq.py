@@ -108,3 +108,25 @@ def test_auto_takes_keyq_on_scattered_runs_and_keeps_keymajor_on_blocks():
     block = torch.where(block >= 0, block, -1)[None, :512].to(torch.int32)
     assert paths.plan(block, 512, 8, 32, is_cuda=True).bwd == "tile"
     assert paths.plan(runs, T, 8, 32, bwd="keyq", is_cuda=False).bwd == "keyq"  # explicit: taken as asked
+
+
+def test_sample_stats_count_what_they_say_on_a_partial_last_tile():
+    """paths.sample_stats on every tile (NT <= SAMPLE_TILES), T not a multiple of the tile: per tile averages of the
+    selected pairs, union keys, touched 64-key tiles and (query, 64-key tile) pairs, counted here directly."""
+    from sparse_rl.sparse.ops.sparse_attention import paths
+
+    B, T, S, K, BT = 2, 37, 150, 9, 16
+    idx = _random_rows(B, T, S, K, 5)
+    got = paths.sample_stats(idx, S, BT)
+    NT = -(-T // BT)
+    pairs = ukeys = touched = kq = 0
+    for b in range(B):
+        for tile in range(NT):
+            rows = [[int(s) for s in idx[b, t] if 0 <= s < S] for t in range(tile * BT, min(T, tile * BT + BT))]
+            pairs += sum(len(r) for r in rows)
+            keys = {s for r in rows for s in r}
+            ukeys += len(keys)
+            touched += len({s // 64 for s in keys})
+            kq += sum(len({s // 64 for s in r}) for r in rows)
+    want = [x / (B * NT) for x in (pairs, ukeys, touched, kq)]
+    assert got == pytest.approx(want)

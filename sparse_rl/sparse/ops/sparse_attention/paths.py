@@ -57,33 +57,44 @@ class Plan:
     estimate_ms: dict
 
 
-def _popcount_sum(bits: torch.Tensor) -> int:
-    table = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int32, device=bits.device)
-    return int(table[bits.contiguous().view(torch.uint8).long()].sum())
+_POPC = {}  # device -> the byte popcount table (built once: a pageable host copy waits for the stream)
+
+
+def _popcount_sum(bits: torch.Tensor) -> torch.Tensor:
+    """Set bits of `bits`, a 0-d tensor on its device (no host sync)."""
+    table = _POPC.get(bits.device)
+    if table is None:
+        table = _POPC[bits.device] = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64,
+                                                  device=bits.device)
+    return table[bits.contiguous().view(torch.uint8).long()].sum()
 
 
 def sample_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE,
                  BNQ: int = KEYQ_TILE) -> tuple[float, float, float, float]:
     """From SAMPLE_TILES evenly spread tiles: (selected pairs, union keys, touched key tiles of BN keys,
     (query, key tile of BNQ keys) pairs), each per tile and averaged (one small bitmap build and one
-    host sync)."""
+    host sync, the four sums read together. Session 12 call 2 measured `auto` ~1.5 ms slower than the path it
+    picks, forced (32K fwd+bwd, trained and block rows), when this took 6 syncs: one per sum, `unique`, a boolean
+    index, and a host copy of the popcount table every call; the one-sync form is not timed yet)."""
     from sparse_rl.sparse.ops.sparse_attention.union import _bitmap
 
     B, T, K = indices.shape
     NT = -(-T // BT)
-    tiles = torch.linspace(0, NT - 1, min(NT, SAMPLE_TILES), device=indices.device).round().long().unique()
+    # distinct without `unique` (min(NT, SAMPLE_TILES) points over NT - 1 are >= 1 apart); rows past T read as -1
+    # instead of being dropped by a boolean index: both were host syncs
+    tiles = torch.linspace(0, NT - 1, min(NT, SAMPLE_TILES), device=indices.device).round().long()
     rows = (tiles[:, None] * BT + torch.arange(BT, device=indices.device)).flatten()
-    rows = rows[rows < T]
-    sub = indices[:, rows]
+    sub = torch.where((rows < T)[None, :, None], indices[:, rows.clamp(max=T - 1)], -1)
     bits = _bitmap(sub, S, BT)
     n = bits.shape[0] * bits.shape[1]
-    pairs = float(((sub >= 0) & (sub < S)).sum()) / n
-    touched = float(bits.view(bits.shape[0], bits.shape[1], -1, BN // 32).ne(0).any(-1).sum()) / n
+    pairs = ((sub >= 0) & (sub < S)).sum()
+    touched = bits.view(bits.shape[0], bits.shape[1], -1, BN // 32).ne(0).any(-1).sum()
     kt = torch.where((sub >= 0) & (sub < S), sub // BNQ, -1).sort(-1).values  # a row's key tiles, ascending
     first = torch.ones_like(kt, dtype=torch.bool)
     first[..., 1:] = kt[..., 1:] != kt[..., :-1]
-    kq = float((first & (kt >= 0)).sum()) / n
-    return pairs, _popcount_sum(bits) / n, touched, kq
+    kq = (first & (kt >= 0)).sum()
+    p, u, t, q = (x / n for x in torch.stack([pairs, _popcount_sum(bits), touched, kq]).tolist())
+    return p, u, t, q
 
 
 BLOCK_MIN_KEY_BLOCK = 16  # shared rows of whole key blocks >= this take the block path (blocks.py) under `auto`:
