@@ -13,6 +13,11 @@ dimension holds only queries that selected something in the tile. dk/dv are writ
 FSA (flash sparse attention) inverts NSA's loop the same way with a per-key-block query index; the
 mask inside a (key tile, query) pair is per token here.
 
+Measured (H200, 32K, trained-indexer token rows, session 12, NOTES.md): dk/dv 15.4 ms vs the key-major pass's 30.2
+(74 K 128-row chunks vs 135 K touched pairs; still ~2.3x masked work: 27 of a pair's 64 keys selected), fwd+bwd
+36.9 ms vs 50.4 = 1.51x dense cuDNN; per-query block rows (whole touched tiles) no gain, so `auto` (paths.py)
+takes this path only where its estimate is clearly lower.
+
 The lists (`key_query_lists`), three small kernels and one host sync (the list's total length):
 1. bits: `[B, NKT, T]` words (int32 for BN <= 32, int64 for BN 64), word (j, t) = the BN-bit mask of
    the keys of tile j that query t selected (atomic OR per selected pair, no contention: one query's
