@@ -3,8 +3,10 @@
 Paths. Forward: "query" (one program per (query, KV head), `triton._fwd_kernel`), "tile" (GQA-packed
 query tiles over the union of their selections, `union.tile_fwd`) or, for shared rows only, "block" (the
 tiles over contiguous key tiles, full ones unmasked, `blocks.block_fwd`; its dq pass likewise).
-Backward: "atomic" (the per-query kernel: dq stored, dk/dv by fp32 atomics) or "tile" (dq from a
-query-major pass, per tile, per query or per key tile, and dk/dv from the key-major pass, no atomics).
+Backward: "atomic" (the per-query kernel: dq stored, dk/dv by fp32 atomics), "tile" (dq from a
+query-major pass, per tile, per query or per key tile, and dk/dv from the key-major pass, no atomics) or
+"keyq" (dq as "tile"; dk/dv key-major over each key tile's compacted query list, keyq.py; `auto` takes it
+for per-query rows when its estimate beats the key-major pass's: session 12, trained rows 38.3 vs 50.4 ms fwd+bwd).
 
 `auto` estimates each path's time from a sample of query tiles (at most SAMPLE_TILES tiles' bitmaps:
 ~1/30 of a union build at 32K; `stats="full"`: every tile's bitmap and |U| with one host sync, which the
@@ -35,10 +37,20 @@ NS_KEYMAJOR = 30.2  # per (key tile of KEY_TILE, query tile) touched: key-major 
 # 128-row tiles, (64, 8, 2, "dt") (32.6 ms over 135 K touched pairs; at (32, 8, 2, "dt") 21.1 ns per 32-key pair,
 # 38.3 ms; session 4's "rows" form 25 ns per 32-key pair)
 NS_BUILD = 0.020  # per selected (query, key), once (not per KV head): the union build (1.32 ms)
+# session 12 call 1 (NOTES.md, results/2026-12-02-h200-bwd12-session12.md; 32K trained rows, same run as each other):
+# keymajor "dt" (64, 8, 2) 30.16 ms over 135 K touched pairs = 27.9 ns (NS_KEYMAJOR kept: session 9's, lists included)
+NS_KEYQ = 26.4  # per 128-row chunk of a key tile's query list (KEYQ_TILE keys) and KV head: keyq.py at (64, 128, 8, 3)
+# (15.44 ms over 2.33 M (64-key tile, query) pairs = 73 K chunks x 8 KV heads)
+NS_KEYQ_LISTS = 0.017  # per selected (query, key), once: keyq's query lists (1.10 ms at 65 M pairs)
+KEYQ_TILE = 64  # keys per tile of keyq's default launch
+KEYQ_MARGIN = 0.85  # `auto` takes keyq when its dk/dv estimate is below this share of the key-major pass's: on
+# per-query block rows (128-key blocks) the estimate said 7.6 vs 8.7 ms but fwd+bwd measured 18.98 vs 18.68 ms
+# (keyq 1.6% slower); trained rows 16.6 vs 31.7 estimated, 38.3 vs 50.4 fwd+bwd measured; local+spans+noise 50.3
+# vs 64.7 estimated, 112.6 vs 119.2 measured (session 12 call 1)
 KEY_TILE = 64  # keys per touched tile in the estimate: the default dk/dv launch's BLOCK_N
 SAMPLE_TILES = 32
 FWD_PATHS = ("auto", "query", "tile", "block")  # "block": shared selections only (blocks.py)
-BWD_PATHS = ("auto", "atomic", "tile")
+BWD_PATHS = ("auto", "atomic", "tile", "keyq")  # "keyq": keyq.py (session 12)
 
 
 @dataclass
@@ -51,36 +63,53 @@ class Plan:
     bt: int = 0  # the forward's query tile (0: the caller's BT); stats="full" with small_tiles may halve it
 
 
-def _popcount_sum(bits: torch.Tensor) -> int:
-    table = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int32, device=bits.device)
-    return int(table[bits.contiguous().view(torch.uint8).long()].sum())
+_POPC = {}  # device -> the byte popcount table (built once: a pageable host copy waits for the stream)
 
 
-def sample_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE) -> tuple[float, float, float]:
-    """From SAMPLE_TILES evenly spread tiles: (selected pairs, union keys, touched key tiles), each per
-    tile and averaged (one small bitmap build and one host sync)."""
+def _popcount_sum(bits: torch.Tensor) -> torch.Tensor:
+    """Set bits of `bits`, a 0-d tensor on its device (no host sync)."""
+    table = _POPC.get(bits.device)
+    if table is None:
+        table = _POPC[bits.device] = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64,
+                                                  device=bits.device)
+    return table[bits.contiguous().view(torch.uint8).long()].sum()
+
+
+def sample_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE,
+                 BNQ: int = KEYQ_TILE) -> tuple[float, float, float, float]:
+    """From SAMPLE_TILES evenly spread tiles: (selected pairs, union keys, touched key tiles of BN keys,
+    (query, key tile of BNQ keys) pairs), each per tile and averaged (one small bitmap build and one
+    host sync, the four sums read together. Session 12 call 2 measured `auto` ~1.5 ms slower than the path it
+    picks, forced (32K fwd+bwd, trained and block rows), when this took 6 syncs: one per sum, `unique`, a boolean
+    index, and a host copy of the popcount table every call; the one-sync form is not timed yet)."""
     from sparse_rl.sparse.ops.sparse_attention.union import _bitmap
 
     B, T, K = indices.shape
     NT = -(-T // BT)
-    tiles = torch.linspace(0, NT - 1, min(NT, SAMPLE_TILES), device=indices.device).round().long().unique()
+    # distinct without `unique` (min(NT, SAMPLE_TILES) points over NT - 1 are >= 1 apart); rows past T read as -1
+    # instead of being dropped by a boolean index: both were host syncs
+    tiles = torch.linspace(0, NT - 1, min(NT, SAMPLE_TILES), device=indices.device).round().long()
     rows = (tiles[:, None] * BT + torch.arange(BT, device=indices.device)).flatten()
-    rows = rows[rows < T]
-    sub = indices[:, rows]
+    sub = torch.where((rows < T)[None, :, None], indices[:, rows.clamp(max=T - 1)], -1)
     bits = _bitmap(sub, S, BT)
     n = bits.shape[0] * bits.shape[1]
-    pairs = float(((sub >= 0) & (sub < S)).sum()) / n
-    touched = float(bits.view(bits.shape[0], bits.shape[1], -1, BN // 32).ne(0).any(-1).sum()) / n
-    return pairs, _popcount_sum(bits) / n, touched
+    pairs = ((sub >= 0) & (sub < S)).sum()
+    touched = bits.view(bits.shape[0], bits.shape[1], -1, BN // 32).ne(0).any(-1).sum()
+    kt = torch.where((sub >= 0) & (sub < S), sub // BNQ, -1).sort(-1).values  # a row's key tiles, ascending
+    first = torch.ones_like(kt, dtype=torch.bool)
+    first[..., 1:] = kt[..., 1:] != kt[..., :-1]
+    kq = (first & (kt >= 0)).sum()
+    p, u, t, q = (x / n for x in torch.stack([pairs, _popcount_sum(bits), touched, kq]).tolist())
+    return p, u, t, q
 
 
 PAIR_ROWS = 1024  # stats="full": rows (evenly strided, a view) that the selected pairs per tile are counted on
 
 
-def full_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE, half: bool = False):
+def full_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE, half: bool = False, BNQ: int = KEYQ_TILE):
     """Every tile's bitmap and |U| (the first two steps of a union build, which `build_union` then skips),
-    and from them (selected pairs, union keys, touched key tiles) per tile averaged, with ONE host sync:
-    -> ((pairs, ukeys, touched), (bits, ulen, umax)). Why not a sample: the sample's bitmap runs on
+    and from them (selected pairs, union keys, touched key tiles, (query, BNQ-key tile) pairs for keyq) per tile
+    averaged, with ONE host sync: -> ((pairs, ukeys, touched, kq), (bits, ulen, umax)). Why not a sample: the sample's bitmap runs on
     SAMPLE_TILES programs, each looping over BT*K atomics, so it is latency bound (~1.9 ms of `auto`
     over union build + tile kernel at 32K on the H200, session 12's measurement of 4eda7e8), and the
     tile path builds the full bitmap anyway. Pairs come from a strided view of PAIR_ROWS rows.
@@ -102,13 +131,18 @@ def full_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE, half:
     sub = indices[:, ::step]
     pairs = ((sub >= 0) & (sub < S)).sum(dtype=torch.float64) * (T / sub.shape[1]) / n
     touched = bits.view(bits.shape[0], bits.shape[1], -1, BN // 32).ne(0).any(-1).sum(dtype=torch.float64) / n
-    parts = [pairs, ulen.sum(dtype=torch.float64) / n, touched, ulen.max().to(torch.float64)]
+    # keyq's (query, key tile of BNQ keys) pairs, from the same strided rows as the pairs
+    kt = torch.where((sub >= 0) & (sub < S), sub // BNQ, -1).sort(-1).values
+    first = torch.ones_like(kt, dtype=torch.bool)
+    first[..., 1:] = kt[..., 1:] != kt[..., :-1]
+    kq = (first & (kt >= 0)).sum(dtype=torch.float64) * (T / sub.shape[1]) / n
+    parts = [pairs, ulen.sum(dtype=torch.float64) / n, touched, kq, ulen.max().to(torch.float64)]
     if half:
         parts += [ulen_h.sum(dtype=torch.float64) / ulen_h.numel(), ulen_h.max().to(torch.float64)]
     vals = torch.stack(parts).tolist()  # the one host sync
-    out = (vals[0], vals[1], vals[2]), (bits, ulen, max(1, int(vals[3])))
+    out = (vals[0], vals[1], vals[2], vals[3]), (bits, ulen, max(1, int(vals[4])))
     if half:
-        return (*out, (vals[4], (bits_h, ulen_h, max(1, int(vals[5])))))
+        return (*out, (vals[5], (bits_h, ulen_h, max(1, int(vals[6])))))
     return out
 
 
@@ -143,21 +177,24 @@ def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", b
         # nothing to estimate, too few queries to share keys, or the interpreter (the simple paths)
         f = "query" if fwd == "auto" else fwd
         b = "atomic" if bwd == "auto" else bwd
-        return Plan(f, b, f if b == "tile" else "query", {})
+        return Plan(f, b, f if b in ("tile", "keyq") else "query", {})
     prebuilt, half = None, None
     if stats == "full" and small_tiles and BT >= 16:
-        (pairs, ukeys, touched), prebuilt, half = full_stats(indices, S, BT, half=True)
+        (pairs, ukeys, touched, kq), prebuilt, half = full_stats(indices, S, BT, half=True)
     elif stats == "full":
-        (pairs, ukeys, touched), prebuilt = full_stats(indices, S, BT)
+        (pairs, ukeys, touched, kq), prebuilt = full_stats(indices, S, BT)
     else:
-        pairs, ukeys, touched = sample_stats(indices, S, BT)
+        pairs, ukeys, touched, kq = sample_stats(indices, S, BT)
     nt = -(-T // BT) * indices.shape[0]
+    # keyq's chunks: its query lists in steps of ~BT queries (128 rows), a partial last chunk per key tile
+    chunks = kq * nt / BT + indices.shape[0] * -(-S // KEYQ_TILE) / 2
     est = {"query_fwd": pairs * nt * H_kv * NS_QUERY_FWD * 1e-6,
            "tile_fwd": (ukeys * nt * H_kv * NS_TILE_FWD + pairs * nt * NS_BUILD) * 1e-6,
            "atomic_bwd": pairs * nt * H_kv * NS_QUERY_BWD * 1e-6,
            "query_dq": pairs * nt * H_kv * NS_QUERY_DQ * 1e-6,
            "tile_dq": ukeys * nt * H_kv * NS_TILE_DQ * 1e-6,
-           "keymajor_dkdv": (touched * nt * H_kv * NS_KEYMAJOR + pairs * nt * NS_BUILD) * 1e-6}
+           "keymajor_dkdv": (touched * nt * H_kv * NS_KEYMAJOR + pairs * nt * NS_BUILD) * 1e-6,
+           "keyq_dkdv": (chunks * H_kv * NS_KEYQ + pairs * nt * NS_KEYQ_LISTS) * 1e-6}
     bt = BT
     if half is not None:
         nt_h = -(-T // (BT // 2)) * indices.shape[0]
@@ -168,6 +205,8 @@ def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", b
     f = fwd if fwd != "auto" else ("tile" if est["tile_fwd"] < est["query_fwd"] else "query")
     dq = "tile" if est["tile_dq"] < est["query_dq"] else "query"
     if bwd == "auto":
-        bwd = "tile" if est[f"{dq}_dq"] + est["keymajor_dkdv"] < est["atomic_bwd"] else "atomic"
+        dkdv = "keyq" if est["keyq_dkdv"] < KEYQ_MARGIN * est["keymajor_dkdv"] else "tile"
+        bwd = dkdv if est[f"{dq}_dq"] + est[f"{'keyq' if dkdv == 'keyq' else 'keymajor'}_dkdv"] < est["atomic_bwd"] \
+            else "atomic"
     # (with small_tiles no backward follows; one that did would rebuild BT's tiles: triton._SparseAttention)
-    return Plan(f, bwd, dq, est, prebuilt if f == "tile" or bwd == "tile" else None, bt if f == "tile" else 0)
+    return Plan(f, bwd, dq, est, prebuilt if f == "tile" or bwd in ("tile", "keyq") else None, bt if f == "tile" else 0)

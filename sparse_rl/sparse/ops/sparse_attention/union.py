@@ -450,13 +450,17 @@ def _tile_dq_kernel(Q, K, V, UKEY, QMASK, ULEN, DO, LSE, DELTA, DQ,
              (dq * scale).to(DQ.dtype.element_ty), mask=rd)
 
 
-def dq_default_tune(BM: int, cuda: bool) -> tuple[int, int, int]:
+def dq_default_tune(BM: int, cuda: bool, shared: bool = True) -> tuple[int, int, int]:
     # query groups on the trained pattern, 32K, H200 (session 8, NOTES.md item 15): 64-row tiles (64, 4, 2)
     # 4.60 ms, (32, 4, 2) 4.97, (32, 4, 3) 5.70, (16, 4, 2) 6.89, (64, 8, 2) 10.4; 128-row tiles (64, 8, 2)
     # 4.77, (32, 4, 2) 4.81, (16, 4, 2) 6.23, (32, 8, 2) 7.22. Block pattern, 128 rows (run 1): (32, 4, 2) 4.5
+    # Per-query union tiles (128 rows, the trained indexer's token rows at 32K; session 12 call 2, NOTES.md): (128, 8, 2)
+    # 9.32 ms, (32, 4, 2) 9.75, (64, 8, 2) 10.18, (64, 8, 3) 10.43; shared rows not timed at (128, 8, 2): unchanged
     if not cuda:
         return (32, 4, 1)
-    return (64, 4, 2) if BM <= 64 else (64, 8, 2)
+    if BM <= 64:
+        return (64, 4, 2)
+    return (64, 8, 2) if shared else (128, 8, 2)
 
 
 def tile_dq(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int,
@@ -464,7 +468,7 @@ def tile_dq(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int
     """dq `[B, T, H, D]` (q.dtype) over tiles; lse/delta `[B, T, H]` fp32 with equal strides."""
     B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
     dq = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
-    BK, warps, stages = tune or dq_default_tune(BM, q.is_cuda)
+    BK, warps, stages = tune or dq_default_tune(BM, q.is_cuda, sel.shared)
     ulen = sel.ulen if sel.ulen is not None else sel.ukey
     qmask = sel.qmask if sel.qmask is not None else sel.ukey
     _tile_dq_kernel[(NT, k.shape[2], B)](

@@ -1,0 +1,208 @@
+"""The key-major dk/dv pass over each key tile's compacted QUERY list (token-level selections; issue 15).
+
+Why: the tile backward's key-major pass (keymajor.py) runs one MMA block of BN keys x 128 rows for every
+(key tile, 32-query tile) pair in which ANY query selected ANY of the tile's keys. On the trained
+indexer's 32K selection that is 135 K touched (64-key, 32-query) pairs, ~51% of a dense causal pass,
+with most of each block masked (NOTES.md item 17, the brief's numbers: 32.6 ms of a 45 ms backward).
+Here the transposed selection is kept per QUERY, not per query tile: for key tile j of BN keys, the
+ascending list of the queries that selected at least one of its keys, each with its BN-bit mask of
+which. One program per (key tile, KV head) gathers those queries' q / dO / lse / delta rows (G heads of
+one query are G consecutive rows, 32 / 16 queries per 128 / 64-row chunk) and runs the "dt" form of
+keymajor.py (dK^T += Q^T dS, dV^T += dO^T P: wgmma-shaped at any BN) on them, so the MMA's row
+dimension holds only queries that selected something in the tile. dk/dv are written once: no atomics.
+FSA (flash sparse attention) inverts NSA's loop the same way with a per-key-block query index; the
+mask inside a (key tile, query) pair is per token here.
+
+Measured (H200, 32K, trained-indexer token rows, session 12, NOTES.md): dk/dv 15.4 ms vs the key-major pass's 30.2
+(74 K 128-row chunks vs 135 K touched pairs; still ~2.3x masked work: 27 of a pair's 64 keys selected), fwd+bwd
+36.9 ms vs 50.4 = 1.51x dense cuDNN; per-query block rows (whole touched tiles) no gain, so `auto` (paths.py)
+takes this path only where its estimate is clearly lower.
+
+The lists (`key_query_lists`), three small kernels and one host sync (the list's total length):
+1. bits: `[B, NKT, T]` words (int32 for BN <= 32, int64 for BN 64), word (j, t) = the BN-bit mask of
+   the keys of tile j that query t selected (atomic OR per selected pair, no contention: one query's
+   pairs come from one program);
+2. count: per key tile the number of nonzero words, a device cumsum -> CSR offsets (the sync: the sum);
+3. compact: per key tile the query ids and their masks, ascending.
+Cost model (per KV head): one chunk of BQ queries costs about one touched pair of keymajor.py's "dt"
+form at the same (BN, rows) (measured: 26.4 ns a 128-row chunk at (64, 128, 8, 3) vs 27.9 ns a touched pair of
+"dt" (64, 8, 2), session 12); the chunks are sum_j ceil(n_j / BQ) with n_j the queries of tile j.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot
+from sparse_rl.sparse.ops.sparse_attention.union import LOG2E
+
+KEY_TILES = (16, 32, 64)
+
+
+@triton.jit
+def _kq_bits_kernel(IDX, M, T, NK, S, NKT, sib, sit, sik, BN: tl.constexpr, BQ: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """M[b, j, t] |= 1 << (s - j BN) for every selected key s of tile j; queries pid*BQ .. +BQ."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    for i in range(0, BQ):
+        t = pid * BQ + i
+        if t < T:
+            for k0 in range(0, NK, BLOCK_K):
+                offs = k0 + tl.arange(0, BLOCK_K)
+                idx = tl.load(IDX + b * sib + t * sit + offs * sik, mask=offs < NK, other=-1)
+                ok = (idx >= 0) & (idx < S)  # out-of-range keys are dropped like -1 (the reference's rule)
+                j = tl.where(ok, idx // BN, 0).to(tl.int64)
+                if BN == 64:
+                    one = tl.full([BLOCK_K], 1, tl.int64) << (idx % BN).to(tl.int64)
+                else:
+                    one = tl.full([BLOCK_K], 1, tl.int32) << (idx % BN)  # bit 31 wraps to the sign: fine
+                tl.atomic_or(M + (b * NKT + j) * T + t, one, mask=ok, sem="relaxed")
+
+
+@triton.jit
+def _kq_count_kernel(M, CNT, T, NKT, CH: tl.constexpr):
+    j = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    row = M + (b * NKT + j) * T
+    n = 0
+    for c0 in range(0, T, CH):
+        offs = c0 + tl.arange(0, CH)
+        w = tl.load(row + offs, mask=offs < T, other=0)
+        n += tl.sum((w != 0).to(tl.int32), 0)
+    tl.store(CNT + b * NKT + j, n)
+
+
+@triton.jit
+def _kq_compact_kernel(M, OFF, LIST, MSK, T, NKT, CH: tl.constexpr):
+    j = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    row = M + (b * NKT + j) * T
+    base = tl.load(OFF + b * NKT + j).to(tl.int64)
+    n = 0
+    for c0 in range(0, T, CH):
+        offs = c0 + tl.arange(0, CH)
+        w = tl.load(row + offs, mask=offs < T, other=0)
+        nz = w != 0
+        pos = base + n + tl.cumsum(nz.to(tl.int32), 0) - 1
+        tl.store(LIST + pos, offs, mask=nz)
+        tl.store(MSK + pos, w, mask=nz)
+        n += tl.sum(nz.to(tl.int32), 0)
+
+
+def key_query_lists(indices: torch.Tensor, S: int, BN: int):
+    """Per-query indices `[B, T, K]` -> the transposed selection per key tile of BN keys (16/32/64):
+    (offsets `[B * NKT + 1]` int32 CSR, queries `[nnz]` int32 ascending per key tile, masks `[nnz]`
+    int32 (BN <= 32) / int64 (BN 64): bit n = key j BN + n selected by that query). One host sync."""
+    if BN not in KEY_TILES:
+        raise ValueError(f"key_query_lists: BN {BN} (one of {KEY_TILES})")
+    B, T, K = indices.shape
+    dev = indices.device
+    NKT = triton.cdiv(S, BN)
+    wdt = torch.int64 if BN == 64 else torch.int32
+    m = torch.zeros(B, NKT, T, dtype=wdt, device=dev)
+    BQ, BK, CH = (16, 256, 1024) if indices.is_cuda else (4, 32, 32)
+    _kq_bits_kernel[(triton.cdiv(T, BQ), B)](indices, m, T, K, S, NKT, *indices.stride(), BN=BN, BQ=BQ, BLOCK_K=BK,
+                                             num_warps=4)
+    cnt = torch.empty(B * NKT, dtype=torch.int32, device=dev)
+    _kq_count_kernel[(NKT, B)](m, cnt, T, NKT, CH=CH, num_warps=4)
+    off = torch.zeros(B * NKT + 1, dtype=torch.int32, device=dev)
+    off[1:] = cnt.cumsum(0)
+    nnz = int(off[-1])
+    lst = torch.empty(max(nnz, 1), dtype=torch.int32, device=dev)
+    msk = torch.empty(max(nnz, 1), dtype=wdt, device=dev)
+    _kq_compact_kernel[(NKT, B)](m, off, lst, msk, T, NKT, CH=CH, num_warps=4)
+    return off, lst, msk
+
+
+@triton.jit
+def _kq_dkdv_kernel(Q, K, V, DO, LSE, DELTA, OFF, LIST, MSK, DK, DV,
+                    sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+                    sdob, sdot, sdoh, sdod, slb, slt, slh, sdkb, sdks, sdkh, sdkd,
+                    S, G, D, NKT, scale, qk_scale,
+                    BQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PREC: tl.constexpr):
+    """dk/dv of one (key tile j, KV head) over its listed queries, BQ queries (BQ G rows) a step.
+    dk^T / dv^T `[BLOCK_D, BLOCK_N]` in registers (keymajor.py's "dt" form), written once. The KV head is
+    the grid's fastest dimension, so the key tiles start in ascending order, longest lists first on a
+    causal selection: the sink tile's list holds every query (1,024 128-row chunks at 32K, ~7x the mean)
+    and starting it last would leave it running alone at the end."""
+    kvh = tl.program_id(0)
+    j = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < S
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    nd = nmask[:, None] & dmask[None, :]
+    kk = tl.load(K + b * skb + offs_n[:, None] * sks + kvh * skh + offs_d[None, :] * skd, mask=nd, other=0.0)
+    vv = tl.load(V + b * svb + offs_n[:, None] * svs + kvh * svh + offs_d[None, :] * svd, mask=nd, other=0.0)
+    dk = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
+    dv = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
+    r = tl.arange(0, BLOCK_M)
+    qi = r // G
+    heads = kvh * G + r % G
+    if BLOCK_N == 64:
+        nbit = tl.arange(0, BLOCK_N).to(tl.int64)
+    else:
+        nbit = tl.arange(0, BLOCK_N)
+    lo = tl.load(OFF + b * NKT + j)
+    hi = tl.load(OFF + b * NKT + j + 1)
+    for c in range(lo, hi, BQ):
+        e = c + qi
+        ok = (qi < BQ) & (e < hi)
+        t = tl.load(LIST + e, mask=ok, other=0).to(tl.int64)
+        w = tl.load(MSK + e, mask=ok, other=0)
+        rd = ok[:, None] & dmask[None, :]
+        q = tl.load(Q + b * sqb + t[:, None] * sqt + heads[:, None] * sqh + offs_d[None, :] * sqd, mask=rd, other=0.0)
+        do = tl.load(DO + b * sdob + t[:, None] * sdot + heads[:, None] * sdoh + offs_d[None, :] * sdod, mask=rd,
+                     other=0.0)
+        lse = tl.load(LSE + b * slb + t * slt + heads * slh, mask=ok, other=float("-inf"))
+        delta = tl.load(DELTA + b * slb + t * slt + heads * slh, mask=ok, other=0.0)
+        row_ok = (lse != float("-inf")) & ok
+        lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
+        sel = (((w[:, None] >> nbit[None, :]) & 1) == 1) & row_ok[:, None]  # [BLOCK_M, BLOCK_N]
+        s = dot(q, tl.trans(kk), PREC)
+        pm = tl.where(sel, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+        dp = dot(do, tl.trans(vv), PREC)
+        ds = pm * (dp - delta[:, None])
+        dv += dot(tl.trans(do), pm.to(do.dtype), PREC)  # [BLOCK_D, BLOCK_N]
+        dk += dot(tl.trans(q), ds.to(q.dtype), PREC)
+    base = b * sdkb + offs_n[None, :] * sdks + kvh * sdkh + offs_d[:, None] * sdkd
+    m = nmask[None, :] & dmask[:, None]
+    tl.store(DK + base, (dk * scale).to(DK.dtype.element_ty), mask=m)
+    tl.store(DV + base, dv.to(DV.dtype.element_ty), mask=m)
+
+
+def default_tune(cuda: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, rows, num_warps, num_stages). H200, 32K, trained-indexer rows, G 4, the kernel alone on prebuilt
+    lists (session 12 call 1, NOTES.md; keymajor "dt" (64, 8, 2) 30.16 ms in the same run): (64, 128, 8, 3) 15.44 ms,
+    (32, 64, 4, 2) 16.47, (64, 128, 8, 2) 16.79, (32, 128, 8, 3) 18.98, (32, 128, 8, 2) 21.13, (16, 128, 8, 2) 30.76."""
+    return (64, 128, 8, 3) if cuda else (32, 64, 4, 1)
+
+
+def keyq_dkdv(q, k, v, indices, do, lse, delta, scale: float, prec: int, tune: tuple | None = None, lists=None):
+    """dk, dv `[B, S, H_kv, D]` (k's dtype) of per-query `indices` `[B, T, K]` from the key tiles' query lists,
+    one write per element. q/do `[B, T, H, D]`, lse/delta `[B, T, H]` fp32 with equal strides.
+    `tune=(BLOCK_N, rows, num_warps, num_stages)`: BLOCK_N in 16/32/64, rows (BQ G rounded up to a power
+    of 2) 64 or 128; `lists`: a prebuilt `key_query_lists(indices, S, BLOCK_N)` (benchmarks)."""
+    B, T, H, D = q.shape
+    S, H_kv = k.shape[1], k.shape[2]
+    G = H // H_kv
+    BN, rows, warps, stages = tuple(tune or default_tune(q.is_cuda))
+    if BN not in KEY_TILES or rows not in (16, 32, 64, 128, 256):
+        raise ValueError(f"keyq_dkdv: BLOCK_N {BN} (one of {KEY_TILES}), rows {rows}")
+    BM = max(16, triton.next_power_of_2(G), rows)
+    BQ = max(1, BM // G)  # whole queries per chunk (G = 7, 128 rows: 18 queries, 126 live rows)
+    BD = max(16, triton.next_power_of_2(D))
+    off, lst, msk = lists if lists is not None else key_query_lists(indices, S, BN)
+    NKT = triton.cdiv(S, BN)
+    dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
+    dv = torch.empty_like(dk)
+    _kq_dkdv_kernel[(H_kv, NKT, B)](
+        q, k, v, do, lse, delta, off, lst, msk, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+        *lse.stride(), *dk.stride(), S, G, D, NKT, scale, scale * LOG2E,
+        BQ=BQ, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=prec, num_warps=warps, num_stages=stages)
+    return dk, dv

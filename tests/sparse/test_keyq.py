@@ -1,0 +1,132 @@
+"""dk/dv over each key tile's compacted query list (`bwd_path="keyq"`, ops/sparse_attention/keyq.py), through
+TRITON_INTERPRET=1 against the PyTorch reference: odd sizes, GQA 1/4/7, left padding (shared rows expanded),
+-1 holes and out-of-range keys, an empty row, an lse gradient; and the lists against a direct reading of the
+index rows."""
+
+import pytest
+import torch
+
+from sparse_rl.sparse.ops import shared_to_per_query
+from sparse_rl.sparse.ops.sparse_attention import keyq
+from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
+from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention
+
+from .test_kernels import shared_rows_case
+from .test_keymajor import _rel
+
+
+def _grads(q, k, v, rows, per, **kw):
+    g = torch.Generator().manual_seed(11)
+    go, gl = torch.randn(q.shape, generator=g), torch.randn(q.shape[:3], generator=g)
+    res = []
+    for fn in (lambda a, b, c: sparse_attention(a, b, c, rows, **kw), lambda a, b, c: sparse_attention_naive(a, b, c, per)):
+        qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
+        o, lse = fn(qs, ks, vs)
+        fin = torch.isfinite(lse)
+        ((o * go).sum() + (lse.masked_fill(~fin, 0) * gl.masked_fill(~fin, 0)).sum()).backward()
+        res.append((o, lse, qs.grad, ks.grad, vs.grad))
+    return res
+
+
+def _random_rows(B, T, S, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.rand(B, T, S, generator=g).argsort(-1)[..., :K].to(torch.int32)
+    idx[torch.rand(B, T, K, generator=g) < 0.3] = -1
+    idx[0, 5] = -1  # an empty row: lse -inf, no list entry
+    idx[-1, 3, 0] = S + 4  # out of range: dropped like -1, as the reference does
+    return idx
+
+
+@pytest.mark.parametrize("H,H_kv,T,S,tune,fwd", [
+    (8, 2, 40, 75, (32, 64, 4, 1), "tile"),  # G 4, 16 queries a chunk
+    (7, 1, 37, 70, (16, 128, 4, 1), "tile"),  # G 7: 18 queries a 128-row chunk, 126 live rows
+    (3, 3, 29, 66, (64, 16, 4, 1), "query"),  # G 1, 64-bit masks, dq from the per-query kernel
+    (8, 2, 33, 130, (64, 32, 4, 1), "tile"),  # BN 64 over 130 keys: a partial last key tile
+])
+def test_keyq_grads_match_reference(H, H_kv, T, S, tune, fwd):
+    g = torch.Generator().manual_seed(T)
+    B, D, K = 2, 16, 20
+    q, k, v = (torch.randn(B, n, h, D, generator=g) for n, h in ((T, H), (S, H_kv), (S, H_kv)))
+    idx = _random_rows(B, T, S, K, T)
+    got, ref = _grads(q, k, v, idx, idx, fwd_path=fwd, bwd_path="keyq", tune={"keyq": tune})
+    fin = torch.isfinite(ref[1])
+    torch.testing.assert_close(got[1][fin], ref[1][fin], atol=1e-5, rtol=1e-5)
+    for a, b in zip(got[:1] + got[2:], ref[:1] + ref[2:]):
+        assert _rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("H,H_kv,group,T,left", [(8, 2, 8, 27, 0), (7, 1, 16, 40, 5)])
+def test_keyq_on_shared_rows_with_left_padding(H, H_kv, group, T, left):
+    """Shared rows (q_offset 9, row 1 left-padded): "keyq" expands them to per-query rows, dq from the shared tiles."""
+    _, q, k, v, sh, q_off = shared_rows_case(H, H_kv, group, T, left)
+    per = shared_to_per_query(sh, group, T, q_off)
+    got, ref = _grads(q, k, v, sh, per, query_group=group, q_offset=q_off, bwd_path="keyq",
+                      tune={"keyq": (32, 32, 4, 1)})
+    for a, b in zip(got[:1] + got[2:], ref[:1] + ref[2:]):
+        assert _rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("BN", [16, 32, 64])
+def test_key_query_lists_are_the_transposed_selection(BN):
+    B, T, S, K = 2, 45, 140, 11
+    idx = _random_rows(B, T, S, K, BN)
+    off, lst, msk = keyq.key_query_lists(idx, S, BN)
+    NKT = -(-S // BN)
+    n = 0
+    for b in range(B):
+        for j in range(NKT):
+            want_q, want_m = [], []
+            for t in range(T):
+                keys = [int(s) for s in idx[b, t] if 0 <= s < S and s // BN == j]
+                if keys:
+                    want_q.append(t)
+                    want_m.append(sum(1 << (s - j * BN) for s in keys))
+            lo, hi = int(off[b * NKT + j]), int(off[b * NKT + j + 1])
+            assert lst[lo:hi].tolist() == want_q
+            got_m = [m & ((1 << BN) - 1) for m in msk[lo:hi].tolist()]  # int32 words hold bit 31 as the sign
+            assert got_m == want_m
+            n += len(want_q)
+    assert int(off[-1]) == n
+
+
+def test_auto_takes_keyq_on_scattered_runs_and_keeps_keymajor_on_blocks():
+    """paths.plan: per-query rows of scattered 16-key runs (few of a 32-query tile's queries in each touched key
+    tile, as the trained indexer's) -> dk/dv from the query lists; 64-query blocks sharing their keys (every
+    query of a touched tile selects the whole tile) -> the key-major pass (keyq's estimate is not below
+    KEYQ_MARGIN of it)."""
+    from sparse_rl.sparse.ops.sparse_attention import paths
+
+    T = 2048
+    t = torch.arange(T)[None, :, None]
+    starts = (torch.rand(1, T, 8, generator=torch.Generator().manual_seed(0)) * t).long()
+    runs = (starts[..., None] + torch.arange(16)).flatten(2)
+    runs = torch.where(runs <= t, runs, -1).to(torch.int32)
+    p = paths.plan(runs, T, 8, 32, is_cuda=True)
+    assert (p.bwd, p.dq) == ("keyq", "tile")
+    assert p.estimate_ms["keyq_dkdv"] < paths.KEYQ_MARGIN * p.estimate_ms["keymajor_dkdv"]
+    block = (t[0] // 64) * 64 - torch.arange(64)[None]
+    block = torch.where(block >= 0, block, -1)[None, :512].to(torch.int32)
+    assert paths.plan(block, 512, 8, 32, is_cuda=True).bwd == "tile"
+    assert paths.plan(runs, T, 8, 32, bwd="keyq", is_cuda=False).bwd == "keyq"  # explicit: taken as asked
+
+
+def test_sample_stats_count_what_they_say_on_a_partial_last_tile():
+    """paths.sample_stats on every tile (NT <= SAMPLE_TILES), T not a multiple of the tile: per tile averages of the
+    selected pairs, union keys, touched 64-key tiles and (query, 64-key tile) pairs, counted here directly."""
+    from sparse_rl.sparse.ops.sparse_attention import paths
+
+    B, T, S, K, BT = 2, 37, 150, 9, 16
+    idx = _random_rows(B, T, S, K, 5)
+    got = paths.sample_stats(idx, S, BT)
+    NT = -(-T // BT)
+    pairs = ukeys = touched = kq = 0
+    for b in range(B):
+        for tile in range(NT):
+            rows = [[int(s) for s in idx[b, t] if 0 <= s < S] for t in range(tile * BT, min(T, tile * BT + BT))]
+            pairs += sum(len(r) for r in rows)
+            keys = {s for r in rows for s in r}
+            ukeys += len(keys)
+            touched += len({s // 64 for s in keys})
+            kq += sum(len({s // 64 for s in r}) for r in rows)
+    want = [x / (B * NT) for x in (pairs, ukeys, touched, kq)]
+    assert got == pytest.approx(want)
