@@ -89,6 +89,7 @@ def main() -> None:
         if not run.gate(20, f"engine b{B}"):
             break
         eng = b.engine(B, top)
+        eng.set_attention("sparse")  # the cache gets (random) index keys only when allocated in sparse mode
         b.fill(eng, top)
         for mode, ctx in items:
             if not run.gate(6, f"b{B} {mode} {ctx}"):
