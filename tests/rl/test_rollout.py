@@ -550,44 +550,6 @@ def test_fused_indexer_launch_gives_the_logits_of_two_launches(llama_dir, monkey
     assert all(torch.equal(a, b) for a, b in zip(out[True], out[False]))
 
 
-def test_attention_merge_in_the_split_launch_gives_the_logits_of_the_merge_kernel(llama_dir, monkeypatch):
-    """`ModelRunner(attn_merge=)`: a decode attention whose index list is split over several programs (batch 1,
-    here 3 splits of 128-key blocks over the 300 visible keys of the dense layers, through the index path the
-    GPU takes) merged by the split's last program ("last", one launch) or by `_merge_kernel` ("kernel", the
-    default): one eager step on the Triton kernels (interpreter), dense and sparse, gives the same logits (the
-    merge sums in another order: fp32-close, not bitwise), leaves the counters zero for the next step, and a
-    bad name is an error naming the choices."""
-    from sparse_rl.rl.rollout import forward
-    from sparse_rl.sparse.ops.sparse_attention import triton as sa
-
-    model = load_model(llama_dir, attention="sparse")
-    eng = RolloutEngine(model, None, max_batch=1, max_seq_len=320, eos_token_ids=[], fuse_projections=True)
-    assert eng.runner.attn_merge == "kernel"
-    monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
-    monkeypatch.setattr(sa, "_decode_splits", lambda B, H_kv, NK, device: 3)
-    cache = eng._ensure_cache(320)
-    g = torch.Generator().manual_seed(8)
-    for t in (cache.k, cache.v, cache.idx):
-        t.copy_(torch.randn(t.shape, generator=g))
-    tok, pos = torch.tensor([7]), torch.tensor([299])
-    eng.runner.dense_impl = "index"  # what a GPU runs: ops.sparse_decode over every visible position
-    fwd, calls = sa._fwd, []
-    monkeypatch.setattr(sa, "_fwd", lambda *a, **k: calls.append(k.get("merge") is not None) or fwd(*a, **k))
-    out = {}
-    with torch.inference_mode():
-        for how in ("kernel", "last"):
-            eng.runner.set_attn_merge(how)
-            n = len(calls)
-            out[how] = [eng.runner.decode_eager(cache, tok, pos, 300, mode) for mode in ("dense", "sparse")]
-            assert any(calls[n:]) == (how == "last")  # the split layers merged in the launch only with "last"
-    monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
-    for a, b in zip(out["kernel"], out["last"]):
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
-    assert list(eng.runner._attn_cnt) == [eng.runner.H_kv] and not eng.runner._attn_cnt[eng.runner.H_kv].any()
-    with pytest.raises(ValueError, match="attn_merge 'x'.*kernel, last"):
-        forward.ModelRunner(model, "cpu", attn_merge="x")
-
-
 def test_pdl_resolves_off_on_the_cpu_and_is_threaded_to_every_step_kernel(llama_dir, monkeypatch, pdl_kernel_name):
     """`ModelRunner(pdl=True)` on a CPU is no error and resolves off (`_backend.resolve_pdl`); with the choice
     forced on (as on an H200), one eager sparse decode step on the Triton kernels (interpreter; 2 rows at 20

@@ -103,45 +103,6 @@ def test_sparse_decode_matches_reference(nsplit):
     torch.testing.assert_close(out2, ro[:, 0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("nsplit,G", [(3, 4), (5, 7), (1, 1)])  # 128-key blocks: 600 keys give 5 splits
-def test_sparse_decode_merged_by_the_last_split_program(nsplit, G):
-    """cnt given: the split's last program merges the partials (one launch): the same out / lse as the separate
-    merge kernel and the reference, with rows whose index lists are empty or all -1 in some splits, and the
-    counters left zero so the next launch (a graph replay) can reuse them."""
-    g = torch.Generator().manual_seed(11)
-    B, H_kv, D, S_max, K = 3, 2, 16, 640, 600
-    H = G * H_kv
-    q = torch.randn(B, H, D, generator=g)
-    kc, vc = torch.randn(B, S_max, H_kv, D, generator=g), torch.randn(B, S_max, H_kv, D, generator=g)
-    idx = torch.full((B, K), -1, dtype=torch.int32)
-    for b, n in enumerate([600, 140, 0]):  # row 1: the later splits see only -1; row 2 selects nothing
-        sel = torch.randperm(S_max, generator=g)[:n]
-        idx[b, :len(sel)] = sel.to(torch.int32)
-    cnt = torch.zeros(B * H_kv + 3, dtype=torch.int32)  # larger than needed is allowed
-    ref, ref_lse = sa.sparse_decode(q, kc, vc, idx, nsplit=nsplit)
-    used = []
-    fwd = sa._fwd
-
-    def spy(*a, **kw):
-        r = fwd(*a, **kw)
-        used.append(r[2])
-        return r
-
-    with mock.patch.object(sa, "_fwd", spy):
-        for _ in range(2):  # a second launch on the same counters (what a graph replay does)
-            out, lse = sparse_decode(q, kc, vc, idx, backend="triton", cnt=cnt)
-            out3, lse3 = sa.sparse_decode(q, kc, vc, idx, nsplit=nsplit, cnt=cnt)
-            assert int(cnt.abs().sum()) == 0
-    assert used[1] == nsplit  # the splits really ran (the heuristic's own count is used[0])
-    ro, rl = sparse_attention_naive(q[:, None], kc, vc, idx[:, None])
-    for o, lo in ((out, lse), (out3, lse3)):
-        torch.testing.assert_close(o, ro[:, 0], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(lo, rl[:, 0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out3, ref, atol=1e-6, rtol=1e-6)
-    with pytest.raises(ValueError, match="cnt must be int32"):
-        sa.sparse_decode(q, kc, vc, idx, nsplit=3, cnt=torch.zeros(2, dtype=torch.int32))
-
-
 def test_environment_variable_selects_the_kernel(monkeypatch):
     g = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(1, 5, 2, 16, generator=g), torch.randn(1, 9, 1, 16, generator=g), torch.randn(1, 9, 1, 16, generator=g)

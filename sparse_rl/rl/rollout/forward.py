@@ -164,18 +164,6 @@ def _blas_library(name: str | None, cuda: bool):
         torch.backends.cuda.preferred_blas_library(old)
 
 
-# how a decode attention whose index list is split over several programs (`ops.sparse_decode`: when batch x KV
-# heads is below the SM count, e.g. batch 1 and 16 on an H200) merges the partials: "kernel", a second launch
-# (`_merge_kernel`), or "last", the split's last program to finish (`_merge_last`: one launch a layer fewer)
-ATTN_MERGES = ("kernel", "last")
-
-
-def _attn_merge(how: str) -> str:
-    if how not in ATTN_MERGES:
-        raise ValueError(f"attn_merge {how!r}: expected one of {', '.join(ATTN_MERGES)}")
-    return how
-
-
 def _base(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -247,16 +235,13 @@ class ModelRunner:
     GEMMs run (measured with them, session 12); resolved to 0 wherever
     `_backend.pdl_supported` is not, so True on a CPU, an A100 or under the interpreter is no error; the compiled
     step gets inductor's `triton.enable_pdl` instead, only when pdl is given (never timed); `set_pdl`). The runner
-    owns it: the decode select it passes down carries it (`DecodeSelect.pdl`). fuse_indexer: a sparse layer's q/k
-    RoPE + cache write and its indexer's per-token work in one launch (`set_fuse_indexer`). attn_merge: how a
-    decode attention split over several programs merges them, one of ATTN_MERGES ("kernel": a second launch;
-    "last": inside the attention launch; `set_attn_merge`)."""
+    owns it: the decode select it passes down carries it (`DecodeSelect.pdl`)."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
                  decode_select: DecodeSelect | None = None, skinny_gemm=None, blas: str | None = None,
                  skinny_impl: str | None = None, skinny_tiles=None,
-                 pdl: bool | int | None = None, fuse_indexer: bool = True, attn_merge: str = "kernel"):
+                 pdl: bool | int | None = None, fuse_indexer: bool = True):
         base = _base(model)
         dec = base.get_decoder()
         self.model, self.base = model, base
@@ -303,8 +288,6 @@ class ModelRunner:
         # a sparse layer's q/k norm + RoPE + cache write and its indexer's per-token work in one launch
         # (`ops.qk_rope_indexer_decode`, the same values as the two launches; needs the fused projections)
         self.fuse_indexer = bool(fuse_indexer)
-        self.attn_merge = _attn_merge(attn_merge)
-        self._attn_cnt: dict = {}  # B * H_kv -> the decode attention's merge counters (attn_merge "last")
         self._pdl_asked = pdl  # the request: the compiled step's inductor PDL only when asked for (never timed)
         self._skinny_cnt: dict = {}  # id(module or fused weight) -> its tile counters (ops.skinny_linear)
         self.fused_layers = ([FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
@@ -626,23 +609,12 @@ class ModelRunner:
         return indexer_decode(zq, zk, zw, cos[:, 0], sin[:, 0], ix.k_norm.weight, ix.k_norm.bias, ix.k_norm.eps,
                               ix.rope_dim, pos, k_cache, k_scale, backend=backend, pdl=pdl)
 
-    def _attend(self, q, kc, vc, sel, scale, backend, compiled, pdl: bool = False):
+    @staticmethod
+    def _attend(q, kc, vc, sel, scale, backend, compiled, pdl: bool = False):
         """q `[B, H, D]`, full layer caches `[B, S_max, H_kv, D]`, sel `[B, K]` -> `[B, H, D]`."""
         if compiled:
             return C.sparse_decode(q, kc, vc, sel, scale, backend)
-        cnt = None
-        if self.attn_merge == "last":  # one counter buffer per batch size, kept for the graphs that use it
-            n = q.shape[0] * kc.shape[2]
-            cnt = self._attn_cnt.get(n)
-            if cnt is None:
-                cnt = self._attn_cnt[n] = torch.zeros(n, dtype=torch.int32, device=q.device)
-        return sparse_decode(q, kc, vc, sel, scale=scale, backend=backend, pdl=pdl, cnt=cnt)[0]
-
-    def set_attn_merge(self, how: str) -> None:
-        """How a decode attention split over several programs (batch x KV heads below the SM count) merges its
-        partials from the next step: ATTN_MERGES (see the class docstring)."""
-        self.attn_merge = _attn_merge(how)
-        self.drop_graphs()
+        return sparse_decode(q, kc, vc, sel, scale=scale, backend=backend, pdl=pdl)[0]
 
     def _short(self, S: int, mode: str) -> bool:
         return mode == "sparse" and all(st is None or S <= st.cfg.topk for st in self.states)

@@ -57,16 +57,14 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
 
 
 def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor,
-                  scale: float | None = None, *, backend: str = "auto", pdl: bool = False,
-                  cnt: torch.Tensor | None = None):
+                  scale: float | None = None, *, backend: str = "auto", pdl: bool = False):
     """One decode step. q `[B, H, D]`, caches `[B, S_max, H_kv, D]`, indices `[B, K]` (-1 = none;
     each row names only filled cache slots) -> (out `[B, H, D]`, lse `[B, H]`). pdl: the Triton launches with
     programmatic dependent launch (decided by the caller, `_backend.resolve_pdl`; the reference ignores it;
-    so do the decode ops below). cnt: the caller's int32 zeros `[>= B * H_kv]`: a split index list is then
-    merged inside the attention launch (triton.sparse_decode; the reference ignores it)."""
+    so do the decode ops below)."""
     fn = kernel("sparse_attention", "sparse_decode")
     if resolve_backend(backend, q, fn is not None) == "triton":
-        return fn(q, k_cache, v_cache, indices, scale, pdl=pdl, cnt=cnt)
+        return fn(q, k_cache, v_cache, indices, scale, pdl=pdl)
     out, lse = sparse_attention_naive(q[:, None], k_cache, v_cache, indices[:, None], scale)
     return out[:, 0], lse[:, 0]
 

@@ -61,14 +61,11 @@ def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
 def _fwd_kernel(Q, K, V, IDX, O, LSE,
                 sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                 sib, sit, sik, sob, sot, soh, sod, slb, slt, slh,
-                T, NK, S, G, D, KPS, qk_scale, CNT, FO, FL, sfb, sft, sfh, sgb, sgt, sgh,
+                T, NK, S, G, D, KPS, qk_scale,
                 NSPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_D: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False,
-                MERGE: tl.constexpr = False):
+                BLOCK_D: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
     """O/LSE: `[B, T, H, D]`/`[B, T, H]` when NSPLIT == 1, else fp32 partials
-    `[B, T*NSPLIT, H, D]`/`[B, T*NSPLIT, H]` (split index fastest), merged by `_merge_kernel`, or, with MERGE,
-    by the last of a (query, kv head)'s NSPLIT programs to finish into FO `[B, T, H, D]` / FL `[B, T, H]`
-    (CNT: int32 counters `[B, T, H_kv]`, zero before the launch and left zero after it)."""
+    `[B, T*NSPLIT, H, D]`/`[B, T*NSPLIT, H]` (split index fastest) merged by `_merge_kernel`."""
     pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -114,44 +111,6 @@ def _fwd_kernel(Q, K, V, IDX, O, LSE,
     tl.store(O + b * sob + row * sot + heads[:, None] * soh + offs_d[None, :] * sod,
              out.to(O.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
     tl.store(LSE + b * slb + row * slt + heads * slh, lse, mask=hmask)
-    if MERGE:
-        _merge_last(O, LSE, CNT + (b * T + t) * tl.num_programs(1) + kvh, FO + b * sfb + t * sft,
-                    FL + b * sgb + t * sgt, b * sob + t * NSPLIT * sot, b * slb + t * NSPLIT * slt,
-                    heads, offs_d, hmask, dmask, sot, soh, sod, slt, slh, sfh, sgh, NSPLIT, BLOCK_H, BLOCK_D)
-
-
-@triton.jit
-def _merge_last(O, LSE, CNT, FO, FL, o0, l0, heads, offs_d, hmask, dmask, sot, soh, sod, slt, slh, sfh, sgh,
-                NSPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The last split program of a (query, kv head) merges the NSPLIT partials, as `_merge_kernel` does, and
-    resets the counter: one launch a decode attention instead of two (the launch boundary costs more than the
-    merge at batch 1). The counter's atomic (acq_rel, GPU scope) orders this program's partial stores before
-    its count and makes the earlier programs' partials visible to the last one; the partials are read past L1
-    (.cg), never cached from before."""
-    tl.debug_barrier()  # every thread's partial stores issued before the one thread's release atomic
-    done = tl.atomic_add(CNT, 1)
-    if done == NSPLIT - 1:
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for s in range(NSPLIT):
-            m = tl.maximum(m, tl.load(LSE + l0 + s * slt + heads * slh, mask=hmask, other=float("-inf"),
-                                      cache_modifier=".cg"))
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        tot = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for s in range(NSPLIT):
-            w = tl.exp(tl.load(LSE + l0 + s * slt + heads * slh, mask=hmask, other=float("-inf"),
-                               cache_modifier=".cg") - m_safe)
-            o_s = tl.load(O + o0 + s * sot + heads[:, None] * soh + offs_d[None, :] * sod,
-                          mask=hmask[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
-            tot += w
-            acc += o_s * w[:, None]
-        empty = tot == 0.0
-        out = acc / tl.where(empty, 1.0, tot)[:, None]
-        lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, tot)))
-        tl.store(FO + heads[:, None] * sfh + offs_d[None, :], out.to(FO.dtype.element_ty),
-                 mask=hmask[:, None] & dmask[None, :])
-        tl.store(FL + heads * sgh, lse, mask=hmask)
-        tl.store(CNT, 0)
 
 
 @triton.jit
@@ -242,13 +201,11 @@ def _meta(q, k):
 
 
 def _fwd(q, k, v, indices, scale, nsplit: int = 1, out=None, tune: tuple[int, int, int] | None = None,
-         pdl: bool = False, merge=None):
+         pdl: bool = False):
     """q `[B, T, H, D]` -> out `[B, T, H, D]` (q.dtype), lse `[B, T, H]` fp32, nsplit used.
     pdl: launch with programmatic dependent launch (decode: `sparse_decode(pdl=)`).
     `out=(o, lse)` writes into given buffers (nsplit 1 only; the benchmark poisons them);
-    `tune=(BLOCK_K, num_warps, num_stages)` overrides the launch config (benchmark sweeps);
-    `merge=(cnt, fo, fl)`: with more than one split the kernel's last program per (query, kv head) merges the
-    partials into fo `[B, T, H, D]` / fl `[B, T, H]` (cnt: int32 zeros, >= B * T * H_kv; `_merge_last`)."""
+    `tune=(BLOCK_K, num_warps, num_stages)` overrides the launch config (benchmark sweeps)."""
     B, T, H, D = q.shape
     H_kv = k.shape[2]
     NK = indices.shape[-1]
@@ -268,15 +225,10 @@ def _fwd(q, k, v, indices, scale, nsplit: int = 1, out=None, tune: tuple[int, in
         o = torch.empty(B, T * nsplit, H, D, device=q.device, dtype=torch.float32)
         lse = torch.empty(B, T * nsplit, H, device=q.device, dtype=torch.float32)
     grid = (T * nsplit, H_kv, B)
-    merging = merge is not None and nsplit > 1
-    cnt, fo, fl = merge if merging else (lse, o, lse)  # unused pointers when not merging
-    if merging and (cnt.dtype != torch.int32 or cnt.numel() < B * T * H_kv or fo.stride(-1) != 1):
-        raise ValueError("sparse decode merge: cnt must be int32 with >= B * T * H_kv zeros, fo's last dim contiguous")
     _fwd_kernel[grid](q, k, v, indices, o, lse, *q.stride(), *k.stride(), *v.stride(), *indices.stride(),
                       *o.stride(), *lse.stride(), T, NK, k.shape[1], G, D, kps, scale * LOG2E,
-                      cnt, fo, fl, fo.stride(0), fo.stride(1), fo.stride(2), fl.stride(0), fl.stride(1), fl.stride(2),
                       NSPLIT=nsplit, BLOCK_H=BH, BLOCK_K=BK, BLOCK_D=BD, PREC=dot_precision(q.dtype),
-                      PDL=pdl, MERGE=merging, launch_pdl=bool(pdl), num_warps=warps, num_stages=stages)
+                      PDL=pdl, launch_pdl=bool(pdl), num_warps=warps, num_stages=stages)
     return o, lse, nsplit
 
 
@@ -481,16 +433,12 @@ def _decode_splits(B: int, H_kv: int, NK: int, device) -> int:
 
 
 def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor,
-                  scale: float | None = None, nsplit: int | None = None, pdl: bool = False,
-                  cnt: torch.Tensor | None = None):
+                  scale: float | None = None, nsplit: int | None = None, pdl: bool = False):
     """One decode step, Triton. q `[B, H, D]`, caches `[B, S_max, H_kv, D]`, indices `[B, K]`
     (-1 = none) -> (out `[B, H, D]`, lse `[B, H]` fp32). Reads only the selected cache rows.
     Inference only: with inputs that need grad (and grad enabled) it takes the differentiable
     reference. `nsplit` overrides the split-K heuristic (benchmarks). pdl: both launches with programmatic
-    dependent launch (the caller decides it once: `_backend.resolve_pdl`). cnt: int32 zeros `[>= B * H_kv]`
-    that the caller keeps (each launch leaves them zero: CUDA graphs replay it as is); with it a split
-    index list is merged by the kernel's last program of each (row, kv head), one launch instead of two;
-    None: the separate `_merge_kernel`."""
+    dependent launch (the caller decides it once: `_backend.resolve_pdl`)."""
     B, H, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     q4, idx3 = q[:, None], indices[:, None]
@@ -503,14 +451,11 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         idx3 = idx3.to(torch.int32)
     H_kv, NK = k_cache.shape[2], indices.shape[-1]
     ns = nsplit or _decode_splits(B, H_kv, NK, q.device)
-    out = torch.empty(B, H, D, device=q.device, dtype=q.dtype) if ns > 1 else None
-    lse = torch.empty(B, H, device=q.device, dtype=torch.float32) if ns > 1 else None
-    merge = (cnt, out[:, None], lse[:, None]) if cnt is not None and ns > 1 else None
-    po, pl, ns = _fwd(q4, k_cache, v_cache, idx3, scale, ns, pdl=pdl, merge=merge)
+    po, pl, ns = _fwd(q4, k_cache, v_cache, idx3, scale, ns, pdl=pdl)
     if ns == 1:
         return po[:, 0], pl[:, 0]
-    if merge is not None:
-        return out, lse
+    out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, H, device=q.device, dtype=torch.float32)
     _merge_kernel[(H, B)](po, pl, out, lse, H, D, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
                           NSPLIT=ns, BLOCK_S=max(2, triton.next_power_of_2(ns)),
                           BLOCK_D=triton.next_power_of_2(D), PDL=pdl, launch_pdl=bool(pdl), num_warps=1)
