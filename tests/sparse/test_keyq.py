@@ -130,3 +130,40 @@ def test_sample_stats_count_what_they_say_on_a_partial_last_tile():
             kq += sum(len({s // 64 for s in r}) for r in rows)
     want = [x / (B * NT) for x in (pairs, ukeys, touched, kq)]
     assert got == pytest.approx(want)
+
+
+@pytest.mark.parametrize("H,H_kv,T,bt", [(8, 2, 45, 16), (7, 1, 37, 8)])
+def test_keyq_with_half_tiles_for_forward_and_dq(H, H_kv, T, bt, monkeypatch):
+    """Union tiles of BT/2 queries (tune "bt", what `auto` takes under keyq when their estimate is lower): the
+    forward's tiles are kept for the tile dq (keyq's dk/dv reads its own lists), grads == the reference."""
+    from sparse_rl.sparse.ops.sparse_attention import union
+
+    seen, tile_dq = [], union.tile_dq
+    monkeypatch.setattr(union, "tile_dq", lambda q, k, v, sel, *a, **kw:
+                        seen.append(sel.BT) or tile_dq(q, k, v, sel, *a, **kw))
+    g = torch.Generator().manual_seed(H + T)
+    B, D, K, S = 2, 16, 20, 75
+    q, k, v = (torch.randn(B, n, h, D, generator=g) for n, h in ((T, H), (S, H_kv), (S, H_kv)))
+    idx = _random_rows(B, T, S, K, T)
+    got, ref = _grads(q, k, v, idx, idx, fwd_path="tile", bwd_path="keyq", tune={"keyq": (32, 64, 4, 1), "bt": bt})
+    assert seen == [bt]  # the dq pass ran on the forward's tiles, not a rebuild at BT
+    fin = torch.isfinite(ref[1])
+    torch.testing.assert_close(got[1][fin], ref[1][fin], atol=1e-5, rtol=1e-5)
+    for a, b in zip(got[:1] + got[2:], ref[:1] + ref[2:]):
+        assert _rel(a, b) < 1e-5
+
+
+def test_auto_halves_the_tiles_under_keyq_only():
+    """paths.plan with a backward (grad): 16 queries sharing their keys but 32 not -> BT/2 tiles for the forward
+    and the tile dq when dk/dv is keyq; the key-major dk/dv (bwd "tile") reads BT's tiles, so they stay BT."""
+    from sparse_rl.sparse.ops.sparse_attention import paths
+
+    T, S, K = 96, 400, 40
+    t = torch.arange(T)[:, None]
+    by16 = (torch.arange(K)[None] + (t // 16) * K).clamp(max=S - 1)[None].to(torch.int32)
+    p = paths.plan(by16, S, 8, 32, bwd="keyq", is_cuda=True, small_tiles=True, grad=True)
+    assert (p.fwd, p.dq, p.bt) == ("tile", "tile", 16)
+    assert p.estimate_ms["tile_dq"] == p.estimate_ms["tile_dq_half"]
+    assert p.union[0].shape[1] == -(-T // 16)  # the handed-over bitmaps are the 16-query tiles'
+    assert paths.plan(by16, S, 8, 32, bwd="tile", is_cuda=True, small_tiles=True, grad=True).bt in (0, 32)
+    assert paths.plan(by16, S, 8, 32, bwd="keyq", is_cuda=True, small_tiles=False, grad=True).bt == 32

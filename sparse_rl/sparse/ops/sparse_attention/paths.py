@@ -33,6 +33,10 @@ NS_TILE_FWD_64 = 0.135  # per (16-query tile, union key): 64-row tiles at (32, 4
 # tiles' time per unit of MMA work (rows x union keys): H200, session 12 (fwd12), 32K trained 7.88 vs 9.29 ms at
 # work 0.785x, 32K block 4.28 vs 4.01 at 0.996x, 128K trained 37.7 vs 47.1 at 0.732x; 0.25 * 0.5 * 1.08
 NS_TILE_DQ = 0.30  # per (tile, union key): tile dq pass (10.9 ms; session 4: 0.27)
+NS_TILE_DQ_64 = 0.162  # per (16-query tile, union key): the dq pass on 64-row tiles at (64, 4, 2), scaled from
+# NS_TILE_DQ as NS_TILE_FWD_64 from NS_TILE_FWD (x 0.54): session 13's H200 run of the helper bwd13 timed the
+# 32K trained rows' dq at 7.85 ms on 16-query tiles vs 9.38 on 32 (x 0.84) and the forward 7.04 vs 8.39 (x 0.84):
+# the two passes scale alike
 NS_KEYMAJOR = 30.2  # per (key tile of KEY_TILE, query tile) touched: key-major dk/dv at its default launch for
 # 128-row tiles, (64, 8, 2, "dt") (32.6 ms over 135 K touched pairs; at (32, 8, 2, "dt") 21.1 ns per 32-key pair,
 # 38.3 ms; session 4's "rows" form 25 ns per 32-key pair)
@@ -60,7 +64,7 @@ class Plan:
     dq: str  # "query" | "tile" | "block" (with bwd == "tile")
     estimate_ms: dict
     union: tuple | None = None  # stats="full": (bits, ulen, umax) of every tile, for union.build_union
-    bt: int = 0  # the forward's query tile (0: the caller's BT); stats="full" with small_tiles may halve it
+    bt: int = 0  # the union tiles' queries, forward and tile dq (0: the caller's BT); small_tiles may halve it
 
 
 _POPC = {}  # device -> the byte popcount table (built once: a pageable host copy waits for the stream)
@@ -153,14 +157,15 @@ BLOCK_MIN_KEY_BLOCK = 16  # shared rows of whole key blocks >= this take the blo
 
 def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", bwd: str = "auto",
          shared: bool = False, is_cuda: bool = True, key_block: int = 1, stats: str = "full",
-         small_tiles: bool = False) -> Plan:
+         small_tiles: bool = False, grad: bool = False) -> Plan:
     """Resolve `auto` paths for one call. indices `[B, T, K]` per query (or shared rows when `shared`);
     key_block: the rows' key block (a hint from the selection's config; 1 = token rows); stats: what the
     estimate reads, "full" (every tile's bitmap and |U|, one host sync, kept in Plan.union for the union
     build: `full_stats`; 32K trained on the H200, session 12: auto 11.55 -> 10.69 ms, the same output) or
     "sample" (SAMPLE_TILES tiles' bitmaps, `sample_stats`: latency bound, ~1 ms of host-synced work). small_tiles (with "full"):
-    the forward may take tiles of BT/2 queries (Plan.bt) where their estimate (NS_TILE_FWD_64) is lower; for a
-    forward that no backward follows (the tile backward's passes are measured at BT only)."""
+    the union tiles may hold BT/2 queries (Plan.bt) where their estimate (NS_TILE_FWD_64, NS_TILE_DQ_64) is lower.
+    grad: a backward follows; then BT/2 tiles only with a dk/dv that does not read the union (keyq: its own
+    query lists), so that the forward's tiles also serve the tile dq (the key-major pass is measured at BT only)."""
     if stats not in ("sample", "full"):
         raise ValueError(f"plan stats {stats!r}: expected 'sample' or 'full'")
     if fwd not in FWD_PATHS:
@@ -195,18 +200,27 @@ def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", b
            "tile_dq": ukeys * nt * H_kv * NS_TILE_DQ * 1e-6,
            "keymajor_dkdv": (touched * nt * H_kv * NS_KEYMAJOR + pairs * nt * NS_BUILD) * 1e-6,
            "keyq_dkdv": (chunks * H_kv * NS_KEYQ + pairs * nt * NS_KEYQ_LISTS) * 1e-6}
-    bt = BT
-    if half is not None:
-        nt_h = -(-T // (BT // 2)) * indices.shape[0]
-        est["tile_fwd_half"] = (half[0] * nt_h * H_kv * NS_TILE_FWD_64 + pairs * nt * NS_BUILD) * 1e-6
-        if est["tile_fwd_half"] < est["tile_fwd"]:
-            bt, prebuilt = BT // 2, half[1]
-            est["tile_fwd"] = est["tile_fwd_half"]
     f = fwd if fwd != "auto" else ("tile" if est["tile_fwd"] < est["query_fwd"] else "query")
     dq = "tile" if est["tile_dq"] < est["query_dq"] else "query"
     if bwd == "auto":
         dkdv = "keyq" if est["keyq_dkdv"] < KEYQ_MARGIN * est["keymajor_dkdv"] else "tile"
         bwd = dkdv if est[f"{dq}_dq"] + est[f"{'keyq' if dkdv == 'keyq' else 'keymajor'}_dkdv"] < est["atomic_bwd"] \
             else "atomic"
-    # (with small_tiles no backward follows; one that did would rebuild BT's tiles: triton._SparseAttention)
+    bt = BT
+    if half is not None:
+        nt_h = -(-T // (BT // 2)) * indices.shape[0]
+        est["tile_fwd_half"] = (half[0] * nt_h * H_kv * NS_TILE_FWD_64 + pairs * nt * NS_BUILD) * 1e-6
+        est["tile_dq_half"] = half[0] * nt_h * H_kv * NS_TILE_DQ_64 * 1e-6
+        fwd_ok = f == "tile" or fwd == "auto"
+        if not grad and fwd_ok and est["tile_fwd_half"] < min(est["tile_fwd"], est["query_fwd"]):
+            bt, f = BT // 2, "tile"
+        elif grad and fwd_ok and bwd == "keyq":
+            # the forward's and the dq pass's tiles together: BT/2 where their sum is lower
+            now = est[f"{f}_fwd"] + est[f"{dq}_dq"]
+            dq_h = "tile" if est["tile_dq_half"] < est["query_dq"] else "query"
+            if est["tile_fwd_half"] + (est["tile_dq_half"] if dq_h == "tile" else est["query_dq"]) < now:
+                bt, f, dq = BT // 2, "tile", dq_h
+        if bt != BT:
+            prebuilt = half[1]
+            est["tile_fwd"], est["tile_dq"] = est["tile_fwd_half"], est["tile_dq_half"]
     return Plan(f, bwd, dq, est, prebuilt if f == "tile" or bwd in ("tile", "keyq") else None, bt if f == "tile" else 0)

@@ -258,7 +258,9 @@ class _Call:
     """One call's arguments besides the tensors: scale, sharing, requested paths, launch overrides
     (`tune`: {"fwd" | "dq" | "dkdv" | "bwd": (block, num_warps, num_stages), "keyq": keyq.keyq_dkdv's tune},
     benchmarks; "plan": the statistics `auto` estimates from, "full" (default) or "sample", paths.plan's `stats`;
-    "small_tiles": whether a forward that no backward follows may take 16-query tiles, default True)."""
+    "small_tiles": whether the union tiles may hold BT/2 queries where `auto` estimates them faster, default True;
+    "bt": the per-query union tiles' queries, forced (benchmarks; a forward without a backward, or one whose dk/dv
+    is keyq, keeps them for the tile dq))."""
 
     def __init__(self, scale, query_group, q_offset, fwd_path, bwd_path, tune, key_block: int = 1):
         self.scale, self.group, self.q_offset, self.key_block = scale, query_group, q_offset, key_block
@@ -290,10 +292,11 @@ def _forward(q, k, v, indices, call: _Call, out=None):
                 o, lse = union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
             return o, lse, None, sel, pl
         indices = shared_to_per_query(indices, call.group, q.shape[1], call.q_offset)
-    # 16-query tiles only for a forward that no backward follows (the tile backward is measured at BT)
-    small = bool(call.tune.get("small_tiles", True)) and not call.needs_grad
     pl = paths.plan(indices, S, H_kv, BT, call.fwd_path, call.bwd_path, is_cuda=q.is_cuda,
-                    stats=call.tune.get("plan", "full"), small_tiles=small)
+                    stats=call.tune.get("plan", "full"), small_tiles=bool(call.tune.get("small_tiles", True)),
+                    grad=call.needs_grad)
+    if call.tune.get("bt") and pl.fwd == "tile" and int(call.tune["bt"]) != (pl.bt or BT):
+        pl.bt, pl.union = int(call.tune["bt"]), None  # the prebuilt bitmaps are of the plan's tiles
     if pl.fwd == "tile":
         sel = union.build_union(indices, S, pl.bt or BT, prebuilt=pl.union)
         o, lse = union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
@@ -318,8 +321,9 @@ class _SparseAttention(torch.autograd.Function):
         q, k, v, o, lse, idx, *st = ctx.saved_tensors
         call, pl = ctx.call, ctx.plan
         sel = union.TileSelection.from_tensors(*ctx.sel_meta[:3], st) if ctx.sel_meta else None
-        if sel is not None and not sel.shared and sel.BT != union.tile_queries(q.shape[2] // k.shape[2]):
-            sel = None  # a forward on smaller tiles (small_tiles): the backward builds its own
+        if sel is not None and not sel.shared and sel.BT != union.tile_queries(q.shape[2] // k.shape[2]) \
+                and pl.bwd != "keyq":
+            sel = None  # tiles of BT/2 queries serve the tile dq; the key-major dk/dv builds BT's
         if sel is not None and sel.shared:
             sel = union.with_bits(sel, k.shape[1])
         do = do if do is not None else torch.zeros_like(o)
