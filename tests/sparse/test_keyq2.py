@@ -31,8 +31,8 @@ def _half_rows(B, T, S, K, seed, holes=0.3):
 
 
 def _classes(idx, S):
-    """{(b, tile, class): [(query, mask)]} read directly from the rows (class 0 both halves, 1 low only, 2 high only;
-    masks: the 64-bit word for "both", the half's 32 bits shifted to bits 0..31 otherwise)."""
+    """{(b, tile, class): [(query, mask)]} read directly from the rows (class 0 low half only, 1 both halves, 2 high
+    half only; the mask: bit n = key tile 64 + n selected)."""
     out = {}
     B, T, _ = idx.shape
     for b in range(B):
@@ -43,15 +43,14 @@ def _classes(idx, S):
                     words[s // 64] = words.get(s // 64, 0) | (1 << (s % 64))
             for j, w in words.items():
                 lo, hi = w & 0xFFFFFFFF, w >> 32
-                c, m = (0, w) if lo and hi else (1, lo) if lo else (2, hi)
-                out.setdefault((b, j, c), []).append((t, m))
+                out.setdefault((b, j, 1 if lo and hi else 0 if lo else 2), []).append((t, w))
     return out
 
 
 @pytest.mark.parametrize("H,H_kv,T,S,tune,fwd", [
     (8, 2, 40, 75, (64, 64, 4, 1), "tile"),  # G 4, 16 queries a chunk; 75 keys: a partial last tile (11 keys)
-    (7, 1, 37, 70, (64, 128, 4, 1), "tile"),  # G 7: 18 queries a 128-row chunk, 126 live rows
-    (3, 3, 29, 130, (64, 16, 4, 1), "query"),  # G 1, dq from the per-query kernel; 130 keys: a 2-key last tile
+    (7, 1, 37, 70, (64, 128, 4, 1, 1), "tile"),  # G 7: 18 queries a 128-row chunk, 126 live rows; the split form
+    (3, 3, 29, 130, (64, 16, 4, 1, 0), "query"),  # G 1, dq from the per-query kernel; 130 keys: a 2-key last tile
 ])
 def test_keyq2_grads_match_reference(H, H_kv, T, S, tune, fwd):
     g = torch.Generator().manual_seed(T)
@@ -94,15 +93,14 @@ def test_key_query_lists2_are_the_classified_transposed_selection():
                 lo, hi = int(off[s]), int(off[s + 1])
                 exp = want.get((b, j, c), [])
                 assert lst[lo:hi].tolist() == [t for t, _ in exp]  # ascending: the rows were read in order
-                width = 64 if c == 0 else 32  # half masks are sign-extended from bit 31: only bits 0..31 count
-                assert [m & ((1 << width) - 1) for m in msk[lo:hi].tolist()] == [m for _, m in exp]
+                assert [m & ((1 << 64) - 1) for m in msk[lo:hi].tolist()] == [m for _, m in exp]  # int64: bit 63 the sign
                 n += len(exp)
     assert int(off[-1]) == n == sum(len(x) for x in want.values())
 
 
 def test_keyq2_dkdv_equals_keyq():
-    """The same sums in another order (four 32-key accumulators, three loops): equal within fp32 rounding, on a
-    case where all three lists of some tiles are non-empty (asserted)."""
+    """The same sums in another order (four 32-key accumulators; three loops, or two in the split form): equal
+    within fp32 rounding, on a case where all three lists of some tiles are non-empty (asserted)."""
     g = torch.Generator().manual_seed(4)
     B, T, S, H, H_kv, D, K = 2, 50, 140, 8, 2, 32, 40
     q, k, v = (torch.randn(B, n, h, D, generator=g) for n, h in ((T, H), (S, H_kv), (S, H_kv)))
@@ -115,11 +113,14 @@ def test_keyq2_dkdv_equals_keyq():
     sizes = (off[1:] - off[:-1]).view(B, -1, 3)
     assert ((sizes > 0).all(-1)).sum() >= 2  # tiles with all three lists non-empty
     dk1, dv1 = keyq.keyq_dkdv(q, k, v, idx, do, lse, delta, D ** -0.5, 2, tune=(64, 64, 4, 1))
-    dk2, dv2 = keyq2.keyq2_dkdv(q, k, v, idx, do, lse, delta, D ** -0.5, 2, tune=(64, 64, 4, 1), lists=lists)
-    torch.testing.assert_close(dk2, dk1, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(dv2, dv1, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="BLOCK_N"):
-        keyq2.keyq2_dkdv(q, k, v, idx, do, lse, delta, D ** -0.5, 2, tune=(32, 64, 4, 1))
+    for split in (0, 1):
+        dk2, dv2 = keyq2.keyq2_dkdv(q, k, v, idx, do, lse, delta, D ** -0.5, 2, tune=(64, 64, 4, 1, split),
+                                    lists=lists)
+        torch.testing.assert_close(dk2, dk1, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dv2, dv1, atol=1e-5, rtol=1e-5)
+    for bad in ((32, 64, 4, 1), (64, 64, 4, 1, 2)):
+        with pytest.raises(ValueError, match="BLOCK_N"):
+            keyq2.keyq2_dkdv(q, k, v, idx, do, lse, delta, D ** -0.5, 2, tune=bad)
 
 
 def test_auto_reports_keyq2_estimate_and_does_not_take_it():
