@@ -36,8 +36,8 @@ def test_full_stats_equal_the_sample_when_it_covers_every_tile_and_feed_the_buil
     idx = _clustered(B, T, S, K, g)
     assert -(-T // BT) <= paths.SAMPLE_TILES and T <= paths.PAIR_ROWS  # the sample is every tile, every row
     sample = paths.sample_stats(idx, S, BT)
-    stats, (bits, ulen, umax) = paths.full_stats(idx, S, BT)
-    assert stats == pytest.approx(sample, rel=1e-12)
+    (pairs, ukeys, touched, kq), (bits, ulen, umax) = paths.full_stats(idx, S, BT)
+    assert (pairs, ukeys, touched, kq) == pytest.approx(sample, rel=1e-12)
     ref_ulen = union.union_sizes(idx, S, BT)
     assert torch.equal(ulen, ref_ulen) and umax == int(ref_ulen.max())
     # the plans agree, and the full one carries what the build skips
@@ -63,7 +63,7 @@ def test_full_stats_count_pairs_on_strided_rows_at_length():
     g = torch.Generator().manual_seed(1)
     B, T, S, K, BT = 1, 2 * paths.PAIR_ROWS + 40, 3000, 16, 32
     idx = _clustered(B, T, S, K, g)
-    (pairs, ukeys, *_), (bits, ulen, _) = paths.full_stats(idx, S, BT)
+    (pairs, ukeys, _, _), (bits, ulen, _) = paths.full_stats(idx, S, BT)
     nt = -(-T // BT)
     exact = float(((idx >= 0) & (idx < S)).sum()) / nt
     assert abs(pairs - exact) / exact < 0.03
@@ -132,7 +132,7 @@ def test_half_tiles_stats_and_the_choice_of_16_query_tiles(T):
     g = torch.Generator().manual_seed(T)
     B, S, K = 1, 400, 40
     idx = _clustered(B, T, S, K, g)
-    (_, ukeys, *_), (bits, ulen, umax), (ukeys_h, (bits_h, ulen_h, umax_h)) = paths.full_stats(idx, S, 32, half=True)
+    (_, ukeys, _, _), (bits, ulen, umax), (ukeys_h, (bits_h, ulen_h, umax_h)) = paths.full_stats(idx, S, 32, half=True)
     assert torch.equal(bits, un._bitmap(idx, S, 32)) and torch.equal(ulen, un.union_sizes(idx, S, 32))
     assert torch.equal(bits_h, un._bitmap(idx, S, 16)) and torch.equal(ulen_h, un.union_sizes(idx, S, 16))
     assert umax == int(ulen.max()) and umax_h == int(ulen_h.max())

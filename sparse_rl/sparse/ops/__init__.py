@@ -44,7 +44,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     """Attention over selected keys. q `[B, T, H, D]`, k/v `[B, S, H_kv, D]`, indices `[B, T, K]`
     int32 (-1 = none), or `[B, ceil(T/g), K]` rows shared by g = `query_group` consecutive queries
     (each query sees its row's keys <= q_offset + t) -> (out `[B, T, H, D]`, lse `[B, T, H]` float32).
-    Differentiable in q, k, v. `fwd_path` (auto/query/tile/block) and `bwd_path` (auto/atomic/tile/keyq/keyq2) pick
+    Differentiable in q, k, v. `fwd_path` (auto/query/tile/block) and `bwd_path` (auto/atomic/tile/keyq) pick
     the Triton kernels (ops/sparse_attention/paths.py); `key_block` says shared rows are whole key blocks
     of that size (the block kernels' cue); the reference ignores all three."""
     fn = kernel("sparse_attention")

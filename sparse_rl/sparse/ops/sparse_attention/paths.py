@@ -6,9 +6,7 @@ tiles over contiguous key tiles, full ones unmasked, `blocks.block_fwd`; its dq 
 Backward: "atomic" (the per-query kernel: dq stored, dk/dv by fp32 atomics), "tile" (dq from a
 query-major pass, per tile, per query or per key tile, and dk/dv from the key-major pass, no atomics) or
 "keyq" (dq as "tile"; dk/dv key-major over each key tile's compacted query list, keyq.py; `auto` takes it
-for per-query rows when its estimate beats the key-major pass's: session 12, trained rows 38.3 vs 50.4 ms fwd+bwd)
-or "keyq2" (keyq with each tile's list split by the 32-key halves a query selected in, keyq2.py; explicit only:
-`auto` reports its estimate, "keyq2_dkdv", but does not pick it).
+for per-query rows when its estimate beats the key-major pass's: session 12, trained rows 38.3 vs 50.4 ms fwd+bwd).
 
 `auto` estimates each path's time from a sample of query tiles (at most SAMPLE_TILES tiles' bitmaps:
 ~1/30 of a union build at 32K; `stats="full"`: every tile's bitmap and |U| with one host sync, which the
@@ -48,8 +46,6 @@ NS_BUILD = 0.020  # per selected (query, key), once (not per KV head): the union
 NS_KEYQ = 26.4  # per 128-row chunk of a key tile's query list (KEYQ_TILE keys) and KV head: keyq.py at (64, 128, 8, 3)
 # (15.44 ms over 2.33 M (64-key tile, query) pairs = 73 K chunks x 8 KV heads)
 NS_KEYQ_LISTS = 0.017  # per selected (query, key), once: keyq's query lists (1.10 ms at 65 M pairs)
-NS_KEYQ2_HALF = 0.6 * NS_KEYQ  # per 128-row chunk of a "lo" / "hi" list of keyq2.py (32-wide dots against one 32-key
-# half): unmeasured, to be replaced by the session-14 H200 numbers (its "both" chunks cost NS_KEYQ)
 KEYQ_TILE = 64  # keys per tile of keyq's default launch
 KEYQ_MARGIN = 0.85  # `auto` takes keyq when its dk/dv estimate is below this share of the key-major pass's: on
 # per-query block rows (128-key blocks) the estimate said 7.6 vs 8.7 ms but fwd+bwd measured 18.98 vs 18.68 ms
@@ -58,15 +54,14 @@ KEYQ_MARGIN = 0.85  # `auto` takes keyq when its dk/dv estimate is below this sh
 KEY_TILE = 64  # keys per touched tile in the estimate: the default dk/dv launch's BLOCK_N
 SAMPLE_TILES = 32
 FWD_PATHS = ("auto", "query", "tile", "block")  # "block": shared selections only (blocks.py)
-BWD_PATHS = ("auto", "atomic", "tile", "keyq", "keyq2")  # "keyq": keyq.py (session 12); "keyq2": keyq2.py (its
-# estimate is reported in Plan.estimate_ms, `auto` does not take it until it is measured)
+BWD_PATHS = ("auto", "atomic", "tile", "keyq")  # "keyq": keyq.py (session 12)
 
 
 @dataclass
 class Plan:
     fwd: str  # "query" | "tile" | "block"
-    bwd: str  # "atomic" | "tile" | "keyq" | "keyq2"
-    dq: str  # "query" | "tile" | "block" (with bwd in "tile" / "keyq" / "keyq2")
+    bwd: str  # "atomic" | "tile"
+    dq: str  # "query" | "tile" | "block" (with bwd == "tile")
     estimate_ms: dict
     union: tuple | None = None  # stats="full": (bits, ulen, umax) of every tile, for union.build_union
     bt: int = 0  # the union tiles' queries, forward and tile dq (0: the caller's BT); small_tiles may halve it
@@ -84,27 +79,10 @@ def _popcount_sum(bits: torch.Tensor) -> torch.Tensor:
     return table[bits.contiguous().view(torch.uint8).long()].sum()
 
 
-def _kq_pairs(sub: torch.Tensor, S: int, BNQ: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows `[B, R, K]` -> 0-d sums (no sync) of their (row, BNQ-key tile) pairs, and of those pairs whose row has
-    keys in both BNQ/2-key halves of the tile (keyq2's "both" class; the rest are one-half pairs). One sort serves
-    both: a row's keys ascending give its tiles and halves ascending."""
-    srt = torch.where((sub >= 0) & (sub < S), sub, -1).sort(-1).values
-    kt = torch.where(srt >= 0, srt // BNQ, -1)
-    hf = torch.where(srt >= 0, srt // (BNQ // 2), -1)
-    first = torch.ones_like(kt, dtype=torch.bool)
-    first[..., 1:] = kt[..., 1:] != kt[..., :-1]
-    kq = (first & (kt >= 0)).sum(dtype=torch.float64)
-    # an upper half is "both" when the key just before its first key lies in the lower half of the same tile
-    both = (hf[..., 1:] % 2 == 1) & (hf[..., 1:] != hf[..., :-1]) & (hf[..., :-1] == hf[..., 1:] - 1) & \
-        (hf[..., :-1] >= 0)
-    return kq, both.sum(dtype=torch.float64)
-
-
 def sample_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE,
-                 BNQ: int = KEYQ_TILE) -> tuple[float, float, float, float, float]:
+                 BNQ: int = KEYQ_TILE) -> tuple[float, float, float, float]:
     """From SAMPLE_TILES evenly spread tiles: (selected pairs, union keys, touched key tiles of BN keys,
-    (query, key tile of BNQ keys) pairs, those of them with keys in both halves of the tile (keyq2)), each per
-    tile and averaged (one small bitmap build and one
+    (query, key tile of BNQ keys) pairs), each per tile and averaged (one small bitmap build and one
     host sync, the four sums read together. Session 12 call 2 measured `auto` ~1.5 ms slower than the path it
     picks, forced (32K fwd+bwd, trained and block rows), when this took 6 syncs: one per sum, `unique`, a boolean
     index, and a host copy of the popcount table every call; the one-sync form is not timed yet)."""
@@ -121,9 +99,12 @@ def sample_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE,
     n = bits.shape[0] * bits.shape[1]
     pairs = ((sub >= 0) & (sub < S)).sum()
     touched = bits.view(bits.shape[0], bits.shape[1], -1, BN // 32).ne(0).any(-1).sum()
-    kq, both = _kq_pairs(sub, S, BNQ)
-    sums = torch.stack([pairs.double(), _popcount_sum(bits).double(), touched.double(), kq, both])
-    return tuple(x / n for x in sums.tolist())
+    kt = torch.where((sub >= 0) & (sub < S), sub // BNQ, -1).sort(-1).values  # a row's key tiles, ascending
+    first = torch.ones_like(kt, dtype=torch.bool)
+    first[..., 1:] = kt[..., 1:] != kt[..., :-1]
+    kq = (first & (kt >= 0)).sum()
+    p, u, t, q = (x / n for x in torch.stack([pairs, _popcount_sum(bits), touched, kq]).tolist())
+    return p, u, t, q
 
 
 PAIR_ROWS = 1024  # stats="full": rows (evenly strided, a view) that the selected pairs per tile are counted on
@@ -131,9 +112,8 @@ PAIR_ROWS = 1024  # stats="full": rows (evenly strided, a view) that the selecte
 
 def full_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE, half: bool = False, BNQ: int = KEYQ_TILE):
     """Every tile's bitmap and |U| (the first two steps of a union build, which `build_union` then skips),
-    and from them (selected pairs, union keys, touched key tiles, (query, BNQ-key tile) pairs for keyq, those of
-    them with keys in both halves of the tile for keyq2) per tile averaged, with ONE host sync:
-    -> ((pairs, ukeys, touched, kq, kq_both), (bits, ulen, umax)). Why not a sample: the sample's bitmap runs on
+    and from them (selected pairs, union keys, touched key tiles, (query, BNQ-key tile) pairs for keyq) per tile
+    averaged, with ONE host sync: -> ((pairs, ukeys, touched, kq), (bits, ulen, umax)). Why not a sample: the sample's bitmap runs on
     SAMPLE_TILES programs, each looping over BT*K atomics, so it is latency bound (~1.9 ms of `auto`
     over union build + tile kernel at 32K on the H200, session 12's measurement of 4eda7e8), and the
     tile path builds the full bitmap anyway. Pairs come from a strided view of PAIR_ROWS rows.
@@ -155,15 +135,18 @@ def full_stats(indices: torch.Tensor, S: int, BT: int, BN: int = KEY_TILE, half:
     sub = indices[:, ::step]
     pairs = ((sub >= 0) & (sub < S)).sum(dtype=torch.float64) * (T / sub.shape[1]) / n
     touched = bits.view(bits.shape[0], bits.shape[1], -1, BN // 32).ne(0).any(-1).sum(dtype=torch.float64) / n
-    # keyq's (query, key tile of BNQ keys) pairs and keyq2's "both" ones, from the same strided rows as the pairs
-    kq, both = (x * (T / sub.shape[1]) / n for x in _kq_pairs(sub, S, BNQ))
-    parts = [pairs, ulen.sum(dtype=torch.float64) / n, touched, kq, both, ulen.max().to(torch.float64)]
+    # keyq's (query, key tile of BNQ keys) pairs, from the same strided rows as the pairs
+    kt = torch.where((sub >= 0) & (sub < S), sub // BNQ, -1).sort(-1).values
+    first = torch.ones_like(kt, dtype=torch.bool)
+    first[..., 1:] = kt[..., 1:] != kt[..., :-1]
+    kq = (first & (kt >= 0)).sum(dtype=torch.float64) * (T / sub.shape[1]) / n
+    parts = [pairs, ulen.sum(dtype=torch.float64) / n, touched, kq, ulen.max().to(torch.float64)]
     if half:
         parts += [ulen_h.sum(dtype=torch.float64) / ulen_h.numel(), ulen_h.max().to(torch.float64)]
     vals = torch.stack(parts).tolist()  # the one host sync
-    out = tuple(vals[:5]), (bits, ulen, max(1, int(vals[5])))
+    out = (vals[0], vals[1], vals[2], vals[3]), (bits, ulen, max(1, int(vals[4])))
     if half:
-        return (*out, (vals[6], (bits_h, ulen_h, max(1, int(vals[7])))))
+        return (*out, (vals[5], (bits_h, ulen_h, max(1, int(vals[6])))))
     return out
 
 
@@ -199,31 +182,24 @@ def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", b
         # nothing to estimate, too few queries to share keys, or the interpreter (the simple paths)
         f = "query" if fwd == "auto" else fwd
         b = "atomic" if bwd == "auto" else bwd
-        return Plan(f, b, f if b in ("tile", "keyq", "keyq2") else "query", {})
+        return Plan(f, b, f if b in ("tile", "keyq") else "query", {})
     prebuilt, half = None, None
     if stats == "full" and small_tiles and BT >= 16:
-        (pairs, ukeys, touched, kq, kq_both), prebuilt, half = full_stats(indices, S, BT, half=True)
+        (pairs, ukeys, touched, kq), prebuilt, half = full_stats(indices, S, BT, half=True)
     elif stats == "full":
-        (pairs, ukeys, touched, kq, kq_both), prebuilt = full_stats(indices, S, BT)
+        (pairs, ukeys, touched, kq), prebuilt = full_stats(indices, S, BT)
     else:
-        pairs, ukeys, touched, kq, kq_both = sample_stats(indices, S, BT)
+        pairs, ukeys, touched, kq = sample_stats(indices, S, BT)
     nt = -(-T // BT) * indices.shape[0]
     # keyq's chunks: its query lists in steps of ~BT queries (128 rows), a partial last chunk per key tile
-    nkt = indices.shape[0] * -(-S // KEYQ_TILE)
-    chunks = kq * nt / BT + nkt / 2
-    # keyq2's: the "both" lists as keyq's; the "lo" and "hi" lists hold the rest, a partial last chunk each
-    chunks_both = kq_both * nt / BT + nkt / 2
-    chunks_half = (kq - kq_both) * nt / BT + nkt
+    chunks = kq * nt / BT + indices.shape[0] * -(-S // KEYQ_TILE) / 2
     est = {"query_fwd": pairs * nt * H_kv * NS_QUERY_FWD * 1e-6,
            "tile_fwd": (ukeys * nt * H_kv * NS_TILE_FWD + pairs * nt * NS_BUILD) * 1e-6,
            "atomic_bwd": pairs * nt * H_kv * NS_QUERY_BWD * 1e-6,
            "query_dq": pairs * nt * H_kv * NS_QUERY_DQ * 1e-6,
            "tile_dq": ukeys * nt * H_kv * NS_TILE_DQ * 1e-6,
            "keymajor_dkdv": (touched * nt * H_kv * NS_KEYMAJOR + pairs * nt * NS_BUILD) * 1e-6,
-           "keyq_dkdv": (chunks * H_kv * NS_KEYQ + pairs * nt * NS_KEYQ_LISTS) * 1e-6,
-           # (lists at keyq's cost: the same bits kernel; reported only, `auto` does not take keyq2 yet)
-           "keyq2_dkdv": ((chunks_both * NS_KEYQ + chunks_half * NS_KEYQ2_HALF) * H_kv + pairs * nt * NS_KEYQ_LISTS)
-           * 1e-6}
+           "keyq_dkdv": (chunks * H_kv * NS_KEYQ + pairs * nt * NS_KEYQ_LISTS) * 1e-6}
     f = fwd if fwd != "auto" else ("tile" if est["tile_fwd"] < est["query_fwd"] else "query")
     dq = "tile" if est["tile_dq"] < est["query_dq"] else "query"
     if bwd == "auto":
@@ -238,7 +214,7 @@ def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", b
         fwd_ok = f == "tile" or fwd == "auto"
         if not grad and fwd_ok and est["tile_fwd_half"] < min(est["tile_fwd"], est["query_fwd"]):
             bt, f = BT // 2, "tile"
-        elif grad and fwd_ok and bwd in ("keyq", "keyq2"):
+        elif grad and fwd_ok and bwd == "keyq":
             # the forward's and the dq pass's tiles together: BT/2 where their sum is lower
             now = est[f"{f}_fwd"] + est[f"{dq}_dq"]
             dq_h = "tile" if est["tile_dq_half"] < est["query_dq"] else "query"
@@ -247,5 +223,4 @@ def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", b
         if bt != BT:
             prebuilt = half[1]
             est["tile_fwd"], est["tile_dq"] = est["tile_fwd_half"], est["tile_dq_half"]
-    return Plan(f, bwd, dq, est, prebuilt if f == "tile" or bwd in ("tile", "keyq", "keyq2") else None,
-                bt if f == "tile" else 0)
+    return Plan(f, bwd, dq, est, prebuilt if f == "tile" or bwd in ("tile", "keyq") else None, bt if f == "tile" else 0)

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.sparse_attention import blocks, keymajor, keyq, keyq2, paths, union
+from sparse_rl.sparse.ops.sparse_attention import blocks, keymajor, keyq, paths, union
 from sparse_rl.sparse.ops.sparse_attention.naive import shared_to_per_query, sparse_attention_naive
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 from sparse_rl.sparse.ops.pdl import pdl_enter
@@ -256,12 +256,11 @@ def _pow2_divisor(n: int) -> int:
 
 class _Call:
     """One call's arguments besides the tensors: scale, sharing, requested paths, launch overrides
-    (`tune`: {"fwd" | "dq" | "dkdv" | "bwd": (block, num_warps, num_stages), "keyq" / "keyq2": keyq.keyq_dkdv's /
-    keyq2.keyq2_dkdv's tune},
+    (`tune`: {"fwd" | "dq" | "dkdv" | "bwd": (block, num_warps, num_stages), "keyq": keyq.keyq_dkdv's tune},
     benchmarks; "plan": the statistics `auto` estimates from, "full" (default) or "sample", paths.plan's `stats`;
     "small_tiles": whether the union tiles may hold BT/2 queries where `auto` estimates them faster, default True;
     "bt": the per-query union tiles' queries, forced (benchmarks; a forward without a backward, or one whose dk/dv
-    is keyq / keyq2, keeps them for the tile dq))."""
+    is keyq, keeps them for the tile dq))."""
 
     def __init__(self, scale, query_group, q_offset, fwd_path, bwd_path, tune, key_block: int = 1):
         self.scale, self.group, self.q_offset, self.key_block = scale, query_group, q_offset, key_block
@@ -323,7 +322,7 @@ class _SparseAttention(torch.autograd.Function):
         call, pl = ctx.call, ctx.plan
         sel = union.TileSelection.from_tensors(*ctx.sel_meta[:3], st) if ctx.sel_meta else None
         if sel is not None and not sel.shared and sel.BT != union.tile_queries(q.shape[2] // k.shape[2]) \
-                and pl.bwd not in ("keyq", "keyq2"):
+                and pl.bwd != "keyq":
             sel = None  # tiles of BT/2 queries serve the tile dq; the key-major dk/dv builds BT's
         if sel is not None and sel.shared:
             sel = union.with_bits(sel, k.shape[1])
@@ -337,7 +336,7 @@ class _SparseAttention(torch.autograd.Function):
                 per_query = shared_to_per_query(idx, call.group, q.shape[1], call.q_offset)
             dq, dk, dv = _query_bwd(q, k, v, per_query, o, lse, do, dlse, call.scale, tune=call.tune.get("bwd"))
             return dq, dk, dv, None, None
-        if pl.bwd in ("keyq", "keyq2"):  # dk/dv over each key tile's query list(s) (keyq.py / keyq2.py), dq as planned
+        if pl.bwd == "keyq":  # dk/dv over each key tile's query list (keyq.py), dq as the plan says
             if per_query is None:
                 per_query = shared_to_per_query(idx, call.group, q.shape[1], call.q_offset)
             delta = keymajor.bwd_delta(o, do, dlse)
@@ -352,8 +351,7 @@ class _SparseAttention(torch.autograd.Function):
             else:
                 dq = _query_bwd(q, k, v, per_query, o, lse, do, dlse, call.scale, dkdv=False,
                                 tune=call.tune.get("bwd"))[0]
-            dkdv = keyq.keyq_dkdv if pl.bwd == "keyq" else keyq2.keyq2_dkdv
-            dk, dv = dkdv(q, k, v, per_query, do, lse, delta, call.scale, prec, tune=call.tune.get(pl.bwd))
+            dk, dv = keyq.keyq_dkdv(q, k, v, per_query, do, lse, delta, call.scale, prec, tune=call.tune.get("keyq"))
             return dq, dk, dv, None, None
         if sel is None:
             sel = union.build_union(per_query, k.shape[1], union.tile_queries(q.shape[2] // k.shape[2]),
@@ -389,7 +387,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     (-1 = none), or with `query_group` g > 1 one row per g consecutive queries `[B, ceil(T/g), K]`
     shared by them (each query then sees the row's keys <= q_offset + t) -> (out `[B, T, H, D]`,
     lse `[B, T, H]` fp32). Differentiable in q, k, v. `fwd_path` in auto/query/tile/block, `bwd_path` in
-    auto/atomic/tile/keyq/keyq2 (paths.py); `key_block`: the shared rows' key block (a hint for `auto` and the block
+    auto/atomic/tile/keyq (paths.py); `key_block`: the shared rows' key block (a hint for `auto` and the block
     launches; any rows stay exact). Falls back to the reference for unsupported shapes/dtypes."""
     _check(q, k, v, indices, query_group)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
