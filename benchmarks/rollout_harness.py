@@ -47,18 +47,17 @@ class Variant:
     skinny_tiles: tuple | None = None  # ModelRunner.skinny_tiles as pairs ((site, ((keyword, value), ...)), ...); None
     # its default (forward.SKINNY_TILES)
     fuse_indexer: bool = True  # ModelRunner.fuse_indexer: a sparse layer's q/k RoPE and indexer in one launch
-    fuse_silu: bool = False  # ModelRunner.fuse_silu: SiLU * up inside the swapab down GEMM's loads
 
     def describe(self) -> dict:
         return {"select": self.select.as_kwargs(), "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
                 "blas": self.blas, "pdl": self.pdl, "skinny_impl": self.skinny_impl,
                 "skinny_tiles": None if self.skinny_tiles is None else {k: dict(v) for k, v in self.skinny_tiles},
-                "fuse_indexer": self.fuse_indexer, "fuse_silu": self.fuse_silu}
+                "fuse_indexer": self.fuse_indexer}
 
     def runner_options(self) -> dict:
         return {"decode_select": self.select, "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
                 "blas": self.blas, "pdl": self.pdl, "skinny_impl": self.skinny_impl, "skinny_tiles": self.skinny_tiles,
-                "fuse_indexer": self.fuse_indexer, "fuse_silu": self.fuse_silu}
+                "fuse_indexer": self.fuse_indexer}
 
 
 def apply(eng, v: Variant) -> None:
@@ -74,7 +73,6 @@ def apply(eng, v: Variant) -> None:
         r.set_blas(v.blas)
     r.set_pdl(v.pdl)  # drops the graphs only when the resolved choice changes
     r.set_fuse_indexer(v.fuse_indexer)  # likewise
-    r.set_fuse_silu(v.fuse_silu)
 
 
 def free() -> None:

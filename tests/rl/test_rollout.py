@@ -550,45 +550,6 @@ def test_fused_indexer_launch_gives_the_logits_of_two_launches(llama_dir, monkey
     assert all(torch.equal(a, b) for a, b in zip(out[True], out[False]))
 
 
-def test_fused_silu_down_gemm_gives_the_logits_of_silu_mul_then_gemm(llama_dir, monkeypatch):
-    """`ModelRunner(fuse_silu=True)` with swapab GEMMs: SiLU(gate) * up formed in the down projection's operand
-    loads (`skinny_linear(silu=True)`) gives bitwise the logits of `ops.silu_mul` then the GEMM, one eager dense
-    step on the Triton kernels (interpreter); without swapab (splitk) the flag falls back to silu_mul."""
-    from sparse_rl.rl.rollout import forward
-
-    model = load_model(llama_dir)
-    opts = {"skinny_gemm": True, "skinny_impl": "swapab", "fuse_silu": True}
-    eng = _engine(model, max_batch=2, fuse_projections=True, runner_options=opts)
-    assert eng.runner.fuse_silu
-    fused, mul = [], []
-    real, real_mul = forward.skinny_linear, forward.silu_mul
-    monkeypatch.setattr(forward, "skinny_linear", lambda *a, **k: fused.append(k.get("silu")) or real(*a, **k))
-    monkeypatch.setattr(forward, "silu_mul", lambda *a, **k: mul.append(1) or real_mul(*a, **k))
-    monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
-    cache = eng._ensure_cache(32)
-    g = torch.Generator().manual_seed(8)
-    for t in (cache.k, cache.v):
-        t.copy_(torch.randn(t.shape, generator=g))
-    start = [t.clone() for t in (cache.k, cache.v)]
-    tok, pos = torch.tensor([7, 99]), torch.tensor([19, 13])
-    out = {}
-    with torch.inference_mode():
-        for on in (True, False):
-            for t, t0 in zip((cache.k, cache.v), start):
-                t.copy_(t0)
-            eng.runner.set_fuse_silu(on)
-            fused.clear(), mul.clear()
-            out[on] = eng.runner.decode_eager(cache, tok, pos, 20, "dense")
-            assert (True in fused) == on and bool(mul) != on
-        eng.runner.set_skinny_gemm(True, "splitk")
-        eng.runner.set_fuse_silu(True)
-        mul.clear()
-        eng.runner.decode_eager(cache, tok, pos, 20, "dense")
-        assert mul
-    monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
-    assert torch.equal(out[True], out[False])
-
-
 def test_pdl_resolves_off_on_the_cpu_and_is_threaded_to_every_step_kernel(llama_dir, monkeypatch, pdl_kernel_name):
     """`ModelRunner(pdl=True)` on a CPU is no error and resolves off (`_backend.resolve_pdl`); with the choice
     forced on (as on an H200), one eager sparse decode step on the Triton kernels (interpreter; 2 rows at 20

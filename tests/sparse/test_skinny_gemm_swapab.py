@@ -67,29 +67,3 @@ def test_plan_fills_one_wave_at_most():
         assert bx == 32 and 200 < -(-N // bw) * split <= 264 and split > 1 and (split - 1) * ks < K <= split * ks
     assert plan(1, 19456, 2560)[3] == 1
     assert plan(32, 2560, 4096, 128, 128, 132)[3:] == (6, 768)
-
-
-@pytest.mark.parametrize("M,N,K,dtype", [(1, 37, 50, torch.float32), (5, 70, 93, torch.bfloat16),
-                                         (32, 19, 16, torch.bfloat16), (45, 64, 200, torch.float32)])
-def test_swapab_silu_equals_silu_mul_then_gemm(M, N, K, dtype):
-    """silu=True (the MLP's down projection on x = [gate | up] `[M, 2K]`): bitwise `ops.silu_mul` (the Triton
-    kernel) followed by the same GEMM, at one split and many, and close to the PyTorch module's arithmetic; the
-    ops entry's fallback (more rows than the kernel takes) computes silu_mul_naive then F.linear."""
-    from sparse_rl.sparse.ops.decode_fused.naive import silu_mul_naive
-    from sparse_rl.sparse.ops.decode_fused.triton import silu_mul
-
-    g = torch.Generator().manual_seed(M + N + K)
-    gu, w = (3 * torch.randn(M, 2 * K, generator=g)).to(dtype), torch.randn(N, K, generator=g).to(dtype)
-    for bk in (16, 64):
-        got = swapab_linear(gu, w, bw=16, bk=bk, programs=3 * -(-N // 16), silu=True)
-        want = swapab_linear(silu_mul(gu), w, bw=16, bk=bk, programs=3 * -(-N // 16))
-        assert torch.equal(got, want)
-    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.5, rtol=2e-2)
-    torch.testing.assert_close(got.float(), skinny_linear_naive(silu_mul_naive(gu), w).float(), **tol)
-    gu65 = torch.randn(65, 2 * K, generator=g).to(dtype)
-    assert torch.equal(ops.skinny_linear(gu65, w, impl="swapab", silu=True),
-                       skinny_linear_naive(silu_mul_naive(gu65), w))
-    with pytest.raises(ValueError, match="swapab"):
-        ops.skinny_linear(gu, w, impl="splitk", silu=True)
-    with pytest.raises(ValueError, match="gate"):
-        swapab_linear(gu[:, :-1], w, silu=True)

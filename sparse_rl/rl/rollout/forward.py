@@ -235,15 +235,13 @@ class ModelRunner:
     GEMMs run (measured with them, session 12); resolved to 0 wherever
     `_backend.pdl_supported` is not, so True on a CPU, an A100 or under the interpreter is no error; the compiled
     step gets inductor's `triton.enable_pdl` instead, only when pdl is given (never timed); `set_pdl`). The runner
-    owns it: the decode select it passes down carries it (`DecodeSelect.pdl`). fuse_indexer: a sparse layer's q/k
-    RoPE + cache write and its indexer's per-token work in one launch (default on). fuse_silu: with swapab GEMMs,
-    SiLU(gate) * up formed in the down GEMM's loads instead of `ops.silu_mul` (bitwise the same; `set_fuse_silu`)."""
+    owns it: the decode select it passes down carries it (`DecodeSelect.pdl`)."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
                  decode_select: DecodeSelect | None = None, skinny_gemm=None, blas: str | None = None,
                  skinny_impl: str | None = None, skinny_tiles=None,
-                 pdl: bool | int | None = None, fuse_indexer: bool = True, fuse_silu: bool = False):
+                 pdl: bool | int | None = None, fuse_indexer: bool = True):
         base = _base(model)
         dec = base.get_decoder()
         self.model, self.base = model, base
@@ -290,9 +288,6 @@ class ModelRunner:
         # a sparse layer's q/k norm + RoPE + cache write and its indexer's per-token work in one launch
         # (`ops.qk_rope_indexer_decode`, the same values as the two launches; needs the fused projections)
         self.fuse_indexer = bool(fuse_indexer)
-        # SiLU(gate) * up formed in the swapab down GEMM's operand loads (`skinny_linear(silu=True)`: the same
-        # values as `silu_mul` then the GEMM, one launch fewer a layer); off until measured faster on the H200
-        self.fuse_silu = bool(fuse_silu)
         self._pdl_asked = pdl  # the request: the compiled step's inductor PDL only when asked for (never timed)
         self._skinny_cnt: dict = {}  # id(module or fused weight) -> its tile counters (ops.skinny_linear)
         self.fused_layers = ([FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
@@ -558,17 +553,12 @@ class ModelRunner:
             return None
         return self._counters(fused, fused.weight.shape[0], x.device)
 
-    def _skinny_out(self, mod, x, compiled: bool, name: str) -> bool:
-        """Whether `_out` runs mod as `ops.skinny_linear`: `skinny_gemm` names it and it applies (eager, a plain
-        bias-free Linear, at most 32 rows)."""
-        return not (name not in self.skinny_gemm or compiled
-                    or x.shape[0] > min(SKINNY_ROWS[self.skinny_impl], SKINNY_MAX_ROWS)
-                    or type(mod) is not torch.nn.Linear or mod.bias is not None)
-
     def _out(self, mod, x, compiled: bool, name: str = "o_proj"):
-        """mod(x) for a layer's o_proj / down_proj: `ops.skinny_linear` where `_skinny_out` says, else the module
-        (peft wrappers included)."""
-        if not self._skinny_out(mod, x, compiled, name):
+        """mod(x) for a layer's o_proj / down_proj: `ops.skinny_linear` when `skinny_gemm` names it and it
+        applies (eager, a plain bias-free Linear, at most 32 rows), else the module (peft wrappers included)."""
+        if (name not in self.skinny_gemm or compiled or x.shape[0] > min(SKINNY_ROWS[self.skinny_impl], SKINNY_MAX_ROWS)
+                or type(mod) is not torch.nn.Linear
+                or mod.bias is not None):
             return mod(x)
         return skinny_linear(x, mod.weight, self._counters(mod, mod.out_features, x.device), **self._skinny_kw(name))
 
@@ -597,16 +587,10 @@ class ModelRunner:
         self.drop_graphs()
 
     def _mlp(self, mlp, fl, x, compiled: bool = False):
-        """The MLP of one token per row: one gate/up GEMM and `ops.silu_mul` when fused (with `fuse_silu` and a
-        swapab down_proj, inside that GEMM's loads), else the module."""
+        """The MLP of one token per row: one gate/up GEMM and `ops.silu_mul` when fused, else the module."""
         if fl is None or fl.gate_up is None:
             return mlp(x)
         gu = fl.gate_up(x, skinny=self._skinny("gate_up", fl.gate_up, x), skinny_kw=self._skinny_kw("gate_up"))
-        if fl.silu and self.fuse_silu and self.skinny_impl == "swapab" and self._skinny_out(mlp.down_proj, gu,
-                                                                                              compiled, "down_proj"):
-            down = mlp.down_proj
-            return skinny_linear(gu, down.weight, self._counters(down, down.out_features, gu.device), silu=True,
-                                 **self._skinny_kw("down_proj"))
         if fl.silu:
             a = silu_mul(gu, pdl=self.pdl)
         else:
@@ -806,13 +790,6 @@ class ModelRunner:
         graphs hold the old launches: dropped when the choice changes)."""
         if bool(on) != self.fuse_indexer:
             self.fuse_indexer = bool(on)
-            self.drop_graphs()
-
-    def set_fuse_silu(self, on: bool) -> None:
-        """SiLU · up inside the swapab down GEMM (True) or `ops.silu_mul` before it from the next step (the graphs
-        hold the old launches: dropped when the choice changes)."""
-        if bool(on) != self.fuse_silu:
-            self.fuse_silu = bool(on)
             self.drop_graphs()
 
     def set_decode_select(self, decode_select: DecodeSelect) -> None:

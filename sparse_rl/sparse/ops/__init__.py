@@ -244,18 +244,14 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = N
     """x `[M, K]` (M <= 32; 64 for "swapab") @ w `[N, K]`ᵀ -> `[M, N]`, no bias: the Triton kernel splits K inside
     one launch (cnt: the call site's tile counters, `skinny_gemm.triton.counters`; kw: its tiles). impl:
     "splitk" (`skinny_gemm/triton.py`: the rows in the MMA's M) or "swapab" (`skinny_gemm/swapab.py`: yᵀ = W xᵀ,
-    the weight rows in the MMA's M, wgmma on sm_90a; kw may carry its `pdl` level, and `silu=True`: x is
-    [gate | up] `[M, 2K]` and the operand `silu_mul(x)`, formed in the GEMM's loads). The reference is
-    F.linear's arithmetic (after `silu_mul`'s)."""
-    from sparse_rl.sparse.ops.decode_fused.naive import silu_mul_naive
+    the weight rows in the MMA's M, wgmma on sm_90a; kw may carry its `pdl` level). The reference is
+    F.linear's arithmetic."""
     from sparse_rl.sparse.ops.skinny_gemm.naive import skinny_linear_naive
 
     if impl not in SKINNY_IMPLS:
         raise ValueError(f"skinny_linear: impl {impl!r} not among {SKINNY_IMPLS}")
-    if kw.get("silu") and impl != "swapab":
-        raise ValueError("skinny_linear: silu=True needs impl 'swapab'")
     fn = (kernel("skinny_gemm", "skinny_linear") if impl == "splitk"
           else kernel("skinny_gemm", "swapab_linear", module="swapab"))
     if x.shape[0] <= SKINNY_ROWS[impl] and resolve_backend(backend, x, fn is not None) == "triton":
         return fn(x, w, cnt, **kw)
-    return skinny_linear_naive(silu_mul_naive(x) if kw.get("silu") else x, w)
+    return skinny_linear_naive(x, w)

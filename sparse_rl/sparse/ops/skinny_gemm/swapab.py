@@ -14,12 +14,6 @@ to 0 (CUDA-graph replays need no memset; the counters are `triton.counters`, one
 PDL (programmatic dependent launch, level `_backend.PDL_LEVELS`): the weight is no output of the previous
 kernel, so the program's first weight tile is loaded BEFORE `gdc_wait` (overlapping this kernel's ramp with
 the previous kernel's tail); x (the previous kernel's output) only after it.
-
-SILU (the MLP's down projection): x is the gate/up GEMM's output `[M, 2K]` and the kernel forms its operand
-SiLU(gate) * up tile by tile as it loads it, rounded where `ops.silu_mul` rounds (SiLU's output, then the
-product, in x's dtype), so the result is bitwise that of `silu_mul` followed by this GEMM, one launch (and one
-[M, K] write and read) fewer a layer. Each program forms only its own K slice; the N tiles repeat it (x is a few
-hundred KB, from L2).
 """
 
 from __future__ import annotations
@@ -32,22 +26,8 @@ from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 
 @triton.jit
-def _x_tile(xp, k, K, mask, SILU: tl.constexpr):
-    """The operand's [BK, BX] tile at column k: x itself, or with SILU SiLU(gate) * up from x = [gate | up]
-    (up K columns to the right), rounded as `decode_fused.triton._silu_mul_kernel` rounds."""
-    if SILU:
-        g = tl.load(xp + k, mask=mask, other=0.0)
-        u = tl.load(xp + K + k, mask=mask, other=0.0)
-        gf = g.to(tl.float32)
-        a = (gf / (1.0 + tl.exp(-gf))).to(u.dtype)
-        return (a.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
-    return tl.load(xp + k, mask=mask, other=0.0)
-
-
-@triton.jit
 def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.constexpr, BW: tl.constexpr,
-                   BX: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
-                   SILU: tl.constexpr):
+                   BX: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr):
     pn = tl.program_id(0)
     ps = tl.program_id(1)
     offs_w = pn * BW + tl.arange(0, BW)
@@ -66,13 +46,13 @@ def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.c
         tl.extra.cuda.gdc_wait()
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
-    x = _x_tile(xp, k0, K, (kk[:, None] < k_end) & mx[None, :], SILU)
+    x = tl.load(xp + k0, mask=(kk[:, None] < k_end) & mx[None, :], other=0.0)
     acc = dot(w, x, PREC)  # [BW, BX] fp32
     for k in range(k0 + BK, k_end, BK):
         kk = k + offs_k
         mk = kk < k_end
         w = tl.load(wp + k, mask=mw[:, None] & mk[None, :], other=0.0)
-        x = _x_tile(xp, k, K, mk[:, None] & mx[None, :], SILU)
+        x = tl.load(xp + k, mask=mk[:, None] & mx[None, :], other=0.0)
         acc += dot(w, x, PREC)
     omask = mw[:, None] & mx[None, :]
     if ONE:
@@ -107,20 +87,16 @@ def plan(M: int, N: int, K: int, bw: int = 128, bk: int = 64, programs: int = 26
 
 
 def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = None, *, bw: int = 128, bk: int = 64,
-                  programs: int = 264, num_warps: int = 4, num_stages: int = 4, pdl: int = 0,
-                  silu: bool = False) -> torch.Tensor:
+                  programs: int = 264, num_warps: int = 4, num_stages: int = 4, pdl: int = 0) -> torch.Tensor:
     """x `[M, K]` (M <= 64, last dim contiguous), w `[N, K]` (contiguous rows) -> `[M, N]` in x's dtype, as
     `naive.skinny_linear_naive` up to the fp32 summation order. cnt: this call site's `triton.counters(N, ...)`
-    (None: fresh ones, not for CUDA graphs). pdl: a resolved PDL level (0 off; launched with launch_pdl at >= 1).
-    silu: x is `[M, 2K]` = [gate | up] and the GEMM's operand SiLU(gate) * up (`ops.silu_mul`'s values)."""
+    (None: fresh ones, not for CUDA graphs). pdl: a resolved PDL level (0 off; launched with launch_pdl at >= 1)."""
     from sparse_rl.sparse.ops.skinny_gemm.triton import counters
 
-    M, K2 = x.shape
-    K = K2 // 2 if silu else K2
+    M, K = x.shape
     N = w.shape[0]
-    if M > 64 or w.shape[1] != K or (silu and K2 != 2 * K):
-        raise ValueError(f"swapab_linear: x {tuple(x.shape)}, w {tuple(w.shape)} (needs M <= 64 and a shared K"
-                         f"{', x = [gate | up] of 2K columns' if silu else ''})")
+    if M > 64 or w.shape[1] != K:
+        raise ValueError(f"swapab_linear: x {tuple(x.shape)}, w {tuple(w.shape)} (needs M <= 64 and a shared K)")
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     interp = not x.is_cuda
@@ -140,7 +116,6 @@ def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = N
     kw = {"launch_pdl": True} if pdl else {}
     _swapab_kernel[(triton.cdiv(N, BW), SPLIT)](x, w, out, part, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
                                                 KS, SPLIT, BW=BW, BX=BX, BK=BK, ONE=SPLIT == 1, PDL=int(pdl),
-                                                PREC=dot_precision(x.dtype), SILU=bool(silu),
-                                                num_warps=1 if interp else num_warps,
+                                                PREC=dot_precision(x.dtype), num_warps=1 if interp else num_warps,
                                                 num_stages=1 if interp else num_stages, **kw)
     return out
