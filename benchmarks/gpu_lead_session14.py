@@ -16,6 +16,10 @@ Predictions (before the call): silu fused -0.05..-0.12 ms a step at b32 (36 x ~2
 round trip), -0.03..-0.08 at b1; attention: auto with halves ~33 ms vs ~36.2 (session 13 helper bwd13: keyq with
 16-query tiles 33.22 vs auto 36.18), dq 7.9 vs 9.4 ms inside it.
 
+Ran at b1fe184 (results/2026-12-03-h200-main-session14.md). Both losers were reverted after it (1b8e943 keyq2,
+c3c6765 fuse_silu), so at later commits the engine part and the keyq2 variants fail (recorded as errors): check out
+b1fe184 to rerun them.
+
     PYTHONPATH=$PWD python benchmarks/gpu_lead_session14.py --budget 420
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/gpu_lead_session14.py --cpu-smoke --budget 600
 """

@@ -212,7 +212,7 @@ def plan(indices: torch.Tensor, S: int, H_kv: int, BT: int, fwd: str = "auto", b
         est["tile_fwd_half"] = (half[0] * nt_h * H_kv * NS_TILE_FWD_64 + pairs * nt * NS_BUILD) * 1e-6
         est["tile_dq_half"] = half[0] * nt_h * H_kv * NS_TILE_DQ_64 * 1e-6
         fwd_ok = f == "tile" or fwd == "auto"
-        if not grad and fwd_ok and est["tile_fwd_half"] < min(est["tile_fwd"], est["query_fwd"]):
+        if not grad and fwd_ok and est["tile_fwd_half"] < est[f"{f}_fwd"]:
             bt, f = BT // 2, "tile"
         elif grad and fwd_ok and bwd == "keyq":
             # the forward's and the dq pass's tiles together: BT/2 where their sum is lower
