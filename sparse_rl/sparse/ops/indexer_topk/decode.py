@@ -47,13 +47,13 @@ import triton
 import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _append, _block, _bstar_of, _emit,  # noqa: F401
-                                                           _okey_inv, _pad_rest, _radix_level, _radix_threshold,
-                                                           _sort_threshold)
+                                                           _okey_inv, _pad_rest, _query_of, _radix_level,
+                                                           _radix_threshold, _score_tile, _sort_threshold)
 from sparse_rl.sparse.ops.indexer_topk.decode_select import (AUTO_LONG, FINE_RESOLVES, IMPLS,  # noqa: F401
                                                              ROW_MAX_KEYS, DecodeSelect)
 from sparse_rl.sparse.ops.indexer_topk.decode_bits import _code
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
-from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
+from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 from sparse_rl.sparse.ops.pdl import pdl_enter
 
 # candidates (keys in the threshold's bin) resolved by one sort rather than four radix passes over them
@@ -99,23 +99,13 @@ def _score_max(Q, W, KI, KS, POS, KVS, SC, RNG, sqb, sqh, sqd, swb, swh, skb, sk
         start = 0
     c0 = p * CH
     if c0 <= pos:
-        offs_h = tl.arange(0, HB)
-        offs_d = tl.arange(0, BD)
-        qt = tl.load(Q + b * sqb + offs_h[None, :] * sqh + offs_d[:, None] * sqd,
-                     mask=(offs_h[None, :] < HI) & (offs_d[:, None] < DI), other=0.0)  # [BD, HB]
-        wv = tl.load(W + b * swb + offs_h * swh, mask=offs_h < HI, other=0.0).to(tl.float32)
+        qt, wv = _query_of(Q, W, b, sqb, sqh, sqd, swb, swh, HI, DI, HB, BD)
         mx = float("-inf")
         mn = float("inf")
         for i in range(0, CH // BN):
             offs_n = c0 + i * BN + tl.arange(0, BN)
             vis = (offs_n <= pos) & (offs_n >= start) & (offs_n < S)
-            k = tl.load(KI + b * skb + offs_n[:, None] * sks + offs_d[None, :] * skd,
-                        mask=vis[:, None] & (offs_d[None, :] < DI), other=0.0)  # [BN, BD]
-            if FP8:  # e4m3 keys (exact in bf16/fp32), their per-token scale after the head sum
-                s = tl.sum(tl.maximum(dot(k.to(qt.dtype), qt, PREC), 0.0) * wv[None, :], 1)
-                s = s * tl.load(KS + b * ssb + offs_n, mask=vis, other=0.0)
-            else:
-                s = tl.sum(tl.maximum(dot(k, qt, PREC), 0.0) * wv[None, :], 1)
+            s = _score_tile(KI, KS, b, skb, sks, skd, ssb, offs_n, vis, qt, wv, DI, BD, PREC, FP8)
             forced = vis & ((offs_n < start + sink) | (offs_n > pos - window))
             s = tl.where(vis, s, float("-inf"))
             if not BITS:
@@ -258,7 +248,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
                         row_block: int = 4096, row_warps: int = 16, fine_cap: int | None = None,
                         row_max_keys: int = ROW_MAX_KEYS, auto_long: str = AUTO_LONG, score_block: int = 0,
                         fine_resolve: str = "each", fine_block: int = 0, fine_prefetch: bool = False,
-                        fine_maxnreg: int = 0, pdl: bool = False):
+                        fine_maxnreg: int = 0, sync_per_sm: int = 0, pdl: bool = False):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference. candidates=True also returns each row's number of second-level
@@ -279,7 +269,9 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     decode_fine_once.py); fine_block: the keys a step of the fine select's (chunk, row) loops (0: the passes'
     common step, 256 on a GPU; capped at the chunk); fine_prefetch: with "arrive" / "pass", the histogram and
     gather passes load their chunk's first scores before the row's tiles; fine_maxnreg: a register cap for the fine
-    select's pass that resolves the threshold (0: the compiler's choice). Every impl selects the same keys. pdl: the
+    select's pass that resolves the threshold (0: the compiler's choice). "sync": the score pass, the radix levels
+    and the write in one launch, the row's programs meeting at in-kernel barriers (`decode_sync.py`; score_block
+    its keys a step, sync_per_sm its most programs an SM, 0 = as many as fit). Every impl selects the same keys. pdl: the
     score pass and the fine / split passes launched with programmatic dependent launch (`DecodeSelect.pdl`, set by
     the rollout runner from `ModelRunner.pdl`; the other impls' passes launch plainly: any mix is safe, since
     every PDL kernel waits before its first load)."""
@@ -314,6 +306,12 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
         raise ValueError(f"fine_resolve {fine_resolve!r}: expected one of {', '.join(FINE_RESOLVES)}")
     if impl == "auto":
         impl = "row" if S <= row_max_keys else auto_long
+    if impl == "sync":  # one launch, the row's programs meeting at in-kernel barriers (decode_sync.py)
+        from sparse_rl.sparse.ops.indexer_topk.decode_sync import sync_select
+
+        out = sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk, sink, window, kv_start is not None,
+                          block=score_block, num_warps=num_warps or 4, per_sm=sync_per_sm, pdl=pdl, chunk=chunk)
+        return (out, None) if candidates else out
     if impl == "bsearch":
         from sparse_rl.sparse.ops.indexer_topk.decode_bsearch import BSEARCH_MAX_KEYS
 

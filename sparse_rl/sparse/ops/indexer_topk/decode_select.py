@@ -21,7 +21,9 @@ from dataclasses import dataclass
 # "bsearch" (decode_bsearch.py: one program per row, the k-th largest key found bit by bit in registers) is
 # opt-in: exact and two launches a layer, but 0.34-0.36 ms slower a batch-32 step than fine at 2.3K-16K
 # (results/2026-12-02-h200-bsearch-session10.md).
-IMPLS = ("auto", "chunked", "row", "split", "fine", "bits", "bsearch")
+# "sync" (decode_sync.py): the score pass, four radix levels and the write in ONE launch, the row's programs
+# meeting at in-kernel barriers (not yet timed on a GPU when added, session 15).
+IMPLS = ("auto", "chunked", "row", "split", "fine", "bits", "bsearch", "sync")
 # where the fine select resolves a row's threshold (`DecodeSelect.fine_resolve`): "each" (decode_fine.py: every
 # (chunk, row) program of its last pass repeats it), "arrive" (decode_fine_once.py: once, by the row's last
 # program of the gather pass), "pass" (decode_fine_once.py: once, by a [B]-program pass of its own); "arrive" /
@@ -59,6 +61,7 @@ class DecodeSelect:
     fine_block: int = 0
     fine_prefetch: bool = False
     fine_maxnreg: int = 0
+    sync_per_sm: int = 0
     pdl: int = 0
 
     def __post_init__(self):
@@ -72,6 +75,8 @@ class DecodeSelect:
             raise ValueError(f"fine_block {self.fine_block}: must be 0 or a power of two")
         if self.fine_maxnreg and not 24 <= self.fine_maxnreg <= 255:
             raise ValueError(f"fine_maxnreg {self.fine_maxnreg}: must be 0 (the compiler's choice) or 24-255")
+        if not 0 <= self.sync_per_sm <= 32:
+            raise ValueError(f"sync_per_sm {self.sync_per_sm}: must be 0 (as many as fit) or 1-32")
         if self.num_warps not in (0, 1, 2, 4, 8, 16):
             raise ValueError(f"num_warps {self.num_warps}: must be 0 (the default) or a power of two up to 16")
         if self.pdl not in (0, 1, 2):  # ops/_backend.PDL_LEVELS (not imported here: this module has no torch)
@@ -81,7 +86,7 @@ class DecodeSelect:
         return {"impl": self.impl, "row_max_keys": self.row_max_keys, "auto_long": self.long, "fine_cap": self.fine_cap,
                 "score_block": self.score_block, "num_warps": self.num_warps or None, "fine_resolve": self.fine_resolve,
                 "fine_block": self.fine_block, "fine_prefetch": self.fine_prefetch,
-                "fine_maxnreg": self.fine_maxnreg, "pdl": self.pdl}
+                "fine_maxnreg": self.fine_maxnreg, "sync_per_sm": self.sync_per_sm, "pdl": self.pdl}
 
 
 # The rollout engine's default (`ModelRunner(decode_select=None)`, the GRPO and `bench rollout` defaults):

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
+from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot
 
 NB = 128  # first-level bins
 
@@ -17,6 +18,34 @@ NB = 128  # first-level bins
 def _okey_inv(k):
     """fp32 of the order-preserving key `_okey` made."""
     return tl.where((k >> 31) == 1, k & 0x7FFFFFFF, ~k).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _query_of(Q, W, b, sqb, sqh, sqd, swb, swh, HI, DI, HB: tl.constexpr, BD: tl.constexpr):
+    """Row b's index query, transposed `[BD, HB]` (zero-padded), and its head weights `[HB]` fp32."""
+    offs_h = tl.arange(0, HB)
+    offs_d = tl.arange(0, BD)
+    qt = tl.load(Q + b * sqb + offs_h[None, :] * sqh + offs_d[:, None] * sqd,
+                 mask=(offs_h[None, :] < HI) & (offs_d[:, None] < DI), other=0.0)
+    wv = tl.load(W + b * swb + offs_h * swh, mask=offs_h < HI, other=0.0).to(tl.float32)
+    return qt, wv
+
+
+@triton.jit
+def _score_tile(KI, KS, b, skb, sks, skd, ssb, offs_n, vis, qt, wv, DI, BD: tl.constexpr, PREC: tl.constexpr,
+                FP8: tl.constexpr):
+    """Index scores `[BN]` fp32 of row b's keys offs_n (0 where not vis): a small tensor-core dot against all
+    index heads (qt, wv: `_query_of`), ReLU, the weighted head sum; fp8 keys (e4m3, exact in bf16/fp32) take
+    their per-token scale KS after the head sum."""
+    offs_d = tl.arange(0, BD)
+    k = tl.load(KI + b * skb + offs_n[:, None] * sks + offs_d[None, :] * skd,
+                mask=vis[:, None] & (offs_d[None, :] < DI), other=0.0)  # [BN, BD]
+    if FP8:
+        s = tl.sum(tl.maximum(dot(k.to(qt.dtype), qt, PREC), 0.0) * wv[None, :], 1)
+        s = s * tl.load(KS + b * ssb + offs_n, mask=vis, other=0.0)
+    else:
+        s = tl.sum(tl.maximum(dot(k, qt, PREC), 0.0) * wv[None, :], 1)
+    return s
 
 
 @triton.jit

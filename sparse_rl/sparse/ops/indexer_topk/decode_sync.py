@@ -1,0 +1,286 @@
+"""The decode select in one launch (`indexer_topk_decode(impl="sync")`): the index scores, four 8-bit radix
+levels and the write, the row's (chunk) programs meeting at in-kernel barriers between them.
+
+Why: the other forms pay a launch per pass. On the H200 (Qwen3-4B shape, batch 32) the fine select's chain (score
+pass + three (chunk, row) launches) took ~26 us a layer at 2.3K context, where its bytes are nothing, and ~80 us
+at 16K (session 13 profile, results/2026-12-02-h200-lead-session13.md): ~0.9-2.2 ms of a 6.3-8.5 ms step, against
+~0.5 ms for the index keys read at the copy bandwidth. What separates the passes is a sum over the row's chunks
+(a histogram), which needs every chunk's program to have finished the pass before. Here each program publishes its
+chunk's histogram, arrives at the row's counter (release) and waits for the row's other programs (acquire), so a
+pass boundary costs an L2 round trip instead of a launch.
+
+One program per (chunk, row), `CH` keys each:
+1. scores of the chunk (`decode_steps._score_tile`: +inf forced, the visible keys only) to a `[B, S]` fp32
+   scratch, and the chunk's histogram of the top 8 bits of u = okey(score) (larger u = larger score).
+2. for each level l = 0..3: barrier; the row's histogram of level l (the sum of its chunks') gives the digit d*
+   holding the rem-th largest remaining key (rem starts at K); each chunk's keys above d* are counted for the
+   output offsets; if d*'s keys are exactly the rem left (or l = 3) the threshold is resolved, else each
+   program histograms the next 8 bits of its keys whose first 8(l+1) bits equal the prefix.
+3. the keys whose resolved prefix is above the threshold's are kept; of those equal to it (exact ties once all 32
+   bits are resolved) the rem latest, the reference's rule (ties to the later key): a chunk takes its latest ones
+   after the later chunks' are counted. Each program writes its kept positions in ascending order at the offset
+   the earlier chunks' counts give; the row's last visible chunk pads with -1.
+A row with at most K visible keys keeps them all (no level is needed).
+
+The barriers need every program of a row resident at once: the grid is sized to the programs the SMs hold at
+once (`sync_chunks`, from the compiled kernel's registers), and the kernel lets the next PDL kernel launch only
+when its last barrier is passed (a dependent's waiting programs would otherwise hold SMs the row still needs).
+The row's counters return to zero at the end of every launch (its last program resets them), so one zeroed
+buffer per device serves every launch (`_counters`).
+
+Under TRITON_INTERPRET (programs run one after another: a barrier would never open) and with `phased=True`,
+the same kernel runs as five launches, PHASE 1..5, each doing one stage and re-deriving the earlier levels'
+results from the stored histograms: the barrier's place taken by the launch boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_rl.sparse.ops.indexer_topk.decode_steps import _emit, _pad_rest, _query_of, _score_tile
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
+from sparse_rl.sparse.ops.pdl import pdl_enter
+
+NR = 256  # bins of a radix level (8 bits)
+MAX_CHUNKS = 32  # a row's chunks at most: each program sums `[CMAX, NR]` histograms in registers
+MIN_CHUNK = 256  # keys a program at least (shorter rows take fewer chunks)
+# Triton 3.6 compiles the one-launch kernel (4 warps, 64-key steps, sm_90a) to 188-228 registers (2 programs an
+# SM); its stages alone take 128 (scores + histogram) and 123 (levels + write): capped at 128 it keeps 24 B of
+# stack and 4 programs an SM stay resident (benchmarks/sm90_sync.py)
+MAXNREG = 128
+
+
+@triton.jit
+def _row_barrier(ARR, b, target):
+    """Program arrives at row b's counter and waits until it reads `target`: every store the program made
+    before is visible to the row's programs after theirs (the CTA barrier orders its threads' stores
+    before the one thread's release; the acquire and the CTA barrier after it order the loads that follow)."""
+    tl.debug_barrier()
+    tl.atomic_add(ARR + b, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(ARR + b, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(ARR + b, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _level(H, b, lv, nvis, rem, above, CMAX: tl.constexpr):
+    """Level lv of row b from its chunks' histograms H `[B, 4, CMAX, NR]`: the digit d* holding the rem-th
+    largest key of those matching the prefix, -> (d*, above `[CMAX]` plus each chunk's keys above d*, each
+    chunk's keys in d* `[CMAX]`, the rem left within d*, d*'s count in the row, the row's keys at this level, each
+    chunk's `[CMAX]`)."""
+    offs_c = tl.arange(0, CMAX)
+    offs_d = tl.arange(0, 256)
+    h = tl.load(H + ((b * 4 + lv) * CMAX + offs_c[:, None]) * 256 + offs_d[None, :], mask=offs_c[:, None] < nvis,
+                other=0, cache_modifier=".cg")  # [CMAX, NR] (.cg: other SMs wrote it, past this SM's L1)
+    row = tl.sum(h, 0)  # [NR]
+    ge = tl.sum(row, 0) - tl.cumsum(row, 0) + row  # keys with digit >= d
+    dstar = tl.max(tl.where(ge >= rem, offs_d, -1), 0)
+    hi = offs_d[None, :] > dstar
+    above += tl.sum(tl.where(hi, h, 0), 1)
+    ties = tl.sum(tl.where(offs_d[None, :] == dstar, h, 0), 1)
+    rem = rem - tl.sum(tl.where(offs_d > dstar, row, 0), 0)
+    return dstar, above, ties, rem, tl.sum(ties, 0), tl.sum(row, 0), tl.sum(h, 1)
+
+
+@triton.jit
+def _digits_hist(SC, b, S, pos, start, c0, CH, prefix, LV: tl.constexpr, BN: tl.constexpr):
+    """The chunk's histogram `[NR]` of level LV's digit over its visible keys whose first 8 * LV bits are
+    prefix (LV 1..3; the scores are this program's own stores)."""
+    bins = tl.arange(0, 256)
+    hist = tl.zeros([256], tl.int32)
+    for i in range(0, CH, BN):
+        offs_n = c0 + i + tl.arange(0, BN)
+        vis = (offs_n <= pos) & (offs_n >= start) & (offs_n < S)
+        u = _okey(tl.load(SC + b * S + offs_n, mask=vis, other=0.0))
+        m = vis & ((u >> (32 - 8 * LV)) == prefix)
+        dig = tl.where(m, ((u >> (24 - 8 * LV)) & 255).to(tl.int32), 0)
+        hist += tl.histogram(dig, 256) - tl.where(bins == 0, tl.sum((~m).to(tl.int32), 0), 0)
+    return hist
+
+
+@triton.jit
+def _sync_select(Q, W, KI, KS, POS, KVS, SC, H, ARR, OUT, sqb, sqh, sqd, swb, swh, skb, sks, skd, ssb, sob,
+                 S, K, sink, window, HI, DI, CH, NROW,
+                 HB: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, CMAX: tl.constexpr, PREC: tl.constexpr,
+                 FP8: tl.constexpr, HAS_START: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr = 0):
+    if PHASE <= 1:
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # no load before the previous kernel is done; dependents only after the barriers
+    p = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    pos = tl.load(POS + b).to(tl.int32)
+    if HAS_START:  # left padding: the row's first valid key
+        start = tl.load(KVS + b)
+    else:
+        start = 0
+    c0 = p * CH
+    nvis = pos // CH + 1  # the row's programs that take part (the later chunks hold no visible key)
+    offs_c = tl.arange(0, CMAX)
+    bins = tl.arange(0, 256)
+    if c0 <= pos:
+        if PHASE <= 1:  # scores to the scratch and the first level's histogram
+            qt, wv = _query_of(Q, W, b, sqb, sqh, sqd, swb, swh, HI, DI, HB, BD)
+            hist = tl.zeros([256], tl.int32)
+            for i in range(0, CH, BN):
+                offs_n = c0 + i + tl.arange(0, BN)
+                vis = (offs_n <= pos) & (offs_n >= start) & (offs_n < S)
+                s = _score_tile(KI, KS, b, skb, sks, skd, ssb, offs_n, vis, qt, wv, DI, BD, PREC, FP8)
+                s = tl.where(vis & ((offs_n < start + sink) | (offs_n > pos - window)), float("inf"), s)
+                tl.store(SC + b * S + offs_n, s, mask=vis)
+                dig = tl.where(vis, (_okey(s) >> 24).to(tl.int32), 0)
+                hist += tl.histogram(dig, 256) - tl.where(bins == 0, tl.sum((~vis).to(tl.int32), 0), 0)
+            tl.store(H + ((b * 4) * CMAX + p) * 256 + bins, hist)
+        prefix = tl.zeros([], tl.uint32)
+        rem = K + tl.zeros([], tl.int32)
+        above = tl.zeros([CMAX], tl.int32)
+        ties = tl.zeros([CMAX], tl.int32)
+        levels = tl.zeros([], tl.int32)  # resolved levels: the threshold's prefix has 8 * levels bits
+        done = tl.zeros([], tl.int32)
+        take_all = tl.zeros([], tl.int32)
+        for lv in tl.static_range(4):
+            if done == 0:
+                if PHASE == 0:
+                    _row_barrier(ARR, b, (lv + 1) * nvis)
+                if (PHASE == 0) | (PHASE > lv + 1):
+                    dstar, above, ties, rem, nbin, total, cnt = _level(H, b, lv, nvis, rem, above, CMAX)
+                    prefix = (prefix << 8) | dstar.to(tl.uint32)
+                    levels = tl.full([], lv + 1, tl.int32)
+                    if lv == 3:  # all 32 bits resolved: what is left are exact ties
+                        done = tl.full([], 1, tl.int32)
+                    elif rem == nbin:  # the digit's keys are all kept
+                        done = tl.full([], 1, tl.int32)
+                    if lv == 0:
+                        if total <= K:  # every visible key is kept
+                            take_all = tl.full([], 1, tl.int32)
+                            above = cnt
+                            done = tl.full([], 1, tl.int32)
+                    if lv < 3:
+                        if done == 0:
+                            if (PHASE == 0) | (PHASE == lv + 2):
+                                hist = _digits_hist(SC, b, S, pos, start, c0, CH, prefix, lv + 1, BN)
+                                tl.store(H + ((b * 4 + lv + 1) * CMAX + p) * 256 + bins, hist)
+        if (PHASE == 0) | (PHASE == 5):
+            if PDL == 2:
+                tl.extra.cuda.gdc_launch_dependents()  # every program of the grid is past its barriers
+            # ties: each chunk keeps its latest ones after the later chunks' (ties to the later key)
+            later = tl.sum(ties, 0) - tl.cumsum(ties, 0)
+            take = tl.minimum(tl.maximum(rem - later, 0), ties)
+            take = tl.where(take_all == 1, 0, take)
+            emit = above + take
+            off = tl.sum(tl.where(offs_c < p, emit, 0), 0)
+            first = tl.sum(tl.where(offs_c == p, ties - take, 0), 0)  # the chunk's ties before `first` are dropped
+            shift = 32 - 8 * levels
+            seen = 0
+            for i in range(0, CH, BN):
+                offs_n = c0 + i + tl.arange(0, BN)
+                vis = (offs_n <= pos) & (offs_n >= start) & (offs_n < S)
+                v = _okey(tl.load(SC + b * S + offs_n, mask=vis, other=0.0)) >> shift
+                tie = vis & (v == prefix)
+                order = seen + tl.cumsum(tie.to(tl.int32), 0) - 1
+                seen += tl.sum(tie.to(tl.int32), 0)
+                sel = vis & ((v > prefix) | (tie & (order >= first)) | (take_all + tl.zeros([BN], tl.int32) > 0))
+                off = _emit(OUT, b, sob, offs_n, sel, off)
+            if p == nvis - 1:  # the last visible chunk's end is the row's count: pad the rest with -1
+                _pad_rest(OUT, b, sob, off, K, BN)
+        if PHASE == 0:  # the row's last program to leave resets its counters for the next launch
+            tl.debug_barrier()
+            if tl.atomic_add(ARR + NROW + b, 1, sem="acq_rel", scope="gpu") == nvis - 1:
+                tl.atomic_xchg(ARR + b, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(ARR + NROW + b, 0, sem="relaxed", scope="gpu")
+
+
+_COUNTERS: dict = {}  # device -> zeroed int32 `[2, rows]` (arrivals, departures); every launch leaves it zeroed
+_RESIDENT: dict = {}  # (device, warps, maxnreg, CMAX, constexprs) -> programs an SM holds at once (compiled kernel)
+
+
+def _counters(dev: torch.device, B: int) -> torch.Tensor:
+    """The row counters of the barriers: one buffer per device, grown by doubling (a new zeroed buffer; the
+    kernels run in stream order, so a launch never shares its rows' counters with another)."""
+    key = (dev.type, dev.index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.shape[1] < B:
+        buf = _COUNTERS[key] = torch.zeros(2, max(64, triton.next_power_of_2(B)), device=dev, dtype=torch.int32)
+    return buf
+
+
+def _occupancy(kernel, num_warps: int, dev: torch.device) -> int:
+    """Programs of `kernel` (a compiled Triton kernel) one SM holds at once: registers, shared memory, warps."""
+    prop = torch.cuda.get_device_properties(dev)
+    regs = max(1, getattr(kernel, "n_regs", 255) or 255)
+    per_warp = -(-regs * 32 // 256) * 256  # registers are allocated per warp in 256-register units
+    by_regs = getattr(prop, "regs_per_multiprocessor", 65536) // (per_warp * num_warps)
+    smem = getattr(kernel, "metadata", None)
+    shared = getattr(smem, "shared", 0) if smem is not None else 0
+    by_smem = (getattr(prop, "shared_memory_per_multiprocessor", 233472) // (shared + 1024)) if shared else 32
+    by_warps = getattr(prop, "max_threads_per_multi_processor", 2048) // (32 * num_warps)
+    return max(1, min(by_regs, by_smem, by_warps, 32))
+
+
+def sync_chunks(B: int, S: int, programs: int, block: int) -> tuple[int, int]:
+    """(keys a program CH, chunks a row P) with B x P <= programs (every row's programs resident at once), at
+    most MAX_CHUNKS a row and at least MIN_CHUNK keys a chunk where the row has them; CH a multiple of block."""
+    p = max(1, min(MAX_CHUNKS, programs // max(1, B), triton.cdiv(S, MIN_CHUNK)))
+    ch = triton.cdiv(triton.cdiv(S, p), block) * block
+    return ch, triton.cdiv(S, ch)
+
+
+def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window: int, has_start: bool, *,
+                block: int = 0, num_warps: int = 4, per_sm: int = 0, phased: bool = False, pdl: int = 0,
+                chunk: int | None = None, maxnreg: int = MAXNREG) -> torch.Tensor:
+    """`indexer_topk_decode`'s selection in one launch (`phased`, or under the interpreter: five). q_idx
+    `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (fp8 with k_scale `[B, S]`), pos / kvs `[B]` int32 ->
+    `[B, topk]` int32 ascending, -1 padded. block: keys a step (0: 64 on a GPU); per_sm: at most this many
+    programs an SM (0: as many as fit); chunk: the keys a program, forced (tests; must keep the row's programs
+    resident); maxnreg: a register cap for the one-launch kernel (0: the compiler's choice)."""
+    from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
+
+    B, HI, DI = q_idx.shape
+    S = k_idx.shape[1]
+    dev = q_idx.device
+    interpret = not q_idx.is_cuda
+    phased = phased or interpret
+    BN = block or (16 if interpret else 64)
+    fp8 = k_scale is not None
+    const = dict(HB=max(16, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), BN=BN,
+                 PREC=dot_precision(q_idx.dtype), FP8=fp8, HAS_START=has_start)
+    if chunk:
+        CH, P = chunk, triton.cdiv(S, chunk)
+    elif interpret:
+        CH, P = sync_chunks(B, S, 4 * B, BN)
+    else:
+        # the histograms' rows CMAX are set first (by the 4 programs an SM that 128 registers give), then the
+        # chunks by what the kernel compiled at that CMAX actually holds: before its first launch one program an
+        # SM, which always stays resident
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        want = 4 if not per_sm else per_sm
+        CMAX = max(2, triton.next_power_of_2(sync_chunks(B, S, sms * want, BN)[1]))
+        fit = _RESIDENT.get((dev.index, num_warps, maxnreg, CMAX, *const.values()), 1)
+        CH, P = sync_chunks(B, S, sms * min(fit, want), BN)  # P <= CMAX
+    if CH % BN:
+        raise ValueError(f"chunk ({CH}) must be a multiple of the block ({BN})")
+    if P > MAX_CHUNKS:
+        raise ValueError(f"{P} chunks a row: at most {MAX_CHUNKS}")
+    if chunk or interpret:
+        CMAX = max(2, triton.next_power_of_2(P))
+    key = (dev.index, num_warps, maxnreg, CMAX, *const.values())
+    sc = torch.empty(B, S, device=dev, dtype=torch.float32)
+    hist = torch.empty(B, 4, CMAX, NR, device=dev, dtype=torch.int32)
+    out = torch.empty(B, topk, device=dev, dtype=torch.int32)
+    arr = _counters(dev, B)
+    args = (q_idx, w, k_idx, k_scale if fp8 else sc, pos, kvs, sc, hist, arr, out, *q_idx.stride(), *w.stride(),
+            *k_idx.stride(), k_scale.stride(0) if fp8 else 0, out.stride(0), S, topk, sink, window, HI, DI, CH,
+            arr.shape[1])
+    grid = (P, B)
+    if phased:
+        for phase in range(1, 6):
+            _sync_select[grid](*args, CMAX=CMAX, PHASE=phase, num_warps=1 if interpret else num_warps, **const)
+        return out
+    cap = {"maxnreg": maxnreg} if maxnreg else {}
+    k = _sync_select[grid](*args, CMAX=CMAX, PHASE=0, PDL=pdl, num_warps=num_warps, launch_pdl=bool(pdl), **const,
+                           **cap)
+    if key not in _RESIDENT and k is not None:
+        _RESIDENT[key] = _occupancy(k, num_warps, dev)
+    return out

@@ -1,0 +1,98 @@
+"""The one-launch decode select (`impl="sync"`, decode_sync.py) against the reference under TRITON_INTERPRET=1, where
+its five stages run as five launches (the barrier's place taken by the launch boundary; the GPU runs the same code
+in one launch, checked by benchmarks/gpu_sync_session15.py): exact ties over all 32 bits (integer inputs, ReLU
+zeros), rows resolved early (a digit's keys all kept), rows with at most K keys, forced keys filling the budget,
+left padding, fp8 and bf16 keys, one and many chunks a row."""
+
+import pytest
+import torch
+
+from sparse_rl.sparse.ops.indexer_topk import decode as itd
+from sparse_rl.sparse.ops.indexer_topk import decode_sync as ds
+from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive, quantize_index_keys
+
+
+def _ints(B, HI, DI, S, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-2, 3, (B, HI, DI), generator=g).float()
+    w = torch.randint(-1, 3, (B, HI), generator=g).float()
+    k = torch.randint(-2, 3, (B, S, DI), generator=g).float()
+    return q, w, k, g
+
+
+@pytest.mark.parametrize("B,HI,DI,S,K,sink,window,chunk,starts", [
+    (3, 4, 16, 100, 24, 2, 3, 32, None),  # several chunks, heavy ties
+    (5, 3, 20, 257, 40, 0, 0, 64, None),  # S not a multiple of the chunk, odd head count and dim
+    (2, 5, 8, 70, 100, 1, 1, 32, None),  # K above every row's visible count: all kept, -1 padding
+    (4, 3, 16, 200, 24, 2, 3, 16, [0, 3, 0, 40]),  # left padding, 13 chunks a row
+    (2, 2, 16, 96, 8, 0, 0, None, None),  # the chunking rule's own choice
+])
+def test_sync_select_equals_reference_exactly(B, HI, DI, S, K, sink, window, chunk, starts):
+    """Integer-valued inputs make every score exact: the kernel must keep exactly the reference's keys, its tie rule
+    included (among equal scores the later key), resolved down to the last of the 32 bits."""
+    q, w, k, g = _ints(B, HI, DI, S, B * S + K)
+    pos = torch.randint(0, S, (B,), generator=g)
+    pos[0] = S - 1
+    kvs = None if starts is None else torch.tensor(starts)
+    if kvs is not None:
+        pos = torch.maximum(pos, kvs)
+    ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=sink, window=window, kv_start=kvs)
+    got = itd.indexer_topk_decode(q, w, k, pos, K, sink=sink, window=window, kv_start=kvs, chunk=chunk, impl="sync")
+    assert got.dtype == torch.int32 and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("K", [60, 150, 250])
+def test_sync_select_relu_zeros(K):
+    """Weights (1, -1) over two heads: ~1/4 of the keys score exactly 0 (one tie block of ~70 keys a row), tiny
+    nonzero scores of either sign beside them; the k-th key above the zeros (K 60), among them (150), below (250)."""
+    g = torch.Generator().manual_seed(K)
+    B, S = 3, 300
+    q, k = torch.randn(B, 2, 16, generator=g), torch.randn(B, S, 16, generator=g)
+    w = torch.tensor([[1.0, -1.0]]).expand(B, 2).contiguous()
+    k[:, 7::37] *= 1e-7
+    pos = torch.tensor([S - 1, 280, 270])
+    ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=2, window=3)
+    assert torch.equal(itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=3, impl="sync", chunk=32), ref)
+
+
+def test_sync_select_forced_and_equal_scores():
+    """Forced keys filling the whole budget; every score equal (the threshold is one tie block: the latest kept)."""
+    q, w, k, _ = _ints(4, 3, 16, 200, 5)
+    pos = torch.tensor([199, 150, 12, 100])
+    for qq, K, sink, window in ((q, 8, 3, 5), (torch.zeros_like(q), 20, 1, 1)):
+        ref = indexer_topk_decode_naive(qq, w, k, pos, K, sink=sink, window=window)
+        assert torch.equal(itd.indexer_topk_decode(qq, w, k, pos, K, sink=sink, window=window, impl="sync"), ref)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", torch.bfloat16])
+def test_sync_select_fp8_and_bf16_keys(dtype):
+    g = torch.Generator().manual_seed(3)
+    q, w, k = torch.randn(2, 4, 32, generator=g), torch.randn(2, 4, generator=g), torch.randn(2, 500, 32, generator=g)
+    pos = torch.tensor([499, 321])
+    if dtype == "fp8":
+        k8, sc = quantize_index_keys(k)
+        ref = indexer_topk_decode_naive(q, w, k8, pos, 64, sink=2, window=8, k_scale=sc)
+        got = itd.indexer_topk_decode(q, w, k8, pos, 64, sink=2, window=8, k_scale=sc, impl="sync")
+    else:
+        q, w, k = q.to(dtype), w.to(dtype), k.to(dtype)
+        ref = indexer_topk_decode_naive(q, w, k, pos, 64, sink=2, window=8)
+        got = itd.indexer_topk_decode(q, w, k, pos, 64, sink=2, window=8, impl="sync")
+    assert torch.equal(got, ref)
+
+
+def test_sync_chunks_keep_the_grid_resident():
+    """The chunking rule: at most `programs` programs in all (every row's programs resident at once), at most
+    MAX_CHUNKS a row, at least MIN_CHUNK keys a chunk where the row has them, chunks a multiple of the block."""
+    for B, S, programs in ((32, 16384, 528), (32, 2304, 528), (1, 16384, 528), (16, 32768, 132), (64, 100, 10)):
+        ch, p = ds.sync_chunks(B, S, programs, 64)
+        assert ch % 64 == 0 and p * ch >= S and (p - 1) * ch < S
+        assert p <= ds.MAX_CHUNKS and (B * p <= programs or p == 1)
+        assert ch >= min(ds.MIN_CHUNK, S) or p == 1
+    assert ds.sync_chunks(32, 16384, 528, 64) == (1024, 16)
+
+
+def test_sync_per_sm_is_checked_and_carried():
+    with pytest.raises(ValueError, match="sync_per_sm"):
+        itd.DecodeSelect("sync", sync_per_sm=40)
+    kw = itd.DecodeSelect("sync", sync_per_sm=2, score_block=128).as_kwargs()
+    assert kw["impl"] == "sync" and kw["sync_per_sm"] == 2 and kw["score_block"] == 128
