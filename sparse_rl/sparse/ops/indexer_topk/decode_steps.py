@@ -32,20 +32,32 @@ def _query_of(Q, W, b, sqb, sqh, sqd, swb, swh, HI, DI, HB: tl.constexpr, BD: tl
 
 
 @triton.jit
-def _score_tile(KI, KS, b, skb, sks, skd, ssb, offs_n, vis, qt, wv, DI, BD: tl.constexpr, PREC: tl.constexpr,
-                FP8: tl.constexpr):
-    """Index scores `[BN]` fp32 of row b's keys offs_n (0 where not vis): a small tensor-core dot against all
+def _key_tile(KI, b, skb, sks, skd, offs_n, vis, DI, BD: tl.constexpr):
+    """Row b's index keys offs_n `[BN, BD]` (zero where not vis or past DI)."""
+    offs_d = tl.arange(0, BD)
+    return tl.load(KI + b * skb + offs_n[:, None] * sks + offs_d[None, :] * skd,
+                   mask=vis[:, None] & (offs_d[None, :] < DI), other=0.0)
+
+
+@triton.jit
+def _tile_scores(k, KS, b, ssb, offs_n, vis, qt, wv, PREC: tl.constexpr, FP8: tl.constexpr):
+    """Index scores `[BN]` fp32 of the key tile k `[BN, BD]` (`_key_tile`): a small tensor-core dot against all
     index heads (qt, wv: `_query_of`), ReLU, the weighted head sum; fp8 keys (e4m3, exact in bf16/fp32) take
     their per-token scale KS after the head sum."""
-    offs_d = tl.arange(0, BD)
-    k = tl.load(KI + b * skb + offs_n[:, None] * sks + offs_d[None, :] * skd,
-                mask=vis[:, None] & (offs_d[None, :] < DI), other=0.0)  # [BN, BD]
     if FP8:
         s = tl.sum(tl.maximum(dot(k.to(qt.dtype), qt, PREC), 0.0) * wv[None, :], 1)
         s = s * tl.load(KS + b * ssb + offs_n, mask=vis, other=0.0)
     else:
         s = tl.sum(tl.maximum(dot(k, qt, PREC), 0.0) * wv[None, :], 1)
     return s
+
+
+@triton.jit
+def _score_tile(KI, KS, b, skb, sks, skd, ssb, offs_n, vis, qt, wv, DI, BD: tl.constexpr, PREC: tl.constexpr,
+                FP8: tl.constexpr):
+    """Index scores `[BN]` fp32 of row b's keys offs_n (0 where not vis): `_tile_scores` of `_key_tile`."""
+    k = _key_tile(KI, b, skb, sks, skd, offs_n, vis, DI, BD)
+    return _tile_scores(k, KS, b, ssb, offs_n, vis, qt, wv, PREC, FP8)
 
 
 @triton.jit

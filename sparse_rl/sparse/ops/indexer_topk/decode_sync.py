@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.decode_steps import _emit, _pad_rest, _query_of, _score_tile
+from sparse_rl.sparse.ops.indexer_topk.decode_steps import _emit, _key_tile, _pad_rest, _query_of, _tile_scores
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
 from sparse_rl.sparse.ops.pdl import pdl_enter
 
@@ -87,13 +87,14 @@ def _level(H, b, lv, nvis, rem, above, CMAX: tl.constexpr):
 
 @triton.jit
 def _digits_hist(SC, b, S, pos, start, c0, CH, prefix, LV: tl.constexpr, BN: tl.constexpr):
+    # BN: the rescan's keys a step (`BR`: the whole chunk where it fits, one L2 round trip)
     """The chunk's histogram `[NR]` of level LV's digit over its visible keys whose first 8 * LV bits are
     prefix (LV 1..3; the scores are this program's own stores)."""
     bins = tl.arange(0, 256)
     hist = tl.zeros([256], tl.int32)
     for i in range(0, CH, BN):
         offs_n = c0 + i + tl.arange(0, BN)
-        vis = (offs_n <= pos) & (offs_n >= start) & (offs_n < S)
+        vis = (offs_n <= pos) & (offs_n >= start) & (offs_n < S) & (offs_n < c0 + CH)
         u = _okey(tl.load(SC + b * S + offs_n, mask=vis, other=0.0))
         m = vis & ((u >> (32 - 8 * LV)) == prefix)
         dig = tl.where(m, ((u >> (24 - 8 * LV)) & 255).to(tl.int32), 0)
@@ -104,8 +105,9 @@ def _digits_hist(SC, b, S, pos, start, c0, CH, prefix, LV: tl.constexpr, BN: tl.
 @triton.jit
 def _sync_select(Q, W, KI, KS, POS, KVS, SC, H, ARR, OUT, sqb, sqh, sqd, swb, swh, skb, sks, skd, ssb, sob,
                  S, K, sink, window, HI, DI, CH, NROW,
-                 HB: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, CMAX: tl.constexpr, PREC: tl.constexpr,
-                 FP8: tl.constexpr, HAS_START: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr = 0):
+                 HB: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, CMAX: tl.constexpr,
+                 PREC: tl.constexpr, FP8: tl.constexpr, HAS_START: tl.constexpr, PHASE: tl.constexpr,
+                 PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0):
     if PHASE <= 1:
         if PDL:
             tl.extra.cuda.gdc_wait()  # no load before the previous kernel is done; dependents only after the barriers
@@ -124,14 +126,25 @@ def _sync_select(Q, W, KI, KS, POS, KVS, SC, H, ARR, OUT, sqb, sqh, sqd, swb, sw
         if PHASE <= 1:  # scores to the scratch and the first level's histogram
             qt, wv = _query_of(Q, W, b, sqb, sqh, sqd, swb, swh, HI, DI, HB, BD)
             hist = tl.zeros([256], tl.int32)
+            offs_n = c0 + tl.arange(0, BN)
+            vis = (offs_n <= pos) & (offs_n >= start) & (offs_n < S)
+            k = _key_tile(KI, b, skb, sks, skd, offs_n, vis, DI, BD)
             for i in range(0, CH, BN):
-                offs_n = c0 + i + tl.arange(0, BN)
-                vis = (offs_n <= pos) & (offs_n >= start) & (offs_n < S)
-                s = _score_tile(KI, KS, b, skb, sks, skd, ssb, offs_n, vis, qt, wv, DI, BD, PREC, FP8)
+                if PREFETCH:  # the next tile's loads in flight while this one is scored
+                    nxt = offs_n + BN
+                    vis_n = (nxt <= pos) & (nxt >= start) & (nxt < S) & (nxt < c0 + CH)
+                    k_n = _key_tile(KI, b, skb, sks, skd, nxt, vis_n, DI, BD)
+                s = _tile_scores(k, KS, b, ssb, offs_n, vis, qt, wv, PREC, FP8)
                 s = tl.where(vis & ((offs_n < start + sink) | (offs_n > pos - window)), float("inf"), s)
                 tl.store(SC + b * S + offs_n, s, mask=vis)
                 dig = tl.where(vis, (_okey(s) >> 24).to(tl.int32), 0)
                 hist += tl.histogram(dig, 256) - tl.where(bins == 0, tl.sum((~vis).to(tl.int32), 0), 0)
+                if PREFETCH:
+                    offs_n, vis, k = nxt, vis_n, k_n
+                else:
+                    offs_n += BN
+                    vis = (offs_n <= pos) & (offs_n >= start) & (offs_n < S) & (offs_n < c0 + CH)
+                    k = _key_tile(KI, b, skb, sks, skd, offs_n, vis, DI, BD)
             tl.store(H + ((b * 4) * CMAX + p) * 256 + bins, hist)
         prefix = tl.zeros([], tl.uint32)
         rem = K + tl.zeros([], tl.int32)
@@ -160,7 +173,7 @@ def _sync_select(Q, W, KI, KS, POS, KVS, SC, H, ARR, OUT, sqb, sqh, sqd, swb, sw
                     if lv < 3:
                         if done == 0:
                             if (PHASE == 0) | (PHASE == lv + 2):
-                                hist = _digits_hist(SC, b, S, pos, start, c0, CH, prefix, lv + 1, BN)
+                                hist = _digits_hist(SC, b, S, pos, start, c0, CH, prefix, lv + 1, BR)
                                 tl.store(H + ((b * 4 + lv + 1) * CMAX + p) * 256 + bins, hist)
         if (PHASE == 0) | (PHASE == 5):
             if PDL == 2:
@@ -174,17 +187,17 @@ def _sync_select(Q, W, KI, KS, POS, KVS, SC, H, ARR, OUT, sqb, sqh, sqd, swb, sw
             first = tl.sum(tl.where(offs_c == p, ties - take, 0), 0)  # the chunk's ties before `first` are dropped
             shift = 32 - 8 * levels
             seen = 0
-            for i in range(0, CH, BN):
-                offs_n = c0 + i + tl.arange(0, BN)
-                vis = (offs_n <= pos) & (offs_n >= start) & (offs_n < S)
-                v = _okey(tl.load(SC + b * S + offs_n, mask=vis, other=0.0)) >> shift
-                tie = vis & (v == prefix)
+            for i in range(0, CH, BR):
+                offs_w = c0 + i + tl.arange(0, BR)
+                vw = (offs_w <= pos) & (offs_w >= start) & (offs_w < S) & (offs_w < c0 + CH)
+                v = _okey(tl.load(SC + b * S + offs_w, mask=vw, other=0.0)) >> shift
+                tie = vw & (v == prefix)
                 order = seen + tl.cumsum(tie.to(tl.int32), 0) - 1
                 seen += tl.sum(tie.to(tl.int32), 0)
-                sel = vis & ((v > prefix) | (tie & (order >= first)) | (take_all + tl.zeros([BN], tl.int32) > 0))
-                off = _emit(OUT, b, sob, offs_n, sel, off)
+                sel = vw & ((v > prefix) | (tie & (order >= first)) | (take_all + tl.zeros([BR], tl.int32) > 0))
+                off = _emit(OUT, b, sob, offs_w, sel, off)
             if p == nvis - 1:  # the last visible chunk's end is the row's count: pad the rest with -1
-                _pad_rest(OUT, b, sob, off, K, BN)
+                _pad_rest(OUT, b, sob, off, K, BR)
         if PHASE == 0:  # the row's last program to leave resets its counters for the next launch
             tl.debug_barrier()
             if tl.atomic_add(ARR + NROW + b, 1, sem="acq_rel", scope="gpu") == nvis - 1:
@@ -229,12 +242,15 @@ def sync_chunks(B: int, S: int, programs: int, block: int) -> tuple[int, int]:
 
 def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window: int, has_start: bool, *,
                 block: int = 0, num_warps: int = 4, per_sm: int = 0, phased: bool = False, pdl: int = 0,
-                chunk: int | None = None, maxnreg: int = MAXNREG) -> torch.Tensor:
+                chunk: int | None = None, maxnreg: int = MAXNREG, prefetch: bool = False,
+                rescan: int = 0) -> torch.Tensor:
     """`indexer_topk_decode`'s selection in one launch (`phased`, or under the interpreter: five). q_idx
     `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (fp8 with k_scale `[B, S]`), pos / kvs `[B]` int32 ->
     `[B, topk]` int32 ascending, -1 padded. block: keys a step (0: 64 on a GPU); per_sm: at most this many
     programs an SM (0: as many as fit); chunk: the keys a program, forced (tests; must keep the row's programs
-    resident); maxnreg: a register cap for the one-launch kernel (0: the compiler's choice)."""
+    resident); maxnreg: a register cap for the one-launch kernel (0: the compiler's choice); prefetch: the score
+    stage loads its next key tile before scoring the current one; rescan: the keys a step of the later stages'
+    passes over the chunk's stored scores (0: block)."""
     from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
     B, HI, DI = q_idx.shape
@@ -242,30 +258,32 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
     dev = q_idx.device
     interpret = not q_idx.is_cuda
     phased = phased or interpret
-    BN = block or (16 if interpret else 64)
+    BN = block or (16 if interpret else 128)
     fp8 = k_scale is not None
     const = dict(HB=max(16, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), BN=BN,
-                 PREC=dot_precision(q_idx.dtype), FP8=fp8, HAS_START=has_start)
+                 PREC=dot_precision(q_idx.dtype), FP8=fp8, HAS_START=has_start, PREFETCH=prefetch)
     if chunk:
         CH, P = chunk, triton.cdiv(S, chunk)
     elif interpret:
         CH, P = sync_chunks(B, S, 4 * B, BN)
     else:
-        # the histograms' rows CMAX are set first (by the 4 programs an SM that 128 registers give), then the
-        # chunks by what the kernel compiled at that CMAX actually holds: before its first launch one program an
-        # SM, which always stays resident
+        # the histograms' rows CMAX and the rescans' step BR are set first (by the 4 programs an SM that 128
+        # registers give), then the chunks by what the kernel compiled with them actually holds: before its first
+        # launch one program an SM, which always stays resident
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         want = 4 if not per_sm else per_sm
-        CMAX = max(2, triton.next_power_of_2(sync_chunks(B, S, sms * want, BN)[1]))
-        fit = _RESIDENT.get((dev.index, num_warps, maxnreg, CMAX, *const.values()), 1)
+        ch, p = sync_chunks(B, S, sms * want, BN)
+        CMAX, BR = max(2, triton.next_power_of_2(p)), rescan or BN
+        fit = _RESIDENT.get((dev.index, num_warps, maxnreg, CMAX, BR, *const.values()), 1)
         CH, P = sync_chunks(B, S, sms * min(fit, want), BN)  # P <= CMAX
     if CH % BN:
         raise ValueError(f"chunk ({CH}) must be a multiple of the block ({BN})")
     if P > MAX_CHUNKS:
         raise ValueError(f"{P} chunks a row: at most {MAX_CHUNKS}")
     if chunk or interpret:
-        CMAX = max(2, triton.next_power_of_2(P))
-    key = (dev.index, num_warps, maxnreg, CMAX, *const.values())
+        CMAX, BR = max(2, triton.next_power_of_2(P)), rescan or min(2048 if not interpret else 32,
+                                                                    triton.next_power_of_2(CH))
+    key = (dev.index, num_warps, maxnreg, CMAX, BR, *const.values())
     sc = torch.empty(B, S, device=dev, dtype=torch.float32)
     hist = torch.empty(B, 4, CMAX, NR, device=dev, dtype=torch.int32)
     out = torch.empty(B, topk, device=dev, dtype=torch.int32)
@@ -276,10 +294,10 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
     grid = (P, B)
     if phased:
         for phase in range(1, 6):
-            _sync_select[grid](*args, CMAX=CMAX, PHASE=phase, num_warps=1 if interpret else num_warps, **const)
+            _sync_select[grid](*args, CMAX=CMAX, BR=BR, PHASE=phase, num_warps=1 if interpret else num_warps, **const)
         return out
     cap = {"maxnreg": maxnreg} if maxnreg else {}
-    k = _sync_select[grid](*args, CMAX=CMAX, PHASE=0, PDL=pdl, num_warps=num_warps, launch_pdl=bool(pdl), **const,
+    k = _sync_select[grid](*args, CMAX=CMAX, BR=BR, PHASE=0, PDL=pdl, num_warps=num_warps, launch_pdl=bool(pdl), **const,
                            **cap)
     if key not in _RESIDENT and k is not None:
         _RESIDENT[key] = _occupancy(k, num_warps, dev)
