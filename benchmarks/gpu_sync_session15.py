@@ -192,7 +192,7 @@ def engine_part(run) -> None:
     cfg = BenchRolloutConfig(shape="qwen3-4b", hf=False, topk=2048, index_heads=4, index_dim=64)
     b = _Bench(cfg, log, None)
     b.attach_sparse()
-    variants = {"fine": rh.Variant(select=ENGINE_SELECT), "sync": rh.Variant(select=DecodeSelect("sync", score_block=64))}
+    variants = {"fine": rh.Variant(select=ENGINE_SELECT), "sync": rh.Variant(select=DecodeSelect("sync", score_block=128))}
     plan = {32: (16640, [2304, 8192, 16384]), 16: (33024, [32768]), 1: (16640, [16384])}
     for B, (top, ctxs) in plan.items():
         if not run.gate(40, f"engine b{B}"):

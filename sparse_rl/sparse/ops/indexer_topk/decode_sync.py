@@ -50,6 +50,11 @@ MIN_CHUNK = 256  # keys a program at least (shorter rows take fewer chunks)
 # SM); its stages alone take 128 (scores + histogram) and 123 (levels + write): capped at 128 it keeps 24 B of
 # stack and 4 programs an SM stay resident (benchmarks/sm90_sync.py)
 MAXNREG = 128
+# the later stages' step over the chunk's stored scores: at 4 warps and a 128-key score step, 256 keys took the
+# one-launch select from 19.3 / 61.7 / 67.3 / 25.7 us a layer (rescans at the score step) to 18.6 / 53.4 / 59.6 /
+# 23.3 at 32 x 2304 / 32 x 16K / 16 x 32K / 1 x 16K, against the fine select's 21.2 / 64.0 / 64.1 / 30.7
+# (H200, one CUDA graph of 34 launches at PDL 2; results/2026-12-03-h200-sync-session15.md)
+RESCAN = 256
 
 
 @triton.jit
@@ -273,7 +278,7 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         want = 4 if not per_sm else per_sm
         ch, p = sync_chunks(B, S, sms * want, BN)
-        CMAX, BR = max(2, triton.next_power_of_2(p)), rescan or BN
+        CMAX, BR = max(2, triton.next_power_of_2(p)), rescan or RESCAN
         fit = _RESIDENT.get((dev.index, num_warps, maxnreg, CMAX, BR, *const.values()), 1)
         CH, P = sync_chunks(B, S, sms * min(fit, want), BN)  # P <= CMAX
     if CH % BN:
