@@ -192,16 +192,39 @@ def engine_part(run) -> None:
     cfg = BenchRolloutConfig(shape="qwen3-4b", hf=False, topk=2048, index_heads=4, index_dim=64)
     b = _Bench(cfg, log, None)
     b.attach_sparse()
-    variants = {"fine": rh.Variant(select=ENGINE_SELECT), "sync": rh.Variant(select=DecodeSelect("sync", score_block=128))}
-    plan = {32: (16640, [2304, 8192, 16384]), 16: (33024, [32768]), 1: (16640, [16384])}
+    from sparse_rl.sparse.ops.indexer_topk import decode_sync as ds
+
+    variants = {"fine": rh.Variant(select=ENGINE_SELECT), "sync": rh.Variant(select=DecodeSelect("sync", score_block=128)),
+                "sync_early": rh.Variant(select=DecodeSelect("sync", score_block=128, sync_per_sm=4))}
+    plan = {32: (16640, [2304, 16384]), 16: (33024, [32768]), 1: (16640, [16384])}
     for B, (top, ctxs) in plan.items():
         if not run.gate(40, f"engine b{B}"):
             break
         eng = b.engine(B, top)
         eng.set_attention("sparse")
         b.fill(eng, top)
+        rows = run.res.setdefault("steps", [])
         for rep in range(2):
-            rh.step_rows(run, b, eng, ctxs, variants, modes=("sparse",), need_s=8.0, key=f"steps_rep{rep}")
+            for ctx in ctxs:
+                for name, v in variants.items():
+                    if not run.gate(8, f"b{B} {ctx} {name}"):
+                        break
+                    ds.EARLY = name == "sync_early"  # read at capture: the variants' selects differ, so each recaptures
+                    rh.apply(eng, v)
+                    r = run.guarded(f"step {name} b{B} {ctx}", b.step_row, eng, B, ctx, "sparse")
+                    if r is not None:
+                        r.update(variant=name, rep=rep)
+                        rows.append(r)
+                        log(f"b{B} {ctx} {name}: {r['ms']} (floor {r['floor_ms']})")
+                    run.save()
+        if B == 32 and run.gate(30, "profiles"):
+            for name in ("fine", "sync"):
+                ds.EARLY = False
+                rh.apply(eng, variants[name])
+                run.res.setdefault("profile", {})[name] = run.guarded(f"profile {name}", rh.profile_step, eng, 16384,
+                                                                      "sparse")
+                run.save()
+        ds.EARLY = False
         del eng
         rh.free()
 
@@ -243,9 +266,10 @@ def main() -> None:
         run.guarded("engine", engine_part, run)
     run.save()
     print(json.dumps({k: run.res.get(k) for k in ("proof_rc", "kernel_us")}, indent=1))
-    for rep in (0, 1):
-        for r in run.res.get(f"steps_rep{rep}", []):
-            print(rep, r["batch"], r["context"], r["variant"], r["ms"], r["floor_ms"])
+    for r in run.res.get("steps", []):
+        print(r["rep"], r["batch"], r["context"], r["variant"], r["ms"], r["floor_ms"])
+    for name, p in (run.res.get("profile") or {}).items():
+        print(name, json.dumps(p)[:1500])
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ MAXNREG = 128
 # 23.3 at 32 x 2304 / 32 x 16K / 16 x 32K / 1 x 16K, against the fine select's 21.2 / 64.0 / 64.1 / 30.7
 # (H200, one CUDA graph of 34 launches at PDL 2; results/2026-12-03-h200-sync-session15.md)
 RESCAN = 256
+EARLY = False
 
 
 @triton.jit
@@ -115,7 +116,9 @@ def _sync_select(Q, W, KI, KS, POS, KVS, SC, H, ARR, OUT, sqb, sqh, sqd, swb, sw
                  PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0):
     if PHASE <= 1:
         if PDL:
-            tl.extra.cuda.gdc_wait()  # no load before the previous kernel is done; dependents only after the barriers
+            tl.extra.cuda.gdc_wait()  # no load before the previous kernel is done
+        if PDL == 3:  # dependents may launch once every program of this grid has reached here: all are resident
+            tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int32)
@@ -248,14 +251,15 @@ def sync_chunks(B: int, S: int, programs: int, block: int) -> tuple[int, int]:
 def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window: int, has_start: bool, *,
                 block: int = 0, num_warps: int = 4, per_sm: int = 0, phased: bool = False, pdl: int = 0,
                 chunk: int | None = None, maxnreg: int = MAXNREG, prefetch: bool = False,
-                rescan: int = 0) -> torch.Tensor:
+                rescan: int = 0, early: bool | None = None) -> torch.Tensor:
     """`indexer_topk_decode`'s selection in one launch (`phased`, or under the interpreter: five). q_idx
     `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (fp8 with k_scale `[B, S]`), pos / kvs `[B]` int32 ->
     `[B, topk]` int32 ascending, -1 padded. block: keys a step (0: 64 on a GPU); per_sm: at most this many
     programs an SM (0: as many as fit); chunk: the keys a program, forced (tests; must keep the row's programs
     resident); maxnreg: a register cap for the one-launch kernel (0: the compiler's choice); prefetch: the score
     stage loads its next key tile before scoring the current one; rescan: the keys a step of the later stages'
-    passes over the chunk's stored scores (0: block)."""
+    passes over the chunk's stored scores (0: RESCAN); early: at PDL 2, the next kernel may launch as soon as
+    every program has started (they are all resident then), not only after the last barrier."""
     from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
     B, HI, DI = q_idx.shape
@@ -302,7 +306,7 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
             _sync_select[grid](*args, CMAX=CMAX, BR=BR, PHASE=phase, num_warps=1 if interpret else num_warps, **const)
         return out
     cap = {"maxnreg": maxnreg} if maxnreg else {}
-    k = _sync_select[grid](*args, CMAX=CMAX, BR=BR, PHASE=0, PDL=pdl, num_warps=num_warps, launch_pdl=bool(pdl), **const,
+    k = _sync_select[grid](*args, CMAX=CMAX, BR=BR, PHASE=0, PDL=3 if pdl == 2 and early else pdl, num_warps=num_warps, launch_pdl=bool(pdl), **const,
                            **cap)
     if key not in _RESIDENT and k is not None:
         _RESIDENT[key] = _occupancy(k, num_warps, dev)
