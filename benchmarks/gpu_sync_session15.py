@@ -154,16 +154,10 @@ def kernel_part(run) -> None:
 
     variants = {
         "fine": lambda a: itd.indexer_topk_decode(*a, K, **{**ENGINE_SELECT.as_kwargs(), "pdl": 2}, **kw),
-        "w4_b128": sync(block=128),
-        "w4_b64": sync(block=64),
-        "w4_b128_r256": sync(block=128, rescan=256),
-        "w4_b128_pf": sync(block=128, prefetch=True),
-        "w4_b256": sync(block=256),
-        "w8_b128": sync(block=128, num_warps=8),
-        "w8_b128_r1024": sync(block=128, num_warps=8, rescan=1024),
-        "w8_b256_r1024": sync(block=256, num_warps=8, rescan=1024),
-        "w8_b128_r1024_pf": sync(block=128, num_warps=8, rescan=1024, prefetch=True),
-        "w8_b256_r1024_nocap": sync(block=256, num_warps=8, rescan=1024, maxnreg=0),
+        "w4_b128_r256": sync(block=128),
+        "split2": sync(block=128, split=2),
+        "split2_b64": sync(block=64, split=2),
+        "split4": sync(block=128, split=4),
     }
     rows = run.res.setdefault("kernel_us", [])
     for B, S in SHAPES:
@@ -195,8 +189,8 @@ def engine_part(run) -> None:
     from sparse_rl.sparse.ops.indexer_topk import decode_sync as ds
 
     variants = {"fine": rh.Variant(select=ENGINE_SELECT), "sync": rh.Variant(select=DecodeSelect("sync", score_block=128)),
-                "sync_early": rh.Variant(select=DecodeSelect("sync", score_block=128, sync_per_sm=4))}
-    plan = {32: (16640, [2304, 16384]), 16: (33024, [32768]), 1: (16640, [16384])}
+                "sync_split2": rh.Variant(select=DecodeSelect("sync", score_block=128, sync_per_sm=4))}
+    plan = {32: (16640, [2304, 16384]), 16: (33024, [32768])}
     for B, (top, ctxs) in plan.items():
         if not run.gate(40, f"engine b{B}"):
             break
@@ -209,7 +203,7 @@ def engine_part(run) -> None:
                 for name, v in variants.items():
                     if not run.gate(8, f"b{B} {ctx} {name}"):
                         break
-                    ds.EARLY = name == "sync_early"  # read at capture: the variants' selects differ, so each recaptures
+                    ds.SPLIT = 2 if name == "sync_split2" else 0  # read at capture: the selects differ, so each recaptures
                     rh.apply(eng, v)
                     r = run.guarded(f"step {name} b{B} {ctx}", b.step_row, eng, B, ctx, "sparse")
                     if r is not None:
@@ -218,13 +212,13 @@ def engine_part(run) -> None:
                         log(f"b{B} {ctx} {name}: {r['ms']} (floor {r['floor_ms']})")
                     run.save()
         if B == 32 and run.gate(30, "profiles"):
-            for name in ("fine", "sync"):
-                ds.EARLY = False
+            for name in ("sync_split2",):
+                ds.SPLIT = 2
                 rh.apply(eng, variants[name])
                 run.res.setdefault("profile", {})[name] = run.guarded(f"profile {name}", rh.profile_step, eng, 16384,
                                                                       "sparse")
                 run.save()
-        ds.EARLY = False
+        ds.SPLIT = 0
         del eng
         rh.free()
 

@@ -56,6 +56,7 @@ MAXNREG = 128
 # (H200, one CUDA graph of 34 launches at PDL 2; results/2026-12-03-h200-sync-session15.md)
 RESCAN = 256
 EARLY = False
+SPLIT = 0  # sync_select(split=None): the score stage in one launch with the barriers
 
 
 @triton.jit
@@ -72,15 +73,22 @@ def _row_barrier(ARR, b, target):
 
 
 @triton.jit
-def _level(H, b, lv, nvis, rem, above, CMAX: tl.constexpr):
-    """Level lv of row b from its chunks' histograms H `[B, 4, CMAX, NR]`: the digit d* holding the rem-th
-    largest key of those matching the prefix, -> (d*, above `[CMAX]` plus each chunk's keys above d*, each
-    chunk's keys in d* `[CMAX]`, the rem left within d*, d*'s count in the row, the row's keys at this level, each
-    chunk's `[CMAX]`)."""
+def _level(H, H0, b, lv, nvis, nvis0, rem, above, CMAX: tl.constexpr, M: tl.constexpr):
+    """Level lv of row b from its chunks' histograms H `[B, 4, CMAX, NR]` (level 0: H0 `[B, CMAX * M, NR]`, M
+    score chunks a chunk): the digit d* holding the rem-th largest key of those matching the prefix, -> (d*,
+    above `[CMAX]` plus each chunk's keys above d*, each chunk's keys in d* `[CMAX]`, the rem left within d*, d*'s
+    count in the row, the row's keys at this level, each chunk's `[CMAX]`)."""
     offs_c = tl.arange(0, CMAX)
     offs_d = tl.arange(0, 256)
-    h = tl.load(H + ((b * 4 + lv) * CMAX + offs_c[:, None]) * 256 + offs_d[None, :], mask=offs_c[:, None] < nvis,
-                other=0, cache_modifier=".cg")  # [CMAX, NR] (.cg: other SMs wrote it, past this SM's L1)
+    if lv == 0:
+        offs_m = tl.arange(0, CMAX * M)
+        h = tl.load(H0 + (b * CMAX * M + offs_m[:, None]) * 256 + offs_d[None, :],
+                    mask=offs_m[:, None] < nvis0, other=0, cache_modifier=".cg")  # score chunks past pos: unwritten
+        if M > 1:
+            h = tl.sum(tl.reshape(h, [CMAX, M, 256]), 1)
+    else:
+        h = tl.load(H + ((b * 4 + lv) * CMAX + offs_c[:, None]) * 256 + offs_d[None, :], mask=offs_c[:, None] < nvis,
+                    other=0, cache_modifier=".cg")  # [CMAX, NR] (.cg: other SMs wrote it, past this SM's L1)
     row = tl.sum(h, 0)  # [NR]
     ge = tl.sum(row, 0) - tl.cumsum(row, 0) + row  # keys with digit >= d
     dstar = tl.max(tl.where(ge >= rem, offs_d, -1), 0)
@@ -89,6 +97,18 @@ def _level(H, b, lv, nvis, rem, above, CMAX: tl.constexpr):
     ties = tl.sum(tl.where(offs_d[None, :] == dstar, h, 0), 1)
     rem = rem - tl.sum(tl.where(offs_d > dstar, row, 0), 0)
     return dstar, above, ties, rem, tl.sum(ties, 0), tl.sum(row, 0), tl.sum(h, 1)
+
+
+@triton.jit
+def _score_stage(k, KS, SC, b, S, ssb, offs_n, vis, start, pos, sink, window, qt, wv, PREC: tl.constexpr,
+                 FP8: tl.constexpr):
+    """The key tile k's scores (+inf forced) stored to row b of SC -> their first-level histogram `[NR]`."""
+    s = _tile_scores(k, KS, b, ssb, offs_n, vis, qt, wv, PREC, FP8)
+    s = tl.where(vis & ((offs_n < start + sink) | (offs_n > pos - window)), float("inf"), s)
+    tl.store(SC + b * S + offs_n, s, mask=vis)
+    dig = tl.where(vis, (_okey(s) >> 24).to(tl.int32), 0)
+    bins = tl.arange(0, 256)
+    return tl.histogram(dig, 256) - tl.where(bins == 0, tl.sum((~vis).to(tl.int32), 0), 0)
 
 
 @triton.jit
@@ -109,11 +129,12 @@ def _digits_hist(SC, b, S, pos, start, c0, CH, prefix, LV: tl.constexpr, BN: tl.
 
 
 @triton.jit
-def _sync_select(Q, W, KI, KS, POS, KVS, SC, H, ARR, OUT, sqb, sqh, sqd, swb, swh, skb, sks, skd, ssb, sob,
+def _sync_select(Q, W, KI, KS, POS, KVS, SC, H, H0, ARR, OUT, sqb, sqh, sqd, swb, swh, skb, sks, skd, ssb, sob,
                  S, K, sink, window, HI, DI, CH, NROW,
                  HB: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, CMAX: tl.constexpr,
                  PREC: tl.constexpr, FP8: tl.constexpr, HAS_START: tl.constexpr, PHASE: tl.constexpr,
-                 PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0):
+                 PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0, SPLIT: tl.constexpr = False,
+                 M: tl.constexpr = 1):
     if PHASE <= 1:
         if PDL:
             tl.extra.cuda.gdc_wait()  # no load before the previous kernel is done
@@ -128,32 +149,30 @@ def _sync_select(Q, W, KI, KS, POS, KVS, SC, H, ARR, OUT, sqb, sqh, sqd, swb, sw
         start = 0
     c0 = p * CH
     nvis = pos // CH + 1  # the row's programs that take part (the later chunks hold no visible key)
+    nvis0 = pos // (CH // M) + 1  # the row's score chunks that wrote a first-level histogram
     offs_c = tl.arange(0, CMAX)
     bins = tl.arange(0, 256)
     if c0 <= pos:
-        if PHASE <= 1:  # scores to the scratch and the first level's histogram
+        if (PHASE <= 1) & (not SPLIT):  # scores to the scratch and the first level's histogram
             qt, wv = _query_of(Q, W, b, sqb, sqh, sqd, swb, swh, HI, DI, HB, BD)
             hist = tl.zeros([256], tl.int32)
-            offs_n = c0 + tl.arange(0, BN)
-            vis = (offs_n <= pos) & (offs_n >= start) & (offs_n < S)
-            k = _key_tile(KI, b, skb, sks, skd, offs_n, vis, DI, BD)
-            for i in range(0, CH, BN):
-                if PREFETCH:  # the next tile's loads in flight while this one is scored
+            if PREFETCH:  # the next tile's loads in flight while this one is scored
+                offs_n = c0 + tl.arange(0, BN)
+                vis = (offs_n <= pos) & (offs_n >= start) & (offs_n < S)
+                k = _key_tile(KI, b, skb, sks, skd, offs_n, vis, DI, BD)
+                for i in range(0, CH, BN):
                     nxt = offs_n + BN
                     vis_n = (nxt <= pos) & (nxt >= start) & (nxt < S) & (nxt < c0 + CH)
                     k_n = _key_tile(KI, b, skb, sks, skd, nxt, vis_n, DI, BD)
-                s = _tile_scores(k, KS, b, ssb, offs_n, vis, qt, wv, PREC, FP8)
-                s = tl.where(vis & ((offs_n < start + sink) | (offs_n > pos - window)), float("inf"), s)
-                tl.store(SC + b * S + offs_n, s, mask=vis)
-                dig = tl.where(vis, (_okey(s) >> 24).to(tl.int32), 0)
-                hist += tl.histogram(dig, 256) - tl.where(bins == 0, tl.sum((~vis).to(tl.int32), 0), 0)
-                if PREFETCH:
+                    hist += _score_stage(k, KS, SC, b, S, ssb, offs_n, vis, start, pos, sink, window, qt, wv, PREC, FP8)
                     offs_n, vis, k = nxt, vis_n, k_n
-                else:
-                    offs_n += BN
+            else:
+                for i in range(0, CH, BN):
+                    offs_n = c0 + i + tl.arange(0, BN)
                     vis = (offs_n <= pos) & (offs_n >= start) & (offs_n < S) & (offs_n < c0 + CH)
                     k = _key_tile(KI, b, skb, sks, skd, offs_n, vis, DI, BD)
-            tl.store(H + ((b * 4) * CMAX + p) * 256 + bins, hist)
+                    hist += _score_stage(k, KS, SC, b, S, ssb, offs_n, vis, start, pos, sink, window, qt, wv, PREC, FP8)
+            tl.store(H0 + (b * CMAX * M + p) * 256 + bins, hist)
         prefix = tl.zeros([], tl.uint32)
         rem = K + tl.zeros([], tl.int32)
         above = tl.zeros([CMAX], tl.int32)
@@ -163,10 +182,10 @@ def _sync_select(Q, W, KI, KS, POS, KVS, SC, H, ARR, OUT, sqb, sqh, sqd, swb, sw
         take_all = tl.zeros([], tl.int32)
         for lv in tl.static_range(4):
             if done == 0:
-                if PHASE == 0:
-                    _row_barrier(ARR, b, (lv + 1) * nvis)
+                if (PHASE == 0) & ((lv > 0) | (not SPLIT)):  # SPLIT: level 0 came from the score launch before
+                    _row_barrier(ARR, b, (lv + 1 - SPLIT) * nvis)
                 if (PHASE == 0) | (PHASE > lv + 1):
-                    dstar, above, ties, rem, nbin, total, cnt = _level(H, b, lv, nvis, rem, above, CMAX)
+                    dstar, above, ties, rem, nbin, total, cnt = _level(H, H0, b, lv, nvis, nvis0, rem, above, CMAX, M)
                     prefix = (prefix << 8) | dstar.to(tl.uint32)
                     levels = tl.full([], lv + 1, tl.int32)
                     if lv == 3:  # all 32 bits resolved: what is left are exact ties
@@ -251,7 +270,7 @@ def sync_chunks(B: int, S: int, programs: int, block: int) -> tuple[int, int]:
 def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window: int, has_start: bool, *,
                 block: int = 0, num_warps: int = 4, per_sm: int = 0, phased: bool = False, pdl: int = 0,
                 chunk: int | None = None, maxnreg: int = MAXNREG, prefetch: bool = False,
-                rescan: int = 0, early: bool | None = None) -> torch.Tensor:
+                rescan: int = 0, early: bool | None = None, split: int | None = None) -> torch.Tensor:
     """`indexer_topk_decode`'s selection in one launch (`phased`, or under the interpreter: five). q_idx
     `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (fp8 with k_scale `[B, S]`), pos / kvs `[B]` int32 ->
     `[B, topk]` int32 ascending, -1 padded. block: keys a step (0: 64 on a GPU); per_sm: at most this many
@@ -259,7 +278,9 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
     resident); maxnreg: a register cap for the one-launch kernel (0: the compiler's choice); prefetch: the score
     stage loads its next key tile before scoring the current one; rescan: the keys a step of the later stages'
     passes over the chunk's stored scores (0: RESCAN); early: at PDL 2, the next kernel may launch as soon as
-    every program has started (they are all resident then), not only after the last barrier."""
+    every program has started (they are all resident then), not only after the last barrier; split: the scores
+    and the first histogram in a launch of their own before, `split` programs a chunk (no barrier: as many
+    programs as the SMs take), the levels and the write in the barrier launch (0: one launch)."""
     from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
     B, HI, DI = q_idx.shape
@@ -294,20 +315,32 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
                                                                     triton.next_power_of_2(CH))
     key = (dev.index, num_warps, maxnreg, CMAX, BR, *const.values())
     sc = torch.empty(B, S, device=dev, dtype=torch.float32)
+    split = SPLIT if split is None else split
+    M = max(1, split)
+    if CH % (M * BN):
+        raise ValueError(f"chunk ({CH}) must be a multiple of split x block ({M} x {BN})")
     hist = torch.empty(B, 4, CMAX, NR, device=dev, dtype=torch.int32)
+    hist0 = torch.empty(B, CMAX * M, NR, device=dev, dtype=torch.int32)
     out = torch.empty(B, topk, device=dev, dtype=torch.int32)
     arr = _counters(dev, B)
-    args = (q_idx, w, k_idx, k_scale if fp8 else sc, pos, kvs, sc, hist, arr, out, *q_idx.stride(), *w.stride(),
+    args = (q_idx, w, k_idx, k_scale if fp8 else sc, pos, kvs, sc, hist, hist0, arr, out, *q_idx.stride(), *w.stride(),
             *k_idx.stride(), k_scale.stride(0) if fp8 else 0, out.stride(0), S, topk, sink, window, HI, DI, CH,
             arr.shape[1])
     grid = (P, B)
+    sargs = list(args)
+    sargs[-2] = CH // M  # the score stage's chunk: M of them a barrier chunk
     if phased:
-        for phase in range(1, 6):
-            _sync_select[grid](*args, CMAX=CMAX, BR=BR, PHASE=phase, num_warps=1 if interpret else num_warps, **const)
+        nw = 1 if interpret else num_warps
+        _sync_select[(P * M, B)](*sargs, CMAX=CMAX, BR=BR, PHASE=1, M=M, num_warps=nw, **const)
+        for phase in range(2, 6):
+            _sync_select[grid](*args, CMAX=CMAX, BR=BR, PHASE=phase, M=M, num_warps=nw, **const)
         return out
     cap = {"maxnreg": maxnreg} if maxnreg else {}
-    k = _sync_select[grid](*args, CMAX=CMAX, BR=BR, PHASE=0, PDL=3 if pdl == 2 and early else pdl, num_warps=num_warps, launch_pdl=bool(pdl), **const,
-                           **cap)
+    if split:
+        _sync_select[(P * M, B)](*sargs, CMAX=CMAX, BR=BR, PHASE=1, PDL=3 if pdl else 0, M=M, num_warps=num_warps,
+                                 launch_pdl=bool(pdl), **const)
+    k = _sync_select[grid](*args, CMAX=CMAX, BR=BR, PHASE=0, PDL=3 if pdl == 2 and (EARLY if early is None else early)
+                           else pdl, num_warps=num_warps, launch_pdl=bool(pdl), SPLIT=bool(split), M=M, **const, **cap)
     if key not in _RESIDENT and k is not None:
         _RESIDENT[key] = _occupancy(k, num_warps, dev)
     return out
