@@ -154,10 +154,14 @@ def kernel_part(run) -> None:
 
     variants = {
         "fine": lambda a: itd.indexer_topk_decode(*a, K, **{**ENGINE_SELECT.as_kwargs(), "pdl": 2}, **kw),
-        "w4_b128_r256": sync(block=128),
+        "one": sync(block=128),
+        "one_keep": sync(block=128, keep=True),
         "split2": sync(block=128, split=2),
-        "split2_b64": sync(block=64, split=2),
-        "split4": sync(block=128, split=4),
+        "split2_keep": sync(block=128, split=2, keep=True),
+        "split2_keep_b64": sync(block=64, split=2, keep=True),
+        "split4_keep": sync(block=128, split=4, keep=True),
+        "split2_keep_mc16": sync(block=128, split=2, keep=True, max_chunks=16),
+        "split2_keep_w8": sync(block=128, split=2, keep=True, num_warps=8),
     }
     rows = run.res.setdefault("kernel_us", [])
     for B, S in SHAPES:
@@ -188,9 +192,19 @@ def engine_part(run) -> None:
     b.attach_sparse()
     from sparse_rl.sparse.ops.indexer_topk import decode_sync as ds
 
-    variants = {"fine": rh.Variant(select=ENGINE_SELECT), "sync": rh.Variant(select=DecodeSelect("sync", score_block=128)),
-                "sync_split2": rh.Variant(select=DecodeSelect("sync", score_block=128, sync_per_sm=4))}
-    plan = {32: (16640, [2304, 16384]), 16: (33024, [32768])}
+    # name -> (Variant, decode_sync module defaults while its graph is captured); distinct selects, so each recaptures
+    variants = {"fine": (rh.Variant(select=ENGINE_SELECT), {}),
+                "split2_keep": (rh.Variant(select=DecodeSelect("sync", score_block=128, sync_per_sm=4)),
+                                {"SPLIT": 2, "KEEP": True}),
+                "one_keep": (rh.Variant(select=DecodeSelect("sync", score_block=128)), {"KEEP": True})}
+    base = {"SPLIT": ds.SPLIT, "KEEP": ds.KEEP}
+
+    def use(name):
+        for k, v in {**base, **variants[name][1]}.items():
+            setattr(ds, k, v)
+        rh.apply(eng, variants[name][0])
+
+    plan = {32: (16640, [2304, 16384]), 16: (33024, [32768]), 1: (16640, [16384])}
     for B, (top, ctxs) in plan.items():
         if not run.gate(40, f"engine b{B}"):
             break
@@ -200,11 +214,10 @@ def engine_part(run) -> None:
         rows = run.res.setdefault("steps", [])
         for rep in range(2):
             for ctx in ctxs:
-                for name, v in variants.items():
+                for name in variants:
                     if not run.gate(8, f"b{B} {ctx} {name}"):
                         break
-                    ds.SPLIT = 2 if name == "sync_split2" else 0  # read at capture: the selects differ, so each recaptures
-                    rh.apply(eng, v)
+                    use(name)
                     r = run.guarded(f"step {name} b{B} {ctx}", b.step_row, eng, B, ctx, "sparse")
                     if r is not None:
                         r.update(variant=name, rep=rep)
@@ -212,13 +225,12 @@ def engine_part(run) -> None:
                         log(f"b{B} {ctx} {name}: {r['ms']} (floor {r['floor_ms']})")
                     run.save()
         if B == 32 and run.gate(30, "profiles"):
-            for name in ("sync_split2",):
-                ds.SPLIT = 2
-                rh.apply(eng, variants[name])
+            for name in ("split2_keep",):
+                use(name)
                 run.res.setdefault("profile", {})[name] = run.guarded(f"profile {name}", rh.profile_step, eng, 16384,
                                                                       "sparse")
                 run.save()
-        ds.SPLIT = 0
+        use("fine")
         del eng
         rh.free()
 

@@ -57,6 +57,8 @@ MAXNREG = 128
 RESCAN = 256
 EARLY = False
 SPLIT = 0  # sync_select(split=None): the score stage in one launch with the barriers
+KEEP = False  # sync_select(keep=None)
+KEEP_MAX = 2048  # the longest chunk held in registers
 
 
 @triton.jit
@@ -112,20 +114,35 @@ def _score_stage(k, KS, SC, b, S, ssb, offs_n, vis, start, pos, sink, window, qt
 
 
 @triton.jit
-def _digits_hist(SC, b, S, pos, start, c0, CH, prefix, LV: tl.constexpr, BN: tl.constexpr):
-    # BN: the rescan's keys a step (`BR`: the whole chunk where it fits, one L2 round trip)
-    """The chunk's histogram `[NR]` of level LV's digit over its visible keys whose first 8 * LV bits are
-    prefix (LV 1..3; the scores are this program's own stores)."""
+def _hist_of(u, vis, prefix, LV: tl.constexpr):
+    """Histogram `[NR]` of level LV's digit of the keys u (where vis) whose first 8 * LV bits are prefix."""
     bins = tl.arange(0, 256)
+    m = vis & ((u >> (32 - 8 * LV)) == prefix)
+    dig = tl.where(m, ((u >> (24 - 8 * LV)) & 255).to(tl.int32), 0)
+    return tl.histogram(dig, 256) - tl.where(bins == 0, tl.sum((~m).to(tl.int32), 0), 0)
+
+
+@triton.jit
+def _digits_hist(SC, b, S, pos, start, c0, CH, prefix, LV: tl.constexpr, BN: tl.constexpr):
+    """The chunk's histogram `[NR]` of level LV's digit over its visible keys whose first 8 * LV bits are
+    prefix (LV 1..3; the scores are this program's own stores), read BN keys a step."""
     hist = tl.zeros([256], tl.int32)
     for i in range(0, CH, BN):
         offs_n = c0 + i + tl.arange(0, BN)
         vis = (offs_n <= pos) & (offs_n >= start) & (offs_n < S) & (offs_n < c0 + CH)
-        u = _okey(tl.load(SC + b * S + offs_n, mask=vis, other=0.0))
-        m = vis & ((u >> (32 - 8 * LV)) == prefix)
-        dig = tl.where(m, ((u >> (24 - 8 * LV)) & 255).to(tl.int32), 0)
-        hist += tl.histogram(dig, 256) - tl.where(bins == 0, tl.sum((~m).to(tl.int32), 0), 0)
+        hist += _hist_of(_okey(tl.load(SC + b * S + offs_n, mask=vis, other=0.0)), vis, prefix, LV)
     return hist
+
+
+@triton.jit
+def _write_tile(OUT, b, sob, offs_w, vw, u, shift, prefix, first, seen, take_all, off):
+    """Tile offs_w's kept positions (above the prefix, or ties from the chunk's `first`) to OUT from column off
+    -> (next column, ties seen)."""
+    v = u >> shift
+    tie = vw & (v == prefix)
+    order = seen + tl.cumsum(tie.to(tl.int32), 0) - 1
+    sel = vw & ((v > prefix) | (tie & (order >= first)) | (take_all + tl.zeros_like(order) > 0))
+    return _emit(OUT, b, sob, offs_w, sel, off), seen + tl.sum(tie.to(tl.int32), 0)
 
 
 @triton.jit
@@ -134,7 +151,7 @@ def _sync_select(Q, W, KI, KS, POS, KVS, SC, H, H0, ARR, OUT, sqb, sqh, sqd, swb
                  HB: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, CMAX: tl.constexpr,
                  PREC: tl.constexpr, FP8: tl.constexpr, HAS_START: tl.constexpr, PHASE: tl.constexpr,
                  PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0, SPLIT: tl.constexpr = False,
-                 M: tl.constexpr = 1):
+                 M: tl.constexpr = 1, KEEP: tl.constexpr = False):
     if PHASE <= 1:
         if PDL:
             tl.extra.cuda.gdc_wait()  # no load before the previous kernel is done
@@ -173,6 +190,12 @@ def _sync_select(Q, W, KI, KS, POS, KVS, SC, H, H0, ARR, OUT, sqb, sqh, sqd, swb
                     k = _key_tile(KI, b, skb, sks, skd, offs_n, vis, DI, BD)
                     hist += _score_stage(k, KS, SC, b, S, ssb, offs_n, vis, start, pos, sink, window, qt, wv, PREC, FP8)
             tl.store(H0 + (b * CMAX * M + p) * 256 + bins, hist)
+        if KEEP:  # the chunk's keys u in registers for every later stage (BR >= CH: one tile)
+            if not SPLIT:
+                tl.debug_barrier()  # the program's own score stores, by its other threads
+            offs_k = c0 + tl.arange(0, BR)
+            vk = (offs_k <= pos) & (offs_k >= start) & (offs_k < S) & (offs_k < c0 + CH)
+            uk = _okey(tl.load(SC + b * S + offs_k, mask=vk, other=0.0))
         prefix = tl.zeros([], tl.uint32)
         rem = K + tl.zeros([], tl.int32)
         above = tl.zeros([CMAX], tl.int32)
@@ -200,7 +223,10 @@ def _sync_select(Q, W, KI, KS, POS, KVS, SC, H, H0, ARR, OUT, sqb, sqh, sqd, swb
                     if lv < 3:
                         if done == 0:
                             if (PHASE == 0) | (PHASE == lv + 2):
-                                hist = _digits_hist(SC, b, S, pos, start, c0, CH, prefix, lv + 1, BR)
+                                if KEEP:
+                                    hist = _hist_of(uk, vk, prefix, lv + 1)
+                                else:
+                                    hist = _digits_hist(SC, b, S, pos, start, c0, CH, prefix, lv + 1, BR)
                                 tl.store(H + ((b * 4 + lv + 1) * CMAX + p) * 256 + bins, hist)
         if (PHASE == 0) | (PHASE == 5):
             if PDL == 2:
@@ -214,15 +240,14 @@ def _sync_select(Q, W, KI, KS, POS, KVS, SC, H, H0, ARR, OUT, sqb, sqh, sqd, swb
             first = tl.sum(tl.where(offs_c == p, ties - take, 0), 0)  # the chunk's ties before `first` are dropped
             shift = 32 - 8 * levels
             seen = 0
-            for i in range(0, CH, BR):
-                offs_w = c0 + i + tl.arange(0, BR)
-                vw = (offs_w <= pos) & (offs_w >= start) & (offs_w < S) & (offs_w < c0 + CH)
-                v = _okey(tl.load(SC + b * S + offs_w, mask=vw, other=0.0)) >> shift
-                tie = vw & (v == prefix)
-                order = seen + tl.cumsum(tie.to(tl.int32), 0) - 1
-                seen += tl.sum(tie.to(tl.int32), 0)
-                sel = vw & ((v > prefix) | (tie & (order >= first)) | (take_all + tl.zeros([BR], tl.int32) > 0))
-                off = _emit(OUT, b, sob, offs_w, sel, off)
+            if KEEP:
+                off, seen = _write_tile(OUT, b, sob, offs_k, vk, uk, shift, prefix, first, seen, take_all, off)
+            else:
+                for i in range(0, CH, BR):
+                    offs_w = c0 + i + tl.arange(0, BR)
+                    vw = (offs_w <= pos) & (offs_w >= start) & (offs_w < S) & (offs_w < c0 + CH)
+                    uw = _okey(tl.load(SC + b * S + offs_w, mask=vw, other=0.0))
+                    off, seen = _write_tile(OUT, b, sob, offs_w, vw, uw, shift, prefix, first, seen, take_all, off)
             if p == nvis - 1:  # the last visible chunk's end is the row's count: pad the rest with -1
                 _pad_rest(OUT, b, sob, off, K, BR)
         if PHASE == 0:  # the row's last program to leave resets its counters for the next launch
@@ -259,10 +284,10 @@ def _occupancy(kernel, num_warps: int, dev: torch.device) -> int:
     return max(1, min(by_regs, by_smem, by_warps, 32))
 
 
-def sync_chunks(B: int, S: int, programs: int, block: int) -> tuple[int, int]:
+def sync_chunks(B: int, S: int, programs: int, block: int, max_chunks: int = MAX_CHUNKS) -> tuple[int, int]:
     """(keys a program CH, chunks a row P) with B x P <= programs (every row's programs resident at once), at
-    most MAX_CHUNKS a row and at least MIN_CHUNK keys a chunk where the row has them; CH a multiple of block."""
-    p = max(1, min(MAX_CHUNKS, programs // max(1, B), triton.cdiv(S, MIN_CHUNK)))
+    most max_chunks a row and at least MIN_CHUNK keys a chunk where the row has them; CH a multiple of block."""
+    p = max(1, min(max_chunks, programs // max(1, B), triton.cdiv(S, MIN_CHUNK)))
     ch = triton.cdiv(triton.cdiv(S, p), block) * block
     return ch, triton.cdiv(S, ch)
 
@@ -270,7 +295,8 @@ def sync_chunks(B: int, S: int, programs: int, block: int) -> tuple[int, int]:
 def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window: int, has_start: bool, *,
                 block: int = 0, num_warps: int = 4, per_sm: int = 0, phased: bool = False, pdl: int = 0,
                 chunk: int | None = None, maxnreg: int = MAXNREG, prefetch: bool = False,
-                rescan: int = 0, early: bool | None = None, split: int | None = None) -> torch.Tensor:
+                rescan: int = 0, early: bool | None = None, split: int | None = None,
+                keep: bool | None = None, max_chunks: int | None = None) -> torch.Tensor:
     """`indexer_topk_decode`'s selection in one launch (`phased`, or under the interpreter: five). q_idx
     `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (fp8 with k_scale `[B, S]`), pos / kvs `[B]` int32 ->
     `[B, topk]` int32 ascending, -1 padded. block: keys a step (0: 64 on a GPU); per_sm: at most this many
@@ -280,7 +306,9 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
     passes over the chunk's stored scores (0: RESCAN); early: at PDL 2, the next kernel may launch as soon as
     every program has started (they are all resident then), not only after the last barrier; split: the scores
     and the first histogram in a launch of their own before, `split` programs a chunk (no barrier: as many
-    programs as the SMs take), the levels and the write in the barrier launch (0: one launch)."""
+    programs as the SMs take), the levels and the write in the barrier launch (0: one launch); keep: the chunk's
+    keys held in registers from the score stage on (one [pow2 >= chunk] tile, no rescans; only where the chunk
+    fits KEEP_MAX); max_chunks: a row's chunks at most (default MAX_CHUNKS)."""
     from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
     B, HI, DI = q_idx.shape
@@ -292,33 +320,41 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
     fp8 = k_scale is not None
     const = dict(HB=max(16, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), BN=BN,
                  PREC=dot_precision(q_idx.dtype), FP8=fp8, HAS_START=has_start, PREFETCH=prefetch)
+    split = SPLIT if split is None else split
+    keep = KEEP if keep is None else keep
+    mc = max_chunks or MAX_CHUNKS
+    M = max(1, split)
+    step = M * BN  # a chunk is M score chunks of whole score steps
     if chunk:
         CH, P = chunk, triton.cdiv(S, chunk)
     elif interpret:
-        CH, P = sync_chunks(B, S, 4 * B, BN)
+        CH, P = sync_chunks(B, S, 4 * B, step, mc)
     else:
-        # the histograms' rows CMAX and the rescans' step BR are set first (by the 4 programs an SM that 128
+        # the histograms' rows CMAX and the later stages' tile BR are set first (by the 4 programs an SM that 128
         # registers give), then the chunks by what the kernel compiled with them actually holds: before its first
         # launch one program an SM, which always stays resident
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         want = 4 if not per_sm else per_sm
-        ch, p = sync_chunks(B, S, sms * want, BN)
-        CMAX, BR = max(2, triton.next_power_of_2(p)), rescan or RESCAN
-        fit = _RESIDENT.get((dev.index, num_warps, maxnreg, CMAX, BR, *const.values()), 1)
-        CH, P = sync_chunks(B, S, sms * min(fit, want), BN)  # P <= CMAX
-    if CH % BN:
-        raise ValueError(f"chunk ({CH}) must be a multiple of the block ({BN})")
+        ch, p = sync_chunks(B, S, sms * want, step, mc)
+        CMAX = max(2, triton.next_power_of_2(p))
+        BR = triton.next_power_of_2(ch) if keep and ch <= KEEP_MAX else (rescan or RESCAN)
+        if maxnreg:  # the cap bounds the registers: what an SM holds follows from it
+            fit = max(1, 65536 // (-(-maxnreg * 32 // 256) * 256 * num_warps))
+        else:  # the compiled kernel's own count (before its first launch: one an SM); no register-held chunks
+            BR = rescan or RESCAN
+            fit = _RESIDENT.get((dev.index, num_warps, maxnreg, CMAX, BR, M, *const.values()), 1)
+        CH, P = sync_chunks(B, S, sms * min(fit, want), step, mc)  # P <= CMAX
+    if CH % step:
+        raise ValueError(f"chunk ({CH}) must be a multiple of split x block ({M} x {BN})")
     if P > MAX_CHUNKS:
         raise ValueError(f"{P} chunks a row: at most {MAX_CHUNKS}")
     if chunk or interpret:
-        CMAX, BR = max(2, triton.next_power_of_2(P)), rescan or min(2048 if not interpret else 32,
-                                                                    triton.next_power_of_2(CH))
-    key = (dev.index, num_warps, maxnreg, CMAX, BR, *const.values())
+        CMAX = max(2, triton.next_power_of_2(P))
+        BR = triton.next_power_of_2(CH) if keep else (rescan or min(32 if interpret else RESCAN,
+                                                                    triton.next_power_of_2(CH)))
+    KP = bool(keep) and BR >= CH and (maxnreg > 0 or interpret)  # one tile covers the chunk (else rescans)
+    key = (dev.index, num_warps, maxnreg, CMAX, BR, M, *const.values())
     sc = torch.empty(B, S, device=dev, dtype=torch.float32)
-    split = SPLIT if split is None else split
-    M = max(1, split)
-    if CH % (M * BN):
-        raise ValueError(f"chunk ({CH}) must be a multiple of split x block ({M} x {BN})")
     hist = torch.empty(B, 4, CMAX, NR, device=dev, dtype=torch.int32)
     hist0 = torch.empty(B, CMAX * M, NR, device=dev, dtype=torch.int32)
     out = torch.empty(B, topk, device=dev, dtype=torch.int32)
@@ -333,14 +369,15 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
         nw = 1 if interpret else num_warps
         _sync_select[(P * M, B)](*sargs, CMAX=CMAX, BR=BR, PHASE=1, M=M, num_warps=nw, **const)
         for phase in range(2, 6):
-            _sync_select[grid](*args, CMAX=CMAX, BR=BR, PHASE=phase, M=M, num_warps=nw, **const)
+            _sync_select[grid](*args, CMAX=CMAX, BR=BR, PHASE=phase, M=M, KEEP=KP, num_warps=nw, **const)
         return out
     cap = {"maxnreg": maxnreg} if maxnreg else {}
     if split:
         _sync_select[(P * M, B)](*sargs, CMAX=CMAX, BR=BR, PHASE=1, PDL=3 if pdl else 0, M=M, num_warps=num_warps,
                                  launch_pdl=bool(pdl), **const)
     k = _sync_select[grid](*args, CMAX=CMAX, BR=BR, PHASE=0, PDL=3 if pdl == 2 and (EARLY if early is None else early)
-                           else pdl, num_warps=num_warps, launch_pdl=bool(pdl), SPLIT=bool(split), M=M, **const, **cap)
+                           else pdl, num_warps=num_warps, launch_pdl=bool(pdl), SPLIT=bool(split), M=M, KEEP=KP, **const,
+                           **cap)
     if key not in _RESIDENT and k is not None:
         _RESIDENT[key] = _occupancy(k, num_warps, dev)
     return out
