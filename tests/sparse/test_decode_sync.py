@@ -96,3 +96,17 @@ def test_sync_per_sm_is_checked_and_carried():
         itd.DecodeSelect("sync", sync_per_sm=40)
     kw = itd.DecodeSelect("sync", sync_per_sm=2, score_block=128).as_kwargs()
     assert kw["impl"] == "sync" and kw["sync_per_sm"] == 2 and kw["score_block"] == 128
+
+
+@pytest.mark.parametrize("opts", [dict(split=2), dict(split=4, chunk=128), dict(keep=True), dict(keep=True, split=2),
+                                  dict(prefetch=True, rescan=16), dict(max_chunks=4)])
+def test_sync_select_forms_equal_reference(opts):
+    """The forms: scores in a launch of their own (split: M score chunks a chunk, level 0 summed from them), the
+    chunk's keys held in registers past the score stage (keep), the next key tile prefetched, a short rescan step,
+    fewer chunks a row; integer ties, left padding, a row shorter than K."""
+    q, w, k, _ = _ints(4, 3, 16, 300, 9)
+    pos = torch.tensor([299, 210, 20, 150], dtype=torch.int32)
+    kvs = torch.tensor([0, 7, 0, 33], dtype=torch.int32)
+    ref = indexer_topk_decode_naive(q, w, k, pos, 40, sink=2, window=4, kv_start=kvs)
+    got = ds.sync_select(q, w, k, None, pos, kvs, 40, 2, 4, True, **opts)
+    assert torch.equal(got, ref)
