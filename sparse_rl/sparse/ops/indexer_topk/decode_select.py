@@ -22,7 +22,9 @@ from dataclasses import dataclass
 # opt-in: exact and two launches a layer, but 0.34-0.36 ms slower a batch-32 step than fine at 2.3K-16K
 # (results/2026-12-02-h200-bsearch-session10.md).
 # "sync" (decode_sync.py): the score pass, four radix levels and the write in ONE launch, the row's programs
-# meeting at in-kernel barriers (not yet timed on a GPU when added, session 15).
+# meeting at in-kernel barriers: exact, 12-24% faster than fine alone on the H200 but not in the step (+0.1 ms at
+# 32 x 2304, -0.03..-0.09 at 32 x 16K, +0.2..+0.4 at 16 x 32K and batch 1; results/2026-12-03-h200-sync-session15.md),
+# opt-in. Its split / keep forms (decode_sync.sync_select) are exact under the interpreter, not yet timed on a GPU.
 IMPLS = ("auto", "chunked", "row", "split", "fine", "bits", "bsearch", "sync")
 # where the fine select resolves a row's threshold (`DecodeSelect.fine_resolve`): "each" (decode_fine.py: every
 # (chunk, row) program of its last pass repeats it), "arrive" (decode_fine_once.py: once, by the row's last
