@@ -24,7 +24,8 @@ from dataclasses import dataclass
 # "sync" (decode_sync.py): the score pass, four radix levels and the write in ONE launch, the row's programs
 # meeting at in-kernel barriers: exact, 12-24% faster than fine alone on the H200 but not in the step (+0.1 ms at
 # 32 x 2304, -0.03..-0.09 at 32 x 16K, +0.2..+0.4 at 16 x 32K and batch 1; results/2026-12-03-h200-sync-session15.md),
-# opt-in. Its split / keep forms (decode_sync.sync_select) are exact under the interpreter, not yet timed on a GPU.
+# opt-in. Its keep form (decode_sync.sync_select(keep=True)): the step at 32 x 16K -0.28 ms, +0.17 at 16 x 32K, +0.29
+# at batch 1; split: slower in every step row (session 15, call 5).
 IMPLS = ("auto", "chunked", "row", "split", "fine", "bits", "bsearch", "sync")
 # where the fine select resolves a row's threshold (`DecodeSelect.fine_resolve`): "each" (decode_fine.py: every
 # (chunk, row) program of its last pass repeats it), "arrive" (decode_fine_once.py: once, by the row's last

@@ -56,8 +56,10 @@ MAXNREG = 128
 # (H200, one CUDA graph of 34 launches at PDL 2; results/2026-12-03-h200-sync-session15.md)
 RESCAN = 256
 EARLY = False
-SPLIT = 0  # sync_select(split=None): the score stage in one launch with the barriers
-KEEP = False  # sync_select(keep=None)
+SPLIT = 0  # sync_select(split=None): the score stage in one launch with the barriers (split 2 + keep: slower than
+# fine in every step row of session 15's call 5: its extra launch and a score launch at 2 programs an SM)
+KEEP = False  # sync_select(keep=None). keep=True: 17.7 / 45.7 / 55.8 / 22.9 us alone at 32 x 2304 / 32 x 16K /
+# 16 x 32K / 1 x 16K (call 5), the step at 32 x 16K -0.28 ms against fine, but +0.17 at 16 x 32K and +0.29 at batch 1
 KEEP_MAX = 2048  # the longest chunk held in registers
 
 
