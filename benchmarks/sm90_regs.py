@@ -48,6 +48,11 @@ def compile_kernel(kern, constexprs: dict, num_warps: int = 4, **options) -> str
             sig[n] = "i32" if n in INTS else "*fp32" if n in FP32 else "*i32"
     k = triton.compile(ASTSource(kern, sig, cx), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, **options))
+    return resources(k)
+
+
+def resources(k) -> str:
+    """A kernel compiled for sm_90a (`triton.compile`) -> "regs N stack M" (cuobjdump's resource usage)."""
     cubin = "/tmp/_sm90_regs.cubin"
     with open(cubin, "wb") as f:
         f.write(k.asm["cubin"])

@@ -10,7 +10,7 @@ chunk's histogram, arrives at the row's counter (release) and waits for the row'
 pass boundary costs an L2 round trip instead of a launch.
 
 One program per (chunk, row), `CH` keys each:
-1. scores of the chunk (`decode_steps._score_tile`: +inf forced, the visible keys only) to a `[B, S]` fp32
+1. scores of the chunk (`_score_stage`: +inf forced, the visible keys only) to a `[B, S]` fp32
    scratch, and the chunk's histogram of the top 8 bits of u = okey(score) (larger u = larger score).
 2. for each level l = 0..3: barrier; the row's histogram of level l (the sum of its chunks') gives the digit d*
    holding the rem-th largest remaining key (rem starts at K); each chunk's keys above d* are counted for the
@@ -23,7 +23,7 @@ One program per (chunk, row), `CH` keys each:
 A row with at most K visible keys keeps them all (no level is needed).
 
 The barriers need every program of a row resident at once: the grid is sized to the programs the SMs hold at
-once (`sync_chunks`, from the compiled kernel's registers), and the kernel lets the next PDL kernel launch only
+once (`sync_chunks`, from the register cap `maxnreg`), and the kernel lets the next PDL kernel launch only
 when its last barrier is passed (a dependent's waiting programs would otherwise hold SMs the row still needs).
 The row's counters return to zero at the end of every launch (its last program resets them), so one zeroed
 buffer per device serves every launch (`_counters`).
@@ -41,7 +41,6 @@ import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk.decode_steps import _emit, _key_tile, _pad_rest, _query_of, _tile_scores
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
-from sparse_rl.sparse.ops.pdl import pdl_enter
 
 NR = 256  # bins of a radix level (8 bits)
 MAX_CHUNKS = 32  # a row's chunks at most: each program sums `[CMAX, NR]` histograms in registers
@@ -260,7 +259,8 @@ def _sync_select(Q, W, KI, KS, POS, KVS, SC, H, H0, ARR, OUT, sqb, sqh, sqd, swb
 
 
 _COUNTERS: dict = {}  # device -> zeroed int32 `[2, rows]` (arrivals, departures); every launch leaves it zeroed
-_RESIDENT: dict = {}  # (device, warps, maxnreg, CMAX, constexprs) -> programs an SM holds at once (compiled kernel)
+_RESIDENT: dict = {}  # uncapped kernels (maxnreg 0): (device, warps, maxnreg, CMAX, BR, M, constexprs) -> programs an
+# SM holds at once, from the compiled kernel
 
 
 def _counters(dev: torch.device, B: int) -> torch.Tensor:
@@ -301,7 +301,7 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
                 keep: bool | None = None, max_chunks: int | None = None) -> torch.Tensor:
     """`indexer_topk_decode`'s selection in one launch (`phased`, or under the interpreter: five). q_idx
     `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (fp8 with k_scale `[B, S]`), pos / kvs `[B]` int32 ->
-    `[B, topk]` int32 ascending, -1 padded. block: keys a step (0: 64 on a GPU); per_sm: at most this many
+    `[B, topk]` int32 ascending, -1 padded. block: keys a step of the score stage (0: 128 on a GPU); per_sm: at most this many
     programs an SM (0: as many as fit); chunk: the keys a program, forced (tests; must keep the row's programs
     resident); maxnreg: a register cap for the one-launch kernel (0: the compiler's choice); prefetch: the score
     stage loads its next key tile before scoring the current one; rescan: the keys a step of the later stages'
@@ -380,6 +380,6 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
     k = _sync_select[grid](*args, CMAX=CMAX, BR=BR, PHASE=0, PDL=3 if pdl == 2 and (EARLY if early is None else early)
                            else pdl, num_warps=num_warps, launch_pdl=bool(pdl), SPLIT=bool(split), M=M, KEEP=KP, **const,
                            **cap)
-    if key not in _RESIDENT and k is not None:
+    if not maxnreg and key not in _RESIDENT and k is not None:  # read only where no cap bounds the registers
         _RESIDENT[key] = _occupancy(k, num_warps, dev)
     return out
