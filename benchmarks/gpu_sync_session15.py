@@ -14,6 +14,10 @@ select, on the H200, in one call.
 Predictions (before the call): sync 10-15 us a layer at 32 x 2304 (fine ~26) and ~30-35 at 32 x 16K (fine ~75-80);
 the b32 step -0.4..-0.6 ms at 2304 and -1.0..-1.5 ms at 16K.
 
+Calls 3-5 reached the sync forms in the engine through decode_sync's module defaults (EARLY / SPLIT / KEEP, set per
+variant before each capture); after the session's review those are `DecodeSelect.sync_keep` / `sync_split` fields
+(the same arguments of `sync_select`) and the engine part builds its variants from them.
+
     PYTHONPATH=$PWD python benchmarks/gpu_sync_session15.py --budget 420 --out $OUT/sync15
 """
 
@@ -190,19 +194,12 @@ def engine_part(run) -> None:
     cfg = BenchRolloutConfig(shape="qwen3-4b", hf=False, topk=2048, index_heads=4, index_dim=64)
     b = _Bench(cfg, log, None)
     b.attach_sparse()
-    from sparse_rl.sparse.ops.indexer_topk import decode_sync as ds
-
-    # name -> (Variant, decode_sync module defaults while its graph is captured); distinct selects, so each recaptures
-    variants = {"fine": (rh.Variant(select=ENGINE_SELECT), {}),
-                "split2_keep": (rh.Variant(select=DecodeSelect("sync", score_block=128, sync_per_sm=4)),
-                                {"SPLIT": 2, "KEEP": True}),
-                "one_keep": (rh.Variant(select=DecodeSelect("sync", score_block=128)), {"KEEP": True})}
-    base = {"SPLIT": ds.SPLIT, "KEEP": ds.KEEP}
+    variants = {"fine": rh.Variant(select=ENGINE_SELECT),
+                "split2_keep": rh.Variant(select=DecodeSelect("sync", score_block=128, sync_keep=True, sync_split=2)),
+                "one_keep": rh.Variant(select=DecodeSelect("sync", score_block=128, sync_keep=True))}
 
     def use(name):
-        for k, v in {**base, **variants[name][1]}.items():
-            setattr(ds, k, v)
-        rh.apply(eng, variants[name][0])
+        rh.apply(eng, variants[name])
 
     plan = {32: (16640, [2304, 16384]), 16: (33024, [32768]), 1: (16640, [16384])}
     for B, (top, ctxs) in plan.items():

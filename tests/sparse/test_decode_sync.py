@@ -94,8 +94,25 @@ def test_sync_chunks_keep_the_grid_resident():
 def test_sync_per_sm_is_checked_and_carried():
     with pytest.raises(ValueError, match="sync_per_sm"):
         itd.DecodeSelect("sync", sync_per_sm=40)
-    kw = itd.DecodeSelect("sync", sync_per_sm=2, score_block=128).as_kwargs()
+    with pytest.raises(ValueError, match="sync_split"):
+        itd.DecodeSelect("sync", sync_split=3)
+    kw = itd.DecodeSelect("sync", sync_per_sm=2, score_block=128, sync_keep=True, sync_split=2).as_kwargs()
     assert kw["impl"] == "sync" and kw["sync_per_sm"] == 2 and kw["score_block"] == 128
+    assert kw["sync_keep"] is True and kw["sync_split"] == 2
+
+
+def test_sync_forms_reach_the_kernel_through_the_select():
+    """DecodeSelect's sync_keep / sync_split reach `sync_select` through `indexer_topk_decode` (the engine's path)
+    and the compiled step's opaque op, and select the reference's keys."""
+    from sparse_rl.rl.rollout import compiled
+
+    q, w, k, _ = _ints(3, 3, 16, 200, 4)
+    pos = torch.tensor([199, 120, 60])
+    ref = indexer_topk_decode_naive(q, w, k, pos, 30, sink=1, window=2)
+    sel = itd.DecodeSelect("sync", sync_keep=True, sync_split=2)
+    assert torch.equal(itd.indexer_topk_decode(q, w, k, pos, 30, sink=1, window=2, **sel.as_kwargs()), ref)
+    got = compiled.indexer_topk_decode(q, w, k, pos, 200, 30, 1, 2, "triton", select=sel)
+    assert torch.equal(got, ref)
 
 
 @pytest.mark.parametrize("opts", [dict(split=2), dict(split=4, chunk=128), dict(keep=True), dict(keep=True, split=2),

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 # "sync" (decode_sync.py): the score pass, four radix levels and the write in ONE launch, the row's programs
 # meeting at in-kernel barriers: exact, 12-24% faster than fine alone on the H200 but not in the step (+0.1 ms at
 # 32 x 2304, -0.03..-0.09 at 32 x 16K, +0.2..+0.4 at 16 x 32K and batch 1; results/2026-12-03-h200-sync-session15.md),
-# opt-in. Its keep form (decode_sync.sync_select(keep=True)): the step at 32 x 16K -0.28 ms, +0.17 at 16 x 32K, +0.29
-# at batch 1; split: slower in every step row (session 15, call 5).
+# opt-in. Its keep form (sync_keep): the step at 32 x 16K -0.28 ms, +0.17 at 16 x 32K, +0.29
+# at batch 1; split (sync_split): slower in every step row (session 15, call 5).
 IMPLS = ("auto", "chunked", "row", "split", "fine", "bits", "bsearch", "sync")
 # where the fine select resolves a row's threshold (`DecodeSelect.fine_resolve`): "each" (decode_fine.py: every
 # (chunk, row) program of its last pass repeats it), "arrive" (decode_fine_once.py: once, by the row's last
@@ -65,6 +65,8 @@ class DecodeSelect:
     fine_prefetch: bool = False
     fine_maxnreg: int = 0
     sync_per_sm: int = 0
+    sync_keep: bool = False
+    sync_split: int = 0
     pdl: int = 0
 
     def __post_init__(self):
@@ -80,6 +82,8 @@ class DecodeSelect:
             raise ValueError(f"fine_maxnreg {self.fine_maxnreg}: must be 0 (the compiler's choice) or 24-255")
         if not 0 <= self.sync_per_sm <= 32:
             raise ValueError(f"sync_per_sm {self.sync_per_sm}: must be 0 (as many as fit) or 1-32")
+        if self.sync_split < 0 or self.sync_split & (self.sync_split - 1):  # score chunks a chunk: a power of two
+            raise ValueError(f"sync_split {self.sync_split}: must be 0 (one launch) or a power of two")
         if self.num_warps not in (0, 1, 2, 4, 8, 16):
             raise ValueError(f"num_warps {self.num_warps}: must be 0 (the default) or a power of two up to 16")
         if self.pdl not in (0, 1, 2):  # ops/_backend.PDL_LEVELS (not imported here: this module has no torch)
@@ -89,7 +93,8 @@ class DecodeSelect:
         return {"impl": self.impl, "row_max_keys": self.row_max_keys, "auto_long": self.long, "fine_cap": self.fine_cap,
                 "score_block": self.score_block, "num_warps": self.num_warps or None, "fine_resolve": self.fine_resolve,
                 "fine_block": self.fine_block, "fine_prefetch": self.fine_prefetch,
-                "fine_maxnreg": self.fine_maxnreg, "sync_per_sm": self.sync_per_sm, "pdl": self.pdl}
+                "fine_maxnreg": self.fine_maxnreg, "sync_per_sm": self.sync_per_sm,
+                "sync_keep": self.sync_keep, "sync_split": self.sync_split, "pdl": self.pdl}
 
 
 # The rollout engine's default (`ModelRunner(decode_select=None)`, the GRPO and `bench rollout` defaults):

@@ -54,11 +54,10 @@ MAXNREG = 128
 # 23.3 at 32 x 2304 / 32 x 16K / 16 x 32K / 1 x 16K, against the fine select's 21.2 / 64.0 / 64.1 / 30.7
 # (H200, one CUDA graph of 34 launches at PDL 2; results/2026-12-03-h200-sync-session15.md)
 RESCAN = 256
-EARLY = False
-SPLIT = 0  # sync_select(split=None): the score stage in one launch with the barriers (split 2 + keep: slower than
-# fine in every step row of session 15's call 5: its extra launch and a score launch at 2 programs an SM)
-KEEP = False  # sync_select(keep=None). keep=True: 17.7 / 45.7 / 55.8 / 22.9 us alone at 32 x 2304 / 32 x 16K /
-# 16 x 32K / 1 x 16K (call 5), the step at 32 x 16K -0.28 ms against fine, but +0.17 at 16 x 32K and +0.29 at batch 1
+# measured (H200, session 15, call 5), both off by default (`DecodeSelect.sync_split` / `sync_keep`): keep, 17.7 /
+# 45.7 / 55.8 / 22.9 us alone at 32 x 2304 / 32 x 16K / 16 x 32K / 1 x 16K, the step at 32 x 16K -0.28 ms against
+# fine but +0.17 at 16 x 32K and +0.29 at batch 1; split 2 + keep slower than fine in every step row (its extra
+# launch and a score launch at 2 programs an SM)
 KEEP_MAX = 2048  # the longest chunk held in registers
 
 
@@ -297,8 +296,8 @@ def sync_chunks(B: int, S: int, programs: int, block: int, max_chunks: int = MAX
 def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window: int, has_start: bool, *,
                 block: int = 0, num_warps: int = 4, per_sm: int = 0, phased: bool = False, pdl: int = 0,
                 chunk: int | None = None, maxnreg: int = MAXNREG, prefetch: bool = False,
-                rescan: int = 0, early: bool | None = None, split: int | None = None,
-                keep: bool | None = None, max_chunks: int | None = None) -> torch.Tensor:
+                rescan: int = 0, early: bool = False, split: int = 0, keep: bool = False,
+                max_chunks: int | None = None) -> torch.Tensor:
     """`indexer_topk_decode`'s selection in one launch (`phased`, or under the interpreter: five). q_idx
     `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (fp8 with k_scale `[B, S]`), pos / kvs `[B]` int32 ->
     `[B, topk]` int32 ascending, -1 padded. block: keys a step of the score stage (0: 128 on a GPU); per_sm: at most this many
@@ -322,8 +321,6 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
     fp8 = k_scale is not None
     const = dict(HB=max(16, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), BN=BN,
                  PREC=dot_precision(q_idx.dtype), FP8=fp8, HAS_START=has_start, PREFETCH=prefetch)
-    split = SPLIT if split is None else split
-    keep = KEEP if keep is None else keep
     mc = max_chunks or MAX_CHUNKS
     M = max(1, split)
     step = M * BN  # a chunk is M score chunks of whole score steps
@@ -377,9 +374,9 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
     if split:
         _sync_select[(P * M, B)](*sargs, CMAX=CMAX, BR=BR, PHASE=1, PDL=3 if pdl else 0, M=M, num_warps=num_warps,
                                  launch_pdl=bool(pdl), **const)
-    k = _sync_select[grid](*args, CMAX=CMAX, BR=BR, PHASE=0, PDL=3 if pdl == 2 and (EARLY if early is None else early)
-                           else pdl, num_warps=num_warps, launch_pdl=bool(pdl), SPLIT=bool(split), M=M, KEEP=KP, **const,
-                           **cap)
+    level = 3 if pdl == 2 and early else pdl  # 3: PDL 2 with the dependents' launch at entry
+    k = _sync_select[grid](*args, CMAX=CMAX, BR=BR, PHASE=0, PDL=level, num_warps=num_warps, launch_pdl=bool(pdl),
+                           SPLIT=bool(split), M=M, KEEP=KP, **const, **cap)
     if not maxnreg and key not in _RESIDENT and k is not None:  # read only where no cap bounds the registers
         _RESIDENT[key] = _occupancy(k, num_warps, dev)
     return out
