@@ -52,11 +52,11 @@ def _indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tens
                          fine_cap: int = 32, score_block: int = 0, num_warps: int = 0,
                          fine_resolve: str = "each", fine_block: int = 0, fine_prefetch: bool = False,
                          fine_maxnreg: int = 0, sync_per_sm: int = 0, sync_keep: bool = False,
-                         sync_split: int = 0) -> torch.Tensor:
+                         sync_split: int = 0, sync_max_chunks: int = 0) -> torch.Tensor:
     from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
     sel = DecodeSelect(impl, row_max_keys, auto_long, fine_cap, score_block, num_warps, fine_resolve, fine_block,
-                       fine_prefetch, fine_maxnreg, sync_per_sm, sync_keep, sync_split)
+                       fine_prefetch, fine_maxnreg, sync_per_sm, sync_keep, sync_split, sync_max_chunks)
     return ops.indexer_topk_decode(q_idx, w, k_idx[:, :S], pos, topk, sink=sink, window=window,
                                    k_scale=None if k_scale is None else k_scale[:, :S], select=sel,
                                    backend=backend).contiguous()
@@ -65,7 +65,8 @@ def _indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tens
 @_indexer_topk_decode.register_fake
 def _(q_idx, w, k_idx, pos, S, topk, sink, window, backend, k_scale=None, impl="auto", row_max_keys=8192,
       auto_long="chunked", fine_cap=32, score_block=0, num_warps=0, fine_resolve="each",
-      fine_block=0, fine_prefetch=False, fine_maxnreg=0, sync_per_sm=0, sync_keep=False, sync_split=0):
+      fine_block=0, fine_prefetch=False, fine_maxnreg=0, sync_per_sm=0, sync_keep=False, sync_split=0,
+      sync_max_chunks=0):
     return q_idx.new_empty(q_idx.shape[0], topk, dtype=torch.int32)
 
 
@@ -79,7 +80,8 @@ def indexer_topk_decode(q_idx, w, k_idx, pos, S: int, topk: int, sink: int, wind
                                         num_warps=select.num_warps, fine_resolve=select.fine_resolve,
                                         fine_block=select.fine_block, fine_prefetch=select.fine_prefetch,
                                         fine_maxnreg=select.fine_maxnreg, sync_per_sm=select.sync_per_sm,
-                                        sync_keep=select.sync_keep, sync_split=select.sync_split)
+                                        sync_keep=select.sync_keep, sync_split=select.sync_split,
+                                        sync_max_chunks=select.sync_max_chunks)
     return _indexer_topk_decode(q_idx, w, k_idx, pos, S, topk, sink, window, backend, k_scale, **kw)
 
 

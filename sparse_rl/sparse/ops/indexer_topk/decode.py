@@ -249,7 +249,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
                         row_max_keys: int = ROW_MAX_KEYS, auto_long: str = AUTO_LONG, score_block: int = 0,
                         fine_resolve: str = "each", fine_block: int = 0, fine_prefetch: bool = False,
                         fine_maxnreg: int = 0, sync_per_sm: int = 0, sync_keep: bool = False,
-                        sync_split: int = 0, pdl: bool = False):
+                        sync_split: int = 0, sync_max_chunks: int = 0, pdl: bool = False):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference. candidates=True also returns each row's number of second-level
@@ -273,7 +273,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     select's pass that resolves the threshold (0: the compiler's choice). "sync": the score pass, the radix levels
     and the write in one launch, the row's programs meeting at in-kernel barriers (`decode_sync.py`; score_block
     its keys a step, sync_per_sm its most programs an SM, 0 = as many as fit; sync_keep / sync_split its keep /
-    split forms). Every impl selects the same keys. pdl: the
+    split forms, sync_max_chunks a row's most chunks, 0 = the kernel's MAX_CHUNKS). Every impl selects the same keys. pdl: the
     score pass and the fine / split passes launched with programmatic dependent launch (`DecodeSelect.pdl`, set by
     the rollout runner from `ModelRunner.pdl`; the other impls' passes launch plainly: any mix is safe, since
     every PDL kernel waits before its first load)."""
@@ -313,7 +313,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
 
         out = sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk, sink, window, kv_start is not None,
                           block=score_block, num_warps=num_warps or 4, per_sm=sync_per_sm, pdl=pdl, chunk=chunk,
-                          keep=sync_keep, split=sync_split)
+                          keep=sync_keep, split=sync_split, max_chunks=sync_max_chunks or None)
         return (out, None) if candidates else out
     if impl == "bsearch":
         from sparse_rl.sparse.ops.indexer_topk.decode_bsearch import BSEARCH_MAX_KEYS

@@ -1,0 +1,121 @@
+"""Session 16 (lead), issue 14: the one-launch decode select with its chunk's keys in registers ("sync", keep) at
+most 16 chunks a row (`DecodeSelect.sync_max_chunks`), against the engine's fine select, on the H200, in one call.
+
+Why: session 15's call 5 measured sync + keep at -0.28 ms a step at 32 x 16K but +0.17 at 16 x 32K and +0.29 at
+batch 1, where a row has 32 chunks (its [32, 256] histogram load spills at the 128-register cap); with at most 16
+chunks a row (what batch 32 gets anyway) the split form was the fastest alone at batch 1 (20.1 us vs fine 30.6).
+If sync + keep + 16 chunks is faster in the step in every row of the plan it can be the engine's default.
+
+1. kernel: at 32 x 2304, 32 x 16384, 16 x 32768, 1 x 16384 (Qwen3-4B indexer 4 x 64, bf16, k 2048) every variant's
+   keys equal to the fine select's; then us a layer, one CUDA graph of 34 calls at PDL 2 (gpu_sync_session15).
+2. engine: step ms (graph replay, median of 20, `_Bench.step_row`) for the variants, interleaved `--reps` times,
+   the floor beside each.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_sync_session16.py --budget 170 --out $OUT/sync16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from granular_harness import Run, log  # noqa: E402
+from gpu_sync_session15 import K, SHAPES, SINK, WINDOW, _graph_us, _inputs  # noqa: E402
+
+
+def _selects():
+    from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT, DecodeSelect
+
+    keep = dict(score_block=128, sync_keep=True)
+    return {"fine": ENGINE_SELECT, "one_keep": DecodeSelect("sync", **keep),
+            "one_keep_mc16": DecodeSelect("sync", **keep, sync_max_chunks=16),
+            "one_keep_mc8": DecodeSelect("sync", **keep, sync_max_chunks=8)}
+
+
+def kernel_part(run, names) -> bool:
+    """Every variant equal to fine at every shape (returned), and its us a layer."""
+    import torch
+
+    from sparse_rl.sparse.ops.indexer_topk import decode as itd
+
+    sel = {n: s for n, s in _selects().items() if n in names}
+    ok = True
+    rows = run.res.setdefault("kernel_us", [])
+    for B, S in SHAPES:
+        if not run.gate(10, f"kernel {B}x{S}"):
+            break
+        a = _inputs(B, S, 3, torch.device("cuda"))
+        fns = {n: (lambda s: lambda: itd.indexer_topk_decode(*a, K, sink=SINK, window=WINDOW,
+                                                              **{**s.as_kwargs(), "pdl": 2}))(s) for n, s in sel.items()}
+        ref = fns["fine"]()
+        row = {"batch": B, "context": S, "equal_fine": {n: bool(torch.equal(f(), ref)) for n, f in fns.items()}}
+        ok &= all(row["equal_fine"].values())
+        for n, f in fns.items():
+            row[n] = run.guarded(f"kernel {n} {B}x{S}", _graph_us, f)
+        rows.append(row)
+        log(f"kernel {B}x{S}: equal {row['equal_fine']} " + ", ".join(f"{n} {row[n]}" for n in fns))
+        run.save()
+    return ok
+
+
+def engine_part(run, names, reps: int) -> None:
+    import rollout_harness as rh
+    from sparse_rl.bench.rollout import BenchRolloutConfig, _Bench
+
+    cfg = BenchRolloutConfig(shape="qwen3-4b", hf=False, topk=2048, index_heads=4, index_dim=64)
+    b = _Bench(cfg, log, None)
+    b.attach_sparse()
+    variants = {n: rh.Variant(select=s) for n, s in _selects().items() if n in names}
+    plan = {32: (16640, [16384, 2304]), 16: (33024, [32768]), 1: (16640, [16384])}
+    rows = run.res.setdefault("steps", [])
+    for B, (top, ctxs) in plan.items():
+        if not run.gate(25, f"engine b{B}"):
+            break
+        eng = b.engine(B, top)
+        eng.set_attention("sparse")
+        b.fill(eng, top)
+        for rep in range(reps):
+            for ctx in ctxs:
+                for name, v in variants.items():
+                    if not run.gate(4, f"b{B} {ctx} {name}"):
+                        break
+                    rh.apply(eng, v)
+                    r = run.guarded(f"step {name} b{B} {ctx}", b.step_row, eng, B, ctx, "sparse")
+                    if r is not None:
+                        r.update(variant=name, rep=rep)
+                        rows.append(r)
+                        log(f"b{B} {ctx} {name}: {r['ms']} (floor {r['floor_ms']})")
+                    run.save()
+        rh.apply(eng, variants["fine"])
+        del eng
+        rh.free()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sync16"))
+    ap.add_argument("--budget", type=float, default=170.0)
+    ap.add_argument("--variants", default="fine,one_keep,one_keep_mc16")
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    import torch
+
+    names = a.variants.split(",")
+    run = Run(a.out, "sync16.json", a.budget, {"torch": torch.__version__, "variants": names})
+    ok = run.guarded("kernel", kernel_part, run, names)
+    run.res["equal_everywhere"] = bool(ok)
+    run.save()
+    if ok:
+        run.guarded("engine", engine_part, run, names, a.reps)
+    run.save()
+    print(json.dumps(run.res.get("kernel_us"), indent=None))
+    for r in run.res.get("steps", []):
+        print(r["rep"], r["batch"], r["context"], r["variant"], r["ms"], r["floor_ms"])
+
+
+if __name__ == "__main__":
+    main()
