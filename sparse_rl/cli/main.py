@@ -64,6 +64,25 @@ for _name, _module, _help in STAGES:
         app.command(_name, help=_help)(_mod.command)
 
 
+def _leave(code) -> None:
+    """Exit with `code`. A rank of a multi-process run (torchrun sets WORLD_SIZE) leaves by `os._exit` once its
+    output is flushed: its process group is already torn down (`Dist.close`), but FSDP / DTensor objects still
+    hold the gloo / NCCL backend, and Python's finalization may destroy it with its worker threads still joinable
+    (`terminate called without an active exception`, SIGABRT, seen once in CI after a run that had finished and
+    written everything). Files are closed by then: checkpoints and metrics are written and closed as they go."""
+    import os
+    import sys
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "torch.distributed" in sys.modules:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe (`| head`) or a closed stream: nothing left to say
+                pass
+        os._exit(0 if code is None else code if isinstance(code, int) else 1)
+    sys.exit(code)
+
+
 def main() -> None:
     """Run the app; click's usage errors become one line (`error: ...`) with exit code 2."""
     import sys
@@ -79,19 +98,19 @@ def main() -> None:
         path = e.ctx.command_path if e.ctx else "sparse-rl"
         msg = " ".join(e.format_message().split())
         print(f"error: {msg} (see '{path} --help')", file=sys.stderr)
-        sys.exit(2)
+        _leave(2)
     except typer.Abort:
         print("error: aborted", file=sys.stderr)
-        sys.exit(130)
+        _leave(130)
     except typer.Exit as e:
-        sys.exit(e.exit_code)
+        _leave(e.exit_code)
     except BrokenPipeError:  # `sparse-rl ... | head`: the reader left; not an error of ours
         sys.stderr.close()
-        sys.exit(0)
+        _leave(0)
     except click_exc.ClickException as e:
         print(f"error: {' '.join(e.format_message().split())}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    sys.exit(rv if isinstance(rv, int) else 0)
+        _leave(e.exit_code)
+    _leave(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":

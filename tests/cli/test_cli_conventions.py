@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import os
 import subprocess
 import sys
 
@@ -130,6 +131,21 @@ def test_bare_sparse_rl_through_the_entry_point():
     assert res.returncode == 0 and res.stdout.startswith("Usage:") and res.stderr == ""
     res = subprocess.run([sys.executable, "-m", "sparse_rl.cli.main", "generate"], capture_output=True, text=True)
     assert res.returncode == 2 and "MODEL" in res.stderr and res.stdout == ""
+
+
+def test_a_rank_of_a_multi_process_run_leaves_by_os_exit_with_its_output_and_code():
+    """Under torchrun (WORLD_SIZE > 1) the entry point skips Python's finalization (no atexit handler runs, so
+    no gloo / NCCL object is destroyed there) but still flushes what it printed and keeps the exit code."""
+    code = ("import atexit, sys, torch.distributed; atexit.register(lambda: print('finalized', file=sys.stderr)); "
+            "sys.argv = ['sparse-rl', *sys.argv[1:]]; from sparse_rl.cli.main import main; main()")
+    env = {**os.environ, "WORLD_SIZE": "2"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and res.stdout.startswith("Usage:") and res.stderr == ""
+    res = subprocess.run([sys.executable, "-c", code, "generate"], capture_output=True, text=True, env=env)
+    assert res.returncode == 2 and "MODEL" in res.stderr and "finalized" not in res.stderr
+    single = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    res = subprocess.run([sys.executable, "-c", code, "generate"], capture_output=True, text=True, env=single)
+    assert res.returncode == 2 and "finalized" in res.stderr  # one process: a plain exit
 
 
 def test_output_files_refuse_to_overwrite_without_force(tmp_path):
