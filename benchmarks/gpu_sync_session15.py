@@ -16,7 +16,8 @@ the b32 step -0.4..-0.6 ms at 2304 and -1.0..-1.5 ms at 16K.
 
 Calls 3-5 reached the sync forms in the engine through decode_sync's module defaults (EARLY / SPLIT / KEEP, set per
 variant before each capture); after the session's review those are `DecodeSelect.sync_keep` / `sync_split` fields
-(the same arguments of `sync_select`) and the engine part builds its variants from them.
+(the same arguments of `sync_select`) and the engine part builds its variants from them. Since session 16 keep is
+sync_select's default: the forms without it say keep=False.
 
     PYTHONPATH=$PWD python benchmarks/gpu_sync_session15.py --budget 420 --out $OUT/sync15
 """
@@ -158,9 +159,9 @@ def kernel_part(run) -> None:
 
     variants = {
         "fine": lambda a: itd.indexer_topk_decode(*a, K, **{**ENGINE_SELECT.as_kwargs(), "pdl": 2}, **kw),
-        "one": sync(block=128),
+        "one": sync(block=128, keep=False),
         "one_keep": sync(block=128, keep=True),
-        "split2": sync(block=128, split=2),
+        "split2": sync(block=128, split=2, keep=False),
         "split2_keep": sync(block=128, split=2, keep=True),
         "split2_keep_b64": sync(block=64, split=2, keep=True),
         "split4_keep": sync(block=128, split=4, keep=True),

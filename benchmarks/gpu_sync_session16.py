@@ -30,7 +30,7 @@ from gpu_sync_session15 import K, SHAPES, SINK, WINDOW, _graph_us, _inputs  # no
 def _selects():
     from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT, DecodeSelect
 
-    keep = dict(score_block=128, sync_keep=True)
+    keep = dict(sync_block=128, sync_keep=True)
     return {"fine": ENGINE_SELECT, "one_keep": DecodeSelect("sync", **keep),
             "one_keep_mc16": DecodeSelect("sync", **keep, sync_max_chunks=16),
             "one_keep_mc8": DecodeSelect("sync", **keep, sync_max_chunks=8)}

@@ -140,7 +140,8 @@ def rollout(
     decode_select: Optional[str] = typer.Option(None, help="Indexer decode select after the score pass: fine | auto | "
                                                            "chunked | row | split | bits | bsearch | sync (same keys) [default: fine]"),
     score_block: Optional[int] = typer.Option(None, help="Keys a step of the decode score pass, a power of two (0: the "
-                                                         "select's own) [default: 64]"),
+                                                         "select's own; sync has no separate pass and keeps its "
+                                                         "own) [default: 64]"),
     decode_long: Optional[str] = typer.Option(None, help="--decode-select auto past 8192 keys: chunked | row | split | "
                                                          "fine | bits | bsearch [default: chunked]"),
     qkv_pad: Optional[int] = typer.Option(None, help="Fused q/k/v(+indexer) weight padded to a multiple of this many "

@@ -98,41 +98,47 @@ def test_sync_per_sm_is_checked_and_carried():
         itd.DecodeSelect("sync", sync_split=3)
     with pytest.raises(ValueError, match="sync_max_chunks"):
         itd.DecodeSelect("sync", sync_max_chunks=33)
-    kw = itd.DecodeSelect("sync", sync_per_sm=2, score_block=128, sync_keep=True, sync_split=2).as_kwargs()
-    assert kw["impl"] == "sync" and kw["sync_per_sm"] == 2 and kw["score_block"] == 128
-    assert kw["sync_keep"] is True and kw["sync_split"] == 2
+    with pytest.raises(ValueError, match="sync_block"):
+        itd.DecodeSelect("sync", sync_block=96)
+    kw = itd.DecodeSelect("sync", sync_per_sm=2, sync_block=128, sync_keep=False, sync_split=2).as_kwargs()
+    assert kw["impl"] == "sync" and kw["sync_per_sm"] == 2 and kw["sync_block"] == 128
+    assert kw["sync_keep"] is False and kw["sync_split"] == 2
+    assert itd.DecodeSelect("sync").sync_keep  # the measured default form (session 16)
 
 
 def test_sync_forms_reach_the_kernel_through_the_select(monkeypatch):
-    """DecodeSelect's sync_keep / sync_split / sync_max_chunks reach `sync_select` through `indexer_topk_decode`
-    (the engine's path) and the compiled step's opaque op, and select the reference's keys."""
+    """DecodeSelect's sync_keep / sync_split / sync_max_chunks / sync_block / sync_coop reach `sync_select`
+    through `indexer_topk_decode` (the engine's path) and the compiled step's opaque op, and select the reference's
+    keys."""
     from sparse_rl.rl.rollout import compiled
 
     seen = []
     real = ds.sync_select
 
     def spy(*a, **kw):
-        seen.append({k: kw[k] for k in ("keep", "split", "max_chunks")})
+        seen.append({k: kw[k] for k in ("keep", "split", "max_chunks", "block", "coop")})
         return real(*a, **kw)
 
     monkeypatch.setattr(ds, "sync_select", spy)
     q, w, k, _ = _ints(3, 3, 16, 200, 4)
     pos = torch.tensor([199, 120, 60])
     ref = indexer_topk_decode_naive(q, w, k, pos, 30, sink=1, window=2)
-    sel = itd.DecodeSelect("sync", sync_keep=True, sync_split=2, sync_max_chunks=3)
+    sel = itd.DecodeSelect("sync", sync_keep=False, sync_split=2, sync_max_chunks=3, sync_block=32,
+                           score_block=64)
     assert torch.equal(itd.indexer_topk_decode(q, w, k, pos, 30, sink=1, window=2, **sel.as_kwargs()), ref)
     got = compiled.indexer_topk_decode(q, w, k, pos, 200, 30, 1, 2, "triton", select=sel)
     assert torch.equal(got, ref)
-    assert seen == [dict(keep=True, split=2, max_chunks=3)] * 2
+    assert seen == [dict(keep=False, split=2, max_chunks=3, block=32, coop=False)] * 2  # score_block: not sync's
     itd.indexer_topk_decode(q, w, k, pos, 30, sink=1, window=2, **itd.DecodeSelect("sync").as_kwargs())
-    assert seen[-1] == dict(keep=False, split=0, max_chunks=None)  # 0: the kernel's own MAX_CHUNKS
+    assert seen[-1] == dict(keep=True, split=0, max_chunks=None, block=0, coop=False)  # 0 / None: the kernel's own
 
 
-@pytest.mark.parametrize("opts", [dict(split=2), dict(split=4, chunk=128), dict(keep=True), dict(keep=True, split=2),
-                                  dict(prefetch=True, rescan=16), dict(max_chunks=4)])
+@pytest.mark.parametrize("opts", [dict(split=2, keep=False), dict(split=4, chunk=128, keep=False), dict(keep=False),
+                                  dict(), dict(split=2), dict(prefetch=True, rescan=16, keep=False), dict(max_chunks=4),
+                                  dict(max_chunks=4, keep=False)])
 def test_sync_select_forms_equal_reference(opts):
     """The forms: scores in a launch of their own (split: M score chunks a chunk, level 0 summed from them), the
-    chunk's keys held in registers past the score stage (keep), the next key tile prefetched, a short rescan step,
+    chunk's keys held in registers past the score stage (keep, the default) or rescanned, the next key tile prefetched, a short rescan step,
     fewer chunks a row; integer ties, left padding, a row shorter than K."""
     q, w, k, _ = _ints(4, 3, 16, 300, 9)
     pos = torch.tensor([299, 210, 20, 150], dtype=torch.int32)

@@ -20,6 +20,8 @@ What lives here:
 
 from __future__ import annotations
 
+import dataclasses
+
 import types
 
 from typing import Optional
@@ -51,12 +53,14 @@ def _indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tens
                          impl: str = "auto", row_max_keys: int = 8192, auto_long: str = "chunked",
                          fine_cap: int = 32, score_block: int = 0, num_warps: int = 0,
                          fine_resolve: str = "each", fine_block: int = 0, fine_prefetch: bool = False,
-                         fine_maxnreg: int = 0, sync_per_sm: int = 0, sync_keep: bool = False,
-                         sync_split: int = 0, sync_max_chunks: int = 0) -> torch.Tensor:
+                         fine_maxnreg: int = 0, sync_per_sm: int = 0, sync_keep: bool = True,
+                         sync_split: int = 0, sync_max_chunks: int = 0, sync_block: int = 0,
+                         sync_coop: bool = False) -> torch.Tensor:
     from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
     sel = DecodeSelect(impl, row_max_keys, auto_long, fine_cap, score_block, num_warps, fine_resolve, fine_block,
-                       fine_prefetch, fine_maxnreg, sync_per_sm, sync_keep, sync_split, sync_max_chunks)
+                       fine_prefetch, fine_maxnreg, sync_per_sm, sync_keep, sync_split, sync_max_chunks, sync_block,
+                       sync_coop)
     return ops.indexer_topk_decode(q_idx, w, k_idx[:, :S], pos, topk, sink=sink, window=window,
                                    k_scale=None if k_scale is None else k_scale[:, :S], select=sel,
                                    backend=backend).contiguous()
@@ -65,8 +69,8 @@ def _indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tens
 @_indexer_topk_decode.register_fake
 def _(q_idx, w, k_idx, pos, S, topk, sink, window, backend, k_scale=None, impl="auto", row_max_keys=8192,
       auto_long="chunked", fine_cap=32, score_block=0, num_warps=0, fine_resolve="each",
-      fine_block=0, fine_prefetch=False, fine_maxnreg=0, sync_per_sm=0, sync_keep=False, sync_split=0,
-      sync_max_chunks=0):
+      fine_block=0, fine_prefetch=False, fine_maxnreg=0, sync_per_sm=0, sync_keep=True, sync_split=0,
+      sync_max_chunks=0, sync_block=0, sync_coop=False):
     return q_idx.new_empty(q_idx.shape[0], topk, dtype=torch.int32)
 
 
@@ -75,13 +79,9 @@ def indexer_topk_decode(q_idx, w, k_idx, pos, S: int, topk: int, sink: int, wind
     """`ops.indexer_topk_decode` over the first S rows of the index-key cache, as one opaque op: q_idx
     `[B, H_I, d_I]`, w `[B, H_I]`, k_idx `[B, S_max, d_I]` (fp8: k_scale `[B, S_max]`), pos `[B]` ->
     `[B, topk]` int32 (ascending, -1 padded); select (`DecodeSelect` or None) travels as its fields."""
-    kw = {} if select is None else dict(impl=select.impl, row_max_keys=select.row_max_keys, auto_long=select.long,
-                                        fine_cap=select.fine_cap, score_block=select.score_block,
-                                        num_warps=select.num_warps, fine_resolve=select.fine_resolve,
-                                        fine_block=select.fine_block, fine_prefetch=select.fine_prefetch,
-                                        fine_maxnreg=select.fine_maxnreg, sync_per_sm=select.sync_per_sm,
-                                        sync_keep=select.sync_keep, sync_split=select.sync_split,
-                                        sync_max_chunks=select.sync_max_chunks)
+    # the op's keyword arguments are DecodeSelect's fields (`long` spelt auto_long), less pdl: the runner's own
+    kw = {} if select is None else {("auto_long" if f.name == "long" else f.name): getattr(select, f.name)
+                                    for f in dataclasses.fields(select) if f.name != "pdl"}
     return _indexer_topk_decode(q_idx, w, k_idx, pos, S, topk, sink, window, backend, k_scale, **kw)
 
 

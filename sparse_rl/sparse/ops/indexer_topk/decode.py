@@ -248,8 +248,9 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
                         row_block: int = 4096, row_warps: int = 16, fine_cap: int | None = None,
                         row_max_keys: int = ROW_MAX_KEYS, auto_long: str = AUTO_LONG, score_block: int = 0,
                         fine_resolve: str = "each", fine_block: int = 0, fine_prefetch: bool = False,
-                        fine_maxnreg: int = 0, sync_per_sm: int = 0, sync_keep: bool = False,
-                        sync_split: int = 0, sync_max_chunks: int = 0, pdl: bool = False):
+                        fine_maxnreg: int = 0, sync_per_sm: int = 0, sync_keep: bool = True,
+                        sync_split: int = 0, sync_max_chunks: int = 0, sync_block: int = 0, sync_coop: bool = False,
+                        pdl: bool = False):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference. candidates=True also returns each row's number of second-level
@@ -270,10 +271,10 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     decode_fine_once.py); fine_block: the keys a step of the fine select's (chunk, row) loops (0: the passes'
     common step, 256 on a GPU; capped at the chunk); fine_prefetch: with "arrive" / "pass", the histogram and
     gather passes load their chunk's first scores before the row's tiles; fine_maxnreg: a register cap for the fine
-    select's pass that resolves the threshold (0: the compiler's choice). "sync": the score pass, the radix levels
-    and the write in one launch, the row's programs meeting at in-kernel barriers (`decode_sync.py`; score_block
-    its keys a step, sync_per_sm its most programs an SM, 0 = as many as fit; sync_keep / sync_split its keep /
-    split forms, sync_max_chunks a row's most chunks, 0 = the kernel's MAX_CHUNKS). Every impl selects the same keys. pdl: the
+    select's pass that resolves the threshold (0: the compiler's choice). "sync": the scores, the radix levels
+    and the write in one launch, the row's programs meeting at in-kernel barriers (`decode_sync.py`; sync_block
+    its keys a step, 0 = its own; sync_per_sm its most programs an SM, 0 = as many as fit; sync_keep / sync_split
+    its keep / split forms, sync_max_chunks a row's most chunks, 0 = its own; sync_coop a cooperative launch). Every impl selects the same keys. pdl: the
     score pass and the fine / split passes launched with programmatic dependent launch (`DecodeSelect.pdl`, set by
     the rollout runner from `ModelRunner.pdl`; the other impls' passes launch plainly: any mix is safe, since
     every PDL kernel waits before its first load)."""
@@ -312,8 +313,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
         from sparse_rl.sparse.ops.indexer_topk.decode_sync import sync_select
 
         out = sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk, sink, window, kv_start is not None,
-                          block=score_block, num_warps=num_warps or 4, per_sm=sync_per_sm, pdl=pdl, chunk=chunk,
-                          keep=sync_keep, split=sync_split, max_chunks=sync_max_chunks or None)
+                          block=sync_block, num_warps=num_warps or 4, per_sm=sync_per_sm, pdl=pdl, chunk=chunk,
+                          keep=sync_keep, split=sync_split, max_chunks=sync_max_chunks or None, coop=sync_coop)
         return (out, None) if candidates else out
     if impl == "bsearch":
         from sparse_rl.sparse.ops.indexer_topk.decode_bsearch import BSEARCH_MAX_KEYS

@@ -49,8 +49,9 @@ class DecodeSelect:
     fine_resolve "arrive" / "pass", its histogram and gather passes load their first scores before the row's
     tiles; fine_maxnreg: a register cap (Triton's `maxnreg`) for the fine select's pass that resolves the threshold,
     0 = the compiler's choice (Triton 3.6 on the H200 gives `_resolve_write` 147 registers: 3 programs an SM);
-    sync_per_sm / sync_keep / sync_split / sync_max_chunks: the "sync" select's per_sm / keep / split /
-    max_chunks (`decode_sync.sync_select`; 0 / False: its defaults);
+    sync_per_sm / sync_keep / sync_split / sync_max_chunks / sync_block / sync_coop: the "sync" select's per_sm /
+    keep / split / max_chunks / block / coop (`decode_sync.sync_select`; 0: its defaults; it has no separate
+    score pass, so score_block does not reach it: its own measured step, 128 keys, unless sync_block);
     pdl: the score pass and the fine / split passes launched with programmatic dependent launch at this level
     (`_backend.PDL_LEVELS`; only where `_backend.pdl_supported`: the rollout runner sets it from its own
     `ModelRunner.pdl`, the one owner; 0 launches plainly). pdl stays the last field: the compiled step's op
@@ -67,9 +68,11 @@ class DecodeSelect:
     fine_prefetch: bool = False
     fine_maxnreg: int = 0
     sync_per_sm: int = 0
-    sync_keep: bool = False
+    sync_keep: bool = True
     sync_split: int = 0
     sync_max_chunks: int = 0
+    sync_block: int = 0
+    sync_coop: bool = False
     pdl: int = 0
 
     def __post_init__(self):
@@ -87,6 +90,8 @@ class DecodeSelect:
             raise ValueError(f"sync_per_sm {self.sync_per_sm}: must be 0 (as many as fit) or 1-32")
         if self.sync_split < 0 or self.sync_split & (self.sync_split - 1):  # score chunks a chunk: a power of two
             raise ValueError(f"sync_split {self.sync_split}: must be 0 (one launch) or a power of two")
+        if self.sync_block < 0 or self.sync_block & (self.sync_block - 1):  # a tl.arange size
+            raise ValueError(f"sync_block {self.sync_block}: must be 0 or a power of two")
         if not 0 <= self.sync_max_chunks <= 32:  # decode_sync.MAX_CHUNKS (its histograms' rows)
             raise ValueError(f"sync_max_chunks {self.sync_max_chunks}: must be 0 (the kernel's 32) or 1-32")
         if self.num_warps not in (0, 1, 2, 4, 8, 16):
@@ -100,7 +105,7 @@ class DecodeSelect:
                 "fine_block": self.fine_block, "fine_prefetch": self.fine_prefetch,
                 "fine_maxnreg": self.fine_maxnreg, "sync_per_sm": self.sync_per_sm,
                 "sync_keep": self.sync_keep, "sync_split": self.sync_split, "sync_max_chunks": self.sync_max_chunks,
-                "pdl": self.pdl}
+                "sync_block": self.sync_block, "sync_coop": self.sync_coop, "pdl": self.pdl}
 
 
 # The rollout engine's default (`ModelRunner(decode_select=None)`, the GRPO and `bench rollout` defaults):

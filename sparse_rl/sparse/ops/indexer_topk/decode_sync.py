@@ -54,11 +54,16 @@ MAXNREG = 128
 # 23.3 at 32 x 2304 / 32 x 16K / 16 x 32K / 1 x 16K, against the fine select's 21.2 / 64.0 / 64.1 / 30.7
 # (H200, one CUDA graph of 34 launches at PDL 2; results/2026-12-03-h200-sync-session15.md)
 RESCAN = 256
-# measured (H200, session 15, call 5), both off by default (`DecodeSelect.sync_split` / `sync_keep`): keep, 17.7 /
-# 45.7 / 55.8 / 22.9 us alone at 32 x 2304 / 32 x 16K / 16 x 32K / 1 x 16K, the step at 32 x 16K -0.28 ms against
-# fine but +0.17 at 16 x 32K and +0.29 at batch 1; split 2 + keep slower than fine in every step row (its extra
-# launch and a score launch at 2 programs an SM)
+# measured (H200, session 15, call 5): keep, 17.7 / 45.7 / 55.8 / 22.9 us alone at 32 x 2304 / 32 x 16K / 16 x 32K /
+# 1 x 16K, the step at 32 x 16K -0.28 ms against fine but +0.17 at 16 x 32K and +0.29 at batch 1, where a row has
+# 32 chunks (a [32, 256] histogram load a level spills at the 128-register cap); split 2 + keep slower than fine in
+# every step row (its extra launch and a score launch at 2 programs an SM): split off by default (`sync_split`)
 KEEP_MAX = 2048  # the longest chunk held in registers
+# the default: keep, at most 16 chunks a row. Session 16 (results/2026-12-03-h200-sync-session16.md), the step
+# against fine (ms, three interleaved reps): 32 x 16K 8.18-8.21 vs 8.49-8.55, 32 x 2304 6.29 vs 6.31-6.32, 16 x 32K
+# 7.41-7.43 vs 7.38-7.40, batch 1 16K 4.10 vs 3.92-3.94; alone 17.6 / 45.6 / 57.1 / 22.6 us (fine 21.2 / 64.2 /
+# 64.0 / 30.4). At most 8 chunks: slower from 16K on (8.47 / 8.20 / 4.72 ms), faster at 32 x 2304 (6.20)
+DEFAULT_CHUNKS = 16
 
 
 @triton.jit
@@ -258,8 +263,7 @@ def _sync_select(Q, W, KI, KS, POS, KVS, SC, H, H0, ARR, OUT, sqb, sqh, sqd, swb
 
 
 _COUNTERS: dict = {}  # device -> zeroed int32 `[2, rows]` (arrivals, departures); every launch leaves it zeroed
-_RESIDENT: dict = {}  # uncapped kernels (maxnreg 0): (device, warps, maxnreg, CMAX, BR, M, constexprs) -> programs an
-# SM holds at once, from the compiled kernel
+_RESIDENT: dict = {}  # (device, CMAX, BR, KEEP, launch options) -> programs an SM holds of that compiled kernel
 
 
 def _counters(dev: torch.device, B: int) -> torch.Tensor:
@@ -296,12 +300,12 @@ def sync_chunks(B: int, S: int, programs: int, block: int, max_chunks: int = MAX
 def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window: int, has_start: bool, *,
                 block: int = 0, num_warps: int = 4, per_sm: int = 0, phased: bool = False, pdl: int = 0,
                 chunk: int | None = None, maxnreg: int = MAXNREG, prefetch: bool = False,
-                rescan: int = 0, early: bool = False, split: int = 0, keep: bool = False,
-                max_chunks: int | None = None) -> torch.Tensor:
+                rescan: int = 0, early: bool = False, split: int = 0, keep: bool = True,
+                max_chunks: int | None = None, coop: bool = False) -> torch.Tensor:
     """`indexer_topk_decode`'s selection in one launch (`phased`, or under the interpreter: five). q_idx
     `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (fp8 with k_scale `[B, S]`), pos / kvs `[B]` int32 ->
-    `[B, topk]` int32 ascending, -1 padded. block: keys a step of the score stage (0: 128 on a GPU); per_sm: at most this many
-    programs an SM (0: as many as fit); chunk: the keys a program, forced (tests; must keep the row's programs
+    `[B, topk]` int32 ascending, -1 padded. block: keys a step of the score stage (0: 128 on a GPU); per_sm: at
+    most this many programs an SM (0: 4; fewer where the compiled kernel fits fewer: `_resident_plan`); chunk: the keys a program, forced (tests; must keep the row's programs
     resident); maxnreg: a register cap for the one-launch kernel (0: the compiler's choice); prefetch: the score
     stage loads its next key tile before scoring the current one; rescan: the keys a step of the later stages'
     passes over the chunk's stored scores (0: RESCAN); early: at PDL 2, the next kernel may launch as soon as
@@ -309,7 +313,9 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
     and the first histogram in a launch of their own before, `split` programs a chunk (no barrier: as many
     programs as the SMs take), the levels and the write in the barrier launch (0: one launch); keep: the chunk's
     keys held in registers from the score stage on (one [pow2 >= chunk] tile, no rescans; only where the chunk
-    fits KEEP_MAX); max_chunks: a row's chunks at most (default MAX_CHUNKS)."""
+    fits KEEP_MAX; the default); max_chunks: a row's chunks at most (default DEFAULT_CHUNKS, at most MAX_CHUNKS); coop:
+    the barrier launch as a cooperative grid (CUDA then guarantees its programs co-resident, or refuses the launch,
+    also beside other streams' kernels; not yet measured)."""
     from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
     B, HI, DI = q_idx.shape
@@ -321,46 +327,37 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
     fp8 = k_scale is not None
     const = dict(HB=max(16, triton.next_power_of_2(HI)), BD=max(16, triton.next_power_of_2(DI)), BN=BN,
                  PREC=dot_precision(q_idx.dtype), FP8=fp8, HAS_START=has_start, PREFETCH=prefetch)
-    mc = max_chunks or MAX_CHUNKS
+    mc = max_chunks or DEFAULT_CHUNKS
     M = max(1, split)
     step = M * BN  # a chunk is M score chunks of whole score steps
-    if chunk:
-        CH, P = chunk, triton.cdiv(S, chunk)
-    elif interpret:
-        CH, P = sync_chunks(B, S, 4 * B, step, mc)
+    level = 3 if pdl == 2 and early else pdl  # 3: PDL 2 with the dependents' launch at entry
+    opts = dict(PHASE=0, PDL=level, num_warps=num_warps, launch_pdl=bool(pdl), SPLIT=bool(split), M=M, **const,
+                **({"maxnreg": maxnreg} if maxnreg else {}), **({"launch_cooperative_grid": True} if coop else {}))
+
+    def launch_args(CH, CMAX):
+        sc = torch.empty(B, S, device=dev, dtype=torch.float32)
+        hist = torch.empty(B, 4, CMAX, NR, device=dev, dtype=torch.int32)
+        hist0 = torch.empty(B, CMAX * M, NR, device=dev, dtype=torch.int32)
+        out = torch.empty(B, topk, device=dev, dtype=torch.int32)
+        arr = _counters(dev, B)
+        return (q_idx, w, k_idx, k_scale if fp8 else sc, pos, kvs, sc, hist, hist0, arr, out, *q_idx.stride(),
+                *w.stride(), *k_idx.stride(), k_scale.stride(0) if fp8 else 0, out.stride(0), S, topk, sink, window,
+                HI, DI, CH, arr.shape[1])
+
+    if chunk or interpret:
+        CH, P = (chunk, triton.cdiv(S, chunk)) if chunk else sync_chunks(B, S, 4 * B, step, mc)
+        CMAX = max(2, triton.next_power_of_2(P))
+        BR = triton.next_power_of_2(CH) if keep else (rescan or min(32 if interpret else RESCAN,
+                                                                    triton.next_power_of_2(CH)))
+        KP = bool(keep) and BR >= CH and (maxnreg > 0 or interpret)  # one tile covers the chunk (else rescans)
     else:
-        # the histograms' rows CMAX and the later stages' tile BR are set first (by the 4 programs an SM that 128
-        # registers give), then the chunks by what the kernel compiled with them actually holds: before its first
-        # launch one program an SM, which always stays resident
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        want = 4 if not per_sm else per_sm
-        ch, p = sync_chunks(B, S, sms * want, step, mc)
-        CMAX = max(2, triton.next_power_of_2(p))
-        BR = triton.next_power_of_2(ch) if keep and ch <= KEEP_MAX else (rescan or RESCAN)
-        if maxnreg:  # the cap bounds the registers: what an SM holds follows from it
-            fit = max(1, 65536 // (-(-maxnreg * 32 // 256) * 256 * num_warps))
-        else:  # the compiled kernel's own count (before its first launch: one an SM); no register-held chunks
-            BR = rescan or RESCAN
-            fit = _RESIDENT.get((dev.index, num_warps, maxnreg, CMAX, BR, M, *const.values()), 1)
-        CH, P = sync_chunks(B, S, sms * min(fit, want), step, mc)  # P <= CMAX
+        CH, P, CMAX, BR, KP = _resident_plan(B, S, step, mc, keep, maxnreg, rescan, per_sm, dev, opts, launch_args)
     if CH % step:
         raise ValueError(f"chunk ({CH}) must be a multiple of split x block ({M} x {BN})")
     if P > MAX_CHUNKS:
         raise ValueError(f"{P} chunks a row: at most {MAX_CHUNKS}")
-    if chunk or interpret:
-        CMAX = max(2, triton.next_power_of_2(P))
-        BR = triton.next_power_of_2(CH) if keep else (rescan or min(32 if interpret else RESCAN,
-                                                                    triton.next_power_of_2(CH)))
-    KP = bool(keep) and BR >= CH and (maxnreg > 0 or interpret)  # one tile covers the chunk (else rescans)
-    key = (dev.index, num_warps, maxnreg, CMAX, BR, M, *const.values())
-    sc = torch.empty(B, S, device=dev, dtype=torch.float32)
-    hist = torch.empty(B, 4, CMAX, NR, device=dev, dtype=torch.int32)
-    hist0 = torch.empty(B, CMAX * M, NR, device=dev, dtype=torch.int32)
-    out = torch.empty(B, topk, device=dev, dtype=torch.int32)
-    arr = _counters(dev, B)
-    args = (q_idx, w, k_idx, k_scale if fp8 else sc, pos, kvs, sc, hist, hist0, arr, out, *q_idx.stride(), *w.stride(),
-            *k_idx.stride(), k_scale.stride(0) if fp8 else 0, out.stride(0), S, topk, sink, window, HI, DI, CH,
-            arr.shape[1])
+    args = launch_args(CH, CMAX)
+    out = args[10]
     grid = (P, B)
     sargs = list(args)
     sargs[-2] = CH // M  # the score stage's chunk: M of them a barrier chunk
@@ -370,13 +367,33 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
         for phase in range(2, 6):
             _sync_select[grid](*args, CMAX=CMAX, BR=BR, PHASE=phase, M=M, KEEP=KP, num_warps=nw, **const)
         return out
-    cap = {"maxnreg": maxnreg} if maxnreg else {}
     if split:
         _sync_select[(P * M, B)](*sargs, CMAX=CMAX, BR=BR, PHASE=1, PDL=3 if pdl else 0, M=M, num_warps=num_warps,
                                  launch_pdl=bool(pdl), **const)
-    level = 3 if pdl == 2 and early else pdl  # 3: PDL 2 with the dependents' launch at entry
-    k = _sync_select[grid](*args, CMAX=CMAX, BR=BR, PHASE=0, PDL=level, num_warps=num_warps, launch_pdl=bool(pdl),
-                           SPLIT=bool(split), M=M, KEEP=KP, **const, **cap)
-    if not maxnreg and key not in _RESIDENT and k is not None:  # read only where no cap bounds the registers
-        _RESIDENT[key] = _occupancy(k, num_warps, dev)
+    _sync_select[grid](*args, CMAX=CMAX, BR=BR, KEEP=KP, **opts)
     return out
+
+
+def _resident_plan(B, S, step, mc, keep, maxnreg, rescan, per_sm, dev, opts, launch_args):
+    """(CH, P, CMAX, BR, KEEP) for a GPU launch whose B x P programs are all resident at once. The chunks are planned
+    for `per_sm` programs an SM (0: 4, what the 128-register cap gives at 4 warps), the kernel of that plan is
+    compiled (not launched) and what an SM holds of it read from its registers, shared memory and warps; where that
+    is fewer, the plan is made again for as many (a GPU with less shared memory than the H200's, an uncapped
+    kernel), down to one an SM."""
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    want = per_sm or 4
+    while True:
+        ch, p = sync_chunks(B, S, sms * want, step, mc)
+        CMAX = max(2, triton.next_power_of_2(p))
+        # keys held in registers only under the cap (uncapped, their tile takes the compiler past 200 registers)
+        BR = triton.next_power_of_2(ch) if keep and maxnreg and ch <= KEEP_MAX else (rescan or RESCAN)
+        KP = bool(keep) and BR >= ch and maxnreg > 0
+        key = (dev.index, CMAX, BR, KP, *sorted(opts.items()))
+        fit = _RESIDENT.get(key)
+        if fit is None:
+            k = _sync_select.warmup(*launch_args(ch, CMAX), grid=(p, B), CMAX=CMAX, BR=BR, KEEP=KP, **opts)
+            k._init_handles()  # loads the binary: its register count (Triton reads it from the driver)
+            fit = _RESIDENT[key] = _occupancy(k, opts["num_warps"], dev)
+        if fit >= want or want == 1:
+            return ch, p, CMAX, BR, KP
+        want = fit
