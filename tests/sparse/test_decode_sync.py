@@ -146,3 +146,38 @@ def test_sync_select_forms_equal_reference(opts):
     ref = indexer_topk_decode_naive(q, w, k, pos, 40, sink=2, window=4, kv_start=kvs)
     got = ds.sync_select(q, w, k, None, pos, kvs, 40, 2, 4, True, **opts)
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("shared,per_sm", [(20_000, 4), (90_000, 2), (200_000, 1)])
+def test_resident_plan_fits_what_the_compiled_kernel_allows(monkeypatch, shared, per_sm):
+    """The GPU grid: planned for 4 programs an SM, and planned again for fewer where the compiled kernel's shared
+    memory lets an SM hold fewer (a GPU with less shared memory than the H200's), so that every row's programs
+    are resident at once (the barriers' premise). The compiled kernel is a stand-in with the driver's fields."""
+    from types import SimpleNamespace
+
+    class Compiled:
+        n_regs = 128
+        metadata = SimpleNamespace(shared=shared)
+
+        def _init_handles(self):
+            pass
+
+    props = SimpleNamespace(multi_processor_count=132, regs_per_multiprocessor=65536,
+                            shared_memory_per_multiprocessor=233472, max_threads_per_multi_processor=2048)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
+    compiled = []
+    monkeypatch.setattr(ds._sync_select, "warmup", lambda *a, grid, **kw: compiled.append(grid) or Compiled(),
+                        raising=False)
+    monkeypatch.setattr(ds, "_RESIDENT", {})
+    for B, S in ((32, 16384), (16, 32768), (1, 16384), (64, 2304)):
+        ch, p, cmax, br, kp = ds._resident_plan(B, S, 128, ds.DEFAULT_CHUNKS, True, ds.MAXNREG, 0, 0,
+                                                torch.device("cpu"), {"num_warps": 4}, lambda ch, cmax: ())
+        assert B * p <= 132 * per_sm or p == 1
+        assert p * ch >= S and p <= min(cmax, ds.DEFAULT_CHUNKS) and ch % 128 == 0
+        assert kp == (ch <= ds.KEEP_MAX) and (br >= ch if kp else br == ds.RESCAN)
+    assert ds._resident_plan(32, 16384, 128, 16, True, 128, 0, 0, torch.device("cpu"), {"num_warps": 4},
+                             lambda ch, cmax: ())[:2] == ((1024, 16) if per_sm == 4 else (2048, 8) if per_sm == 2
+                                                          else (4096, 4))
+    n = len(compiled)
+    ds._resident_plan(32, 16384, 128, 16, True, 128, 0, 0, torch.device("cpu"), {"num_warps": 4}, lambda ch, cmax: ())
+    assert len(compiled) == n  # planned once: the second call reads what the first compiled
