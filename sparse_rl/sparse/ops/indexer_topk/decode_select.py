@@ -21,11 +21,11 @@ from dataclasses import dataclass
 # "bsearch" (decode_bsearch.py: one program per row, the k-th largest key found bit by bit in registers) is
 # opt-in: exact and two launches a layer, but 0.34-0.36 ms slower a batch-32 step than fine at 2.3K-16K
 # (results/2026-12-02-h200-bsearch-session10.md).
-# "sync" (decode_sync.py): the score pass, four radix levels and the write in ONE launch, the row's programs
-# meeting at in-kernel barriers: exact, 12-24% faster than fine alone on the H200 but not in the step (+0.1 ms at
-# 32 x 2304, -0.03..-0.09 at 32 x 16K, +0.2..+0.4 at 16 x 32K and batch 1; results/2026-12-03-h200-sync-session15.md),
-# opt-in. Its keep form (sync_keep): the step at 32 x 16K -0.28 ms, +0.17 at 16 x 32K, +0.29
-# at batch 1; split (sync_split): slower in every step row (session 15, call 5).
+# "sync" (decode_sync.py): the scores, four radix levels and the write in ONE launch, the row's programs meeting
+# at in-kernel barriers: exact; in its default form (keys held in registers, at most 16 chunks a row, 128-key
+# step) the step against fine -0.34 ms at 32 x 16K, -0.02 at 32 x 2304, +0.03 at 16 x 32K, +0.17 at batch 1
+# (H200; results/2026-12-03-h200-sync-session16.md). Opt-in: its barriers need the whole grid resident at once,
+# measured only on an otherwise idle H200 (sync_coop, a cooperative launch, is CUDA's guarantee: not yet timed).
 IMPLS = ("auto", "chunked", "row", "split", "fine", "bits", "bsearch", "sync")
 # where the fine select resolves a row's threshold (`DecodeSelect.fine_resolve`): "each" (decode_fine.py: every
 # (chunk, row) program of its last pass repeats it), "arrive" (decode_fine_once.py: once, by the row's last
