@@ -181,3 +181,23 @@ def test_resident_plan_fits_what_the_compiled_kernel_allows(monkeypatch, shared,
     n = len(compiled)
     ds._resident_plan(32, 16384, 128, 16, True, 128, 0, 0, torch.device("cpu"), {"num_warps": 4}, lambda ch, cmax: ())
     assert len(compiled) == n  # planned once: the second call reads what the first compiled
+
+
+def test_batches_from_sync_min_batch_take_the_sync_select(monkeypatch):
+    """`sync_min_batch`: a batch of at least that many rows runs the sync select whatever impl says (the engine's
+    select stays fine below it), through the compiled step's op too; every batch keeps the reference's keys."""
+    from sparse_rl.rl.rollout import compiled
+
+    calls = []
+    real = ds.sync_select
+    monkeypatch.setattr(ds, "sync_select", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    sel = itd.DecodeSelect("fine", sync_min_batch=3)
+    for B in (2, 3, 4):
+        q, w, k, _ = _ints(B, 3, 16, 150, B)
+        pos = torch.arange(149, 149 - 20 * B, -20)[:B]
+        ref = indexer_topk_decode_naive(q, w, k, pos, 24, sink=1, window=2)
+        assert torch.equal(itd.indexer_topk_decode(q, w, k, pos, 24, sink=1, window=2, **sel.as_kwargs()), ref)
+        assert torch.equal(compiled.indexer_topk_decode(q, w, k, pos, 150, 24, 1, 2, "triton", select=sel), ref)
+    assert calls == [3, 3, 4, 4]
+    with pytest.raises(ValueError, match="sync_min_batch"):
+        itd.DecodeSelect("fine", sync_min_batch=-1)

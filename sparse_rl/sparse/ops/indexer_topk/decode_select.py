@@ -52,6 +52,9 @@ class DecodeSelect:
     sync_per_sm / sync_keep / sync_split / sync_max_chunks / sync_block / sync_coop: the "sync" select's per_sm /
     keep / split / max_chunks / block / coop (`decode_sync.sync_select`; 0: its defaults; it has no separate
     score pass, so score_block does not reach it: its own measured step, 128 keys, unless sync_block);
+    sync_min_batch: batches of at least this many rows run "sync" instead of impl (0: never; on the H200, 32
+    rows fill its 4 programs an SM at 16 chunks a row: the step -0.34 ms at 32 x 16K, while batch 16 is equal
+    and batch 1 slower, session 16);
     pdl: the score pass and the fine / split passes launched with programmatic dependent launch at this level
     (`_backend.PDL_LEVELS`; only where `_backend.pdl_supported`: the rollout runner sets it from its own
     `ModelRunner.pdl`, the one owner; 0 launches plainly). pdl stays the last field: the compiled step's op
@@ -73,6 +76,7 @@ class DecodeSelect:
     sync_max_chunks: int = 0
     sync_block: int = 0
     sync_coop: bool = False
+    sync_min_batch: int = 0
     pdl: int = 0
 
     def __post_init__(self):
@@ -92,6 +96,8 @@ class DecodeSelect:
             raise ValueError(f"sync_split {self.sync_split}: must be 0 (one launch) or a power of two")
         if self.sync_block < 0 or self.sync_block & (self.sync_block - 1):  # a tl.arange size
             raise ValueError(f"sync_block {self.sync_block}: must be 0 or a power of two")
+        if self.sync_min_batch < 0:
+            raise ValueError(f"sync_min_batch {self.sync_min_batch}: must be 0 (never) or a batch size")
         if not 0 <= self.sync_max_chunks <= 32:  # decode_sync.MAX_CHUNKS (its histograms' rows)
             raise ValueError(f"sync_max_chunks {self.sync_max_chunks}: must be 0 (the kernel's 32) or 1-32")
         if self.num_warps not in (0, 1, 2, 4, 8, 16):
@@ -105,7 +111,8 @@ class DecodeSelect:
                 "fine_block": self.fine_block, "fine_prefetch": self.fine_prefetch,
                 "fine_maxnreg": self.fine_maxnreg, "sync_per_sm": self.sync_per_sm,
                 "sync_keep": self.sync_keep, "sync_split": self.sync_split, "sync_max_chunks": self.sync_max_chunks,
-                "sync_block": self.sync_block, "sync_coop": self.sync_coop, "pdl": self.pdl}
+                "sync_block": self.sync_block, "sync_coop": self.sync_coop, "sync_min_batch": self.sync_min_batch,
+                "pdl": self.pdl}
 
 
 # The rollout engine's default (`ModelRunner(decode_select=None)`, the GRPO and `bench rollout` defaults):
