@@ -11,12 +11,25 @@ If sync + keep + 16 chunks is faster in the step in every row of the plan it can
 2. engine: step ms (graph replay, median of 20, `_Bench.step_row`) for the variants, interleaved `--reps` times,
    the floor beside each.
 
+3. gen (written after call 1, for the next call): the whole 16K generation at batch 32 (`bench rollout`'s
+   integrated model: dense and sparse in the same engine) with ENGINE_SELECT and with the rule
+   `sync_min_batch=32` (fine below batch 32, sync from it), ratio against the same run's dense.
+
+Call 1 (session 16, a17ae0c): `--variants fine,one_keep_mc16,one_keep_mc8 --reps 3`, parts kernel + engine.
+Call 2 (planned; after 1c4e4dd the sync select's defaults are keep + 16 chunks + 128-key step, its grid planned
+from the compiled kernel's registers and shared memory): `--variants fine,sync,sync_coop,fine_sync32 --parts
+kernel,engine,gen`. Predictions: `sync` = call 1's one_keep_mc16 (the planning reads 4 programs an SM on the
+H200: `resident` in the JSON); `sync_coop` within 0.05 ms of `sync` in the step, or refused in a graph with PDL
+(then the error is recorded); `fine_sync32` = sync at batch 32 and = fine at 16 and 1; the 16K b32 generation
+~1.66x -> ~1.70-1.73x.
+
     PYTHONPATH=$PWD python benchmarks/gpu_sync_session16.py --budget 170 --out $OUT/sync16
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -31,9 +44,11 @@ def _selects():
     from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT, DecodeSelect
 
     keep = dict(sync_block=128, sync_keep=True)
-    return {"fine": ENGINE_SELECT, "one_keep": DecodeSelect("sync", **keep),
+    return {"fine": ENGINE_SELECT, "one_keep": DecodeSelect("sync", **keep, sync_max_chunks=32),
             "one_keep_mc16": DecodeSelect("sync", **keep, sync_max_chunks=16),
-            "one_keep_mc8": DecodeSelect("sync", **keep, sync_max_chunks=8)}
+            "one_keep_mc8": DecodeSelect("sync", **keep, sync_max_chunks=8),
+            "sync": DecodeSelect("sync"), "sync_coop": DecodeSelect("sync", sync_coop=True),
+            "fine_sync32": dataclasses.replace(ENGINE_SELECT, sync_min_batch=32)}
 
 
 def kernel_part(run, names) -> bool:
@@ -52,13 +67,26 @@ def kernel_part(run, names) -> bool:
         fns = {n: (lambda s: lambda: itd.indexer_topk_decode(*a, K, sink=SINK, window=WINDOW,
                                                               **{**s.as_kwargs(), "pdl": 2}))(s) for n, s in sel.items()}
         ref = fns["fine"]()
-        row = {"batch": B, "context": S, "equal_fine": {n: bool(torch.equal(f(), ref)) for n, f in fns.items()}}
+        row = {"batch": B, "context": S, "equal_fine": {}}
+        for n, f in list(fns.items()):
+            eq = run.guarded(f"equal {n} {B}x{S}", lambda f=f: bool(torch.equal(f(), ref)))
+            if eq is None:  # the launch itself failed (recorded): the variant leaves the call
+                del fns[n]
+                names.remove(n)
+            else:
+                row["equal_fine"][n] = eq
         ok &= all(row["equal_fine"].values())
         for n, f in fns.items():
             row[n] = run.guarded(f"kernel {n} {B}x{S}", _graph_us, f)
         rows.append(row)
         log(f"kernel {B}x{S}: equal {row['equal_fine']} " + ", ".join(f"{n} {row[n]}" for n in fns))
         run.save()
+    from sparse_rl.sparse.ops.indexer_topk import decode_sync as ds
+
+    # what the planning read from each compiled barrier kernel: (CMAX, BR, KEEP, launch options) -> programs an SM
+    run.res["resident"] = {repr(k[1:4]) + " " + repr(dict(k[4:]).get("launch_cooperative_grid", False)): v
+                           for k, v in ds._RESIDENT.items()}
+    log(f"resident: {run.res['resident']}")
     return ok
 
 
@@ -95,22 +123,54 @@ def engine_part(run, names, reps: int) -> None:
         rh.free()
 
 
+def gen_part(run, names, shape="qwen3-4b", new=16384, batch=32, **extra) -> None:
+    """The whole generation of `new` tokens at `batch` (integrated), dense and sparse, once a select variant
+    (extra: more BenchRolloutConfig fields, for a CPU smoke run on the tiny shape)."""
+    from sparse_rl.bench import rollout as br
+
+    sel = _selects()
+    for name in (n for n in names if n in ("fine", "fine_sync32")):
+        if not run.gate(120 if shape != "tiny" else 1, f"gen {name}"):
+            break
+        cfg = br.BenchRolloutConfig(shape=shape, hf=False, topk=2048, index_heads=4, index_dim=64,
+                                    long_new_tokens=[new], long_batches=[batch], whole="integrate", **extra)
+        b = br._Bench(cfg, log, None)
+        b.cfg.select = lambda s=sel[name]: s  # the engine's select for this variant (runner_options from cfg)
+        b.attach_sparse()
+        run.guarded(f"gen {name}", br._long_rows, b, new, batch)
+        rows = [r for r in b.res["rows"] if r.get("run") == "long"]
+        run.res.setdefault("gen", {})[name] = rows
+        tps = {r["mode"]: r["tokens_per_s"] for r in rows}
+        if len(tps) == 2:
+            log(f"gen {name}: dense {tps['dense']} sparse {tps['sparse']} tok/s = {tps['sparse'] / tps['dense']:.3f}x")
+        run.save()
+        del b
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sync16"))
     ap.add_argument("--budget", type=float, default=170.0)
     ap.add_argument("--variants", default="fine,one_keep,one_keep_mc16")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--parts", default="kernel,engine")
+    ap.add_argument("--gen-smoke", action="store_true", help="gen on the tiny shape on the CPU (checks the part runs)")
     a = ap.parse_args()
     import torch
 
     names = a.variants.split(",")
     run = Run(a.out, "sync16.json", a.budget, {"torch": torch.__version__, "variants": names})
-    ok = run.guarded("kernel", kernel_part, run, names)
-    run.res["equal_everywhere"] = bool(ok)
-    run.save()
-    if ok:
+    ok = True
+    if "kernel" in a.parts:
+        ok = run.guarded("kernel", kernel_part, run, names)
+        run.res["equal_everywhere"] = bool(ok)
+        run.save()
+    if ok and "engine" in a.parts:
         run.guarded("engine", engine_part, run, names, a.reps)
+        run.save()
+    if ok and "gen" in a.parts:
+        smoke = dict(shape="tiny", new=24, batch=2, device="cpu", dtype="float32") if a.gen_smoke else {}
+        run.guarded("gen", gen_part, run, names, **smoke)
     run.save()
     print(json.dumps(run.res.get("kernel_us"), indent=None))
     for r in run.res.get("steps", []):
