@@ -99,25 +99,15 @@ def engine_part(run, names, reps: int) -> None:
     b.attach_sparse()
     variants = {n: rh.Variant(select=s) for n, s in _selects().items() if n in names}
     plan = {32: (16640, [16384, 2304]), 16: (33024, [32768]), 1: (16640, [16384])}
-    rows = run.res.setdefault("steps", [])
     for B, (top, ctxs) in plan.items():
         if not run.gate(25, f"engine b{B}"):
             break
         eng = b.engine(B, top)
         eng.set_attention("sparse")
         b.fill(eng, top)
-        for rep in range(reps):
-            for ctx in ctxs:
-                for name, v in variants.items():
-                    if not run.gate(4, f"b{B} {ctx} {name}"):
-                        break
-                    rh.apply(eng, v)
-                    r = run.guarded(f"step {name} b{B} {ctx}", b.step_row, eng, B, ctx, "sparse")
-                    if r is not None:
-                        r.update(variant=name, rep=rep)
-                        rows.append(r)
-                        log(f"b{B} {ctx} {name}: {r['ms']} (floor {r['floor_ms']})")
-                    run.save()
+        for rep in range(reps):  # interleaved: every variant at every context, then again
+            for r in rh.step_rows(run, b, eng, ctxs, variants, need_s=4.0):
+                r.setdefault("rep", rep)
         rh.apply(eng, variants["fine"])
         del eng
         rh.free()
