@@ -175,3 +175,27 @@ def test_kth_key2_equals_the_one_bit_search(nbits):
         for k in sorted({1, n // 2 or 1, n}):
             _kth_kernel[(1,)](x, out, k, N=64, NBITS=nbits)
             assert out[0] == out[1], (x, k)
+
+
+@pytest.mark.parametrize("zeros,kvs", [(0.9, None), (0.8, [0, 37])])
+def test_rows_of_zeros_at_the_threshold_are_resolved_by_their_ties(zeros, kvs):
+    """A ReLU indexer's exact zeros where the k-th score is 0 (the trained indexer's flagged rows, NOTES session
+    16): the threshold is 0, every zero a candidate, the buffer overflows. The tie path gathers those rows
+    again, keeps the keys above 0 and the LATEST zeros (the reference's tie rule), and redoes none of them."""
+    g = torch.Generator().manual_seed(int(zeros * 10))
+    B, T, S, K = 2, 16, 300, 40
+    q = torch.randn(B, T, 3, 16, generator=g)
+    w = torch.rand(B, T, 3, generator=g) + 0.1  # positive: a zero key scores exactly 0, the others >= 0
+    k = torch.randn(B, S, 16, generator=g)
+    k[torch.rand(B, S, generator=g) < zeros] = 0.0
+    kv_start = None if kvs is None else torch.tensor(kvs)
+    cfg = dataclasses.replace(INTERPRET_CAND, target=2.0)  # a threshold never above the k-th score: no short rows
+    info = {}
+    got = indexer_topk_cand(q, w, k, K, q_offset=S - T, sink=2, window=3, kv_start=kv_start, info=info, config=cfg)
+    ref = indexer_topk_naive(q, w, k, K, q_offset=S - T, sink=2, window=3, kv_start=kv_start)
+    assert torch.equal(got, ref)
+    tied = info["tie_rows"]
+    assert tied >= 8 and info["redone_rows"] == 0
+    off = indexer_topk_cand(q, w, k, K, q_offset=S - T, sink=2, window=3, kv_start=kv_start, info=info,
+                            config=dataclasses.replace(cfg, ties=False))
+    assert torch.equal(off, ref) and info["redone_rows"] == tied  # without it: the same rows redone

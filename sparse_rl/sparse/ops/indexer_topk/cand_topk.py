@@ -193,13 +193,7 @@ def _append_words(s, cand, forced, n0, run, vbase, ibase, C, EDGE: tl.constexpr,
     consecutive keys (one OR-reduction over each word's lanes), each word's popcount, an exclusive prefix
     over the BN / 32 counts, and in the word the popcount of the bits below the key's lane."""
     NW: tl.constexpr = BN // 32
-    lane = tl.arange(0, 32).to(tl.uint32)
-    c3 = tl.reshape(cand, [BM, NW, 32])
-    word = tl.reduce(tl.where(c3, (1 << lane)[None, None, :], 0).to(tl.uint32), 2, _or)  # [BM, NW]
-    cnt = _popc(word, HWPOPC)
-    excl = tl.cumsum(cnt, 1) - cnt
-    below = _popc(word[:, :, None] & ((1 << lane) - 1)[None, None, :], HWPOPC)
-    slot = (run[:, None] + excl)[:, :, None] + below  # [BM, NW, 32]
+    c3, slot, cnt = _word_slots(cand, run, HWPOPC, BM, BN)
     ok = c3 & (slot < C)
     key3 = n0 + (tl.arange(0, NW)[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
     v = tl.reshape(s, [BM, NW, 32])
@@ -207,7 +201,21 @@ def _append_words(s, cand, forced, n0, run, vbase, ibase, C, EDGE: tl.constexpr,
         v = tl.where(tl.reshape(forced, [BM, NW, 32]), float("inf"), v)
     _store_kept(vbase[:, :, None] + slot, ibase[:, :, None] + slot, v, tl.broadcast_to(key3, [BM, NW, 32]), ok,
                 PACKED, ASM)
-    return run + tl.sum(cnt, 1)
+    return run + cnt
+
+
+@triton.jit
+def _word_slots(cand, run, HWPOPC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Slots of the cand `[BM, BN]` keys appended in key order from run `[BM]`, by 32-key words (see
+    `_append_words`) -> (cand as `[BM, BN / 32, 32]`, their slots alike, the count a row `[BM]`)."""
+    NW: tl.constexpr = BN // 32
+    lane = tl.arange(0, 32).to(tl.uint32)
+    c3 = tl.reshape(cand, [BM, NW, 32])
+    word = tl.reduce(tl.where(c3, (1 << lane)[None, None, :], 0).to(tl.uint32), 2, _or)  # [BM, NW]
+    cnt = _popc(word, HWPOPC)
+    excl = tl.cumsum(cnt, 1) - cnt
+    below = _popc(word[:, :, None] & ((1 << lane) - 1)[None, None, :], HWPOPC)
+    return c3, (run[:, None] + excl)[:, :, None] + below, tl.sum(cnt, 1)
 
 
 @triton.jit
@@ -378,6 +386,10 @@ class CandConfig:
     split: bool = True  # words: the whole, unforced key tiles in a loop of their own (one compare a score)
     asm_store: bool = True  # words, CUDA only: the predicated stores as inline PTX (no layout conversion)
     search_bits: int = 1  # bits a step of the quantile's and the select's k-th key search (2: `kth_key2`)
+    # flagged rows first gathered again with the strict threshold and their ties at it (cand_ties.py; packed
+    # buffers): a ReLU indexer's masses of exact zeros at the threshold, every flagged row of the trained indexer in
+    # a CPU replay (benchmarks/cpu_cand_flags.py); the rest are redone by `redo`
+    ties: bool = True
 
 
 INTERPRET_CAND = CandConfig(block_m=16, block_n=32, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
@@ -502,13 +514,19 @@ def indexer_topk_cand(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor,
     small = torch.empty(2, B, rows, device=dev, dtype=torch.int32)  # entry counts, thresholds (fp32 bits)
     nrow, th = small[0], small[1].view(torch.float32)
     out = torch.empty(B, T, topk, dtype=torch.int32, device=dev)
-    entries, redone = 0, 0
+    entries, redone, tied = 0, 0, 0
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
         cand_threshold(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, C, th, smp, cfg)
         cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, val, idx, nrow, cfg)
         cand_select(val, idx, nrow, out[:, t0:t1], topk, cfg)
         bad = nrow[:, :t1 - t0] < 0
+        if bool(bad.any()) and cfg.packed and cfg.ties:  # rows of equal scores at the threshold (cand_ties.py)
+            from sparse_rl.sparse.ops.indexer_topk.cand_ties import resolve_ties
+
+            tied += resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out[:, t0:t1], t0, q_offset, topk, sink,
+                                 window, cfg, q_idx.is_cuda and HAS_POPC)
+            bad = nrow[:, :t1 - t0] < 0
         if info is not None:
             entries += int(nrow[:, :t1 - t0].clamp(min=0).sum())
         if bool(bad.any()):
@@ -518,5 +536,6 @@ def indexer_topk_cand(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor,
             else:
                 redo_tiles(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out, BM)
     if info is not None:
-        info.update(mean_entries=entries / max(1, B * T - redone), redone_rows=redone, slots=C, sample_stride=R)
+        info.update(mean_entries=entries / max(1, B * T - redone), redone_rows=redone, tie_rows=tied, slots=C,
+                    sample_stride=R)
     return out

@@ -1,0 +1,149 @@
+"""The prefill top-k's rows whose threshold lands on a mass of equal scores (cand_topk.py's flagged rows), resolved
+exactly without redoing them one by one.
+
+Why: a ReLU indexer scores a key exactly 0 wherever every head's dot is negative, so on a trained indexer many rows
+hold thousands of zeros; where the k-th largest score is 0, the sampled threshold is 0 and every zero is a
+candidate: the buffer of 2k slots overflows and the row was redone by the decode select (~10 us a row on the
+H200). A CPU replay of `bench attention`'s trained indexer (benchmarks/cpu_cand_flags.py, results/
+2026-12-03-cpu-cand-flags-*.json) finds every flagged row such a row: 216 of 32K at E 1.5 (the H200 redid 252),
+~2.7% of the rows at 128K (the H200: 3,166), none short and none overflowing through scores above the threshold.
+
+How: the flagged rows are packed into tiles of their own (`ROWS`: rows of one batch, in any order) and gathered
+again with the threshold strict: keys > th and the forced ones into the row's buffer (key order, as the gather),
+and the keys == th counted and written to a ring of KT >= k slots a row (the latest KT kept: among equal scores
+the reference keeps the later keys). Then a row whose keys above th number n:
+- n >= k' (k' = min(visible, k)): its top-k lies above th: the buffer's select (`_write_selected`);
+- n < k' <= n + ties: all n, and the latest k' - n ties: the two ascending lists sorted into one;
+- else (more than C keys above th, or too few keys at all): still flagged, for the caller's redo.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_rl.sparse.ops.indexer_topk.cand_topk import _append_words, _word_slots
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, _write_selected
+from sparse_rl.sparse.ops.indexer_topk.stream import score_tile
+
+INT_MAX = tl.constexpr(2147483647)  # the sort's padding (after every key)
+
+
+@triton.jit
+def _list_rows(ROWS, NR, srb, KVS, S, q_offset, t0, sink, window, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's rows (chunk rows listed in ROWS `[B, NR]`, -1 padded) and their key range, as
+    `stream._rows` gives them for a contiguous tile."""
+    b = tl.program_id(1).to(tl.int64)
+    offs = tl.program_id(0) * BM + tl.arange(0, BM)
+    row = tl.load(ROWS + b * srb + offs, mask=offs < NR, other=-1)
+    mmask = row >= 0
+    offs_m = tl.where(mmask, row, 0)
+    tq = t0 + offs_m
+    start = tl.load(KVS + b)
+    pos = q_offset + tq
+    last = tl.minimum(tl.max(tl.where(mmask, pos, 0), 0), S - 1)
+    first = (start // BN) * BN
+    nvis = tl.where(mmask, tl.maximum(tl.minimum(pos, S - 1) - start + 1, 0), 0)
+    nf = tl.minimum(nvis, sink + window)
+    return b, offs, offs_m, tq, mmask, pos, start, first, last, nvis, nf
+
+
+@triton.jit
+def _ties_gather_kernel(Q, W, KI, KVS, TH, BUF, NROW, TIES, NTIE, ROWS, NR, sqb, sqt, sqh, sqd, swb, swt, swh, skb,
+                        sks, skd, svb, svt, snb, srb, stb, stt, S, t0, q_offset, sink, window, K, C, KT,
+                        HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                        HWPOPC: tl.constexpr, PREC: tl.constexpr):
+    """For the listed rows: BUF `[B, Tc, C]` int64 (the gather's packed (fp32 bits, key) words) with the keys
+    > TH and the forced ones, in key order; TIES `[B, NR, KT]` int32 the keys == TH in a ring (key j of the
+    row's ties at slot j % KT); NROW `[B, Tc]` the entries (-1: still unresolved); NTIE `[B, NR]` the ties."""
+    b, offs, offs_m, tq, mmask, pos, start, first, last, nvis, nf = _list_rows(ROWS, NR, srb, KVS, S, q_offset, t0,
+                                                                               sink, window, BM, BN)
+    th = tl.load(TH + b * snb + offs_m, mask=mmask, other=float("inf"))
+    run = tl.zeros([BM], tl.int32)
+    tie = tl.zeros([BM], tl.int32)
+    vbase = (BUF + b * svb + offs_m * svt)[:, None]
+    tbase = (TIES + b * stb + offs * stt)[:, None, None]
+    for n0 in range(first, last + 1, BN):
+        s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
+                                            sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
+                                            HI, DI, BM, BN, BD, PREC)
+        above = mmask[:, None] & vis & (forced | (s > th[:, None]))  # padding lanes alias row 0: never store
+        run = _append_words(s, above, forced, n0, run, vbase, vbase, C, True, True, HWPOPC, False, BM, BN)
+        eq = mmask[:, None] & vis & ~forced & (s == th[:, None])
+        e3, slot, cnt = _word_slots(eq, tie, HWPOPC, BM, BN)
+        NW: tl.constexpr = BN // 32
+        key3 = n0 + (tl.arange(0, NW)[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
+        tl.store(tbase + (slot & (KT - 1)), tl.broadcast_to(key3, [BM, NW, 32]), mask=e3)
+        tie += cnt
+        tl.debug_barrier()  # a later tile's tie may take the slot of an earlier one: stores in tile order
+    want = tl.minimum(nvis, K)
+    ok = (run <= C) & (run + tie >= want)
+    tl.store(NROW + b * snb + offs_m, tl.where(ok, run, -1), mask=mmask)
+    tl.store(NTIE + b * srb + offs, tie, mask=mmask)
+
+
+@triton.jit
+def _ties_select_kernel(BUF, NROW, TIES, NTIE, ROWS, KVS, OUT, NR, svb, svt, snb, srb, stb, stt, sob, sot, t0,
+                        q_offset, S, K, KT, CB: tl.constexpr, KB: tl.constexpr, TB: tl.constexpr):
+    """OUT rows of the listed rows (one program a list entry): the buffer's select where its keys reach k', else
+    the buffer's keys and the latest k' - n ties, sorted ascending (-1 padded)."""
+    b = tl.program_id(1).to(tl.int64)
+    i = tl.program_id(0)
+    row = tl.load(ROWS + b * srb + i)
+    if row >= 0:
+        n = tl.load(NROW + b * snb + row)
+        if n >= 0:
+            pos = q_offset + t0 + row
+            nvis = tl.maximum(tl.minimum(pos, S - 1) - tl.load(KVS + b) + 1, 0)
+            want = tl.minimum(nvis, K)
+            obase = OUT + b * sob + row.to(tl.int64) * sot
+            offs = tl.arange(0, CB)
+            live = offs < n
+            word = tl.load(BUF + b * svb + row.to(tl.int64) * svt + offs, mask=live, other=0)
+            idx = (word & 0xFFFFFFFF).to(tl.int32)
+            if n >= want:
+                key = _okey((word >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+                _write_selected(key, idx, live, n, K, obase, KB, False)
+            else:  # all n, then the latest `need` ties (ring slots ntie - need .. ntie - 1)
+                need = want - n
+                ntie = tl.load(NTIE + b * srb + i)
+                o = tl.arange(0, TB)
+                j = ntie - need + (o - CB)
+                tmask = (o >= CB) & (o - CB < need)
+                tv = tl.load(TIES + b * stb + i.to(tl.int64) * stt + (j & (KT - 1)), mask=tmask, other=INT_MAX)
+                sv = tl.load(BUF + b * svb + row.to(tl.int64) * svt + o, mask=o < n, other=0)
+                allv = tl.where(o < n, (sv & 0xFFFFFFFF).to(tl.int32), tl.where(tmask, tv, INT_MAX))
+                srt = tl.sort(allv)
+                tl.store(obase + o, tl.where(srt == INT_MAX, -1, srt), mask=o < K)
+
+
+def resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out, t0, q_offset, topk, sink, window, cfg, hwpopc: bool):
+    """The flagged rows `bad [B, Tc]` (bool) of a chunk, gathered again with the strict threshold and their ties
+    (module docstring); fills their `out` rows and nrow (-1 where still unresolved). val: the chunk's packed
+    `[B, Tc, C]` int64 buffer. Returns the number of rows resolved here."""
+    from sparse_rl.sparse.ops.indexer_topk.stream import _common
+
+    B, S, C = q_idx.shape[0], k_idx.shape[1], val.shape[2]
+    counts = bad.sum(1)
+    NR = int(counts.max())
+    if NR == 0:
+        return 0
+    # each batch's flagged rows, longest (latest) first, -1 padded: tiles of neighbouring rows share key spans
+    order = torch.sort(torch.where(bad, torch.arange(bad.shape[1], device=bad.device), -1), 1, descending=True)
+    rows = order.values[:, :NR].to(torch.int32).contiguous()
+    KT = triton.next_power_of_2(topk)
+    ties = torch.empty(B, NR, KT, device=val.device, dtype=torch.int32)
+    ntie = torch.zeros(B, NR, device=val.device, dtype=torch.int32)
+    args, strides, meta = _common(q_idx, w, k_idx, kvs)
+    BM = cfg.block_m
+    _ties_gather_kernel[(triton.cdiv(NR, BM), B)](
+        *args, th, val, nrow, ties, ntie, rows, NR, *strides, val.stride(0), val.stride(1), nrow.stride(0),
+        rows.stride(0), ties.stride(0), ties.stride(1), S, t0, q_offset, sink, window, topk, C, KT, BM=BM,
+        BN=cfg.block_n, HWPOPC=hwpopc, **meta, num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1)
+    CB = triton.next_power_of_2(C)
+    _ties_select_kernel[(NR, B)](val, nrow, ties, ntie, rows, kvs, out, NR, val.stride(0), val.stride(1),
+                                 nrow.stride(0), rows.stride(0), ties.stride(0), ties.stride(1), out.stride(0),
+                                 out.stride(1), t0, q_offset, S, topk, KT, CB=CB, KB=min(1024, CB),
+                                 TB=triton.next_power_of_2(CB + KT), num_warps=cfg.select_warps)
+    return int((bad & (nrow[:, :bad.shape[1]] >= 0)).sum())
