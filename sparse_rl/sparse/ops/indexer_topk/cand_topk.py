@@ -25,9 +25,13 @@ Phases (why each):
    (no `tl.histogram`: it lowers to ~55-100 instructions an element, NOTES item 16; a bit step is a compare,
    a convert and a block sum), then the kept lanes (> tau, and the last `need` of the lanes == tau: the
    buffer is in key order, so later lanes are later keys) written ascending by one prefix sum.
-5. Exactness: rows flagged -1 (the sample was unlucky, or masses of equal scores) are redone exactly: on CUDA
-   by the split-row decode select (`stream._redo_rows`, ~10 us a row), under the interpreter on the
-   materialising path (`redo_tiles`: the flagged rows' 64-row tiles scored and `bin_topk`), because there the
+5. Ties (`cand_ties.py`, `CandConfig.ties`): flagged rows whose threshold sits on a mass of equal scores (a ReLU
+   indexer's exact zeros: on the trained indexer every flagged row, benchmarks/cpu_cand_flags.py) are gathered
+   again, the keys above the threshold into the buffer and its ties into a ring that keeps the latest, and
+   selected exactly from the two.
+6. Exactness: rows still flagged -1 (the sample was unlucky, or too many keys above the threshold) are redone
+   exactly: on CUDA by the split-row decode select (`stream._redo_rows`, ~10 us a row), under the interpreter on
+   the materialising path (`redo_tiles`: the flagged rows' 64-row tiles scored and `bin_topk`), because there the
    decode select broke the tie rule on a row of 57 equal scores (tests/sparse/test_cand_topk.py; on the H200
    the redone rows matched bin_topk's in every session-10 case, and in session 11 in all but one, below).
 
