@@ -199,3 +199,18 @@ def test_rows_of_zeros_at_the_threshold_are_resolved_by_their_ties(zeros, kvs):
     off = indexer_topk_cand(q, w, k, K, q_offset=S - T, sink=2, window=3, kv_start=kv_start, info=info,
                             config=dataclasses.replace(cfg, ties=False))
     assert torch.equal(off, ref) and info["redone_rows"] == tied  # without it: the same rows redone
+
+
+def test_ties_at_a_nonzero_threshold_keep_the_later_keys():
+    """Integer scores (21 values over 300 keys: exact in any summation order) put masses of equal nonzero
+    scores at the threshold: the tie path resolves those rows with the later-key rule, the rest are redone."""
+    g = torch.Generator().manual_seed(5)
+    B, T, S, K = 2, 16, 300, 24
+    q = torch.randint(-1, 2, (B, T, 2, 8), generator=g).float()
+    w = torch.randint(1, 3, (B, T, 2), generator=g).float()
+    k = torch.randint(-1, 2, (B, S, 8), generator=g).float()
+    ref = indexer_topk_naive(q, w, k, K, q_offset=S - T, sink=1, window=2)
+    info = {}
+    got = indexer_topk_cand(q, w, k, K, q_offset=S - T, sink=1, window=2, info=info,
+                            config=dataclasses.replace(INTERPRET_CAND, target=2.0))
+    assert torch.equal(got, ref) and info["tie_rows"] >= 8
