@@ -137,7 +137,7 @@ def _popc_kernel(X, Y, N: tl.constexpr):
 
 
 def test_swar_popcount():
-    """`cand_topk._popc`'s interpreter form (the SWAR popcount; CUDA takes libdevice's POPC) on edge words."""
+    """`cand_words._popc`'s interpreter form (the SWAR popcount; CUDA takes libdevice's POPC) on edge words."""
     vals = [0, 1, -1, -2**31, 2**31 - 1, 0x55555555, -0x55555556, 0x0F0F0F0F] + list(
         torch.randint(-2**31, 2**31 - 1, (8,), generator=torch.Generator().manual_seed(0)).tolist())
     x = torch.tensor(vals, dtype=torch.int32)

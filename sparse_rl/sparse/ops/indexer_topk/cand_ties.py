@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.cand_topk import _append_words, _word_slots
+from sparse_rl.sparse.ops.indexer_topk.cand_words import _append_words, _word_slots
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, _write_selected
 from sparse_rl.sparse.ops.indexer_topk.stream import score_tile
 
