@@ -214,3 +214,19 @@ def test_ties_at_a_nonzero_threshold_keep_the_later_keys():
     got = indexer_topk_cand(q, w, k, K, q_offset=S - T, sink=1, window=2, info=info,
                             config=dataclasses.replace(INTERPRET_CAND, target=2.0))
     assert torch.equal(got, ref) and info["tie_rows"] >= 8
+
+
+def test_tie_ring_takes_a_whole_tile_when_k_is_below_the_tile():
+    """k = 8 under 32-key tiles: a tile holds more ties of a row than k (the ring takes max(k, tile) slots, so two
+    ties of one store never share a slot; the interpreter's stores would hide that, a GPU's would not)."""
+    g = torch.Generator().manual_seed(9)
+    B, T, S, K = 1, 16, 200, 8
+    q = torch.randn(B, T, 2, 16, generator=g)
+    w = torch.rand(B, T, 2, generator=g) + 0.1
+    k = torch.randn(B, S, 16, generator=g)
+    k[torch.rand(B, S, generator=g) < 0.97] = 0.0  # ~6 nonzero keys a row: the k-th score is 0
+    ref = indexer_topk_naive(q, w, k, K, q_offset=S - T, sink=1, window=1)
+    info = {}
+    got = indexer_topk_cand(q, w, k, K, q_offset=S - T, sink=1, window=1, info=info,
+                            config=dataclasses.replace(INTERPRET_CAND, target=2.0))
+    assert torch.equal(got, ref) and info["tie_rows"] > 0 and info["redone_rows"] == 0

@@ -132,7 +132,9 @@ def resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out, t0, q_offset, to
     # each batch's flagged rows, longest (latest) first, -1 padded: tiles of neighbouring rows share key spans
     order = torch.sort(torch.where(bad, torch.arange(bad.shape[1], device=bad.device), -1), 1, descending=True)
     rows = order.values[:, :NR].to(torch.int32).contiguous()
-    KT = triton.next_power_of_2(topk)
+    # a ring of at least k slots (the latest k ties), and at least a tile's keys: two ties of one tile never share
+    # a slot (the order of one store's lanes at a slot is undefined)
+    KT = triton.next_power_of_2(max(topk, cfg.block_n))
     ties = torch.empty(B, NR, KT, device=val.device, dtype=torch.int32)
     ntie = torch.zeros(B, NR, device=val.device, dtype=torch.int32)
     args, strides, meta = _common(q_idx, w, k_idx, kvs)
