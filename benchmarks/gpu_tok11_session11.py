@@ -59,7 +59,9 @@ Call 3 (planned, session 16's tie path: `CandConfig.ties`, cand_ties.py; `--call
 indexer (benchmarks/cpu_cand_flags.py) found every flagged row an overflow through exact zeros at a threshold of 0
 (216 of 32K at E 1.5; ~2.7% of 128K), so: rows redone 252 -> 0 at 32K trained and 3,166 -> ~0 at 128K trained;
 whole 32K trained 5.5 -> ~4.3-4.6 ms (the redo's ~1.2 ms less the regather of ~5 row tiles and a sort a row, <
-0.2 ms); 128K trained 54 -> ~35-40 ms; random rows unchanged (no tie rows: cand == cand-noties within noise).
+0.2 ms); 128K trained 54 -> ~35-40 ms; random rows unchanged (no tie rows: cand == cand-ties within noise). The
+tie path is off by default on the GPU (CandConfig.ties) until this call: cand-ties is it; if its rows equal bin's
+and it is faster, it becomes the default.
 
     PYTHONPATH=$PWD python benchmarks/gpu_tok11_session11.py --budget 140 --commit <sha>
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python benchmarks/gpu_tok11_session11.py --cpu-smoke --budget 900 --jobs 2
@@ -95,17 +97,18 @@ CAND = {1: [("cand", {}), ("cand-pk-q16", {"packed": True, "quantile_bits": 16})
             ("cand-pk-q16", {"packed": True, "quantile_bits": 16}), ("w-pk-n64-b7g", {**P64, "budget": 7 << 30}),
             ("w-pk-n64-E1.7", {**P64, "target": 1.7}), ("w-pk-n64-E1.3", {**P64, "target": 1.3})],
         # call 3 (session 16's tie path, cand_ties.py; the default CandConfig is words + packed since c95823e)
-        3: [("cand", {}), ("cand-noties", {"ties": False}), ("cand-s2", {"search_bits": 2}),
-            ("cand-n64", {"block_n": 64, "warps": 4}), ("cand-b7g", {"budget": 7 << 30})]}
+        3: [("cand", {}), ("cand-ties", {"ties": True}), ("cand-ties-s2", {"ties": True, "search_bits": 2}),
+            ("cand-ties-n64", {"ties": True, "block_n": 64, "warps": 4}),
+            ("cand-ties-b7g", {"ties": True, "budget": 7 << 30})]}
 CAND128 = {1: ["cand", "w", "w-pk", "w-pk-q16"],
            2: ["cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-n64-b7g", "w-pk-n64-q16", "cand-pk-q16"],
-           3: ["cand", "cand-noties", "cand-n64", "cand-b7g"]}
+           3: ["cand", "cand-ties", "cand-ties-n64", "cand-ties-b7g"]}
 RANDOM32 = {1: {"cand", "cand-pk-q16", "w", "w-pk", "w-pk-q16"},
-            2: {"cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-n64-q16"}, 3: {"cand", "cand-noties"}}
+            2: {"cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-n64-q16"}, 3: {"cand", "cand-ties"}}
 TRAINED32 = {1: None, 2: ["cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-s2", "w-pk-n64-q16", "w-pk-n64-E1.3"],
-             3: ["cand", "cand-noties", "cand-s2", "cand-n64"]}
+             3: ["cand", "cand-ties", "cand-ties-s2", "cand-ties-n64"]}
 TRAINED128 = {1: ["cand", "w", "w-pk"], 2: ["cand", "w-pk-n64", "w-pk-n64-E1.7", "w-pk-n64-E1.3"],
-              3: ["cand", "cand-noties", "cand-n64"]}
+              3: ["cand", "cand-ties", "cand-ties-n64"]}
 L16 = {1: [], 2: ["w-pk", "w-pk-n64"], 3: []}
 
 
@@ -125,7 +128,8 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     a.cand = CAND[a.call]
     if a.cpu_smoke:  # every phase and code path once, few variants (the interpreter takes ~1 min a variant)
-        keep = {"cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-n64-b7g", "cand-noties", "cand-n64", "cand-b7g"}
+        keep = {"cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-n64-b7g", "cand-ties", "cand-ties-n64",
+                "cand-ties-b7g"}
         a.cand = [x for x in a.cand if x[0] in keep]
         for d in (CAND128, RANDOM32, TRAINED32, TRAINED128, L16):
             if d[a.call] is not None:

@@ -25,10 +25,10 @@ Phases (why each):
    (no `tl.histogram`: it lowers to ~55-100 instructions an element, NOTES item 16; a bit step is a compare,
    a convert and a block sum), then the kept lanes (> tau, and the last `need` of the lanes == tau: the
    buffer is in key order, so later lanes are later keys) written ascending by one prefix sum.
-5. Ties (`cand_ties.py`, `CandConfig.ties`): flagged rows whose threshold sits on a mass of equal scores (a ReLU
-   indexer's exact zeros: on the trained indexer every flagged row, benchmarks/cpu_cand_flags.py) are gathered
-   again, the keys above the threshold into the buffer and its ties into a ring that keeps the latest, and
-   selected exactly from the two.
+5. Ties (`cand_ties.py`, `CandConfig.ties`, off on the GPU until timed there): flagged rows whose threshold sits
+   on a mass of equal scores (a ReLU indexer's exact zeros: on the trained indexer every flagged row,
+   benchmarks/cpu_cand_flags.py) are gathered again, the keys above the threshold into the buffer and its ties
+   into a ring that keeps the latest, and selected exactly from the two.
 6. Exactness: rows still flagged -1 (the sample was unlucky, or too many keys above the threshold) are redone
    exactly: on CUDA by the split-row decode select (`stream._redo_rows`, ~10 us a row), under the interpreter on
    the materialising path (`redo_tiles`: the flagged rows' 64-row tiles scored and `bin_topk`), because there the
@@ -306,12 +306,13 @@ class CandConfig:
     search_bits: int = 1  # bits a step of the quantile's and the select's k-th key search (2: `kth_key2`)
     # flagged rows first gathered again with the strict threshold and their ties at it (cand_ties.py; packed
     # buffers): a ReLU indexer's masses of exact zeros at the threshold, every flagged row of the trained indexer in
-    # a CPU replay (benchmarks/cpu_cand_flags.py); the rest are redone by `redo`
-    ties: bool = True
+    # a CPU replay (benchmarks/cpu_cand_flags.py); the rest are redone by `redo`. Off on the GPU until it has been
+    # timed and checked there (exact under the interpreter, where INTERPRET_CAND runs it)
+    ties: bool = False
 
 
 INTERPRET_CAND = CandConfig(block_m=16, block_n=32, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
-                            warps=1, quantile_warps=1, select_warps=1, redo="tiles")  # block_n: one 32-key word
+                            warps=1, quantile_warps=1, select_warps=1, redo="tiles", ties=True)  # block_n: a word
 
 
 def sample_stride(cfg: CandConfig, s_max: int) -> int:
