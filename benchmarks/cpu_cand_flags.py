@@ -49,12 +49,11 @@ def flags(scores: torch.Tensor, pos: torch.Tensor, K: int, C: int, R: int, E: fl
     th = torch.where(kk <= 0, torch.full_like(th, float("inf")), th)
     above = ((s >= th[:, None]) & unf).sum(1) + nf  # candidates: visible keys >= th and the forced ones
     strict = ((s > th[:, None]) & unf).sum(1) + nf
-    ties = above - strict
     served = nvis > C  # rows with <= C visible keys take all: never flagged
     flagged = served & ((above > C) | (above < torch.clamp(nvis, max=K)))
     # ties apart: the keys strictly above th must fit, and with the ties reach k (the latest ties kept)
     flagged_ties = served & ((strict > C) | (above < torch.clamp(nvis, max=K)))
-    return dict(above=above, strict=strict, ties=ties, th=th, flagged=flagged, flagged_ties=flagged_ties,
+    return dict(above=above, strict=strict, th=th, flagged=flagged, flagged_ties=flagged_ties,
                 short=served & (above < torch.clamp(nvis, max=K)), over=served & (above > C))
 
 

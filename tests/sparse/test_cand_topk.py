@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk import triton as it
-from sparse_rl.sparse.ops.indexer_topk.cand_topk import INTERPRET_CAND, _popc, indexer_topk_cand
+from sparse_rl.sparse.ops.indexer_topk.cand_topk import INTERPRET_CAND, indexer_topk_cand
+from sparse_rl.sparse.ops.indexer_topk.cand_words import _popc
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, kth_key, kth_key2
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_naive
 

@@ -21,7 +21,6 @@ What lives here:
 from __future__ import annotations
 
 import dataclasses
-
 import types
 
 from typing import Optional

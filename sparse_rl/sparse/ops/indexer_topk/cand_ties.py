@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.cand_words import _append_words, _word_slots
+from sparse_rl.sparse.ops.indexer_topk.cand_words import HAS_POPC, _append_words, _word_slots
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, _write_selected
 from sparse_rl.sparse.ops.indexer_topk.stream import score_tile
 
@@ -118,7 +118,7 @@ def _ties_select_kernel(BUF, NROW, TIES, NTIE, ROWS, KVS, OUT, NR, svb, svt, snb
                 tl.store(obase + o, tl.where(srt == INT_MAX, -1, srt), mask=o < K)
 
 
-def resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out, t0, q_offset, topk, sink, window, cfg, hwpopc: bool):
+def resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out, t0, q_offset, topk, sink, window, cfg):
     """The flagged rows `bad [B, Tc]` (bool) of a chunk, gathered again with the strict threshold and their ties
     (module docstring); fills their `out` rows and nrow (-1 where still unresolved). val: the chunk's packed
     `[B, Tc, C]` int64 buffer. Returns the number of rows resolved here."""
@@ -142,7 +142,7 @@ def resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out, t0, q_offset, to
     _ties_gather_kernel[(triton.cdiv(NR, BM), B)](
         *args, th, val, nrow, ties, ntie, rows, NR, *strides, val.stride(0), val.stride(1), nrow.stride(0),
         rows.stride(0), ties.stride(0), ties.stride(1), S, t0, q_offset, sink, window, topk, C, KT, BM=BM,
-        BN=cfg.block_n, HWPOPC=hwpopc, **meta, num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1)
+        BN=cfg.block_n, HWPOPC=q_idx.is_cuda and HAS_POPC, **meta, num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1)
     CB = triton.next_power_of_2(C)
     _ties_select_kernel[(NR, B)](val, nrow, ties, ntie, rows, kvs, out, NR, val.stride(0), val.stride(1),
                                  nrow.stride(0), rows.stride(0), ties.stride(0), ties.stride(1), out.stride(0),

@@ -61,8 +61,7 @@ from sparse_rl.sparse.ops.indexer_topk.stream import (_common, _gather_kernel, _
                                                       _threshold_kernel, NZ, Z0, DZ, score_tile,
                                                       stream_buffer_slots)
 
-from sparse_rl.sparse.ops.indexer_topk.cand_words import (HAS_POPC, _append_words, _popc,  # noqa: F401
-                                                      _store_kept, _word_slots)
+from sparse_rl.sparse.ops.indexer_topk.cand_words import HAS_POPC, _append_words, _store_kept
 
 BUFFER_BUDGET_BYTES = 2 << 30  # 32K rows in one chunk (1.3 GB of buffers)
 
@@ -444,7 +443,7 @@ def indexer_topk_cand(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor,
             from sparse_rl.sparse.ops.indexer_topk.cand_ties import resolve_ties
 
             tied += resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out[:, t0:t1], t0, q_offset, topk, sink,
-                                 window, cfg, q_idx.is_cuda and HAS_POPC)
+                                 window, cfg)
             bad = nrow[:, :t1 - t0] < 0
         if info is not None:
             entries += int(nrow[:, :t1 - t0].clamp(min=0).sum())

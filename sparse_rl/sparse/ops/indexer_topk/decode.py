@@ -275,10 +275,10 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     and the write in one launch, the row's programs meeting at in-kernel barriers (`decode_sync.py`; sync_block
     its keys a step, 0 = its own; sync_per_sm its most programs an SM, 0 = as many as fit; sync_keep / sync_split
     its keep / split forms, sync_max_chunks a row's most chunks, 0 = its own; sync_coop a cooperative launch;
-    sync_min_batch: batches of at least this many rows take "sync" whatever impl says, 0 = never). Every impl selects the same keys. pdl: the
-    score pass and the fine / split passes launched with programmatic dependent launch (`DecodeSelect.pdl`, set by
-    the rollout runner from `ModelRunner.pdl`; the other impls' passes launch plainly: any mix is safe, since
-    every PDL kernel waits before its first load)."""
+    sync_min_batch: batches of at least this many rows take "sync" whatever impl says, 0 = never). Every impl
+    selects the same keys. pdl: the score pass and the fine / split passes launched with programmatic dependent
+    launch (`DecodeSelect.pdl`, set by the rollout runner from `ModelRunner.pdl`; the other impls' passes launch
+    plainly: any mix is safe, since every PDL kernel waits before its first load)."""
     from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_decode_naive
 
     if sink + window > topk:

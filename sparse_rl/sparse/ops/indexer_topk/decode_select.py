@@ -99,7 +99,7 @@ class DecodeSelect:
         if self.sync_min_batch < 0:
             raise ValueError(f"sync_min_batch {self.sync_min_batch}: must be 0 (never) or a batch size")
         if not 0 <= self.sync_max_chunks <= 32:  # decode_sync.MAX_CHUNKS (its histograms' rows)
-            raise ValueError(f"sync_max_chunks {self.sync_max_chunks}: must be 0 (the kernel's 32) or 1-32")
+            raise ValueError(f"sync_max_chunks {self.sync_max_chunks}: must be 0 (the kernel's default, 16) or 1-32")
         if self.num_warps not in (0, 1, 2, 4, 8, 16):
             raise ValueError(f"num_warps {self.num_warps}: must be 0 (the default) or a power of two up to 16")
         if self.pdl not in (0, 1, 2):  # ops/_backend.PDL_LEVELS (not imported here: this module has no torch)

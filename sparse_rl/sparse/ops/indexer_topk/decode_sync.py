@@ -23,8 +23,9 @@ One program per (chunk, row), `CH` keys each:
 A row with at most K visible keys keeps them all (no level is needed).
 
 The barriers need every program of a row resident at once: the grid is sized to the programs the SMs hold at
-once (`sync_chunks`, from the register cap `maxnreg`), and the kernel lets the next PDL kernel launch only
-when its last barrier is passed (a dependent's waiting programs would otherwise hold SMs the row still needs).
+once (`_resident_plan`: the compiled kernel's registers and shared memory, before its first launch), and the
+kernel lets the next PDL kernel launch only when its last barrier is passed (a dependent's waiting programs would
+otherwise hold SMs the row still needs).
 The row's counters return to zero at the end of every launch (its last program resets them), so one zeroed
 buffer per device serves every launch (`_counters`).
 
