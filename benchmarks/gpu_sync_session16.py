@@ -23,6 +23,11 @@ H200: `resident` in the JSON); `sync_coop` within 0.05 ms of `sync` in the step,
 (then the error is recorded); `fine_sync32` = sync at batch 32 and = fine at 16 and 1; the 16K b32 generation
 ~1.66x -> ~1.70-1.73x.
 
+Call 2 measured (session 17; results/2026-12-03-h200-sync-session17.md): resident 4 an SM; sync_coop = sync in
+the step; the 16K b32 generation 1.679x with fine_sync32 vs 1.640x fine. ENGINE_SELECT became fine + sync from
+batch 32 (a cooperative launch). Call 3 (`--variants fine,fine_only --parts kernel,gen`): the new default against
+fine alone (fine_only) in one run; prediction: fine ~1.68x, fine_only ~1.64x.
+
     PYTHONPATH=$PWD python benchmarks/gpu_sync_session16.py --budget 170 --out $OUT/sync16
 """
 
@@ -48,7 +53,8 @@ def _selects():
             "one_keep_mc16": DecodeSelect("sync", **keep, sync_max_chunks=16),
             "one_keep_mc8": DecodeSelect("sync", **keep, sync_max_chunks=8),
             "sync": DecodeSelect("sync"), "sync_coop": DecodeSelect("sync", sync_coop=True),
-            "fine_sync32": dataclasses.replace(ENGINE_SELECT, sync_min_batch=32)}
+            "fine_sync32": dataclasses.replace(ENGINE_SELECT, sync_min_batch=32),
+            "fine_only": dataclasses.replace(ENGINE_SELECT, sync_min_batch=0)}
 
 
 def kernel_part(run, names) -> bool:
@@ -119,7 +125,7 @@ def gen_part(run, names, shape="qwen3-4b", new=16384, batch=32, **extra) -> None
     from sparse_rl.bench import rollout as br
 
     sel = _selects()
-    for name in (n for n in names if n in ("fine", "fine_sync32")):
+    for name in (n for n in names if n in ("fine", "fine_sync32", "fine_only")):
         if not run.gate(120 if shape != "tiny" else 1, f"gen {name}"):
             break
         cfg = br.BenchRolloutConfig(shape=shape, hf=False, topk=2048, index_heads=4, index_dim=64,

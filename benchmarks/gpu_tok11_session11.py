@@ -62,6 +62,14 @@ whole 32K trained 5.5 -> ~4.3-4.6 ms (the redo's ~1.2 ms less the regather of ~5
 0.2 ms); 128K trained 54 -> ~35-40 ms; random rows unchanged (no tie rows: cand == cand-ties within noise). The
 tie path is off by default on the GPU (CandConfig.ties) until this call: cand-ties is it; if its rows equal bin's
 and it is faster, it becomes the default.
+Call 3 measured (session 17): rows equal to bin everywhere, but SLOWER: 32K trained 8.38 vs 6.04 ms, 128K trained
+66.8 vs 56.1: the flagged rows of a chunk fill one or a few 64-row tiles, and one program walked a row's whole
+key range alone (a few programs on 132 SMs).
+Call 4 (planned, `--call 4`): cand_ties.py splits the rows' keys into P spans (two passes: count, then store at
+the prefix), P for ~2 programs an SM (`cand-ties`), or forced (`cand-ties-p8`, `cand-ties-p1` = one span, the
+call-3 walk in two passes). Predictions: 32K trained 6.04 -> ~4.9-5.1 ms (the redo's ~1.2 ms replaced by two
+passes of ~60 us each and the tie select); 128K trained 56 -> ~38-42; cand-ties-p1 slower than call 3's (two
+walks); random rows unchanged.
 
     PYTHONPATH=$PWD python benchmarks/gpu_tok11_session11.py --budget 140 --commit <sha>
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python benchmarks/gpu_tok11_session11.py --cpu-smoke --budget 900 --jobs 2
@@ -99,17 +107,22 @@ CAND = {1: [("cand", {}), ("cand-pk-q16", {"packed": True, "quantile_bits": 16})
         # call 3 (session 16's tie path, cand_ties.py; the default CandConfig is words + packed since c95823e)
         3: [("cand", {}), ("cand-ties", {"ties": True}), ("cand-ties-s2", {"ties": True, "search_bits": 2}),
             ("cand-ties-n64", {"ties": True, "block_n": 64, "warps": 4}),
-            ("cand-ties-b7g", {"ties": True, "budget": 7 << 30})]}
+            ("cand-ties-b7g", {"ties": True, "budget": 7 << 30})],
+        # call 4 (session 17: the tie path's keys split into spans, cand_ties.py)
+        4: [("cand", {}), ("cand-ties", {"ties": True}), ("cand-ties-p8", {"ties": True, "tie_splits": 8}),
+            ("cand-ties-p1", {"ties": True, "tie_splits": 1})]}
 CAND128 = {1: ["cand", "w", "w-pk", "w-pk-q16"],
            2: ["cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-n64-b7g", "w-pk-n64-q16", "cand-pk-q16"],
-           3: ["cand", "cand-ties", "cand-ties-n64", "cand-ties-b7g"]}
+           3: ["cand", "cand-ties", "cand-ties-n64", "cand-ties-b7g"], 4: ["cand", "cand-ties"]}
 RANDOM32 = {1: {"cand", "cand-pk-q16", "w", "w-pk", "w-pk-q16"},
-            2: {"cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-n64-q16"}, 3: {"cand", "cand-ties"}}
+            2: {"cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-n64-q16"}, 3: {"cand", "cand-ties"},
+            4: {"cand", "cand-ties"}}
 TRAINED32 = {1: None, 2: ["cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-s2", "w-pk-n64-q16", "w-pk-n64-E1.3"],
-             3: ["cand", "cand-ties", "cand-ties-s2", "cand-ties-n64"]}
+             3: ["cand", "cand-ties", "cand-ties-s2", "cand-ties-n64"],
+             4: ["cand", "cand-ties", "cand-ties-p8", "cand-ties-p1"]}
 TRAINED128 = {1: ["cand", "w", "w-pk"], 2: ["cand", "w-pk-n64", "w-pk-n64-E1.7", "w-pk-n64-E1.3"],
-              3: ["cand", "cand-ties", "cand-ties-n64"]}
-L16 = {1: [], 2: ["w-pk", "w-pk-n64"], 3: []}
+              3: ["cand", "cand-ties", "cand-ties-n64"], 4: ["cand", "cand-ties", "cand-ties-p8"]}
+L16 = {1: [], 2: ["w-pk", "w-pk-n64"], 3: [], 4: []}
 
 
 def parse_args(argv=None):
@@ -122,14 +135,14 @@ def parse_args(argv=None):
     ap.add_argument("--rep-ms", type=int, default=20)
     ap.add_argument("--jobs", type=int, default=8, help="warm-up child processes (0: none)")
     ap.add_argument("--warm-s", type=float, default=45.0)
-    ap.add_argument("--call", type=int, default=3, choices=(1, 2, 3), help="which device call's variant lists")
+    ap.add_argument("--call", type=int, default=4, choices=(1, 2, 3, 4), help="which device call's variant lists")
     ap.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prove-dir", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.cand = CAND[a.call]
     if a.cpu_smoke:  # every phase and code path once, few variants (the interpreter takes ~1 min a variant)
         keep = {"cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-n64-b7g", "cand-ties", "cand-ties-n64",
-                "cand-ties-b7g"}
+                "cand-ties-b7g", "cand-ties-p1"}
         a.cand = [x for x in a.cand if x[0] in keep]
         for d in (CAND128, RANDOM32, TRAINED32, TRAINED128, L16):
             if d[a.call] is not None:

@@ -76,6 +76,7 @@ class BenchRolloutConfig:
     decode_select: str = "fine"  # the indexer's decode select after the score pass (DecodeSelect.impl)
     decode_long: str = "chunked"  # what auto runs past 8192 keys (DecodeSelect.long)
     score_block: int = 64  # the score pass's keys a step (DecodeSelect.score_block; 0: the select's own)
+    sync_min_batch: int = 32  # batches of at least this many rows take the sync select (DecodeSelect; 0: never)
     qkv_pad: int = 64  # the fused q/k/v(+indexer) weight padded with zero rows to a multiple of this
     pdl: int | None = None  # PDL in the step (ModelRunner.pdl: 0-2 or a bool; None: its default)
     step_timing: str = "synced"  # step rows: "synced" (each step on an idle device, median) | "queued" (back to back)
@@ -94,7 +95,7 @@ class BenchRolloutConfig:
         try:
             self.select()
         except ValueError as e:  # DecodeSelect's own check (auto is not a --decode-long)
-            raise UsageError(f"--decode-select / --decode-long / --score-block: {e}") from None
+            raise UsageError(f"--decode-select / --decode-long / --score-block / --sync-min-batch: {e}") from None
         if self.qkv_pad < 1:
             raise UsageError("--qkv-pad must be >= 1")
         if self.step_timing not in STEP_TIMINGS:
@@ -106,7 +107,8 @@ class BenchRolloutConfig:
         """The engine's decode select of these options (`DecodeSelect`; ValueError for a bad choice)."""
         from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
-        return DecodeSelect(self.decode_select, long=self.decode_long, score_block=self.score_block)
+        return DecodeSelect(self.decode_select, long=self.decode_long, score_block=self.score_block,
+                            sync_min_batch=self.sync_min_batch)
 
     def long_runs(self) -> list[tuple[int, int]]:
         """(new tokens, batch) of every long run."""

@@ -144,6 +144,9 @@ def rollout(
                                                          "own) [default: 64]"),
     decode_long: Optional[str] = typer.Option(None, help="--decode-select auto past 8192 keys: chunked | row | split | "
                                                          "fine | bits | bsearch [default: chunked]"),
+    sync_min_batch: Optional[int] = typer.Option(None, help="Batches of at least this many sequences take the sync "
+                                                            "select whatever --decode-select says (0: never) "
+                                                            "[default: 32]"),
     qkv_pad: Optional[int] = typer.Option(None, help="Fused q/k/v(+indexer) weight padded to a multiple of this many "
                                                      "output columns [default: 64]"),
     pdl: Optional[bool] = typer.Option(None, "--pdl/--no-pdl", help="Programmatic dependent launch of the decode "
@@ -175,7 +178,7 @@ def rollout(
             step_contexts=ints("--step-contexts", step_contexts), step_batch=step_batch,
             latency_contexts=ints("--latency-contexts", latency_contexts), topk=index_topk, index_heads=index_heads,
             index_dim=index_dim, dtype=dtype, device=device, compile=compile, decode_select=decode_select,
-            decode_long=decode_long, score_block=score_block, qkv_pad=qkv_pad, pdl=pdl,
+            decode_long=decode_long, score_block=score_block, sync_min_batch=sync_min_batch, qkv_pad=qkv_pad, pdl=pdl,
             step_timing=step_timing), sets=set_)
         res = run_rollout_bench(cfg, log=lambda m: console.print(f"[dim]{m}[/]"))
         _finish(res, markdown_rollout(res), out)

@@ -1,4 +1,5 @@
-"""`bench rollout`'s kernel-choice options (--decode-select, --decode-long, --score-block, --qkv-pad, --pdl): validated
+"""`bench rollout`'s kernel-choice options (--decode-select, --decode-long, --score-block, --sync-min-batch, --qkv-pad,
+--pdl): validated
 at config time, and passed to the engine's runner as arguments."""
 
 import pytest
@@ -9,9 +10,9 @@ from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
 
 @pytest.mark.parametrize("bad", [{"decode_select": "rows"}, {"decode_long": "auto"}, {"qkv_pad": 0}, {"score_block": 48},
-                                 {"step_timing": "fast"}])
+                                 {"step_timing": "fast"}, {"sync_min_batch": -1}])
 def test_bad_kernel_choices_are_usage_errors(bad):
-    with pytest.raises(UsageError, match="--decode-select|--qkv-pad|--score-block|--step-timing"):
+    with pytest.raises(UsageError, match="--decode-select|--qkv-pad|--score-block|--step-timing|--sync-min-batch"):
         BenchRolloutConfig(**bad)
 
 
@@ -19,7 +20,10 @@ def test_kernel_choices_reach_the_runner():
     cfg = BenchRolloutConfig(shape="tiny", device="cpu", dtype="float32", long_new_tokens=[16], decode_select="fine",
                              decode_long="row", qkv_pad=8)
     eng = _Bench(cfg, lambda m: None, None).engine(2, 64)
-    assert eng.runner.decode_select == DecodeSelect("fine", long="row", score_block=64) and eng.runner.qkv_pad == 8
+    assert eng.runner.decode_select == DecodeSelect("fine", long="row", score_block=64, sync_min_batch=32)
+    assert eng.runner.qkv_pad == 8
+    never = BenchRolloutConfig(shape="tiny", device="cpu", dtype="float32", long_new_tokens=[16], sync_min_batch=0)
+    assert _Bench(never, lambda m: None, None).engine(2, 64).runner.decode_select.sync_min_batch == 0
 
 
 def test_pdl_option_reaches_the_runner_and_resolves_off_on_the_cpu():
@@ -32,7 +36,7 @@ def test_pdl_option_reaches_the_runner_and_resolves_off_on_the_cpu():
     b = _Bench(cfg, lambda m: None, None)
     assert b.cfg.pdl is True and b.engine(2, 64).runner.pdl == 0
     res = CliRunner().invoke(app, ["bench", "rollout", "--help"])
-    assert "--pdl" in res.output and "--no-pdl" in res.output
+    assert "--pdl" in res.output and "--no-pdl" in res.output and "--sync-min-batch" in res.output
 
 
 def test_integration_contexts_straddle_every_power_of_two():

@@ -178,11 +178,12 @@ def test_kth_key2_equals_the_one_bit_search(nbits):
             assert out[0] == out[1], (x, k)
 
 
-@pytest.mark.parametrize("zeros,kvs", [(0.9, None), (0.8, [0, 37])])
-def test_rows_of_zeros_at_the_threshold_are_resolved_by_their_ties(zeros, kvs):
+@pytest.mark.parametrize("zeros,kvs,spans", [(0.9, None, 3), (0.8, [0, 37], 3), (0.9, [5, 0], 1)])
+def test_rows_of_zeros_at_the_threshold_are_resolved_by_their_ties(zeros, kvs, spans):
     """A ReLU indexer's exact zeros where the k-th score is 0 (the trained indexer's flagged rows, NOTES session
     16): the threshold is 0, every zero a candidate, the buffer overflows. The tie path gathers those rows
-    again, keeps the keys above 0 and the LATEST zeros (the reference's tie rule), and redoes none of them."""
+    again, keeps the keys above 0 and the LATEST zeros (the reference's tie rule), and redoes none of them;
+    with the rows' keys in 3 spans (the latest ties across spans, a short last span) or in one."""
     g = torch.Generator().manual_seed(int(zeros * 10))
     B, T, S, K = 2, 16, 300, 40
     q = torch.randn(B, T, 3, 16, generator=g)
@@ -190,7 +191,8 @@ def test_rows_of_zeros_at_the_threshold_are_resolved_by_their_ties(zeros, kvs):
     k = torch.randn(B, S, 16, generator=g)
     k[torch.rand(B, S, generator=g) < zeros] = 0.0
     kv_start = None if kvs is None else torch.tensor(kvs)
-    cfg = dataclasses.replace(INTERPRET_CAND, target=2.0)  # a threshold never above the k-th score: no short rows
+    # a threshold never above the k-th score: no short rows
+    cfg = dataclasses.replace(INTERPRET_CAND, target=2.0, tie_splits=spans)
     info = {}
     got = indexer_topk_cand(q, w, k, K, q_offset=S - T, sink=2, window=3, kv_start=kv_start, info=info, config=cfg)
     ref = indexer_topk_naive(q, w, k, K, q_offset=S - T, sink=2, window=3, kv_start=kv_start)
@@ -217,9 +219,9 @@ def test_ties_at_a_nonzero_threshold_keep_the_later_keys():
     assert torch.equal(got, ref) and info["tie_rows"] >= 8
 
 
-def test_tie_ring_takes_a_whole_tile_when_k_is_below_the_tile():
-    """k = 8 under 32-key tiles: a tile holds more ties of a row than k (the ring takes max(k, tile) slots, so two
-    ties of one store never share a slot; the interpreter's stores would hide that, a GPU's would not)."""
+def test_ties_of_one_tile_beyond_k_keep_the_latest():
+    """k = 8 under 32-key tiles: one tile holds more ties of a row than k; only the latest k are stored, each
+    in a slot of its own (a shared slot's winner would be undefined on a GPU; the interpreter would hide it)."""
     g = torch.Generator().manual_seed(9)
     B, T, S, K = 1, 16, 200, 8
     q = torch.randn(B, T, 2, 16, generator=g)

@@ -124,13 +124,13 @@ def test_sync_forms_reach_the_kernel_through_the_select(monkeypatch):
     pos = torch.tensor([199, 120, 60])
     ref = indexer_topk_decode_naive(q, w, k, pos, 30, sink=1, window=2)
     sel = itd.DecodeSelect("sync", sync_keep=False, sync_split=2, sync_max_chunks=3, sync_block=32,
-                           score_block=64)
+                           score_block=64, sync_coop=False)
     assert torch.equal(itd.indexer_topk_decode(q, w, k, pos, 30, sink=1, window=2, **sel.as_kwargs()), ref)
     got = compiled.indexer_topk_decode(q, w, k, pos, 200, 30, 1, 2, "triton", select=sel)
     assert torch.equal(got, ref)
     assert seen == [dict(keep=False, split=2, max_chunks=3, block=32, coop=False)] * 2  # score_block: not sync's
     itd.indexer_topk_decode(q, w, k, pos, 30, sink=1, window=2, **itd.DecodeSelect("sync").as_kwargs())
-    assert seen[-1] == dict(keep=True, split=0, max_chunks=None, block=0, coop=False)  # 0 / None: the kernel's own
+    assert seen[-1] == dict(keep=True, split=0, max_chunks=None, block=0, coop=True)  # 0 / None: the kernel's own
 
 
 @pytest.mark.parametrize("opts", [dict(split=2, keep=False), dict(split=4, chunk=128, keep=False), dict(keep=False),

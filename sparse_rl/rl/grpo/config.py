@@ -46,6 +46,8 @@ class RolloutConfig:
     decode_select: str = "fine"
     decode_long: str = "chunked"
     score_block: int = 64
+    # batches of at least this many rows take the one-launch sync select instead (0: never; DecodeSelect.sync_min_batch)
+    sync_min_batch: int = 32
     qkv_pad: int = 64
     # programmatic dependent launch of the decode step's Triton kernels (ModelRunner.pdl: 0 / 1 / 2, False / True;
     # None: the engine's default; off wherever the GPU / Triton cannot)
@@ -55,7 +57,8 @@ class RolloutConfig:
         """`RolloutEngine(runner_options=...)` of these choices (raises ValueError for an unknown select)."""
         from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
-        return {"decode_select": DecodeSelect(self.decode_select, long=self.decode_long, score_block=self.score_block),
+        return {"decode_select": DecodeSelect(self.decode_select, long=self.decode_long, score_block=self.score_block,
+                                              sync_min_batch=self.sync_min_batch),
                 "qkv_pad": self.qkv_pad, "pdl": self.pdl}
 
 
@@ -197,7 +200,7 @@ def validate(c: GRPOConfig) -> None:
     try:
         r.runner_options()
     except ValueError as e:
-        raise UsageError(f"rollout.decode_select / decode_long / score_block: {e}") from None
+        raise UsageError(f"rollout.decode_select / decode_long / score_block / sync_min_batch: {e}") from None
     if r.samples < r.keep:
         raise UsageError(f"rollout.samples ({r.samples}) must be >= rollout.keep ({r.keep}): samples are drawn, the best keep kept")
     if r.keep < 2:

@@ -8,10 +8,14 @@ H200). A CPU replay of `bench attention`'s trained indexer (benchmarks/cpu_cand_
 2026-12-03-cpu-cand-flags-*.json) finds every flagged row such a row: 216 of 32K at E 1.5 (the H200 redid 252),
 ~2.7% of the rows at 128K (the H200: 3,166), none short and none overflowing through scores above the threshold.
 
-How: the flagged rows are packed into tiles of their own (`ROWS`: rows of one batch, in any order) and gathered
-again with the threshold strict: keys > th and the forced ones into the row's buffer (key order, as the gather),
-and the keys == th counted and written to a ring of KT >= k slots a row (the latest KT kept: among equal scores
-the reference keeps the later keys). Then a row whose keys above th number n:
+How: the flagged rows are packed into tiles of their own (`ROWS`: rows of one batch, in any order), their key range
+split into P spans so that the few flagged rows still fill the GPU (one program walking a 32K row alone took
+2.3 ms where the redo took 1.2: session 17), and gathered again in two passes with the threshold strict:
+1. count: each (row tile, span) program counts a row's keys > th (and the forced ones) and its keys == th;
+2. store: from the exclusive prefix of those counts over the spans, each program appends its keys > th to the
+   row's buffer at their place in key order (as the gather), and its ties with a global index among the latest
+   KT >= k to a row of KT slots (among equal scores the reference keeps the later keys).
+Then a row whose keys above th number n:
 - n >= k' (k' = min(visible, k)): its top-k lies above th: the buffer's select (`_write_selected`);
 - n < k' <= n + ties: all n, and the latest k' - n ties: the two ascending lists sorted into one;
 - else (more than C keys above th, or too few keys at all): still flagged, for the caller's redo.
@@ -31,10 +35,9 @@ INT_MAX = tl.constexpr(2147483647)  # the sort's padding (after every key)
 
 
 @triton.jit
-def _list_rows(ROWS, NR, srb, KVS, S, q_offset, t0, sink, window, BM: tl.constexpr, BN: tl.constexpr):
-    """This program's rows (chunk rows listed in ROWS `[B, NR]`, -1 padded) and their key range, as
+def _list_rows(ROWS, NR, srb, KVS, S, q_offset, t0, sink, window, b, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's rows (batch b's chunk rows listed in ROWS `[B, NR]`, -1 padded) and their key range, as
     `stream._rows` gives them for a contiguous tile."""
-    b = tl.program_id(1).to(tl.int64)
     offs = tl.program_id(0) * BM + tl.arange(0, BM)
     row = tl.load(ROWS + b * srb + offs, mask=offs < NR, other=-1)
     mmask = row >= 0
@@ -45,42 +48,67 @@ def _list_rows(ROWS, NR, srb, KVS, S, q_offset, t0, sink, window, BM: tl.constex
     last = tl.minimum(tl.max(tl.where(mmask, pos, 0), 0), S - 1)
     first = (start // BN) * BN
     nvis = tl.where(mmask, tl.maximum(tl.minimum(pos, S - 1) - start + 1, 0), 0)
-    nf = tl.minimum(nvis, sink + window)
-    return b, offs, offs_m, tq, mmask, pos, start, first, last, nvis, nf
+    return offs, offs_m, tq, mmask, pos, start, first, last, nvis
 
 
 @triton.jit
-def _ties_gather_kernel(Q, W, KI, KVS, TH, BUF, NROW, TIES, NTIE, ROWS, NR, sqb, sqt, sqh, sqd, swb, swt, swh, skb,
-                        sks, skd, svb, svt, snb, srb, stb, stt, S, t0, q_offset, sink, window, K, C, KT,
-                        HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                        HWPOPC: tl.constexpr, PREC: tl.constexpr):
-    """For the listed rows: BUF `[B, Tc, C]` int64 (the gather's packed (fp32 bits, key) words) with the keys
-    > TH and the forced ones, in key order; TIES `[B, NR, KT]` int32 the keys == TH in a ring (key j of the
-    row's ties at slot j % KT); NROW `[B, Tc]` the entries (-1: still unresolved); NTIE `[B, NR]` the ties."""
-    b, offs, offs_m, tq, mmask, pos, start, first, last, nvis, nf = _list_rows(ROWS, NR, srb, KVS, S, q_offset, t0,
-                                                                               sink, window, BM, BN)
+def _ties_pass_kernel(Q, W, KI, KVS, TH, BUF, NROW, TIES, NTIE, ROWS, CNT, OFF, TOT, NR, sqb, sqt, sqh, sqd, swb, swt,
+                      swh, skb, sks, skd, svb, svt, snb, srb, stb, stt, S, t0, q_offset, sink, window, K, C,
+                      KT, SPAN, P, HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BD: tl.constexpr, COUNT: tl.constexpr, HWPOPC: tl.constexpr, PREC: tl.constexpr):
+    """Program (row tile, span p, batch b) over the listed rows' keys p * SPAN .. (p + 1) * SPAN - 1.
+    COUNT: CNT `[2, B, NR, P]` int32 (contiguous) its keys > TH or forced ([0]) and == TH ([1]) a row. Else, from
+    OFF (CNT's exclusive prefix over the spans) and TOT `[2, B, NR]` (contiguous; CNT's sums): BUF `[B, Tc, C]`
+    int64 the gather's packed (fp32 bits, key) words of the keys > TH and the forced ones, in key order; TIES
+    `[B, NR, KT]` int32 the latest KT keys == TH (the tie of global index j at slot j - ties + KT); span 0 writes
+    NROW `[B, Tc]` (the entries; -1: still unresolved) and NTIE `[B, NR]` (the ties)."""
+    b = tl.program_id(2).to(tl.int64)
+    p = tl.program_id(1)
+    nb = tl.num_programs(2)
+    offs, offs_m, tq, mmask, pos, start, first, last, nvis = _list_rows(ROWS, NR, srb, KVS, S, q_offset, t0, sink,
+                                                                        window, b, BM, BN)
     th = tl.load(TH + b * snb + offs_m, mask=mmask, other=float("inf"))
-    run = tl.zeros([BM], tl.int32)
-    tie = tl.zeros([BM], tl.int32)
-    vbase = (BUF + b * svb + offs_m * svt)[:, None]
-    tbase = (TIES + b * stb + offs * stt)[:, None, None]
-    for n0 in range(first, last + 1, BN):
-        s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
-                                            sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
-                                            HI, DI, BM, BN, BD, PREC)
-        above = mmask[:, None] & vis & (forced | (s > th[:, None]))  # padding lanes alias row 0: never store
-        run = _append_words(s, above, forced, n0, run, vbase, vbase, C, True, True, HWPOPC, False, BM, BN)
-        eq = mmask[:, None] & vis & ~forced & (s == th[:, None])
-        e3, slot, cnt = _word_slots(eq, tie, HWPOPC, BM, BN)
+    lo = tl.maximum(first, p * SPAN)  # SPAN a multiple of BN: lo on a tile edge
+    hi = tl.minimum(last + 1, (p + 1) * SPAN)
+    cptr = (b * NR + offs) * P + p  # into [.., B, NR, P]
+    half = nb * NR * P
+    if COUNT:
+        na = tl.zeros([BM], tl.int32)
+        nt = tl.zeros([BM], tl.int32)
+        for n0 in range(lo, hi, BN):
+            s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
+                                                sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
+                                                HI, DI, BM, BN, BD, PREC)
+            na += tl.sum((vis & (forced | (s > th[:, None]))).to(tl.int32), 1)
+            nt += tl.sum((vis & ~forced & (s == th[:, None])).to(tl.int32), 1)
+        tl.store(CNT + cptr, na, mask=mmask)
+        tl.store(CNT + half + cptr, nt, mask=mmask)
+    else:
+        run = tl.load(OFF + cptr, mask=mmask, other=0)
+        tie = tl.load(OFF + half + cptr, mask=mmask, other=0)
+        na = tl.load(TOT + b * NR + offs, mask=mmask, other=0)
+        nt = tl.load(TOT + nb * NR + b * NR + offs, mask=mmask, other=0)
+        vbase = (BUF + b * svb + offs_m * svt)[:, None]
+        tbase = (TIES + b * stb + offs * stt)[:, None, None]
+        drop = (nt - KT)[:, None, None]  # ties of a global index below this are not among the latest KT
         NW: tl.constexpr = BN // 32
-        key3 = n0 + (tl.arange(0, NW)[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
-        tl.store(tbase + (slot & (KT - 1)), tl.broadcast_to(key3, [BM, NW, 32]), mask=e3)
-        tie += cnt
-        tl.debug_barrier()  # a later tile's tie may take the slot of an earlier one: stores in tile order
-    want = tl.minimum(nvis, K)
-    ok = (run <= C) & (run + tie >= want)
-    tl.store(NROW + b * snb + offs_m, tl.where(ok, run, -1), mask=mmask)
-    tl.store(NTIE + b * srb + offs, tie, mask=mmask)
+        for n0 in range(lo, hi, BN):
+            s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
+                                                sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
+                                                HI, DI, BM, BN, BD, PREC)
+            above = mmask[:, None] & vis & (forced | (s > th[:, None]))  # padding lanes alias row 0: never store
+            run = _append_words(s, above, forced, n0, run, vbase, vbase, C, True, True, HWPOPC, False, BM, BN)
+            eq = mmask[:, None] & vis & ~forced & (s == th[:, None])
+            e3, slot, cnt = _word_slots(eq, tie, HWPOPC, BM, BN)
+            key3 = n0 + (tl.arange(0, NW)[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
+            keep = e3 & (slot >= drop)
+            tl.store(tbase + (slot - drop), tl.broadcast_to(key3, [BM, NW, 32]), mask=keep)
+            tie += cnt
+        if p == 0:
+            want = tl.minimum(nvis, K)
+            ok = (na <= C) & (na + nt >= want)
+            tl.store(NROW + b * snb + offs_m, tl.where(ok, na, -1), mask=mmask)
+            tl.store(NTIE + b * srb + offs, nt, mask=mmask)
 
 
 @triton.jit
@@ -105,17 +133,24 @@ def _ties_select_kernel(BUF, NROW, TIES, NTIE, ROWS, KVS, OUT, NR, svb, svt, snb
             if n >= want:
                 key = _okey((word >> 32).to(tl.int32).to(tl.float32, bitcast=True))
                 _write_selected(key, idx, live, n, K, obase, KB, False)
-            else:  # all n, then the latest `need` ties (ring slots ntie - need .. ntie - 1)
+            else:  # all n, then the latest `need` ties (global indices ntie - need .. ntie - 1: slots from KT - need)
                 need = want - n
-                ntie = tl.load(NTIE + b * srb + i)
                 o = tl.arange(0, TB)
-                j = ntie - need + (o - CB)
                 tmask = (o >= CB) & (o - CB < need)
-                tv = tl.load(TIES + b * stb + i.to(tl.int64) * stt + (j & (KT - 1)), mask=tmask, other=INT_MAX)
+                tv = tl.load(TIES + b * stb + i.to(tl.int64) * stt + (KT - need + o - CB), mask=tmask, other=INT_MAX)
                 sv = tl.load(BUF + b * svb + row.to(tl.int64) * svt + o, mask=o < n, other=0)
                 allv = tl.where(o < n, (sv & 0xFFFFFFFF).to(tl.int32), tl.where(tmask, tv, INT_MAX))
                 srt = tl.sort(allv)
                 tl.store(obase + o, tl.where(srt == INT_MAX, -1, srt), mask=o < K)
+
+
+def tie_spans(cfg, S: int, programs: int, device) -> int:
+    """P, the spans a flagged row's keys are split into: cfg.tie_splits, or enough for ~2 programs an SM with at
+    least 4 key tiles a span (at most one span under 8 tiles)."""
+    if cfg.tie_splits:
+        return cfg.tie_splits
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(triton.cdiv(2 * sms, programs), S // (4 * cfg.block_n)))
 
 
 def resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out, t0, q_offset, topk, sink, window, cfg):
@@ -125,24 +160,35 @@ def resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out, t0, q_offset, to
     from sparse_rl.sparse.ops.indexer_topk.stream import _common
 
     B, S, C = q_idx.shape[0], k_idx.shape[1], val.shape[2]
-    counts = bad.sum(1)
-    NR = int(counts.max())
+    dev = val.device
+    NR = int(bad.sum(1).max())
     if NR == 0:
         return 0
     # each batch's flagged rows, longest (latest) first, -1 padded: tiles of neighbouring rows share key spans
-    order = torch.sort(torch.where(bad, torch.arange(bad.shape[1], device=bad.device), -1), 1, descending=True)
+    order = torch.sort(torch.where(bad, torch.arange(bad.shape[1], device=dev), -1), 1, descending=True)
     rows = order.values[:, :NR].to(torch.int32).contiguous()
-    # a ring of at least k slots (the latest k ties), and at least a tile's keys: two ties of one tile never share
-    # a slot (the order of one store's lanes at a slot is undefined)
-    KT = triton.next_power_of_2(max(topk, cfg.block_n))
-    ties = torch.empty(B, NR, KT, device=val.device, dtype=torch.int32)
-    ntie = torch.zeros(B, NR, device=val.device, dtype=torch.int32)
+    KT = triton.next_power_of_2(topk)  # the latest k ties at most are taken; each has a slot of its own
+    BM, BN = cfg.block_m, cfg.block_n
+    tiles = triton.cdiv(NR, BM)
+    P = tie_spans(cfg, S, tiles * B, dev)
+    span = triton.cdiv(triton.cdiv(S, P), BN) * BN
+    P = triton.cdiv(S, span)
+    ties = torch.empty(B, NR, KT, device=dev, dtype=torch.int32)
+    ntie = torch.empty(B, NR, device=dev, dtype=torch.int32)
+    cnt = torch.zeros(2, B, NR, P, device=dev, dtype=torch.int32)
     args, strides, meta = _common(q_idx, w, k_idx, kvs)
-    BM = cfg.block_m
-    _ties_gather_kernel[(triton.cdiv(NR, BM), B)](
-        *args, th, val, nrow, ties, ntie, rows, NR, *strides, val.stride(0), val.stride(1), nrow.stride(0),
-        rows.stride(0), ties.stride(0), ties.stride(1), S, t0, q_offset, sink, window, topk, C, KT, BM=BM,
-        BN=cfg.block_n, HWPOPC=q_idx.is_cuda and HAS_POPC, **meta, num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1)
+    launch = dict(BM=BM, BN=BN, HWPOPC=q_idx.is_cuda and HAS_POPC, **meta, num_warps=cfg.warps,
+                  num_stages=2 if q_idx.is_cuda else 1)
+
+    def run(count, off, tot):
+        _ties_pass_kernel[(tiles, P, B)](
+            *args, th, val, nrow, ties, ntie, rows, cnt, off, tot, NR, *strides, val.stride(0), val.stride(1),
+            nrow.stride(0), rows.stride(0), ties.stride(0), ties.stride(1), S, t0, q_offset, sink, window,
+            topk, C, KT, span, P, COUNT=count, **launch)
+
+    run(True, cnt, cnt)
+    tot = cnt.sum(3, dtype=torch.int32).contiguous()
+    run(False, (cnt.cumsum(3, dtype=torch.int32) - cnt).contiguous(), tot)
     CB = triton.next_power_of_2(C)
     _ties_select_kernel[(NR, B)](val, nrow, ties, ntie, rows, kvs, out, NR, val.stride(0), val.stride(1),
                                  nrow.stride(0), rows.stride(0), ties.stride(0), ties.stride(1), out.stride(0),

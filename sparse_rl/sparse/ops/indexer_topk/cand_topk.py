@@ -308,10 +308,12 @@ class CandConfig:
     # a CPU replay (benchmarks/cpu_cand_flags.py); the rest are redone by `redo`. Off on the GPU until it has been
     # timed and checked there (exact under the interpreter, where INTERPRET_CAND runs it)
     ties: bool = False
+    tie_splits: int = 0  # spans a flagged row's keys are split into for the tie path (0: ~2 programs an SM)
 
 
 INTERPRET_CAND = CandConfig(block_m=16, block_n=32, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
-                            warps=1, quantile_warps=1, select_warps=1, redo="tiles", ties=True)  # block_n: a word
+                            warps=1, quantile_warps=1, select_warps=1, redo="tiles", ties=True,
+                            tie_splits=3)  # block_n: a word; 3 spans: the split path, a short last span
 
 
 def sample_stride(cfg: CandConfig, s_max: int) -> int:

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 # "sync" (decode_sync.py): the scores, four radix levels and the write in ONE launch, the row's programs meeting
 # at in-kernel barriers: exact; in its default form (keys held in registers, at most 16 chunks a row, 128-key
 # step) the step against fine -0.34 ms at 32 x 16K, -0.02 at 32 x 2304, +0.03 at 16 x 32K, +0.17 at batch 1
-# (H200; results/2026-12-03-h200-sync-session16.md). Opt-in: its barriers need the whole grid resident at once,
-# measured only on an otherwise idle H200 (sync_coop, a cooperative launch, is CUDA's guarantee: not yet timed).
+# (H200; results/2026-12-03-h200-sync-session16.md). Its barriers need the whole grid resident at once: it is
+# launched as a cooperative grid (sync_coop, CUDA's guarantee of that, also beside other streams' kernels), which
+# cost nothing measurable in the step (session 17: 8.33 vs 8.33 ms at 32 x 16K, 6.45 vs 6.45 at 32 x 2304).
+# The engine runs it for batches of at least 32 rows (ENGINE_SELECT.sync_min_batch), fine below.
 IMPLS = ("auto", "chunked", "row", "split", "fine", "bits", "bsearch", "sync")
 # where the fine select resolves a row's threshold (`DecodeSelect.fine_resolve`): "each" (decode_fine.py: every
 # (chunk, row) program of its last pass repeats it), "arrive" (decode_fine_once.py: once, by the row's last
@@ -54,7 +56,7 @@ class DecodeSelect:
     score pass, so score_block does not reach it: its own measured step, 128 keys, unless sync_block);
     sync_min_batch: batches of at least this many rows run "sync" instead of impl (0: never; on the H200, 32
     rows fill its 4 programs an SM at 16 chunks a row: the step -0.34 ms at 32 x 16K, while batch 16 is equal
-    and batch 1 slower, session 16);
+    and batch 1 slower, session 16; ENGINE_SELECT's rule);
     pdl: the score pass and the fine / split passes launched with programmatic dependent launch at this level
     (`_backend.PDL_LEVELS`; only where `_backend.pdl_supported`: the rollout runner sets it from its own
     `ModelRunner.pdl`, the one owner; 0 launches plainly). pdl stays the last field: the compiled step's op
@@ -75,7 +77,7 @@ class DecodeSelect:
     sync_split: int = 0
     sync_max_chunks: int = 0
     sync_block: int = 0
-    sync_coop: bool = False
+    sync_coop: bool = True
     sync_min_batch: int = 0
     pdl: int = 0
 
@@ -123,4 +125,8 @@ class DecodeSelect:
 # against 4,147 (1.67x dense instead of 1.63x). Session 10 (results/2026-12-02-h200-rollout-session10.md): whole
 # 32K batch 16 2,350 tok/s (1.80x dense), batch 1 sparse 3.72 / 4.85 ms at 2K / 16K; 2 warps instead of 4
 # (`num_warps`) no faster in the step (+0.12 / -0.04 / +0.06 ms at 2304 / 8192 / 16384).
-ENGINE_SELECT = DecodeSelect("fine", score_block=64)
+# Batches of at least 32 rows take the sync select instead (sync_min_batch; its defaults: keys in registers, at
+# most 16 chunks a row, a cooperative launch): session 17 (results/2026-12-03-h200-sync-session17.md) measured
+# the step at 32 x 16K 8.32 vs fine 8.68 ms and the whole 16K batch-32 generation 1.68x dense against 1.64x with
+# fine alone; batches 16 and 1 run fine as before (sync: +0.03 ms at 16 x 32K, +0.2 at batch 1).
+ENGINE_SELECT = DecodeSelect("fine", score_block=64, sync_min_batch=32)

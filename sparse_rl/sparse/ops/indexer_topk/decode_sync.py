@@ -302,7 +302,7 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
                 block: int = 0, num_warps: int = 4, per_sm: int = 0, phased: bool = False, pdl: int = 0,
                 chunk: int | None = None, maxnreg: int = MAXNREG, prefetch: bool = False,
                 rescan: int = 0, early: bool = False, split: int = 0, keep: bool = True,
-                max_chunks: int | None = None, coop: bool = False) -> torch.Tensor:
+                max_chunks: int | None = None, coop: bool = True) -> torch.Tensor:
     """`indexer_topk_decode`'s selection in one launch (`phased`, or under the interpreter: five). q_idx
     `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (fp8 with k_scale `[B, S]`), pos / kvs `[B]` int32 ->
     `[B, topk]` int32 ascending, -1 padded. block: keys a step of the score stage (0: 128 on a GPU); per_sm: at
@@ -316,7 +316,7 @@ def sync_select(q_idx, w, k_idx, k_scale, pos, kvs, topk: int, sink: int, window
     keys held in registers from the score stage on (one [pow2 >= chunk] tile, no rescans; only where the chunk
     fits KEEP_MAX; the default); max_chunks: a row's chunks at most (default DEFAULT_CHUNKS, at most MAX_CHUNKS); coop:
     the barrier launch as a cooperative grid (CUDA then guarantees its programs co-resident, or refuses the launch,
-    also beside other streams' kernels; not yet measured)."""
+    also beside other streams' kernels; the default: no slower than a plain launch in the H200's step, session 17)."""
     from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
     B, HI, DI = q_idx.shape
