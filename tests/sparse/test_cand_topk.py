@@ -233,3 +233,18 @@ def test_ties_of_one_tile_beyond_k_keep_the_latest():
     got = indexer_topk_cand(q, w, k, K, q_offset=S - T, sink=1, window=1, info=info,
                             config=dataclasses.replace(INTERPRET_CAND, target=2.0))
     assert torch.equal(got, ref) and info["tie_rows"] > 0 and info["redone_rows"] == 0
+
+
+def test_rows_of_ties_only_take_the_latest_keys():
+    """Every key scores 0 and none is forced: the buffer holds no key above the threshold (n = 0) and a row's
+    selection is its latest k keys, merged from the ties alone; left padding too."""
+    B, T, S, K = 2, 16, 120, 24
+    q = torch.randn(B, T, 2, 16, generator=torch.Generator().manual_seed(3))
+    w = torch.rand(B, T, 2) + 0.1
+    k = torch.zeros(B, S, 16)
+    kv_start = torch.tensor([0, 30])
+    ref = indexer_topk_naive(q, w, k, K, q_offset=S - T, kv_start=kv_start)
+    info = {}
+    got = indexer_topk_cand(q, w, k, K, q_offset=S - T, kv_start=kv_start, info=info,
+                            config=dataclasses.replace(INTERPRET_CAND, target=2.0))
+    assert torch.equal(got, ref) and info["tie_rows"] == B * T and info["redone_rows"] == 0

@@ -17,7 +17,7 @@ split into P spans so that the few flagged rows still fill the GPU (one program 
    KT >= k to a row of KT slots (among equal scores the reference keeps the later keys).
 Then a row whose keys above th number n:
 - n >= k' (k' = min(visible, k)): its top-k lies above th: the buffer's select (`_write_selected`);
-- n < k' <= n + ties: all n, and the latest k' - n ties: the two ascending lists sorted into one;
+- n < k' <= n + ties: all n, and the latest k' - n ties: the two ascending lists merged (by binary search);
 - else (more than C keys above th, or too few keys at all): still flagged, for the caller's redo.
 """
 
@@ -30,9 +30,6 @@ import triton.language as tl
 from sparse_rl.sparse.ops.indexer_topk.cand_words import HAS_POPC, _append_words, _word_slots
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, _write_selected
 from sparse_rl.sparse.ops.indexer_topk.stream import score_tile
-
-INT_MAX = tl.constexpr(2147483647)  # the sort's padding (after every key)
-
 
 @triton.jit
 def _list_rows(ROWS, NR, srb, KVS, S, q_offset, t0, sink, window, b, BM: tl.constexpr, BN: tl.constexpr):
@@ -112,10 +109,32 @@ def _ties_pass_kernel(Q, W, KI, KVS, TH, BUF, NROW, TIES, NTIE, ROWS, CNT, OFF, 
 
 
 @triton.jit
+def _rank(base, n, x, live, STEPS: tl.constexpr, LOW32: tl.constexpr):
+    """For each live x: how many of the n ascending keys at base are below it (a binary search, STEPS >=
+    log2(n + 1) halvings); LOW32: the keys are the low 32 bits of int64 words."""
+    lo = tl.zeros(x.shape, tl.int32)
+    hi = tl.zeros(x.shape, tl.int32) + n
+    for _ in tl.static_range(STEPS):
+        go = live & (lo < hi)
+        mid = (lo + hi) // 2
+        v = tl.load(base + mid, mask=go, other=0)
+        if LOW32:
+            v = (v & 0xFFFFFFFF).to(tl.int32)
+        lt = v < x
+        lo = tl.where(go & lt, mid + 1, lo)
+        hi = tl.where(go & ~lt, mid, hi)
+    return lo
+
+
+@triton.jit
 def _ties_select_kernel(BUF, NROW, TIES, NTIE, ROWS, KVS, OUT, NR, svb, svt, snb, srb, stb, stt, sob, sot, t0,
-                        q_offset, S, K, KT, CB: tl.constexpr, KB: tl.constexpr, TB: tl.constexpr):
+                        q_offset, S, K, CB: tl.constexpr, KB: tl.constexpr, KT: tl.constexpr,
+                        LOGC: tl.constexpr, LOGT: tl.constexpr):
     """OUT rows of the listed rows (one program a list entry): the buffer's select where its keys reach k', else
-    the buffer's keys and the latest k' - n ties, sorted ascending (-1 padded)."""
+    the buffer's keys and the latest k' - n ties merged ascending (-1 padded). The merge places each key at its
+    index plus its rank among the other list's keys (both lists ascending and disjoint: a key above the threshold
+    or forced is never a tie), found by binary search: a sort of the CB + KT keys took 1.1 us a row on the H200
+    (session 17's profile: 0.29 ms of 252 rows at 32K, 3.4 ms of 3,140 at 128K)."""
     b = tl.program_id(1).to(tl.int64)
     i = tl.program_id(0)
     row = tl.load(ROWS + b * srb + i)
@@ -126,22 +145,23 @@ def _ties_select_kernel(BUF, NROW, TIES, NTIE, ROWS, KVS, OUT, NR, svb, svt, snb
             nvis = tl.maximum(tl.minimum(pos, S - 1) - tl.load(KVS + b) + 1, 0)
             want = tl.minimum(nvis, K)
             obase = OUT + b * sob + row.to(tl.int64) * sot
+            bbase = BUF + b * svb + row.to(tl.int64) * svt
             offs = tl.arange(0, CB)
             live = offs < n
-            word = tl.load(BUF + b * svb + row.to(tl.int64) * svt + offs, mask=live, other=0)
+            word = tl.load(bbase + offs, mask=live, other=0)
             idx = (word & 0xFFFFFFFF).to(tl.int32)
             if n >= want:
                 key = _okey((word >> 32).to(tl.int32).to(tl.float32, bitcast=True))
                 _write_selected(key, idx, live, n, K, obase, KB, False)
             else:  # all n, then the latest `need` ties (global indices ntie - need .. ntie - 1: slots from KT - need)
                 need = want - n
-                o = tl.arange(0, TB)
-                tmask = (o >= CB) & (o - CB < need)
-                tv = tl.load(TIES + b * stb + i.to(tl.int64) * stt + (KT - need + o - CB), mask=tmask, other=INT_MAX)
-                sv = tl.load(BUF + b * svb + row.to(tl.int64) * svt + o, mask=o < n, other=0)
-                allv = tl.where(o < n, (sv & 0xFFFFFFFF).to(tl.int32), tl.where(tmask, tv, INT_MAX))
-                srt = tl.sort(allv)
-                tl.store(obase + o, tl.where(srt == INT_MAX, -1, srt), mask=o < K)
+                tbase = TIES + b * stb + i.to(tl.int64) * stt + (KT - need)
+                tl.store(obase + offs + _rank(tbase, need, idx, live, LOGT, False), idx, mask=live)
+                j = tl.arange(0, KT)
+                tlive = j < need
+                tv = tl.load(tbase + j, mask=tlive, other=0)
+                tl.store(obase + j + _rank(bbase, n, tv, tlive, LOGC, True), tv, mask=tlive)
+                tl.store(obase + j, tl.full([KT], -1, tl.int32), mask=(j >= want) & (j < K))
 
 
 def tie_spans(cfg, S: int, programs: int, device) -> int:
@@ -192,6 +212,6 @@ def resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out, t0, q_offset, to
     CB = triton.next_power_of_2(C)
     _ties_select_kernel[(NR, B)](val, nrow, ties, ntie, rows, kvs, out, NR, val.stride(0), val.stride(1),
                                  nrow.stride(0), rows.stride(0), ties.stride(0), ties.stride(1), out.stride(0),
-                                 out.stride(1), t0, q_offset, S, topk, KT, CB=CB, KB=min(1024, CB),
-                                 TB=triton.next_power_of_2(CB + KT), num_warps=cfg.select_warps)
+                                 out.stride(1), t0, q_offset, S, topk, CB=CB, KB=min(1024, CB), KT=KT,
+                                 LOGC=CB.bit_length(), LOGT=KT.bit_length(), num_warps=cfg.select_warps)
     return int((bad & (nrow[:, :bad.shape[1]] >= 0)).sum())
