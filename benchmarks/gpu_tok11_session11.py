@@ -70,6 +70,12 @@ the prefix), P for ~2 programs an SM (`cand-ties`), or forced (`cand-ties-p8`, `
 call-3 walk in two passes). Predictions: 32K trained 6.04 -> ~4.9-5.1 ms (the redo's ~1.2 ms replaced by two
 passes of ~60 us each and the tie select); 128K trained 56 -> ~38-42; cand-ties-p1 slower than call 3's (two
 walks); random rows unchanged.
+Call 4 measured (session 17): 32K trained 5.68 vs 5.51; 128K trained 53.2 vs 56.6; the profile
+(gpu_ties_profile_session17.py) put 0.29 ms of 32K's tie path in the select's sort: merged by binary search instead,
+call 4 again: 32K trained 5.64 vs 5.72, 128K trained 50.4 vs 56.2, 128K random 51.6 vs 47.9 (~25 flagged rows a
+chunk: ~1.3 ms of launches and syncs a chunk). Call 5 (`--call 5`): the default with the rule (tie path where a
+chunk's flagged rows x keys >= 2^26) against the redo alone and the tie path everywhere; predictions: cand =
+cand-redo at 32K and 128K random, = cand-ties-all (~50.4) at 128K trained where its chunks pass the rule.
 
     PYTHONPATH=$PWD python benchmarks/gpu_tok11_session11.py --budget 140 --commit <sha>
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python benchmarks/gpu_tok11_session11.py --cpu-smoke --budget 900 --jobs 2
@@ -110,19 +116,23 @@ CAND = {1: [("cand", {}), ("cand-pk-q16", {"packed": True, "quantile_bits": 16})
             ("cand-ties-b7g", {"ties": True, "budget": 7 << 30})],
         # call 4 (session 17: the tie path's keys split into spans, cand_ties.py)
         4: [("cand", {}), ("cand-ties", {"ties": True}), ("cand-ties-p8", {"ties": True, "tie_splits": 8}),
-            ("cand-ties-p1", {"ties": True, "tie_splits": 1})]}
+            ("cand-ties-p1", {"ties": True, "tie_splits": 1})],
+        # call 5 (session 17: CandConfig's default is the tie path where a chunk's flagged rows x keys >= 2^26)
+        5: [("cand", {}), ("cand-redo", {"ties": False}), ("cand-ties-all", {"tie_min_work": 0})]}
 CAND128 = {1: ["cand", "w", "w-pk", "w-pk-q16"],
            2: ["cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-n64-b7g", "w-pk-n64-q16", "cand-pk-q16"],
-           3: ["cand", "cand-ties", "cand-ties-n64", "cand-ties-b7g"], 4: ["cand", "cand-ties"]}
+           3: ["cand", "cand-ties", "cand-ties-n64", "cand-ties-b7g"], 4: ["cand", "cand-ties"],
+           5: ["cand", "cand-redo", "cand-ties-all"]}
 RANDOM32 = {1: {"cand", "cand-pk-q16", "w", "w-pk", "w-pk-q16"},
             2: {"cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-n64-q16"}, 3: {"cand", "cand-ties"},
-            4: {"cand", "cand-ties"}}
+            4: {"cand", "cand-ties"}, 5: {"cand", "cand-redo"}}
 TRAINED32 = {1: None, 2: ["cand", "w-pk", "w-pk-n64", "w-pk-n64-s2", "w-pk-s2", "w-pk-n64-q16", "w-pk-n64-E1.3"],
              3: ["cand", "cand-ties", "cand-ties-s2", "cand-ties-n64"],
-             4: ["cand", "cand-ties", "cand-ties-p8", "cand-ties-p1"]}
+             4: ["cand", "cand-ties", "cand-ties-p8", "cand-ties-p1"], 5: ["cand", "cand-redo", "cand-ties-all"]}
 TRAINED128 = {1: ["cand", "w", "w-pk"], 2: ["cand", "w-pk-n64", "w-pk-n64-E1.7", "w-pk-n64-E1.3"],
-              3: ["cand", "cand-ties", "cand-ties-n64"], 4: ["cand", "cand-ties", "cand-ties-p8"]}
-L16 = {1: [], 2: ["w-pk", "w-pk-n64"], 3: [], 4: []}
+              3: ["cand", "cand-ties", "cand-ties-n64"], 4: ["cand", "cand-ties", "cand-ties-p8"],
+              5: ["cand", "cand-redo", "cand-ties-all"]}
+L16 = {1: [], 2: ["w-pk", "w-pk-n64"], 3: [], 4: [], 5: []}
 
 
 def parse_args(argv=None):
@@ -135,7 +145,7 @@ def parse_args(argv=None):
     ap.add_argument("--rep-ms", type=int, default=20)
     ap.add_argument("--jobs", type=int, default=8, help="warm-up child processes (0: none)")
     ap.add_argument("--warm-s", type=float, default=45.0)
-    ap.add_argument("--call", type=int, default=4, choices=(1, 2, 3, 4), help="which device call's variant lists")
+    ap.add_argument("--call", type=int, default=5, choices=(1, 2, 3, 4, 5), help="which device call's variant lists")
     ap.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prove-dir", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

@@ -202,6 +202,9 @@ def test_rows_of_zeros_at_the_threshold_are_resolved_by_their_ties(zeros, kvs, s
     off = indexer_topk_cand(q, w, k, K, q_offset=S - T, sink=2, window=3, kv_start=kv_start, info=info,
                             config=dataclasses.replace(cfg, ties=False))
     assert torch.equal(off, ref) and info["redone_rows"] == tied  # without it: the same rows redone
+    few = indexer_topk_cand(q, w, k, K, q_offset=S - T, sink=2, window=3, kv_start=kv_start, info=info,
+                            config=dataclasses.replace(cfg, tie_min_work=B * T * S + 1))
+    assert torch.equal(few, ref) and info["redone_rows"] == tied and info["tie_rows"] == 0  # below the rule
 
 
 def test_ties_at_a_nonzero_threshold_keep_the_later_keys():

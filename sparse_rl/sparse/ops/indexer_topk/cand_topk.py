@@ -25,10 +25,10 @@ Phases (why each):
    (no `tl.histogram`: it lowers to ~55-100 instructions an element, NOTES item 16; a bit step is a compare,
    a convert and a block sum), then the kept lanes (> tau, and the last `need` of the lanes == tau: the
    buffer is in key order, so later lanes are later keys) written ascending by one prefix sum.
-5. Ties (`cand_ties.py`, `CandConfig.ties`, off on the GPU until timed there): flagged rows whose threshold sits
-   on a mass of equal scores (a ReLU indexer's exact zeros: on the trained indexer every flagged row,
-   benchmarks/cpu_cand_flags.py) are gathered again, the keys above the threshold into the buffer and its ties
-   into a ring that keeps the latest, and selected exactly from the two.
+5. Ties (`cand_ties.py`, `CandConfig.ties`, in chunks of at least `tie_min_work` flagged row-keys): flagged rows
+   whose threshold sits on a mass of equal scores (a ReLU indexer's exact zeros: on the trained indexer every
+   flagged row, benchmarks/cpu_cand_flags.py) are gathered again, their keys split into spans, the keys above
+   the threshold into the buffer and the latest ties beside it, and merged exactly from the two.
 6. Exactness: rows still flagged -1 (the sample was unlucky, or too many keys above the threshold) are redone
    exactly: on CUDA by the split-row decode select (`stream._redo_rows`, ~10 us a row), under the interpreter on
    the materialising path (`redo_tiles`: the flagged rows' 64-row tiles scored and `bin_topk`), because there the
@@ -305,15 +305,19 @@ class CandConfig:
     search_bits: int = 1  # bits a step of the quantile's and the select's k-th key search (2: `kth_key2`)
     # flagged rows first gathered again with the strict threshold and their ties at it (cand_ties.py; packed
     # buffers): a ReLU indexer's masses of exact zeros at the threshold, every flagged row of the trained indexer in
-    # a CPU replay (benchmarks/cpu_cand_flags.py); the rest are redone by `redo`. Off on the GPU until it has been
-    # timed and checked there (exact under the interpreter, where INTERPRET_CAND runs it)
-    ties: bool = False
+    # a CPU replay (benchmarks/cpu_cand_flags.py); the rest are redone by `redo`. Only in a chunk whose flagged rows
+    # x keys reach tie_min_work: on the H200 (session 17's profile) the tie path costs ~1.3 ms of launches and
+    # host syncs a chunk beyond its GPU time, and saves ~2.3 us a row at 128K keys (the redo 3.8, ties 1.5) and
+    # ~0.65 at 32K: even at ~70M row-keys. Measured: 128K trained 56.2 -> 50.4 ms; 32K trained 5.72 vs 5.64 (252
+    # rows: below the rule, redone); 128K random +3.8 ms on ~25 rows a chunk (below the rule)
+    ties: bool = True
+    tie_min_work: int = 1 << 26
     tie_splits: int = 0  # spans a flagged row's keys are split into for the tie path (0: ~2 programs an SM)
 
 
 INTERPRET_CAND = CandConfig(block_m=16, block_n=32, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
                             warps=1, quantile_warps=1, select_warps=1, redo="tiles", ties=True,
-                            tie_splits=3)  # block_n: a word; 3 spans: the split path, a short last span
+                            tie_min_work=0, tie_splits=3)  # block_n: a word; 3 spans: the split path, a short last span
 
 
 def sample_stride(cfg: CandConfig, s_max: int) -> int:
@@ -441,7 +445,8 @@ def indexer_topk_cand(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor,
         cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, val, idx, nrow, cfg)
         cand_select(val, idx, nrow, out[:, t0:t1], topk, cfg)
         bad = nrow[:, :t1 - t0] < 0
-        if bool(bad.any()) and cfg.packed and cfg.ties:  # rows of equal scores at the threshold (cand_ties.py)
+        nbad = int(bad.sum()) if cfg.packed and cfg.ties else 0
+        if nbad and nbad * S >= cfg.tie_min_work:  # rows of equal scores at the threshold (cand_ties.py)
             from sparse_rl.sparse.ops.indexer_topk.cand_ties import resolve_ties
 
             tied += resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out[:, t0:t1], t0, q_offset, topk, sink,
