@@ -32,7 +32,7 @@ from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, _write_selected
 from sparse_rl.sparse.ops.indexer_topk.stream import score_tile
 
 @triton.jit
-def _list_rows(ROWS, NR, srb, KVS, S, q_offset, t0, sink, window, b, BM: tl.constexpr, BN: tl.constexpr):
+def _list_rows(ROWS, NR, srb, KVS, S, q_offset, t0, b, BM: tl.constexpr, BN: tl.constexpr):
     """This program's rows (batch b's chunk rows listed in ROWS `[B, NR]`, -1 padded) and their key range, as
     `stream._rows` gives them for a contiguous tile."""
     offs = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -49,7 +49,7 @@ def _list_rows(ROWS, NR, srb, KVS, S, q_offset, t0, sink, window, b, BM: tl.cons
 
 
 @triton.jit
-def _ties_pass_kernel(Q, W, KI, KVS, TH, BUF, NROW, TIES, NTIE, ROWS, CNT, OFF, TOT, NR, sqb, sqt, sqh, sqd, swb, swt,
+def _ties_pass_kernel(Q, W, KI, KVS, TH, BUF, NROW, TIES, ROWS, CNT, OFF, TOT, NR, sqb, sqt, sqh, sqd, swb, swt,
                       swh, skb, sks, skd, svb, svt, snb, srb, stb, stt, S, t0, q_offset, sink, window, K, C,
                       KT, SPAN, P, HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       BD: tl.constexpr, COUNT: tl.constexpr, HWPOPC: tl.constexpr, PREC: tl.constexpr):
@@ -58,12 +58,12 @@ def _ties_pass_kernel(Q, W, KI, KVS, TH, BUF, NROW, TIES, NTIE, ROWS, CNT, OFF, 
     OFF (CNT's exclusive prefix over the spans) and TOT `[2, B, NR]` (contiguous; CNT's sums): BUF `[B, Tc, C]`
     int64 the gather's packed (fp32 bits, key) words of the keys > TH and the forced ones, in key order; TIES
     `[B, NR, KT]` int32 the latest KT keys == TH (the tie of global index j at slot j - ties + KT); span 0 writes
-    NROW `[B, Tc]` (the entries; -1: still unresolved) and NTIE `[B, NR]` (the ties)."""
+    NROW `[B, Tc]` (the entries; -1: still unresolved)."""
     b = tl.program_id(2).to(tl.int64)
     p = tl.program_id(1)
     nb = tl.num_programs(2)
-    offs, offs_m, tq, mmask, pos, start, first, last, nvis = _list_rows(ROWS, NR, srb, KVS, S, q_offset, t0, sink,
-                                                                        window, b, BM, BN)
+    offs, offs_m, tq, mmask, pos, start, first, last, nvis = _list_rows(ROWS, NR, srb, KVS, S, q_offset, t0, b,
+                                                                        BM, BN)
     th = tl.load(TH + b * snb + offs_m, mask=mmask, other=float("inf"))
     lo = tl.maximum(first, p * SPAN)  # SPAN a multiple of BN: lo on a tile edge
     hi = tl.minimum(last + 1, (p + 1) * SPAN)
@@ -105,7 +105,6 @@ def _ties_pass_kernel(Q, W, KI, KVS, TH, BUF, NROW, TIES, NTIE, ROWS, CNT, OFF, 
             want = tl.minimum(nvis, K)
             ok = (na <= C) & (na + nt >= want)
             tl.store(NROW + b * snb + offs_m, tl.where(ok, na, -1), mask=mmask)
-            tl.store(NTIE + b * srb + offs, nt, mask=mmask)
 
 
 @triton.jit
@@ -127,7 +126,7 @@ def _rank(base, n, x, live, STEPS: tl.constexpr, LOW32: tl.constexpr):
 
 
 @triton.jit
-def _ties_select_kernel(BUF, NROW, TIES, NTIE, ROWS, KVS, OUT, NR, svb, svt, snb, srb, stb, stt, sob, sot, t0,
+def _ties_select_kernel(BUF, NROW, TIES, ROWS, KVS, OUT, NR, svb, svt, snb, srb, stb, stt, sob, sot, t0,
                         q_offset, S, K, CB: tl.constexpr, KB: tl.constexpr, KT: tl.constexpr,
                         LOGC: tl.constexpr, LOGT: tl.constexpr):
     """OUT rows of the listed rows (one program a list entry): the buffer's select where its keys reach k', else
@@ -153,7 +152,7 @@ def _ties_select_kernel(BUF, NROW, TIES, NTIE, ROWS, KVS, OUT, NR, svb, svt, snb
             if n >= want:
                 key = _okey((word >> 32).to(tl.int32).to(tl.float32, bitcast=True))
                 _write_selected(key, idx, live, n, K, obase, KB, False)
-            else:  # all n, then the latest `need` ties (global indices ntie - need .. ntie - 1: slots from KT - need)
+            else:  # all n, then the row's latest `need` ties (slots KT - need .. KT - 1)
                 need = want - n
                 tbase = TIES + b * stb + i.to(tl.int64) * stt + (KT - need)
                 tl.store(obase + offs + _rank(tbase, need, idx, live, LOGT, False), idx, mask=live)
@@ -175,15 +174,15 @@ def tie_spans(cfg, S: int, programs: int, device) -> int:
 
 def resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out, t0, q_offset, topk, sink, window, cfg):
     """The flagged rows `bad [B, Tc]` (bool) of a chunk, gathered again with the strict threshold and their ties
-    (module docstring); fills their `out` rows and nrow (-1 where still unresolved). val: the chunk's packed
-    `[B, Tc, C]` int64 buffer. Returns the number of rows resolved here."""
+    (module docstring); fills their `out` rows and nrow (-1 where still unresolved: the caller counts what is
+    left). val: the chunk's packed `[B, Tc, C]` int64 buffer."""
     from sparse_rl.sparse.ops.indexer_topk.stream import _common
 
     B, S, C = q_idx.shape[0], k_idx.shape[1], val.shape[2]
     dev = val.device
     NR = int(bad.sum(1).max())
     if NR == 0:
-        return 0
+        return
     # each batch's flagged rows, longest (latest) first, -1 padded: tiles of neighbouring rows share key spans
     order = torch.sort(torch.where(bad, torch.arange(bad.shape[1], device=dev), -1), 1, descending=True)
     rows = order.values[:, :NR].to(torch.int32).contiguous()
@@ -194,7 +193,6 @@ def resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out, t0, q_offset, to
     span = triton.cdiv(triton.cdiv(S, P), BN) * BN
     P = triton.cdiv(S, span)
     ties = torch.empty(B, NR, KT, device=dev, dtype=torch.int32)
-    ntie = torch.empty(B, NR, device=dev, dtype=torch.int32)
     cnt = torch.zeros(2, B, NR, P, device=dev, dtype=torch.int32)
     args, strides, meta = _common(q_idx, w, k_idx, kvs)
     launch = dict(BM=BM, BN=BN, HWPOPC=q_idx.is_cuda and HAS_POPC, **meta, num_warps=cfg.warps,
@@ -202,7 +200,7 @@ def resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out, t0, q_offset, to
 
     def run(count, off, tot):
         _ties_pass_kernel[(tiles, P, B)](
-            *args, th, val, nrow, ties, ntie, rows, cnt, off, tot, NR, *strides, val.stride(0), val.stride(1),
+            *args, th, val, nrow, ties, rows, cnt, off, tot, NR, *strides, val.stride(0), val.stride(1),
             nrow.stride(0), rows.stride(0), ties.stride(0), ties.stride(1), S, t0, q_offset, sink, window,
             topk, C, KT, span, P, COUNT=count, **launch)
 
@@ -210,8 +208,7 @@ def resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out, t0, q_offset, to
     tot = cnt.sum(3, dtype=torch.int32).contiguous()
     run(False, (cnt.cumsum(3, dtype=torch.int32) - cnt).contiguous(), tot)
     CB = triton.next_power_of_2(C)
-    _ties_select_kernel[(NR, B)](val, nrow, ties, ntie, rows, kvs, out, NR, val.stride(0), val.stride(1),
+    _ties_select_kernel[(NR, B)](val, nrow, ties, rows, kvs, out, NR, val.stride(0), val.stride(1),
                                  nrow.stride(0), rows.stride(0), ties.stride(0), ties.stride(1), out.stride(0),
                                  out.stride(1), t0, q_offset, S, topk, CB=CB, KB=min(1024, CB), KT=KT,
                                  LOGC=CB.bit_length(), LOGT=KT.bit_length(), num_warps=cfg.select_warps)
-    return int((bad & (nrow[:, :bad.shape[1]] >= 0)).sum())

@@ -445,17 +445,20 @@ def indexer_topk_cand(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor,
         cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, val, idx, nrow, cfg)
         cand_select(val, idx, nrow, out[:, t0:t1], topk, cfg)
         bad = nrow[:, :t1 - t0] < 0
-        nbad = int(bad.sum()) if cfg.packed and cfg.ties else 0
-        if nbad and nbad * S >= cfg.tie_min_work:  # rows of equal scores at the threshold (cand_ties.py)
+        nbad = int(bad.sum())  # the chunk's one host sync where no row is flagged
+        if nbad and cfg.packed and cfg.ties and nbad * S >= cfg.tie_min_work:  # equal scores at the threshold
             from sparse_rl.sparse.ops.indexer_topk.cand_ties import resolve_ties
 
-            tied += resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out[:, t0:t1], t0, q_offset, topk, sink,
-                                 window, cfg)
+            resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out[:, t0:t1], t0, q_offset, topk, sink, window,
+                         cfg)
             bad = nrow[:, :t1 - t0] < 0
+            left = int(bad.sum())
+            tied += nbad - left
+            nbad = left
         if info is not None:
             entries += int(nrow[:, :t1 - t0].clamp(min=0).sum())
-        if bool(bad.any()):
-            redone += int(bad.sum())
+        if nbad:
+            redone += nbad
             if cfg.redo == "decode":
                 _redo_rows(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out)
             else:

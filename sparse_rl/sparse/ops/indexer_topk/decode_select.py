@@ -126,7 +126,7 @@ class DecodeSelect:
 # 32K batch 16 2,350 tok/s (1.80x dense), batch 1 sparse 3.72 / 4.85 ms at 2K / 16K; 2 warps instead of 4
 # (`num_warps`) no faster in the step (+0.12 / -0.04 / +0.06 ms at 2304 / 8192 / 16384).
 # Batches of at least 32 rows take the sync select instead (sync_min_batch; its defaults: keys in registers, at
-# most 16 chunks a row, a cooperative launch): session 17 (results/2026-12-03-h200-sync-session17.md) measured
-# the step at 32 x 16K 8.32 vs fine 8.68 ms and the whole 16K batch-32 generation 1.68x dense against 1.64x with
-# fine alone; batches 16 and 1 run fine as before (sync: +0.03 ms at 16 x 32K, +0.2 at batch 1).
+# most 16 chunks a row, a cooperative launch): session 17 (results/2026-12-03-h200-session17.md) measured the
+# step at 32 x 16K 8.32 vs fine 8.68 ms and the whole 16K batch-32 generation 1.70x dense against 1.66x with fine
+# alone in one run; batches 16 and 1 run fine as before (sync: +0.03 ms at 16 x 32K, +0.2 at batch 1).
 ENGINE_SELECT = DecodeSelect("fine", score_block=64, sync_min_batch=32)
