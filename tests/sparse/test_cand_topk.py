@@ -13,7 +13,7 @@ import triton.language as tl
 from sparse_rl.sparse.ops.indexer_topk import triton as it
 from sparse_rl.sparse.ops.indexer_topk.cand_topk import INTERPRET_CAND, indexer_topk_cand
 from sparse_rl.sparse.ops.indexer_topk.cand_words import _popc
-from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, kth_key, kth_key2
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, kth_key, kth_key2, kth_key_compact
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_naive
 
 
@@ -38,6 +38,8 @@ def _inputs(B, T, S, HI, DI, seed, positive_w=False, integer=False):
     (2, 21, 75, 3, 16, 8, 2, 3, [0, 17], False, True, None, "packed"),  # int64 (key, position) buffer, integer ties
     (1, 23, 61, 2, 20, 9, 1, 1, None, False, False, None, "packed-dot-q16"),  # tensor-core scan, 16-bit quantile
     (1, 16, 160, 2, 16, 6, 0, 0, None, False, True, None, "scan"),  # session 10's pair-buffer gather, integer ties
+    (2, 21, 75, 3, 16, 8, 2, 3, [0, 17], False, True, None, "compact"),  # k-th keys by all-pairs ranks, ties
+    (1, 23, 61, 2, 20, 9, 0, 0, None, False, False, None, "compact-lean"),  # the same, the select's keys only
 ])
 def test_cand_selects_exactly_the_reference_keys(B, T, S, HI, DI, K, sink, window, kvs, positive_w, integer, budget,
                                                  threshold):
@@ -47,7 +49,10 @@ def test_cand_selects_exactly_the_reference_keys(B, T, S, HI, DI, K, sink, windo
     info = {}
     over = {"packed": dict(gather="scan", packed=True),  # session 10's gather kernels, still selectable
             "packed-dot-q16": dict(gather="scan", packed=True, dot_scan=True, quantile_bits=16),
-            "scan": dict(gather="scan", packed=False)}.get(threshold, dict(threshold=threshold))
+            "scan": dict(gather="scan", packed=False),
+            "compact": dict(packed=True, quantile_compact=4, select_compact=4, block_n=32),
+            "compact-lean": dict(packed=True, quantile_compact=4, select_compact=4, select_lean=True, block_n=32),
+            }.get(threshold, dict(threshold=threshold))
     got = indexer_topk_cand(q, w, k, K, q_offset=q_off, sink=sink, window=window, kv_start=kv_start,
                             config=dataclasses.replace(INTERPRET_CAND, **over), budget_bytes=budget, info=info)
     ref = indexer_topk_naive(q, w, k, K, q_offset=q_off, sink=sink, window=window, kv_start=kv_start)
@@ -175,6 +180,40 @@ def test_kth_key2_equals_the_one_bit_search(nbits):
         n = int((x > float("-inf")).sum())
         for k in sorted({1, n // 2 or 1, n}):
             _kth_kernel[(1,)](x, out, k, N=64, NBITS=nbits)
+            assert out[0] == out[1], (x, k)
+
+
+@triton.jit
+def _kth_compact_kernel(X, OUT, SCR, K, N: tl.constexpr, CM: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(X + offs)
+    live = x > float("-inf")
+    key = _okey(x)
+    tl.store(OUT + 0, kth_key(key, live, K).to(tl.int32, bitcast=True))
+    tl.store(OUT + 1, kth_key_compact(key, live, K, SCR, CM).to(tl.int32, bitcast=True))
+
+
+@pytest.mark.parametrize("cm", [4, 16, 64])
+def test_kth_key_compact_equals_the_bit_search(cm):
+    """`kth_key_compact` (the search stopped at <= cm open keys, ranked all-pairs) finds `kth_key`'s exact
+    k-th key: distinct scores, masses of ties wider than cm (the search runs to its last bit) and narrower, +inf,
+    -inf (not live), one live key, keys differing in the lowest bit only, k from 1 to all."""
+    g = torch.Generator().manual_seed(cm)
+    rows = [torch.randn(64, generator=g), torch.randint(-3, 4, (64,), generator=g).float(),
+            torch.full((64,), 1.5), torch.tensor([float("inf")] * 3 + [0.0] * 61),
+            torch.randint(0, 40, (64,), generator=g).float()]
+    one = torch.full((64,), float("-inf"))
+    one[17] = 2.0
+    lowbit = (torch.full((64,), 1.0).view(torch.int32) + torch.arange(64, dtype=torch.int32) % 2).view(torch.float32)
+    neg = torch.randn(64, generator=g)
+    neg[::3] = float("-inf")
+    rows += [one, lowbit, neg]
+    out = torch.empty(2, dtype=torch.int32)
+    scr = torch.empty(64, dtype=torch.int32)
+    for x in rows:
+        n = int((x > float("-inf")).sum())
+        for k in sorted({1, min(2, n), n // 4 or 1, n // 2 or 1, 3 * n // 4 or 1, max(1, n - 1), n}):
+            _kth_compact_kernel[(1,)](x, out, scr, k, N=64, CM=cm)
             assert out[0] == out[1], (x, k)
 
 

@@ -54,7 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, _write_selected, kth_key, kth_key2
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import (_okey, _select_lanes, _store_lanes, _write_selected, kth_key,
+                                                          kth_key2, kth_key_compact)
 from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
 from sparse_rl.sparse.ops.indexer_topk.scores import indexer_scores_chunk
 from sparse_rl.sparse.ops.indexer_topk.stream import (_common, _gather_kernel, _kv_start, _redo_rows, _rows,
@@ -98,9 +99,11 @@ def _sample_kernel(Q, W, KI, KVS, SMP, sqb, sqt, sqh, sqd, swb, swt, swh, skb, s
 
 @triton.jit
 def _quantile_kernel(SMP, KVS, TH, spb, spt, stb, Tc, S, t0, q_offset, sink, window, K, C, E, SW,
-                     R: tl.constexpr, CB: tl.constexpr, QBITS: tl.constexpr, STEP2: tl.constexpr = False):
+                     R: tl.constexpr, CB: tl.constexpr, QBITS: tl.constexpr, STEP2: tl.constexpr = False,
+                     CM: tl.constexpr = 0):
     """TH `[B, Tc]`: each row's threshold, the m-th largest of its sampled scores (see the module docstring);
-    -inf for rows of <= C visible keys (take all) or too few samples, +inf where the forced keys fill k."""
+    -inf for rows of <= C visible keys (take all) or too few samples, +inf where the forced keys fill k. CM > 0
+    (QBITS 32 only): the m-th by `kth_key_compact`, the row's SMP (read already) as its scratch."""
     row = tl.program_id(0)
     b = (row // Tc).to(tl.int64)
     t = row % Tc
@@ -115,13 +118,16 @@ def _quantile_kernel(SMP, KVS, TH, spb, spt, stb, Tc, S, t0, q_offset, sink, win
             th = float("inf")
         else:
             offs = tl.arange(0, CB)
-            x = tl.load(SMP + b * spb + t.to(tl.int64) * spt + offs, mask=(offs <= pos // R) & (offs < SW), other=float("-inf"))
+            sbase = SMP + b * spb + t.to(tl.int64) * spt
+            x = tl.load(sbase + offs, mask=(offs <= pos // R) & (offs < SW), other=float("-inf"))
             live = x > float("-inf")
             ns = tl.sum(live.to(tl.int32), 0)
             m = tl.ceil(E * kk.to(tl.float32) * ns.to(tl.float32) / (nvis - nf).to(tl.float32)).to(tl.int32)
             m = tl.maximum(m, 1)
             if ns > m:
-                if STEP2:
+                if CM > 0:
+                    th = _key_to_float(kth_key_compact(_okey(x), live, m, sbase.to(tl.pointer_type(tl.int32)), CM))
+                elif STEP2:
                     th = _key_to_float(kth_key2(_okey(x), live, m, QBITS))
                 else:
                     th = _key_to_float(kth_key(_okey(x), live, m, QBITS))
@@ -231,10 +237,14 @@ def _append(s, cand, forced, n0, offs_n, run, vbase, ibase, C, EDGE: tl.constexp
 
 @triton.jit
 def _select_packed_kernel(BUF, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.constexpr, KB: tl.constexpr,
-                          RAW: tl.constexpr = False, STEP2: tl.constexpr = False):
+                          RAW: tl.constexpr = False, STEP2: tl.constexpr = False, LEAN: tl.constexpr = False,
+                          CM: tl.constexpr = 0):
     """`_select_kernel` on the packed buffer of `_gather_packed_kernel` (high word the order-preserving key) or,
     RAW, of `_gather_words_kernel` (high word the score's fp32 bits: the key is made here, once a candidate,
-    instead of once a score in the gather)."""
+    instead of once a score in the gather). LEAN: only the keys stay in registers through the k-th key search
+    (the positions are loaded again, L2-hot, for the kept lanes): the search is a chain of dependent block
+    reductions, so the rows an SM holds at once, set by the registers a program takes, decide its speed. CM > 0:
+    the k-th key by `kth_key_compact`, the row's OUT as its scratch (written over by the result)."""
     row = tl.program_id(0)
     b = (row // Tc).to(tl.int64)
     t = (row % Tc).to(tl.int64)
@@ -242,13 +252,25 @@ def _select_packed_kernel(BUF, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl
     if n >= 0:
         offs = tl.arange(0, CB)
         live = offs < n
-        word = tl.load(BUF + b * svb + t * svt + offs, mask=live, other=0)
-        if RAW:
-            key = _okey((word >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+        base = BUF + b * svb + t * svt
+        if LEAN:
+            hi = tl.load(base.to(tl.pointer_type(tl.int32)) + 2 * offs + 1, mask=live, other=0)
+            if RAW:
+                key = _okey(hi.to(tl.float32, bitcast=True))
+            else:
+                key = hi.to(tl.uint32, bitcast=True)
+            sel = _select_lanes(key, live, n, K, STEP2, OUT + b * sob + t * sot, CM)
+            idx = tl.load(base.to(tl.pointer_type(tl.int32)) + 2 * offs, mask=sel, other=0)
+            _store_lanes(sel, idx, n, K, OUT + b * sob + t * sot, KB)
         else:
-            key = (word >> 32).to(tl.uint32)
-        idx = (word & 0xFFFFFFFF).to(tl.int32)
-        _write_selected(key, idx, live, n, K, OUT + b * sob + t * sot, KB, STEP2)
+            word = tl.load(base + offs, mask=live, other=0)
+            if RAW:
+                key = _okey((word >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+            else:
+                key = (word >> 32).to(tl.uint32)
+            idx = (word & 0xFFFFFFFF).to(tl.int32)
+            obase = OUT + b * sob + t * sot
+            _store_lanes(_select_lanes(key, live, n, K, STEP2, obase, CM), idx, n, K, obase, KB)
 
 
 @triton.jit
@@ -293,6 +315,16 @@ class CandConfig:
     quantile_warps: int = 4
     quantile_bits: int = 32  # < 32: the threshold from the keys' top bits only (a lower bound of the m-th sample)
     select_warps: int = 8
+    # register caps for the one-program-a-row quantile and select (0: the compiler's choice): their k-th key
+    # search is a chain of dependent block reductions, so the rows an SM holds at once (65,536 registers over
+    # warps x 32 x the cap) set their speed; select_lean keeps only the keys in registers through the search
+    quantile_maxnreg: int = 0
+    select_maxnreg: int = 0
+    select_lean: bool = False
+    # the quantile's / the select's k-th key: the bit search stops once <= this many keys are still open, which
+    # are ranked all-pairs (`radix_topk.kth_key_compact`; 0: the plain search of `search_bits`)
+    quantile_compact: int = 0
+    select_compact: int = 0
     dot_scan: bool = False  # the gather's in-tile prefix sum by a triangular matmul (stream.py) instead of tl.cumsum
     packed: bool = True  # one int64 store a candidate: (fp32 bits, position) with words, (key, position) with scan
     redo: str = "decode"
@@ -318,6 +350,11 @@ class CandConfig:
 INTERPRET_CAND = CandConfig(block_m=16, block_n=32, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
                             warps=1, quantile_warps=1, select_warps=1, redo="tiles", ties=True,
                             tie_min_work=0, tie_splits=3)  # block_n: a word; 3 spans: the split path, a short last span
+
+
+def _maxnreg(cap: int, t: torch.Tensor) -> dict:
+    """The launch option of a register cap (CUDA only: the interpreter takes no such option)."""
+    return {"maxnreg": cap} if cap and t.is_cuda else {}
 
 
 def sample_stride(cfg: CandConfig, s_max: int) -> int:
@@ -347,7 +384,10 @@ def cand_threshold(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, C
     _quantile_kernel[(B * (t1 - t0),)](smp, kvs, th, smp.stride(0), smp.stride(1), th.stride(0), t1 - t0, S, t0,
                                        q_offset, sink, window, topk, C, cfg.target, SW, R=R,
                                        CB=triton.next_power_of_2(SW), QBITS=cfg.quantile_bits,
-                                       STEP2=cfg.search_bits == 2, num_warps=cfg.quantile_warps)
+                                       STEP2=cfg.search_bits == 2,
+                                       CM=cfg.quantile_compact if cfg.quantile_bits == 32 and SW >= cfg.quantile_compact else 0,
+                                       num_warps=cfg.quantile_warps,
+                                       **_maxnreg(cfg.quantile_maxnreg, q_idx))
 
 
 def cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, val, idx, nrow, cfg: CandConfig):
@@ -383,7 +423,9 @@ def cand_select(val, idx, nrow, out, topk, cfg: CandConfig):
         _select_packed_kernel[(B * Tc,)](val, nrow, out, Tc, val.stride(0), val.stride(1), nrow.stride(0),
                                          out.stride(0), out.stride(1), topk, CB=CB, KB=min(1024, CB),
                                          RAW=cfg.gather == "words", STEP2=cfg.search_bits == 2,
-                                         num_warps=cfg.select_warps)
+                                         LEAN=cfg.select_lean, CM=cfg.select_compact if topk >= cfg.select_compact else 0,
+                                         num_warps=cfg.select_warps,
+                                         **_maxnreg(cfg.select_maxnreg, val))
         return
     _select_kernel[(B * Tc,)](val, idx, nrow, out, Tc, val.stride(0), val.stride(1), nrow.stride(0), out.stride(0),
                               out.stride(1), topk, CB=CB, KB=min(1024, CB), STEP2=cfg.search_bits == 2,

@@ -256,6 +256,52 @@ def kth_key(key, live, K, NBITS: tl.constexpr = 32):
 
 
 @triton.jit
+def kth_key_compact(key, live, K, scr, CM: tl.constexpr, CJ: tl.constexpr = 16):
+    """`kth_key`'s exact K-th largest live key, its bit search stopped once at most CM live keys share the bits
+    decided so far (those between the keys above, fewer than K, and the rest): those keys are compacted to
+    scr[0:CM] (int32 scratch this program owns: a global round trip, L1/L2-hot) and the K-th found in one step by
+    their all-pairs ranks (later lanes rank above equal keys, as the reference's ties). Why: each bit of the
+    search is a block reduction over every lane, and a search costs ~28 of them; after the first ~6-10 bits only
+    a few dozen keys still matter. A mass of more than CM equal keys at the K-th ends the search at its last bit
+    (the plain answer). Live keys must be > 0 (`_okey` of a score, never a NaN's): a dead lane's key is made 0.
+    """
+    smear, tau = _search_span(key, live)
+    key = tl.where(live, key, 0)  # dead lanes never counted: every candidate tau | bit is > 0
+    c_lo = tl.sum(live.to(tl.int32), 0)  # live keys >= tau (>= K throughout)
+    c_up = c_lo * 0  # live keys >= the top of the interval still open, [tau, tau | low] (< K throughout)
+    low = smear
+    bit = tl.full([], 0x80000000, tl.uint32)
+    for _ in range(32):
+        if ((smear & bit) != 0) & (c_lo - c_up > CM):
+            cand = tau | bit
+            c = tl.sum((key >= cand).to(tl.int32), 0)
+            if c >= K:
+                tau = cand
+                c_lo = c
+            else:
+                c_up = c
+            low = bit - 1
+        bit = bit >> 1
+    m = c_lo - c_up
+    if m <= CM:
+        inr = (key != 0) & ((key & ~low) == tau)  # tau may still be 0: the dead lanes' key
+        slot = tl.cumsum(inr.to(tl.int32), 0) - 1
+        tl.store(scr + slot, key.to(tl.int32, bitcast=True), mask=inr)
+        tl.debug_barrier()
+        i = tl.arange(0, CM)
+        ki = tl.load(scr + i, mask=i < m, other=0).to(tl.uint32, bitcast=True)
+        rank = i * 0
+        for j0 in tl.static_range(0, CM, CJ):  # [CM, CJ] tiles: the pairs' registers stay few
+            j = j0 + tl.arange(0, CJ)[None, :]
+            kj = tl.load(scr + j, mask=j < m, other=0).to(tl.uint32, bitcast=True)
+            better = ((kj > ki[:, None]) | ((kj == ki[:, None]) & (j > i[:, None]))) & (j < m)
+            rank += tl.sum(better.to(tl.int32), 1)
+        tau = tl.max(tl.where((i < m) & (rank == K - c_up - 1), ki, 0), 0)
+        tl.debug_barrier()  # the caller may store over scr next
+    return tau
+
+
+@triton.jit
 def _add2(a0, a1, b0, b1):
     return a0 + b0, a1 + b1
 
@@ -290,12 +336,17 @@ def kth_key2(key, live, K, NBITS: tl.constexpr = 32):
 
 
 @triton.jit
-def _write_selected(key, idx, live, n, K, obase, KB: tl.constexpr, STEP2: tl.constexpr):
-    """The K largest live keys (key order = lane order; later lanes win ties) -> their idx ascending at obase,
-    -1 padded to K. STEP2: the k-th key by `kth_key2` (two bits a step) instead of `kth_key`."""
+def _select_lanes(key, live, n, K, STEP2: tl.constexpr, scr, CM: tl.constexpr):
+    """The lanes of the K largest live `[CB]` keys (key order = lane order; later lanes win ties), as a mask;
+    every live lane where n <= K. STEP2: the k-th key by `kth_key2` (two bits a step) instead of `kth_key`;
+    CM > 0: by `kth_key_compact` with scr (int32, >= CM slots) as its scratch."""
     sel = live
     if n > K:
-        if STEP2:
+        if CM > 0:
+            key = tl.where(live, key, 0)  # dead lanes are neither above nor at tau (>= the live min > 0)
+            live = key != 0
+            tau = kth_key_compact(key, live, K, scr, CM)
+        elif STEP2:
             tau = kth_key2(key, live, K)
         else:
             tau = kth_key(key, live, K)
@@ -306,8 +357,21 @@ def _write_selected(key, idx, live, n, K, obase, KB: tl.constexpr, STEP2: tl.con
         sel = gt | eq
         if need < n_eq:  # among keys equal to the k-th the later ones win (the reference's rule)
             sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) > n_eq - need))
+    return sel
+
+
+@triton.jit
+def _store_lanes(sel, idx, n, K, obase, KB: tl.constexpr):
+    """idx of the selected lanes, in lane order, at obase, then -1 up to K."""
     slot = tl.cumsum(sel.to(tl.int32), 0) - 1
     tl.store(obase + slot, idx, mask=sel)
     for c in range(tl.minimum(n, K), K, KB):
         o = c + tl.arange(0, KB)
         tl.store(obase + o, tl.full([KB], -1, tl.int32), mask=o < K)
+
+
+@triton.jit
+def _write_selected(key, idx, live, n, K, obase, KB: tl.constexpr, STEP2: tl.constexpr):
+    """The K largest live keys (key order = lane order; later lanes win ties) -> their idx ascending at obase,
+    -1 padded to K. STEP2: the k-th key by `kth_key2` (two bits a step) instead of `kth_key`."""
+    _store_lanes(_select_lanes(key, live, n, K, STEP2, obase, 0), idx, n, K, obase, KB)

@@ -1,0 +1,238 @@
+"""Session 18, issue 15: the prefill cand top-k's per-row k-th key searches (the quantile and the select), on the
+H200, one device call.
+
+Why: at 32K trained the select is the largest phase of the exact top-k (2.05 of 5.5 ms; 8.3 of 48.6 at 128K), the
+quantile the third (0.72 / 5.7). Both are one program a row running a 1-bit binary search: ~28 dependent block
+reductions over all 4,096 lanes (sm_90a, Triton 3.6: 90-101 instructions a step at 8 warps, 111-125 registers,
+so 2 programs an SM). Session 11 measured the 4-warp select equal to the 8-warp one and the 2-bit search
+(`search_bits=2`) slower: neither the lanes a thread holds nor the reductions' count alone decides; the
+row-programs in flight and the work per step do. Variants (CandConfig fields, all exact by construction):
+- select_maxnreg 80 / 64: 3 / 4 programs of 8 warps an SM instead of 2 (compiled on the CPU host: 80 no spill
+  without compaction; 64 spills 24-72 B);
+- select_lean: only the keys in registers through the search, the positions loaded again for the kept lanes;
+- select_compact / quantile_compact CM (`radix_topk.kth_key_compact`): the bit search stops once <= CM keys
+  are still open (~6-10 of the ~28 bits), those are compacted to scratch and ranked all-pairs in one step.
+Predictions (before the call): compact 64 cuts the select's steps ~3x -> select 2.05 -> ~0.9-1.3 ms at 32K
+(8.3 -> ~3.5-5 at 128K), more with the register cap (3 programs an SM): ~0.7-1.0; the quantile 0.72 -> ~0.35-0.5
+(at ~9 programs an SM it is issue-bound, so only the fewer steps count). End to end 32K trained 5.5 -> ~4.0-4.5
+ms, 128K trained 48.6 -> ~38-42; prefill 32K 1.06x -> ~1.15-1.2x.
+
+Per shape (32K trained, 128K trained, 32K random; B 1, k 2048, 4 x 64 bf16 indexer): the default's threshold /
+gather buffers are made once, then every select variant on the same buffers (rows equal to the default's on
+every served row) and every threshold variant (thresholds bitwise equal), then whole `indexer_topk_cand` calls
+for the default and the fastest exact combinations (rows equal), then prefill at 32K.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_select_session18.py --out $OUT/sel18 --budget 420
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from granular_harness import dense_times, log, trained_indexer  # noqa: E402
+
+SEL = {"base": {}, "r80": dict(select_maxnreg=80), "lean": dict(select_lean=True),
+       "lean-r80": dict(select_lean=True, select_maxnreg=80), "lean-r64": dict(select_lean=True, select_maxnreg=64),
+       "c64": dict(select_compact=64), "c64-lean": dict(select_compact=64, select_lean=True),
+       "c64-lean-r80": dict(select_compact=64, select_lean=True, select_maxnreg=80),
+       "c64-lean-r64": dict(select_compact=64, select_lean=True, select_maxnreg=64),
+       "c64-r80": dict(select_compact=64, select_maxnreg=80),
+       "c32-lean-r80": dict(select_compact=32, select_lean=True, select_maxnreg=80),
+       "c128-lean-r80": dict(select_compact=128, select_lean=True, select_maxnreg=80),
+       "c64-lean-w16": dict(select_compact=64, select_lean=True, select_warps=16),
+       "c64-lean-w16-r64": dict(select_compact=64, select_lean=True, select_warps=16, select_maxnreg=64),
+       "c64-lean-w4": dict(select_compact=64, select_lean=True, select_warps=4),
+       "c64-lean-w4-r128": dict(select_compact=64, select_lean=True, select_warps=4, select_maxnreg=128)}
+QUANT = {"base": {}, "c64": dict(quantile_compact=64), "c32": dict(quantile_compact=32),
+         "w8": dict(quantile_warps=8), "c64-w8": dict(quantile_compact=64, quantile_warps=8),
+         "c64-w2": dict(quantile_compact=64, quantile_warps=2), "c64-r64": dict(quantile_compact=64, quantile_maxnreg=64)}
+N64 = dict(block_n=64, warps=4)  # the 64-key gather tiles: faster alone (sessions 11 / 17), whole not re-timed
+
+
+def buffers(qi, wi, ki, K, sink, window, dev):
+    """The default config's threshold and gather over all rows at once (one chunk): (th, smp, val, nrow, kvs)."""
+    import triton
+
+    from sparse_rl.sparse.ops.indexer_topk import cand_topk as ct
+    from sparse_rl.sparse.ops.indexer_topk.stream import _kv_start, stream_buffer_slots
+
+    cfg = ct.CandConfig()
+    B, T = qi.shape[:2]
+    S = ki.shape[1]
+    C = stream_buffer_slots(K)
+    kvs = _kv_start(None, B, dev)
+    SW = triton.cdiv(S, ct.sample_stride(cfg, S))
+    val = torch.empty(B, T, C, device=dev, dtype=torch.int64)
+    smp = torch.empty(B, T, SW, device=dev)
+    th = torch.empty(B, T, device=dev)
+    nrow = torch.empty(B, T, device=dev, dtype=torch.int32)
+    ct.cand_threshold(qi, wi, ki, kvs, 0, T, 0, sink, window, K, C, th, smp, cfg)
+    ct.cand_gather(qi, wi, ki, kvs, 0, T, 0, sink, window, K, th, val, val, nrow, cfg)
+    return th, smp, val, nrow, kvs, C
+
+
+def kernels(a, name, qi, wi, ki, dev, W) -> dict:
+    """Every select variant on the default's buffers and every threshold variant; equality to the default."""
+    from sparse_rl.bench.timing import bench_ms
+    from sparse_rl.sparse.ops.indexer_topk import cand_topk as ct
+
+    K = a.k
+    th, smp, val, nrow, kvs, C = buffers(qi, wi, ki, K, a.sink, a.window, dev)
+    B, T = qi.shape[:2]
+    served = (nrow >= 0)[..., None]
+    res = {"rows_flagged": int((nrow < 0).sum()), "select": {}, "quantile": {}}
+    ref = None
+    for lab, over in SEL.items():
+        cfg = dataclasses.replace(ct.CandConfig(), **over)
+        out = torch.full((B, T, K), -7, device=dev, dtype=torch.int32)
+        try:
+            ct.cand_select(val, val, nrow, out, K, cfg)
+            torch.cuda.synchronize()
+            if ref is None:
+                ref = out.clone()
+            eq = bool(torch.equal(torch.where(served, out, 0), torch.where(served, ref, 0)))
+            ms = bench_ms(lambda: ct.cand_select(val, val, nrow, out, K, cfg), dev, **W)
+            res["select"][lab] = {"ms": ms, "equal": eq}
+        except Exception as e:  # noqa: BLE001 (a variant that does not compile is a result)
+            res["select"][lab] = {"error": repr(e)[:300]}
+        log(f"{name} select {lab}: {res['select'][lab]}")
+    th_ref = th.clone()
+    for lab, over in QUANT.items():
+        cfg = dataclasses.replace(ct.CandConfig(), **over)
+        th2 = torch.empty_like(th)
+        fn = lambda: ct.cand_threshold(qi, wi, ki, kvs, 0, T, 0, a.sink, a.window, K, C, th2, smp, cfg)  # noqa: E731
+        try:
+            fn()
+            torch.cuda.synchronize()
+            eq = bool(torch.equal(th2.view(torch.int32), th_ref.view(torch.int32)))
+            res["quantile"][lab] = {"ms": bench_ms(fn, dev, **W), "equal": eq}
+        except Exception as e:  # noqa: BLE001
+            res["quantile"][lab] = {"error": repr(e)[:300]}
+        log(f"{name} threshold {lab}: {res['quantile'][lab]}")
+    del val, smp
+    torch.cuda.empty_cache()
+    return res
+
+
+def fastest(rows: dict) -> str:
+    ok = {k: v["ms"] for k, v in rows.items() if v.get("equal") and "ms" in v}
+    return min(ok, key=ok.get)
+
+
+def whole(a, name, qi, wi, ki, dev, W, combos: dict) -> dict:
+    """indexer_topk_cand per combination: ms, rows equal to the default's, info."""
+    from sparse_rl.bench.timing import bench_ms
+    from sparse_rl.sparse.ops.indexer_topk.cand_topk import CandConfig, indexer_topk_cand
+
+    res, ref = {}, None
+    for lab, over in combos.items():
+        cfg = dataclasses.replace(CandConfig(), **over)
+        fn = lambda: indexer_topk_cand(qi, wi, ki, a.k, sink=a.sink, window=a.window, config=cfg)  # noqa: E731
+        try:
+            info = {}
+            out = indexer_topk_cand(qi, wi, ki, a.k, sink=a.sink, window=a.window, config=cfg, info=info)
+            if ref is None:
+                ref = out
+            res[lab] = {"ms": bench_ms(fn, dev, **W), "equal": bool(torch.equal(out, ref)), "info": info,
+                        "config": over}
+        except Exception as e:  # noqa: BLE001
+            res[lab] = {"error": repr(e)[:300], "config": over}
+        log(f"{name} whole {lab}: {res[lab]}")
+    return res
+
+
+def prefill(a, index, dev, W, over: dict) -> dict:
+    from sparse_rl.bench.timing import bench_ms
+    from sparse_rl.sparse.ops import sparse_attention
+    from sparse_rl.sparse.ops.indexer_topk.cand_topk import CandConfig, indexer_topk_cand
+
+    L = 32768
+    gen = torch.Generator(device=dev).manual_seed(7)
+    q, k, v = (torch.randn(1, L, h, 128, device=dev, generator=gen).to(torch.bfloat16) for h in (32, 8, 8))
+    dn = dense_times(q, k, v, dev, W, False)
+    qi, wi, ki = index
+    r = {"config": over, **dn}
+    for lab, o in (("default", {}), ("new", over)):
+        cfg = dataclasses.replace(CandConfig(), **o)
+        sel = lambda: indexer_topk_cand(qi, wi, ki, a.k, sink=a.sink, window=a.window, config=cfg)  # noqa: E731
+        rows = sel()
+        r[lab] = {"select_ms": bench_ms(sel, dev, **W),
+                  "attn_ms": bench_ms(lambda: sparse_attention(q, k, v, rows, backend="triton"), dev, **W),
+                  "prefill_ms": bench_ms(lambda: sparse_attention(q, k, v, sel(), backend="triton"), dev, **W)}
+        r[lab]["speedup"] = r["dense_ms"] / r[lab]["prefill_ms"]
+    log(f"prefill 32K: {r}")
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sel18"))
+    ap.add_argument("--budget", type=float, default=420.0)
+    ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    a = ap.parse_args()
+    a.k, a.sink, a.window = 2048, 4, 64
+    os.makedirs(a.out, exist_ok=True)
+    t0 = time.time()
+    from sparse_rl.bench import patterns
+
+    dev = torch.device("cuda")
+    W = dict(warmup_ms=25, rep_ms=60)
+    res = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "commit": a.commit,
+           "shapes": {}}
+    import triton
+    res["triton"] = triton.__version__
+
+    def save():
+        with open(os.path.join(a.out, "sel18.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+    ix, kl, gen = trained_indexer(dev, 0, 4, 64, 150)
+    res["trained_indexer_kl"] = kl
+    log(f"trained indexer kl {kl:.3f} at {time.time() - t0:.0f} s")
+    g2 = torch.Generator(device=dev).manual_seed(3)
+    shapes = [("L32 trained", lambda: patterns.trained_index(ix, 32768, dev, gen)),
+              ("L128 trained", lambda: patterns.trained_index(ix, 131072, dev, gen)),
+              ("L32 random", lambda: (torch.randn(1, 32768, 4, 64, device=dev, generator=g2).bfloat16(),
+                                      torch.rand(1, 32768, 4, device=dev, generator=g2).bfloat16(),
+                                      torch.randn(1, 32768, 64, device=dev, generator=g2).bfloat16()))]
+    idx32 = None
+    for name, make in shapes:
+        if time.time() - t0 > a.budget - 60:
+            log(f"skip {name}: budget")
+            continue
+        qi, wi, ki = make()
+        r = {"kernels": kernels(a, name, qi, wi, ki, dev, W)}
+        save()
+        bs, bq = fastest(r["kernels"]["select"]), fastest(r["kernels"]["quantile"])
+        combos = {"default": {}, "sel": SEL[bs], "quant": QUANT[bq], "both": {**SEL[bs], **QUANT[bq]},
+                  "both-n64": {**SEL[bs], **QUANT[bq], **N64}, "n64": N64,
+                  "c64-lean-r80+c64": {**SEL["c64-lean-r80"], **QUANT["c64"]}}
+        r["fastest"] = {"select": bs, "quantile": bq}
+        r["whole"] = whole(a, name, qi, wi, ki, dev, W, combos)
+        res["shapes"][name] = r
+        save()
+        if name == "L32 trained":
+            idx32 = (qi, wi, ki)
+            w = {k: v for k, v in r["whole"].items() if v.get("equal") and "ms" in v}
+            res["best_whole_32k"] = min(w, key=lambda k: w[k]["ms"])
+        else:
+            del qi, wi, ki
+        torch.cuda.empty_cache()
+    if idx32 is not None and time.time() - t0 < a.budget - 25:
+        over = res["shapes"]["L32 trained"]["whole"][res["best_whole_32k"]]["config"]
+        res["prefill"] = prefill(a, idx32, dev, W, over)
+    res["wall_s"] = time.time() - t0
+    save()
+    log(f"done in {res['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
