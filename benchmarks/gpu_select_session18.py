@@ -22,7 +22,17 @@ gather buffers are made once, then every select variant on the same buffers (row
 every served row) and every threshold variant (thresholds bitwise equal), then whole `indexer_topk_cand` calls
 for the default and the fastest exact combinations (rows equal), then prefill at 32K.
 
-    PYTHONPATH=$PWD python benchmarks/gpu_select_session18.py --out $OUT/sel18 --budget 420
+Call 1 measured (fbd7f33, rows equal everywhere): select 32K trained 2.05 -> 1.42 ms (c64-lean-r64 / -w4-r128),
+128K trained 8.27 -> 5.64 (w4-r128), 32K random 2.00 -> 1.28; the compaction alone (no cap) SLOWER (2.67: 152
+registers, one program an SM), the cap alone 1.84-1.88, lean alone equal; threshold 0.72 -> 0.53 / 5.72 -> 3.81
+(c64-r64); whole with both + 64-key gather tiles: 5.44 -> 4.26, 49.9 -> 43.0, 4.68 -> 3.51; prefill 32K 1.05 ->
+1.13x. Below the predictions (select ~0.7-1.0 at 32K): ~23 us a row-program at 4 an SM, ~27% of issue.
+Call 2 (the new default, CandConfig since this call): caps around it, old vs new whole at 32K / 128K trained and
+random, prefill at 32K and 128K, the whole's kernel profile at 32K trained. Predictions: default = call 1's
+both-n64 (4.26 / 43.0 / 3.51); 128K random ~46.5 -> ~38-40; prefill 32K ~1.13x, 128K ~2.6 -> ~2.8x; caps within
++-5%.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_select_session18.py --out $OUT/sel18 --budget 420 [--call 1]
 """
 
 from __future__ import annotations
@@ -37,8 +47,19 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from granular_harness import dense_times, log, trained_indexer  # noqa: E402
+from granular_harness import dense_times, kernel_profile, log, trained_indexer  # noqa: E402
 
+# call 1 (fbd7f33): every form against the old default; call 2 (the new default, ND): caps around it, the old
+# default (OLD) in the same run, prefill at 32K and 128K, a kernel profile of the whole at 32K trained
+OLD = dict(block_n=128, warps=8, select_warps=8, quantile_maxnreg=0, select_maxnreg=0, select_lean=False,
+           quantile_compact=0, select_compact=0)
+SEL2 = {"base": {}, "w4-r96": dict(select_maxnreg=96), "w4-r80": dict(select_maxnreg=80),
+        "w2-r128": dict(select_warps=2), "w2-r168": dict(select_warps=2, select_maxnreg=168),
+        "w8-r56": dict(select_warps=8, select_maxnreg=56), "w4-c32": dict(select_compact=32),
+        "old": {k: OLD[k] for k in ("select_warps", "select_maxnreg", "select_lean", "select_compact")}}
+QUANT2 = {"base": {}, "r48": dict(quantile_maxnreg=48), "r40": dict(quantile_maxnreg=40),
+          "w2-r64": dict(quantile_warps=2), "w2-r96": dict(quantile_warps=2, quantile_maxnreg=96),
+          "r80": dict(quantile_maxnreg=80), "old": dict(quantile_maxnreg=0, quantile_compact=0)}
 SEL = {"base": {}, "r80": dict(select_maxnreg=80), "lean": dict(select_lean=True),
        "lean-r80": dict(select_lean=True, select_maxnreg=80), "lean-r64": dict(select_lean=True, select_maxnreg=64),
        "c64": dict(select_compact=64), "c64-lean": dict(select_compact=64, select_lean=True),
@@ -54,6 +75,7 @@ SEL = {"base": {}, "r80": dict(select_maxnreg=80), "lean": dict(select_lean=True
 QUANT = {"base": {}, "c64": dict(quantile_compact=64), "c32": dict(quantile_compact=32),
          "w8": dict(quantile_warps=8), "c64-w8": dict(quantile_compact=64, quantile_warps=8),
          "c64-w2": dict(quantile_compact=64, quantile_warps=2), "c64-r64": dict(quantile_compact=64, quantile_maxnreg=64)}
+BASE: dict = {}  # call 1: OLD (its variants were relative to the default of then)
 N64 = dict(block_n=64, warps=4)  # the 64-key gather tiles: faster alone (sessions 11 / 17), whole not re-timed
 
 
@@ -79,7 +101,7 @@ def buffers(qi, wi, ki, K, sink, window, dev):
     return th, smp, val, nrow, kvs, C
 
 
-def kernels(a, name, qi, wi, ki, dev, W) -> dict:
+def kernels(a, name, qi, wi, ki, dev, W, SEL, QUANT) -> dict:
     """Every select variant on the default's buffers and every threshold variant; equality to the default."""
     from sparse_rl.bench.timing import bench_ms
     from sparse_rl.sparse.ops.indexer_topk import cand_topk as ct
@@ -91,7 +113,7 @@ def kernels(a, name, qi, wi, ki, dev, W) -> dict:
     res = {"rows_flagged": int((nrow < 0).sum()), "select": {}, "quantile": {}}
     ref = None
     for lab, over in SEL.items():
-        cfg = dataclasses.replace(ct.CandConfig(), **over)
+        cfg = dataclasses.replace(ct.CandConfig(), **{**BASE, **over})
         out = torch.full((B, T, K), -7, device=dev, dtype=torch.int32)
         try:
             ct.cand_select(val, val, nrow, out, K, cfg)
@@ -106,7 +128,7 @@ def kernels(a, name, qi, wi, ki, dev, W) -> dict:
         log(f"{name} select {lab}: {res['select'][lab]}")
     th_ref = th.clone()
     for lab, over in QUANT.items():
-        cfg = dataclasses.replace(ct.CandConfig(), **over)
+        cfg = dataclasses.replace(ct.CandConfig(), **{**BASE, **over})
         th2 = torch.empty_like(th)
         fn = lambda: ct.cand_threshold(qi, wi, ki, kvs, 0, T, 0, a.sink, a.window, K, C, th2, smp, cfg)  # noqa: E731
         try:
@@ -134,7 +156,7 @@ def whole(a, name, qi, wi, ki, dev, W, combos: dict) -> dict:
 
     res, ref = {}, None
     for lab, over in combos.items():
-        cfg = dataclasses.replace(CandConfig(), **over)
+        cfg = dataclasses.replace(CandConfig(), **{**BASE, **over})
         fn = lambda: indexer_topk_cand(qi, wi, ki, a.k, sink=a.sink, window=a.window, config=cfg)  # noqa: E731
         try:
             info = {}
@@ -149,26 +171,25 @@ def whole(a, name, qi, wi, ki, dev, W, combos: dict) -> dict:
     return res
 
 
-def prefill(a, index, dev, W, over: dict) -> dict:
+def prefill(a, index, dev, W, pair: dict, L: int) -> dict:
     from sparse_rl.bench.timing import bench_ms
     from sparse_rl.sparse.ops import sparse_attention
     from sparse_rl.sparse.ops.indexer_topk.cand_topk import CandConfig, indexer_topk_cand
 
-    L = 32768
     gen = torch.Generator(device=dev).manual_seed(7)
     q, k, v = (torch.randn(1, L, h, 128, device=dev, generator=gen).to(torch.bfloat16) for h in (32, 8, 8))
     dn = dense_times(q, k, v, dev, W, False)
     qi, wi, ki = index
-    r = {"config": over, **dn}
-    for lab, o in (("default", {}), ("new", over)):
-        cfg = dataclasses.replace(CandConfig(), **o)
+    r = {"seqlen": L, "configs": pair, **dn}
+    for lab, o in pair.items():
+        cfg = dataclasses.replace(CandConfig(), **{**BASE, **o})
         sel = lambda: indexer_topk_cand(qi, wi, ki, a.k, sink=a.sink, window=a.window, config=cfg)  # noqa: E731
         rows = sel()
         r[lab] = {"select_ms": bench_ms(sel, dev, **W),
                   "attn_ms": bench_ms(lambda: sparse_attention(q, k, v, rows, backend="triton"), dev, **W),
                   "prefill_ms": bench_ms(lambda: sparse_attention(q, k, v, sel(), backend="triton"), dev, **W)}
         r[lab]["speedup"] = r["dense_ms"] / r[lab]["prefill_ms"]
-    log(f"prefill 32K: {r}")
+    log(f"prefill {L}: {r}")
     return r
 
 
@@ -177,6 +198,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sel18"))
     ap.add_argument("--budget", type=float, default=420.0)
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    ap.add_argument("--call", type=int, default=2, choices=(1, 2))
     a = ap.parse_args()
     a.k, a.sink, a.window = 2048, 4, 64
     os.makedirs(a.out, exist_ok=True)
@@ -203,32 +225,55 @@ def main():
               ("L32 random", lambda: (torch.randn(1, 32768, 4, 64, device=dev, generator=g2).bfloat16(),
                                       torch.rand(1, 32768, 4, device=dev, generator=g2).bfloat16(),
                                       torch.randn(1, 32768, 64, device=dev, generator=g2).bfloat16()))]
-    idx32 = None
+    if a.call == 2:
+        shapes.append(("L128 random", lambda: (torch.randn(1, 131072, 4, 64, device=dev, generator=g2).bfloat16(),
+                                               torch.rand(1, 131072, 4, device=dev, generator=g2).bfloat16(),
+                                               torch.randn(1, 131072, 64, device=dev, generator=g2).bfloat16())))
+    sel_v, q_v = (SEL, QUANT) if a.call == 1 else (SEL2, QUANT2)
+    if a.call == 1:
+        BASE.update(OLD)
+    idx = {}
     for name, make in shapes:
-        if time.time() - t0 > a.budget - 60:
+        if time.time() - t0 > a.budget - 90:
             log(f"skip {name}: budget")
             continue
         qi, wi, ki = make()
-        r = {"kernels": kernels(a, name, qi, wi, ki, dev, W)}
+        r = {"kernels": kernels(a, name, qi, wi, ki, dev, W, sel_v, q_v)}
         save()
         bs, bq = fastest(r["kernels"]["select"]), fastest(r["kernels"]["quantile"])
-        combos = {"default": {}, "sel": SEL[bs], "quant": QUANT[bq], "both": {**SEL[bs], **QUANT[bq]},
-                  "both-n64": {**SEL[bs], **QUANT[bq], **N64}, "n64": N64,
-                  "c64-lean-r80+c64": {**SEL["c64-lean-r80"], **QUANT["c64"]}}
         r["fastest"] = {"select": bs, "quantile": bq}
+        if a.call == 1:
+            combos = {"default": {}, "sel": SEL[bs], "quant": QUANT[bq], "both": {**SEL[bs], **QUANT[bq]},
+                      "both-n64": {**SEL[bs], **QUANT[bq], **N64}, "n64": N64,
+                      "c64-lean-r80+c64": {**SEL["c64-lean-r80"], **QUANT["c64"]}}
+        else:
+            combos = {"default": {}, "old": OLD, "best": {**SEL2[bs], **QUANT2[bq]}}
         r["whole"] = whole(a, name, qi, wi, ki, dev, W, combos)
+        if a.call == 2 and name == "L32 trained":
+            from sparse_rl.sparse.ops.indexer_topk.cand_topk import indexer_topk_cand
+            r["profile"] = kernel_profile(
+                lambda: indexer_topk_cand(qi, wi, ki, a.k, sink=a.sink, window=a.window), dev, top=20)
+            log(f"profile {r['profile']}")
         res["shapes"][name] = r
         save()
-        if name == "L32 trained":
-            idx32 = (qi, wi, ki)
+        if name in ("L32 trained", "L128 trained"):
+            idx[name] = (qi, wi, ki)
             w = {k: v for k, v in r["whole"].items() if v.get("equal") and "ms" in v}
-            res["best_whole_32k"] = min(w, key=lambda k: w[k]["ms"])
+            res.setdefault("best_whole", {})[name] = min(w, key=lambda k: w[k]["ms"])
         else:
             del qi, wi, ki
         torch.cuda.empty_cache()
-    if idx32 is not None and time.time() - t0 < a.budget - 25:
-        over = res["shapes"]["L32 trained"]["whole"][res["best_whole_32k"]]["config"]
-        res["prefill"] = prefill(a, idx32, dev, W, over)
+    for name, L in (("L32 trained", 32768), ("L128 trained", 131072)):
+        if name in idx and time.time() - t0 < a.budget - (25 if L == 32768 else 40):
+            if a.call == 1:
+                pair = {"default": {}, "new": res["shapes"][name]["whole"][res["best_whole"][name]]["config"]}
+            else:
+                pair = {"old": OLD, "default": {}}
+            res.setdefault("prefill", {})[name] = prefill(a, idx[name], dev, W, pair, L)
+            save()
+        if L == 32768:
+            idx.pop(name, None)
+            torch.cuda.empty_cache()
     res["wall_s"] = time.time() - t0
     save()
     log(f"done in {res['wall_s']:.0f} s")

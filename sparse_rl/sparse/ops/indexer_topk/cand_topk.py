@@ -294,8 +294,11 @@ class CandConfig:
     """Launch shapes, threshold and redo. The defaults are the H200's fastest form measured exact at 32K and
     128K (session 11 call 1, NOTES item 20: the words gather, packed; 44.5 ms at 128K random against 72.5 for
     session 10's default and 111.6 for bin_topk; 5.51 / 5.00 at 32K trained / random against 7.93 / 7.12).
-    Measured and not the default: 64-key tiles and 4 warps (`block_n=64, warps=4`: gather 1.35 vs 1.56 ms at 32K
-    trained, whole 5.87 vs 5.51 there, 128K not timed); the 16-bit quantile (5.06 at 32K trained, 42.3 at 128K
+    Session 18 (results/2026-12-03-h200-session18.md): the k-th key searches stopped at 64 open keys and ranked
+    all-pairs, the select lean at 4 warps capped at 128 registers, the quantile capped at 64, and 64-key gather
+    tiles at 4 warps: whole 32K trained 5.44 -> 4.26 ms, 128K trained 49.9 -> 43.0, 32K random 4.68 -> 3.51 (select
+    2.05 -> 1.42 / 8.27 -> 5.64 / 2.00 -> 1.28, threshold 0.72 -> 0.53 / 5.72 -> 3.81), rows equal throughout.
+    Measured and not the default: the 16-bit quantile (5.06 at 32K trained, 42.3 at 128K
     random, but one row of 131K differed from bin's there, see the module docstring). Never run on a GPU:
     `search_bits=2` (compiled for sm_90a with Triton 3.6 on the CPU host only). `threshold`: "sample" (the quantile
     of this module) or "zgrid" (stream.py's moments and z grid). `target` E: keys aimed at above the threshold,
@@ -305,26 +308,26 @@ class CandConfig:
     materialised + bin_topk: exact under the interpreter where the decode select was not, but ~150 us a row
     at 128K: 146 ms for 916 rows in call 1)."""
     block_m: int = 64
-    block_n: int = 128  # keys per gather tile (stream.py's SASS-chosen shape)
+    block_n: int = 64  # keys per gather tile (128 at 8 warps: gather 1.58 vs 1.35 ms at 32K trained, session 17)
     sample_block_n: int = 64  # sampled keys per sample tile
     sample_stride: int = 16  # R, at least; grows so that a row's sample fits `sample_lanes`
     sample_lanes: int = 4096
     target: float = 1.5
     threshold: str = "sample"
-    warps: int = 8
+    warps: int = 4
     quantile_warps: int = 4
     quantile_bits: int = 32  # < 32: the threshold from the keys' top bits only (a lower bound of the m-th sample)
-    select_warps: int = 8
+    select_warps: int = 4  # 8 warps capped at 64 registers: equal at 32K, 5.80 vs 5.64 ms at 128K (session 18)
     # register caps for the one-program-a-row quantile and select (0: the compiler's choice): their k-th key
     # search is a chain of dependent block reductions, so the rows an SM holds at once (65,536 registers over
     # warps x 32 x the cap) set their speed; select_lean keeps only the keys in registers through the search
-    quantile_maxnreg: int = 0
-    select_maxnreg: int = 0
-    select_lean: bool = False
+    quantile_maxnreg: int = 64
+    select_maxnreg: int = 128
+    select_lean: bool = True
     # the quantile's / the select's k-th key: the bit search stops once <= this many keys are still open, which
     # are ranked all-pairs (`radix_topk.kth_key_compact`; 0: the plain search of `search_bits`)
-    quantile_compact: int = 0
-    select_compact: int = 0
+    quantile_compact: int = 64
+    select_compact: int = 64
     dot_scan: bool = False  # the gather's in-tile prefix sum by a triangular matmul (stream.py) instead of tl.cumsum
     packed: bool = True  # one int64 store a candidate: (fp32 bits, position) with words, (key, position) with scan
     redo: str = "decode"
@@ -349,12 +352,18 @@ class CandConfig:
 
 INTERPRET_CAND = CandConfig(block_m=16, block_n=32, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
                             warps=1, quantile_warps=1, select_warps=1, redo="tiles", ties=True,
+                            quantile_compact=4, select_compact=4,  # the all-pairs rank on the tests' few keys
                             tie_min_work=0, tie_splits=3)  # block_n: a word; 3 spans: the split path, a short last span
 
 
 def _maxnreg(cap: int, t: torch.Tensor) -> dict:
     """The launch option of a register cap (CUDA only: the interpreter takes no such option)."""
     return {"maxnreg": cap} if cap and t.is_cuda else {}
+
+
+def _compact(cm: int, scratch: int, bits: int) -> int:
+    """CM of `kth_key_compact`: cfg's value where the row's scratch holds it and the search is exact (32 bits)."""
+    return cm if bits == 32 and scratch >= cm else 0
 
 
 def sample_stride(cfg: CandConfig, s_max: int) -> int:
@@ -385,7 +394,7 @@ def cand_threshold(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, C
                                        q_offset, sink, window, topk, C, cfg.target, SW, R=R,
                                        CB=triton.next_power_of_2(SW), QBITS=cfg.quantile_bits,
                                        STEP2=cfg.search_bits == 2,
-                                       CM=cfg.quantile_compact if cfg.quantile_bits == 32 and SW >= cfg.quantile_compact else 0,
+                                       CM=_compact(cfg.quantile_compact, SW, cfg.quantile_bits),
                                        num_warps=cfg.quantile_warps,
                                        **_maxnreg(cfg.quantile_maxnreg, q_idx))
 
@@ -423,7 +432,7 @@ def cand_select(val, idx, nrow, out, topk, cfg: CandConfig):
         _select_packed_kernel[(B * Tc,)](val, nrow, out, Tc, val.stride(0), val.stride(1), nrow.stride(0),
                                          out.stride(0), out.stride(1), topk, CB=CB, KB=min(1024, CB),
                                          RAW=cfg.gather == "words", STEP2=cfg.search_bits == 2,
-                                         LEAN=cfg.select_lean, CM=cfg.select_compact if topk >= cfg.select_compact else 0,
+                                         LEAN=cfg.select_lean, CM=_compact(cfg.select_compact, topk, 32),
                                          num_warps=cfg.select_warps,
                                          **_maxnreg(cfg.select_maxnreg, val))
         return
