@@ -32,7 +32,15 @@ random, prefill at 32K and 128K, the whole's kernel profile at 32K trained. Pred
 both-n64 (4.26 / 43.0 / 3.51); 128K random ~46.5 -> ~38-40; prefill 32K ~1.13x, 128K ~2.6 -> ~2.8x; caps within
 +-5%.
 
-    PYTHONPATH=$PWD python benchmarks/gpu_select_session18.py --out $OUT/sel18 --budget 420 [--call 1]
+Call 2 measured (bfdecaf, rows equal everywhere), default vs old in the same run: whole 32K trained 5.46 -> 4.20 ms,
+128K trained 48.4 -> 41.7, 32K random 4.69 -> 3.38, 128K random 45.9 -> 39.0; prefill 32K 1.12x (13.34 vs 14.91),
+128K 3.11x (84.6 vs 263.4; old 2.94x); the select at compact 32 3-4% faster than 64 in all four shapes; other caps
+slower or equal. Profile at 32K trained: select 1.44, gather 1.35, quantile 0.39, redo ~0.35, sample 0.09 of
+4.2 ms (~0.5 ms between kernels).
+Call 3 predictions: the select 1.36 -> ~1.15-1.25 ms at 32K trained (4 of ~18 reductions over the lanes gone),
+5.39 -> ~4.6-5.0 at 128K; the quantile ~0.44-0.46 (one of ~14 gone); whole 32K trained ~4.0.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_select_session18.py --out $OUT/sel18 --budget 420 [--call 1|2|3]
 """
 
 from __future__ import annotations
@@ -60,6 +68,12 @@ SEL2 = {"base": {}, "w4-r96": dict(select_maxnreg=96), "w4-r80": dict(select_max
 QUANT2 = {"base": {}, "r48": dict(quantile_maxnreg=48), "r40": dict(quantile_maxnreg=40),
           "w2-r64": dict(quantile_warps=2), "w2-r96": dict(quantile_warps=2, quantile_maxnreg=96),
           "r80": dict(quantile_maxnreg=80), "old": dict(quantile_maxnreg=0, quantile_compact=0)}
+# call 3: kth_key_counts (the counts at the k-th from the all-pairs tile, the span's min / max in one reduction, no
+# reduction for n) and select_compact 32 as the default; kernels alone compare with call 2's rows
+SEL3 = {"base": {}, "c64": dict(select_compact=64), "r96": dict(select_maxnreg=96), "r168": dict(select_maxnreg=168),
+        "w8-r64": dict(select_warps=8, select_maxnreg=64), "c16": dict(select_compact=16)}
+QUANT3 = {"base": {}, "r80": dict(quantile_maxnreg=80), "r96": dict(quantile_maxnreg=96),
+          "c32": dict(quantile_compact=32), "r56": dict(quantile_maxnreg=56)}
 SEL = {"base": {}, "r80": dict(select_maxnreg=80), "lean": dict(select_lean=True),
        "lean-r80": dict(select_lean=True, select_maxnreg=80), "lean-r64": dict(select_lean=True, select_maxnreg=64),
        "c64": dict(select_compact=64), "c64-lean": dict(select_compact=64, select_lean=True),
@@ -198,7 +212,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sel18"))
     ap.add_argument("--budget", type=float, default=420.0)
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
-    ap.add_argument("--call", type=int, default=2, choices=(1, 2))
+    ap.add_argument("--call", type=int, default=3, choices=(1, 2, 3))
     a = ap.parse_args()
     a.k, a.sink, a.window = 2048, 4, 64
     os.makedirs(a.out, exist_ok=True)
@@ -225,11 +239,11 @@ def main():
               ("L32 random", lambda: (torch.randn(1, 32768, 4, 64, device=dev, generator=g2).bfloat16(),
                                       torch.rand(1, 32768, 4, device=dev, generator=g2).bfloat16(),
                                       torch.randn(1, 32768, 64, device=dev, generator=g2).bfloat16()))]
-    if a.call == 2:
+    if a.call >= 2:
         shapes.append(("L128 random", lambda: (torch.randn(1, 131072, 4, 64, device=dev, generator=g2).bfloat16(),
                                                torch.rand(1, 131072, 4, device=dev, generator=g2).bfloat16(),
                                                torch.randn(1, 131072, 64, device=dev, generator=g2).bfloat16())))
-    sel_v, q_v = (SEL, QUANT) if a.call == 1 else (SEL2, QUANT2)
+    sel_v, q_v = {1: (SEL, QUANT), 2: (SEL2, QUANT2), 3: (SEL3, QUANT3)}[a.call]
     if a.call == 1:
         BASE.update(OLD)
     idx = {}
@@ -247,9 +261,9 @@ def main():
                       "both-n64": {**SEL[bs], **QUANT[bq], **N64}, "n64": N64,
                       "c64-lean-r80+c64": {**SEL["c64-lean-r80"], **QUANT["c64"]}}
         else:
-            combos = {"default": {}, "old": OLD, "best": {**SEL2[bs], **QUANT2[bq]}}
+            combos = {"default": {}, "old": OLD, "best": {**sel_v[bs], **q_v[bq]}}
         r["whole"] = whole(a, name, qi, wi, ki, dev, W, combos)
-        if a.call == 2 and name == "L32 trained":
+        if a.call >= 2 and name == "L32 trained":
             from sparse_rl.sparse.ops.indexer_topk.cand_topk import indexer_topk_cand
             r["profile"] = kernel_profile(
                 lambda: indexer_topk_cand(qi, wi, ki, a.k, sink=a.sink, window=a.window), dev, top=20)

@@ -13,7 +13,7 @@ import triton.language as tl
 from sparse_rl.sparse.ops.indexer_topk import triton as it
 from sparse_rl.sparse.ops.indexer_topk.cand_topk import INTERPRET_CAND, indexer_topk_cand
 from sparse_rl.sparse.ops.indexer_topk.cand_words import _popc
-from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, kth_key, kth_key2, kth_key_compact
+from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, kth_key, kth_key2, kth_key_counts
 from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_naive
 
 
@@ -184,20 +184,24 @@ def test_kth_key2_equals_the_one_bit_search(nbits):
 
 
 @triton.jit
-def _kth_compact_kernel(X, OUT, SCR, K, N: tl.constexpr, CM: tl.constexpr):
+def _kth_counts_kernel(X, OUT, SCR, K, N: tl.constexpr, CM: tl.constexpr, CJ: tl.constexpr):
     offs = tl.arange(0, N)
     x = tl.load(X + offs)
     live = x > float("-inf")
     key = _okey(x)
+    tau, n_gt, n_eq = kth_key_counts(key, live, tl.sum(live.to(tl.int32), 0), K, SCR, CM, CJ)
     tl.store(OUT + 0, kth_key(key, live, K).to(tl.int32, bitcast=True))
-    tl.store(OUT + 1, kth_key_compact(key, live, K, SCR, CM).to(tl.int32, bitcast=True))
+    tl.store(OUT + 1, tau.to(tl.int32, bitcast=True))
+    tl.store(OUT + 2, n_gt)
+    tl.store(OUT + 3, n_eq)
 
 
-@pytest.mark.parametrize("cm", [4, 16, 64])
-def test_kth_key_compact_equals_the_bit_search(cm):
-    """`kth_key_compact` (the search stopped at <= cm open keys, ranked all-pairs) finds `kth_key`'s exact
-    k-th key: distinct scores, masses of ties wider than cm (the search runs to its last bit) and narrower, +inf,
-    -inf (not live), one live key, keys differing in the lowest bit only, k from 1 to all."""
+@pytest.mark.parametrize("cm,cj", [(4, 4), (16, 4), (64, 16)])
+def test_kth_key_counts_equal_the_bit_search(cm, cj):
+    """`kth_key_counts` (the search stopped at <= cm open keys, ranked all-pairs in [cm, cj] tiles) finds
+    `kth_key`'s exact k-th key and the live keys above and at it: distinct scores, masses of ties wider than cm
+    (the search runs to its last bit) and narrower, +inf, -inf (not live), one live key, keys differing in the
+    lowest bit only, keys of both signs (the search's first bit), k from 1 to all."""
     g = torch.Generator().manual_seed(cm)
     rows = [torch.randn(64, generator=g), torch.randint(-3, 4, (64,), generator=g).float(),
             torch.full((64,), 1.5), torch.tensor([float("inf")] * 3 + [0.0] * 61),
@@ -208,13 +212,16 @@ def test_kth_key_compact_equals_the_bit_search(cm):
     neg = torch.randn(64, generator=g)
     neg[::3] = float("-inf")
     rows += [one, lowbit, neg]
-    out = torch.empty(2, dtype=torch.int32)
+    out = torch.empty(4, dtype=torch.int32)
     scr = torch.empty(64, dtype=torch.int32)
     for x in rows:
-        n = int((x > float("-inf")).sum())
+        live = x > float("-inf")
+        n = int(live.sum())
         for k in sorted({1, min(2, n), n // 4 or 1, n // 2 or 1, 3 * n // 4 or 1, max(1, n - 1), n}):
-            _kth_compact_kernel[(1,)](x, out, scr, k, N=64, CM=cm)
+            _kth_counts_kernel[(1,)](x, out, scr, k, N=64, CM=cm, CJ=cj)
+            kth = torch.sort(x[live], descending=True).values[k - 1]
             assert out[0] == out[1], (x, k)
+            assert out[2] == int((x[live] > kth).sum()) and out[3] == int((x[live] == kth).sum()), (x, k)
 
 
 @pytest.mark.parametrize("zeros,kvs,spans", [(0.9, None, 3), (0.8, [0, 37], 3), (0.9, [5, 0], 1)])

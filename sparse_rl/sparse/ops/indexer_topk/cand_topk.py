@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import (_okey, _select_lanes, _store_lanes, _write_selected, kth_key,
-                                                          kth_key2, kth_key_compact)
+                                                          kth_key2, kth_key_counts)
 from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
 from sparse_rl.sparse.ops.indexer_topk.scores import indexer_scores_chunk
 from sparse_rl.sparse.ops.indexer_topk.stream import (_common, _gather_kernel, _kv_start, _redo_rows, _rows,
@@ -103,7 +103,7 @@ def _quantile_kernel(SMP, KVS, TH, spb, spt, stb, Tc, S, t0, q_offset, sink, win
                      CM: tl.constexpr = 0):
     """TH `[B, Tc]`: each row's threshold, the m-th largest of its sampled scores (see the module docstring);
     -inf for rows of <= C visible keys (take all) or too few samples, +inf where the forced keys fill k. CM > 0
-    (QBITS 32 only): the m-th by `kth_key_compact`, the row's SMP (read already) as its scratch."""
+    (QBITS 32 only): the m-th by `kth_key_counts`, the row's SMP (read already) as its scratch."""
     row = tl.program_id(0)
     b = (row // Tc).to(tl.int64)
     t = row % Tc
@@ -126,7 +126,8 @@ def _quantile_kernel(SMP, KVS, TH, spb, spt, stb, Tc, S, t0, q_offset, sink, win
             m = tl.maximum(m, 1)
             if ns > m:
                 if CM > 0:
-                    th = _key_to_float(kth_key_compact(_okey(x), live, m, sbase.to(tl.pointer_type(tl.int32)), CM))
+                    tau, _, _ = kth_key_counts(_okey(x), live, ns, m, sbase.to(tl.pointer_type(tl.int32)), CM, 16)
+                    th = _key_to_float(tau)
                 elif STEP2:
                     th = _key_to_float(kth_key2(_okey(x), live, m, QBITS))
                 else:
@@ -244,7 +245,7 @@ def _select_packed_kernel(BUF, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl
     instead of once a score in the gather). LEAN: only the keys stay in registers through the k-th key search
     (the positions are loaded again, L2-hot, for the kept lanes): the search is a chain of dependent block
     reductions, so the rows an SM holds at once, set by the registers a program takes, decide its speed. CM > 0:
-    the k-th key by `kth_key_compact`, the row's OUT as its scratch (written over by the result)."""
+    the k-th key by `kth_key_counts`, the row's OUT as its scratch (written over by the result)."""
     row = tl.program_id(0)
     b = (row // Tc).to(tl.int64)
     t = (row % Tc).to(tl.int64)
@@ -325,9 +326,9 @@ class CandConfig:
     select_maxnreg: int = 128
     select_lean: bool = True
     # the quantile's / the select's k-th key: the bit search stops once <= this many keys are still open, which
-    # are ranked all-pairs (`radix_topk.kth_key_compact`; 0: the plain search of `search_bits`)
+    # are ranked all-pairs (`radix_topk.kth_key_counts`; 0: the plain search of `search_bits`)
     quantile_compact: int = 64
-    select_compact: int = 64
+    select_compact: int = 32  # 64: 1.42 vs 1.36 ms at 32K trained, 5.64 vs 5.39 at 128K (session 18 call 2)
     dot_scan: bool = False  # the gather's in-tile prefix sum by a triangular matmul (stream.py) instead of tl.cumsum
     packed: bool = True  # one int64 store a candidate: (fp32 bits, position) with words, (key, position) with scan
     redo: str = "decode"
@@ -362,7 +363,7 @@ def _maxnreg(cap: int, t: torch.Tensor) -> dict:
 
 
 def _compact(cm: int, scratch: int, bits: int) -> int:
-    """CM of `kth_key_compact`: cfg's value where the row's scratch holds it and the search is exact (32 bits)."""
+    """CM of `kth_key_counts`: cfg's value where the row's scratch holds it and the search is exact (32 bits)."""
     return cm if bits == 32 and scratch >= cm else 0
 
 

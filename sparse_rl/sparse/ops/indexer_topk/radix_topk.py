@@ -256,19 +256,31 @@ def kth_key(key, live, K, NBITS: tl.constexpr = 32):
 
 
 @triton.jit
-def kth_key_compact(key, live, K, scr, CM: tl.constexpr, CJ: tl.constexpr = 16):
-    """`kth_key`'s exact K-th largest live key, its bit search stopped once at most CM live keys share the bits
-    decided so far (those between the keys above, fewer than K, and the rest): those keys are compacted to
-    scr[0:CM] (int32 scratch this program owns: a global round trip, L1/L2-hot) and the K-th found in one step by
-    their all-pairs ranks (later lanes rank above equal keys, as the reference's ties). Why: each bit of the
-    search is a block reduction over every lane, and a search costs ~28 of them; after the first ~6-10 bits only
-    a few dozen keys still matter. A mass of more than CM equal keys at the K-th ends the search at its last bit
-    (the plain answer). Live keys must be > 0 (`_okey` of a score, never a NaN's): a dead lane's key is made 0.
-    """
-    smear, tau = _search_span(key, live)
+def _minmax(a_lo, a_hi, b_lo, b_hi):
+    return tl.minimum(a_lo, b_lo), tl.maximum(a_hi, b_hi)
+
+
+@triton.jit
+def kth_key_counts(key, live, n, K, scr, CM: tl.constexpr, CJ: tl.constexpr):
+    """`kth_key`'s exact K-th largest of the n live `[CB]` keys, with the live keys above it and equal to it:
+    (tau, n_gt, n_eq). The bit search stops once at most CM live keys share the bits decided so far (those
+    between the keys above, fewer than K, and the rest): they are compacted to scr[0:CM] (int32 scratch this
+    program owns: a global round trip, L1/L2-hot) and ranked all-pairs in [CM, CJ] tiles (later lanes rank above
+    equal keys, the reference's ties), which gives tau and both counts without another reduction over the lanes.
+    Why: each bit of the search is a block reduction over every lane, ~28 a search; after ~6-10 bits only a few
+    dozen keys still matter. A mass of more than CM keys equal at the K-th ends the search at its last bit.
+    Live keys must be > 0 (`_okey` of a score, never a NaN's): a dead lane's key is made 0."""
+    lo, hi = tl.reduce((tl.where(live, key, 0xFFFFFFFF), tl.where(live, key, 0)), 0, _minmax)
+    diff = lo ^ hi
+    smear = diff | (diff >> 1)
+    smear = smear | (smear >> 2)
+    smear = smear | (smear >> 4)
+    smear = smear | (smear >> 8)
+    smear = smear | (smear >> 16)  # the bits at or below the highest one where the live keys differ
+    tau = lo & ~smear
     key = tl.where(live, key, 0)  # dead lanes never counted: every candidate tau | bit is > 0
-    c_lo = tl.sum(live.to(tl.int32), 0)  # live keys >= tau (>= K throughout)
-    c_up = c_lo * 0  # live keys >= the top of the interval still open, [tau, tau | low] (< K throughout)
+    c_lo = n  # live keys >= tau (>= K throughout)
+    c_up = n * 0  # live keys >= the top of the interval still open, [tau, tau | low] (< K throughout)
     low = smear
     bit = tl.full([], 0x80000000, tl.uint32)
     for _ in range(32):
@@ -283,6 +295,8 @@ def kth_key_compact(key, live, K, scr, CM: tl.constexpr, CJ: tl.constexpr = 16):
             low = bit - 1
         bit = bit >> 1
     m = c_lo - c_up
+    n_gt = c_up  # the search ran to its last bit: the open keys all equal tau
+    n_eq = m
     if m <= CM:
         inr = (key != 0) & ((key & ~low) == tau)  # tau may still be 0: the dead lanes' key
         slot = tl.cumsum(inr.to(tl.int32), 0) - 1
@@ -290,15 +304,29 @@ def kth_key_compact(key, live, K, scr, CM: tl.constexpr, CJ: tl.constexpr = 16):
         tl.debug_barrier()
         i = tl.arange(0, CM)
         ki = tl.load(scr + i, mask=i < m, other=0).to(tl.uint32, bitcast=True)
-        rank = i * 0
+        gt = i * 0
+        eq = i * 0
+        later = i * 0
         for j0 in tl.static_range(0, CM, CJ):  # [CM, CJ] tiles: the pairs' registers stay few
             j = j0 + tl.arange(0, CJ)[None, :]
             kj = tl.load(scr + j, mask=j < m, other=0).to(tl.uint32, bitcast=True)
-            better = ((kj > ki[:, None]) | ((kj == ki[:, None]) & (j > i[:, None]))) & (j < m)
-            rank += tl.sum(better.to(tl.int32), 1)
-        tau = tl.max(tl.where((i < m) & (rank == K - c_up - 1), ki, 0), 0)
+            e = (kj == ki[:, None]) & (j < m)
+            gt += tl.sum(((kj > ki[:, None]) & (j < m)).to(tl.int32), 1)
+            eq += tl.sum(e.to(tl.int32), 1)
+            later += tl.sum((e & (j > i[:, None])).to(tl.int32), 1)
+        hit = (i < m) & (gt + later == K - c_up - 1)  # exactly one open key has this rank
+        tau, g, q = tl.reduce((tl.where(hit, ki, 0), tl.where(hit, gt, 0), tl.where(hit, eq, 0)), 0, _add3)
+        n_gt = c_up + g
+        n_eq = q
         tl.debug_barrier()  # the caller may store over scr next
-    return tau
+    return tau, n_gt, n_eq
+
+
+@triton.jit
+def _add3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
 
 
 @triton.jit
@@ -339,21 +367,24 @@ def kth_key2(key, live, K, NBITS: tl.constexpr = 32):
 def _select_lanes(key, live, n, K, STEP2: tl.constexpr, scr, CM: tl.constexpr):
     """The lanes of the K largest live `[CB]` keys (key order = lane order; later lanes win ties), as a mask;
     every live lane where n <= K. STEP2: the k-th key by `kth_key2` (two bits a step) instead of `kth_key`;
-    CM > 0: by `kth_key_compact` with scr (int32, >= CM slots) as its scratch."""
+    CM > 0: by `kth_key_counts` with scr (int32, >= CM slots) as its scratch."""
     sel = live
     if n > K:
         if CM > 0:
             key = tl.where(live, key, 0)  # dead lanes are neither above nor at tau (>= the live min > 0)
-            live = key != 0
-            tau = kth_key_compact(key, live, K, scr, CM)
-        elif STEP2:
-            tau = kth_key2(key, live, K)
+            tau, n_gt, n_eq = kth_key_counts(key, live, n, K, scr, CM, 16)
+            gt = key > tau
+            eq = key == tau
+            need = K - n_gt
         else:
-            tau = kth_key(key, live, K)
-        gt = live & (key > tau)
-        eq = live & (key == tau)
-        need = K - tl.sum(gt.to(tl.int32), 0)
-        n_eq = tl.sum(eq.to(tl.int32), 0)
+            if STEP2:
+                tau = kth_key2(key, live, K)
+            else:
+                tau = kth_key(key, live, K)
+            gt = live & (key > tau)
+            eq = live & (key == tau)
+            need = K - tl.sum(gt.to(tl.int32), 0)
+            n_eq = tl.sum(eq.to(tl.int32), 0)
         sel = gt | eq
         if need < n_eq:  # among keys equal to the k-th the later ones win (the reference's rule)
             sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) > n_eq - need))
