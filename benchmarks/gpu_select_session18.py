@@ -40,7 +40,17 @@ slower or equal. Profile at 32K trained: select 1.44, gather 1.35, quantile 0.39
 Call 3 predictions: the select 1.36 -> ~1.15-1.25 ms at 32K trained (4 of ~18 reductions over the lanes gone),
 5.39 -> ~4.6-5.0 at 128K; the quantile ~0.44-0.46 (one of ~14 gone); whole 32K trained ~4.0.
 
-    PYTHONPATH=$PWD python benchmarks/gpu_select_session18.py --out $OUT/sel18 --budget 420 [--call 1|2|3]
+Call 3 measured (4c08ad8, rows equal everywhere): select 1.424 -> 1.238 ms at 32K trained, 5.64 -> 4.91 at 128K
+trained, 1.28 -> 1.15 / 5.26 -> 4.78 random (right: ~1.15-1.25 predicted); compact 16 a little faster again (1.213 /
+4.839); the quantile SLOWER at compact 64 (0.48 -> 0.54: more spills at the cap 64), compact 32 0.473 / 3.41.
+Whole default vs old, same run: 32K trained 4.85 vs 5.89, 128K trained 42.7 vs 49.6, random 3.59 vs 4.96 / 40.2 vs
+47.5 (this machine ~10% slower than call 2's in every whole row, old included); prefill 32K 1.00x (14.79 ms
+although select 4.47 + attention 9.09 = 13.56: the top-k's host syncs hold the attention's launch back), 128K
+3.01x (86.4 vs 260.3; old 2.81x).
+Call 4 predictions (select_compact 16, quantile_compact 32): select ~1.21 / 4.84, quantile ~0.47 / 3.41; whole
+32K trained ~4.1-4.8 (the machine's host decides); prefill 32K 1.0-1.15x, 128K ~3.0-3.1x.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_select_session18.py --out $OUT/sel18 --budget 420 [--call 1|2|3|4]
 """
 
 from __future__ import annotations
@@ -74,6 +84,10 @@ SEL3 = {"base": {}, "c64": dict(select_compact=64), "r96": dict(select_maxnreg=9
         "w8-r64": dict(select_warps=8, select_maxnreg=64), "c16": dict(select_compact=16)}
 QUANT3 = {"base": {}, "r80": dict(quantile_maxnreg=80), "r96": dict(quantile_maxnreg=96),
           "c32": dict(quantile_compact=32), "r56": dict(quantile_maxnreg=56)}
+# call 4: the final defaults (select_compact 16, quantile_compact 32), the CLI's bench attention beside it; prefill
+# three interleaved repetitions
+SEL4 = {"base": {}, "c32": dict(select_compact=32)}
+QUANT4 = {"base": {}, "c64": dict(quantile_compact=64)}
 SEL = {"base": {}, "r80": dict(select_maxnreg=80), "lean": dict(select_lean=True),
        "lean-r80": dict(select_lean=True, select_maxnreg=80), "lean-r64": dict(select_lean=True, select_maxnreg=64),
        "c64": dict(select_compact=64), "c64-lean": dict(select_compact=64, select_lean=True),
@@ -195,14 +209,19 @@ def prefill(a, index, dev, W, pair: dict, L: int) -> dict:
     dn = dense_times(q, k, v, dev, W, False)
     qi, wi, ki = index
     r = {"seqlen": L, "configs": pair, **dn}
-    for lab, o in pair.items():
-        cfg = dataclasses.replace(CandConfig(), **{**BASE, **o})
-        sel = lambda: indexer_topk_cand(qi, wi, ki, a.k, sink=a.sink, window=a.window, config=cfg)  # noqa: E731
-        rows = sel()
-        r[lab] = {"select_ms": bench_ms(sel, dev, **W),
-                  "attn_ms": bench_ms(lambda: sparse_attention(q, k, v, rows, backend="triton"), dev, **W),
-                  "prefill_ms": bench_ms(lambda: sparse_attention(q, k, v, sel(), backend="triton"), dev, **W)}
-        r[lab]["speedup"] = r["dense_ms"] / r[lab]["prefill_ms"]
+    for rep in range(a.reps):
+        for lab, o in pair.items():
+            cfg = dataclasses.replace(CandConfig(), **{**BASE, **o})
+            sel = lambda: indexer_topk_cand(qi, wi, ki, a.k, sink=a.sink, window=a.window, config=cfg)  # noqa: E731
+            rows = sel()
+            t = {"select_ms": bench_ms(sel, dev, **W),
+                 "attn_ms": bench_ms(lambda: sparse_attention(q, k, v, rows, backend="triton"), dev, **W),
+                 "prefill_ms": bench_ms(lambda: sparse_attention(q, k, v, sel(), backend="triton"), dev, **W)}
+            t["speedup"] = r["dense_ms"] / t["prefill_ms"]
+            if a.reps == 1:
+                r[lab] = t
+            else:
+                r.setdefault(lab, []).append(t)
     log(f"prefill {L}: {r}")
     return r
 
@@ -212,8 +231,9 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sel18"))
     ap.add_argument("--budget", type=float, default=420.0)
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
-    ap.add_argument("--call", type=int, default=3, choices=(1, 2, 3))
+    ap.add_argument("--call", type=int, default=3, choices=(1, 2, 3, 4))
     a = ap.parse_args()
+    a.reps = 3 if a.call == 4 else 1
     a.k, a.sink, a.window = 2048, 4, 64
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
@@ -243,7 +263,7 @@ def main():
         shapes.append(("L128 random", lambda: (torch.randn(1, 131072, 4, 64, device=dev, generator=g2).bfloat16(),
                                                torch.rand(1, 131072, 4, device=dev, generator=g2).bfloat16(),
                                                torch.randn(1, 131072, 64, device=dev, generator=g2).bfloat16())))
-    sel_v, q_v = {1: (SEL, QUANT), 2: (SEL2, QUANT2), 3: (SEL3, QUANT3)}[a.call]
+    sel_v, q_v = {1: (SEL, QUANT), 2: (SEL2, QUANT2), 3: (SEL3, QUANT3), 4: (SEL4, QUANT4)}[a.call]
     if a.call == 1:
         BASE.update(OLD)
     idx = {}

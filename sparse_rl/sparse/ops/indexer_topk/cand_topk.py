@@ -327,8 +327,8 @@ class CandConfig:
     select_lean: bool = True
     # the quantile's / the select's k-th key: the bit search stops once <= this many keys are still open, which
     # are ranked all-pairs (`radix_topk.kth_key_counts`; 0: the plain search of `search_bits`)
-    quantile_compact: int = 64
-    select_compact: int = 32  # 64: 1.42 vs 1.36 ms at 32K trained, 5.64 vs 5.39 at 128K (session 18 call 2)
+    quantile_compact: int = 32  # 64: 0.54 vs 0.47 ms at 32K trained, 3.71 vs 3.41 at 128K (session 18 call 3)
+    select_compact: int = 16  # 32 / 64: 1.24 / 1.40 vs 1.21 ms at 32K trained, 4.91 / 5.56 vs 4.84 at 128K (call 3)
     dot_scan: bool = False  # the gather's in-tile prefix sum by a triangular matmul (stream.py) instead of tl.cumsum
     packed: bool = True  # one int64 store a candidate: (fp32 bits, position) with words, (key, position) with scan
     redo: str = "decode"
