@@ -49,6 +49,9 @@ although select 4.47 + attention 9.09 = 13.56: the top-k's host syncs hold the a
 3.01x (86.4 vs 260.3; old 2.81x).
 Call 4 predictions (select_compact 16, quantile_compact 32): select ~1.21 / 4.84, quantile ~0.47 / 3.41; whole
 32K trained ~4.1-4.8 (the machine's host decides); prefill 32K 1.0-1.15x, 128K ~3.0-3.1x.
+Call 4 outcome: select 1.214 / 4.844, quantile 0.474 / 3.408 (as predicted); whole 32K trained 4.32 vs old 5.85,
+128K trained 43.4 vs 49.0; prefill 32K 1.063-1.116x (old 1.012-1.019x), 128K 3.11-3.13x (old 2.85-2.87x); all rows equal
+the old default's. The CLI's bench attention at d477bd9: 32K 1.04x, 128K 3.08x.
 
     PYTHONPATH=$PWD python benchmarks/gpu_select_session18.py --out $OUT/sel18 --budget 420 [--call 1|2|3|4]
 """
