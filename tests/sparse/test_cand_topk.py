@@ -40,6 +40,7 @@ def _inputs(B, T, S, HI, DI, seed, positive_w=False, integer=False):
     (1, 16, 160, 2, 16, 6, 0, 0, None, False, True, None, "scan"),  # session 10's pair-buffer gather, integer ties
     (2, 21, 75, 3, 16, 8, 2, 3, [0, 17], False, True, None, "compact"),  # k-th keys by all-pairs ranks, ties
     (1, 23, 61, 2, 20, 9, 0, 0, None, False, False, None, "compact-lean"),  # the same, the select's keys only
+    (2, 21, 75, 3, 16, 8, 2, 3, [0, 17], False, True, None, "loaded-queries"),  # query tiles loaded at every key tile
 ])
 def test_cand_selects_exactly_the_reference_keys(B, T, S, HI, DI, K, sink, window, kvs, positive_w, integer, budget,
                                                  threshold):
@@ -52,6 +53,7 @@ def test_cand_selects_exactly_the_reference_keys(B, T, S, HI, DI, K, sink, windo
             "scan": dict(gather="scan", packed=False),
             "compact": dict(packed=True, quantile_compact=4, select_compact=4, block_n=32),
             "compact-lean": dict(packed=True, quantile_compact=4, select_compact=4, select_lean=True, block_n=32),
+            "loaded-queries": dict(hoist_queries=False),
             }.get(threshold, dict(threshold=threshold))
     got = indexer_topk_cand(q, w, k, K, q_offset=q_off, sink=sink, window=window, kv_start=kv_start,
                             config=dataclasses.replace(INTERPRET_CAND, **over), budget_bytes=budget, info=info)

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk.cand_words import HAS_POPC, _append_words, _word_slots
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey, _write_selected
-from sparse_rl.sparse.ops.indexer_topk.stream import score_tile
+from sparse_rl.sparse.ops.indexer_topk.stream import load_queries, score_tile, score_tile_q
 
 @triton.jit
 def _list_rows(ROWS, NR, srb, KVS, S, q_offset, t0, b, BM: tl.constexpr, BN: tl.constexpr):
@@ -89,10 +89,10 @@ def _ties_pass_kernel(Q, W, KI, KVS, TH, BUF, NROW, TIES, ROWS, CNT, OFF, TOT, N
         tbase = (TIES + b * stb + offs * stt)[:, None, None]
         drop = (nt - KT)[:, None, None]  # ties of a global index below this are not among the latest KT
         NW: tl.constexpr = BN // 32
+        qs, ws = load_queries(Q, W, b, tq, mmask, sqb, sqt, sqh, sqd, swb, swt, swh, HI, DI, BD)  # the loop stores
         for n0 in range(lo, hi, BN):
-            s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
-                                                sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
-                                                HI, DI, BM, BN, BD, PREC)
+            s, vis, forced, offs_n = score_tile_q(qs, ws, KI, b, mmask, pos, start, n0, S, sink, window, skb, sks, skd,
+                                                  HI, DI, BM, BN, BD, PREC)
             above = mmask[:, None] & vis & (forced | (s > th[:, None]))  # padding lanes alias row 0: never store
             run = _append_words(s, above, forced, n0, run, vbase, vbase, C, True, True, HWPOPC, False, BM, BN)
             eq = mmask[:, None] & vis & ~forced & (s == th[:, None])

@@ -59,8 +59,8 @@ from sparse_rl.sparse.ops.indexer_topk.radix_topk import (_okey, _select_lanes, 
 from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
 from sparse_rl.sparse.ops.indexer_topk.scores import indexer_scores_chunk
 from sparse_rl.sparse.ops.indexer_topk.stream import (_common, _gather_kernel, _kv_start, _redo_rows, _rows,
-                                                      _threshold_kernel, NZ, Z0, DZ, score_tile,
-                                                      stream_buffer_slots)
+                                                      _threshold_kernel, NZ, Z0, DZ, load_queries, score_tile,
+                                                      score_tile_q, stream_buffer_slots)
 
 from sparse_rl.sparse.ops.indexer_topk.cand_words import HAS_POPC, _append_words, _store_kept
 
@@ -84,11 +84,11 @@ def _sample_kernel(Q, W, KI, KVS, SMP, sqb, sqt, sqh, sqd, swb, swt, swh, skb, s
     b, offs_m, tq, mmask, pos, start, first, last, nvis, nf = _rows(KVS, T, S, t0, q_offset, sink, window, BM, BN)
     if tl.max((nvis > C).to(tl.int32), 0) > 0:
         SR = (S + R - 1) // R
+        qs, ws = load_queries(Q, W, b, tq, mmask, sqb, sqt, sqh, sqd, swb, swt, swh, HI, DI, BD)  # the loop stores
         for j0 in range(0, last // R + 1, BN):
-            # score_tile over the sampled keys: key j is position j * R (stride sks * R, bound SR)
-            s, _, _, offs_j = score_tile(Q, W, KI, b, tq, mmask, pos, start, j0, SR, sink, window,
-                                         sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks * R, skd,
-                                         HI, DI, BM, BN, BD, PREC)
+            # a score tile over the sampled keys: key j is position j * R (stride sks * R, bound SR)
+            s, _, _, offs_j = score_tile_q(qs, ws, KI, b, mmask, pos, start, j0, SR, sink, window, skb, sks * R, skd,
+                                           HI, DI, BM, BN, BD, PREC)
             key = offs_j[None, :] * R
             vis = (key <= pos[:, None]) & (key >= start) & (key < S)
             forced = (key < start + sink) | (key > pos[:, None] - window)
@@ -171,19 +171,36 @@ def _gather_packed_kernel(Q, W, KI, KVS, TH, BUF, NROW, sqb, sqt, sqh, sqd, swb,
 
 
 @triton.jit
+def _tile(qs, ws, Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window, sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks,
+          skd, HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+          PREC: tl.constexpr, HOIST: tl.constexpr):
+    """A score tile from the hoisted queries (HOIST) or loading them (`stream.score_tile`)."""
+    if HOIST:
+        return score_tile_q(qs, ws, KI, b, mmask, pos, start, n0, S, sink, window, skb, sks, skd, HI, DI, BM, BN, BD,
+                            PREC)
+    else:
+        return score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window, sqb, sqt, sqh, sqd, swb, swt, swh,
+                          skb, sks, skd, HI, DI, BM, BN, BD, PREC)
+
+
+@triton.jit
 def _gather_words_kernel(Q, W, KI, KVS, TH, VAL, IDX, NROW, sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, svb,
                          svt, snb, T, S, t0, q_offset, sink, window, K, C,
                          HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                          COMPACT: tl.constexpr, SPLIT: tl.constexpr, PACKED: tl.constexpr, HWPOPC: tl.constexpr,
-                         ASM: tl.constexpr, PREC: tl.constexpr):
+                         ASM: tl.constexpr, PREC: tl.constexpr, HOIST: tl.constexpr):
     """`stream._gather_kernel` (same buffers, key order, counts; PACKED: `_gather_packed_kernel`'s int64 buffer)
     with two changes, each a constexpr so that the device run can time them apart:
     COMPACT 1: slots by `_append_words` (32-key words and popcounts) instead of `tl.cumsum` over the tile;
     SPLIT: the key tiles every row of the program sees whole and unforced (n0 >= start + sink and
     n0 + BN - 1 <= the first row's position - window, below S) run in a loop of their own whose candidate test
     is the one compare `s >= th`: the sm_90a SASS of the single loop spends several integer compares a score on
-    the visibility / forced masks, which only the head (sinks, kv_start) and diagonal tiles need."""
+    the visibility / forced masks, which only the head (sinks, kv_start) and diagonal tiles need.
+    HOIST: the query tiles loaded once before the loops (`stream.load_queries`)."""
     b, offs_m, tq, mmask, pos, start, first, last, nvis, nf = _rows(KVS, T, S, t0, q_offset, sink, window, BM, BN)
+    qs, ws = (), ()
+    if HOIST:  # the loops store, so Triton would re-copy every head's query tile at each key tile
+        qs, ws = load_queries(Q, W, b, tq, mmask, sqb, sqt, sqh, sqd, swb, swt, swh, HI, DI, BD)
     th = tl.load(TH + b * snb + offs_m, mask=mmask, other=float("inf"))  # +inf: rows past T take nothing
     run = tl.zeros([BM], tl.int32)
     vbase = (VAL + b * svb + offs_m * svt)[:, None]
@@ -198,21 +215,18 @@ def _gather_words_kernel(Q, W, KI, KVS, TH, VAL, IDX, NROW, sqb, sqt, sqh, sqd, 
         a = last + 1
         e = a
     for n0 in range(first, a, BN):  # head tiles (all tiles without SPLIT)
-        s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
-                                            sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
-                                            HI, DI, BM, BN, BD, PREC)
+        s, vis, forced, offs_n = _tile(qs, ws, Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window, sqb, sqt,
+                                       sqh, sqd, swb, swt, swh, skb, sks, skd, HI, DI, BM, BN, BD, PREC, HOIST)
         cand = vis & (forced | (s >= th[:, None]))
         run = _append(s, cand, forced, n0, offs_n, run, vbase, ibase, C, True, COMPACT, PACKED, HWPOPC, ASM, BM, BN)
     for n0 in range(a, e, BN):  # whole, unforced tiles
-        s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
-                                            sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
-                                            HI, DI, BM, BN, BD, PREC)
+        s, vis, forced, offs_n = _tile(qs, ws, Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window, sqb, sqt,
+                                       sqh, sqd, swb, swt, swh, skb, sks, skd, HI, DI, BM, BN, BD, PREC, HOIST)
         cand = s >= th[:, None]
         run = _append(s, cand, forced, n0, offs_n, run, vbase, ibase, C, False, COMPACT, PACKED, HWPOPC, ASM, BM, BN)
     for n0 in range(e, last + 1, BN):  # diagonal / window tiles
-        s, vis, forced, offs_n = score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
-                                            sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
-                                            HI, DI, BM, BN, BD, PREC)
+        s, vis, forced, offs_n = _tile(qs, ws, Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window, sqb, sqt,
+                                       sqh, sqd, swb, swt, swh, skb, sks, skd, HI, DI, BM, BN, BD, PREC, HOIST)
         cand = vis & (forced | (s >= th[:, None]))
         run = _append(s, cand, forced, n0, offs_n, run, vbase, ibase, C, True, COMPACT, PACKED, HWPOPC, ASM, BM, BN)
     good = (run >= tl.minimum(nvis, K)) & (run <= C)
@@ -337,6 +351,9 @@ class CandConfig:
     gather: str = "words"
     word_compact: bool = True  # words: slots from 32-key words and popcounts (False: tl.cumsum, for timing apart)
     split: bool = True  # words: the whole, unforced key tiles in a loop of their own (one compare a score)
+    # words: the query tiles loaded once before the key loops (`stream.load_queries`; False: at every key tile)
+    hoist_queries: bool = True
+    gather_maxnreg: int = 0  # a register cap for the gather (0: the compiler's; sm_90a 4 warps at 64 keys: 220)
     asm_store: bool = True  # words, CUDA only: the predicated stores as inline PTX (no layout conversion)
     search_bits: int = 1  # bits a step of the quantile's and the select's k-th key search (2: `kth_key2`)
     # flagged rows first gathered again with the strict threshold and their ties at it (cand_ties.py; packed
@@ -410,8 +427,9 @@ def cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, 
         _gather_words_kernel[(triton.cdiv(t1 - t0, cfg.block_m), B)](
             *args, th, val, idx, nrow, *strides, val.stride(0), val.stride(1), nrow.stride(0), t1, S, t0, q_offset,
             sink, window, topk, C, BM=cfg.block_m, BN=cfg.block_n, COMPACT=int(cfg.word_compact), SPLIT=cfg.split,
-            PACKED=cfg.packed, HWPOPC=q_idx.is_cuda and HAS_POPC, ASM=cfg.asm_store and q_idx.is_cuda, **meta,
-            num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1)
+            PACKED=cfg.packed, HWPOPC=q_idx.is_cuda and HAS_POPC, ASM=cfg.asm_store and q_idx.is_cuda,
+            HOIST=cfg.hoist_queries, **meta,
+            num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1, **_maxnreg(cfg.gather_maxnreg, q_idx))
         return
     if cfg.packed:
         _gather_packed_kernel[(triton.cdiv(t1 - t0, cfg.block_m), B)](

@@ -53,25 +53,52 @@ BUFFER_BUDGET_BYTES = 1 << 30
 
 
 @triton.jit
-def score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
-                 sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
+def load_queries(Q, W, b, tq, mmask, sqb, sqt, sqh, sqd, swb, swt, swh, HI: tl.constexpr, DI: tl.constexpr,
+                 BD: tl.constexpr):
+    """The BM query rows tq of every index head, as tuples of HI `[BM, BD]` query tiles and HI `[BM]` fp32 head
+    weights, for `score_tile_q`. A sweep whose loop also stores (the gathers) loads them once before it: Triton's
+    loop-invariant code motion hoists loads only out of store-free loops (sm_90a TTGIR, Triton 3.6: the row-max
+    sweep's q tiles sit in shared memory once, the words gather re-copied all HI of them at every key tile, 4x the
+    key tile's bytes)."""
+    offs_d = tl.arange(0, BD)
+    qs = ()
+    ws = ()
+    for j in tl.static_range(HI):
+        qs = qs + (tl.load(Q + b * sqb + tq[:, None] * sqt + j * sqh + offs_d[None, :] * sqd,
+                           mask=mmask[:, None] & (offs_d[None, :] < DI), other=0.0),)
+        ws = ws + (tl.load(W + b * swb + tq * swt + j * swh, mask=mmask, other=0.0).to(tl.float32),)
+    return qs, ws
+
+
+@triton.jit
+def score_tile_q(qs, ws, KI, b, mmask, pos, start, n0, S, sink, window, skb, sks, skd,
                  HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                  PREC: tl.constexpr):
-    """Scores `[BM, BN]` fp32 of queries tq against keys n0..n0+BN-1, with (visible, forced) masks."""
+    """`score_tile` on queries loaded by `load_queries`: scores `[BM, BN]` fp32 of keys n0..n0+BN-1, with
+    (visible, forced) masks."""
     offs_n = n0 + tl.arange(0, BN)
     offs_d = tl.arange(0, BD)
     kt = tl.load(KI + b * skb + offs_n[None, :] * sks + offs_d[:, None] * skd,
                  mask=(offs_n[None, :] < S) & (offs_d[:, None] < DI), other=0.0)  # [BD, BN]
     acc = tl.zeros([BM, BN], tl.float32)
     for j in tl.static_range(HI):
-        qj = tl.load(Q + b * sqb + tq[:, None] * sqt + j * sqh + offs_d[None, :] * sqd,
-                     mask=mmask[:, None] & (offs_d[None, :] < DI), other=0.0)
-        wj = tl.load(W + b * swb + tq * swt + j * swh, mask=mmask, other=0.0).to(tl.float32)
-        acc += wj[:, None] * tl.maximum(dot(qj, kt, PREC), 0.0)
+        acc += ws[j][:, None] * tl.maximum(dot(qs[j], kt, PREC), 0.0)
     s = offs_n[None, :]
     vis = (s <= pos[:, None]) & (s >= start) & mmask[:, None] & (s < S)
     forced = vis & ((s < start + sink) | (s > pos[:, None] - window))
     return acc, vis, forced, offs_n
+
+
+@triton.jit
+def score_tile(Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window,
+               sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd,
+               HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+               PREC: tl.constexpr):
+    """Scores `[BM, BN]` fp32 of queries tq against keys n0..n0+BN-1, with (visible, forced) masks (the queries
+    loaded at every call: see `load_queries`)."""
+    qs, ws = load_queries(Q, W, b, tq, mmask, sqb, sqt, sqh, sqd, swb, swt, swh, HI, DI, BD)
+    return score_tile_q(qs, ws, KI, b, mmask, pos, start, n0, S, sink, window, skb, sks, skd, HI, DI, BM, BN, BD,
+                        PREC)
 
 
 @triton.jit
