@@ -14,7 +14,19 @@ Predictions: gather alone 32K trained 1.36 -> ~0.9-1.0 ms, 128K trained ~27 -> ~
 10.9 is the floor of this form); whole top-k 32K trained 4.3 -> ~3.8-4.0, 128K trained 43 -> ~32-37; prefill 128K
 3.1x -> ~3.6-4.0x, 32K ~1.06 -> ~1.1x. BN 32 (165 registers, 3 programs an SM) and the 8-warp forms: within +-10%.
 
-    PYTHONPATH=$PWD python benchmarks/gpu_hoist_session19.py --out $OUT/hoist19 --budget 300
+Call 1 outcome (1fed187): every form's buffers equal. Gather alone, loaded -> hoisted: 32K trained 1.387 -> 1.169
+ms, 128K trained 19.68 -> 15.40, 32K random 1.566 -> 1.293, 128K random 20.66 -> 16.35 (row-max sweep 0.77 / 11.0);
+r168 15.26 / 15.63 at 128K (within 1-4%), BN 32 and 8 warps slower. Whole: 32K trained 3.955 -> 3.779, 128K trained
+41.72 -> 36.63, 128K random 39.12 -> 33.60. Prefill 128K 3.12x -> 3.35x; 32K 1.04-1.14x both (noise). The profile at
+128K trained: the gather in its 4 chunks 21.05 ms against 15.40 in one launch: the 2 GB budget made chunks of
+43,648 x 3 + 128 rows, the last 2 programs walking 131K keys each.
+
+Call 2 (even chunks, `cand_topk.even_chunk`; the flagged rows by one nonzero, no unique / mask syncs at B = 1):
+whole at 128K with the buffer budget giving 4 (default 2 GB), 3, 2 and 1 chunks. Predictions: 128K trained default
+36.6 -> ~32-34 ms (gather 21 -> ~16-17), 2 chunks ~31-33, 1 chunk ~30-32; 128K random alike (-3 to -5 ms); 32K
+(one chunk) 3.78 -> ~3.6-3.8.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_hoist_session19.py --out $OUT/hoist19 --budget 300 [--call 1|2]
 """
 
 from __future__ import annotations
@@ -71,11 +83,62 @@ def gather_alone(a, name, qi, wi, ki, dev, W) -> dict:
     return res
 
 
+BUDGETS = {"default": None, "3 chunks": 2_200_000_000, "2 chunks": 3_300_000_000, "1 chunk": 6_500_000_000}
+
+
+def chunks(a, name, qi, wi, ki, dev, W) -> dict:
+    """indexer_topk_cand at each buffer budget (chunk count): ms, rows equal to the default's; the default's profile."""
+    from sparse_rl.bench.timing import bench_ms
+    from sparse_rl.sparse.ops.indexer_topk.cand_topk import indexer_topk_cand
+
+    T = qi.shape[1]
+    res, ref = {"whole": {}}, None
+    for lab, bb in BUDGETS.items():
+        if T <= 32768 and bb is not None:
+            continue  # one chunk already
+        fn = lambda: indexer_topk_cand(qi, wi, ki, a.k, sink=a.sink, window=a.window, budget_bytes=bb)  # noqa: E731
+        info = {}
+        out = indexer_topk_cand(qi, wi, ki, a.k, sink=a.sink, window=a.window, budget_bytes=bb, info=info)
+        if ref is None:
+            ref = out
+        res["whole"][lab] = {"ms": bench_ms(fn, dev, **W), "equal": bool(torch.equal(out, ref)), "info": info,
+                             "budget_bytes": bb}
+        log(f"{name} whole {lab}: {res['whole'][lab]}")
+    del ref, out
+    res["profile"] = kernel_profile(fn if T <= 32768 else (
+        lambda: indexer_topk_cand(qi, wi, ki, a.k, sink=a.sink, window=a.window)), dev, top=20)
+    log(f"{name} profile {res['profile']}")
+    return res
+
+
+def prefill_budgets(a, index, dev, W, L) -> dict:
+    """Prefill (top-k + `auto` attention) vs dense, default budget against one chunk, interleaved reps."""
+    from sparse_rl.bench.timing import bench_ms
+    from sparse_rl.sparse.ops import sparse_attention
+    from sparse_rl.sparse.ops.indexer_topk.cand_topk import indexer_topk_cand
+
+    gen = torch.Generator(device=dev).manual_seed(7)
+    q, k, v = (torch.randn(1, L, h, 128, device=dev, generator=gen).to(torch.bfloat16) for h in (32, 8, 8))
+    r = {"seqlen": L, **s18.dense_times(q, k, v, dev, W, False)}
+    qi, wi, ki = index
+    for rep in range(a.reps):
+        for lab in ("default", "1 chunk"):
+            bb = BUDGETS[lab]
+            sel = lambda: indexer_topk_cand(qi, wi, ki, a.k, sink=a.sink, window=a.window, budget_bytes=bb)  # noqa
+            t = {"select_ms": bench_ms(sel, dev, **W),
+                 "prefill_ms": bench_ms(lambda: sparse_attention(q, k, v, sel(), backend="triton"), dev, **W)}
+            t["speedup"] = r["dense_ms"] / t["prefill_ms"]
+            r.setdefault(lab, []).append(t)
+    log(f"prefill {L}: {r}")
+    return r
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "hoist19"))
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    ap.add_argument("--call", type=int, default=2, choices=(1, 2))
     a = ap.parse_args()
     a.reps, a.k, a.sink, a.window = 3, 2048, 4, 64
     os.makedirs(a.out, exist_ok=True)
@@ -113,6 +176,15 @@ def main():
             log(f"skip {name}: budget")
             continue
         qi, wi, ki = make()
+        if a.call == 2:
+            r = chunks(a, name, qi, wi, ki, dev, W)
+            res["shapes"][name] = r
+            save()
+            if name == "L128 trained":
+                idx[name] = (qi, wi, ki)
+            del qi, wi, ki
+            torch.cuda.empty_cache()
+            continue
         r = gather_alone(a, name, qi, wi, ki, dev, W)
         ok = {k: v["ms"] for k, v in r["gather"].items() if v.get("equal") and "ms" in v}
         best = min(ok, key=ok.get)
@@ -131,8 +203,11 @@ def main():
         torch.cuda.empty_cache()
     for name, L in (("L32 trained", 32768), ("L128 trained", 131072)):
         if name in idx and time.time() - t0 < a.budget - (25 if L == 32768 else 45):
-            res.setdefault("prefill", {})[name] = s18.prefill(a, idx[name], dev, W, {"loaded": LOADED, "default": {}},
-                                                              L)
+            if a.call == 2:
+                res.setdefault("prefill", {})[name] = prefill_budgets(a, idx[name], dev, W, L)
+            else:
+                res.setdefault("prefill", {})[name] = s18.prefill(a, idx[name], dev, W,
+                                                                  {"loaded": LOADED, "default": {}}, L)
             save()
         idx.pop(name, None)
         torch.cuda.empty_cache()

@@ -57,8 +57,8 @@ def test_stream_threshold_path_is_taken_and_exact():
     assert info["slots"] == 16 and info["mean_entries"] < 16 < S - T
 
 
-@pytest.mark.parametrize("path", ["stream", "binned"])
-def test_rows_of_equal_scores_are_redone_exactly(path):
+@pytest.mark.parametrize("path,B", [("stream", 1), ("binned", 1), ("stream", 2)])
+def test_rows_of_equal_scores_are_redone_exactly(path, B):
     """Equal scores everywhere (zero head weights): every row's threshold bin holds all its keys, so the
     buffer overflows (stream) or the boundary bin exceeds the recompute cap (binned), and the row is
     redone by the exact decode select: the latest keys win. A stream buffer smaller than k on random

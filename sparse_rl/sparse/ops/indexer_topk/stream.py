@@ -336,13 +336,14 @@ def _select(val, idx, nrow, out, topk, cfg: StreamConfig):
                               out.stride(1), topk, CB=CB, KB=min(1024, CB), num_warps=cfg.select_warps)
 
 
-def _redo_rows(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out, group: int = 512):
-    """Exact selection, by the split-row decode select, of the flagged rows bad `[B, Tc]` of the chunk."""
+def _redo_rows(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out, group: int = 512, rows=None):
+    """Exact selection, by the split-row decode select, of the flagged rows bad `[B, Tc]` of the chunk (rows: their
+    `bad.nonzero()`, when the caller has it)."""
     from sparse_rl.sparse.ops.indexer_topk.decode import indexer_topk_decode
 
     if k_idx.stride(-1) != 1:
         k_idx = k_idx.contiguous()
-    for b, t in _groups(bad.nonzero(), group):
+    for b, t in _groups(bad.nonzero() if rows is None else rows, group, bad.shape[0]):
         tt = t + t0
         kb = k_idx[b:b + 1].expand(len(t), *k_idx.shape[1:])  # one key set, broadcast (stride 0)
         pos = (tt + q_offset).to(torch.int32)
@@ -350,10 +351,11 @@ def _redo_rows(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out,
         out[b, tt] = indexer_topk_decode(q_idx[b, tt], w[b, tt], kb, pos, topk, sink=sink, window=window, kv_start=st)
 
 
-def _groups(rows: torch.Tensor, group: int):
-    """(b, t-tensor) groups of at most `group` flagged rows sharing a batch row."""
-    for b in rows[:, 0].unique().tolist():
-        t = rows[rows[:, 0] == b, 1]
+def _groups(rows: torch.Tensor, group: int, B: int):
+    """(b, t-tensor) groups of at most `group` flagged rows `[n, 2]` sharing a batch row. With one batch row no
+    host sync beyond the one nonzero already paid (its length)."""
+    for b in range(1) if B == 1 else rows[:, 0].unique().tolist():
+        t = rows[:, 1] if B == 1 else rows[rows[:, 0] == b, 1]
         for i in range(0, len(t), group):
             yield b, t[i:i + group]
 
