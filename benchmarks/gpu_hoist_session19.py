@@ -26,7 +26,19 @@ whole at 128K with the buffer budget giving 4 (default 2 GB), 3, 2 and 1 chunks.
 36.6 -> ~32-34 ms (gather 21 -> ~16-17), 2 chunks ~31-33, 1 chunk ~30-32; 128K random alike (-3 to -5 ms); 32K
 (one chunk) 3.78 -> ~3.6-3.8.
 
-    PYTHONPATH=$PWD python benchmarks/gpu_hoist_session19.py --out $OUT/hoist19 --budget 300 [--call 1|2]
+Call 2 outcome (843b725; rows equal at every budget): 128K trained whole 32.93 ms at 4 even chunks (gather x4 15.79
+against 21.05 in call 1), 3 chunks 33.44, 2 chunks 30.73, 1 chunk 29.00; 128K random 28.59 / 29.08 / 27.10 / 25.23;
+32K trained 3.59 (call 1: 3.78). Prefill 128K 3.54-3.66x at 4 chunks, 3.77-3.83x at 1 chunk (dense 266.9 ms).
+So the buffers' budget is now a quarter of the free memory, 1-8 GB (`cand_topk.buffer_budget`: 128K in one chunk on
+an idle H200).
+
+Call 3: `skip_empty` (a whole tile without a candidate skips the append: one tile-wide reduction) against the
+default, gather alone and whole, prefill in three interleaved reps; then the CLI's `bench attention`. Predictions:
+gather alone 128K trained 15.4 -> ~12-13.5 ms (the row-max sweep 11.0 the floor: the trained indexer's candidates
+cluster), 32K trained 1.17 -> ~0.95-1.05; random rows (no empty tiles at 2-10% density) +0-3%; whole 128K trained
+~29 -> ~26-27.5; prefill 128K ~3.8x -> ~3.9-4.0x.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_hoist_session19.py --out $OUT/hoist19 --budget 300 [--call 1|2|3]
 """
 
 from __future__ import annotations
@@ -49,7 +61,11 @@ GATHER = {"loaded": LOADED, "hoist": {}, "n32": dict(block_n=32), "n128-w8": dic
           "w8": dict(warps=8), "r168": dict(gather_maxnreg=168), "loaded-n128-w8": dict(LOADED, block_n=128, warps=8)}
 
 
-def gather_alone(a, name, qi, wi, ki, dev, W) -> dict:
+GATHER3 = {"hoist": {}, "skip": dict(skip_empty=True), "skip-r168": dict(skip_empty=True, gather_maxnreg=168)}
+SKIP = dict(skip_empty=True)
+
+
+def gather_alone(a, name, qi, wi, ki, dev, W, GATHER=GATHER) -> dict:
     """Each gather form on the default threshold's rows: ms, and buffers equal to the loaded form's."""
     from sparse_rl.bench.timing import bench_ms
     from sparse_rl.sparse.ops.indexer_topk import cand_topk as ct
@@ -138,7 +154,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "hoist19"))
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
-    ap.add_argument("--call", type=int, default=2, choices=(1, 2))
+    ap.add_argument("--call", type=int, default=3, choices=(1, 2, 3))
     a = ap.parse_args()
     a.reps, a.k, a.sink, a.window = 3, 2048, 4, 64
     os.makedirs(a.out, exist_ok=True)
@@ -185,12 +201,13 @@ def main():
             del qi, wi, ki
             torch.cuda.empty_cache()
             continue
-        r = gather_alone(a, name, qi, wi, ki, dev, W)
+        gv = GATHER3 if a.call == 3 else GATHER
+        r = gather_alone(a, name, qi, wi, ki, dev, W, gv)
         ok = {k: v["ms"] for k, v in r["gather"].items() if v.get("equal") and "ms" in v}
         best = min(ok, key=ok.get)
-        combos = {"default": {}, "loaded": LOADED}
-        if best not in ("hoist", "loaded"):
-            combos["best"] = GATHER[best]
+        combos = {"default": {}, "skip": SKIP} if a.call == 3 else {"default": {}, "loaded": LOADED}
+        if best not in ("hoist", "loaded", "skip"):
+            combos["best"] = gv[best]
         r["whole"] = s18.whole(a, name, qi, wi, ki, dev, W, combos)
         if name.endswith("trained"):
             r["profile"] = kernel_profile(
@@ -206,8 +223,8 @@ def main():
             if a.call == 2:
                 res.setdefault("prefill", {})[name] = prefill_budgets(a, idx[name], dev, W, L)
             else:
-                res.setdefault("prefill", {})[name] = s18.prefill(a, idx[name], dev, W,
-                                                                  {"loaded": LOADED, "default": {}}, L)
+                pair = {"default": {}, "skip": SKIP} if a.call == 3 else {"loaded": LOADED, "default": {}}
+                res.setdefault("prefill", {})[name] = s18.prefill(a, idx[name], dev, W, pair, L)
             save()
         idx.pop(name, None)
         torch.cuda.empty_cache()

@@ -67,6 +67,27 @@ def test_cand_selects_exactly_the_reference_keys(B, T, S, HI, DI, K, sink, windo
         assert torch.equal(got2, ref)
 
 
+def test_empty_whole_tiles_are_skipped_without_changing_the_buffers():
+    """Keys 96.. scaled up: every row's candidates lie there, so the whole 32-key tiles 0-95 hold none and
+    `skip_empty` leaves them out of the append; the rows equal the reference, and the buffers the unskipped run's
+    (the same entries a row and no row flagged that was not flagged before: a tile skipped wrongly would shorten
+    rows into the redo, which is exact and would hide it)."""
+    g = torch.Generator().manual_seed(5)
+    T, S, K = 16, 160, 8
+    q, w, k = torch.randn(1, T, 2, 16, generator=g), torch.rand(1, T, 2, generator=g), torch.randn(1, S, 16, generator=g)
+    k[0, 96:] *= 8
+    ref = indexer_topk_naive(q, w, k, K, q_offset=S - T)
+    infos = []
+    for skip in (False, True):
+        info = {}
+        got = indexer_topk_cand(q, w, k, K, q_offset=S - T, info=info,
+                                config=dataclasses.replace(INTERPRET_CAND, skip_empty=skip))
+        assert torch.equal(got, ref)
+        infos.append(info)
+    assert infos[0] == infos[1] and infos[1]["redone_rows"] < T
+    assert bool((ref < 96).sum() <= T * 1)  # the candidates do cluster in the scaled keys
+
+
 def test_cand_redoes_rows_of_equal_scores_exactly():
     """57 keys with one index key: rows whose threshold lands on them overflow the buffer and are redone on the
     materialising path, with the later-key rule among the equal scores (the decode select got this row wrong)."""

@@ -64,7 +64,22 @@ from sparse_rl.sparse.ops.indexer_topk.stream import (_common, _gather_kernel, _
 
 from sparse_rl.sparse.ops.indexer_topk.cand_words import HAS_POPC, _append_words, _store_kept
 
-BUFFER_BUDGET_BYTES = 2 << 30  # 32K rows in one chunk (1.3 GB of buffers)
+# the candidate and sample buffers' bytes on CUDA: a quarter of the memory free to PyTorch, within these bounds
+# (128K rows of k 2048 take 6.4 GB in one chunk: 32 KB of candidates and 16 KB of samples a row)
+BUFFER_BUDGET_BYTES = 8 << 30
+BUFFER_BUDGET_MIN = 1 << 30
+
+
+def buffer_budget(dev: torch.device) -> int:
+    """Bytes the buffers may take on dev: a quarter of the driver's free memory plus the caching allocator's unused
+    reserve, between BUFFER_BUDGET_MIN and BUFFER_BUDGET_BYTES (the interpreter: 4 MB). Fewer chunks are faster and
+    the rows do not depend on the chunking (H200, session 19, 128K trained: 1 chunk 29.0 ms, 2 chunks 30.7, 4 chunks
+    32.9; rows equal)."""
+    if dev.type != "cuda":
+        return 1 << 22
+    free, _ = torch.cuda.mem_get_info(dev)
+    spare = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    return max(BUFFER_BUDGET_MIN, min(BUFFER_BUDGET_BYTES, (free + spare) // 4))
 
 
 @triton.jit
@@ -188,7 +203,8 @@ def _gather_words_kernel(Q, W, KI, KVS, TH, VAL, IDX, NROW, sqb, sqt, sqh, sqd, 
                          svt, snb, T, S, t0, q_offset, sink, window, K, C,
                          HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                          COMPACT: tl.constexpr, SPLIT: tl.constexpr, PACKED: tl.constexpr, HWPOPC: tl.constexpr,
-                         ASM: tl.constexpr, PREC: tl.constexpr, HOIST: tl.constexpr):
+                         ASM: tl.constexpr, PREC: tl.constexpr, HOIST: tl.constexpr,
+                         SKIP: tl.constexpr):
     """`stream._gather_kernel` (same buffers, key order, counts; PACKED: `_gather_packed_kernel`'s int64 buffer)
     with two changes, each a constexpr so that the device run can time them apart:
     COMPACT 1: slots by `_append_words` (32-key words and popcounts) instead of `tl.cumsum` over the tile;
@@ -196,7 +212,8 @@ def _gather_words_kernel(Q, W, KI, KVS, TH, VAL, IDX, NROW, sqb, sqt, sqh, sqd, 
     n0 + BN - 1 <= the first row's position - window, below S) run in a loop of their own whose candidate test
     is the one compare `s >= th`: the sm_90a SASS of the single loop spends several integer compares a score on
     the visibility / forced masks, which only the head (sinks, kv_start) and diagonal tiles need.
-    HOIST: the query tiles loaded once before the loops (`stream.load_queries`)."""
+    HOIST: the query tiles loaded once before the loops (`stream.load_queries`). SKIP: a whole tile is appended only
+    where some score reaches its row's threshold (a trained indexer's candidates cluster)."""
     b, offs_m, tq, mmask, pos, start, first, last, nvis, nf = _rows(KVS, T, S, t0, q_offset, sink, window, BM, BN)
     qs, ws = (), ()
     if HOIST:  # the loops store, so Triton would re-copy every head's query tile at each key tile
@@ -223,7 +240,13 @@ def _gather_words_kernel(Q, W, KI, KVS, TH, VAL, IDX, NROW, sqb, sqt, sqh, sqd, 
         s, vis, forced, offs_n = _tile(qs, ws, Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window, sqb, sqt,
                                        sqh, sqd, swb, swt, swh, skb, sks, skd, HI, DI, BM, BN, BD, PREC, HOIST)
         cand = s >= th[:, None]
-        run = _append(s, cand, forced, n0, offs_n, run, vbase, ibase, C, False, COMPACT, PACKED, HWPOPC, ASM, BM, BN)
+        if SKIP:  # a tile without a candidate appends nothing: one reduction instead of the words' work
+            if tl.max(cand.to(tl.int32)) > 0:
+                run = _append(s, cand, forced, n0, offs_n, run, vbase, ibase, C, False, COMPACT, PACKED, HWPOPC, ASM,
+                              BM, BN)
+        else:
+            run = _append(s, cand, forced, n0, offs_n, run, vbase, ibase, C, False, COMPACT, PACKED, HWPOPC, ASM, BM,
+                          BN)
     for n0 in range(e, last + 1, BN):  # diagonal / window tiles
         s, vis, forced, offs_n = _tile(qs, ws, Q, W, KI, b, tq, mmask, pos, start, n0, S, sink, window, sqb, sqt,
                                        sqh, sqd, swb, swt, swh, skb, sks, skd, HI, DI, BM, BN, BD, PREC, HOIST)
@@ -353,6 +376,7 @@ class CandConfig:
     split: bool = True  # words: the whole, unforced key tiles in a loop of their own (one compare a score)
     # words: the query tiles loaded once before the key loops (`stream.load_queries`; False: at every key tile)
     hoist_queries: bool = True
+    skip_empty: bool = False  # words: whole tiles without a candidate skip the append (one tile reduction)
     gather_maxnreg: int = 0  # a register cap for the gather (0: the compiler's; sm_90a 4 warps at 64 keys: 220)
     asm_store: bool = True  # words, CUDA only: the predicated stores as inline PTX (no layout conversion)
     search_bits: int = 1  # bits a step of the quantile's and the select's k-th key search (2: `kth_key2`)
@@ -437,7 +461,7 @@ def cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, 
             *args, th, val, idx, nrow, *strides, val.stride(0), val.stride(1), nrow.stride(0), t1, S, t0, q_offset,
             sink, window, topk, C, BM=cfg.block_m, BN=cfg.block_n, COMPACT=int(cfg.word_compact), SPLIT=cfg.split,
             PACKED=cfg.packed, HWPOPC=q_idx.is_cuda and HAS_POPC, ASM=cfg.asm_store and q_idx.is_cuda,
-            HOIST=cfg.hoist_queries, **meta,
+            HOIST=cfg.hoist_queries, SKIP=cfg.skip_empty, **meta,
             num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1, **_maxnreg(cfg.gather_maxnreg, q_idx))
         return
     if cfg.packed:
@@ -497,8 +521,9 @@ def indexer_topk_cand(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor,
                       info: dict | None = None) -> torch.Tensor:
     """See the module docstring. q_idx `[B, T, H_I, D_I]`, w `[B, T, H_I]`, k_idx `[B, S, D_I]` (T, S >= 1; the
     caller, `triton.indexer_topk`, checks dtypes) -> `[B, T, topk]` int32. slots: buffer entries a row (default
-    `stream_buffer_slots(topk)`, 2k rounded up to a power of two); config: `CandConfig()` on CUDA,
-    `INTERPRET_CAND` otherwise; info (costs a sync per chunk): mean buffer entries a served row, rows redone."""
+    `stream_buffer_slots(topk)`, 2k rounded up to a power of two); budget_bytes: the buffers' bytes (default
+    `buffer_budget`), which set the rows a chunk; config: `CandConfig()` on CUDA, `INTERPRET_CAND` otherwise; info
+    (costs a sync per chunk): mean buffer entries a served row, rows redone."""
     B, T = q_idx.shape[:2]
     S = k_idx.shape[1]
     dev = q_idx.device
@@ -507,7 +532,7 @@ def indexer_topk_cand(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor,
     kvs = _kv_start(kv_start, B, dev)
     R = sample_stride(cfg, S)
     SW = triton.cdiv(min(S, q_offset + T), R) if cfg.threshold == "sample" else 1
-    budget = budget_bytes or (BUFFER_BUDGET_BYTES if q_idx.is_cuda else 1 << 22)
+    budget = budget_bytes or buffer_budget(dev)
     BM = cfg.block_m
     chunk = even_chunk(T, max(BM, min(T, budget // (B * (8 * C + 4 * SW))) // BM * BM), BM)
     rows = min(T, chunk)
