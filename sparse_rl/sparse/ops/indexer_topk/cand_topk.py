@@ -376,8 +376,14 @@ class CandConfig:
     split: bool = True  # words: the whole, unforced key tiles in a loop of their own (one compare a score)
     # words: the query tiles loaded once before the key loops (`stream.load_queries`; False: at every key tile)
     hoist_queries: bool = True
-    skip_empty: bool = False  # words: whole tiles without a candidate skip the append (one tile reduction)
-    gather_maxnreg: int = 0  # a register cap for the gather (0: the compiler's; sm_90a 4 warps at 64 keys: 220)
+    # rows of at least long_keys keys (their candidates, 1.5 k of them, are a few % of the keys and cluster for a
+    # trained indexer): whole gather tiles without a candidate skip the append (one tile-wide reduction) and the
+    # gather runs capped at gather_maxnreg registers (0: the compiler's 220, 2 programs an SM; 168: 3). H200, session
+    # 19, gather alone at 128K trained: 15.37 ms -> skip 13.50 -> skip + cap 12.36 (whole 29.4 -> 27.4); 128K random
+    # 16.28 -> 16.87 (no empty tiles); at 32K both lose (trained 1.17 -> 1.21 / 1.25), so shorter rows take neither
+    skip_empty: bool = True
+    gather_maxnreg: int = 168
+    long_keys: int = 65536
     asm_store: bool = True  # words, CUDA only: the predicated stores as inline PTX (no layout conversion)
     search_bits: int = 1  # bits a step of the quantile's and the select's k-th key search (2: `kth_key2`)
     # flagged rows first gathered again with the strict threshold and their ties at it (cand_ties.py; packed
@@ -395,7 +401,8 @@ class CandConfig:
 INTERPRET_CAND = CandConfig(block_m=16, block_n=32, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
                             warps=1, quantile_warps=1, select_warps=1, redo="tiles", ties=True,
                             quantile_compact=4, select_compact=4,  # the all-pairs rank on the tests' few keys
-                            tie_min_work=0, tie_splits=3)  # block_n: a word; 3 spans: the split path, a short last span
+                            tie_min_work=0, tie_splits=3,  # block_n: a word; 3 spans: the split path, a short last span
+                            long_keys=64)  # the tests' longer rows skip empty tiles, the shorter ones do not
 
 
 def _maxnreg(cap: int, t: torch.Tensor) -> dict:
@@ -457,12 +464,13 @@ def cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, 
     args, strides, meta = _common(q_idx, w, k_idx, kvs)
     if cfg.gather == "words":
         assert cfg.block_n % 32 == 0, "the word compaction packs 32-key words"
+        long = int(S >= cfg.long_keys)
         _gather_words_kernel[(triton.cdiv(t1 - t0, cfg.block_m), B)](
             *args, th, val, idx, nrow, *strides, val.stride(0), val.stride(1), nrow.stride(0), t1, S, t0, q_offset,
             sink, window, topk, C, BM=cfg.block_m, BN=cfg.block_n, COMPACT=int(cfg.word_compact), SPLIT=cfg.split,
             PACKED=cfg.packed, HWPOPC=q_idx.is_cuda and HAS_POPC, ASM=cfg.asm_store and q_idx.is_cuda,
-            HOIST=cfg.hoist_queries, SKIP=cfg.skip_empty, **meta,
-            num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1, **_maxnreg(cfg.gather_maxnreg, q_idx))
+            HOIST=cfg.hoist_queries, SKIP=cfg.skip_empty and long, **meta,
+            num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1, **_maxnreg(cfg.gather_maxnreg * long, q_idx))
         return
     if cfg.packed:
         _gather_packed_kernel[(triton.cdiv(t1 - t0, cfg.block_m), B)](
