@@ -38,7 +38,18 @@ gather alone 128K trained 15.4 -> ~12-13.5 ms (the row-max sweep 11.0 the floor:
 cluster), 32K trained 1.17 -> ~0.95-1.05; random rows (no empty tiles at 2-10% density) +0-3%; whole 128K trained
 ~29 -> ~26-27.5; prefill 128K ~3.8x -> ~3.9-4.0x.
 
-    PYTHONPATH=$PWD python benchmarks/gpu_hoist_session19.py --out $OUT/hoist19 --budget 300 [--call 1|2|3]
+Call 3 outcome (aca50ad; rows and buffers equal): skip_empty, gather alone: 128K trained 15.37 -> 13.50 ms, with
+a 168-register cap 12.36; 32K trained 1.17 -> 1.21 / 1.25; random 32K 1.28 -> 1.33, 128K 16.28 -> 17.39 / 16.87.
+Whole 128K trained 29.43 -> 28.39 -> 27.38 (cap), 128K random 27.52 -> 28.54. Prefill 128K 3.62-3.63x -> 3.72-3.76x
+(skip). So rows of >= 64K keys take skip + cap (`CandConfig.long_keys`), shorter ones neither. The CLI at aca50ad:
+32K 1.10x (13.45 ms: top-k 4.16, attention 8.96), 128K 3.62x (70.8: top-k 29.1, attention 42.3).
+
+Call 4: the whole at 128K with a smaller sample (sample_lanes 2048: the quantile's k-th search over half the lanes,
+a noisier threshold), and at E 1.7 beside it; then the CLI's `bench attention` at the final commit. Predictions:
+128K trained default ~27.4; lanes 2048 ~26-27 (quantile 2.8 -> ~1.5 ms, more rows flagged); 32K unchanged (its
+sample is 2,048 keys already).
+
+    PYTHONPATH=$PWD python benchmarks/gpu_hoist_session19.py --out $OUT/hoist19 --budget 300 [--call 1|2|3|4]
 """
 
 from __future__ import annotations
@@ -63,6 +74,8 @@ GATHER = {"loaded": LOADED, "hoist": {}, "n32": dict(block_n=32), "n128-w8": dic
 
 GATHER3 = {"hoist": {}, "skip": dict(skip_empty=True), "skip-r168": dict(skip_empty=True, gather_maxnreg=168)}
 SKIP = dict(skip_empty=True)
+SAMPLE4 = {"default": {}, "lanes2048": dict(sample_lanes=2048), "lanes2048-E1.7": dict(sample_lanes=2048, target=1.7),
+           "long-off": dict(long_keys=1 << 30)}
 
 
 def gather_alone(a, name, qi, wi, ki, dev, W, GATHER=GATHER) -> dict:
@@ -154,7 +167,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "hoist19"))
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
-    ap.add_argument("--call", type=int, default=3, choices=(1, 2, 3))
+    ap.add_argument("--call", type=int, default=4, choices=(1, 2, 3, 4))
     a = ap.parse_args()
     a.reps, a.k, a.sink, a.window = 3, 2048, 4, 64
     os.makedirs(a.out, exist_ok=True)
@@ -192,6 +205,13 @@ def main():
             log(f"skip {name}: budget")
             continue
         qi, wi, ki = make()
+        if a.call == 4:
+            r = {"whole": s18.whole(a, name, qi, wi, ki, dev, W, SAMPLE4)}
+            res["shapes"][name] = r
+            save()
+            del qi, wi, ki
+            torch.cuda.empty_cache()
+            continue
         if a.call == 2:
             r = chunks(a, name, qi, wi, ki, dev, W)
             res["shapes"][name] = r
