@@ -113,7 +113,7 @@ def test_lazy_rescale_survives_a_max_that_grows_late_and_rows_that_start_empty()
     sel = union.build_union(idx, S, 32)
     ref, rl = sparse_attention_naive(q, k, v, idx, 1.0)
     fin = torch.isfinite(rl)
-    o, lse = union.tile_fwd(q, k, v, sel, 1.0, dot_precision(q.dtype), tune=(16, 4, 1, 0, 1, 1))
+    o, lse = union.tile_fwd(q, k, v, sel, 1.0, dot_precision(q.dtype), tune=(16, 4, 1, 0, 1, 1, 128))  # a cap: CUDA only
     o0, _ = union.tile_fwd(q, k, v, sel, 1.0, dot_precision(q.dtype), tune=(16, 4, 1, 0, 0, 0))
     assert torch.isfinite(o).all()
     # logits up to ~1e2: fp32 rounding of the exponent is ~1e-5 relative here, for the default kernel too

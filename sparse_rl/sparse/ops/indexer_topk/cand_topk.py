@@ -63,6 +63,7 @@ from sparse_rl.sparse.ops.indexer_topk.stream import (_common, _gather_kernel, _
                                                       score_tile_q, stream_buffer_slots)
 
 from sparse_rl.sparse.ops.indexer_topk.cand_words import HAS_POPC, _append_words, _store_kept
+from sparse_rl.sparse.ops.sparse_attention.tl_utils import maxnreg_option
 
 # the candidate and sample buffers' bytes on CUDA: a quarter of the memory free to PyTorch, within these bounds
 # (128K rows of k 2048 take 6.4 GB in one chunk: 32 KB of candidates and 16 KB of samples a row)
@@ -405,11 +406,6 @@ INTERPRET_CAND = CandConfig(block_m=16, block_n=32, sample_block_n=16, sample_st
                             long_keys=64)  # the tests' longer rows skip empty tiles, the shorter ones do not
 
 
-def _maxnreg(cap: int, t: torch.Tensor) -> dict:
-    """The launch option of a register cap (CUDA only: the interpreter takes no such option)."""
-    return {"maxnreg": cap} if cap and t.is_cuda else {}
-
-
 def _compact(cm: int, scratch: int, bits: int) -> int:
     """CM of `kth_key_counts`: cfg's value where the row's scratch holds it and the search is exact (32 bits)."""
     return cm if bits == 32 and scratch >= cm else 0
@@ -454,7 +450,7 @@ def cand_threshold(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, C
                                        STEP2=cfg.search_bits == 2,
                                        CM=_compact(cfg.quantile_compact, SW, cfg.quantile_bits),
                                        num_warps=cfg.quantile_warps,
-                                       **_maxnreg(cfg.quantile_maxnreg, q_idx))
+                                       **maxnreg_option(cfg.quantile_maxnreg, q_idx))
 
 
 def cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, val, idx, nrow, cfg: CandConfig):
@@ -470,7 +466,7 @@ def cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, 
             sink, window, topk, C, BM=cfg.block_m, BN=cfg.block_n, COMPACT=int(cfg.word_compact), SPLIT=cfg.split,
             PACKED=cfg.packed, HWPOPC=q_idx.is_cuda and HAS_POPC, ASM=cfg.asm_store and q_idx.is_cuda,
             HOIST=cfg.hoist_queries, SKIP=cfg.skip_empty and long, **meta,
-            num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1, **_maxnreg(cfg.gather_maxnreg * long, q_idx))
+            num_warps=cfg.warps, num_stages=2 if q_idx.is_cuda else 1, **maxnreg_option(cfg.gather_maxnreg * long, q_idx))
         return
     if cfg.packed:
         _gather_packed_kernel[(triton.cdiv(t1 - t0, cfg.block_m), B)](
@@ -494,7 +490,7 @@ def cand_select(val, idx, nrow, out, topk, cfg: CandConfig):
                                          RAW=cfg.gather == "words", STEP2=cfg.search_bits == 2,
                                          LEAN=cfg.select_lean, CM=_compact(cfg.select_compact, topk, 32),
                                          num_warps=cfg.select_warps,
-                                         **_maxnreg(cfg.select_maxnreg, val))
+                                         **maxnreg_option(cfg.select_maxnreg, val))
         return
     _select_kernel[(B * Tc,)](val, idx, nrow, out, Tc, val.stride(0), val.stride(1), nrow.stride(0), out.stride(0),
                               out.stride(1), topk, CB=CB, KB=min(1024, CB), STEP2=cfg.search_bits == 2,

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot
+from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, maxnreg_option
 from sparse_rl.sparse.ops.sparse_attention.union import LOG2E
 
 KEY_TILES = (16, 32, 64)
@@ -186,12 +186,12 @@ def default_tune(cuda: bool) -> tuple[int, int, int, int]:
 def keyq_dkdv(q, k, v, indices, do, lse, delta, scale: float, prec: int, tune: tuple | None = None, lists=None):
     """dk, dv `[B, S, H_kv, D]` (k's dtype) of per-query `indices` `[B, T, K]` from the key tiles' query lists,
     one write per element. q/do `[B, T, H, D]`, lse/delta `[B, T, H]` fp32 with equal strides.
-    `tune=(BLOCK_N, rows, num_warps, num_stages)`: BLOCK_N in 16/32/64, rows (BQ G rounded up to a power
-    of 2) 64 or 128; `lists`: a prebuilt `key_query_lists(indices, S, BLOCK_N)` (benchmarks)."""
+    `tune=(BLOCK_N, rows, num_warps, num_stages[, maxnreg])`: BLOCK_N in 16/32/64, rows (BQ G rounded up to a
+    power of 2) 64 or 128; `lists`: a prebuilt `key_query_lists(indices, S, BLOCK_N)` (benchmarks)."""
     B, T, H, D = q.shape
     S, H_kv = k.shape[1], k.shape[2]
     G = H // H_kv
-    BN, rows, warps, stages = tuple(tune or default_tune(q.is_cuda))
+    BN, rows, warps, stages, cap = (*(tune or default_tune(q.is_cuda)), 0)[:5]
     if BN not in KEY_TILES or rows not in (16, 32, 64, 128, 256):
         raise ValueError(f"keyq_dkdv: BLOCK_N {BN} (one of {KEY_TILES}), rows {rows}")
     BM = max(16, triton.next_power_of_2(G), rows)
@@ -204,5 +204,6 @@ def keyq_dkdv(q, k, v, indices, do, lse, delta, scale: float, prec: int, tune: t
     _kq_dkdv_kernel[(H_kv, NKT, B)](
         q, k, v, do, lse, delta, off, lst, msk, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
         *lse.stride(), *dk.stride(), S, G, D, NKT, scale, scale * LOG2E,
-        BQ=BQ, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=prec, num_warps=warps, num_stages=stages)
+        BQ=BQ, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=prec, num_warps=warps, num_stages=stages,
+        **maxnreg_option(cap, q))
     return dk, dv

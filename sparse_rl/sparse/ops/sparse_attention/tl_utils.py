@@ -18,6 +18,12 @@ def dot_precision(dtype: torch.dtype) -> int:
     return 1 if dtype == torch.float32 else 0
 
 
+def maxnreg_option(cap: int, t: torch.Tensor) -> dict:
+    """The launch option of a register cap (0: the compiler's choice; CUDA only: the interpreter takes none). A cap
+    trades spills for programs resident an SM, which is what a latency-bound kernel lacks."""
+    return {"maxnreg": cap} if cap and t.is_cuda else {}
+
+
 @triton.jit
 def dot(a, b, PREC: tl.constexpr):
     if PREC == 2:

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot
+from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, maxnreg_option
 
 LOG2E = 1.4426950408889634
 WORD_PAD = 4  # bitmap rows padded to 128 keys, so any key tile of 32/64/128 keys maps to whole words
@@ -370,7 +370,7 @@ def _default_tune(BM: int, cuda: bool, shared: bool = True) -> tuple:
 
 def tile_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tune: tuple | None = None):
     """Forward over tiles: q `[B, T, H, D]` -> out `[B, T, H, D]`, lse `[B, T, H]` fp32.
-    `tune=(BLOCK_K, num_warps, num_stages[, kt_load[, lazy[, mask_and]]])` overrides the launch config
+    `tune=(BLOCK_K, num_warps, num_stages[, kt_load[, lazy[, mask_and[, maxnreg]]]])` overrides the launch config
     (the flags default to 0, K rows gathered row-major and a rescale every key block; mask_and, the AND bit test,
     is on in the default launches of per-query tiles: `_default_tune`)."""
     B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
@@ -379,14 +379,16 @@ def tile_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tun
         lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     else:
         o, lse = out
-    BK, warps, stages, kt_load, lazy, mask_and = (*(tune or _default_tune(BM, q.is_cuda, sel.shared)), 0, 0, 0)[:6]
+    BK, warps, stages, kt_load, lazy, mask_and, cap = (*(tune or _default_tune(BM, q.is_cuda, sel.shared)), 0, 0, 0,
+                                                       0)[:7]
     ulen = sel.ulen if sel.ulen is not None else sel.ukey
     qmask = sel.qmask if sel.qmask is not None else sel.ukey
     _tile_fwd_kernel[(NT, k.shape[2], B)](
         q, k, v, sel.ukey, qmask, ulen, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
         *sel.ukey.stride(), T, k.shape[1], G, D, NT, umax, sel.group, sel.ukey.shape[2], sel.q_offset,
         scale * LOG2E, BT=sel.BT, BLOCK_M=BM, BLOCK_K=BK, BLOCK_D=BD, SHARED=sel.shared, PREC=prec,
-        KT_LOAD=bool(kt_load), LAZY=bool(lazy), MASK_AND=bool(mask_and), num_warps=warps, num_stages=stages)
+        KT_LOAD=bool(kt_load), LAZY=bool(lazy), MASK_AND=bool(mask_and), num_warps=warps, num_stages=stages,
+        **maxnreg_option(cap, q))
     return o, lse
 
 
@@ -464,11 +466,12 @@ def dq_default_tune(BM: int, cuda: bool, shared: bool = True) -> tuple[int, int,
 
 
 def tile_dq(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int,
-            tune: tuple[int, int, int] | None = None):
-    """dq `[B, T, H, D]` (q.dtype) over tiles; lse/delta `[B, T, H]` fp32 with equal strides."""
+            tune: tuple | None = None):
+    """dq `[B, T, H, D]` (q.dtype) over tiles; lse/delta `[B, T, H]` fp32 with equal strides. `tune=(BLOCK_K,
+    num_warps, num_stages[, maxnreg])`."""
     B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
     dq = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
-    BK, warps, stages = tune or dq_default_tune(BM, q.is_cuda, sel.shared)
+    BK, warps, stages, cap = (*(tune or dq_default_tune(BM, q.is_cuda, sel.shared)), 0)[:4]
     ulen = sel.ulen if sel.ulen is not None else sel.ukey
     qmask = sel.qmask if sel.qmask is not None else sel.ukey
     _tile_dq_kernel[(NT, k.shape[2], B)](
@@ -476,5 +479,5 @@ def tile_dq(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int
         *lse.stride(), *dq.stride(), *sel.ukey.stride(), T, k.shape[1], G, D, NT, umax, sel.group,
         sel.ukey.shape[2], sel.q_offset, scale, scale * LOG2E,
         BT=sel.BT, BLOCK_M=BM, BLOCK_K=BK, BLOCK_D=BD, SHARED=sel.shared, PREC=prec,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **maxnreg_option(cap, q))
     return dq

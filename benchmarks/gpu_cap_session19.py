@@ -1,0 +1,116 @@
+"""Session 19 (issue 15): register caps for the latency-bound sparse attention kernels, on the H200.
+
+Reading before the call (ncu, call 5 of this session, `results/2026-12-04-h200-ncu-session19.txt`): the 16-query
+union-tile forward at 32K trained (`union._tile_fwd_kernel`, (32, 4, 3), 7.49 ms) issues on 54% of cycles with
+0.97 eligible warps a scheduler; L2 39%, L1 44%, DRAM 3% of peak; 152 registers = 3 programs (12 warps) an SM,
+the register file the occupancy limit (shared memory allows 4). So it is latency-bound, not bandwidth- or
+MMA-bound. ptxas (Triton 3.6, sm_90a, the launch's specialisations): capped at 128 registers it spills 44 B
+(4 programs an SM); (16, 4, 4) needs 135 (127 capped, no spill). Variants: the cap at (32, 4, 3), (32, 4, 2),
+(32, 4, 4); (16, 4, 4) with and without; (64, 4, 2) at 168 (3 programs). The backward's two largest kernels
+(the keyq dk/dv pass, 8 warps at 255 registers = 1 program an SM; the tile dq, (128, 8, 2)) with caps, in a
+fwd+bwd through `auto`.
+
+Predictions: forward 32K trained 7.5 -> ~6.3-7.0 ms at (32, 4, 3, cap 128) (16 warps an SM, +33% warps, some of it
+lost to the spills); (16, 4, 4) capped within +-5% of it; 128K alike (-7 to -15%); fwd+bwd: keyq capped at 128 (2
+programs an SM) -5 to +20% (heavy spills likely), dq capped at 128 -5 to +10%.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_cap_session19.py --out $OUT/cap19
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from granular_harness import log, trained_indexer  # noqa: E402
+
+FWD = {"default": None, "cap128": (32, 4, 3, 0, 0, 1, 128), "s2-cap128": (32, 4, 2, 0, 0, 1, 128),
+       "s4-cap128": (32, 4, 4, 0, 0, 1, 128), "k16-s4": (16, 4, 4, 0, 0, 1, 0), "k16-s4-cap128": (16, 4, 4, 0, 0, 1, 128),
+       "k64-s2-cap168": (64, 4, 2, 0, 0, 1, 168), "cap136": (32, 4, 3, 0, 0, 1, 136)}
+BWD = {"default": {}, "keyq-cap128": {"keyq": (64, 128, 8, 3, 128)}, "keyq-cap168": {"keyq": (64, 128, 8, 3, 168)},
+       "dq-cap128": {"dq": (128, 8, 2, 128)}, "dq-cap168": {"dq": (128, 8, 2, 168)}}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cap19"))
+    ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    t0 = time.time()
+    from sparse_rl.bench import patterns
+    from sparse_rl.bench.timing import bench_ms
+    from sparse_rl.sparse.ops.indexer_topk.cand_topk import indexer_topk_cand
+    from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention, sparse_attention_forward
+
+    dev = torch.device("cuda")
+    W = dict(warmup_ms=25, rep_ms=80)
+    res = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "commit": a.commit, "rows": {}}
+    ix, kl, gen = trained_indexer(dev, 0, 4, 64, 150)
+    res["trained_indexer_kl"] = kl
+
+    def save():
+        with open(os.path.join(a.out, "cap19.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+    for L in (32768, 131072):
+        qi, wi, ki = patterns.trained_index(ix, L, dev, gen)
+        rows = indexer_topk_cand(qi, wi, ki, 2048, sink=4, window=64)
+        del qi, wi, ki
+        g = torch.Generator(device=dev).manual_seed(7)
+        q, k, v = (torch.randn(1, L, h, 128, device=dev, generator=g).to(torch.bfloat16) for h in (32, 8, 8))
+        r = {"fwd": {}}
+        ref = None
+        for lab, t in FWD.items():
+            tune = {} if t is None else {"fwd": t}
+            try:
+                with torch.no_grad():
+                    o = sparse_attention_forward(q, k, v, rows, tune=tune)[0]
+                    torch.cuda.synchronize()
+                    if ref is None:
+                        ref = o.float()
+                    err = float((o.float() - ref).norm() / ref.norm())
+                    ms = bench_ms(lambda: sparse_attention_forward(q, k, v, rows, tune=tune), dev, **W)
+                r["fwd"][lab] = {"ms": ms, "rel_diff_vs_default": err, "tune": t}
+            except Exception as e:  # noqa: BLE001 (a launch that fails is a result)
+                r["fwd"][lab] = {"error": repr(e)[:300], "tune": t}
+            log(f"L{L} fwd {lab}: {r['fwd'][lab]}")
+        save()
+        if L == 32768:
+            r["fwd_bwd"] = {}
+            qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+            go = torch.randn_like(q)
+            refs = None
+            for lab, tune in BWD.items():
+                def fb():
+                    qg.grad = kg.grad = vg.grad = None
+                    sparse_attention(qg, kg, vg, rows, tune=tune)[0].backward(go)
+                try:
+                    fb()
+                    torch.cuda.synchronize()
+                    grads = [x.grad.float() for x in (qg, kg, vg)]
+                    if refs is None:
+                        refs = grads
+                    err = max(float((gr - rf).norm() / rf.norm()) for gr, rf in zip(grads, refs))
+                    r["fwd_bwd"][lab] = {"ms": bench_ms(fb, dev, **W), "rel_diff_vs_default": err, "tune": tune}
+                except Exception as e:  # noqa: BLE001
+                    r["fwd_bwd"][lab] = {"error": repr(e)[:300], "tune": tune}
+                log(f"L{L} fwd+bwd {lab}: {r['fwd_bwd'][lab]}")
+            del qg, kg, vg, refs
+        res["rows"][str(L)] = r
+        save()
+        del q, k, v, rows, ref
+        torch.cuda.empty_cache()
+    res["wall_s"] = time.time() - t0
+    save()
+    log(f"done in {res['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
