@@ -14,7 +14,17 @@ Predictions: forward 32K trained 7.5 -> ~6.3-7.0 ms at (32, 4, 3, cap 128) (16 w
 lost to the spills); (16, 4, 4) capped within +-5% of it; 128K alike (-7 to -15%); fwd+bwd: keyq capped at 128 (2
 programs an SM) -5 to +20% (heavy spills likely), dq capped at 128 -5 to +10%.
 
-    PYTHONPATH=$PWD python benchmarks/gpu_cap_session19.py --out $OUT/cap19
+Call 1 outcome (9cfc0f8; whole attention through `auto`, union build included; every capped launch bit-equal):
+32K default 9.18 ms, cap128 8.87, (32, 4, 2) cap 128 **7.97**, (32, 4, 4) cap 128 8.81, (16, 4, 4) 11.99 / capped
+10.52, (64, 4, 2) cap 168 9.16, cap 136 9.50; 128K 41.23 / 39.99 / **38.74** / 39.69 / 55.27 / 47.39 / 42.78 / 43.38.
+The backward's caps lose badly: fwd+bwd 34.9 ms default, keyq capped 128 66.2 / 168 42.7, dq capped 128 61.3 / 168
+48.0. So the 64-row per-query tiles' default is (32, 4, 2) capped at 128 now.
+
+Call 2: prefill (top-k + attention) in three interleaved reps, the old launch (32, 4, 3), the new default and (32, 4,
+2) uncapped (149 registers, 3 programs an SM); then the CLI's `bench attention`. Predictions: prefill 32K ~12.8 ->
+~11.6-12.0 ms (1.2-1.26x dense), 128K ~69 -> ~66-67 (3.9x); (32, 4, 2) uncapped within 3% of (32, 4, 3).
+
+    PYTHONPATH=$PWD python benchmarks/gpu_cap_session19.py --out $OUT/cap19 [--call 1|2]
 """
 
 from __future__ import annotations
@@ -37,10 +47,44 @@ BWD = {"default": {}, "keyq-cap128": {"keyq": (64, 128, 8, 3, 128)}, "keyq-cap16
        "dq-cap128": {"dq": (128, 8, 2, 128)}, "dq-cap168": {"dq": (128, 8, 2, 168)}}
 
 
+PREFILL = {"old": (32, 4, 3, 0, 0, 1), "default": None, "s2": (32, 4, 2, 0, 0, 1)}
+
+
+def prefill(ix, gen, L, dev, W) -> dict:
+    """Top-k + attention (the forward `auto` runs without a backward) vs dense, per launch, 3 interleaved reps."""
+    from granular_harness import dense_times
+
+    from sparse_rl.bench import patterns
+    from sparse_rl.bench.timing import bench_ms
+    from sparse_rl.sparse.ops.indexer_topk.cand_topk import indexer_topk_cand
+    from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention_forward
+
+    qi, wi, ki = patterns.trained_index(ix, L, dev, gen)
+    g = torch.Generator(device=dev).manual_seed(7)
+    q, k, v = (torch.randn(1, L, h, 128, device=dev, generator=g).to(torch.bfloat16) for h in (32, 8, 8))
+    r = {"seqlen": L, **dense_times(q, k, v, dev, W, False)}
+
+    def sel():
+        return indexer_topk_cand(qi, wi, ki, 2048, sink=4, window=64)
+
+    rows = sel()
+    for rep in range(3):
+        for lab, t in PREFILL.items():
+            tune = {} if t is None else {"fwd": t}
+            with torch.no_grad():
+                tt = {"attn_ms": bench_ms(lambda: sparse_attention_forward(q, k, v, rows, tune=tune), dev, **W),
+                      "prefill_ms": bench_ms(lambda: sparse_attention_forward(q, k, v, sel(), tune=tune), dev, **W)}
+            tt["speedup"] = r["dense_ms"] / tt["prefill_ms"]
+            r.setdefault(lab, []).append(tt)
+    log(f"prefill {L}: {r}")
+    return r
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cap19"))
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    ap.add_argument("--call", type=int, default=2, choices=(1, 2))
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
@@ -59,6 +103,13 @@ def main():
         with open(os.path.join(a.out, "cap19.json"), "w") as f:
             json.dump(res, f, indent=1)
 
+    if a.call == 2:
+        for L in (32768, 131072):
+            res["rows"][str(L)] = prefill(ix, gen, L, dev, W)
+            save()
+        res["wall_s"] = time.time() - t0
+        save()
+        return
     for L in (32768, 131072):
         qi, wi, ki = patterns.trained_index(ix, L, dev, gen)
         rows = indexer_topk_cand(qi, wi, ki, 2048, sink=4, window=64)

@@ -360,12 +360,16 @@ def _default_tune(BM: int, cuda: bool, shared: bool = True) -> tuple:
     # with the AND bit test 9.11 (the same bits; block pattern 4.01 -> 3.92), lazy rescale + AND 9.04, (64, 8, 2)
     # 9.68, (16, 4, 4) 12.5, (32, 8, 3) 13.3; 64-row tiles (32, 4, 3) 7.88, (64, 4, 2) 8.12, (64, 4, 2) lazy+AND 11.5
     # (128K: 37.7 / 40.0 against 47.1 for 128 rows); call 2: 64-row (32, 4, 3) with the AND test 7.49 vs 7.88 ms,
-    # bit-equal. Returned as (BLOCK_K, warps, stages, kt_load, lazy, mask_and).
+    # bit-equal. Session 19 (ncu at 32K trained: issue slots 54% busy, 0.97 eligible warps a scheduler, L2 39%: latency,
+    # with 152 registers = 3 programs an SM): 64-row per-query tiles at (32, 4, 2) capped at 128 registers (4
+    # programs, 60 B of spills) 7.97 vs 9.18 ms for the whole attention at 32K, 38.7 vs 41.2 at 128K, bit-equal;
+    # (32, 4, 3) capped 8.87, (16, 4, 4) capped 10.5. Returned as (BLOCK_K, warps, stages, kt_load, lazy, mask_and,
+    # maxnreg).
     if not cuda:
         return (64 if BM <= 64 else 32, 4, 1)
     if shared:
         return (64, 4, 2) if BM <= 64 else (32, 4, 3)
-    return (32, 4, 3, 0, 0, 1)
+    return (32, 4, 2, 0, 0, 1, 128) if BM <= 64 else (32, 4, 3, 0, 0, 1)
 
 
 def tile_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tune: tuple | None = None):
