@@ -24,7 +24,18 @@ Call 2: prefill (top-k + attention) in three interleaved reps, the old launch (3
 2) uncapped (149 registers, 3 programs an SM); then the CLI's `bench attention`. Predictions: prefill 32K ~12.8 ->
 ~11.6-12.0 ms (1.2-1.26x dense), 128K ~69 -> ~66-67 (3.9x); (32, 4, 2) uncapped within 3% of (32, 4, 3).
 
-    PYTHONPATH=$PWD python benchmarks/gpu_cap_session19.py --out $OUT/cap19 [--call 1|2]
+Call 2 outcome (8d585e5): prefill 32K old 1.10-1.12x, default 1.20-1.21x (attention 9.13-9.18 -> 8.06-8.09 ms),
+uncapped (32, 4, 2) 1.17x; 128K 3.81-3.86x -> 4.04-4.08x (attention 41.8 -> 37.5-38.2). CLI at 8d585e5: 32K 1.22x
+(12.08 ms), 128K 4.05x (64.5 ms), trained fwd+bwd 33.08 ms = 1.69x.
+
+Call 3: call 1's dq caps ran (128, 8, 2) on the 16-query tiles that `auto` gives a keyq backward (their default is
+(64, 4, 2): 241 registers and 98.5 KB of shared memory, 2 programs an SM), so the dq question is open: (32, 4, 2) (181
+registers, 65.7 KB: shared memory allows 3) uncapped, capped at 168 (3) and 128 (3, 100 B spills), in a fwd+bwd at
+32K trained. And `auto`'s BT 16 vs 32 on the 32K block pattern (forward only), forced by tune "bt", since the capped
+64-row forward makes NS_TILE_FWD_64 (0.135) stale. Predictions: dq (32, 4, 2, 168) -3 to -8% of the dq pass (fwd+bwd
+~33 -> ~32.3-32.8 ms); block pattern: BT 16 within +-5% of BT 32 (session 12: 4.28 vs 4.01 ms kernel).
+
+    PYTHONPATH=$PWD python benchmarks/gpu_cap_session19.py --out $OUT/cap19 [--call 1|2|3]
 """
 
 from __future__ import annotations
@@ -80,11 +91,56 @@ def prefill(ix, gen, L, dev, W) -> dict:
     return r
 
 
+DQ3 = {"default": {}, "dq32": {"dq": (32, 4, 2)}, "dq32-168": {"dq": (32, 4, 2, 168)},
+       "dq32-128": {"dq": (32, 4, 2, 128)}}
+
+
+def call3(ix, gen, dev, W) -> dict:
+    from sparse_rl.bench import patterns
+    from sparse_rl.bench.attention import block_pattern, block_pattern_indices
+    from sparse_rl.bench.timing import bench_ms
+    from sparse_rl.sparse.ops.indexer_topk.cand_topk import indexer_topk_cand
+    from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention, sparse_attention_forward
+
+    L = 32768
+    qi, wi, ki = patterns.trained_index(ix, L, dev, gen)
+    rows = indexer_topk_cand(qi, wi, ki, 2048, sink=4, window=64)
+    g = torch.Generator(device=dev).manual_seed(7)
+    q, k, v = (torch.randn(1, L, h, 128, device=dev, generator=g).to(torch.bfloat16) for h in (32, 8, 8))
+    out = {"fwd_bwd": {}, "block_fwd": {}}
+    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    go = torch.randn_like(q)
+    refs = None
+    for rep in range(2):
+        for lab, tune in DQ3.items():
+            def fb():
+                qg.grad = kg.grad = vg.grad = None
+                sparse_attention(qg, kg, vg, rows, tune=tune)[0].backward(go)
+            fb()
+            torch.cuda.synchronize()
+            grads = [x.grad.float() for x in (qg, kg, vg)]
+            if refs is None:
+                refs = grads
+            err = max(float((gr - rf).norm() / rf.norm()) for gr, rf in zip(grads, refs))
+            out["fwd_bwd"].setdefault(lab, []).append({"ms": bench_ms(fb, dev, **W), "rel_diff_vs_default": err})
+            log(f"fwd+bwd {lab}: {out['fwd_bwd'][lab][-1]}")
+    del qg, kg, vg, refs
+    fb_, cnt = block_pattern(L, 128, 2048 // 128, dev, g)
+    bidx = block_pattern_indices(fb_, cnt, L, 128, 2048)
+    for rep in range(2):
+        for lab, tune in {"auto": {}, "bt16": {"bt": 16}, "bt32": {"bt": 32}}.items():
+            with torch.no_grad():
+                ms = bench_ms(lambda: sparse_attention_forward(q, k, v, bidx, tune=tune), dev, **W)
+            out["block_fwd"].setdefault(lab, []).append(ms)
+            log(f"block fwd {lab}: {ms:.3f}")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cap19"))
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
-    ap.add_argument("--call", type=int, default=2, choices=(1, 2))
+    ap.add_argument("--call", type=int, default=3, choices=(1, 2, 3))
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
@@ -103,6 +159,11 @@ def main():
         with open(os.path.join(a.out, "cap19.json"), "w") as f:
             json.dump(res, f, indent=1)
 
+    if a.call == 3:
+        res["rows"] = call3(ix, gen, dev, W)
+        res["wall_s"] = time.time() - t0
+        save()
+        return
     if a.call == 2:
         for L in (32768, 131072):
             res["rows"][str(L)] = prefill(ix, gen, L, dev, W)
