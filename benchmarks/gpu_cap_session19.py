@@ -35,7 +35,15 @@ registers, 65.7 KB: shared memory allows 3) uncapped, capped at 168 (3) and 128 
 64-row forward makes NS_TILE_FWD_64 (0.135) stale. Predictions: dq (32, 4, 2, 168) -3 to -8% of the dq pass (fwd+bwd
 ~33 -> ~32.3-32.8 ms); block pattern: BT 16 within +-5% of BT 32 (session 12: 4.28 vs 4.01 ms kernel).
 
-    PYTHONPATH=$PWD python benchmarks/gpu_cap_session19.py --out $OUT/cap19 [--call 1|2|3]
+Call 3 outcome: fwd+bwd default 33.72 / 33.53 ms (two reps), dq (32, 4, 2) 36.29 / 35.84, capped 168 33.77 / 33.62,
+capped 128 34.43 / 34.36: no dq launch beats the default. Block pattern forward: auto 5.47 / 5.55 ms, BT 16 6.08 /
+6.08, BT 32 5.45 / 5.47: auto keeps BT 32 there, rightly, so NS_TILE_FWD_64 stays.
+
+Call 4: the union bitmap without the atomics of bits an earlier row of the tile set (`union._bitmap_kernel`
+DEDUPE: read at L2 first), alone and in the whole attention, 3 interleaved reps. Predictions: bitmap at 32K
+trained (BT 16) 0.76 -> ~0.25-0.4 ms, 128K ~3 -> ~1-1.5; whole attention 32K 7.97 -> ~7.5-7.7, 128K 38.7 -> ~37-37.5.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_cap_session19.py --out $OUT/cap19 [--call 1|2|3|4]
 """
 
 from __future__ import annotations
@@ -136,11 +144,45 @@ def call3(ix, gen, dev, W) -> dict:
     return out
 
 
+def call4(ix, gen, dev, W) -> dict:
+    from sparse_rl.bench import patterns
+    from sparse_rl.bench.timing import bench_ms
+    from sparse_rl.sparse.ops.indexer_topk.cand_topk import indexer_topk_cand
+    from sparse_rl.sparse.ops.sparse_attention import union
+    from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention_forward
+
+    out = {}
+    for L in (32768, 131072):
+        qi, wi, ki = patterns.trained_index(ix, L, dev, gen)
+        rows = indexer_topk_cand(qi, wi, ki, 2048, sink=4, window=64)
+        del qi, wi, ki
+        g = torch.Generator(device=dev).manual_seed(7)
+        q, k, v = (torch.randn(1, L, h, 128, device=dev, generator=g).to(torch.bfloat16) for h in (32, 8, 8))
+        r = {"equal_bits": bool(torch.equal(union._bitmap(rows, L, 16, True), union._bitmap(rows, L, 16, False)))}
+        with torch.no_grad():
+            ref = sparse_attention_forward(q, k, v, rows)[0]
+        for rep in range(3):
+            for dd in (False, True):
+                lab = "dedupe" if dd else "atomics"
+                union._bitmap.__defaults__ = (dd,)  # the A/B: every caller of _bitmap takes the default
+                t = {"bitmap_ms": bench_ms(lambda: union._bitmap(rows, L, 16), dev, **W)}
+                with torch.no_grad():
+                    t["attn_ms"] = bench_ms(lambda: sparse_attention_forward(q, k, v, rows), dev, **W)
+                    t["equal_out"] = bool(torch.equal(sparse_attention_forward(q, k, v, rows)[0], ref))
+                r.setdefault(lab, []).append(t)
+        union._bitmap.__defaults__ = (True,)
+        log(f"L{L}: {r}")
+        out[str(L)] = r
+        del q, k, v, rows, ref
+        torch.cuda.empty_cache()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cap19"))
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
-    ap.add_argument("--call", type=int, default=3, choices=(1, 2, 3))
+    ap.add_argument("--call", type=int, default=4, choices=(1, 2, 3, 4))
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
@@ -159,8 +201,8 @@ def main():
         with open(os.path.join(a.out, "cap19.json"), "w") as f:
             json.dump(res, f, indent=1)
 
-    if a.call == 3:
-        res["rows"] = call3(ix, gen, dev, W)
+    if a.call in (3, 4):
+        res["rows"] = call3(ix, gen, dev, W) if a.call == 3 else call4(ix, gen, dev, W)
         res["wall_s"] = time.time() - t0
         save()
         return

@@ -156,3 +156,21 @@ def test_half_tiles_stats_and_the_choice_of_16_query_tiles(T):
     o, lse = un.tile_fwd(q, k, v, sel, D ** -0.5, dot_precision(q.dtype))
     ref, rl = sparse_attention_naive(q, k, v, by16, D ** -0.5)
     torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("BT", [1, 16, 5])
+def test_bitmap_dedupe_sets_the_same_bits(BT):
+    """The bitmap pass with reads of the bits earlier rows set (no atomic for those) and without: both equal a
+    scatter of each tile's valid keys (-1 holes and out-of-range keys dropped), on rows that share most keys."""
+    g = torch.Generator().manual_seed(11)
+    B, T, S, K = 2, 37, 300, 24
+    idx = _clustered(B, T, S, K, g)
+    got = union._bitmap(idx, S, BT)
+    assert torch.equal(got, union._bitmap(idx, S, BT, dedupe=False))
+    ref = torch.zeros_like(got)
+    ok = (idx >= 0) & (idx < S)
+    for b in range(B):
+        for t in range(T):
+            for key in idx[b, t][ok[b, t]].tolist():
+                ref[b, t // BT, key >> 5] |= 1 << (key & 31) if (key & 31) < 31 else -(1 << 31)
+    assert torch.equal(got, ref)
