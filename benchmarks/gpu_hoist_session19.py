@@ -49,7 +49,11 @@ a noisier threshold), and at E 1.7 beside it; then the CLI's `bench attention` a
 128K trained default ~27.4; lanes 2048 ~26-27 (quantile 2.8 -> ~1.5 ms, more rows flagged); 32K unchanged (its
 sample is 2,048 keys already).
 
-    PYTHONPATH=$PWD python benchmarks/gpu_hoist_session19.py --out $OUT/hoist19 --budget 300 [--call 1|2|3|4]
+Call 4 outcome: see results/2026-12-04-h200-session19.md (128K trained 26.54 ms; lanes 2048 25.77 trained but 31.98
+random, not adopted). Call 5 (after the bitmap without redundant atomics, gpu_cap_session19.py call 4): prefill at the
+final commit, the default alone, three reps (the device time left did not allow the CLI's run).
+
+    PYTHONPATH=$PWD python benchmarks/gpu_hoist_session19.py --out $OUT/hoist19 --budget 300 [--call 1|2|3|4|5]
 """
 
 from __future__ import annotations
@@ -167,7 +171,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "hoist19"))
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
-    ap.add_argument("--call", type=int, default=4, choices=(1, 2, 3, 4))
+    ap.add_argument("--call", type=int, default=5, choices=(1, 2, 3, 4, 5))
     a = ap.parse_args()
     a.reps, a.k, a.sink, a.window = 3, 2048, 4, 64
     os.makedirs(a.out, exist_ok=True)
@@ -196,6 +200,16 @@ def main():
                 torch.rand(1, L, 4, device=dev, generator=g2).bfloat16(),
                 torch.randn(1, L, 64, device=dev, generator=g2).bfloat16())
 
+    if a.call == 5:
+        for name, L in (("L32 trained", 32768), ("L128 trained", 131072)):
+            idx5 = patterns.trained_index(ix, L, dev, gen)
+            res.setdefault("prefill", {})[name] = s18.prefill(a, idx5, dev, W, {"default": {}}, L)
+            save()
+            del idx5
+            torch.cuda.empty_cache()
+        res["wall_s"] = time.time() - t0
+        save()
+        return
     shapes = [("L32 trained", lambda: patterns.trained_index(ix, 32768, dev, gen)),
               ("L128 trained", lambda: patterns.trained_index(ix, 131072, dev, gen)),
               ("L32 random", lambda: rnd(32768)), ("L128 random", lambda: rnd(131072))]
