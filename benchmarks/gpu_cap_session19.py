@@ -99,38 +99,58 @@ def prefill(ix, gen, L, dev, W) -> dict:
     return r
 
 
+def inputs(ix, gen, L, dev):
+    """The trained indexer's rows at L (the default top-k) and random bf16 q `[1, L, 32, 128]`, k / v `[1, L, 8, 128]`."""
+    from sparse_rl.bench import patterns
+    from sparse_rl.sparse.ops.indexer_topk.cand_topk import indexer_topk_cand
+
+    qi, wi, ki = patterns.trained_index(ix, L, dev, gen)
+    rows = indexer_topk_cand(qi, wi, ki, 2048, sink=4, window=64)
+    g = torch.Generator(device=dev).manual_seed(7)
+    q, k, v = (torch.randn(1, L, h, 128, device=dev, generator=g).to(torch.bfloat16) for h in (32, 8, 8))
+    return rows, q, k, v
+
+
+def fwd_bwd(leaves, rows, go, tune, refs, dev, W):
+    """One fwd+bwd through `auto` with `tune`: (ms, largest gradient rel. difference to refs, refs: the first
+    call's gradients when refs is None)."""
+    from sparse_rl.bench.timing import bench_ms
+    from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention
+
+    qg, kg, vg = leaves
+
+    def fb():
+        qg.grad = kg.grad = vg.grad = None
+        sparse_attention(qg, kg, vg, rows, tune=tune)[0].backward(go)
+
+    fb()
+    torch.cuda.synchronize()
+    grads = [x.grad.float() for x in leaves]
+    refs = grads if refs is None else refs
+    err = max(float((gr - rf).norm() / rf.norm()) for gr, rf in zip(grads, refs))
+    return bench_ms(fb, dev, **W), err, refs
+
+
 DQ3 = {"default": {}, "dq32": {"dq": (32, 4, 2)}, "dq32-168": {"dq": (32, 4, 2, 168)},
        "dq32-128": {"dq": (32, 4, 2, 128)}}
 
 
 def call3(ix, gen, dev, W) -> dict:
-    from sparse_rl.bench import patterns
     from sparse_rl.bench.attention import block_pattern, block_pattern_indices
     from sparse_rl.bench.timing import bench_ms
-    from sparse_rl.sparse.ops.indexer_topk.cand_topk import indexer_topk_cand
-    from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention, sparse_attention_forward
+    from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention_forward
 
     L = 32768
-    qi, wi, ki = patterns.trained_index(ix, L, dev, gen)
-    rows = indexer_topk_cand(qi, wi, ki, 2048, sink=4, window=64)
-    g = torch.Generator(device=dev).manual_seed(7)
-    q, k, v = (torch.randn(1, L, h, 128, device=dev, generator=g).to(torch.bfloat16) for h in (32, 8, 8))
+    rows, q, k, v = inputs(ix, gen, L, dev)
+    g = torch.Generator(device=dev).manual_seed(8)
     out = {"fwd_bwd": {}, "block_fwd": {}}
     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
     go = torch.randn_like(q)
     refs = None
     for rep in range(2):
         for lab, tune in DQ3.items():
-            def fb():
-                qg.grad = kg.grad = vg.grad = None
-                sparse_attention(qg, kg, vg, rows, tune=tune)[0].backward(go)
-            fb()
-            torch.cuda.synchronize()
-            grads = [x.grad.float() for x in (qg, kg, vg)]
-            if refs is None:
-                refs = grads
-            err = max(float((gr - rf).norm() / rf.norm()) for gr, rf in zip(grads, refs))
-            out["fwd_bwd"].setdefault(lab, []).append({"ms": bench_ms(fb, dev, **W), "rel_diff_vs_default": err})
+            ms, err, refs = fwd_bwd((qg, kg, vg), rows, go, tune, refs, dev, W)
+            out["fwd_bwd"].setdefault(lab, []).append({"ms": ms, "rel_diff_vs_default": err})
             log(f"fwd+bwd {lab}: {out['fwd_bwd'][lab][-1]}")
     del qg, kg, vg, refs
     fb_, cnt = block_pattern(L, 128, 2048 // 128, dev, g)
@@ -145,19 +165,13 @@ def call3(ix, gen, dev, W) -> dict:
 
 
 def call4(ix, gen, dev, W) -> dict:
-    from sparse_rl.bench import patterns
     from sparse_rl.bench.timing import bench_ms
-    from sparse_rl.sparse.ops.indexer_topk.cand_topk import indexer_topk_cand
     from sparse_rl.sparse.ops.sparse_attention import union
     from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention_forward
 
     out = {}
     for L in (32768, 131072):
-        qi, wi, ki = patterns.trained_index(ix, L, dev, gen)
-        rows = indexer_topk_cand(qi, wi, ki, 2048, sink=4, window=64)
-        del qi, wi, ki
-        g = torch.Generator(device=dev).manual_seed(7)
-        q, k, v = (torch.randn(1, L, h, 128, device=dev, generator=g).to(torch.bfloat16) for h in (32, 8, 8))
+        rows, q, k, v = inputs(ix, gen, L, dev)
         r = {"equal_bits": bool(torch.equal(union._bitmap(rows, L, 16, True), union._bitmap(rows, L, 16, False)))}
         with torch.no_grad():
             ref = sparse_attention_forward(q, k, v, rows)[0]
@@ -186,10 +200,8 @@ def main():
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
-    from sparse_rl.bench import patterns
     from sparse_rl.bench.timing import bench_ms
-    from sparse_rl.sparse.ops.indexer_topk.cand_topk import indexer_topk_cand
-    from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention, sparse_attention_forward
+    from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention_forward
 
     dev = torch.device("cuda")
     W = dict(warmup_ms=25, rep_ms=80)
@@ -214,11 +226,7 @@ def main():
         save()
         return
     for L in (32768, 131072):
-        qi, wi, ki = patterns.trained_index(ix, L, dev, gen)
-        rows = indexer_topk_cand(qi, wi, ki, 2048, sink=4, window=64)
-        del qi, wi, ki
-        g = torch.Generator(device=dev).manual_seed(7)
-        q, k, v = (torch.randn(1, L, h, 128, device=dev, generator=g).to(torch.bfloat16) for h in (32, 8, 8))
+        rows, q, k, v = inputs(ix, gen, L, dev)
         r = {"fwd": {}}
         ref = None
         for lab, t in FWD.items():
@@ -242,17 +250,9 @@ def main():
             go = torch.randn_like(q)
             refs = None
             for lab, tune in BWD.items():
-                def fb():
-                    qg.grad = kg.grad = vg.grad = None
-                    sparse_attention(qg, kg, vg, rows, tune=tune)[0].backward(go)
                 try:
-                    fb()
-                    torch.cuda.synchronize()
-                    grads = [x.grad.float() for x in (qg, kg, vg)]
-                    if refs is None:
-                        refs = grads
-                    err = max(float((gr - rf).norm() / rf.norm()) for gr, rf in zip(grads, refs))
-                    r["fwd_bwd"][lab] = {"ms": bench_ms(fb, dev, **W), "rel_diff_vs_default": err, "tune": tune}
+                    ms, err, refs = fwd_bwd((qg, kg, vg), rows, go, tune, refs, dev, W)
+                    r["fwd_bwd"][lab] = {"ms": ms, "rel_diff_vs_default": err, "tune": tune}
                 except Exception as e:  # noqa: BLE001
                     r["fwd_bwd"][lab] = {"error": repr(e)[:300], "tune": tune}
                 log(f"L{L} fwd+bwd {lab}: {r['fwd_bwd'][lab]}")

@@ -185,11 +185,9 @@ def _kth_kernel(X, OUT, K, N: tl.constexpr, NBITS: tl.constexpr):
     tl.store(OUT + 1, kth_key2(key, live, K, NBITS).to(tl.int32, bitcast=True))
 
 
-@pytest.mark.parametrize("nbits", [32, 16])
-def test_kth_key2_equals_the_one_bit_search(nbits):
-    """`kth_key2` (two bits a step, one reduction) finds the one-bit search's tau: distinct scores, masses of
-    ties, +inf, -inf (not live), one live key, keys differing in the lowest bit only, K at the edges."""
-    g = torch.Generator().manual_seed(nbits)
+def _kth_rows(g):
+    """Rows of 64 scores for the k-th key searches: distinct, masses of ties, +inf, -inf (not live), one live key,
+    keys differing in the lowest bit only."""
     rows = [torch.randn(64, generator=g), torch.randint(-3, 4, (64,), generator=g).float(),
             torch.full((64,), 1.5), torch.tensor([float("inf")] * 3 + [0.0] * 61)]
     one = torch.full((64,), float("-inf"))
@@ -197,7 +195,14 @@ def test_kth_key2_equals_the_one_bit_search(nbits):
     lowbit = (torch.full((64,), 1.0).view(torch.int32) + torch.arange(64, dtype=torch.int32) % 2).view(torch.float32)
     neg = torch.randn(64, generator=g)
     neg[::3] = float("-inf")
-    rows += [one, lowbit, neg]
+    return rows + [one, lowbit, neg]
+
+
+@pytest.mark.parametrize("nbits", [32, 16])
+def test_kth_key2_equals_the_one_bit_search(nbits):
+    """`kth_key2` (two bits a step, one reduction) finds the one-bit search's tau: distinct scores, masses of
+    ties, +inf, -inf (not live), one live key, keys differing in the lowest bit only, K at the edges."""
+    rows = _kth_rows(torch.Generator().manual_seed(nbits))
     out = torch.empty(2, dtype=torch.int32)
     for x in rows:
         n = int((x > float("-inf")).sum())
@@ -226,15 +231,7 @@ def test_kth_key_counts_equal_the_bit_search(cm, cj):
     (the search runs to its last bit) and narrower, +inf, -inf (not live), one live key, keys differing in the
     lowest bit only, keys of both signs (the search's first bit), k from 1 to all."""
     g = torch.Generator().manual_seed(cm)
-    rows = [torch.randn(64, generator=g), torch.randint(-3, 4, (64,), generator=g).float(),
-            torch.full((64,), 1.5), torch.tensor([float("inf")] * 3 + [0.0] * 61),
-            torch.randint(0, 40, (64,), generator=g).float()]
-    one = torch.full((64,), float("-inf"))
-    one[17] = 2.0
-    lowbit = (torch.full((64,), 1.0).view(torch.int32) + torch.arange(64, dtype=torch.int32) % 2).view(torch.float32)
-    neg = torch.randn(64, generator=g)
-    neg[::3] = float("-inf")
-    rows += [one, lowbit, neg]
+    rows = _kth_rows(g) + [torch.randint(0, 40, (64,), generator=g).float()]
     out = torch.empty(4, dtype=torch.int32)
     scr = torch.empty(64, dtype=torch.int32)
     for x in rows:
