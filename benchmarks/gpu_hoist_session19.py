@@ -53,7 +53,16 @@ Call 4 outcome: see results/2026-12-04-h200-session19.md (128K trained 26.54 ms;
 random, not adopted). Call 5 (after the bitmap without redundant atomics, gpu_cap_session19.py call 4): prefill at the
 final commit, the default alone, three reps (the device time left did not allow the CLI's run).
 
-    PYTHONPATH=$PWD python benchmarks/gpu_hoist_session19.py --out $OUT/hoist19 --budget 300 [--call 1|2|3|4|5]
+Call 5 outcome (5e8cb5c): prefill 32K 1.18-1.21x (12.04-12.36 ms: top-k
+4.40-4.60, attention 7.50-7.55), 128K 4.23-4.25x (60.7-60.9 ms).
+
+Call 6 (written for the next session, not run: no device time left): `redo_ahead` 512 (cand_redo.py: the flagged
+rows' decode redo launched before their count is read) against the default, whole and prefill at 32K (at 128K the
+rule leaves it off: 512 x 131,072 row-keys reach the tie path's threshold). Predictions: 32K trained whole ~4.1-4.6
+-> ~3.6-4.0 ms (the host time between the select and the redo hidden), 32K random unchanged +-0.1 (no flagged rows;
+512 padded one-key rows cost ~0.05-0.1 ms), prefill 32K +2-5%.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_hoist_session19.py --out $OUT/hoist19 --budget 300 [--call 1|2|3|4|5|6]
 """
 
 from __future__ import annotations
@@ -171,7 +180,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "hoist19"))
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
-    ap.add_argument("--call", type=int, default=5, choices=(1, 2, 3, 4, 5))
+    ap.add_argument("--call", type=int, default=6, choices=(1, 2, 3, 4, 5, 6))
     a = ap.parse_args()
     a.reps, a.k, a.sink, a.window = 3, 2048, 4, 64
     os.makedirs(a.out, exist_ok=True)
@@ -200,6 +209,18 @@ def main():
                 torch.rand(1, L, 4, device=dev, generator=g2).bfloat16(),
                 torch.randn(1, L, 64, device=dev, generator=g2).bfloat16())
 
+    if a.call == 6:
+        ahead = {"default": {}, "ahead512": dict(redo_ahead=512)}
+        for name, make in (("L32 trained", lambda: patterns.trained_index(ix, 32768, dev, gen)),
+                           ("L32 random", lambda: rnd(32768))):
+            qi, wi, ki = make()
+            res["shapes"][name] = {"whole": s18.whole(a, name, qi, wi, ki, dev, W, ahead)}
+            if name == "L32 trained":
+                res.setdefault("prefill", {})[name] = s18.prefill(a, (qi, wi, ki), dev, W, ahead, 32768)
+            save()
+        res["wall_s"] = time.time() - t0
+        save()
+        return
     if a.call == 5:
         for name, L in (("L32 trained", 32768), ("L128 trained", 131072)):
             idx5 = patterns.trained_index(ix, L, dev, gen)

@@ -317,3 +317,22 @@ def test_rows_of_ties_only_take_the_latest_keys():
     got = indexer_topk_cand(q, w, k, K, q_offset=S - T, kv_start=kv_start, info=info,
                             config=dataclasses.replace(INTERPRET_CAND, target=2.0))
     assert torch.equal(got, ref) and info["tie_rows"] == B * T and info["redone_rows"] == 0
+
+
+@pytest.mark.parametrize("cap", [64, 3])
+def test_redo_ahead_equals_the_synchronous_redo(cap):
+    """A buffer of k slots overflows on most rows, which are redone by the decode select: launched ahead of their
+    count on the first `cap` flagged rows (cand_redo.py; 3: fewer than the flagged rows, the synchronous path
+    redoes them all again) the rows equal the synchronous redo's and the reference, with left padding and forced
+    keys; the returned rows are contiguous (the spare scratch row is not part of them)."""
+    B, T, S, K = 1, 20, 90, 6
+    q, w, k = _inputs(B, T, S, 2, 16, seed=4, positive_w=True)
+    kv_start = torch.tensor([5])
+    args = dict(q_offset=S - T, sink=1, window=2, kv_start=kv_start, slots=8)
+    sync_cfg = dataclasses.replace(INTERPRET_CAND, redo="decode")
+    infos = [{}, {}]
+    ref = indexer_topk_naive(q, w, k, K, q_offset=S - T, sink=1, window=2, kv_start=kv_start)
+    sync = indexer_topk_cand(q, w, k, K, config=sync_cfg, info=infos[0], **args)
+    got = indexer_topk_cand(q, w, k, K, config=dataclasses.replace(sync_cfg, redo_ahead=cap), info=infos[1], **args)
+    assert infos[0]["redone_rows"] > 3 and infos[0] == infos[1]
+    assert torch.equal(sync, ref) and torch.equal(got, ref) and got.is_contiguous() and got.shape == ref.shape

@@ -370,6 +370,9 @@ class CandConfig:
     dot_scan: bool = False  # the gather's in-tile prefix sum by a triangular matmul (stream.py) instead of tl.cumsum
     packed: bool = True  # one int64 store a candidate: (fp32 bits, position) with words, (key, position) with scan
     redo: str = "decode"
+    # the first redo_ahead flagged rows a chunk redone before their count is read (cand_redo.py; B = 1, redo
+    # "decode"; 0: off). Not timed on a GPU yet (session 19): off
+    redo_ahead: int = 0
     # the gather kernel: "words" (`_gather_words_kernel`: session 11, 32-key words, no scan over the tile) or
     # "scan" (session 10: stream._gather_kernel, or `_gather_packed_kernel` when packed; dot_scan applies to it)
     gather: str = "words"
@@ -545,7 +548,11 @@ def indexer_topk_cand(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor,
     smp = torch.empty(B, rows, SW, device=dev, dtype=torch.float32)
     small = torch.empty(2, B, rows, device=dev, dtype=torch.int32)  # entry counts, thresholds (fp32 bits)
     nrow, th = small[0], small[1].view(torch.float32)
-    out = torch.empty(B, T, topk, dtype=torch.int32, device=dev)
+    # the ahead redo only where its rows alone could not reach the tie path (which would redo them again)
+    ties_first = cfg.packed and cfg.ties and cfg.redo_ahead * S >= cfg.tie_min_work
+    ahead = cfg.redo_ahead if B == 1 and cfg.redo == "decode" and not ties_first else 0
+    out_full = torch.empty(B, T + (ahead > 0), topk, dtype=torch.int32, device=dev)  # + the ahead redo's scratch row
+    out = out_full[:, :T]
     entries, redone, tied = 0, 0, 0
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
@@ -553,6 +560,15 @@ def indexer_topk_cand(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor,
         cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, val, idx, nrow, cfg)
         cand_select(val, idx, nrow, out[:, t0:t1], topk, cfg)
         bad = nrow[:, :t1 - t0] < 0
+        if ahead:  # the first `ahead` flagged rows redone before their count is read (cand_redo.py)
+            from sparse_rl.sparse.ops.indexer_topk.cand_redo import redo_ahead
+
+            nbad = redo_ahead(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out_full, ahead)()
+            if nbad <= ahead and not (cfg.packed and cfg.ties and nbad * S >= cfg.tie_min_work):
+                redone += nbad
+                if info is not None:
+                    entries += int(nrow[:, :t1 - t0].clamp(min=0).sum())
+                continue
         flagged = bad.nonzero()  # the chunk's one host sync where no row is flagged: the rows and their count
         nbad = flagged.shape[0]
         if nbad and cfg.packed and cfg.ties and nbad * S >= cfg.tie_min_work:  # equal scores at the threshold
