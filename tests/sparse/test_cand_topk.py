@@ -336,3 +336,18 @@ def test_redo_ahead_equals_the_synchronous_redo(cap):
     got = indexer_topk_cand(q, w, k, K, config=dataclasses.replace(sync_cfg, redo_ahead=cap), info=infos[1], **args)
     assert infos[0]["redone_rows"] > 3 and infos[0] == infos[1]
     assert torch.equal(sync, ref) and torch.equal(got, ref) and got.is_contiguous() and got.shape == ref.shape
+
+
+@pytest.mark.parametrize("T,cap,BM", [(131072, 43648, 64), (32768, 43648, 64), (1000, 64, 16), (100, 32, 16),
+                                      (17, 64, 16)])
+def test_even_chunks_are_the_fewest_within_the_cap(T, cap, BM):
+    """`even_chunk`: a multiple of BM, at most cap (cap a multiple of BM), as few chunks as cap allows, and no chunk
+    much shorter than the others (128K rows at a 43,648-row cap: 4 x 32,768, not 3 x 43,648 + 128)."""
+    from sparse_rl.sparse.ops.indexer_topk.cand_topk import even_chunk
+
+    c = even_chunk(T, cap, BM)
+    n = -(-T // c)
+    assert c % BM == 0 and c <= max(cap, BM) and n == -(-T // cap)
+    assert T - (n - 1) * c >= c - BM * n or n == 1  # the last chunk within rounding of the others
+    if (T, cap) == (131072, 43648):
+        assert c == 32768
