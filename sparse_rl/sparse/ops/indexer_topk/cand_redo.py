@@ -39,7 +39,7 @@ def redo_ahead(q_idx, w, k_idx, kvs, bad, t0: int, q_offset: int, topk: int, sin
     """Exact rows, by the split-row decode select, of the first `cap` flagged rows of the chunk (bad `[1, Tc]`;
     q_idx `[1, T, H_I, D_I]`, w `[1, T, H_I]`, k_idx `[1, S, D_I]`), written into out_full `[1, T + 1, topk]` (row T:
     the padded rows' scratch). Returns the reader of the chunk's flagged count (`count_reader`)."""
-    from sparse_rl.sparse.ops.indexer_topk.decode import indexer_topk_decode
+    from sparse_rl.sparse.ops.indexer_topk.stream import decode_rows
 
     dev = bad.device
     flat = bad[0]
@@ -50,11 +50,9 @@ def redo_ahead(q_idx, w, k_idx, kvs, bad, t0: int, q_offset: int, topk: int, sin
     rows = rows[:cap]
     valid = rows >= 0
     tt = torch.where(valid, rows, 0) + t0
-    st = kvs[0].expand(cap).contiguous()
-    pos = torch.where(valid, tt + q_offset, st.to(tt.dtype)).to(torch.int32)  # a padded row sees one key
+    pos = torch.where(valid, tt + q_offset, kvs[0].to(tt.dtype)).to(torch.int32)  # a padded row sees one key
     if k_idx.stride(-1) != 1:
         k_idx = k_idx.contiguous()
-    kb = k_idx[0:1].expand(cap, *k_idx.shape[1:])  # one key set, broadcast (stride 0)
-    res = indexer_topk_decode(q_idx[0, tt], w[0, tt], kb, pos, topk, sink=sink, window=window, kv_start=st)
+    res = decode_rows(q_idx, w, k_idx, kvs, 0, tt, pos, topk, sink, window)
     out_full[0].index_copy_(0, torch.where(valid, tt, out_full.shape[1] - 1), res)
     return read

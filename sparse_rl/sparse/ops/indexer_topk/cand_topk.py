@@ -414,6 +414,11 @@ def _compact(cm: int, scratch: int, bits: int) -> int:
     return cm if bits == 32 and scratch >= cm else 0
 
 
+def _takes_ties(cfg: CandConfig, nbad: int, S: int) -> bool:
+    """Whether a chunk's nbad flagged rows of S keys go through the tie path first (`CandConfig.tie_min_work`)."""
+    return cfg.packed and cfg.ties and nbad * S >= cfg.tie_min_work
+
+
 def even_chunk(T: int, cap: int, BM: int) -> int:
     """Rows a chunk: the fewest chunks of at most cap rows, of equal length rounded up to BM. The longest rows come
     last (causal), so a short last chunk would be a few programs walking the most keys on a few SMs: at 128K rows
@@ -549,8 +554,7 @@ def indexer_topk_cand(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor,
     small = torch.empty(2, B, rows, device=dev, dtype=torch.int32)  # entry counts, thresholds (fp32 bits)
     nrow, th = small[0], small[1].view(torch.float32)
     # the ahead redo only where its rows alone could not reach the tie path (which would redo them again)
-    ties_first = cfg.packed and cfg.ties and cfg.redo_ahead * S >= cfg.tie_min_work
-    ahead = cfg.redo_ahead if B == 1 and cfg.redo == "decode" and not ties_first else 0
+    ahead = cfg.redo_ahead if B == 1 and cfg.redo == "decode" and not _takes_ties(cfg, cfg.redo_ahead, S) else 0
     out_full = torch.empty(B, T + (ahead > 0), topk, dtype=torch.int32, device=dev)  # + the ahead redo's scratch row
     out = out_full[:, :T]
     entries, redone, tied = 0, 0, 0
@@ -560,18 +564,17 @@ def indexer_topk_cand(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor,
         cand_gather(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, th, val, idx, nrow, cfg)
         cand_select(val, idx, nrow, out[:, t0:t1], topk, cfg)
         bad = nrow[:, :t1 - t0] < 0
+        done = -1  # flagged rows the ahead redo served (-1: none; more than `ahead`: all redone again below)
         if ahead:  # the first `ahead` flagged rows redone before their count is read (cand_redo.py)
             from sparse_rl.sparse.ops.indexer_topk.cand_redo import redo_ahead
 
-            nbad = redo_ahead(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out_full, ahead)()
-            if nbad <= ahead and not (cfg.packed and cfg.ties and nbad * S >= cfg.tie_min_work):
-                redone += nbad
-                if info is not None:
-                    entries += int(nrow[:, :t1 - t0].clamp(min=0).sum())
-                continue
-        flagged = bad.nonzero()  # the chunk's one host sync where no row is flagged: the rows and their count
-        nbad = flagged.shape[0]
-        if nbad and cfg.packed and cfg.ties and nbad * S >= cfg.tie_min_work:  # equal scores at the threshold
+            n = redo_ahead(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out_full, ahead)()
+            done = n if n <= ahead else -1
+        nbad = 0
+        if done < 0:
+            flagged = bad.nonzero()  # the chunk's one host sync where no row is flagged: the rows and their count
+            nbad = flagged.shape[0]
+        if nbad and _takes_ties(cfg, nbad, S):  # equal scores at the threshold
             from sparse_rl.sparse.ops.indexer_topk.cand_ties import resolve_ties
 
             resolve_ties(q_idx, w, k_idx, kvs, bad, th, val, nrow, out[:, t0:t1], t0, q_offset, topk, sink, window,
@@ -582,6 +585,7 @@ def indexer_topk_cand(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tensor,
             nbad = flagged.shape[0]
         if info is not None:
             entries += int(nrow[:, :t1 - t0].clamp(min=0).sum())
+        redone += max(done, 0)
         if nbad:
             redone += nbad
             if cfg.redo == "decode":

@@ -336,19 +336,24 @@ def _select(val, idx, nrow, out, topk, cfg: StreamConfig):
                               out.stride(1), topk, CB=CB, KB=min(1024, CB), num_warps=cfg.select_warps)
 
 
+def decode_rows(q_idx, w, k_idx, kvs, b: int, tt, pos, topk, sink, window) -> torch.Tensor:
+    """The split-row decode select's exact rows `[n, topk]` of the queries tt `[n]` of batch row b at positions pos
+    `[n]` int32, against that row's keys (k_idx with a unit last stride, broadcast: stride 0) from kvs[b] on."""
+    from sparse_rl.sparse.ops.indexer_topk.decode import indexer_topk_decode
+
+    kb = k_idx[b:b + 1].expand(len(tt), *k_idx.shape[1:])
+    st = kvs[b].expand(len(tt)).contiguous()
+    return indexer_topk_decode(q_idx[b, tt], w[b, tt], kb, pos, topk, sink=sink, window=window, kv_start=st)
+
+
 def _redo_rows(q_idx, w, k_idx, kvs, bad, t0, q_offset, topk, sink, window, out, group: int = 512, rows=None):
     """Exact selection, by the split-row decode select, of the flagged rows bad `[B, Tc]` of the chunk (rows: their
     `bad.nonzero()`, when the caller has it)."""
-    from sparse_rl.sparse.ops.indexer_topk.decode import indexer_topk_decode
-
     if k_idx.stride(-1) != 1:
         k_idx = k_idx.contiguous()
     for b, t in _groups(bad.nonzero() if rows is None else rows, group, bad.shape[0]):
         tt = t + t0
-        kb = k_idx[b:b + 1].expand(len(t), *k_idx.shape[1:])  # one key set, broadcast (stride 0)
-        pos = (tt + q_offset).to(torch.int32)
-        st = kvs[b].expand(len(t)).contiguous()
-        out[b, tt] = indexer_topk_decode(q_idx[b, tt], w[b, tt], kb, pos, topk, sink=sink, window=window, kv_start=st)
+        out[b, tt] = decode_rows(q_idx, w, k_idx, kvs, b, tt, (tt + q_offset).to(torch.int32), topk, sink, window)
 
 
 def _groups(rows: torch.Tensor, group: int, B: int):
