@@ -77,7 +77,7 @@ def run_decode_bench(cfg: BenchDecodeConfig, log=print) -> dict:
         row["sparse_attn_ms"] = bench_ms(lambda: sparse_decode(q, kc, vc, idx, backend="triton"), dev, **W)
         sel_bytes = int((idx >= 0).sum()) * Hkv * D * 2 * kc.element_size()
         row["sparse_attn_TBps"] = sel_bytes / row["sparse_attn_ms"] / 1e9
-        row["splits"] = sa._decode_splits(B, Hkv, K, dev)
+        row["splits"] = sa.decode_splits(B, Hkv, K, dev)
         for ns in cfg.splits:
             row[f"sparse_attn_ms_split{ns}"] = bench_ms(lambda: sa.sparse_decode(q, kc, vc, idx, nsplit=ns), dev, **W)
         step = lambda: sparse_decode(q, kc, vc, step_idx(), backend="triton")  # noqa: E731

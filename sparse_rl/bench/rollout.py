@@ -79,6 +79,7 @@ class BenchRolloutConfig:
     sync_min_batch: int = 32  # batches of at least this many rows take the sync select (DecodeSelect; 0: never)
     qkv_pad: int = 64  # the fused q/k/v(+indexer) weight padded with zero rows to a multiple of this
     pdl: int | None = None  # PDL in the step (ModelRunner.pdl: 0-2 or a bool; None: its default)
+    select_streams: int = 1  # row groups, one CUDA stream each, for the sparse layers' select + attention
     step_timing: str = "synced"  # step rows: "synced" (each step on an idle device, median) | "queued" (back to back)
 
     def __post_init__(self):
@@ -98,6 +99,8 @@ class BenchRolloutConfig:
             raise UsageError(f"--decode-select / --decode-long / --score-block / --sync-min-batch: {e}") from None
         if self.qkv_pad < 1:
             raise UsageError("--qkv-pad must be >= 1")
+        if self.select_streams < 1:
+            raise UsageError("--select-streams must be >= 1")
         if self.step_timing not in STEP_TIMINGS:
             raise UsageError(f"--step-timing {self.step_timing}: expected one of {', '.join(STEP_TIMINGS)}")
         if any(b < 1 for b in self.long_batches) or any(c < 2 for c in self.step_contexts + self.latency_contexts):
@@ -191,7 +194,8 @@ class _Bench:
         from sparse_rl.rl.rollout import RolloutEngine
 
         c = self.cfg
-        opts = kw.pop("runner_options", None) or {"decode_select": c.select(), "qkv_pad": c.qkv_pad, "pdl": c.pdl}
+        opts = kw.pop("runner_options", None) or {"decode_select": c.select(), "qkv_pad": c.qkv_pad, "pdl": c.pdl,
+                                                      "select_streams": c.select_streams}
         return RolloutEngine(self.model, None, max_batch=B, max_seq_len=max_len, device=self.dev, eos_token_ids=[],
                              compile=c.compile, runner_options=opts, **kw)
 

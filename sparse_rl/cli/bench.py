@@ -151,6 +151,8 @@ def rollout(
                                                      "output columns [default: 64]"),
     pdl: Optional[bool] = typer.Option(None, "--pdl/--no-pdl", help="Programmatic dependent launch of the decode "
                                        "step's Triton kernels (Hopper+; off elsewhere) [default: the engine's]"),
+    select_streams: Optional[int] = typer.Option(None, help="The sparse layers' select + attention in this many row "
+                                                            "groups, each on its own CUDA stream [default: 1]"),
     step_timing: Optional[str] = typer.Option(None, help="Step rows (and the integrated generations' points): synced "
                                                          "(each step on an idle device, median of 20) | queued (20 "
                                                          "steps back to back, as a generation runs them) "
@@ -179,6 +181,6 @@ def rollout(
             latency_contexts=ints("--latency-contexts", latency_contexts), topk=index_topk, index_heads=index_heads,
             index_dim=index_dim, dtype=dtype, device=device, compile=compile, decode_select=decode_select,
             decode_long=decode_long, score_block=score_block, sync_min_batch=sync_min_batch, qkv_pad=qkv_pad, pdl=pdl,
-            step_timing=step_timing), sets=set_)
+            select_streams=select_streams, step_timing=step_timing), sets=set_)
         res = run_rollout_bench(cfg, log=lambda m: console.print(f"[dim]{m}[/]"))
         _finish(res, markdown_rollout(res), out)

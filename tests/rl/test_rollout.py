@@ -550,6 +550,53 @@ def test_fused_indexer_launch_gives_the_logits_of_two_launches(llama_dir, monkey
     assert all(torch.equal(a, b) for a, b in zip(out[True], out[False]))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_select_streams_give_the_logits_of_one_stream(llama_dir, monkeypatch, backend):
+    """`ModelRunner(select_streams=n)`: the sparse layers' select + attention in n row groups (one CUDA stream each
+    on a GPU; in turn here) give bitwise the logits of the whole batch at once: one eager sparse step of 3 rows at
+    20, 14 and 26 keys (past the top-k of 12) on a random cache, groups of (1, 2) and (1, 1, 1), on the Triton
+    kernels (interpreter; on the reference ops within float rounding); the grouped path runs once a sparse layer; the sync select's
+    `sync_min_batch` is dropped for the groups; n < 1 is refused."""
+    import dataclasses
+
+    from sparse_rl.rl.rollout import forward
+    from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT
+
+    model = load_model(llama_dir, attention="sparse")
+    eng = _engine(model, max_batch=3, fuse_projections=True,
+                  runner_options={"decode_select": dataclasses.replace(ENGINE_SELECT, sync_min_batch=2)})
+    r = eng.runner
+    assert r.select_streams == 1
+    with pytest.raises(SparseRLError, match="select_streams 0"):
+        r.set_select_streams(0)
+    groups, sels = [], []
+    real, real_sel = r._grouped_select_attend, forward.select
+    monkeypatch.setattr(r, "_grouped_select_attend", lambda *a, **k: groups.append(1) or real(*a, **k))
+    monkeypatch.setattr(forward, "select", lambda *a, **k: sels.append(k["decode_select"].sync_min_batch) or
+                        real_sel(*a, **k))
+    monkeypatch.setenv("SPARSE_RL_BACKEND", backend)
+    cache = eng._ensure_cache(32)
+    g = torch.Generator().manual_seed(8)
+    for t in (cache.k, cache.v, cache.idx):
+        t.copy_(torch.randn(t.shape, generator=g))
+    tok, pos = torch.tensor([7, 99, 3]), torch.tensor([19, 13, 25])
+    sparse_layers = sum(1 for i in range(r.n_layers) if r._sparse(i, "sparse"))
+    out = {}
+    with torch.inference_mode():
+        for n in (1, 2, 3):
+            r.set_select_streams(n)
+            del groups[:], sels[:]
+            out[n] = r.decode_eager(cache, tok, pos, 32, "sparse")
+            assert len(groups) == (0 if n == 1 else sparse_layers)
+            assert sels == ([2] * sparse_layers if n == 1 else [0] * (n * sparse_layers))
+    monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
+    for n in (2, 3):  # the kernels read each row alone: bitwise; the reference's batched matmuls may round apart
+        if backend == "triton":
+            assert torch.equal(out[1], out[n])
+        else:
+            torch.testing.assert_close(out[n], out[1], atol=1e-6, rtol=0)
+
+
 def test_pdl_resolves_off_on_the_cpu_and_is_threaded_to_every_step_kernel(llama_dir, monkeypatch, pdl_kernel_name):
     """`ModelRunner(pdl=True)` on a CPU is no error and resolves off (`_backend.resolve_pdl`); with the choice
     forced on (as on an H200), one eager sparse decode step on the Triton kernels (interpreter; 2 rows at 20

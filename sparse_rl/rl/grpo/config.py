@@ -52,6 +52,8 @@ class RolloutConfig:
     # programmatic dependent launch of the decode step's Triton kernels (ModelRunner.pdl: 0 / 1 / 2, False / True;
     # None: the engine's default; off wherever the GPU / Triton cannot)
     pdl: int | None = None
+    # the sparse layers' select + attention in this many row groups, each on its own CUDA stream (ModelRunner)
+    select_streams: int = 1
 
     def runner_options(self) -> dict:
         """`RolloutEngine(runner_options=...)` of these choices (raises ValueError for an unknown select)."""
@@ -59,7 +61,7 @@ class RolloutConfig:
 
         return {"decode_select": DecodeSelect(self.decode_select, long=self.decode_long, score_block=self.score_block,
                                               sync_min_batch=self.sync_min_batch),
-                "qkv_pad": self.qkv_pad, "pdl": self.pdl}
+                "qkv_pad": self.qkv_pad, "pdl": self.pdl, "select_streams": self.select_streams}
 
 
 @dataclass
@@ -194,6 +196,7 @@ def validate(c: GRPOConfig) -> None:
     _positive(c.data.prompts_per_step, "data.prompts_per_step")
     _positive(r.keep, "rollout.keep")
     _positive(r.qkv_pad, "rollout.qkv_pad")
+    _positive(r.select_streams, "rollout.select_streams")
     _positive(r.score_block, "rollout.score_block", allow_zero=True)
     if r.pdl not in (None, 0, 1, 2):
         raise UsageError(f"rollout.pdl {r.pdl!r}: expected 0, 1, 2 (false / true) or null (the engine's default)")

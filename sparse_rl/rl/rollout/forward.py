@@ -235,13 +235,16 @@ class ModelRunner:
     GEMMs run (measured with them, session 12); resolved to 0 wherever
     `_backend.pdl_supported` is not, so True on a CPU, an A100 or under the interpreter is no error; the compiled
     step gets inductor's `triton.enable_pdl` instead, only when pdl is given (never timed); `set_pdl`). The runner
-    owns it: the decode select it passes down carries it (`DecodeSelect.pdl`)."""
+    owns it: the decode select it passes down carries it (`DecodeSelect.pdl`). select_streams: the eager step's
+    indexer layers split the batch's rows into this many groups, each group's select and sparse attention on its
+    own CUDA stream (1: one stream, the whole batch; `set_select_streams`, `_grouped_select_attend`), so one
+    group's latency-bound select chain runs while another's attention streams its K/V rows."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
                  decode_select: DecodeSelect | None = None, skinny_gemm=None, blas: str | None = None,
                  skinny_impl: str | None = None, skinny_tiles=None,
-                 pdl: bool | int | None = None, fuse_indexer: bool = True):
+                 pdl: bool | int | None = None, fuse_indexer: bool = True, select_streams: int = 1):
         base = _base(model)
         dec = base.get_decoder()
         self.model, self.base = model, base
@@ -288,6 +291,8 @@ class ModelRunner:
         # a sparse layer's q/k norm + RoPE + cache write and its indexer's per-token work in one launch
         # (`ops.qk_rope_indexer_decode`, the same values as the two launches; needs the fused projections)
         self.fuse_indexer = bool(fuse_indexer)
+        self.select_streams = 1
+        self._side_streams: list = []  # the CUDA streams beside the current one (`set_select_streams`)
         self._pdl_asked = pdl  # the request: the compiled step's inductor PDL only when asked for (never timed)
         self._skinny_cnt: dict = {}  # id(module or fused weight) -> its tile counters (ops.skinny_linear)
         self.fused_layers = ([FusedLayer.build(layer, self.qkv_pad) for layer in self.layers]
@@ -307,6 +312,7 @@ class ModelRunner:
         # graphs compiled; seconds of first compiled calls; symbolic sizes of the last graph (1: S alone)
         self.compile_stats = {"graphs": 0, "seconds": 0.0, "symbols": 0}
         self._compiled: dict = {}
+        self.set_select_streams(select_streams)
 
     # ---------------------------------------------------------------- helpers
     def _qkv(self, attn, x, cos, sin):
@@ -489,11 +495,14 @@ class ModelRunner:
                     sel_pos = pos32
                 else:
                     sel_pos = pos if compiled or index is not None else pos_list
-                # with no more visible keys than top-k the indexer keeps them all (`short`)
-                sel = select(st, q, k_all[i], index, pos=sel_pos,
-                             S=S, visible=all_idx if short else None, ops=C if compiled else DecodeOps,
-                             group=cache.group(i) if cache is not None else None, decode_select=dsel)
-                o = self._attend(q, k_all[i], v_all[i], sel, attn.scaling, st.backend, compiled, pdl)
+                if self._grouped(st, index, short, compiled, B):
+                    o = self._grouped_select_attend(st, q, k_all[i], v_all[i], index, sel_pos, S, dsel, attn.scaling,
+                                                    pdl)
+                else:  # with no more visible keys than top-k the indexer keeps them all (`short`)
+                    sel = select(st, q, k_all[i], index, pos=sel_pos,
+                                 S=S, visible=all_idx if short else None, ops=C if compiled else DecodeOps,
+                                 group=cache.group(i) if cache is not None else None, decode_select=dsel)
+                    o = self._attend(q, k_all[i], v_all[i], sel, attn.scaling, st.backend, compiled, pdl)
             elif self.dense_impl == "index":
                 o = self._attend(q, k_all[i], v_all[i], all_idx, attn.scaling, "auto", compiled, pdl)
             else:
@@ -615,6 +624,62 @@ class ModelRunner:
         if compiled:
             return C.sparse_decode(q, kc, vc, sel, scale, backend)
         return sparse_decode(q, kc, vc, sel, scale=scale, backend=backend, pdl=pdl)[0]
+
+    def _grouped(self, st, index, short: bool, compiled: bool, B: int) -> bool:
+        """Whether this layer's select + attention run in row groups (`select_streams`): eager, an indexer
+        layer with token-level rows that selects this step (not `short`), at least one row a group."""
+        return (self.select_streams > 1 and not compiled and index is not None and not st.cfg.granular
+                and not short and B >= self.select_streams)
+
+    def _grouped_select_attend(self, st, q, kc, vc, index, pos, S: int, dsel: DecodeSelect, scale, pdl: int):
+        """The layer's select and sparse attention over `select_streams` groups of rows, group g > 0 on side
+        stream g - 1 (forked from the current stream and joined back; on a CPU the groups run in turn). q
+        `[B, H, D]`, kc / vc `[B, S_max, H_kv, D]`, index (q_I `[B, H_I, d_I]`, w `[B, H_I]`, the index-key cache
+        `[B, S_max, d_I]`[, its fp8 scales `[B, S_max]`]), pos `[B]` int32 -> `[B, H, D]`. Every row's keys and
+        output are the whole batch's: each row's select and attention read only that row. Each group takes the
+        decode select without `sync_min_batch` (the sync select's barrier counters are one buffer a device, and
+        two of its launches at once could each wait on programs the other keeps from running), and the attention's
+        split of the whole batch (its heuristic fills the GPU with one group's programs alone)."""
+        B, n = q.shape[0], self.select_streams
+        if dsel.sync_min_batch:
+            dsel = dataclasses.replace(dsel, sync_min_batch=0)
+        nsplit = None
+        cuda = q.is_cuda
+        if cuda:
+            from sparse_rl.sparse.ops.sparse_attention.triton import decode_splits
+
+            nsplit = decode_splits(B, kc.shape[2], st.cfg.topk, q.device)
+            main = torch.cuda.current_stream(q.device)
+        outs = []
+        for g in range(n):
+            r = slice(B * g // n, B * (g + 1) // n)
+            ctx = contextlib.nullcontext()
+            if cuda and g:
+                side = self._side_streams[g - 1]
+                side.wait_stream(main)
+                ctx = torch.cuda.stream(side)
+            with ctx:
+                sel = select(st, q[r], kc[r], tuple(t[r] for t in index), pos=pos[r], S=S, ops=DecodeOps,
+                             decode_select=dsel)
+                outs.append(sparse_decode(q[r], kc[r], vc[r], sel, scale=scale, backend=st.backend, pdl=pdl,
+                                          nsplit=nsplit)[0])
+        if cuda:
+            for side in self._side_streams[:n - 1]:
+                main.wait_stream(side)
+        return torch.cat(outs)
+
+    def set_select_streams(self, n: int) -> None:
+        """Row groups (and CUDA streams) of the sparse layers' select + attention from the next step (see the
+        class docstring); the CUDA graphs hold the old launches and are dropped when n changes."""
+        n = int(n)
+        if n < 1:
+            raise SparseRLError(f"select_streams {n}: must be at least 1")
+        if self.is_cuda:
+            while len(self._side_streams) < n - 1:
+                self._side_streams.append(torch.cuda.Stream(self.device))
+        if n != self.select_streams:
+            self.select_streams = n
+            self.drop_graphs()
 
     def _short(self, S: int, mode: str) -> bool:
         return mode == "sparse" and all(st is None or S <= st.cfg.topk for st in self.states)

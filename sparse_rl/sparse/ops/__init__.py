@@ -57,14 +57,15 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
 
 
 def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor,
-                  scale: float | None = None, *, backend: str = "auto", pdl: bool = False):
+                  scale: float | None = None, *, backend: str = "auto", pdl: bool = False, nsplit: int | None = None):
     """One decode step. q `[B, H, D]`, caches `[B, S_max, H_kv, D]`, indices `[B, K]` (-1 = none;
     each row names only filled cache slots) -> (out `[B, H, D]`, lse `[B, H]`). pdl: the Triton launches with
     programmatic dependent launch (decided by the caller, `_backend.resolve_pdl`; the reference ignores it;
-    so do the decode ops below)."""
+    so do the decode ops below). nsplit: the kernel's split of each index list (None: its heuristic, about one
+    program an SM)."""
     fn = kernel("sparse_attention", "sparse_decode")
     if resolve_backend(backend, q, fn is not None) == "triton":
-        return fn(q, k_cache, v_cache, indices, scale, pdl=pdl)
+        return fn(q, k_cache, v_cache, indices, scale, nsplit=nsplit, pdl=pdl)
     out, lse = sparse_attention_naive(q[:, None], k_cache, v_cache, indices[:, None], scale)
     return out[:, 0], lse[:, 0]
 

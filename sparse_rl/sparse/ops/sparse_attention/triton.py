@@ -429,7 +429,7 @@ def _num_sms(device_type: str, index: int | None) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
-def _decode_splits(B: int, H_kv: int, NK: int, device) -> int:
+def decode_splits(B: int, H_kv: int, NK: int, device) -> int:
     """Split the index list until the grid has ~1 program per SM, keeping >= 256 keys a split
     (B=32, H_kv=8, k=2048 on an H200: 1 split 0.068 ms, 2: 0.078, 4: 0.072, 8: 0.074; NOTES.md)."""
     sms = _num_sms(device.type, device.index)
@@ -454,7 +454,7 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if idx3.dtype != torch.int32:
         idx3 = idx3.to(torch.int32)
     H_kv, NK = k_cache.shape[2], indices.shape[-1]
-    ns = nsplit or _decode_splits(B, H_kv, NK, q.device)
+    ns = nsplit or decode_splits(B, H_kv, NK, q.device)
     po, pl, ns = _fwd(q4, k_cache, v_cache, idx3, scale, ns, pdl=pdl)
     if ns == 1:
         return po[:, 0], pl[:, 0]
