@@ -329,7 +329,7 @@ def test_redo_ahead_equals_the_synchronous_redo(cap):
     q, w, k = _inputs(B, T, S, 2, 16, seed=4, positive_w=True)
     kv_start = torch.tensor([5])
     args = dict(q_offset=S - T, sink=1, window=2, kv_start=kv_start, slots=8)
-    sync_cfg = dataclasses.replace(INTERPRET_CAND, redo="decode")
+    sync_cfg = dataclasses.replace(INTERPRET_CAND, redo="decode", redo_ahead=0)
     infos = [{}, {}]
     ref = indexer_topk_naive(q, w, k, K, q_offset=S - T, sink=1, window=2, kv_start=kv_start)
     sync = indexer_topk_cand(q, w, k, K, config=sync_cfg, info=infos[0], **args)

@@ -650,15 +650,12 @@ class ModelRunner:
 
             nsplit = decode_splits(B, kc.shape[2], st.cfg.topk, q.device)
             main = torch.cuda.current_stream(q.device)
+            for side in self._side_streams[:n - 1]:  # fork before any group's work: each waits only for the
+                side.wait_stream(main)                # layer's inputs, not for the groups issued before it
         outs = []
         for g in range(n):
             r = slice(B * g // n, B * (g + 1) // n)
-            ctx = contextlib.nullcontext()
-            if cuda and g:
-                side = self._side_streams[g - 1]
-                side.wait_stream(main)
-                ctx = torch.cuda.stream(side)
-            with ctx:
+            with torch.cuda.stream(self._side_streams[g - 1]) if cuda and g else contextlib.nullcontext():
                 sel = select(st, q[r], kc[r], tuple(t[r] for t in index), pos=pos[r], S=S, ops=DecodeOps,
                              decode_select=dsel)
                 outs.append(sparse_decode(q[r], kc[r], vc[r], sel, scale=scale, backend=st.backend, pdl=pdl,

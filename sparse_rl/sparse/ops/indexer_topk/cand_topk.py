@@ -371,8 +371,10 @@ class CandConfig:
     packed: bool = True  # one int64 store a candidate: (fp32 bits, position) with words, (key, position) with scan
     redo: str = "decode"
     # the first redo_ahead flagged rows a chunk redone before their count is read (cand_redo.py; B = 1, redo
-    # "decode"; 0: off). Not timed on a GPU yet (session 19): off
-    redo_ahead: int = 0
+    # "decode"; 0: off; off too where that many rows would reach the tie path, as at 128K). H200, session 20
+    # (results/2026-12-04-h200-session20.md): whole top-k at 32K trained 4.48 -> 3.82 ms (252 rows redone, rows
+    # equal), 32K random 3.56 -> 3.49 (none flagged); prefill 32K 11.50-11.99 -> 10.80-11.00 ms
+    redo_ahead: int = 512
     # the gather kernel: "words" (`_gather_words_kernel`: session 11, 32-key words, no scan over the tile) or
     # "scan" (session 10: stream._gather_kernel, or `_gather_packed_kernel` when packed; dot_scan applies to it)
     gather: str = "words"
