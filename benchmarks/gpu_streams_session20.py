@@ -15,7 +15,8 @@ Parts:
    (the rows' keys are exact in every select; the attention's split is the batch's), graph-replayed too.
 2. steps: graph-replayed step ms (median of 20), variants interleaved `--reps` times: batch 32 at 2304 / 8192 /
    16384, batch 16 at 32768; base (one stream, the engine default) vs ss2 / ss4 (and ss2 at PDL 0).
-3. gen: the whole 16K generation at batch 32 (integrated, `bench rollout`'s model): dense, sparse base, sparse ss2.
+3. profile: one graph-replayed step at 32 x 16K per variant under torch.profiler (busy / span / gaps, kernels).
+4. gen: the whole 16K generation at batch 32 (integrated, `bench rollout`'s model): dense, sparse base, sparse ss2.
 
 Predictions (written before the call): proof bitwise equal everywhere. Steps at 32 x 16K: base ~8.3 ms, ss2 ~7.6-7.9
 (-0.4 to -0.7: half to two thirds of the select hidden; the groups' fine select at 16 rows is ~the same latency as
@@ -117,6 +118,35 @@ def steps_part(run, b, plan, names, reps: int) -> None:
         rh.free()
 
 
+def profile_part(run, b, names, B: int = 32, ctx: int = 16384) -> None:
+    """One graph-replayed step per variant under torch.profiler: the kernels' union (busy), span and gaps, and
+    the summed time per kernel name (overlapping kernels of two streams each count in full)."""
+    import torch
+
+    import rollout_harness as rh
+    from granular_harness import kernel_profile, timeline_profile
+
+    if not run.gate(30, "profile"):
+        return
+    eng = b.engine(B, ctx + 256)
+    eng.set_attention("sparse")
+    b.fill(eng, ctx + 256)
+    cache = eng._ensure_cache(ctx)
+    tok = torch.zeros(B, dtype=torch.long, device=b.dev)
+    pos = torch.full_like(tok, ctx - 1)
+    S = eng._bucket(ctx, cache.s_max)
+    out = run.res.setdefault("profile", {})
+    for n, v in _variants(names).items():
+        rh.apply(eng, v)
+        with torch.inference_mode():
+            fn = lambda: eng.runner.decode(cache, tok, pos, S, "sparse")  # noqa: E731
+            out[n] = {"timeline": timeline_profile(fn, b.dev, top=16), "kernels": kernel_profile(fn, b.dev, top=16)}
+        log(f"profile {n}: {out[n]['timeline']}")
+        run.save()
+    del eng, cache
+    rh.free()
+
+
 def gen_part(run, b, names, new: int, batch: int, prompt: int) -> None:
     import rollout_harness as rh
 
@@ -132,7 +162,7 @@ def main() -> None:
     ap.add_argument("--variants", default="base,ss2,ss4,ss2_pdl0")
     ap.add_argument("--gen-variants", default="base,ss2")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--parts", default="proof,steps,gen")
+    ap.add_argument("--parts", default="proof,steps,profile,gen")
     ap.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU (checks the parts run)")
     a = ap.parse_args()
     import torch
@@ -149,6 +179,9 @@ def main() -> None:
     if ok and "steps" in a.parts:
         plan = {3: (64, [40])} if a.smoke else {32: (16640, [16384, 8192, 2304]), 16: (33024, [32768])}
         run.guarded("steps", steps_part, run, b, plan, names, a.reps)
+        run.save()
+    if ok and "profile" in a.parts:
+        run.guarded("profile", profile_part, run, b, ["base", "ss2"], *((3, 40) if a.smoke else ()))
         run.save()
     if ok and "gen" in a.parts:
         new, batch = (24, 2) if a.smoke else (16384, 32)
