@@ -10,6 +10,7 @@ elementwise work (903 SASS a block, session 12). The counters decide: `--profile
     ncu --clock-control none --profile-from-start off -k regex:'_tile_fwd_kernel|_gather_words|_select_packed' \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats ... \
         python benchmarks/gpu_ncu_session19.py
+    # session 20: the backward's kernels (`--backward`; -k regex:'_kq_dkdv_kernel|_tile_dq_kernel')
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--seqlen", type=int, default=32768)
+    ap.add_argument("--backward", action="store_true",
+                    help="profile one backward through `auto` (keyq dk/dv + the tile dq) instead of top-k + forward")
     a = ap.parse_args()
     from sparse_rl.bench import patterns
     from sparse_rl.sparse.ops import sparse_attention
@@ -51,6 +54,21 @@ def main():
         print("kl", kl)
         print("top-k", kernel_profile(sel, dev, top=12))
         print("attention", kernel_profile(lambda: sparse_attention(q, k, v, rows, backend="triton"), dev, top=12))
+        return
+    if a.backward:  # session 20: the trained fwd+bwd's two backward kernels (keyq dk/dv ~15 ms, dq ~9 of 33)
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        dout = torch.randn_like(q)
+        if a.profile:
+            print("backward", kernel_profile(
+                lambda: sparse_attention(q, k, v, rows, backend="triton").backward(dout), dev, top=12))
+            return
+        o = sparse_attention(q, k, v, rows, backend="triton")
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        o.backward(dout)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
         return
     torch.cuda.cudart().cudaProfilerStart()
     sel()
