@@ -56,10 +56,10 @@ def main():
         dout = torch.randn_like(q)
         if a.profile:
             print("backward", kernel_profile(
-                lambda: sparse_attention(q, k, v, rows, backend="triton").backward(dout), dev, top=12))
+                lambda: sparse_attention(q, k, v, rows, backend="triton")[0].backward(dout), dev, top=12))
             return
-        sparse_attention(q, k, v, rows, backend="triton").backward(dout)  # compiles outside the range
-        o = sparse_attention(q, k, v, rows, backend="triton")
+        sparse_attention(q, k, v, rows, backend="triton")[0].backward(dout)  # compiles outside the range
+        o = sparse_attention(q, k, v, rows, backend="triton")[0]
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStart()
         o.backward(dout)
