@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from granular_harness import log
-from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
+from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT, DecodeSelect
 
 # kernel name fragments -> class of a step's time (first match wins)
 CLASSES = (("gemm", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "gemv", "sm90_", "addmm", "aten::mm",
@@ -37,7 +37,10 @@ CLASSES = (("gemm", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "gemv", "sm90
 class Variant:
     """What the engine's next steps run: the decode select and the fused q/k/v(+indexer) weight's padding."""
 
-    select: DecodeSelect = field(default_factory=DecodeSelect)
+    # the engine's own default (ENGINE_SELECT), as the other fields follow the runner's defaults; until session 20
+    # this was DecodeSelect() (auto: row up to 8192 keys, chunked beyond), so a bare Variant() was not the engine
+    # default (session 20's select_streams rows ran both arms on auto)
+    select: DecodeSelect = field(default_factory=lambda: ENGINE_SELECT)
     qkv_pad: int = 64
     skinny_gemm: tuple | bool | None = None  # ModelRunner.skinny_gemm: True (all), names among forward.SKINNY, None its
     # default (forward.skinny_default: all four on sm_90+ since session 12; () is cuBLAS, the old default)

@@ -238,7 +238,10 @@ class ModelRunner:
     owns it: the decode select it passes down carries it (`DecodeSelect.pdl`). select_streams: the eager step's
     indexer layers split the batch's rows into this many groups, each group's select and sparse attention on its
     own CUDA stream (1: one stream, the whole batch; `set_select_streams`, `_grouped_select_attend`), so one
-    group's latency-bound select chain runs while another's attention streams its K/V rows."""
+    group's latency-bound select chain could run while another's attention streams its K/V rows. Opt-in: on the
+    H200 (Qwen3-4B shape, 32 x 2304-16384, 16 x 32K; benchmarks/results/2026-12-04-h200-session20.md) 2 and 4 groups
+    were 0.05-0.16 ms a step slower than one, bitwise the same logits: the groups run each phase at the same time
+    and the chain's latency does not shrink with fewer rows."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
