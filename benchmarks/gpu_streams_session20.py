@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from granular_harness import Run, log  # noqa: E402
 
 VARIANTS = {"base": {}, "ss2": {"select_streams": 2}, "ss4": {"select_streams": 4},
-            "ss2_pdl0": {"select_streams": 2, "pdl": 0}}
+            "ss2_pdl0": {"select_streams": 2, "pdl": 0},
+            "silu": {"fuse_silu": True}}  # gpu_silu_session20.py's variant (its proof runs through proof_part)
 
 
 def _variants(names):
@@ -59,8 +60,9 @@ def _bench(smoke: bool):
     return b
 
 
-def proof_part(run, b, plan, names) -> bool:
-    """Logits of select_streams n equal to n = 1, eager and graph-replayed, at each (batch, context)."""
+def proof_part(run, b, plan, names, mode: str = "sparse") -> bool:
+    """Logits of every variant of names equal to the first one's, eager and graph-replayed, at each (batch,
+    context), in mode."""
     import torch
 
     import rollout_harness as rh
@@ -68,7 +70,7 @@ def proof_part(run, b, plan, names) -> bool:
     ok = True
     rows = run.res.setdefault("proof", [])
     for B, ctx in plan:
-        if not run.gate(30, f"proof {B}x{ctx}"):
+        if not run.gate(30, f"proof {mode} {B}x{ctx}"):
             break
         eng = b.engine(B, ctx + 256)
         eng.set_attention("sparse")
@@ -83,10 +85,10 @@ def proof_part(run, b, plan, names) -> bool:
         with torch.inference_mode():
             for n in names:
                 rh.apply(eng, _variants([n])[n])
-                out[n] = eng.runner.decode_eager(cache, tok, pos, S, "sparse").clone()
+                out[n] = eng.runner.decode_eager(cache, tok, pos, S, mode).clone()
                 if b.dev.type == "cuda":
-                    graphed[n] = eng.runner.decode(cache, tok, pos, S, "sparse").clone()
-        row = {"batch": B, "context": ctx,
+                    graphed[n] = eng.runner.decode(cache, tok, pos, S, mode).clone()
+        row = {"batch": B, "context": ctx, "mode": mode,
                "eager_equal": {n: bool(torch.equal(out[n], out[names[0]])) for n in names},
                "graph_equal": {n: bool(torch.equal(graphed[n], out[names[0]])) for n in graphed},
                "max_abs": {n: float((out[n] - out[names[0]]).abs().max()) for n in names}}
@@ -94,7 +96,7 @@ def proof_part(run, b, plan, names) -> bool:
         scale = float(out[names[0]].abs().max())
         ok &= all(v <= 1e-5 * scale for v in row["max_abs"].values()) and all(row["graph_equal"].values())
         rows.append(row)
-        log(f"proof {B}x{ctx}: eager {row['eager_equal']} graph {row['graph_equal']} max {row['max_abs']}")
+        log(f"proof {mode} {B}x{ctx}: eager {row['eager_equal']} graph {row['graph_equal']} max {row['max_abs']}")
         run.save()
         del eng, cache
         rh.free()

@@ -92,3 +92,40 @@ def test_skinny_choice_is_checked_and_defaults(llama_sw):
     assert r.pdl == 0  # level 2 asked, PDL unsupported on a CPU
     with pytest.raises(ValueError, match="skinny_impl"):
         r.set_skinny_gemm(True, "mma")
+
+
+def test_fused_silu_gives_the_logits_of_two_launches(llama_sw, monkeypatch):
+    """`ModelRunner(fuse_silu=True)` with the gate/up GEMM as swapab: SiLU(gate) * up in the GEMM's epilogue
+    (`ops.skinny_silu_mul`, one launch a layer) gives bitwise the logits of the GEMM + `silu_mul` (interpreter; one
+    eager sparse step of 2 rows at 20 and 14 keys on a random cache, bf16 so the roundings are the real ones); the
+    fused kernel runs once a layer, the separate silu_mul not at all; without swapab gate/up the flag changes nothing."""
+    from sparse_rl.rl.rollout import forward
+
+    model = load_model(llama_sw, attention="sparse").bfloat16()
+    eng = _engine(model, max_batch=2, fuse_projections=True,
+                  runner_options={"skinny_gemm": True, "skinny_impl": "swapab"})
+    r = eng.runner
+    assert not r.fuse_silu
+    fused, plain = [], []
+    real_f, real_p = forward.skinny_silu_mul, forward.silu_mul
+    monkeypatch.setattr(forward, "skinny_silu_mul", lambda *a, **k: fused.append(1) or real_f(*a, **k))
+    monkeypatch.setattr(forward, "silu_mul", lambda *a, **k: plain.append(1) or real_p(*a, **k))
+    monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
+    cache = eng._ensure_cache(32)
+    g = torch.Generator().manual_seed(9)
+    for t in (cache.k, cache.v, cache.idx):
+        t.copy_(torch.randn(t.shape, generator=g))
+    tok, pos = torch.tensor([7, 99]), torch.tensor([19, 13])
+    out = {}
+    with torch.inference_mode():
+        for on in (False, True):
+            r.set_fuse_silu(on)
+            del fused[:], plain[:]
+            out[on] = r.decode_eager(cache, tok, pos, 20, "sparse")
+            assert (len(fused), len(plain)) == ((r.n_layers, 0) if on else (0, r.n_layers))
+        r.set_skinny_gemm(("o_proj",), "swapab")  # gate/up back on F.linear: silu_mul runs whatever fuse_silu says
+        del fused[:], plain[:]
+        r.decode_eager(cache, tok, pos, 20, "sparse")
+        assert (len(fused), len(plain)) == (0, r.n_layers)
+    monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
+    assert torch.equal(out[True], out[False])

@@ -67,3 +67,26 @@ def test_plan_fills_one_wave_at_most():
         assert bx == 32 and 200 < -(-N // bw) * split <= 264 and split > 1 and (split - 1) * ks < K <= split * ks
     assert plan(1, 19456, 2560)[3] == 1
     assert plan(32, 2560, 4096, 128, 128, 132)[3:] == (6, 768)
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 37, 50), (5, 40, 33), (32, 24, 64), (45, 19, 77)])
+def test_swapab_silu_mul_is_the_gemm_then_silu_mul(M, N, K):
+    """`swapab_silu_mul` (the fused gate/up GEMM with SiLU(gate) * up in its epilogue, one launch): bitwise the plain
+    kernel's output followed by `ops.silu_mul` in bf16 (the same accumulators, the same roundings), and the
+    reference's within fp32 rounding; odd widths (tiles past the last column), through the ops entry too."""
+    from sparse_rl.sparse.ops.decode_fused.naive import silu_mul_naive
+    from sparse_rl.sparse.ops.decode_fused.triton import silu_mul
+    from sparse_rl.sparse.ops.skinny_gemm.swapab import swapab_silu_mul
+
+    g = torch.Generator().manual_seed(M * N + K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(2 * N, K, generator=g) / K ** 0.5
+    torch.testing.assert_close(swapab_silu_mul(x, w), silu_mul_naive(skinny_linear_naive(x, w)), atol=1e-5,
+                               rtol=1e-5)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    # the plain kernel at one K slice a program (programs = its tiles), as the fused one runs
+    two = silu_mul(swapab_linear(xb, wb, counters(2 * N, "cpu"), bw=16, bk=16, programs=-(-2 * N // 16)))
+    assert torch.equal(swapab_silu_mul(xb, wb), two)
+    torch.testing.assert_close(ops.skinny_silu_mul(x, w, pdl=1), silu_mul_naive(skinny_linear_naive(x, w)),
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="even number"):
+        swapab_silu_mul(x, w[1:])

@@ -65,7 +65,7 @@ from sparse_rl.rl.rollout.fused_weights import FusedLayer
 from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT, DecodeSelect
 from sparse_rl.sparse.ops._backend import resolve_pdl
 from sparse_rl.sparse.ops import (SKINNY_ROWS, add_rmsnorm, indexer_decode, qk_norm_rope_cache, qk_rope_indexer_decode,
-                                  quantize_index_keys, silu_mul, skinny_linear, sparse_decode)
+                                  quantize_index_keys, silu_mul, skinny_linear, skinny_silu_mul, sparse_decode)
 
 
 # `ModelRunner.qkv_pad`'s default: zero rows after the fused q/k/v(+indexer) weight up to 64 output columns.
@@ -241,13 +241,16 @@ class ModelRunner:
     group's latency-bound select chain could run while another's attention streams its K/V rows. Opt-in: on the
     H200 (Qwen3-4B shape, 32 x 2304-16384, 16 x 32K; benchmarks/results/2026-12-04-h200-session20.md) 2 and 4 groups
     were 0.05-0.16 ms a step slower than one, bitwise the same logits: the groups run each phase at the same time
-    and the chain's latency does not shrink with fewer rows."""
+    and the chain's latency does not shrink with fewer rows. fuse_silu: where the gate/up GEMM runs as swapab,
+    SiLU(gate) * up in its epilogue (`ops.skinny_silu_mul`: one launch a layer fewer, bitwise the two launches'
+    values; `set_fuse_silu`)."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
                  decode_select: DecodeSelect | None = None, skinny_gemm=None, blas: str | None = None,
                  skinny_impl: str | None = None, skinny_tiles=None,
-                 pdl: bool | int | None = None, fuse_indexer: bool = True, select_streams: int = 1):
+                 pdl: bool | int | None = None, fuse_indexer: bool = True, select_streams: int = 1,
+                 fuse_silu: bool = False):
         base = _base(model)
         dec = base.get_decoder()
         self.model, self.base = model, base
@@ -294,6 +297,9 @@ class ModelRunner:
         # a sparse layer's q/k norm + RoPE + cache write and its indexer's per-token work in one launch
         # (`ops.qk_rope_indexer_decode`, the same values as the two launches; needs the fused projections)
         self.fuse_indexer = bool(fuse_indexer)
+        # SiLU(gate) * up in the swap-AB gate/up GEMM's epilogue (`ops.skinny_silu_mul`: one launch for two, bitwise
+        # the two), where gate/up runs as swapab
+        self.fuse_silu = bool(fuse_silu)
         self.select_streams = 1
         self._side_streams: list = []  # the CUDA streams beside the current one (`set_select_streams`)
         self._pdl_asked = pdl  # the request: the compiled step's inductor PDL only when asked for (never timed)
@@ -602,7 +608,11 @@ class ModelRunner:
         """The MLP of one token per row: one gate/up GEMM and `ops.silu_mul` when fused, else the module."""
         if fl is None or fl.gate_up is None:
             return mlp(x)
-        gu = fl.gate_up(x, skinny=self._skinny("gate_up", fl.gate_up, x), skinny_kw=self._skinny_kw("gate_up"))
+        cnt = self._skinny("gate_up", fl.gate_up, x)
+        if fl.silu and self.fuse_silu and cnt is not None and self.skinny_impl == "swapab" and fl.gate_up.bias is None:
+            kw = {k: v for k, v in self._skinny_kw("gate_up").items() if k != "impl"}
+            return self._out(mlp.down_proj, skinny_silu_mul(x, fl.gate_up.weight, **kw), compiled, "down_proj")
+        gu = fl.gate_up(x, skinny=cnt, skinny_kw=self._skinny_kw("gate_up"))
         if fl.silu:
             a = silu_mul(gu, pdl=self.pdl)
         else:
@@ -849,6 +859,13 @@ class ModelRunner:
         """Whether the compiled step compiles under inductor's `triton.enable_pdl`: only when `pdl` was asked for
         (not by default: it was never timed; the default covers the eager step's own kernels)."""
         return bool(self.pdl) and self._pdl_asked is not None
+
+    def set_fuse_silu(self, on: bool) -> None:
+        """SiLU(gate) * up in the swap-AB gate/up GEMM (True) or its own launch from the next step (the CUDA graphs
+        hold the old launches: dropped when the choice changes)."""
+        if bool(on) != self.fuse_silu:
+            self.fuse_silu = bool(on)
+            self.drop_graphs()
 
     def set_fuse_indexer(self, on: bool) -> None:
         """One launch (True) or two for a sparse layer's q/k RoPE and its indexer from the next step (the CUDA

@@ -236,6 +236,18 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto", pdl: bool = False)
     return silu_mul_naive(gate_up)
 
 
+def skinny_silu_mul(x: torch.Tensor, w: torch.Tensor, *, backend: str = "auto", **kw) -> torch.Tensor:
+    """The gated MLP's SiLU(x @ gateᵀ) * (x @ upᵀ) from the fused gate/up weight w `[2N, K]` (gate rows first), x
+    `[M, K]` (M <= 64) -> `[M, N]`: one swap-AB launch (`skinny_gemm/swapab.py`, kw its tile and `pdl`) for what
+    `skinny_linear` + `silu_mul` take two; the reference is theirs."""
+    from sparse_rl.sparse.ops.skinny_gemm.naive import skinny_linear_naive
+
+    fn = kernel("skinny_gemm", "swapab_silu_mul", module="swapab")
+    if x.shape[0] <= SKINNY_ROWS["swapab"] and resolve_backend(backend, x, fn is not None) == "triton":
+        return fn(x, w, **kw)
+    return silu_mul_naive(skinny_linear_naive(x, w))
+
+
 SKINNY_IMPLS = ("splitk", "swapab")  # `skinny_linear`'s kernels
 SKINNY_ROWS = {"splitk": 32, "swapab": 64}  # the most rows each takes
 

@@ -27,13 +27,20 @@ from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 @triton.jit
 def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.constexpr, BW: tl.constexpr,
-                   BX: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr):
+                   BX: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
+                   GLU: tl.constexpr = False):
     pn = tl.program_id(0)
     ps = tl.program_id(1)
-    offs_w = pn * BW + tl.arange(0, BW)
+    if GLU:  # W = [gate; up], N = the output's width: rows r < BW / 2 the gate's, the rest the up's, same columns
+        r = tl.arange(0, BW)
+        col = pn * (BW // 2) + r % (BW // 2)
+        offs_w = col + (r // (BW // 2)) * N
+        mw = col < N
+    else:
+        offs_w = pn * BW + tl.arange(0, BW)
+        mw = offs_w < N
     offs_x = tl.arange(0, BX)
     offs_k = tl.arange(0, BK)
-    mw = offs_w < N
     mx = offs_x < M
     k0 = ps * KS
     k_end = tl.minimum(k0 + KS, K)
@@ -55,7 +62,15 @@ def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.c
         x = tl.load(xp + k, mask=mk[:, None] & mx[None, :], other=0.0)
         acc += dot(w, x, PREC)
     omask = mw[:, None] & mx[None, :]
-    if ONE:
+    if GLU:  # SiLU(gate) * up, rounded where `ops.silu_mul` rounds (the GEMM's output, SiLU's, the product)
+        g, u = tl.split(tl.permute(tl.reshape(acc, [2, BW // 2, BX]), [1, 2, 0]))  # [BW / 2, BX] each
+        dt = OUT.dtype.element_ty
+        g = g.to(dt).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(dt)
+        y = (a.to(tl.float32) * u.to(dt).to(tl.float32)).to(dt)
+        oc = pn * (BW // 2) + tl.arange(0, BW // 2)
+        tl.store(OUT + offs_x[None, :] * som + oc[:, None], y, mask=(oc < N)[:, None] & mx[None, :])
+    elif ONE:
         tl.store(OUT + offs_x[None, :] * som + offs_w[:, None], acc.to(OUT.dtype.element_ty), mask=omask)
     else:
         tl.store(PART + (ps * BX + offs_x[None, :]) * N + offs_w[:, None], acc, mask=omask)
@@ -118,4 +133,35 @@ def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = N
                                                 KS, SPLIT, BW=BW, BX=BX, BK=BK, ONE=SPLIT == 1, PDL=int(pdl),
                                                 PREC=dot_precision(x.dtype), num_warps=1 if interp else num_warps,
                                                 num_stages=1 if interp else num_stages, **kw)
+    return out
+
+
+def swapab_silu_mul(x: torch.Tensor, w: torch.Tensor, *, bw: int = 128, bk: int = 64, num_warps: int = 4,
+                    num_stages: int = 4, pdl: int = 0, programs: int | None = None) -> torch.Tensor:
+    """SiLU(x @ gateᵀ) * (x @ upᵀ) in one launch: x `[M, K]` (M <= 64), w `[2N, K]` (the gate's N rows, then the up's:
+    the fused gate/up weight) -> `[M, N]` in x's dtype, bitwise `ops.silu_mul(swapab_linear(x, w))` at the same tile
+    (each program's BW rows are BW / 2 gate rows and the same columns' up rows, so the accumulators are the plain
+    kernel's and the epilogue applies silu_mul's arithmetic; one K slice a program: gate/up's shapes need no split).
+    programs: ignored (the plain kernel's split-K knob)."""
+    M, K = x.shape
+    N2 = w.shape[0]
+    if M > 64 or w.shape[1] != K or N2 % 2:
+        raise ValueError(f"swapab_silu_mul: x {tuple(x.shape)}, w {tuple(w.shape)} (needs M <= 64, a shared K, "
+                         "an even number of weight rows)")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    interp = not x.is_cuda
+    if interp:
+        bw, bk, pdl = 16, 16, 0
+    N = N2 // 2
+    BX = max(16, triton.next_power_of_2(M))
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    while num_stages > 2 and (num_stages + 1) * (bw + BX) * bk * x.element_size() > 220 * 1024:
+        num_stages -= 1
+    kw = {"launch_pdl": True} if pdl else {}
+    _swapab_kernel[(triton.cdiv(N, bw // 2), 1)](x, w, out, out, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+                                                 K, 1, BW=bw, BX=BX, BK=bk, ONE=True, PDL=int(pdl),
+                                                 PREC=dot_precision(x.dtype), GLU=True,
+                                                 num_warps=1 if interp else num_warps,
+                                                 num_stages=1 if interp else num_stages, **kw)
     return out
