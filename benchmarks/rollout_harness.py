@@ -51,7 +51,7 @@ class Variant:
     # its default (forward.SKINNY_TILES)
     fuse_indexer: bool = True  # ModelRunner.fuse_indexer: a sparse layer's q/k RoPE and indexer in one launch
     select_streams: int = 1  # ModelRunner.select_streams: row groups (CUDA streams) of the select + attention
-    fuse_silu: bool = False  # ModelRunner.fuse_silu: SiLU(gate) * up in the swap-AB gate/up GEMM's epilogue
+    fuse_silu: bool = True  # ModelRunner.fuse_silu: SiLU(gate) * up in the swap-AB gate/up GEMM's epilogue (default)
 
     def describe(self) -> dict:
         return {"select": self.select.as_kwargs(), "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,

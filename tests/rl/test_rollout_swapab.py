@@ -95,7 +95,7 @@ def test_skinny_choice_is_checked_and_defaults(llama_sw):
 
 
 def test_fused_silu_gives_the_logits_of_two_launches(llama_sw, monkeypatch):
-    """`ModelRunner(fuse_silu=True)` with the gate/up GEMM as swapab: SiLU(gate) * up in the GEMM's epilogue
+    """`ModelRunner(fuse_silu=True)` (the default) with the gate/up GEMM as swapab: SiLU(gate) * up in the GEMM's epilogue
     (`ops.skinny_silu_mul`, one launch a layer) gives bitwise the logits of the GEMM + `silu_mul` (interpreter; one
     eager sparse step of 2 rows at 20 and 14 keys on a random cache, bf16 so the roundings are the real ones); the
     fused kernel runs once a layer, the separate silu_mul not at all; without swapab gate/up the flag changes nothing."""
@@ -105,7 +105,7 @@ def test_fused_silu_gives_the_logits_of_two_launches(llama_sw, monkeypatch):
     eng = _engine(model, max_batch=2, fuse_projections=True,
                   runner_options={"skinny_gemm": True, "skinny_impl": "swapab"})
     r = eng.runner
-    assert not r.fuse_silu
+    assert r.fuse_silu  # the default
     fused, plain = [], []
     real_f, real_p = forward.skinny_silu_mul, forward.silu_mul
     monkeypatch.setattr(forward, "skinny_silu_mul", lambda *a, **k: fused.append(1) or real_f(*a, **k))

@@ -243,14 +243,14 @@ class ModelRunner:
     were 0.05-0.16 ms a step slower than one, bitwise the same logits: the groups run each phase at the same time
     and the chain's latency does not shrink with fewer rows. fuse_silu: where the gate/up GEMM runs as swapab,
     SiLU(gate) * up in its epilogue (`ops.skinny_silu_mul`: one launch a layer fewer, bitwise the two launches'
-    values; `set_fuse_silu`)."""
+    values; default on, measured 0.02-0.14 ms a step faster on the H200; `set_fuse_silu`)."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
                  decode_select: DecodeSelect | None = None, skinny_gemm=None, blas: str | None = None,
                  skinny_impl: str | None = None, skinny_tiles=None,
                  pdl: bool | int | None = None, fuse_indexer: bool = True, select_streams: int = 1,
-                 fuse_silu: bool = False):
+                 fuse_silu: bool = True):
         base = _base(model)
         dec = base.get_decoder()
         self.model, self.base = model, base
@@ -298,7 +298,9 @@ class ModelRunner:
         # (`ops.qk_rope_indexer_decode`, the same values as the two launches; needs the fused projections)
         self.fuse_indexer = bool(fuse_indexer)
         # SiLU(gate) * up in the swap-AB gate/up GEMM's epilogue (`ops.skinny_silu_mul`: one launch for two, bitwise
-        # the two), where gate/up runs as swapab
+        # the two), where gate/up runs as swapab. H200, Qwen3-4B shape, three interleaved reps
+        # (benchmarks/results/2026-12-04-h200-session20.md): dense b32 2K 5.38-5.42 -> 5.31-5.33 ms, sparse b32 16K
+        # 8.10-8.12 -> 8.02-8.10, 2304 6.24-6.31 -> 6.15-6.17, batch 1 dense 2K 3.05-3.16 -> 3.02-3.05; logits bitwise
         self.fuse_silu = bool(fuse_silu)
         self.select_streams = 1
         self._side_streams: list = []  # the CUDA streams beside the current one (`set_select_streams`)
