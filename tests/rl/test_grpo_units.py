@@ -169,13 +169,14 @@ def test_every_recipe_loads_and_config_errors_name_the_key():
                       ({"rollout.decode_select": "rows"}, "rollout.decode_select"),
                       ({"rollout.decode_long": "auto"}, "rollout.decode_select"), ({"rollout.qkv_pad": 0}, "rollout.qkv_pad"),
                       ({"rollout.score_block": 48}, "score_block 48: must be 0 or a power of two"),
-                      ({"rollout.pdl": 3}, "rollout.pdl"), ({"rollout.sync_min_batch": -2}, "sync_min_batch -2")]:
+                      ({"rollout.pdl": 3}, "rollout.pdl"), ({"rollout.sync_min_batch": -2}, "sync_min_batch -2"),
+                      ({"rollout.select_streams": 0}, "rollout.select_streams")]:
         with pytest.raises(UsageError, match=msg.replace("(", r"\(")):
             load_config(GRPOConfig, None, over)
 
 
 def test_rollout_kernel_choices_reach_the_engine_runner():
-    """rollout.decode_select / decode_long / score_block / sync_min_batch / qkv_pad become the engine runner's
+    """rollout.decode_select / decode_long / score_block / sync_min_batch / qkv_pad / select_streams become the engine runner's
     arguments (runner_options); the defaults are the engine's own (ENGINE_SELECT)."""
     from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
@@ -183,8 +184,9 @@ def test_rollout_kernel_choices_reach_the_engine_runner():
 
     assert load_config(GRPOConfig, None, {}).rollout.runner_options()["decode_select"] == ENGINE_SELECT
     cfg = load_config(GRPOConfig, None, {"rollout.decode_select": "auto", "rollout.score_block": 0, "rollout.qkv_pad": 8,
-                                         "rollout.sync_min_batch": 0})
-    assert cfg.rollout.runner_options() == {"decode_select": DecodeSelect("auto"), "qkv_pad": 8, "pdl": None}
+                                         "rollout.sync_min_batch": 0, "rollout.select_streams": 2})
+    assert cfg.rollout.runner_options() == {"decode_select": DecodeSelect("auto"), "qkv_pad": 8, "pdl": None,
+                                            "select_streams": 2}
     cfg = load_config(GRPOConfig, None, {"rollout.sync_min_batch": 4})
     assert cfg.rollout.runner_options()["decode_select"].sync_min_batch == 4
     assert load_config(GRPOConfig, None, {"rollout.pdl": 2}).rollout.runner_options()["pdl"] == 2

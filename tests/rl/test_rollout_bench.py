@@ -51,3 +51,8 @@ def test_bench_rollout_rejects_mismatched_long_batches():
     res = CliRunner().invoke(app, ["bench", "rollout", "--shape", "tiny", "--long-new-tokens", "8,16",
                                    "--long-batches", "2", "--device", "cpu"])
     assert res.exit_code == 2 and "--long-batches" in res.output
+
+
+def test_bench_rollout_rejects_zero_select_streams():
+    res = CliRunner().invoke(app, ["bench", "rollout", "--shape", "tiny", "--select-streams", "0", "--device", "cpu"])
+    assert res.exit_code == 2 and "--select-streams must be >= 1" in res.output
