@@ -1,4 +1,5 @@
-"""Shared by the multi-process GRPO tests: a tiny sparse model with tasks, and a torchrun launcher."""
+"""Shared by the rl tests: a tiny sparse model with tasks and a torchrun launcher (the multi-process GRPO tests),
+and a random decode cache (the engine-step tests)."""
 
 import json
 import os
@@ -48,3 +49,20 @@ def launch(args: list, check: bool = True, nproc: int = 2) -> subprocess.Complet
 @pytest.fixture
 def torchrun():
     return launch
+
+
+@pytest.fixture
+def random_cache():
+    """fill(eng, slots, seed): the engine's decode cache for `slots` positions with random K/V and index keys (a
+    step's kernels never run on zeros), returned."""
+    import torch
+
+    def fill(eng, slots: int, seed: int):
+        cache = eng._ensure_cache(slots)
+        g = torch.Generator().manual_seed(seed)
+        for t in (cache.k, cache.v, cache.idx):
+            t.copy_(torch.randn(t.shape, generator=g))
+        return cache
+
+    return fill
+

@@ -516,7 +516,7 @@ def test_blas_choice_is_checked_and_restored(llama_dir):
         _engine(load_model(llama_dir, attention="sparse"), runner_options={"blas": "mkl"})
 
 
-def test_fused_indexer_launch_gives_the_logits_of_two_launches(llama_dir, monkeypatch):
+def test_fused_indexer_launch_gives_the_logits_of_two_launches(llama_dir, monkeypatch, random_cache):
     """`ModelRunner(fuse_indexer=)`: a sparse layer's q/k norm + RoPE + cache write and its indexer's per-token
     work as one launch (`ops.qk_rope_indexer_decode`, the default) or two (`qk_norm_rope_cache`,
     `indexer_decode`): one eager sparse step on the Triton kernels (interpreter; rows at 20 and 14 keys, past the
@@ -530,10 +530,7 @@ def test_fused_indexer_launch_gives_the_logits_of_two_launches(llama_dir, monkey
     real = forward.qk_rope_indexer_decode
     monkeypatch.setattr(forward, "qk_rope_indexer_decode", lambda *a, **k: fused.append(1) or real(*a, **k))
     monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
-    cache = eng._ensure_cache(32)
-    g = torch.Generator().manual_seed(6)
-    for t in (cache.k, cache.v, cache.idx):
-        t.copy_(torch.randn(t.shape, generator=g))
+    cache = random_cache(eng, 32, 6)
     start = [t.clone() for t in (cache.k, cache.v, cache.idx)]
     tok, pos = torch.tensor([7, 99]), torch.tensor([19, 13])
     out = {}
@@ -551,7 +548,7 @@ def test_fused_indexer_launch_gives_the_logits_of_two_launches(llama_dir, monkey
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_select_streams_give_the_logits_of_one_stream(llama_dir, monkeypatch, backend):
+def test_select_streams_give_the_logits_of_one_stream(llama_dir, monkeypatch, backend, random_cache):
     """`ModelRunner(select_streams=n)`: the sparse layers' select + attention in n row groups (one CUDA stream each
     on a GPU; in turn here) give bitwise the logits of the whole batch at once: one eager sparse step of 3 rows at
     20, 14 and 26 keys (past the top-k of 12) on a random cache, groups of (1, 2) and (1, 1, 1), on the Triton
@@ -575,10 +572,7 @@ def test_select_streams_give_the_logits_of_one_stream(llama_dir, monkeypatch, ba
     monkeypatch.setattr(forward, "select", lambda *a, **k: sels.append(k["decode_select"].sync_min_batch) or
                         real_sel(*a, **k))
     monkeypatch.setenv("SPARSE_RL_BACKEND", backend)
-    cache = eng._ensure_cache(32)
-    g = torch.Generator().manual_seed(8)
-    for t in (cache.k, cache.v, cache.idx):
-        t.copy_(torch.randn(t.shape, generator=g))
+    cache = random_cache(eng, 32, 8)
     tok, pos = torch.tensor([7, 99, 3]), torch.tensor([19, 13, 25])
     sparse_layers = sum(1 for i in range(r.n_layers) if r._sparse(i, "sparse"))
     out = {}
@@ -597,7 +591,8 @@ def test_select_streams_give_the_logits_of_one_stream(llama_dir, monkeypatch, ba
             torch.testing.assert_close(out[n], out[1], atol=1e-6, rtol=0)
 
 
-def test_pdl_resolves_off_on_the_cpu_and_is_threaded_to_every_step_kernel(llama_dir, monkeypatch, pdl_kernel_name):
+def test_pdl_resolves_off_on_the_cpu_and_is_threaded_to_every_step_kernel(llama_dir, monkeypatch, pdl_kernel_name,
+                                                                           random_cache):
     """`ModelRunner(pdl=True)` on a CPU is no error and resolves off (`_backend.resolve_pdl`); with the choice
     forced on (as on an H200), one eager sparse decode step on the Triton kernels (interpreter; 2 rows at 20
     and 14 keys, past the top-k of 12, on a random cache) waits in `gdc_wait` in every kernel it launches
@@ -621,10 +616,7 @@ def test_pdl_resolves_off_on_the_cpu_and_is_threaded_to_every_step_kernel(llama_
     monkeypatch.setattr(tl.extra.cuda, "gdc_launch_dependents", lambda: launches.append(pdl_kernel_name()))
     monkeypatch.setattr(forward, "resolve_pdl", lambda pdl, device, default: int(default if pdl is None else pdl))
     monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
-    cache = eng._ensure_cache(32)
-    g = torch.Generator().manual_seed(4)
-    for t in (cache.k, cache.v, cache.idx):
-        t.copy_(torch.randn(t.shape, generator=g))
+    cache = random_cache(eng, 32, 4)
     tok, pos = torch.tensor([7, 99]), torch.tensor([19, 13])
     with torch.inference_mode():
         plain = eng.runner.decode_eager(cache, tok, pos, 20, "sparse")

@@ -94,7 +94,7 @@ def test_skinny_choice_is_checked_and_defaults(llama_sw):
         r.set_skinny_gemm(True, "mma")
 
 
-def test_fused_silu_gives_the_logits_of_two_launches(llama_sw, monkeypatch):
+def test_fused_silu_gives_the_logits_of_two_launches(llama_sw, monkeypatch, random_cache):
     """`ModelRunner(fuse_silu=True)` (the default) with the gate/up GEMM as swapab: SiLU(gate) * up in the GEMM's epilogue
     (`ops.skinny_silu_mul`, one launch a layer) gives bitwise the logits of the GEMM + `silu_mul` (interpreter; one
     eager sparse step of 2 rows at 20 and 14 keys on a random cache, bf16 so the roundings are the real ones); the
@@ -111,10 +111,7 @@ def test_fused_silu_gives_the_logits_of_two_launches(llama_sw, monkeypatch):
     monkeypatch.setattr(forward, "skinny_silu_mul", lambda *a, **k: fused.append(1) or real_f(*a, **k))
     monkeypatch.setattr(forward, "silu_mul", lambda *a, **k: plain.append(1) or real_p(*a, **k))
     monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
-    cache = eng._ensure_cache(32)
-    g = torch.Generator().manual_seed(9)
-    for t in (cache.k, cache.v, cache.idx):
-        t.copy_(torch.randn(t.shape, generator=g))
+    cache = random_cache(eng, 32, 9)
     tok, pos = torch.tensor([7, 99]), torch.tensor([19, 13])
     out = {}
     with torch.inference_mode():
