@@ -16,6 +16,17 @@ Predictions (before the call): bitwise equal; -0.05 to -0.15 ms a step in every 
 2K ~5.45 -> ~5.35 (1.29x floor), batch 1 dense 2K ~3.04 -> ~2.95 (1.50x); whole 16K b32 ratio +0.01 to +0.02.
 
     PYTHONPATH=$PWD python benchmarks/gpu_silu_session20.py --budget 420 --out $OUT/silu20
+
+Call 7 measured (results/2026-12-04-h200-session20.md): bitwise; -0.02 to -0.14 ms in all 14 rows; the fused SiLU is
+the default since. Next call (written in session 20 after the device time was spent): `--variants base,norm --tol
+0.02`: the post-attention residual add + RMSNorm inside the swap-AB o_proj (epilogue: h and each tile's per-row sum
+of h^2) and the fused gate/up (prologue: RMSNorm(h) from those sums), `ModelRunner(fuse_norm=True)`, 36 launches a
+step fewer. Not bitwise (the norm's fp32 sum in another order). Predictions: logits within bf16 rounding (relative
+max |diff| <= 2e-2, argmax >= 0.9 of rows); -0.03 to -0.12 ms a step (the o_proj's last programs load the residual,
+the gate/up programs one [40, 32] fp32 tile of sums and normalize their x tiles: ~1 us more on each side of a
+boundary that cost ~3-4 us); batch 1 dense 2K 3.02 -> ~2.93-2.98 ms (the <= 1.5x target at 2.95). sm_90a under
+Triton 3.6 (CPU host): o_proj with the residual 119 registers (plain 87), gate/up with the norm 100 (80), 82 KB shared
+(the x tile now passes through registers: 44 cp.async, 15 plain loads).
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from granular_harness import Run, log  # noqa: E402
 from gpu_streams_session20 import _bench, _variants, proof_part  # noqa: E402
 
-NAMES = ["base", "silu"]
+NAMES = ["base", "silu"]  # call 7's; `--variants` for the next
 
 
 def steps_part(run, b, plan, reps: int) -> None:
@@ -59,7 +70,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--parts", default="proof,steps,gen")
     ap.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU (checks the parts run)")
+    ap.add_argument("--variants", default=",".join(NAMES))
+    ap.add_argument("--tol", type=float, default=0.0, help="proof: logits within tol x the largest (0: bitwise)")
     a = ap.parse_args()
+    NAMES[:] = a.variants.split(",")
     import torch
 
     import rollout_harness as rh
@@ -69,13 +83,14 @@ def main() -> None:
     if a.smoke:  # no swapab GEMMs off sm_90: ask for them, so the fused path runs under the interpreter
         import gpu_streams_session20 as g20
 
-        for n in ("base", "silu"):
+        for n in NAMES:
             g20.VARIANTS[n] = {**g20.VARIANTS[n], "skinny_gemm": True, "skinny_impl": "swapab"}
     ok = True
     if "proof" in a.parts:
-        ok = bool(run.guarded("proof sparse", proof_part, run, b, [(3, 40)] if a.smoke else [(32, 16384)], NAMES))
+        ok = bool(run.guarded("proof sparse", proof_part, run, b, [(3, 40)] if a.smoke else [(32, 16384)], NAMES,
+                              "sparse", a.tol))
         ok &= bool(run.guarded("proof dense", proof_part, run, b, [(3, 40)] if a.smoke else [(32, 2048)], NAMES,
-                               "dense"))
+                               "dense", a.tol))
         run.res["proof_equal"] = ok
         run.save()
     if ok and "steps" in a.parts:

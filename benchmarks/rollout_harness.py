@@ -52,19 +52,20 @@ class Variant:
     fuse_indexer: bool = True  # ModelRunner.fuse_indexer: a sparse layer's q/k RoPE and indexer in one launch
     select_streams: int = 1  # ModelRunner.select_streams: row groups (CUDA streams) of the select + attention
     fuse_silu: bool = True  # ModelRunner.fuse_silu: SiLU(gate) * up in the swap-AB gate/up GEMM's epilogue (default)
+    fuse_norm: bool = False  # ModelRunner.fuse_norm: the post-attention add + RMSNorm inside the swap-AB GEMMs
 
     def describe(self) -> dict:
         return {"select": self.select.as_kwargs(), "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
                 "blas": self.blas, "pdl": self.pdl, "skinny_impl": self.skinny_impl,
                 "skinny_tiles": None if self.skinny_tiles is None else {k: dict(v) for k, v in self.skinny_tiles},
                 "fuse_indexer": self.fuse_indexer, "select_streams": self.select_streams,
-                "fuse_silu": self.fuse_silu}
+                "fuse_silu": self.fuse_silu, "fuse_norm": self.fuse_norm}
 
     def runner_options(self) -> dict:
         return {"decode_select": self.select, "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
                 "blas": self.blas, "pdl": self.pdl, "skinny_impl": self.skinny_impl, "skinny_tiles": self.skinny_tiles,
                 "fuse_indexer": self.fuse_indexer, "select_streams": self.select_streams,
-                "fuse_silu": self.fuse_silu}
+                "fuse_silu": self.fuse_silu, "fuse_norm": self.fuse_norm}
 
 
 def apply(eng, v: Variant) -> None:
@@ -82,6 +83,7 @@ def apply(eng, v: Variant) -> None:
     r.set_fuse_indexer(v.fuse_indexer)  # likewise
     r.set_select_streams(v.select_streams)  # likewise
     r.set_fuse_silu(v.fuse_silu)  # likewise
+    r.set_fuse_norm(v.fuse_norm)  # likewise
 
 
 def free() -> None:

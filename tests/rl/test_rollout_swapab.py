@@ -126,3 +126,34 @@ def test_fused_silu_gives_the_logits_of_two_launches(llama_sw, monkeypatch, rand
         assert (len(fused), len(plain)) == (0, r.n_layers)
     monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
     assert torch.equal(out[True], out[False])
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fused_post_norm_gives_the_logits_of_add_rmsnorm(llama_sw, monkeypatch, random_cache, backend):
+    """`ModelRunner(fuse_norm=True)`: the post-attention residual add + RMSNorm inside the swap-AB o_proj (epilogue)
+    and the fused gate/up (prologue) instead of `add_rmsnorm`: one eager sparse step (2 rows at 20 and 14 keys,
+    random cache, fp32) gives the unfused logits within fp32 summation order, on the kernels (interpreter) and on
+    the reference ops; `add_rmsnorm` then runs only before each layer's attention and the final norm; off (the
+    default) it also runs after each attention."""
+    from sparse_rl.rl.rollout import forward
+
+    model = load_model(llama_sw, attention="sparse")
+    eng = _engine(model, max_batch=2, fuse_projections=True,
+                  runner_options={"skinny_gemm": True, "skinny_impl": "swapab"})
+    r = eng.runner
+    assert not r.fuse_norm
+    norms = []
+    real = forward.add_rmsnorm
+    monkeypatch.setattr(forward, "add_rmsnorm", lambda *a, **k: norms.append(1) or real(*a, **k))
+    monkeypatch.setenv("SPARSE_RL_BACKEND", backend)
+    cache = random_cache(eng, 32, 11)
+    tok, pos = torch.tensor([7, 99]), torch.tensor([19, 13])
+    out = {}
+    with torch.inference_mode():
+        for on in (False, True):
+            r.set_fuse_norm(on)
+            del norms[:]
+            out[on] = r.decode_eager(cache, tok, pos, 20, "sparse")
+            assert len(norms) == (1 if on else 2) * r.n_layers + 1
+    monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
+    torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-5)

@@ -243,14 +243,16 @@ class ModelRunner:
     were 0.05-0.16 ms a step slower than one, bitwise the same logits: the groups run each phase at the same time
     and the chain's latency does not shrink with fewer rows. fuse_silu: where the gate/up GEMM runs as swapab,
     SiLU(gate) * up in its epilogue (`ops.skinny_silu_mul`: one launch a layer fewer, bitwise the two launches'
-    values; default on, measured 0.02-0.14 ms a step faster on the H200; `set_fuse_silu`)."""
+    values; default on, measured 0.02-0.14 ms a step faster on the H200; `set_fuse_silu`). fuse_norm: with it, the
+    post-attention residual add + RMSNorm inside the swap-AB o_proj (epilogue) and gate/up (prologue) instead of
+    `add_rmsnorm` (`_fused_post_norm`; opt-in, not yet timed; `set_fuse_norm`)."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
                  decode_select: DecodeSelect | None = None, skinny_gemm=None, blas: str | None = None,
                  skinny_impl: str | None = None, skinny_tiles=None,
                  pdl: bool | int | None = None, fuse_indexer: bool = True, select_streams: int = 1,
-                 fuse_silu: bool = True):
+                 fuse_silu: bool = True, fuse_norm: bool = False):
         base = _base(model)
         dec = base.get_decoder()
         self.model, self.base = model, base
@@ -302,6 +304,9 @@ class ModelRunner:
         # (benchmarks/results/2026-12-04-h200-session20.md): dense b32 2K 5.38-5.42 -> 5.31-5.33 ms, sparse b32 16K
         # 8.10-8.12 -> 8.02-8.10, 2304 6.24-6.31 -> 6.15-6.17, batch 1 dense 2K 3.05-3.16 -> 3.02-3.05; logits bitwise
         self.fuse_silu = bool(fuse_silu)
+        # the post-attention residual add + RMSNorm in the swap-AB o_proj's epilogue and the fused gate/up's prologue
+        # (`_fused_post_norm`; opt-in: built in session 20, not yet timed on a GPU)
+        self.fuse_norm = bool(fuse_norm)
         self.select_streams = 1
         self._side_streams: list = []  # the CUDA streams beside the current one (`set_select_streams`)
         self._pdl_asked = pdl  # the request: the compiled step's inductor PDL only when asked for (never timed)
@@ -524,9 +529,13 @@ class ModelRunner:
                 o = F.scaled_dot_product_attention(q[:, :, None], kc.transpose(1, 2), vc.transpose(1, 2),
                                                    attn_mask=mask[:, None, None, :], scale=attn.scaling,
                                                    enable_gqa=self.H != self.H_kv)[:, :, 0]
-            x, res = self._add_norm(self._out(attn.o_proj, o.reshape(B, -1), compiled), res,
-                                    layer.post_attention_layernorm, compiled)
-            pending = self._mlp(layer.mlp, fl, x, compiled)
+            fused = None if compiled else self._fused_post_norm(layer, fl, o.reshape(B, -1), res)
+            if fused is not None:
+                res, pending = fused
+            else:
+                x, res = self._add_norm(self._out(attn.o_proj, o.reshape(B, -1), compiled), res,
+                                        layer.post_attention_layernorm, compiled)
+                pending = self._mlp(layer.mlp, fl, x, compiled)
         y, _ = self._add_norm(pending, res, self.norm, compiled)
         return self.lm_head(y).float()
 
@@ -621,6 +630,33 @@ class ModelRunner:
             g, u = gu.split(fl.gate_up.sizes, dim=1)
             a = mlp.act_fn(g) * u
         return self._out(mlp.down_proj, a, compiled, "down_proj")
+
+    def _fused_post_norm(self, layer, fl, o, res):
+        """The layer's o_proj, residual add, RMSNorm and MLP with the add and the norm inside the GEMMs (`fuse_norm`):
+        o_proj's epilogue writes h = res + o_proj(o) and each tile's per-row sum of h^2, the fused gate/up (with SiLU
+        * up) reads RMSNorm(h) in its prologue from those sums; one launch a layer fewer than `add_rmsnorm`. o `[B,
+        H * D]`, res `[B, hidden]` -> (h, the MLP's output), or None where it does not apply (needs the swap-AB o_proj
+        and gate/up, `fuse_silu`, a plain bias-free o_proj, at most SKINNY_MAX_ROWS rows). Same values as the
+        unfused path up to the order of the norm's fp32 sum of squares."""
+        op, mlp, norm = layer.self_attn.o_proj, layer.mlp, layer.post_attention_layernorm
+        if not (self.fuse_norm and self.fuse_silu and self.fused and fl is not None and fl.gate_up is not None
+                and fl.silu and fl.gate_up.bias is None and self.skinny_impl == "swapab"
+                and {"o_proj", "gate_up"} <= self.skinny_gemm and o.shape[0] <= SKINNY_MAX_ROWS
+                and type(op) is torch.nn.Linear and op.bias is None and res is not None):
+            return None
+        kw_o = {k: v for k, v in self._skinny_kw("o_proj").items() if k != "impl"}
+        h, ps = skinny_linear(o, op.weight, self._counters(op, op.out_features, o.device), impl="swapab",
+                              residual=res, **kw_o)
+        kw_g = {k: v for k, v in self._skinny_kw("gate_up").items() if k != "impl"}
+        a = skinny_silu_mul(h, fl.gate_up.weight, norm=(ps, norm.weight, norm.variance_epsilon), **kw_g)
+        return h, self._out(mlp.down_proj, a, False, "down_proj")
+
+    def set_fuse_norm(self, on: bool) -> None:
+        """The post-attention add + RMSNorm inside the GEMMs (True) or its own launch from the next step (the CUDA
+        graphs hold the old launches: dropped when the choice changes)."""
+        if bool(on) != self.fuse_norm:
+            self.fuse_norm = bool(on)
+            self.drop_graphs()
 
     @staticmethod
     def _indexer_step(ix, x, cos, sin, pos, k_cache, backend, z=None, k_scale=None, pdl: bool = False):

@@ -26,9 +26,37 @@ from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 
 @triton.jit
+def _epilogue(tot, OUT, RES, PS, pn, offs_x, offs_w, omask, som, srm, BX: tl.constexpr, RESID: tl.constexpr):
+    """Store the tile `[BW, BX]` (weight rows = output columns) of y, or with RESID of h = residual + y (rounded as
+    `ops.add_rmsnorm` rounds: y, then the sum) and the tile's per-row sum of h^2 at PS[pn] `[BX]` fp32, the next
+    GEMM's RMSNorm statistics (summed over the tiles in a fixed order there)."""
+    dt = OUT.dtype.element_ty
+    y = tot.to(dt)
+    if RESID:
+        r = tl.load(RES + offs_x[None, :] * srm + offs_w[:, None], mask=omask, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
+        hf = tl.where(omask, y.to(tl.float32), 0.0)
+        tl.store(PS + pn * BX + offs_x, tl.sum(hf * hf, 0))
+    tl.store(OUT + offs_x[None, :] * som + offs_w[:, None], y, mask=omask)
+
+
+@triton.jit
+def _normed_x(x, k, K, offs_x, NW, rstd, NORM: tl.constexpr, BK: tl.constexpr):
+    """x's tile `[BK, BX]` (K rows from k) as the GEMM reads it: with NORM, RMSNorm(h) = weight * (h * rstd), rounded
+    as `ops.add_rmsnorm` rounds (h * rstd to the dtype, then the product)."""
+    if NORM:
+        kk = k + tl.arange(0, BK)
+        nw = tl.load(NW + kk, mask=kk < K, other=0.0).to(tl.float32)
+        xn = (x.to(tl.float32) * rstd[None, :]).to(x.dtype)
+        x = (xn.to(tl.float32) * nw[:, None]).to(x.dtype)
+    return x
+
+
+@triton.jit
 def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.constexpr, BW: tl.constexpr,
                    BX: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
-                   GLU: tl.constexpr = False):
+                   GLU: tl.constexpr = False, RES=None, PS=None, srm=0, RESID: tl.constexpr = False, PSIN=None,
+                   NW=None, NPS=1, eps=1e-6, NORM: tl.constexpr = False, NPSB: tl.constexpr = 16):
     pn = tl.program_id(0)
     ps = tl.program_id(1)
     if GLU:  # W = [gate; up], N = the output's width: rows r < BW / 2 the gate's, the rest the up's, same columns
@@ -53,13 +81,19 @@ def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.c
         tl.extra.cuda.gdc_wait()
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
-    x = tl.load(xp + k0, mask=(kk[:, None] < k_end) & mx[None, :], other=0.0)
+    rstd = tl.zeros([BX], tl.float32)
+    if NORM:  # x is the residual h, PSIN the producer's per-tile sums of h^2 `[NPS, BX]`: RMSNorm's rstd per row
+        t = tl.arange(0, NPSB)
+        ss = tl.sum(tl.load(PSIN + t[:, None] * BX + offs_x[None, :], mask=t[:, None] < NPS, other=0.0), 0)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    x = _normed_x(tl.load(xp + k0, mask=(kk[:, None] < k_end) & mx[None, :], other=0.0), k0, K, offs_x, NW, rstd,
+                  NORM, BK)
     acc = dot(w, x, PREC)  # [BW, BX] fp32
     for k in range(k0 + BK, k_end, BK):
         kk = k + offs_k
         mk = kk < k_end
         w = tl.load(wp + k, mask=mw[:, None] & mk[None, :], other=0.0)
-        x = tl.load(xp + k, mask=mk[:, None] & mx[None, :], other=0.0)
+        x = _normed_x(tl.load(xp + k, mask=mk[:, None] & mx[None, :], other=0.0), k, K, offs_x, NW, rstd, NORM, BK)
         acc += dot(w, x, PREC)
     omask = mw[:, None] & mx[None, :]
     if GLU:  # SiLU(gate) * up, rounded where `ops.silu_mul` rounds (the GEMM's output, SiLU's, the product)
@@ -71,7 +105,7 @@ def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.c
         oc = pn * (BW // 2) + tl.arange(0, BW // 2)
         tl.store(OUT + offs_x[None, :] * som + oc[:, None], y, mask=(oc < N)[:, None] & mx[None, :])
     elif ONE:
-        tl.store(OUT + offs_x[None, :] * som + offs_w[:, None], acc.to(OUT.dtype.element_ty), mask=omask)
+        _epilogue(acc, OUT, RES, PS, pn, offs_x, offs_w, omask, som, srm, BX, RESID)
     else:
         tl.store(PART + (ps * BX + offs_x[None, :]) * N + offs_w[:, None], acc, mask=omask)
         tl.debug_barrier()  # every thread's partial is written before the count releases it
@@ -84,7 +118,7 @@ def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.c
             for s in tl.static_range(SPLIT):
                 tot += tl.load(PART + (s * BX + offs_x[None, :]) * N + offs_w[:, None], mask=omask, other=0.0,
                                cache_modifier=".cg")
-            tl.store(OUT + offs_x[None, :] * som + offs_w[:, None], tot.to(OUT.dtype.element_ty), mask=omask)
+            _epilogue(tot, OUT, RES, PS, pn, offs_x, offs_w, omask, som, srm, BX, RESID)
             tl.atomic_xchg(CNT + pn, 0)
 
 
@@ -101,11 +135,26 @@ def plan(M: int, N: int, K: int, bw: int = 128, bk: int = 64, programs: int = 26
     return bx, bw, bk, triton.cdiv(k_blocks, ks_blocks), ks_blocks * bk
 
 
+def _norm_args(norm, x: torch.Tensor) -> dict:
+    """The kernel's RMSNorm-prologue arguments of norm = (partials `[NPS, BX]` fp32 from a `residual=` call, the norm's
+    weight `[K]`, eps), or none."""
+    if norm is None:
+        return {}
+    ps, weight, eps = norm
+    return dict(PSIN=ps, NW=weight, NPS=ps.shape[0], eps=float(eps), NORM=True,
+                NPSB=max(16, triton.next_power_of_2(ps.shape[0])))
+
+
 def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = None, *, bw: int = 128, bk: int = 64,
-                  programs: int = 264, num_warps: int = 4, num_stages: int = 4, pdl: int = 0) -> torch.Tensor:
+                  programs: int = 264, num_warps: int = 4, num_stages: int = 4, pdl: int = 0,
+                  residual: torch.Tensor | None = None, norm: tuple | None = None):
     """x `[M, K]` (M <= 64, last dim contiguous), w `[N, K]` (contiguous rows) -> `[M, N]` in x's dtype, as
     `naive.skinny_linear_naive` up to the fp32 summation order. cnt: this call site's `triton.counters(N, ...)`
-    (None: fresh ones, not for CUDA graphs). pdl: a resolved PDL level (0 off; launched with launch_pdl at >= 1)."""
+    (None: fresh ones, not for CUDA graphs). pdl: a resolved PDL level (0 off; launched with launch_pdl at >= 1).
+    residual `[M, N]`: returns (h = residual + y, partials `[tiles, BX]` fp32, each tile's per-row sum of h^2), the
+    residual add of `ops.add_rmsnorm` in the epilogue; norm = (partials, weight `[K]`, eps) of such a call: x is
+    that h and the GEMM reads RMSNorm(h) (its prologue: `ops.add_rmsnorm`'s roundings, the sum of squares in the
+    partials' order)."""
     from sparse_rl.sparse.ops.skinny_gemm.triton import counters
 
     M, K = x.shape
@@ -123,6 +172,12 @@ def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = N
         raise ValueError(f"swapab_linear: {cnt.numel()} counters for {triton.cdiv(N, BW)} tiles")
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     part = torch.empty(SPLIT if SPLIT > 1 else 1, BX, N, device=x.device, dtype=torch.float32)
+    extra = _norm_args(norm, x)
+    if residual is not None:
+        if residual.shape != (M, N) or residual.stride(-1) != 1:
+            raise ValueError(f"swapab_linear: residual {tuple(residual.shape)} (needs [{M}, {N}], last dim contiguous)")
+        ps = torch.empty(triton.cdiv(N, BW), BX, device=x.device, dtype=torch.float32)
+        extra.update(RES=residual, PS=ps, srm=residual.stride(0), RESID=True)
     # shared memory ~(stages + 1) * (BW + BX) * BK * 2 bytes (sm_90a compile under Triton 3.6: 100 KB at 128 /
     # 32 / 64, 200 KB at BK 128, 4 stages); the H200 gives a program at most 227 KB, so fewer stages where the
     # tile is larger
@@ -132,17 +187,18 @@ def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = N
     _swapab_kernel[(triton.cdiv(N, BW), SPLIT)](x, w, out, part, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
                                                 KS, SPLIT, BW=BW, BX=BX, BK=BK, ONE=SPLIT == 1, PDL=int(pdl),
                                                 PREC=dot_precision(x.dtype), num_warps=1 if interp else num_warps,
-                                                num_stages=1 if interp else num_stages, **kw)
-    return out
+                                                num_stages=1 if interp else num_stages, **extra, **kw)
+    return (out, extra["PS"]) if residual is not None else out
 
 
 def swapab_silu_mul(x: torch.Tensor, w: torch.Tensor, *, bw: int = 128, bk: int = 64, num_warps: int = 4,
-                    num_stages: int = 4, pdl: int = 0, programs: int | None = None) -> torch.Tensor:
+                    num_stages: int = 4, pdl: int = 0, programs: int | None = None,
+                    norm: tuple | None = None) -> torch.Tensor:
     """SiLU(x @ gateᵀ) * (x @ upᵀ) in one launch: x `[M, K]` (M <= 64), w `[2N, K]` (the gate's N rows, then the up's:
     the fused gate/up weight) -> `[M, N]` in x's dtype, bitwise `ops.silu_mul(swapab_linear(x, w))` at the same tile
     (each program's BW rows are BW / 2 gate rows and the same columns' up rows, so the accumulators are the plain
     kernel's and the epilogue applies silu_mul's arithmetic; one K slice a program: gate/up's shapes need no split).
-    programs: ignored (the plain kernel's split-K knob)."""
+    programs: ignored (the plain kernel's split-K knob). norm: as `swapab_linear`'s (x then the residual h)."""
     M, K = x.shape
     N2 = w.shape[0]
     if M > 64 or w.shape[1] != K or N2 % 2:
@@ -163,5 +219,5 @@ def swapab_silu_mul(x: torch.Tensor, w: torch.Tensor, *, bw: int = 128, bk: int 
                                                  K, 1, BW=bw, BX=BX, BK=bk, ONE=True, PDL=int(pdl),
                                                  PREC=dot_precision(x.dtype), GLU=True,
                                                  num_warps=1 if interp else num_warps,
-                                                 num_stages=1 if interp else num_stages, **kw)
+                                                 num_stages=1 if interp else num_stages, **_norm_args(norm, x), **kw)
     return out
