@@ -19,14 +19,15 @@ Predictions (before the call): bitwise equal; -0.05 to -0.15 ms a step in every 
 
 Call 7 measured (results/2026-12-04-h200-session20.md): bitwise; -0.02 to -0.14 ms in all 14 rows; the fused SiLU is
 the default since. Next call (written in session 20 after the device time was spent): `--variants base,norm --tol
-0.02`: the post-attention residual add + RMSNorm inside the swap-AB o_proj (epilogue: h and each tile's per-row sum
-of h^2) and the fused gate/up (prologue: RMSNorm(h) from those sums), `ModelRunner(fuse_norm=True)`, 36 launches a
-step fewer. Not bitwise (the norm's fp32 sum in another order). Predictions: logits within bf16 rounding (relative
-max |diff| <= 2e-2, argmax >= 0.9 of rows); -0.03 to -0.12 ms a step (the o_proj's last programs load the residual,
-the gate/up programs one [40, 32] fp32 tile of sums and normalize their x tiles: ~1 us more on each side of a
-boundary that cost ~3-4 us); batch 1 dense 2K 3.02 -> ~2.93-2.98 ms (the <= 1.5x target at 2.95). sm_90a under
-Triton 3.6 (CPU host): o_proj with the residual 119 registers (plain 87), gate/up with the norm 100 (80), 82 KB shared
-(the x tile now passes through registers: 44 cp.async, 15 plain loads).
+0.02`: the residual adds + RMSNorms inside the swap-AB GEMMs, `ModelRunner(fuse_norm=True)`: o_proj's and down's
+epilogues write h = residual + y and each tile's per-row sum of h^2, the fused gate/up's and the next layer's q/k/v
+prologues read RMSNorm(h) from those sums; `add_rmsnorm` then runs twice a step (layer 0's input, the final norm)
+instead of 73 times. Not bitwise (the norm's fp32 sum in another order). Predictions: logits within bf16 rounding
+(relative max |diff| <= 2e-2, argmax >= 0.9 of rows); -0.08 to -0.25 ms a step (~1 us more on each side of a boundary
+that cost ~3-4 us, 71 boundaries); batch 1 dense 2K 3.02 -> ~2.85-2.95 ms (the <= 1.5x target at 2.95). sm_90a under
+Triton 3.6 (CPU host, `benchmarks/sm90_swapab.py`): o_proj / down with the residual 119 registers (plain 87-91),
+gate/up with the norm 100 (80), q/k/v with the norm 122, 74-98 KB shared (the normalized x tile passes through
+registers: a few plain loads beside the cp.async ones).
 """
 
 from __future__ import annotations

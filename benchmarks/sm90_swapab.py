@@ -23,15 +23,19 @@ from triton.compiler import ASTSource
 
 from sparse_rl.sparse.ops.skinny_gemm import swapab as S
 
-DIV = ("X", "W", "OUT", "PART", "CNT", "K", "sxm", "swn", "som", "KS")
+DIV = ("X", "W", "OUT", "PART", "CNT", "K", "sxm", "swn", "som", "KS", "RES", "PS", "srm", "PSIN", "NW")
 SMEM_MAX = 232448  # bytes a program may take on an H100 / H200 (227 KB)
 
 
-def compile_swapab(BW, BX, BK, ONE, PDL, num_warps=4, num_stages=4, SPLIT=13) -> dict:
+def compile_swapab(BW, BX, BK, ONE, PDL, num_warps=4, num_stages=4, SPLIT=13, **forms) -> dict:
+    """forms: GLU / RESID / NORM (session 20: SiLU * up, the residual-add epilogue, the RMSNorm prologue)."""
     names = list(inspect.signature(S._swapab_kernel.fn).parameters)
-    cx = dict(BW=BW, BX=BX, BK=BK, ONE=ONE, PDL=PDL, PREC=0, SPLIT=1 if ONE else SPLIT)
-    sig = {n: "constexpr" if n in cx else "*bf16" if n in ("X", "W", "OUT") else "*fp32" if n == "PART"
-           else "*i32" if n == "CNT" else "i32" for n in names}
+    cx = dict(BW=BW, BX=BX, BK=BK, ONE=ONE, PDL=PDL, PREC=0, SPLIT=1 if ONE else SPLIT, GLU=False, RESID=False,
+              NORM=False, NPSB=64)
+    cx.update(forms)
+    sig = {n: "constexpr" if n in cx else "*bf16" if n in ("X", "W", "OUT", "RES", "NW")
+           else "*fp32" if n in ("PART", "PS", "PSIN") else "*i32" if n == "CNT" else "fp32" if n == "eps" else "i32"
+           for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIV}
     k = triton.compile(ASTSource(S._swapab_kernel, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -59,14 +63,32 @@ def main():
                                        ((64, 32, 128, 3), False, 0), ((64, 16, 128, 3), True, 0)]:
         try:
             r = compile_swapab(bw, bx, bk, one, pdl, num_stages=st)
-            fit = "" if r["smem"] <= SMEM_MAX else " SHARED MEMORY OVER 227 KB"
-            res = " ".join(f"{k} {v}" for k, v in r.items()) + fit
-            errors += bool(fit)
         except Exception as e:  # noqa: BLE001 -- reported, the others still compile
-            errors += 1
-            res = f"ERROR {type(e).__name__}: {str(e)[-300:]}"
-        print(f"triton {triton.__version__} BW {bw} BX {bx} BK {bk} stages {st} ONE {one:d} PDL {pdl}: {res}", flush=True)
+            r = e
+        _report(f"BW {bw} BX {bx} BK {bk} stages {st} ONE {one:d} PDL {pdl}", r)
+        errors += isinstance(r, Exception) or r["smem"] > SMEM_MAX
+    # session 20's forms at the engine's tiles: gate/up with SiLU * up (and the RMSNorm prologue), o_proj / down with
+    # the residual epilogue (6 K slices), q/k/v with the RMSNorm prologue (2 K slices)
+    for lab, (bw, bx, bk, st, one, split), forms in [
+            ("glu", (128, 32, 64, 4, True, 1), dict(GLU=True)),
+            ("glu + norm", (128, 32, 64, 4, True, 1), dict(GLU=True, NORM=True)),
+            ("resid", (64, 32, 128, 3, False, 6), dict(RESID=True)),
+            ("norm", (64, 32, 128, 3, False, 2), dict(NORM=True))]:
+        try:
+            r = compile_swapab(bw, bx, bk, one, 2, num_stages=st, SPLIT=split, **forms)
+        except Exception as e:  # noqa: BLE001
+            r = e
+        _report(f"{lab}: BW {bw} BX {bx} BK {bk} stages {st} SPLIT {split}", r)
+        errors += isinstance(r, Exception) or r["smem"] > SMEM_MAX
     print(f"errors: {errors}")
+
+
+def _report(what: str, r) -> None:
+    if isinstance(r, Exception):
+        res = f"ERROR {type(r).__name__}: {str(r)[-300:]}"
+    else:
+        res = " ".join(f"{k} {v}" for k, v in r.items()) + (" SHARED MEMORY OVER 227 KB" if r["smem"] > SMEM_MAX else "")
+    print(f"triton {triton.__version__} {what}: {res}", flush=True)
 
 
 if __name__ == "__main__":

@@ -130,11 +130,11 @@ def test_fused_silu_gives_the_logits_of_two_launches(llama_sw, monkeypatch, rand
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_fused_post_norm_gives_the_logits_of_add_rmsnorm(llama_sw, monkeypatch, random_cache, backend):
-    """`ModelRunner(fuse_norm=True)`: the post-attention residual add + RMSNorm inside the swap-AB o_proj (epilogue)
-    and the fused gate/up (prologue) instead of `add_rmsnorm`: one eager sparse step (2 rows at 20 and 14 keys,
+    """`ModelRunner(fuse_norm=True)`: the residual adds + RMSNorms inside the swap-AB GEMMs (o_proj / down epilogues,
+    gate/up / q/k/v prologues) instead of `add_rmsnorm`: one eager sparse step (2 rows at 20 and 14 keys,
     random cache, fp32) gives the unfused logits within fp32 summation order, on the kernels (interpreter) and on
-    the reference ops; `add_rmsnorm` then runs only before each layer's attention and the final norm; off (the
-    default) it also runs after each attention."""
+    the reference ops; with it `add_rmsnorm` runs only for the first layer's input and the final norm (each down
+    GEMM adds the residual for the next layer's q/k/v GEMM to normalize); off (the default) twice a layer + 1."""
     from sparse_rl.rl.rollout import forward
 
     model = load_model(llama_sw, attention="sparse")
@@ -154,6 +154,7 @@ def test_fused_post_norm_gives_the_logits_of_add_rmsnorm(llama_sw, monkeypatch, 
             r.set_fuse_norm(on)
             del norms[:]
             out[on] = r.decode_eager(cache, tok, pos, 20, "sparse")
-            assert len(norms) == (1 if on else 2) * r.n_layers + 1
+            # on: the first layer's input norm and the final one only (the rest inside the GEMMs)
+            assert len(norms) == (2 if on else 2 * r.n_layers + 1)
     monkeypatch.setenv("SPARSE_RL_BACKEND", "torch")
     torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-5)

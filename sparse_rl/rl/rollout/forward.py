@@ -53,6 +53,7 @@ import contextlib
 import dataclasses
 import os
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -209,6 +210,25 @@ def default_compile(device) -> bool:
     return False
 
 
+class _Resid(NamedTuple):
+    """A sublayer GEMM's output already added to the residual stream in its epilogue (`fuse_norm`): h `[B, hidden]`
+    and ps, each output tile's per-row sum of h^2 (`ops.skinny_linear(residual=)`), for the next GEMM's RMSNorm."""
+
+    h: torch.Tensor
+    ps: torch.Tensor | None
+
+
+class _NormIn(NamedTuple):
+    """A GEMM input given as RMSNorm(h) to compute in the GEMM's prologue: the residual, its sums, the norm module."""
+
+    h: torch.Tensor
+    ps: torch.Tensor | None
+    norm: torch.nn.Module
+
+    def args(self) -> tuple:
+        return self.ps, self.norm.weight, self.norm.variance_epsilon
+
+
 class ModelRunner:
     """Prefill/decode over `model`'s modules. `mode` is "dense" or "sparse".
 
@@ -244,8 +264,9 @@ class ModelRunner:
     and the chain's latency does not shrink with fewer rows. fuse_silu: where the gate/up GEMM runs as swapab,
     SiLU(gate) * up in its epilogue (`ops.skinny_silu_mul`: one launch a layer fewer, bitwise the two launches'
     values; default on, measured 0.02-0.14 ms a step faster on the H200; `set_fuse_silu`). fuse_norm: with it, the
-    post-attention residual add + RMSNorm inside the swap-AB o_proj (epilogue) and gate/up (prologue) instead of
-    `add_rmsnorm` (`_fused_post_norm`; opt-in, not yet timed; `set_fuse_norm`)."""
+    residual adds + RMSNorms inside the swap-AB GEMMs (o_proj / down epilogues, gate/up / the next layer's q/k/v
+    prologues) instead of `add_rmsnorm`, which then runs for layer 0's input and the final norm only
+    (`_fused_post_norm`, `_pre_norm_ok`; opt-in, not yet timed; `set_fuse_norm`)."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
@@ -304,8 +325,8 @@ class ModelRunner:
         # (benchmarks/results/2026-12-04-h200-session20.md): dense b32 2K 5.38-5.42 -> 5.31-5.33 ms, sparse b32 16K
         # 8.10-8.12 -> 8.02-8.10, 2304 6.24-6.31 -> 6.15-6.17, batch 1 dense 2K 3.05-3.16 -> 3.02-3.05; logits bitwise
         self.fuse_silu = bool(fuse_silu)
-        # the post-attention residual add + RMSNorm in the swap-AB o_proj's epilogue and the fused gate/up's prologue
-        # (`_fused_post_norm`; opt-in: built in session 20, not yet timed on a GPU)
+        # the residual adds + RMSNorms inside the swap-AB GEMMs: o_proj / down epilogues, gate/up / next q/k/v prologues
+        # (`_fused_post_norm`, `_Resid`, `_pre_norm_ok`; opt-in: built in session 20, not yet timed on a GPU)
         self.fuse_norm = bool(fuse_norm)
         self.select_streams = 1
         self._side_streams: list = []  # the CUDA streams beside the current one (`set_select_streams`)
@@ -461,9 +482,16 @@ class ModelRunner:
         res, pending = None, h  # the residual stream, and the sublayer output not yet added to it
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x, res = self._add_norm(pending, res, layer.input_layernorm, compiled)
             fl = None if compiled or not self.fused or self.fused_layers is None else self.fused_layers[i]
             indexed = self._sparse(i, mode) and self.states[i].cfg.selector == "indexer"
+            if isinstance(pending, _Resid):  # the previous down GEMM added the residual (fuse_norm)
+                res = pending.h
+                if self._pre_norm_ok(fl, indexed, B):  # the q/k/v GEMM normalizes h in its prologue
+                    x = _NormIn(pending.h, pending.ps, layer.input_layernorm)
+                else:
+                    x, _ = self._add_norm(pending.h, None, layer.input_layernorm, compiled)
+            else:
+                x, res = self._add_norm(pending, res, layer.input_layernorm, compiled)
             q, k, v, z = self._projections(attn, fl, x, indexed)
             early = None  # the indexer's (q_I, w), when the q/k launch computed them
             if compiled or not self.fused:  # the modules (inductor fuses their elementwise ops itself)
@@ -529,13 +557,14 @@ class ModelRunner:
                 o = F.scaled_dot_product_attention(q[:, :, None], kc.transpose(1, 2), vc.transpose(1, 2),
                                                    attn_mask=mask[:, None, None, :], scale=attn.scaling,
                                                    enable_gqa=self.H != self.H_kv)[:, :, 0]
-            fused = None if compiled else self._fused_post_norm(layer, fl, o.reshape(B, -1), res)
+            chain = self.fuse_norm and not compiled and i + 1 < self.n_layers  # the next layer may take a _Resid
+            fused = None if compiled else self._fused_post_norm(layer, fl, o.reshape(B, -1), res, chain)
             if fused is not None:
                 res, pending = fused
             else:
                 x, res = self._add_norm(self._out(attn.o_proj, o.reshape(B, -1), compiled), res,
                                         layer.post_attention_layernorm, compiled)
-                pending = self._mlp(layer.mlp, fl, x, compiled)
+                pending = self._mlp(layer.mlp, fl, x, compiled, residual=res if chain else None)
         y, _ = self._add_norm(pending, res, self.norm, compiled)
         return self.lm_head(y).float()
 
@@ -551,12 +580,16 @@ class ModelRunner:
         """x `[B, hidden]` -> q `[B, H, D]`, k/v `[B, H_kv, D]` and z, the indexer's (wq, wk, ww) outputs
         when the fused GEMM computed them too (indexed: the layer selects with its indexer this step),
         else None. fl: the layer's `FusedLayer` (None: the modules, one GEMM each)."""
+        if isinstance(x, _NormIn):  # RMSNorm(h) in the fused GEMM's prologue (`_pre_norm_ok` chose it)
+            x, norm = x.h, x.args()
+        else:
+            norm = None
         B = x.shape[0]
         if fl is None or fl.qkv is None:
             return (*(p(x).view(B, -1, self.D) for p in (attn.q_proj, attn.k_proj, attn.v_proj)), None)
         with_ix = indexed and len(fl.qkv.sizes) == 6
         y = fl.qkv(x, None if with_ix else fl.qkv_rows, weight_left=self.qkv_weight_left,
-                   skinny=self._skinny("qkv", fl.qkv, x), skinny_kw=self._skinny_kw("qkv"))
+                   skinny=self._skinny("qkv", fl.qkv, x), skinny_kw=self._skinny_kw("qkv"), norm=norm)
         parts = y.split(fl.qkv.sizes[:len(fl.qkv.sizes) if with_ix else 3], dim=1)
         q, k, v = (t.view(B, -1, self.D) for t in parts[:3])
         return q, k, v, (parts[3:] if with_ix else None)
@@ -582,14 +615,26 @@ class ModelRunner:
             return None
         return self._counters(fused, fused.weight.shape[0], x.device)
 
-    def _out(self, mod, x, compiled: bool, name: str = "o_proj"):
+    def _out(self, mod, x, compiled: bool, name: str = "o_proj", residual: torch.Tensor | None = None):
         """mod(x) for a layer's o_proj / down_proj: `ops.skinny_linear` when `skinny_gemm` names it and it
-        applies (eager, a plain bias-free Linear, at most 32 rows), else the module (peft wrappers included)."""
+        applies (eager, a plain bias-free Linear, at most 32 rows), else the module (peft wrappers included).
+        residual: where the swap-AB kernel runs, a `_Resid` (residual + mod(x), added in its epilogue), else mod(x)."""
         if (name not in self.skinny_gemm or compiled or x.shape[0] > min(SKINNY_ROWS[self.skinny_impl], SKINNY_MAX_ROWS)
                 or type(mod) is not torch.nn.Linear
                 or mod.bias is not None):
             return mod(x)
-        return skinny_linear(x, mod.weight, self._counters(mod, mod.out_features, x.device), **self._skinny_kw(name))
+        cnt = self._counters(mod, mod.out_features, x.device)
+        if residual is not None and self.skinny_impl == "swapab":
+            return _Resid(*skinny_linear(x, mod.weight, cnt, residual=residual, **self._skinny_kw(name)))
+        return skinny_linear(x, mod.weight, cnt, **self._skinny_kw(name))
+
+    def _pre_norm_ok(self, fl, indexed: bool, B: int) -> bool:
+        """Whether a layer's input RMSNorm can run in its fused q/k/v GEMM's prologue (`fuse_norm`): the swap-AB
+        q/k/v GEMM computes every projection the layer reads from x (an indexer layer's too, its per-token work in
+        the q/k launch)."""
+        return (fl is not None and fl.qkv is not None and fl.qkv.bias is None and self.skinny_impl == "swapab"
+                and "qkv" in self.skinny_gemm and B <= SKINNY_MAX_ROWS and not self.qkv_weight_left
+                and (not indexed or (len(fl.qkv.sizes) == 6 and self.fuse_indexer)))
 
     def set_blas(self, name: str | None) -> None:
         """The eager decode step's BLAS library from the next step (see the class docstring)."""
@@ -615,27 +660,30 @@ class ModelRunner:
         self.skinny_gemm, self.skinny_impl, self.skinny_tiles = self._skinny_choice(names, impl, tiles)
         self.drop_graphs()
 
-    def _mlp(self, mlp, fl, x, compiled: bool = False):
-        """The MLP of one token per row: one gate/up GEMM and `ops.silu_mul` when fused, else the module."""
+    def _mlp(self, mlp, fl, x, compiled: bool = False, residual: torch.Tensor | None = None):
+        """The MLP of one token per row: one gate/up GEMM and `ops.silu_mul` when fused, else the module.
+        residual: the down GEMM adds it in its epilogue where it can (a `_Resid` then, see `_out`)."""
         if fl is None or fl.gate_up is None:
             return mlp(x)
         cnt = self._skinny("gate_up", fl.gate_up, x)
         if fl.silu and self.fuse_silu and cnt is not None and self.skinny_impl == "swapab" and fl.gate_up.bias is None:
             kw = {k: v for k, v in self._skinny_kw("gate_up").items() if k != "impl"}
-            return self._out(mlp.down_proj, skinny_silu_mul(x, fl.gate_up.weight, **kw), compiled, "down_proj")
+            return self._out(mlp.down_proj, skinny_silu_mul(x, fl.gate_up.weight, **kw), compiled, "down_proj",
+                             residual)
         gu = fl.gate_up(x, skinny=cnt, skinny_kw=self._skinny_kw("gate_up"))
         if fl.silu:
             a = silu_mul(gu, pdl=self.pdl)
         else:
             g, u = gu.split(fl.gate_up.sizes, dim=1)
             a = mlp.act_fn(g) * u
-        return self._out(mlp.down_proj, a, compiled, "down_proj")
+        return self._out(mlp.down_proj, a, compiled, "down_proj", residual)
 
-    def _fused_post_norm(self, layer, fl, o, res):
+    def _fused_post_norm(self, layer, fl, o, res, chain: bool = False):
         """The layer's o_proj, residual add, RMSNorm and MLP with the add and the norm inside the GEMMs (`fuse_norm`):
         o_proj's epilogue writes h = res + o_proj(o) and each tile's per-row sum of h^2, the fused gate/up (with SiLU
         * up) reads RMSNorm(h) in its prologue from those sums; one launch a layer fewer than `add_rmsnorm`. o `[B,
-        H * D]`, res `[B, hidden]` -> (h, the MLP's output), or None where it does not apply (needs the swap-AB o_proj
+        H * D]`, res `[B, hidden]` -> (h, the MLP's output: with chain, a `_Resid`, the down GEMM adding h so the
+        next layer's q/k/v GEMM normalizes it the same way), or None where it does not apply (needs the swap-AB o_proj
         and gate/up, `fuse_silu`, a plain bias-free o_proj, at most SKINNY_MAX_ROWS rows). Same values as the
         unfused path up to the order of the norm's fp32 sum of squares."""
         op, mlp, norm = layer.self_attn.o_proj, layer.mlp, layer.post_attention_layernorm
@@ -649,7 +697,7 @@ class ModelRunner:
                               residual=res, **kw_o)
         kw_g = {k: v for k, v in self._skinny_kw("gate_up").items() if k != "impl"}
         a = skinny_silu_mul(h, fl.gate_up.weight, norm=(ps, norm.weight, norm.variance_epsilon), **kw_g)
-        return h, self._out(mlp.down_proj, a, False, "down_proj")
+        return h, self._out(mlp.down_proj, a, False, "down_proj", h if chain else None)
 
     def set_fuse_norm(self, on: bool) -> None:
         """The post-attention add + RMSNorm inside the GEMMs (True) or its own launch from the next step (the CUDA

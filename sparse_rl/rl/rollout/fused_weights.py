@@ -93,14 +93,16 @@ class FusedLinear:
         return True
 
     def __call__(self, x: torch.Tensor, rows: int | None = None, weight_left: bool = False,
-                 skinny: torch.Tensor | None = None, skinny_kw: dict | None = None) -> torch.Tensor:
+                 skinny: torch.Tensor | None = None, skinny_kw: dict | None = None,
+                 norm: tuple | None = None) -> torch.Tensor:
         """x `[B, in]` -> `[B, rows or sum(out)]`: the members' outputs side by side (the first `rows`).
         weight_left: the same product as W @ xᵀ, then one transpose copy back to `[B, out]` (cuBLAS
         picks another kernel for it: on an H200 at M = 32 the q/k/v + indexer GEMM of Qwen3-4B's shape,
         N = 6468, took 8.4 us this way against 17.5 through F.linear; equal for the other shapes;
         benchmarks/results/2026-12-01-h200-rollout-session7.md). skinny: tile counters of this GEMM for
         `ops.skinny_linear` (split-K in one launch; skinny_kw its keywords: impl, the PDL level and tiles "swapab"
-        takes), used when there is no bias and x has no more rows than that kernel takes (`ops.SKINNY_ROWS`)."""
+        takes), used when there is no bias and x has no more rows than that kernel takes (`ops.SKINNY_ROWS`). norm:
+        x is a residual h and the swap-AB GEMM reads RMSNorm(h) (`ops.skinny_linear(norm=)`; only on that path)."""
         w, b = self.weight, self.bias
         n = sum(self.sizes)
         if rows is not None:
@@ -111,7 +113,10 @@ class FusedLinear:
         if skinny is not None and b is None and x.shape[0] <= SKINNY_ROWS[skinny_kw.get("impl", "splitk")]:
             from sparse_rl.sparse.ops import skinny_linear
 
-            y = skinny_linear(x, w, skinny, **skinny_kw)
+            y = skinny_linear(x, w, skinny, norm=norm, **skinny_kw) if norm is not None else \
+                skinny_linear(x, w, skinny, **skinny_kw)
+        elif norm is not None:
+            raise ValueError("FusedLinear: norm= needs the swap-AB skinny path (no bias, few rows)")
         elif not weight_left:
             y = torch.nn.functional.linear(x, w, b)
         else:
