@@ -700,8 +700,8 @@ class ModelRunner:
         return h, self._out(mlp.down_proj, a, False, "down_proj", h if chain else None)
 
     def set_fuse_norm(self, on: bool) -> None:
-        """The post-attention add + RMSNorm inside the GEMMs (True) or its own launch from the next step (the CUDA
-        graphs hold the old launches: dropped when the choice changes)."""
+        """The residual adds + RMSNorms inside the swap-AB GEMMs (True) or `add_rmsnorm`'s launches from the next step
+        (the CUDA graphs hold the old launches: dropped when the choice changes)."""
         if bool(on) != self.fuse_norm:
             self.fuse_norm = bool(on)
             self.drop_graphs()
