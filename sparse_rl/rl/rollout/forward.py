@@ -615,13 +615,30 @@ class ModelRunner:
             return None
         return self._counters(fused, fused.weight.shape[0], x.device)
 
+    def _out_skinny(self, mod, x, compiled: bool, name: str) -> bool:
+        """Whether a layer's o_proj / down_proj runs as `ops.skinny_linear`: `skinny_gemm` names it, eager, a plain
+        bias-free Linear, at most 32 rows."""
+        return (name in self.skinny_gemm and not compiled
+                and x.shape[0] <= min(SKINNY_ROWS[self.skinny_impl], SKINNY_MAX_ROWS)
+                and type(mod) is torch.nn.Linear and mod.bias is None)
+
+    def _swapab_kw(self, name: str) -> dict:
+        """The swap-AB kernel's own keywords at call site `name` (`_skinny_kw` without the impl choice)."""
+        return {k: v for k, v in self._skinny_kw(name).items() if k != "impl"}
+
+    def _silu_kw(self, fl, x) -> dict | None:
+        """`ops.skinny_silu_mul`'s keywords where the layer's gate/up runs SiLU(gate) * up in its epilogue
+        (`fuse_silu`: the fused gate/up as swapab, no bias, a SiLU MLP), else None."""
+        if (fl is None or fl.gate_up is None or not (fl.silu and self.fuse_silu) or self.skinny_impl != "swapab"
+                or fl.gate_up.bias is not None or self._skinny("gate_up", fl.gate_up, x) is None):
+            return None
+        return self._swapab_kw("gate_up")
+
     def _out(self, mod, x, compiled: bool, name: str = "o_proj", residual: torch.Tensor | None = None):
-        """mod(x) for a layer's o_proj / down_proj: `ops.skinny_linear` when `skinny_gemm` names it and it
-        applies (eager, a plain bias-free Linear, at most 32 rows), else the module (peft wrappers included).
-        residual: where the swap-AB kernel runs, a `_Resid` (residual + mod(x), added in its epilogue), else mod(x)."""
-        if (name not in self.skinny_gemm or compiled or x.shape[0] > min(SKINNY_ROWS[self.skinny_impl], SKINNY_MAX_ROWS)
-                or type(mod) is not torch.nn.Linear
-                or mod.bias is not None):
+        """mod(x) for a layer's o_proj / down_proj: `ops.skinny_linear` where it applies (`_out_skinny`), else the
+        module (peft wrappers included). residual: where the swap-AB kernel runs, a `_Resid` (residual + mod(x),
+        added in its epilogue), else mod(x)."""
+        if not self._out_skinny(mod, x, compiled, name):
             return mod(x)
         cnt = self._counters(mod, mod.out_features, x.device)
         if residual is not None and self.skinny_impl == "swapab":
@@ -665,12 +682,11 @@ class ModelRunner:
         residual: the down GEMM adds it in its epilogue where it can (a `_Resid` then, see `_out`)."""
         if fl is None or fl.gate_up is None:
             return mlp(x)
-        cnt = self._skinny("gate_up", fl.gate_up, x)
-        if fl.silu and self.fuse_silu and cnt is not None and self.skinny_impl == "swapab" and fl.gate_up.bias is None:
-            kw = {k: v for k, v in self._skinny_kw("gate_up").items() if k != "impl"}
+        kw = self._silu_kw(fl, x)
+        if kw is not None:
             return self._out(mlp.down_proj, skinny_silu_mul(x, fl.gate_up.weight, **kw), compiled, "down_proj",
                              residual)
-        gu = fl.gate_up(x, skinny=cnt, skinny_kw=self._skinny_kw("gate_up"))
+        gu = fl.gate_up(x, skinny=self._skinny("gate_up", fl.gate_up, x), skinny_kw=self._skinny_kw("gate_up"))
         if fl.silu:
             a = silu_mul(gu, pdl=self.pdl)
         else:
@@ -687,15 +703,10 @@ class ModelRunner:
         and gate/up, `fuse_silu`, a plain bias-free o_proj, at most SKINNY_MAX_ROWS rows). Same values as the
         unfused path up to the order of the norm's fp32 sum of squares."""
         op, mlp, norm = layer.self_attn.o_proj, layer.mlp, layer.post_attention_layernorm
-        if not (self.fuse_norm and self.fuse_silu and self.fused and fl is not None and fl.gate_up is not None
-                and fl.silu and fl.gate_up.bias is None and self.skinny_impl == "swapab"
-                and {"o_proj", "gate_up"} <= self.skinny_gemm and o.shape[0] <= SKINNY_MAX_ROWS
-                and type(op) is torch.nn.Linear and op.bias is None and res is not None):
+        kw_g = self._silu_kw(fl, o) if self.fuse_norm and self.fused and res is not None else None
+        if kw_g is None or not self._out_skinny(op, o, False, "o_proj"):
             return None
-        kw_o = {k: v for k, v in self._skinny_kw("o_proj").items() if k != "impl"}
-        h, ps = skinny_linear(o, op.weight, self._counters(op, op.out_features, o.device), impl="swapab",
-                              residual=res, **kw_o)
-        kw_g = {k: v for k, v in self._skinny_kw("gate_up").items() if k != "impl"}
+        h, ps = self._out(op, o, False, "o_proj", res)
         a = skinny_silu_mul(h, fl.gate_up.weight, norm=(ps, norm.weight, norm.variance_epsilon), **kw_g)
         return h, self._out(mlp.down_proj, a, False, "down_proj", h if chain else None)
 

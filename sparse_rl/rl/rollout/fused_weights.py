@@ -113,8 +113,7 @@ class FusedLinear:
         if skinny is not None and b is None and x.shape[0] <= SKINNY_ROWS[skinny_kw.get("impl", "splitk")]:
             from sparse_rl.sparse.ops import skinny_linear
 
-            y = skinny_linear(x, w, skinny, norm=norm, **skinny_kw) if norm is not None else \
-                skinny_linear(x, w, skinny, **skinny_kw)
+            y = skinny_linear(x, w, skinny, norm=norm, **skinny_kw)
         elif norm is not None:
             raise ValueError("FusedLinear: norm= needs the swap-AB skinny path (no bias, few rows)")
         elif not weight_left:

@@ -276,8 +276,6 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = N
     fn = (kernel("skinny_gemm", "skinny_linear") if impl == "splitk"
           else kernel("skinny_gemm", "swapab_linear", module="swapab"))
     if x.shape[0] <= SKINNY_ROWS[impl] and resolve_backend(backend, x, fn is not None) == "triton":
-        if impl == "swapab" and (residual is not None or norm is not None):
-            return fn(x, w, cnt, residual=residual, norm=norm, **kw)
-        return fn(x, w, cnt, **kw)
+        return fn(x, w, cnt, **kw) if impl == "splitk" else fn(x, w, cnt, residual=residual, norm=norm, **kw)
     y = skinny_linear_naive(_normed(x, norm), w)
     return y if residual is None else (residual + y, None)

@@ -20,6 +20,22 @@ from sparse_rl.sparse.ops.pdl import pdl_enter
 
 
 @triton.jit
+def rms_scale(xf, rstd, w, DT: tl.constexpr):
+    """HF RMSNorm's last steps on fp32 x (rstd and the weight w fp32, broadcastable): x * rstd rounded to DT, then
+    times the weight (fp32; the caller rounds it). `_add_rmsnorm_kernel` and the swap-AB GEMM's norm prologue."""
+    return (xf * rstd).to(DT).to(tl.float32) * w
+
+
+@triton.jit
+def silu_mul_rounded(g, u, DT: tl.constexpr):
+    """SiLU(g) * u as the gated MLP rounds (g and u in DT or fp32 holding DT values): SiLU's output rounded to DT,
+    then the product, in DT. `_silu_mul_kernel` and the swap-AB gate/up GEMM's epilogue."""
+    g = g.to(DT).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(DT)
+    return (a.to(tl.float32) * u.to(DT).to(tl.float32)).to(DT)
+
+
+@triton.jit
 def _add_rmsnorm_kernel(X, R, W, Y, H, sx, sr, sy, sh, N, eps, HAS_RES: tl.constexpr, BN: tl.constexpr,
                         PDL: tl.constexpr = False):
     pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
@@ -32,7 +48,7 @@ def _add_rmsnorm_kernel(X, R, W, Y, H, sx, sr, sy, sh, N, eps, HAS_RES: tl.const
         tl.store(H + b * sh + offs, x, mask=m)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
-    y = (xf * rstd).to(X.dtype.element_ty).to(tl.float32) * tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+    y = rms_scale(xf, rstd, tl.load(W + offs, mask=m, other=0.0).to(tl.float32), X.dtype.element_ty)
     tl.store(Y + b * sy + offs, y.to(Y.dtype.element_ty), mask=m)
 
 
@@ -181,11 +197,9 @@ def _silu_mul_kernel(GU, Y, sg, sy, N, BN: tl.constexpr, PDL: tl.constexpr = Fal
     b = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BN + tl.arange(0, BN)
     m = offs < N
-    g = tl.load(GU + b * sg + offs, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(GU + b * sg + offs, mask=m, other=0.0)
     u = tl.load(GU + b * sg + N + offs, mask=m, other=0.0)
-    # rounded where the module rounds: SiLU's output, then the product
-    a = (g / (1.0 + tl.exp(-g))).to(u.dtype)
-    tl.store(Y + b * sy + offs, (a.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=m)
+    tl.store(Y + b * sy + offs, silu_mul_rounded(g, u, Y.dtype.element_ty), mask=m)  # rounded where the module rounds
 
 
 def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:

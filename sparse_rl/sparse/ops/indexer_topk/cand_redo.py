@@ -8,7 +8,8 @@ scatter, no sync), padded rows score one key, the decode select runs on all `cap
 the output's spare last row for the padded ones; the flagged count is copied to pinned host memory and read through
 an event recorded before those launches, so the CPU goes on while the redo runs. More than `cap` flagged rows, or
 enough for the tie path: the caller falls back to the synchronous path, which redoes every flagged row again (the
-later writes win in stream order, so the rows are the synchronous path's). Not timed on a GPU yet: off by default."""
+later writes win in stream order, so the rows are the synchronous path's). The default since session 20 (512 rows;
+H200, 32K trained: whole top-k 4.48 -> 3.82 ms, results/2026-12-04-h200-session20.md)."""
 
 from __future__ import annotations
 

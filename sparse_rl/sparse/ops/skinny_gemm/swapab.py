@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_rl.sparse.ops.decode_fused.triton import rms_scale, silu_mul_rounded
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 
@@ -47,8 +48,7 @@ def _normed_x(x, k, K, offs_x, NW, rstd, NORM: tl.constexpr, BK: tl.constexpr):
     if NORM:
         kk = k + tl.arange(0, BK)
         nw = tl.load(NW + kk, mask=kk < K, other=0.0).to(tl.float32)
-        xn = (x.to(tl.float32) * rstd[None, :]).to(x.dtype)
-        x = (xn.to(tl.float32) * nw[:, None]).to(x.dtype)
+        x = rms_scale(x.to(tl.float32), rstd[None, :], nw[:, None], x.dtype).to(x.dtype)
     return x
 
 
@@ -98,10 +98,7 @@ def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.c
     omask = mw[:, None] & mx[None, :]
     if GLU:  # SiLU(gate) * up, rounded where `ops.silu_mul` rounds (the GEMM's output, SiLU's, the product)
         g, u = tl.split(tl.permute(tl.reshape(acc, [2, BW // 2, BX]), [1, 2, 0]))  # [BW / 2, BX] each
-        dt = OUT.dtype.element_ty
-        g = g.to(dt).to(tl.float32)
-        a = (g / (1.0 + tl.exp(-g))).to(dt)
-        y = (a.to(tl.float32) * u.to(dt).to(tl.float32)).to(dt)
+        y = silu_mul_rounded(g, u, OUT.dtype.element_ty)
         oc = pn * (BW // 2) + tl.arange(0, BW // 2)
         tl.store(OUT + offs_x[None, :] * som + oc[:, None], y, mask=(oc < N)[:, None] & mx[None, :])
     elif ONE:
@@ -133,6 +130,15 @@ def plan(M: int, N: int, K: int, bw: int = 128, bk: int = 64, programs: int = 26
     split = max(1, min(k_blocks, programs // triton.cdiv(N, bw)))
     ks_blocks = triton.cdiv(k_blocks, split)
     return bx, bw, bk, triton.cdiv(k_blocks, ks_blocks), ks_blocks * bk
+
+
+def _stages(num_stages: int, BW: int, BX: int, BK: int, itemsize: int) -> int:
+    """num_stages, fewer where the pipeline's tiles would pass the shared memory a program may take: ~(stages + 1) *
+    (BW + BX) * BK * itemsize bytes (sm_90a under Triton 3.6: 100 KB at 128 / 32 / 64, 200 KB at BK 128, 4 stages;
+    the H200 gives a program at most 227 KB)."""
+    while num_stages > 2 and (num_stages + 1) * (BW + BX) * BK * itemsize > 220 * 1024:
+        num_stages -= 1
+    return num_stages
 
 
 def _norm_args(norm, x: torch.Tensor) -> dict:
@@ -178,11 +184,7 @@ def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = N
             raise ValueError(f"swapab_linear: residual {tuple(residual.shape)} (needs [{M}, {N}], last dim contiguous)")
         ps = torch.empty(triton.cdiv(N, BW), BX, device=x.device, dtype=torch.float32)
         extra.update(RES=residual, PS=ps, srm=residual.stride(0), RESID=True)
-    # shared memory ~(stages + 1) * (BW + BX) * BK * 2 bytes (sm_90a compile under Triton 3.6: 100 KB at 128 /
-    # 32 / 64, 200 KB at BK 128, 4 stages); the H200 gives a program at most 227 KB, so fewer stages where the
-    # tile is larger
-    while num_stages > 2 and (num_stages + 1) * (BW + BX) * BK * x.element_size() > 220 * 1024:
-        num_stages -= 1
+    num_stages = _stages(num_stages, BW, BX, BK, x.element_size())
     kw = {"launch_pdl": True} if pdl else {}
     _swapab_kernel[(triton.cdiv(N, BW), SPLIT)](x, w, out, part, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
                                                 KS, SPLIT, BW=BW, BX=BX, BK=BK, ONE=SPLIT == 1, PDL=int(pdl),
@@ -212,8 +214,7 @@ def swapab_silu_mul(x: torch.Tensor, w: torch.Tensor, *, bw: int = 128, bk: int 
     N = N2 // 2
     BX = max(16, triton.next_power_of_2(M))
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    while num_stages > 2 and (num_stages + 1) * (bw + BX) * bk * x.element_size() > 220 * 1024:
-        num_stages -= 1
+    num_stages = _stages(num_stages, bw, BX, bk, x.element_size())
     kw = {"launch_pdl": True} if pdl else {}
     _swapab_kernel[(triton.cdiv(N, bw // 2), 1)](x, w, out, out, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
                                                  K, 1, BW=bw, BX=BX, BK=bk, ONE=True, PDL=int(pdl),
