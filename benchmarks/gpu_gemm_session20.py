@@ -63,7 +63,6 @@ def main() -> None:
     B, top, ctx = (2, 64, 40) if a.smoke else (32, 16640, 16384)
     variants = _variants(a.smoke)
     eng = b.engine(B, top)
-    eng.set_attention("sparse")
     b.fill(eng, top)
     cache = eng._ensure_cache(top)
     tok = torch.randint(10, b.vocab, (B,), device=b.dev)

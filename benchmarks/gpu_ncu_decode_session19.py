@@ -46,7 +46,6 @@ def main() -> None:
     b = _Bench(cfg, log, None)
     b.attach_sparse()
     eng = b.engine(B, ctx + 256)
-    eng.set_attention("sparse")  # the cache gets (random) index keys only when allocated in sparse mode
     b.fill(eng, ctx + 256)
     cache = eng._ensure_cache(ctx)
     tok = torch.randint(0, eng.runner.vocab, (B,), device=eng.device)

@@ -53,7 +53,6 @@ def steps_part(run, b, plan, reps: int) -> None:
         if not run.gate(20, f"steps b{B}"):
             break
         eng = b.engine(B, top)
-        eng.set_attention("sparse")
         b.fill(eng, top)
         for rep in range(reps):
             for mode, cs in modes.items():

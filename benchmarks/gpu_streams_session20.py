@@ -75,7 +75,6 @@ def proof_part(run, b, plan, names, mode: str = "sparse", tol: float = 0.0) -> b
         if not run.gate(30, f"proof {mode} {B}x{ctx}"):
             break
         eng = b.engine(B, ctx + 256)
-        eng.set_attention("sparse")
         b.fill(eng, ctx + 256)
         cache = eng._ensure_cache(ctx + 256)
         g = torch.Generator(device=b.dev).manual_seed(3)
@@ -115,7 +114,6 @@ def steps_part(run, b, plan, names, reps: int) -> None:
         if not run.gate(25, f"steps b{B}"):
             break
         eng = b.engine(B, top)
-        eng.set_attention("sparse")
         b.fill(eng, top)
         for rep in range(reps):
             for r in rh.step_rows(run, b, eng, ctxs, variants, need_s=5.0):
@@ -135,7 +133,6 @@ def profile_part(run, b, names, B: int = 32, ctx: int = 16384) -> None:
     if not run.gate(30, "profile"):
         return
     eng = b.engine(B, ctx + 256)
-    eng.set_attention("sparse")
     b.fill(eng, ctx + 256)
     cache = eng._ensure_cache(ctx)
     tok = torch.zeros(B, dtype=torch.long, device=b.dev)

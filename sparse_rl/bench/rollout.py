@@ -200,11 +200,19 @@ class _Bench:
                              compile=c.compile, runner_options=opts, **kw)
 
     def fill(self, eng, max_len):
-        """The cache with random K/V and index keys (never time on zeros)."""
+        """The cache with random K/V and index keys (never time on zeros), whatever the engine's mode: with the
+        sparse layers attached the cache is made in sparse mode, which gives it index keys (a cache allocated in dense
+        mode has none, and sparse steps on it then read all-zero keys: session 13), and the mode is restored."""
         import torch
 
+        mode = eng.mode
         with torch.inference_mode():  # a cache made by `generate` is an inference tensor
-            cache = eng._ensure_cache(max_len)
+            if self.sparse_attached:
+                eng.set_attention("sparse")
+            try:
+                cache = eng._ensure_cache(max_len)
+            finally:
+                eng.set_attention(mode)
             g = torch.Generator(device=self.dev).manual_seed(self.cfg.seed)
             for t in (cache.k, cache.v, cache.idx):
                 if t is not None:
@@ -299,7 +307,6 @@ def _free(dev):
 def _step_rows(b: _Bench, B: int, ctxs: list[int]) -> None:
     try:
         eng = b.engine(B, max(ctxs))
-        eng.set_attention("sparse")
         b.fill(eng, max(ctxs))
         for ctx in ctxs:
             for mode in ("dense", "sparse"):
@@ -371,7 +378,6 @@ def _integrated(b: _Bench, eng, ids, new: int, mode: str) -> tuple[float, dict]:
     b.time_generate(eng, ids, min(8, n), mode, warm=False)  # one-time costs out of the timed run
     one = b.time_generate(eng, ids, 1, mode, warm=False)[0]  # prefill + first token, no decode step
     short = b.time_generate(eng, ids, n, mode, warm=False)[0]
-    eng.set_attention("sparse")
     b.fill(eng, P + new)
     ctxs = sorted(set(_span_contexts(P, P + new, b.cfg.topk, eng.bucket)) | {P + 1, P + n})
     pts = [(c, b.step_row(eng, ids.shape[0], c, mode)["ms"]) for c in ctxs]

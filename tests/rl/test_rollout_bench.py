@@ -56,3 +56,19 @@ def test_bench_rollout_rejects_mismatched_long_batches():
 def test_bench_rollout_rejects_zero_select_streams():
     res = CliRunner().invoke(app, ["bench", "rollout", "--shape", "tiny", "--select-streams", "0", "--device", "cpu"])
     assert res.exit_code == 2 and "--select-streams must be >= 1" in res.output
+
+
+def test_bench_fill_gives_index_keys_whatever_the_mode():
+    """`_Bench.fill` on an engine in dense mode (sparse layers attached): the cache gets random index keys as well as
+    K/V (a dense-mode cache has none, and sparse steps would read all-zero keys), and the engine is back in dense mode."""
+    from sparse_rl.bench.rollout import BenchRolloutConfig, _Bench
+
+    b = _Bench(BenchRolloutConfig(shape="tiny", hf=False, topk=16, index_heads=2, index_dim=16, device="cpu",
+                                  dtype="float32"), print, None)
+    b.attach_sparse()
+    eng = b.engine(2, 64)
+    eng.set_attention("dense")
+    b.fill(eng, 64)
+    cache = eng.cache
+    assert eng.mode == "dense" and cache.idx is not None
+    assert all(float(t.abs().sum()) > 0 for t in (cache.k, cache.v, cache.idx))
