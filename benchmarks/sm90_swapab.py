@@ -23,7 +23,7 @@ from triton.compiler import ASTSource
 
 from sparse_rl.sparse.ops.skinny_gemm import swapab as S
 
-DIV = ("X", "W", "OUT", "PART", "CNT", "K", "sxm", "swn", "som", "KS", "RES", "PS", "srm", "PSIN", "NW")
+DIV = ("X", "W", "OUT", "PART", "CNT", "K", "sxm", "swn", "som", "KS", "RES", "PS", "srm", "HN", "SC", "shm", "PSIN")
 SMEM_MAX = 232448  # bytes a program may take on an H100 / H200 (227 KB)
 
 
@@ -31,9 +31,9 @@ def compile_swapab(BW, BX, BK, ONE, PDL, num_warps=4, num_stages=4, SPLIT=13, **
     """forms: GLU / RESID / NORM (session 20: SiLU * up, the residual-add epilogue, the RMSNorm prologue)."""
     names = list(inspect.signature(S._swapab_kernel.fn).parameters)
     cx = dict(BW=BW, BX=BX, BK=BK, ONE=ONE, PDL=PDL, PREC=0, SPLIT=1 if ONE else SPLIT, GLU=False, RESID=False,
-              NORM=False, NPSB=64)
+              SCALE=False, NORM=False, NPSB=64, PREFETCH=False)
     cx.update(forms)
-    sig = {n: "constexpr" if n in cx else "*bf16" if n in ("X", "W", "OUT", "RES", "NW")
+    sig = {n: "constexpr" if n in cx else "*bf16" if n in ("X", "W", "OUT", "RES", "HN", "SC")
            else "*fp32" if n in ("PART", "PS", "PSIN") else "*i32" if n == "CNT" else "fp32" if n == "eps" else "i32"
            for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIV}
@@ -49,7 +49,8 @@ def compile_swapab(BW, BX, BK, ONE, PDL, num_warps=4, num_stages=4, SPLIT=13, **
     ptx = k.asm["ptx"]
     return {"regs": int(m.group(1)), "stack": int(m.group(2)), "smem": k.metadata.shared,
             "HGMMA": len(re.findall(r"HGMMA", sass)), "LDGSTS": len(re.findall(r"LDGSTS", sass)),
-            "LDG": len(re.findall(r"LDG\.", sass)), "griddep": len(re.findall("griddepcontrol", ptx))}
+            "LDG": len(re.findall(r"LDG\.", sass)), "griddep": len(re.findall("griddepcontrol", ptx)),
+            "prefetch": len(re.findall("prefetch.L2", ptx))}
 
 
 def main():
@@ -73,6 +74,9 @@ def main():
             ("glu", (128, 32, 64, 4, True, 1), dict(GLU=True)),
             ("glu + norm", (128, 32, 64, 4, True, 1), dict(GLU=True, NORM=True)),
             ("resid", (64, 32, 128, 3, False, 6), dict(RESID=True)),
+            ("resid + scale", (64, 32, 128, 3, False, 6), dict(RESID=True, SCALE=True)),
+            ("prefetch", (64, 32, 128, 3, False, 6), dict(PREFETCH=True)),
+            ("glu + prefetch", (128, 32, 64, 4, True, 1), dict(GLU=True, PREFETCH=True)),
             ("norm", (64, 32, 128, 3, False, 2), dict(NORM=True))]:
         try:
             r = compile_swapab(bw, bx, bk, one, 2, num_stages=st, SPLIT=split, **forms)

@@ -93,11 +93,12 @@ def test_swapab_silu_mul_is_the_gemm_then_silu_mul(M, N, K):
 
 
 @pytest.mark.parametrize("M,K,N,NI,split", [(5, 40, 72, 24, True), (3, 33, 50, 17, False), (32, 64, 16, 8, True)])
-def test_residual_epilogue_and_norm_prologue_are_add_rmsnorm(M, K, N, NI, split):
-    """The post-attention add + RMSNorm inside the GEMMs: `swapab_linear(residual=)` returns h = residual + x @ wᵀ
-    (the unfused GEMM's output plus the residual, bitwise in fp32) and each tile's per-row sum of h^2; a GEMM given
-    norm = (those sums, weight, eps) reads RMSNorm(h): the plain GEMM / the fused gate/up on `add_rmsnorm`'s output
-    within fp32 summation order, one K slice or several; the ops entries' reference path normalizes itself."""
+def test_residual_epilogue_and_norm_epilogue_are_add_rmsnorm(M, K, N, NI, split):
+    """The post-attention add + RMSNorm inside the GEMMs: `swapab_linear(residual=, scale=)` returns h = residual +
+    x @ wᵀ (the unfused GEMM's output plus the residual, bitwise in fp32), each tile's per-row sum of h^2 and hn = h *
+    scale; a GEMM given x = hn and norm = (those sums, eps) returns RMSNorm(h) @ wᵀ: the plain GEMM / the fused gate/up
+    on `add_rmsnorm`'s output within fp32 rounding, one K slice or several; the ops entries' reference path gives the
+    same from its own sums."""
     from sparse_rl.sparse.ops.decode_fused.naive import add_rmsnorm_naive, silu_mul_naive
     from sparse_rl.sparse.ops.skinny_gemm.swapab import swapab_silu_mul
 
@@ -106,20 +107,30 @@ def test_residual_epilogue_and_norm_prologue_are_add_rmsnorm(M, K, N, NI, split)
     res, nw = torch.randn(M, N, generator=g), 1 + 0.1 * torch.randn(N, generator=g)
     wg = torch.randn(2 * NI, N, generator=g) / N ** 0.5
     programs = 3 * -(-N // 16) if split else -(-N // 16)  # the interpreter's 16-row tiles, 3 K slices or 1
-    h, ps = swapab_linear(a, wo, counters(N, "cpu"), residual=res, programs=programs)
+    h, ps, hn = swapab_linear(a, wo, counters(N, "cpu"), residual=res, scale=nw, programs=programs)
     x, h_ref = add_rmsnorm_naive(swapab_linear(a, wo, counters(N, "cpu"), programs=programs), res, nw, 1e-6)
     assert torch.equal(h, h_ref) and ps.shape == (-(-N // 16), max(16, 1 << (M - 1).bit_length()))
+    assert torch.equal(hn, h * nw)
     torch.testing.assert_close(ps.sum(0)[:M], (h * h).sum(-1), atol=1e-4, rtol=1e-5)
-    norm = (ps, nw, 1e-6)
-    torch.testing.assert_close(swapab_silu_mul(h, wg, norm=norm), silu_mul_naive(skinny_linear_naive(x, wg)),
+    assert swapab_linear(a, wo, counters(N, "cpu"), residual=res, programs=programs)[2] is None
+    norm = (ps, 1e-6)
+    torch.testing.assert_close(swapab_silu_mul(hn, wg, norm=norm), silu_mul_naive(skinny_linear_naive(x, wg)),
                                atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(swapab_linear(h, wg, norm=norm), skinny_linear_naive(x, wg), atol=2e-5, rtol=1e-5)
-    # the ops entries, both paths: the reference takes no partials (None) and normalizes h itself
+    torch.testing.assert_close(swapab_linear(hn, wg, norm=norm), skinny_linear_naive(x, wg), atol=2e-5, rtol=1e-5)
+    # a split-K consumer (the q/k/v GEMM's form: 1 / rms applied after the partials' sum)
+    torch.testing.assert_close(swapab_linear(hn, wg, counters(2 * NI, "cpu"), norm=norm, programs=3 * -(-2 * NI // 16)),
+                               skinny_linear_naive(x, wg), atol=2e-5, rtol=1e-5)
+    # the ops entries, both paths, each on its own sums (the reference's one `[1, M]` row)
     for be in ("triton", "torch"):
-        h2, ps2 = ops.skinny_linear(a, wo, counters(N, "cpu"), impl="swapab", residual=res, backend=be)
+        h2, ps2, hn2 = ops.skinny_linear(a, wo, counters(N, "cpu"), impl="swapab", residual=res, scale=nw, backend=be)
         torch.testing.assert_close(h2, h_ref, atol=1e-5, rtol=1e-5)
-        assert (ps2 is None) == (be == "torch")
-        torch.testing.assert_close(ops.skinny_silu_mul(h2, wg, norm=(ps2, nw, 1e-6), backend=be),
+        torch.testing.assert_close(hn2, h_ref * nw, atol=1e-5, rtol=1e-5)
+        assert ps2.shape[0] == (1 if be == "torch" else -(-N // 16))
+        torch.testing.assert_close(ops.skinny_silu_mul(hn2, wg, norm=(ps2, 1e-6), backend=be),
                                    silu_mul_naive(skinny_linear_naive(x, wg)), atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="norm partials"):  # another path's sums (BX columns) are refused
+        swapab_linear(hn, wg, norm=(torch.zeros(1, 3), 1e-6))
+    with pytest.raises(ValueError, match="scale= needs residual"):
+        swapab_linear(a, wo, scale=nw)
     with pytest.raises(ValueError, match="swapab"):
         ops.skinny_linear(a, wo, impl="splitk", residual=res)

@@ -131,7 +131,7 @@ def _skinny_tiles(tiles) -> dict:
     out = {k: dict(v) for k, v in dict(tiles or {}).items()}
     if set(out) - set(SKINNY):
         raise ValueError(f"skinny_tiles: {sorted(set(out) - set(SKINNY))} not among {', '.join(SKINNY)}")
-    bad = {k for v in out.values() for k in v} - {"bw", "bk", "programs", "num_warps", "num_stages"}
+    bad = {k for v in out.values() for k in v} - {"bw", "bk", "programs", "num_warps", "num_stages", "prefetch"}
     if bad:
         raise ValueError(f"skinny_tiles: unknown keywords {sorted(bad)}")
     return out
@@ -211,22 +211,22 @@ def default_compile(device) -> bool:
 
 
 class _Resid(NamedTuple):
-    """A sublayer GEMM's output already added to the residual stream in its epilogue (`fuse_norm`): h `[B, hidden]`
-    and ps, each output tile's per-row sum of h^2 (`ops.skinny_linear(residual=)`), for the next GEMM's RMSNorm."""
+    """A sublayer GEMM's output already added to the residual stream in its epilogue (`fuse_norm`): h `[B, hidden]`,
+    ps, each output tile's per-row sum of h^2 (`ops.skinny_linear(residual=)`), and hn = h * the next RMSNorm's
+    weight (None where the epilogue was given none): the next GEMM's input, its 1 / rms applied in its epilogue."""
 
     h: torch.Tensor
-    ps: torch.Tensor | None
+    ps: torch.Tensor
+    hn: torch.Tensor | None
 
 
 class _NormIn(NamedTuple):
-    """A GEMM input given as RMSNorm(h) to compute in the GEMM's prologue: the residual, its sums, the norm module."""
+    """A GEMM input given as RMSNorm(h) = hn * rstd (`ops.skinny_linear(norm=)`): hn = h * the norm's weight, the
+    partial sums of h^2, the norm's eps."""
 
-    h: torch.Tensor
-    ps: torch.Tensor | None
-    norm: torch.nn.Module
-
-    def args(self) -> tuple:
-        return self.ps, self.norm.weight, self.norm.variance_epsilon
+    hn: torch.Tensor
+    ps: torch.Tensor
+    eps: float
 
 
 class ModelRunner:
@@ -486,8 +486,8 @@ class ModelRunner:
             indexed = self._sparse(i, mode) and self.states[i].cfg.selector == "indexer"
             if isinstance(pending, _Resid):  # the previous down GEMM added the residual (fuse_norm)
                 res = pending.h
-                if self._pre_norm_ok(fl, indexed, B):  # the q/k/v GEMM normalizes h in its prologue
-                    x = _NormIn(pending.h, pending.ps, layer.input_layernorm)
+                if pending.hn is not None and self._pre_norm_ok(fl, indexed, B):  # the q/k/v GEMM normalizes
+                    x = _NormIn(pending.hn, pending.ps, layer.input_layernorm.variance_epsilon)
                 else:
                     x, _ = self._add_norm(pending.h, None, layer.input_layernorm, compiled)
             else:
@@ -557,14 +557,16 @@ class ModelRunner:
                 o = F.scaled_dot_product_attention(q[:, :, None], kc.transpose(1, 2), vc.transpose(1, 2),
                                                    attn_mask=mask[:, None, None, :], scale=attn.scaling,
                                                    enable_gqa=self.H != self.H_kv)[:, :, 0]
-            chain = self.fuse_norm and not compiled and i + 1 < self.n_layers  # the next layer may take a _Resid
+            # the next layer may take a _Resid: its input norm's weight for the down GEMM's hn
+            chain = (self.layers[i + 1].input_layernorm.weight
+                     if self.fuse_norm and not compiled and i + 1 < self.n_layers else None)
             fused = None if compiled else self._fused_post_norm(layer, fl, o.reshape(B, -1), res, chain)
             if fused is not None:
                 res, pending = fused
             else:
                 x, res = self._add_norm(self._out(attn.o_proj, o.reshape(B, -1), compiled), res,
                                         layer.post_attention_layernorm, compiled)
-                pending = self._mlp(layer.mlp, fl, x, compiled, residual=res if chain else None)
+                pending = self._mlp(layer.mlp, fl, x, compiled, residual=None if chain is None else res, scale=chain)
         y, _ = self._add_norm(pending, res, self.norm, compiled)
         return self.lm_head(y).float()
 
@@ -580,8 +582,8 @@ class ModelRunner:
         """x `[B, hidden]` -> q `[B, H, D]`, k/v `[B, H_kv, D]` and z, the indexer's (wq, wk, ww) outputs
         when the fused GEMM computed them too (indexed: the layer selects with its indexer this step),
         else None. fl: the layer's `FusedLayer` (None: the modules, one GEMM each)."""
-        if isinstance(x, _NormIn):  # RMSNorm(h) in the fused GEMM's prologue (`_pre_norm_ok` chose it)
-            x, norm = x.h, x.args()
+        if isinstance(x, _NormIn):  # RMSNorm(h) = rstd * hn inside the fused GEMM (`_pre_norm_ok` chose it)
+            x, norm = x.hn, (x.ps, x.eps)
         else:
             norm = None
         B = x.shape[0]
@@ -634,15 +636,16 @@ class ModelRunner:
             return None
         return self._swapab_kw("gate_up")
 
-    def _out(self, mod, x, compiled: bool, name: str = "o_proj", residual: torch.Tensor | None = None):
+    def _out(self, mod, x, compiled: bool, name: str = "o_proj", residual: torch.Tensor | None = None,
+             scale: torch.Tensor | None = None):
         """mod(x) for a layer's o_proj / down_proj: `ops.skinny_linear` where it applies (`_out_skinny`), else the
         module (peft wrappers included). residual: where the swap-AB kernel runs, a `_Resid` (residual + mod(x),
-        added in its epilogue), else mod(x)."""
+        added in its epilogue; scale: the next norm's weight, for its hn), else mod(x)."""
         if not self._out_skinny(mod, x, compiled, name):
             return mod(x)
         cnt = self._counters(mod, mod.out_features, x.device)
         if residual is not None and self.skinny_impl == "swapab":
-            return _Resid(*skinny_linear(x, mod.weight, cnt, residual=residual, **self._skinny_kw(name)))
+            return _Resid(*skinny_linear(x, mod.weight, cnt, residual=residual, scale=scale, **self._skinny_kw(name)))
         return skinny_linear(x, mod.weight, cnt, **self._skinny_kw(name))
 
     def _pre_norm_ok(self, fl, indexed: bool, B: int) -> bool:
@@ -677,38 +680,40 @@ class ModelRunner:
         self.skinny_gemm, self.skinny_impl, self.skinny_tiles = self._skinny_choice(names, impl, tiles)
         self.drop_graphs()
 
-    def _mlp(self, mlp, fl, x, compiled: bool = False, residual: torch.Tensor | None = None):
+    def _mlp(self, mlp, fl, x, compiled: bool = False, residual: torch.Tensor | None = None,
+             scale: torch.Tensor | None = None):
         """The MLP of one token per row: one gate/up GEMM and `ops.silu_mul` when fused, else the module.
-        residual: the down GEMM adds it in its epilogue where it can (a `_Resid` then, see `_out`)."""
+        residual: the down GEMM adds it in its epilogue where it can (a `_Resid` then, see `_out`; scale its hn's)."""
         if fl is None or fl.gate_up is None:
             return mlp(x)
         kw = self._silu_kw(fl, x)
         if kw is not None:
             return self._out(mlp.down_proj, skinny_silu_mul(x, fl.gate_up.weight, **kw), compiled, "down_proj",
-                             residual)
+                             residual, scale)
         gu = fl.gate_up(x, skinny=self._skinny("gate_up", fl.gate_up, x), skinny_kw=self._skinny_kw("gate_up"))
         if fl.silu:
             a = silu_mul(gu, pdl=self.pdl)
         else:
             g, u = gu.split(fl.gate_up.sizes, dim=1)
             a = mlp.act_fn(g) * u
-        return self._out(mlp.down_proj, a, compiled, "down_proj", residual)
+        return self._out(mlp.down_proj, a, compiled, "down_proj", residual, scale)
 
-    def _fused_post_norm(self, layer, fl, o, res, chain: bool = False):
+    def _fused_post_norm(self, layer, fl, o, res, chain: torch.Tensor | None = None):
         """The layer's o_proj, residual add, RMSNorm and MLP with the add and the norm inside the GEMMs (`fuse_norm`):
-        o_proj's epilogue writes h = res + o_proj(o) and each tile's per-row sum of h^2, the fused gate/up (with SiLU
-        * up) reads RMSNorm(h) in its prologue from those sums; one launch a layer fewer than `add_rmsnorm`. o `[B,
-        H * D]`, res `[B, hidden]` -> (h, the MLP's output: with chain, a `_Resid`, the down GEMM adding h so the
-        next layer's q/k/v GEMM normalizes it the same way), or None where it does not apply (needs the swap-AB o_proj
-        and gate/up, `fuse_silu`, a plain bias-free o_proj, at most SKINNY_MAX_ROWS rows). Same values as the
-        unfused path up to the order of the norm's fp32 sum of squares."""
+        o_proj's epilogue writes h = res + o_proj(o), each tile's per-row sum of h^2 and hn = h * the norm's weight;
+        the fused gate/up (with SiLU * up) multiplies hn and scales its sums by 1 / rms(h) from those sums; one launch
+        a layer fewer than `add_rmsnorm`. o `[B, H * D]`, res `[B, hidden]` -> (h, the MLP's output: with chain (the
+        next layer's input norm weight), a `_Resid`, the down GEMM adding h so the next layer's q/k/v GEMM
+        normalizes it the same way), or None where it does not apply (needs the swap-AB o_proj and gate/up,
+        `fuse_silu`, a plain bias-free o_proj, at most SKINNY_MAX_ROWS rows). Same values as the unfused path up to
+        bf16 rounding (the norm's weight rounded into hn, 1 / rms applied once in fp32: `ops.skinny_linear`)."""
         op, mlp, norm = layer.self_attn.o_proj, layer.mlp, layer.post_attention_layernorm
         kw_g = self._silu_kw(fl, o) if self.fuse_norm and self.fused and res is not None else None
         if kw_g is None or not self._out_skinny(op, o, False, "o_proj"):
             return None
-        h, ps = self._out(op, o, False, "o_proj", res)
-        a = skinny_silu_mul(h, fl.gate_up.weight, norm=(ps, norm.weight, norm.variance_epsilon), **kw_g)
-        return h, self._out(mlp.down_proj, a, False, "down_proj", h if chain else None)
+        h, ps, hn = self._out(op, o, False, "o_proj", res, norm.weight)
+        a = skinny_silu_mul(hn, fl.gate_up.weight, norm=(ps, norm.variance_epsilon), **kw_g)
+        return h, self._out(mlp.down_proj, a, False, "down_proj", None if chain is None else h, chain)
 
     def set_fuse_norm(self, on: bool) -> None:
         """The residual adds + RMSNorms inside the swap-AB GEMMs (True) or `add_rmsnorm`'s launches from the next step

@@ -236,9 +236,11 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto", pdl: bool = False)
     return silu_mul_naive(gate_up)
 
 
-def _normed(x: torch.Tensor, norm: tuple | None) -> torch.Tensor:
-    """The reference's view of a GEMM input given with norm = (partials or None, weight, eps): RMSNorm(x)."""
-    return x if norm is None else add_rmsnorm_naive(x, None, norm[1], norm[2])[0]
+def _linear_naive(x: torch.Tensor, w: torch.Tensor, norm: tuple | None) -> torch.Tensor:
+    """The reference GEMM, with norm = (partials of h^2, eps) the RMSNorm form (x = h * the norm's weight)."""
+    from sparse_rl.sparse.ops.skinny_gemm.naive import rms_linear_naive, skinny_linear_naive
+
+    return skinny_linear_naive(x, w) if norm is None else rms_linear_naive(x, w, *norm)
 
 
 def skinny_silu_mul(x: torch.Tensor, w: torch.Tensor, *, backend: str = "auto", norm: tuple | None = None,
@@ -246,12 +248,10 @@ def skinny_silu_mul(x: torch.Tensor, w: torch.Tensor, *, backend: str = "auto", 
     """The gated MLP's SiLU(x @ gateᵀ) * (x @ upᵀ) from the fused gate/up weight w `[2N, K]` (gate rows first), x
     `[M, K]` (M <= 64) -> `[M, N]`: one swap-AB launch (`skinny_gemm/swapab.py`, kw its tile and `pdl`) for what
     `skinny_linear` + `silu_mul` take two; the reference is theirs. norm: as `skinny_linear`'s."""
-    from sparse_rl.sparse.ops.skinny_gemm.naive import skinny_linear_naive
-
     fn = kernel("skinny_gemm", "swapab_silu_mul", module="swapab")
     if x.shape[0] <= SKINNY_ROWS["swapab"] and resolve_backend(backend, x, fn is not None) == "triton":
         return fn(x, w, norm=norm, **kw)
-    return silu_mul_naive(skinny_linear_naive(_normed(x, norm), w))
+    return silu_mul_naive(_linear_naive(x, w, norm))
 
 
 SKINNY_IMPLS = ("splitk", "swapab")  # `skinny_linear`'s kernels
@@ -259,23 +259,28 @@ SKINNY_ROWS = {"splitk": 32, "swapab": 64}  # the most rows each takes
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = None, *, backend: str = "auto",
-                  impl: str = "splitk", residual: torch.Tensor | None = None, norm: tuple | None = None, **kw):
+                  impl: str = "splitk", residual: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                  norm: tuple | None = None, **kw):
     """x `[M, K]` (M <= 32; 64 for "swapab") @ w `[N, K]`ᵀ -> `[M, N]`, no bias: the Triton kernel splits K inside
     one launch (cnt: the call site's tile counters, `skinny_gemm.triton.counters`; kw: its tiles). impl:
     "splitk" (`skinny_gemm/triton.py`: the rows in the MMA's M) or "swapab" (`skinny_gemm/swapab.py`: yᵀ = W xᵀ,
     the weight rows in the MMA's M, wgmma on sm_90a; kw may carry its `pdl` level). The reference is
     F.linear's arithmetic. Swapab only: residual `[M, N]` returns (h = residual + y, partials: the per-tile sums of
-    h^2 for the next GEMM's RMSNorm; None on the reference path), `ops.add_rmsnorm`'s residual add in the epilogue;
-    norm = (partials, weight, eps) reads RMSNorm(x) for such an h (the reference normalizes x itself)."""
-    from sparse_rl.sparse.ops.skinny_gemm.naive import skinny_linear_naive
+    h^2 for the next GEMM's RMSNorm, hn = h * scale `[N]` (the next norm's weight) or None without scale),
+    `ops.add_rmsnorm`'s residual add in the epilogue; norm = (partials, eps): x is such an hn and the GEMM returns
+    RMSNorm(h) @ wᵀ (`swapab_linear`; a path's partials are its own: the reference's sum each row in one `[1, M]`).
+    """
+    from sparse_rl.sparse.ops.skinny_gemm.naive import residual_epilogue_naive
 
     if impl not in SKINNY_IMPLS:
         raise ValueError(f"skinny_linear: impl {impl!r} not among {SKINNY_IMPLS}")
-    if (residual is not None or norm is not None) and impl != "swapab":
-        raise ValueError("skinny_linear: residual / norm need impl='swapab'")
+    if (residual is not None or norm is not None or scale is not None) and impl != "swapab":
+        raise ValueError("skinny_linear: residual / scale / norm need impl='swapab'")
     fn = (kernel("skinny_gemm", "skinny_linear") if impl == "splitk"
           else kernel("skinny_gemm", "swapab_linear", module="swapab"))
     if x.shape[0] <= SKINNY_ROWS[impl] and resolve_backend(backend, x, fn is not None) == "triton":
-        return fn(x, w, cnt, **kw) if impl == "splitk" else fn(x, w, cnt, residual=residual, norm=norm, **kw)
-    y = skinny_linear_naive(_normed(x, norm), w)
-    return y if residual is None else (residual + y, None)
+        return (fn(x, w, cnt, **kw) if impl == "splitk"
+                else fn(x, w, cnt, residual=residual, scale=scale, norm=norm, **kw))
+    if residual is not None:
+        return residual_epilogue_naive(_linear_naive(x, w, norm), residual, scale)
+    return _linear_naive(x, w, norm)

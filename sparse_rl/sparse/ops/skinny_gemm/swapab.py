@@ -22,15 +22,17 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.decode_fused.triton import rms_scale, silu_mul_rounded
+from sparse_rl.sparse.ops.decode_fused.triton import silu_mul_rounded
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 
 
 @triton.jit
-def _epilogue(tot, OUT, RES, PS, pn, offs_x, offs_w, omask, som, srm, BX: tl.constexpr, RESID: tl.constexpr):
+def _epilogue(tot, OUT, RES, PS, HN, SC, pn, offs_x, offs_w, omask, som, srm, shm, BX: tl.constexpr,
+              RESID: tl.constexpr, SCALE: tl.constexpr):
     """Store the tile `[BW, BX]` (weight rows = output columns) of y, or with RESID of h = residual + y (rounded as
     `ops.add_rmsnorm` rounds: y, then the sum) and the tile's per-row sum of h^2 at PS[pn] `[BX]` fp32, the next
-    GEMM's RMSNorm statistics (summed over the tiles in a fixed order there)."""
+    GEMM's RMSNorm statistics (summed over the tiles in a fixed order there); with SCALE also hn = h * SC (the next
+    RMSNorm's weight, per column) at HN, the next GEMM's input (its epilogue applies the per-row 1 / rms)."""
     dt = OUT.dtype.element_ty
     y = tot.to(dt)
     if RESID:
@@ -38,25 +40,30 @@ def _epilogue(tot, OUT, RES, PS, pn, offs_x, offs_w, omask, som, srm, BX: tl.con
         y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
         hf = tl.where(omask, y.to(tl.float32), 0.0)
         tl.store(PS + pn * BX + offs_x, tl.sum(hf * hf, 0))
+        if SCALE:
+            sc = tl.load(SC + offs_w[:, None] + 0 * offs_x[None, :], mask=omask, other=0.0).to(tl.float32)
+            tl.store(HN + offs_x[None, :] * shm + offs_w[:, None], (hf * sc).to(dt), mask=omask)
     tl.store(OUT + offs_x[None, :] * som + offs_w[:, None], y, mask=omask)
 
 
 @triton.jit
-def _normed_x(x, k, K, offs_x, NW, rstd, NORM: tl.constexpr, BK: tl.constexpr):
-    """x's tile `[BK, BX]` (K rows from k) as the GEMM reads it: with NORM, RMSNorm(h) = weight * (h * rstd), rounded
-    as `ops.add_rmsnorm` rounds (h * rstd to the dtype, then the product)."""
-    if NORM:
-        kk = k + tl.arange(0, BK)
-        nw = tl.load(NW + kk, mask=kk < K, other=0.0).to(tl.float32)
-        x = rms_scale(x.to(tl.float32), rstd[None, :], nw[:, None], x.dtype).to(x.dtype)
-    return x
+def _prefetch_l2(rows, nbytes):
+    """One bulk L2 prefetch a weight row (`cp.async.bulk.prefetch.L2`, sm_90: 16-byte aligned, a multiple of 16 bytes;
+    bf16 / fp16 rows whose K slice starts at a multiple of BK): rows `[BW]` pointers, nbytes a scalar (<= 0: none).
+    Why: issued before `gdc_wait`, while the previous kernel still runs, the slice streams into L2 on whatever DRAM
+    bandwidth that kernel leaves, and the loop's loads after the wait hit L2."""
+    n = tl.zeros_like(rows.to(tl.int64)).to(tl.int32) + nbytes
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [rows, n], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.constexpr, BW: tl.constexpr,
                    BX: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
-                   GLU: tl.constexpr = False, RES=None, PS=None, srm=0, RESID: tl.constexpr = False, PSIN=None,
-                   NW=None, NPS=1, eps=1e-6, NORM: tl.constexpr = False, NPSB: tl.constexpr = 16):
+                   GLU: tl.constexpr = False, RES=None, PS=None, srm=0, RESID: tl.constexpr = False, HN=None, SC=None,
+                   shm=0, SCALE: tl.constexpr = False, PSIN=None, NPS=1, eps=1e-6, NORM: tl.constexpr = False,
+                   NPSB: tl.constexpr = 16, PREFETCH: tl.constexpr = False):
     pn = tl.program_id(0)
     ps = tl.program_id(1)
     if GLU:  # W = [gate; up], N = the output's width: rows r < BW / 2 the gate's, the rest the up's, same columns
@@ -75,34 +82,44 @@ def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.c
     wp = W + offs_w[:, None].to(tl.int64) * swn + offs_k[None, :]  # [BW, BK]: the weight rows as the MMA's M
     xp = X + offs_x[None, :] * sxm + offs_k[:, None]  # [BK, BX]: xᵀ read in place (its rows are x's columns)
     kk = k0 + offs_k
-    # the first weight tile before the wait: weights are never written by the kernels this one depends on
+    # the first weight tile before the wait: weights are never written by the kernels this one depends on; with
+    # PREFETCH the rest of the program's slice into L2 first (`_prefetch_l2`; issued after the tile's loads, it
+    # would wait for their data to arrive)
+    if PREFETCH:
+        _prefetch_l2(W + tl.where(mw, offs_w, 0).to(tl.int64) * swn + k0 + BK, (k_end - k0 - BK) * 2)
     w = tl.load(wp + k0, mask=mw[:, None] & (kk[None, :] < k_end), other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
-    rstd = tl.zeros([BX], tl.float32)
-    if NORM:  # x is the residual h, PSIN the producer's per-tile sums of h^2 `[NPS, BX]`: RMSNorm's rstd per row
-        t = tl.arange(0, NPSB)
-        ss = tl.sum(tl.load(PSIN + t[:, None] * BX + offs_x[None, :], mask=t[:, None] < NPS, other=0.0), 0)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
-    x = _normed_x(tl.load(xp + k0, mask=(kk[:, None] < k_end) & mx[None, :], other=0.0), k0, K, offs_x, NW, rstd,
-                  NORM, BK)
+    x = tl.load(xp + k0, mask=(kk[:, None] < k_end) & mx[None, :], other=0.0)
     acc = dot(w, x, PREC)  # [BW, BX] fp32
     for k in range(k0 + BK, k_end, BK):
         kk = k + offs_k
         mk = kk < k_end
         w = tl.load(wp + k, mask=mw[:, None] & mk[None, :], other=0.0)
-        x = _normed_x(tl.load(xp + k, mask=mk[:, None] & mx[None, :], other=0.0), k, K, offs_x, NW, rstd, NORM, BK)
+        x = tl.load(xp + k, mask=mk[:, None] & mx[None, :], other=0.0)
         acc += dot(w, x, PREC)
     omask = mw[:, None] & mx[None, :]
+    # NORM: x is hn = h * (the norm's weight), PSIN the producer's per-tile sums of h^2 `[NPS, BX]`; RMSNorm's 1 / rms
+    # is a per-row factor of the product (a column of yᵀ), applied to the whole sum here, not to x in the loop
+    # (session 21: normalizing each x tile in the loop cost ~28 us a GEMM on the H200, its loads no longer pipelined)
+    rstd = tl.full([BX], 1.0, tl.float32)
+    if NORM:
+        t = tl.arange(0, NPSB)
+        ss = tl.sum(tl.load(PSIN + t[:, None] * BX + offs_x[None, :], mask=t[:, None] < NPS, other=0.0), 0)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
     if GLU:  # SiLU(gate) * up, rounded where `ops.silu_mul` rounds (the GEMM's output, SiLU's, the product)
+        if NORM:
+            acc = acc * rstd[None, :]
         g, u = tl.split(tl.permute(tl.reshape(acc, [2, BW // 2, BX]), [1, 2, 0]))  # [BW / 2, BX] each
         y = silu_mul_rounded(g, u, OUT.dtype.element_ty)
         oc = pn * (BW // 2) + tl.arange(0, BW // 2)
         tl.store(OUT + offs_x[None, :] * som + oc[:, None], y, mask=(oc < N)[:, None] & mx[None, :])
     elif ONE:
-        _epilogue(acc, OUT, RES, PS, pn, offs_x, offs_w, omask, som, srm, BX, RESID)
+        if NORM:
+            acc = acc * rstd[None, :]
+        _epilogue(acc, OUT, RES, PS, HN, SC, pn, offs_x, offs_w, omask, som, srm, shm, BX, RESID, SCALE)
     else:
         tl.store(PART + (ps * BX + offs_x[None, :]) * N + offs_w[:, None], acc, mask=omask)
         tl.debug_barrier()  # every thread's partial is written before the count releases it
@@ -115,7 +132,9 @@ def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.c
             for s in tl.static_range(SPLIT):
                 tot += tl.load(PART + (s * BX + offs_x[None, :]) * N + offs_w[:, None], mask=omask, other=0.0,
                                cache_modifier=".cg")
-            _epilogue(tot, OUT, RES, PS, pn, offs_x, offs_w, omask, som, srm, BX, RESID)
+            if NORM:
+                tot = tot * rstd[None, :]
+            _epilogue(tot, OUT, RES, PS, HN, SC, pn, offs_x, offs_w, omask, som, srm, shm, BX, RESID, SCALE)
             tl.atomic_xchg(CNT + pn, 0)
 
 
@@ -141,26 +160,57 @@ def _stages(num_stages: int, BW: int, BX: int, BK: int, itemsize: int) -> int:
     return num_stages
 
 
-def _norm_args(norm, x: torch.Tensor) -> dict:
-    """The kernel's RMSNorm-prologue arguments of norm = (partials `[NPS, BX]` fp32 from a `residual=` call, the norm's
-    weight `[K]`, eps), or none."""
+def _prefetch_ok(prefetch: bool, w: torch.Tensor, K: int) -> bool:
+    """Whether the kernel takes the L2 prefetch asked for: a CUDA device of sm_90+ (the bulk prefetch; never the
+    interpreter), 2-byte weights whose rows and K slices are 16-byte aligned."""
+    return bool(prefetch) and w.is_cuda and torch.cuda.get_device_capability(w.device)[0] >= 9 and (
+        w.element_size() == 2 and K % 8 == 0 and w.stride(0) % 8 == 0 and w.data_ptr() % 16 == 0)
+
+
+def _norm_args(norm, BX: int) -> dict:
+    """The kernel's RMSNorm arguments of norm = (partials `[NPS, BX]` fp32 from a `residual=` call, eps), or none."""
     if norm is None:
         return {}
-    ps, weight, eps = norm
-    return dict(PSIN=ps, NW=weight, NPS=ps.shape[0], eps=float(eps), NORM=True,
-                NPSB=max(16, triton.next_power_of_2(ps.shape[0])))
+    ps, eps = norm
+    if ps is None or ps.dim() != 2 or ps.shape[1] != BX or ps.dtype != torch.float32:
+        raise ValueError(f"swapab: norm partials {None if ps is None else tuple(ps.shape)} (needs [tiles, {BX}] fp32 "
+                         "from a residual= call on the same rows)")
+    return dict(PSIN=ps, NPS=ps.shape[0], eps=float(eps), NORM=True, NPSB=max(16, triton.next_power_of_2(ps.shape[0])))
+
+
+def _resid_args(residual, scale, M: int, N: int, BW: int, BX: int, x: torch.Tensor) -> dict:
+    """The residual epilogue's arguments: h = residual + y, the per-tile sums of h^2 `[tiles, BX]` fp32, and with
+    scale `[N]` (the next RMSNorm's weight) hn = h * scale."""
+    if residual is None:
+        if scale is not None:
+            raise ValueError("swapab: scale= needs residual=")
+        return {}
+    if residual.shape != (M, N) or residual.stride(-1) != 1:
+        raise ValueError(f"swapab_linear: residual {tuple(residual.shape)} (needs [{M}, {N}], last dim contiguous)")
+    ps = torch.empty(triton.cdiv(N, BW), BX, device=x.device, dtype=torch.float32)
+    out = dict(RES=residual, PS=ps, srm=residual.stride(0), RESID=True)
+    if scale is not None:
+        if scale.shape != (N,):
+            raise ValueError(f"swapab_linear: scale {tuple(scale.shape)} (needs [{N}])")
+        hn = torch.empty(M, N, device=x.device, dtype=x.dtype)
+        out.update(HN=hn, SC=scale, shm=hn.stride(0), SCALE=True)
+    return out
 
 
 def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = None, *, bw: int = 128, bk: int = 64,
                   programs: int = 264, num_warps: int = 4, num_stages: int = 4, pdl: int = 0,
-                  residual: torch.Tensor | None = None, norm: tuple | None = None):
+                  residual: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                  norm: tuple | None = None, prefetch: bool = False):
     """x `[M, K]` (M <= 64, last dim contiguous), w `[N, K]` (contiguous rows) -> `[M, N]` in x's dtype, as
     `naive.skinny_linear_naive` up to the fp32 summation order. cnt: this call site's `triton.counters(N, ...)`
     (None: fresh ones, not for CUDA graphs). pdl: a resolved PDL level (0 off; launched with launch_pdl at >= 1).
-    residual `[M, N]`: returns (h = residual + y, partials `[tiles, BX]` fp32, each tile's per-row sum of h^2), the
-    residual add of `ops.add_rmsnorm` in the epilogue; norm = (partials, weight `[K]`, eps) of such a call: x is
-    that h and the GEMM reads RMSNorm(h) (its prologue: `ops.add_rmsnorm`'s roundings, the sum of squares in the
-    partials' order)."""
+    residual `[M, N]`: returns (h = residual + y, partials `[tiles, BX]` fp32, each tile's per-row sum of h^2, hn),
+    the residual add of `ops.add_rmsnorm` in the epilogue; with scale `[N]` (the next RMSNorm's weight) hn = h * scale
+    in x's dtype, else None. norm = (partials, eps) of such a call: x is that hn and the GEMM returns RMSNorm(h) @ wᵀ
+    as rstd * (hn @ wᵀ), rstd = 1 / sqrt(mean(h^2) + eps) per row from the partials, applied to the fp32 sum (not
+    `ops.add_rmsnorm`'s roundings: the norm's weight is rounded into hn, the 1 / rms only once, in fp32). prefetch:
+    each program prefetches its whole weight slice into L2 before `gdc_wait` (CUDA, 2-byte weights; `_prefetch_l2`).
+    """
     from sparse_rl.sparse.ops.skinny_gemm.triton import counters
 
     M, K = x.shape
@@ -178,29 +228,26 @@ def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = N
         raise ValueError(f"swapab_linear: {cnt.numel()} counters for {triton.cdiv(N, BW)} tiles")
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     part = torch.empty(SPLIT if SPLIT > 1 else 1, BX, N, device=x.device, dtype=torch.float32)
-    extra = _norm_args(norm, x)
-    if residual is not None:
-        if residual.shape != (M, N) or residual.stride(-1) != 1:
-            raise ValueError(f"swapab_linear: residual {tuple(residual.shape)} (needs [{M}, {N}], last dim contiguous)")
-        ps = torch.empty(triton.cdiv(N, BW), BX, device=x.device, dtype=torch.float32)
-        extra.update(RES=residual, PS=ps, srm=residual.stride(0), RESID=True)
+    extra = {**_norm_args(norm, BX), **_resid_args(residual, scale, M, N, BW, BX, x)}
     num_stages = _stages(num_stages, BW, BX, BK, x.element_size())
     kw = {"launch_pdl": True} if pdl else {}
     _swapab_kernel[(triton.cdiv(N, BW), SPLIT)](x, w, out, part, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
                                                 KS, SPLIT, BW=BW, BX=BX, BK=BK, ONE=SPLIT == 1, PDL=int(pdl),
                                                 PREC=dot_precision(x.dtype), num_warps=1 if interp else num_warps,
-                                                num_stages=1 if interp else num_stages, **extra, **kw)
-    return (out, extra["PS"]) if residual is not None else out
+                                                num_stages=1 if interp else num_stages,
+                                                PREFETCH=_prefetch_ok(prefetch, w, K), **extra, **kw)
+    return (out, extra["PS"], extra.get("HN")) if residual is not None else out
 
 
 def swapab_silu_mul(x: torch.Tensor, w: torch.Tensor, *, bw: int = 128, bk: int = 64, num_warps: int = 4,
                     num_stages: int = 4, pdl: int = 0, programs: int | None = None,
-                    norm: tuple | None = None) -> torch.Tensor:
+                    norm: tuple | None = None, prefetch: bool = False) -> torch.Tensor:
     """SiLU(x @ gateᵀ) * (x @ upᵀ) in one launch: x `[M, K]` (M <= 64), w `[2N, K]` (the gate's N rows, then the up's:
     the fused gate/up weight) -> `[M, N]` in x's dtype, bitwise `ops.silu_mul(swapab_linear(x, w))` at the same tile
     (each program's BW rows are BW / 2 gate rows and the same columns' up rows, so the accumulators are the plain
     kernel's and the epilogue applies silu_mul's arithmetic; one K slice a program: gate/up's shapes need no split).
-    programs: ignored (the plain kernel's split-K knob). norm: as `swapab_linear`'s (x then the residual h)."""
+    programs: ignored (the plain kernel's split-K knob). norm, prefetch: as `swapab_linear`'s (x then hn = h * the
+    norm's weight)."""
     M, K = x.shape
     N2 = w.shape[0]
     if M > 64 or w.shape[1] != K or N2 % 2:
@@ -220,5 +267,6 @@ def swapab_silu_mul(x: torch.Tensor, w: torch.Tensor, *, bw: int = 128, bk: int 
                                                  K, 1, BW=bw, BX=BX, BK=bk, ONE=True, PDL=int(pdl),
                                                  PREC=dot_precision(x.dtype), GLU=True,
                                                  num_warps=1 if interp else num_warps,
-                                                 num_stages=1 if interp else num_stages, **_norm_args(norm, x), **kw)
+                                                 num_stages=1 if interp else num_stages, **_norm_args(norm, BX),
+                                                 PREFETCH=_prefetch_ok(prefetch, w, K), **kw)
     return out
