@@ -15,7 +15,11 @@ kernel still runs (the attention streams at ~81% of DRAM, the select at ~34%), s
 bandwidth those kernels leave and the loop after the wait hit L2. o_proj (21 MB) and q/k/v (33 MB) fit the 50 MB L2;
 down (50 MB) barely; gate/up (100 MB, all 152 programs resident at once) would thrash: not prefetched here.
 
-1. proof: logits of each variant against base, eager and graph-replayed (norm within --tol, prefetch bitwise):
+The TMA loads (`skinny_tiles` keyword "loads": "tma"; q/k/v, o_proj, down): the weight tiles through a host tensor
+descriptor, one thread's bulk copy a tile instead of 128 threads' cp.async (sm_90a: 77 registers against 86-91, the
+x tile still cp.async); bitwise the pointer loads (interpreter test).
+
+1. proof: logits of each variant against base, eager and graph-replayed (norm within --tol, prefetch / tma bitwise):
    sparse 32 x 16384, dense 32 x 2048.
 2. steps (graph replay, median of 20, interleaved --reps times): batch 32 sparse 16384 / 2304, dense 16384 / 2048;
    batch 1 dense 2048 / 16384, sparse 16384.
@@ -24,8 +28,8 @@ down (50 MB) barely; gate/up (100 MB, all 152 programs resident at once) would t
 Predictions (before call 2): norm within bf16 rounding (relative max |diff| <= 2e-2, argmax >= 0.9), pf bitwise.
 Steps: norm -0.05 to -0.2 ms (71 launches fewer, ~2-3 us each under PDL, less the hn stores); batch 1 dense 2K
 ~3.05 -> ~2.9. pf_small (q/k/v + o_proj): -0.05 to -0.25 at batch 32 (a few us a site a layer), nothing if the
-programs only become resident after the previous kernel ends; pf_split (+ down) within +-0.1 of pf_small. norm_pf
-about the sum. Whole 16K b32 ratio 1.73 -> 1.74-1.78.
+programs only become resident after the previous kernel ends; pf_split (+ down) within +-0.1 of pf_small; tma 0 to
+-0.15 (the split-K sites are ramp- and tail-bound more than issue-bound); norm_pf about the sum of its parts. Whole 16K b32 ratio 1.73 -> 1.74-1.78.
 
     PYTHONPATH=$PWD python benchmarks/gpu_norm_session21.py --budget 420 --out $OUT/norm21b
 """
@@ -44,18 +48,20 @@ import gpu_streams_session20 as g20  # noqa: E402
 from gpu_silu_session20 import steps_part  # noqa: E402
 
 
-def _tiles(sites) -> tuple:
-    """`Variant.skinny_tiles` pairs: the engine's default tiles, with the L2 prefetch at sites."""
+def _tiles(sites, **extra) -> tuple:
+    """`Variant.skinny_tiles` pairs: the engine's default tiles, with the keywords extra at sites."""
     from sparse_rl.rl.rollout.forward import SKINNY, SKINNY_TILES
 
-    return tuple((s, tuple(sorted({**SKINNY_TILES.get(s, {}), **({"prefetch": True} if s in sites else {})}.items())))
+    return tuple((s, tuple(sorted({**SKINNY_TILES.get(s, {}), **(extra if s in sites else {})}.items())))
                  for s in SKINNY)
 
 
 def variants() -> dict:
     small, split = ("qkv", "o_proj"), ("qkv", "o_proj", "down_proj")
-    return {"base": {}, "norm": {"fuse_norm": True}, "pf_small": {"skinny_tiles": _tiles(small)},
-            "pf_split": {"skinny_tiles": _tiles(split)}, "norm_pf": {"fuse_norm": True, "skinny_tiles": _tiles(small)}}
+    return {"base": {}, "norm": {"fuse_norm": True}, "pf_small": {"skinny_tiles": _tiles(small, prefetch=True)},
+            "pf_split": {"skinny_tiles": _tiles(split, prefetch=True)},
+            "tma": {"skinny_tiles": _tiles(split, loads="tma")},
+            "norm_pf": {"fuse_norm": True, "skinny_tiles": _tiles(small, prefetch=True)}}
 
 
 def main() -> None:
@@ -65,7 +71,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--parts", default="proof,steps,gen")
     ap.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU (checks the parts run)")
-    ap.add_argument("--variants", default="base,norm,pf_small,pf_split,norm_pf")
+    ap.add_argument("--variants", default="base,norm,pf_small,pf_split,tma,norm_pf")
     ap.add_argument("--gen-variants", default="base,norm_pf")
     ap.add_argument("--tol", type=float, default=0.02, help="proof: logits within tol x the largest (0: bitwise)")
     a = ap.parse_args()

@@ -28,12 +28,17 @@ SMEM_MAX = 232448  # bytes a program may take on an H100 / H200 (227 KB)
 
 
 def compile_swapab(BW, BX, BK, ONE, PDL, num_warps=4, num_stages=4, SPLIT=13, **forms) -> dict:
-    """forms: GLU / RESID / NORM (session 20: SiLU * up, the residual-add epilogue, the RMSNorm prologue)."""
+    """forms: GLU / RESID / NORM (session 20: SiLU * up, the residual-add epilogue, the RMSNorm prologue; session 21:
+    SCALE, hn from the residual epilogue, NORM as the consumer's 1 / rms epilogue), PREFETCH (the L2 prefetch), TMA
+    (the weight through a host tensor descriptor of [BW, BK] boxes)."""
     names = list(inspect.signature(S._swapab_kernel.fn).parameters)
     cx = dict(BW=BW, BX=BX, BK=BK, ONE=ONE, PDL=PDL, PREC=0, SPLIT=1 if ONE else SPLIT, GLU=False, RESID=False,
-              SCALE=False, NORM=False, NPSB=64, PREFETCH=False)
+              SCALE=False, NORM=False, NPSB=64, PREFETCH=False, TMA=False)
     cx.update(forms)
-    sig = {n: "constexpr" if n in cx else "*bf16" if n in ("X", "W", "OUT", "RES", "HN", "SC")
+    if not cx["TMA"]:
+        cx["WD"] = None
+    sig = {n: "constexpr" if n in cx else f"tensordesc<bf16[{BW}, {BK}]>" if n == "WD"
+           else "*bf16" if n in ("X", "W", "OUT", "RES", "HN", "SC")
            else "*fp32" if n in ("PART", "PS", "PSIN") else "*i32" if n == "CNT" else "fp32" if n == "eps" else "i32"
            for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIV}
@@ -50,7 +55,7 @@ def compile_swapab(BW, BX, BK, ONE, PDL, num_warps=4, num_stages=4, SPLIT=13, **
     return {"regs": int(m.group(1)), "stack": int(m.group(2)), "smem": k.metadata.shared,
             "HGMMA": len(re.findall(r"HGMMA", sass)), "LDGSTS": len(re.findall(r"LDGSTS", sass)),
             "LDG": len(re.findall(r"LDG\.", sass)), "griddep": len(re.findall("griddepcontrol", ptx)),
-            "prefetch": len(re.findall("prefetch.L2", ptx))}
+            "prefetch": len(re.findall("prefetch.L2", ptx)), "UTMALDG": len(re.findall("UTMALDG", sass))}
 
 
 def main():
@@ -77,6 +82,9 @@ def main():
             ("resid + scale", (64, 32, 128, 3, False, 6), dict(RESID=True, SCALE=True)),
             ("prefetch", (64, 32, 128, 3, False, 6), dict(PREFETCH=True)),
             ("glu + prefetch", (128, 32, 64, 4, True, 1), dict(GLU=True, PREFETCH=True)),
+            ("tma split", (64, 32, 128, 3, False, 6), dict(TMA=True)),
+            ("tma split bk64 4 stages", (64, 32, 64, 4, False, 6), dict(TMA=True)),
+            ("tma one", (128, 32, 64, 4, True, 1), dict(TMA=True)),
             ("norm", (64, 32, 128, 3, False, 2), dict(NORM=True))]:
         try:
             r = compile_swapab(bw, bx, bk, one, 2, num_stages=st, SPLIT=split, **forms)

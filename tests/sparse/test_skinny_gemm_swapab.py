@@ -134,3 +134,28 @@ def test_residual_epilogue_and_norm_epilogue_are_add_rmsnorm(M, K, N, NI, split)
         swapab_linear(a, wo, scale=nw)
     with pytest.raises(ValueError, match="swapab"):
         ops.skinny_linear(a, wo, impl="splitk", residual=res)
+
+
+@pytest.mark.parametrize("M,N,K,split", [(5, 72, 40, True), (3, 50, 48, False), (32, 19, 64, True), (45, 37, 80, True)])
+def test_tma_weight_loads_equal_pointer_loads(M, N, K, split):
+    """`swapab_linear(loads="tma")`: the weight tiles through a host tensor descriptor (rows past N and columns past K
+    zero-filled by the copy, every K slice whole BK steps so none reads into the next) give bitwise the pointer
+    loads' result, split over K or not, with the residual epilogue too; the L2 prefetch keyword runs (a no-op off
+    the GPU). Rows the descriptor cannot take (not 16-byte aligned) and the fused gate/up's two row runs are refused."""
+    from sparse_rl.sparse.ops.skinny_gemm.swapab import swapab_silu_mul
+
+    g = torch.Generator().manual_seed(M + N + K)
+    x, w, res = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(M, N, generator=g)
+    programs = 3 * -(-N // 16) if split else -(-N // 16)
+    ptr = swapab_linear(x, w, counters(N, "cpu"), programs=programs)
+    assert torch.equal(swapab_linear(x, w, counters(N, "cpu"), programs=programs, loads="tma", prefetch=True), ptr)
+    hp = swapab_linear(x, w, counters(N, "cpu"), programs=programs, residual=res)
+    ht = swapab_linear(x, w, counters(N, "cpu"), programs=programs, residual=res, loads="tma")
+    assert torch.equal(ht[0], hp[0]) and torch.equal(ht[1], hp[1])
+    torch.testing.assert_close(ptr, skinny_linear_naive(x, w), atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        swapab_linear(x[:, 1:], w[:, 1:], loads="tma")
+    with pytest.raises(ValueError, match="ptr or tma"):
+        swapab_linear(x, w, loads="bulk")
+    with pytest.raises(ValueError, match="only 'ptr'"):
+        swapab_silu_mul(x, torch.randn(2 * N, K, generator=g), loads="tma")

@@ -131,7 +131,8 @@ def _skinny_tiles(tiles) -> dict:
     out = {k: dict(v) for k, v in dict(tiles or {}).items()}
     if set(out) - set(SKINNY):
         raise ValueError(f"skinny_tiles: {sorted(set(out) - set(SKINNY))} not among {', '.join(SKINNY)}")
-    bad = {k for v in out.values() for k in v} - {"bw", "bk", "programs", "num_warps", "num_stages", "prefetch"}
+    bad = {k for v in out.values() for k in v} - {"bw", "bk", "programs", "num_warps", "num_stages", "prefetch",
+                                                     "loads"}
     if bad:
         raise ValueError(f"skinny_tiles: unknown keywords {sorted(bad)}")
     return out
@@ -264,9 +265,12 @@ class ModelRunner:
     and the chain's latency does not shrink with fewer rows. fuse_silu: where the gate/up GEMM runs as swapab,
     SiLU(gate) * up in its epilogue (`ops.skinny_silu_mul`: one launch a layer fewer, bitwise the two launches'
     values; default on, measured 0.02-0.14 ms a step faster on the H200; `set_fuse_silu`). fuse_norm: with it, the
-    residual adds + RMSNorms inside the swap-AB GEMMs (o_proj / down epilogues, gate/up / the next layer's q/k/v
-    prologues) instead of `add_rmsnorm`, which then runs for layer 0's input and the final norm only
-    (`_fused_post_norm`, `_pre_norm_ok`; opt-in, not yet timed; `set_fuse_norm`)."""
+    residual adds + RMSNorms inside the swap-AB GEMMs instead of `add_rmsnorm`, which then runs for layer 0's input
+    and the final norm only: o_proj's / down's epilogue writes h = residual + y, its per-tile sums of h^2 and hn = h *
+    the next norm's weight; gate/up and the next layer's q/k/v multiply hn and scale their fp32 sums by 1 / rms(h)
+    (`_fused_post_norm`, `_pre_norm_ok`, `set_fuse_norm`; values within bf16 rounding of the unfused ones). Opt-in:
+    its first form (each x tile normalized inside the GEMM loop) measured +2.0 ms a step at batch 32 on the H200
+    (session 21, results/2026-12-04-h200-session21.md); this form is not yet timed."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
@@ -325,8 +329,8 @@ class ModelRunner:
         # (benchmarks/results/2026-12-04-h200-session20.md): dense b32 2K 5.38-5.42 -> 5.31-5.33 ms, sparse b32 16K
         # 8.10-8.12 -> 8.02-8.10, 2304 6.24-6.31 -> 6.15-6.17, batch 1 dense 2K 3.05-3.16 -> 3.02-3.05; logits bitwise
         self.fuse_silu = bool(fuse_silu)
-        # the residual adds + RMSNorms inside the swap-AB GEMMs: o_proj / down epilogues, gate/up / next q/k/v prologues
-        # (`_fused_post_norm`, `_Resid`, `_pre_norm_ok`; opt-in: built in session 20, not yet timed on a GPU)
+        # the residual adds + RMSNorms inside the swap-AB GEMMs: o_proj / down epilogues (h, sums of h^2, hn), gate/up /
+        # next q/k/v epilogues (1 / rms) (`_fused_post_norm`, `_Resid`, `_pre_norm_ok`; opt-in, see the docstring)
         self.fuse_norm = bool(fuse_norm)
         self.select_streams = 1
         self._side_streams: list = []  # the CUDA streams beside the current one (`set_select_streams`)

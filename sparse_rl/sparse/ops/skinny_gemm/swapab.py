@@ -59,11 +59,21 @@ def _prefetch_l2(rows, nbytes):
 
 
 @triton.jit
+def _w_tile(wp, WD, row0, k, m, TMA: tl.constexpr):
+    """The weight tile `[BW, BK]` at K offset k: pointer loads under the mask m (cp.async in the pipeline), or with TMA
+    one bulk tensor copy from the descriptor WD (Hopper's TMA: no address registers or per-thread load issue; rows past
+    N and columns past K read as zero, and a K slice is whole BK steps, so no step reads into the next slice)."""
+    if TMA:
+        return WD.load([row0, k])
+    return tl.load(wp + k, mask=m, other=0.0)
+
+
+@triton.jit
 def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.constexpr, BW: tl.constexpr,
                    BX: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
                    GLU: tl.constexpr = False, RES=None, PS=None, srm=0, RESID: tl.constexpr = False, HN=None, SC=None,
                    shm=0, SCALE: tl.constexpr = False, PSIN=None, NPS=1, eps=1e-6, NORM: tl.constexpr = False,
-                   NPSB: tl.constexpr = 16, PREFETCH: tl.constexpr = False):
+                   NPSB: tl.constexpr = 16, PREFETCH: tl.constexpr = False, WD=None, TMA: tl.constexpr = False):
     pn = tl.program_id(0)
     ps = tl.program_id(1)
     if GLU:  # W = [gate; up], N = the output's width: rows r < BW / 2 the gate's, the rest the up's, same columns
@@ -87,7 +97,7 @@ def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.c
     # would wait for their data to arrive)
     if PREFETCH:
         _prefetch_l2(W + tl.where(mw, offs_w, 0).to(tl.int64) * swn + k0 + BK, (k_end - k0 - BK) * 2)
-    w = tl.load(wp + k0, mask=mw[:, None] & (kk[None, :] < k_end), other=0.0)
+    w = _w_tile(wp, WD, pn * BW, k0, mw[:, None] & (kk[None, :] < k_end), TMA)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if PDL == 2:
@@ -97,7 +107,7 @@ def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.c
     for k in range(k0 + BK, k_end, BK):
         kk = k + offs_k
         mk = kk < k_end
-        w = tl.load(wp + k, mask=mw[:, None] & mk[None, :], other=0.0)
+        w = _w_tile(wp, WD, pn * BW, k, mw[:, None] & mk[None, :], TMA)
         x = tl.load(xp + k, mask=mk[:, None] & mx[None, :], other=0.0)
         acc += dot(w, x, PREC)
     omask = mw[:, None] & mx[None, :]
@@ -160,6 +170,23 @@ def _stages(num_stages: int, BW: int, BX: int, BK: int, itemsize: int) -> int:
     return num_stages
 
 
+def _tma_args(loads: str, w: torch.Tensor, BW: int, BK: int) -> dict:
+    """The kernel's descriptor arguments for loads = "tma": w's `[N, K]` tensor descriptor of `[BW, BK]` boxes (unit
+    stride along K, 16-byte aligned rows and base; a CUDA device of sm_90+, or the interpreter), none for "ptr"."""
+    if loads not in ("ptr", "tma"):
+        raise ValueError(f"swapab: loads {loads!r} (ptr or tma)")
+    if loads == "ptr":
+        return {}
+    es = w.element_size()
+    if (w.stride(1) != 1 or (w.stride(0) * es) % 16 or w.data_ptr() % 16
+            or (w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9)):
+        raise ValueError("swapab (loads='tma'): the weight needs unit stride along K, 16-byte aligned rows and base, "
+                         "and an sm_90+ GPU")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return dict(WD=TensorDescriptor(w, list(w.shape), list(w.stride()), [BW, BK]), TMA=True)
+
+
 def _prefetch_ok(prefetch: bool, w: torch.Tensor, K: int) -> bool:
     """Whether the kernel takes the L2 prefetch asked for: a CUDA device of sm_90+ (the bulk prefetch; never the
     interpreter), 2-byte weights whose rows and K slices are 16-byte aligned."""
@@ -200,7 +227,7 @@ def _resid_args(residual, scale, M: int, N: int, BW: int, BX: int, x: torch.Tens
 def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = None, *, bw: int = 128, bk: int = 64,
                   programs: int = 264, num_warps: int = 4, num_stages: int = 4, pdl: int = 0,
                   residual: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                  norm: tuple | None = None, prefetch: bool = False):
+                  norm: tuple | None = None, prefetch: bool = False, loads: str = "ptr"):
     """x `[M, K]` (M <= 64, last dim contiguous), w `[N, K]` (contiguous rows) -> `[M, N]` in x's dtype, as
     `naive.skinny_linear_naive` up to the fp32 summation order. cnt: this call site's `triton.counters(N, ...)`
     (None: fresh ones, not for CUDA graphs). pdl: a resolved PDL level (0 off; launched with launch_pdl at >= 1).
@@ -210,7 +237,8 @@ def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = N
     as rstd * (hn @ wᵀ), rstd = 1 / sqrt(mean(h^2) + eps) per row from the partials, applied to the fp32 sum (not
     `ops.add_rmsnorm`'s roundings: the norm's weight is rounded into hn, the 1 / rms only once, in fp32). prefetch:
     each program prefetches its whole weight slice into L2 before `gdc_wait` (CUDA, 2-byte weights; `_prefetch_l2`).
-    """
+    loads: the weight tiles by "ptr" (pointer loads) or "tma" (a host tensor descriptor, `_w_tile`; sm_90+ or the
+    interpreter, 16-byte aligned rows, else a ValueError)."""
     from sparse_rl.sparse.ops.skinny_gemm.triton import counters
 
     M, K = x.shape
@@ -235,19 +263,22 @@ def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = N
                                                 KS, SPLIT, BW=BW, BX=BX, BK=BK, ONE=SPLIT == 1, PDL=int(pdl),
                                                 PREC=dot_precision(x.dtype), num_warps=1 if interp else num_warps,
                                                 num_stages=1 if interp else num_stages,
-                                                PREFETCH=_prefetch_ok(prefetch, w, K), **extra, **kw)
+                                                PREFETCH=_prefetch_ok(prefetch, w, K), **_tma_args(loads, w, BW, BK),
+                                                **extra, **kw)
     return (out, extra["PS"], extra.get("HN")) if residual is not None else out
 
 
 def swapab_silu_mul(x: torch.Tensor, w: torch.Tensor, *, bw: int = 128, bk: int = 64, num_warps: int = 4,
                     num_stages: int = 4, pdl: int = 0, programs: int | None = None,
-                    norm: tuple | None = None, prefetch: bool = False) -> torch.Tensor:
+                    norm: tuple | None = None, prefetch: bool = False, loads: str = "ptr") -> torch.Tensor:
     """SiLU(x @ gateᵀ) * (x @ upᵀ) in one launch: x `[M, K]` (M <= 64), w `[2N, K]` (the gate's N rows, then the up's:
     the fused gate/up weight) -> `[M, N]` in x's dtype, bitwise `ops.silu_mul(swapab_linear(x, w))` at the same tile
     (each program's BW rows are BW / 2 gate rows and the same columns' up rows, so the accumulators are the plain
     kernel's and the epilogue applies silu_mul's arithmetic; one K slice a program: gate/up's shapes need no split).
     programs: ignored (the plain kernel's split-K knob). norm, prefetch: as `swapab_linear`'s (x then hn = h * the
-    norm's weight)."""
+    norm's weight). loads: "ptr" only (a program's rows are two runs, the gate's and the up's: not one TMA box)."""
+    if loads != "ptr":
+        raise ValueError(f"swapab_silu_mul: loads {loads!r} (only 'ptr': the gate and up rows are two boxes)")
     M, K = x.shape
     N2 = w.shape[0]
     if M > 64 or w.shape[1] != K or N2 % 2:
