@@ -19,6 +19,11 @@ The TMA loads (`skinny_tiles` keyword "loads": "tma"; q/k/v, o_proj, down): the 
 descriptor, one thread's bulk copy a tile instead of 128 threads' cp.async (sm_90a: 77 registers against 86-91, the
 x tile still cp.async); bitwise the pointer loads (interpreter test).
 
+The fused merge (`ModelRunner(fuse_merge=True)`): where the decode attention splits a row's index list (batch 1: 8
+splits at 2K keys), the last program of each (row, kv head) merges the partials instead of `_merge_kernel`, 36
+launches a step fewer at batch 1 (sm_90a: 128 registers against 96, the 8 partials' loads unrolled); nothing
+changes at batch 32 (one split).
+
 1. proof: logits of each variant against base, eager and graph-replayed (norm within --tol, prefetch / tma bitwise):
    sparse 32 x 16384, dense 32 x 2048.
 2. steps (graph replay, median of 20, interleaved --reps times): batch 32 sparse 16384 / 2304, dense 16384 / 2048;
@@ -29,7 +34,8 @@ Predictions (before call 2): norm within bf16 rounding (relative max |diff| <= 2
 Steps: norm -0.05 to -0.2 ms (71 launches fewer, ~2-3 us each under PDL, less the hn stores); batch 1 dense 2K
 ~3.05 -> ~2.9. pf_small (q/k/v + o_proj): -0.05 to -0.25 at batch 32 (a few us a site a layer), nothing if the
 programs only become resident after the previous kernel ends; pf_split (+ down) within +-0.1 of pf_small; tma 0 to
--0.15 (the split-K sites are ramp- and tail-bound more than issue-bound); norm_pf about the sum of its parts. Whole 16K b32 ratio 1.73 -> 1.74-1.78.
+-0.15 (the split-K sites are ramp- and tail-bound more than issue-bound); merge -0.05 to -0.1 at batch 1 only (36
+launches of ~2-3 us), equal at batch 32; norm_pf about the sum of its parts. Whole 16K b32 ratio 1.73 -> 1.74-1.78.
 
     PYTHONPATH=$PWD python benchmarks/gpu_norm_session21.py --budget 420 --out $OUT/norm21b
 """
@@ -60,7 +66,7 @@ def variants() -> dict:
     small, split = ("qkv", "o_proj"), ("qkv", "o_proj", "down_proj")
     return {"base": {}, "norm": {"fuse_norm": True}, "pf_small": {"skinny_tiles": _tiles(small, prefetch=True)},
             "pf_split": {"skinny_tiles": _tiles(split, prefetch=True)},
-            "tma": {"skinny_tiles": _tiles(split, loads="tma")},
+            "tma": {"skinny_tiles": _tiles(split, loads="tma")}, "merge": {"fuse_merge": True},
             "norm_pf": {"fuse_norm": True, "skinny_tiles": _tiles(small, prefetch=True)}}
 
 
@@ -71,7 +77,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--parts", default="proof,steps,gen")
     ap.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU (checks the parts run)")
-    ap.add_argument("--variants", default="base,norm,pf_small,pf_split,tma,norm_pf")
+    ap.add_argument("--variants", default="base,norm,pf_small,pf_split,tma,merge,norm_pf")
     ap.add_argument("--gen-variants", default="base,norm_pf")
     ap.add_argument("--tol", type=float, default=0.02, help="proof: logits within tol x the largest (0: bitwise)")
     a = ap.parse_args()

@@ -53,19 +53,22 @@ class Variant:
     select_streams: int = 1  # ModelRunner.select_streams: row groups (CUDA streams) of the select + attention
     fuse_silu: bool = True  # ModelRunner.fuse_silu: SiLU(gate) * up in the swap-AB gate/up GEMM's epilogue (default)
     fuse_norm: bool = False  # ModelRunner.fuse_norm: the post-attention add + RMSNorm inside the swap-AB GEMMs
+    fuse_merge: bool = False  # ModelRunner.fuse_merge: the split decode attention's merge inside its kernel
 
     def describe(self) -> dict:
         return {"select": self.select.as_kwargs(), "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
                 "blas": self.blas, "pdl": self.pdl, "skinny_impl": self.skinny_impl,
                 "skinny_tiles": None if self.skinny_tiles is None else {k: dict(v) for k, v in self.skinny_tiles},
                 "fuse_indexer": self.fuse_indexer, "select_streams": self.select_streams,
-                "fuse_silu": self.fuse_silu, "fuse_norm": self.fuse_norm}
+                "fuse_silu": self.fuse_silu, "fuse_norm": self.fuse_norm,
+                "fuse_merge": self.fuse_merge}
 
     def runner_options(self) -> dict:
         return {"decode_select": self.select, "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
                 "blas": self.blas, "pdl": self.pdl, "skinny_impl": self.skinny_impl, "skinny_tiles": self.skinny_tiles,
                 "fuse_indexer": self.fuse_indexer, "select_streams": self.select_streams,
-                "fuse_silu": self.fuse_silu, "fuse_norm": self.fuse_norm}
+                "fuse_silu": self.fuse_silu, "fuse_norm": self.fuse_norm,
+                "fuse_merge": self.fuse_merge}
 
 
 def apply(eng, v: Variant) -> None:
@@ -84,6 +87,7 @@ def apply(eng, v: Variant) -> None:
     r.set_select_streams(v.select_streams)  # likewise
     r.set_fuse_silu(v.fuse_silu)  # likewise
     r.set_fuse_norm(v.fuse_norm)  # likewise
+    r.set_fuse_merge(v.fuse_merge)  # likewise
 
 
 def free() -> None:

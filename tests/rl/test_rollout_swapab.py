@@ -181,3 +181,30 @@ def test_tma_and_prefetch_tiles_give_the_default_logits(llama_sw, monkeypatch, r
         r.set_skinny_gemm(True, "swapab", {"gate_up": {"loads": "tma"}})
         with pytest.raises(ValueError, match="only 'ptr'"):
             r.decode_eager(cache, tok, pos, 20, "sparse")
+
+
+def test_fuse_merge_reaches_the_decode_attention(llama_sw, monkeypatch, random_cache):
+    """`ModelRunner(fuse_merge=)` / `set_fuse_merge`: every decode attention of the eager step gets merge="fused" (the
+    split partials merged inside the attention kernel; `tests/sparse/test_kernels.py` checks its values), and the
+    logits stay those of the merge kernel; off (the default) "kernel"."""
+    from sparse_rl.rl.rollout import forward
+
+    model = load_model(llama_sw, attention="sparse")
+    eng = _engine(model, max_batch=2, fuse_projections=True)
+    r = eng.runner
+    assert not r.fuse_merge
+    seen = []
+    real = forward.sparse_decode
+    monkeypatch.setattr(forward, "sparse_decode", lambda *a, **k: seen.append(k["merge"]) or real(*a, **k))
+    monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
+    cache = random_cache(eng, 32, 4)
+    tok, pos = torch.tensor([7, 99]), torch.tensor([19, 13])
+    out = {}
+    with torch.inference_mode():
+        for on in (False, True):
+            r.set_fuse_merge(on)
+            del seen[:]
+            out[on] = r.decode_eager(cache, tok, pos, 20, "sparse")
+            # the sparse layers (layer 0 is dense: SDPA on a CPU)
+            assert seen == ["fused" if on else "kernel"] * (r.n_layers - 1)
+    assert torch.equal(out[True], out[False])

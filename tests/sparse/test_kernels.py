@@ -83,8 +83,9 @@ def test_sparse_attention_full_selection_equals_causal_dense_gqa4():
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("merge", ["kernel", "fused"])
 @pytest.mark.parametrize("nsplit", [None, 1, 3])
-def test_sparse_decode_matches_reference(nsplit):
+def test_sparse_decode_matches_reference(nsplit, merge):
     g = torch.Generator().manual_seed(7)
     B, H, H_kv, D, S_max, K = 3, 8, 2, 64, 50, 300  # K > 2 x 128: nsplit 3 really splits (128-key blocks)
     q = torch.randn(B, H, D, generator=g)
@@ -94,13 +95,38 @@ def test_sparse_decode_matches_reference(nsplit):
     for b, n in enumerate(lengths):
         sel = torch.randperm(n, generator=g)[:40]
         idx[b, :len(sel)] = sel.to(torch.int32)
-    out, lse = sa.sparse_decode(q, kc, vc, idx, nsplit=nsplit)
+    out, lse = sa.sparse_decode(q, kc, vc, idx, nsplit=nsplit, merge=merge)
     ro, rl = sparse_attention_naive(q[:, None], kc, vc, idx[:, None])
     torch.testing.assert_close(out, ro[:, 0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, rl[:, 0], atol=1e-5, rtol=1e-5)
     # public entry point, forced backend
     out2, _ = sparse_decode(q, kc, vc, idx, backend="triton")
     torch.testing.assert_close(out2, ro[:, 0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("B,H,H_kv,D,S,K,nsplit", [(2, 8, 2, 64, 700, 512, 4), (1, 7, 1, 48, 900, 700, 3),
+                                                  (3, 14, 2, 16, 400, 300, 3)])
+def test_fused_merge_equals_the_merge_kernel(B, H, H_kv, D, S, K, nsplit):
+    """`sparse_decode(merge="fused")`: the last program of each (row, kv head) merges the split partials inside the
+    forward (no `_merge_kernel` launch): the merge kernel's out and lse (an all -1 row: lse -inf, out 0), GQA 4 / 7 /
+    7, odd head dims; the counters are left at zero for the next launch (a CUDA-graph replay)."""
+    g = torch.Generator().manual_seed(B + S)
+    q = torch.randn(B, H, D, generator=g)
+    kc, vc = torch.randn(B, S, H_kv, D, generator=g), torch.randn(B, S, H_kv, D, generator=g)
+    idx = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(B)]).to(torch.int32)
+    idx[0, 100:] = -1  # row 0's later splits hold no key
+    if B > 2:
+        idx[2] = -1
+    ref = sa.sparse_decode(q, kc, vc, idx, nsplit=nsplit)
+    with mock.patch.object(sa, "_merge_kernel") as merge_kernel:
+        out, lse = sa.sparse_decode(q, kc, vc, idx, nsplit=nsplit, merge="fused")
+    merge_kernel.__getitem__.assert_not_called()
+    torch.testing.assert_close(out, ref[0], atol=1e-6, rtol=1e-6)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref[1]))
+    torch.testing.assert_close(lse, ref[1], atol=1e-6, rtol=1e-6)
+    assert int(sa._merge_counters(q.device, 1).abs().sum()) == 0
+    with pytest.raises(ValueError, match="merge"):
+        sparse_decode(q, kc, vc, idx, merge="atomic")
 
 
 def test_environment_variable_selects_the_kernel(monkeypatch):

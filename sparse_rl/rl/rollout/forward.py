@@ -270,14 +270,17 @@ class ModelRunner:
     the next norm's weight; gate/up and the next layer's q/k/v multiply hn and scale their fp32 sums by 1 / rms(h)
     (`_fused_post_norm`, `_pre_norm_ok`, `set_fuse_norm`; values within bf16 rounding of the unfused ones). Opt-in:
     its first form (each x tile normalized inside the GEMM loop) measured +2.0 ms a step at batch 32 on the H200
-    (session 21, results/2026-12-04-h200-session21.md); this form is not yet timed."""
+    (session 21, results/2026-12-04-h200-session21.md); this form is not yet timed. fuse_merge: where the decode
+    attention splits a row's index list (small batches: about one program an SM), the last program of each (row, kv
+    head) merges the partials (`ops.sparse_decode(merge="fused")`) instead of a `_merge_kernel` launch a layer (36 a
+    step at batch 1); the same values up to the fp32 order over the splits; opt-in, not yet timed; `set_fuse_merge`."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
                  decode_select: DecodeSelect | None = None, skinny_gemm=None, blas: str | None = None,
                  skinny_impl: str | None = None, skinny_tiles=None,
                  pdl: bool | int | None = None, fuse_indexer: bool = True, select_streams: int = 1,
-                 fuse_silu: bool = True, fuse_norm: bool = False):
+                 fuse_silu: bool = True, fuse_norm: bool = False, fuse_merge: bool = False):
         base = _base(model)
         dec = base.get_decoder()
         self.model, self.base = model, base
@@ -332,6 +335,7 @@ class ModelRunner:
         # the residual adds + RMSNorms inside the swap-AB GEMMs: o_proj / down epilogues (h, sums of h^2, hn), gate/up /
         # next q/k/v epilogues (1 / rms) (`_fused_post_norm`, `_Resid`, `_pre_norm_ok`; opt-in, see the docstring)
         self.fuse_norm = bool(fuse_norm)
+        self.fuse_merge = bool(fuse_merge)  # the split decode attention's merge inside its kernel (opt-in, untimed)
         self.select_streams = 1
         self._side_streams: list = []  # the CUDA streams beside the current one (`set_select_streams`)
         self._pdl_asked = pdl  # the request: the compiled step's inductor PDL only when asked for (never timed)
@@ -737,12 +741,12 @@ class ModelRunner:
         return indexer_decode(zq, zk, zw, cos[:, 0], sin[:, 0], ix.k_norm.weight, ix.k_norm.bias, ix.k_norm.eps,
                               ix.rope_dim, pos, k_cache, k_scale, backend=backend, pdl=pdl)
 
-    @staticmethod
-    def _attend(q, kc, vc, sel, scale, backend, compiled, pdl: bool = False):
+    def _attend(self, q, kc, vc, sel, scale, backend, compiled, pdl: bool = False):
         """q `[B, H, D]`, full layer caches `[B, S_max, H_kv, D]`, sel `[B, K]` -> `[B, H, D]`."""
         if compiled:
             return C.sparse_decode(q, kc, vc, sel, scale, backend)
-        return sparse_decode(q, kc, vc, sel, scale=scale, backend=backend, pdl=pdl)[0]
+        return sparse_decode(q, kc, vc, sel, scale=scale, backend=backend, pdl=pdl,
+                             merge="fused" if self.fuse_merge else "kernel")[0]
 
     def _grouped(self, st, index, short: bool, compiled: bool, B: int) -> bool:
         """Whether this layer's select + attention run in row groups (`select_streams`): eager, an indexer
@@ -777,6 +781,7 @@ class ModelRunner:
             with torch.cuda.stream(self._side_streams[g - 1]) if cuda and g else contextlib.nullcontext():
                 sel = select(st, q[r], kc[r], tuple(t[r] for t in index), pos=pos[r], S=S, ops=DecodeOps,
                              decode_select=dsel)
+                # the merge as its own launch: the fused one's counters are one buffer a device (groups run at once)
                 outs.append(sparse_decode(q[r], kc[r], vc[r], sel, scale=scale, backend=st.backend, pdl=pdl,
                                           nsplit=nsplit)[0])
         if cuda:
@@ -971,6 +976,13 @@ class ModelRunner:
         hold the old launches: dropped when the choice changes)."""
         if bool(on) != self.fuse_silu:
             self.fuse_silu = bool(on)
+            self.drop_graphs()
+
+    def set_fuse_merge(self, on: bool) -> None:
+        """The split decode attention's merge inside the attention kernel (True) or as its own launch from the next
+        step (the CUDA graphs hold the old launches: dropped when the choice changes)."""
+        if bool(on) != self.fuse_merge:
+            self.fuse_merge = bool(on)
             self.drop_graphs()
 
     def set_fuse_indexer(self, on: bool) -> None:

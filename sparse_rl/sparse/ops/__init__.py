@@ -57,15 +57,19 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
 
 
 def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor,
-                  scale: float | None = None, *, backend: str = "auto", pdl: bool = False, nsplit: int | None = None):
+                  scale: float | None = None, *, backend: str = "auto", pdl: bool = False, nsplit: int | None = None,
+                  merge: str = "kernel"):
     """One decode step. q `[B, H, D]`, caches `[B, S_max, H_kv, D]`, indices `[B, K]` (-1 = none;
     each row names only filled cache slots) -> (out `[B, H, D]`, lse `[B, H]`). pdl: the Triton launches with
     programmatic dependent launch (decided by the caller, `_backend.resolve_pdl`; the reference ignores it;
     so do the decode ops below). nsplit: the kernel's split of each index list (None: its heuristic, about one
-    program an SM)."""
+    program an SM). merge: "kernel" (the splits' partials merged by a second launch) or "fused" (by the last
+    program of each (row, kv head) inside the forward; never two such launches at once on two streams)."""
+    if merge not in ("kernel", "fused"):
+        raise ValueError(f"sparse_decode: merge {merge!r} (kernel or fused)")
     fn = kernel("sparse_attention", "sparse_decode")
     if resolve_backend(backend, q, fn is not None) == "triton":
-        return fn(q, k_cache, v_cache, indices, scale, nsplit=nsplit, pdl=pdl)
+        return fn(q, k_cache, v_cache, indices, scale, nsplit=nsplit, pdl=pdl, merge=merge)
     out, lse = sparse_attention_naive(q[:, None], k_cache, v_cache, indices[:, None], scale)
     return out[:, 0], lse[:, 0]
 

@@ -63,9 +63,13 @@ def _fwd_kernel(Q, K, V, IDX, O, LSE,
                 sib, sit, sik, sob, sot, soh, sod, slb, slt, slh,
                 T, NK, S, G, D, KPS, qk_scale,
                 NSPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_D: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
+                BLOCK_D: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False,
+                CNT=None, OF=None, LF=None, sfb=0, sft=0, sfh=0, sgb=0, sgt=0, sgh=0, MERGE: tl.constexpr = False,
+                NSP2: tl.constexpr = 2):
     """O/LSE: `[B, T, H, D]`/`[B, T, H]` when NSPLIT == 1, else fp32 partials
-    `[B, T*NSPLIT, H, D]`/`[B, T*NSPLIT, H]` (split index fastest) merged by `_merge_kernel`."""
+    `[B, T*NSPLIT, H, D]`/`[B, T*NSPLIT, H]` (split index fastest) merged by `_merge_kernel`, or with MERGE by the
+    last of the NSPLIT programs of each (b, t, kv head) into OF `[B, T, H, D]` / LF `[B, T, H]` (`_merge_group`;
+    CNT: zeroed int32 counters `[B * H_kv * T]`, left zeroed)."""
     pdl_enter(PDL)  # first: no load before the previous kernel is done (PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -111,6 +115,42 @@ def _fwd_kernel(Q, K, V, IDX, O, LSE,
     tl.store(O + b * sob + row * sot + heads[:, None] * soh + offs_d[None, :] * sod,
              out.to(O.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
     tl.store(LSE + b * slb + row * slt + heads * slh, lse, mask=hmask)
+    if MERGE:
+        tl.debug_barrier()  # every thread's partial is written before the count releases it
+        ci = (b * tl.num_programs(1) + kvh) * T + t
+        if tl.atomic_add(CNT + ci, 1, sem="acq_rel") == NSPLIT - 1:  # the group's last program merges
+            _merge_group(O, LSE, OF, LF, b, t, heads, hmask, offs_d, dmask, sob, sot, soh, sod, slb, slt, slh,
+                         sfb, sft, sfh, sgb, sgt, sgh, NSPLIT, NSP2, BLOCK_H, BLOCK_D)
+            tl.atomic_xchg(CNT + ci, 0)  # zero again for the next launch (CUDA-graph replays need no memset)
+
+
+@triton.jit
+def _merge_group(O, LSE, OF, LF, b, t, heads, hmask, offs_d, dmask, sob, sot, soh, sod, slb, slt, slh,
+                 sfb, sft, sfh, sgb, sgt, sgh, NSPLIT: tl.constexpr, NSP2: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """`_merge_kernel`'s arithmetic for one (b, t, kv head)'s G heads inside the forward: the NSPLIT partials
+    (written by other programs: read from L2, .cg) weighted by exp(lse_s - max), summed split by split."""
+    offs_s = tl.arange(0, NSP2)  # NSPLIT padded to a power of 2
+    lrow = LSE + b * slb + (t * NSPLIT + offs_s[:, None]) * slt + heads[None, :] * slh
+    lse_s = tl.load(lrow, mask=(offs_s[:, None] < NSPLIT) & hmask[None, :], other=float("-inf"),
+                    cache_modifier=".cg")  # [S, BLOCK_H]
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    tot = tl.sum(tl.exp(lse_s - m_safe[None, :]), 0)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    omask = hmask[:, None] & dmask[None, :]
+    for sp in tl.static_range(NSPLIT):  # unrolled: every partial's loads in flight at once
+        row = t * NSPLIT + sp
+        w = tl.exp(tl.load(LSE + b * slb + row * slt + heads * slh, mask=hmask, other=float("-inf"),
+                           cache_modifier=".cg") - m_safe)
+        o_s = tl.load(O + b * sob + row * sot + heads[:, None] * soh + offs_d[None, :] * sod, mask=omask, other=0.0,
+                      cache_modifier=".cg")
+        acc += o_s * w[:, None]
+    empty = tot == 0.0
+    out = acc / tl.where(empty, 1.0, tot)[:, None]
+    lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, tot)))
+    tl.store(OF + b * sfb + t * sft + heads[:, None] * sfh + offs_d[None, :], out.to(OF.dtype.element_ty), mask=omask)
+    tl.store(LF + b * sgb + t * sgt + heads * sgh, lse, mask=hmask)
 
 
 @triton.jit
@@ -201,11 +241,13 @@ def _meta(q, k):
 
 
 def _fwd(q, k, v, indices, scale, nsplit: int = 1, out=None, tune: tuple[int, int, int] | None = None,
-         pdl: bool = False):
+         pdl: bool = False, merged: tuple | None = None):
     """q `[B, T, H, D]` -> out `[B, T, H, D]` (q.dtype), lse `[B, T, H]` fp32, nsplit used.
     pdl: launch with programmatic dependent launch (decode: `sparse_decode(pdl=)`).
     `out=(o, lse)` writes into given buffers (nsplit 1 only; the benchmark poisons them);
-    `tune=(BLOCK_K, num_warps, num_stages)` overrides the launch config (benchmark sweeps)."""
+    `tune=(BLOCK_K, num_warps, num_stages)` overrides the launch config (benchmark sweeps). merged = (out `[B, T, H,
+    D]`, lse `[B, T, H]`, zeroed int32 counters `[>= B * H_kv * T]`): with more than one split, the kernel's last
+    program of each group merges the partials into them (no `_merge_kernel` launch)."""
     B, T, H, D = q.shape
     H_kv = k.shape[2]
     NK = indices.shape[-1]
@@ -225,10 +267,15 @@ def _fwd(q, k, v, indices, scale, nsplit: int = 1, out=None, tune: tuple[int, in
         o = torch.empty(B, T * nsplit, H, D, device=q.device, dtype=torch.float32)
         lse = torch.empty(B, T * nsplit, H, device=q.device, dtype=torch.float32)
     grid = (T * nsplit, H_kv, B)
+    mk = {}
+    if merged is not None and nsplit > 1:
+        of, lf, cnt = merged
+        mk = dict(CNT=cnt, OF=of, LF=lf, sfb=of.stride(0), sft=of.stride(1), sfh=of.stride(2), sgb=lf.stride(0),
+                  sgt=lf.stride(1), sgh=lf.stride(2), MERGE=True, NSP2=max(2, triton.next_power_of_2(nsplit)))
     _fwd_kernel[grid](q, k, v, indices, o, lse, *q.stride(), *k.stride(), *v.stride(), *indices.stride(),
                       *o.stride(), *lse.stride(), T, NK, k.shape[1], G, D, kps, scale * LOG2E,
                       NSPLIT=nsplit, BLOCK_H=BH, BLOCK_K=BK, BLOCK_D=BD, PREC=dot_precision(q.dtype),
-                      PDL=pdl, launch_pdl=bool(pdl), num_warps=warps, num_stages=stages)
+                      PDL=pdl, launch_pdl=bool(pdl), num_warps=warps, num_stages=stages, **mk)
     return o, lse, nsplit
 
 
@@ -436,13 +483,33 @@ def decode_splits(B: int, H_kv: int, NK: int, device) -> int:
     return max(1, min(triton.cdiv(NK, 256), triton.cdiv(sms, max(1, B * H_kv))))
 
 
+_MERGE_COUNTERS: dict = {}  # device -> zeroed int32 counters of the fused merge (every launch leaves them zeroed)
+MERGES = ("kernel", "fused")  # `sparse_decode(merge=)`
+
+
+def _merge_counters(dev: torch.device, n: int) -> torch.Tensor:
+    """The fused merge's counters: one zeroed buffer per device, grown by doubling. Launches in one stream's order
+    share it; two at once (side streams) must not (`sparse_decode(merge=)`)."""
+    key = (dev.type, dev.index)
+    buf = _MERGE_COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _MERGE_COUNTERS[key] = torch.zeros(max(256, triton.next_power_of_2(n)), device=dev, dtype=torch.int32)
+    return buf
+
+
 def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor,
-                  scale: float | None = None, nsplit: int | None = None, pdl: bool = False):
+                  scale: float | None = None, nsplit: int | None = None, pdl: bool = False, merge: str = "kernel"):
     """One decode step, Triton. q `[B, H, D]`, caches `[B, S_max, H_kv, D]`, indices `[B, K]`
     (-1 = none) -> (out `[B, H, D]`, lse `[B, H]` fp32). Reads only the selected cache rows.
     Inference only: with inputs that need grad (and grad enabled) it takes the differentiable
     reference. `nsplit` overrides the split-K heuristic (benchmarks). pdl: both launches with programmatic
-    dependent launch (the caller decides it once: `_backend.resolve_pdl`)."""
+    dependent launch (the caller decides it once: `_backend.resolve_pdl`). merge: how a split index list's
+    partials are merged, "kernel" (`_merge_kernel`, a second launch) or "fused" (the last program of each (row,
+    kv head) merges them inside the forward, `_merge_group`: one launch; its counters are one buffer a device, so
+    two fused launches must not run at once on two streams). The same values up to the fp32 order of the sum over
+    the splits."""
+    if merge not in MERGES:
+        raise ValueError(f"sparse_decode: merge {merge!r} not among {MERGES}")
     B, H, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     q4, idx3 = q[:, None], indices[:, None]
@@ -455,9 +522,16 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         idx3 = idx3.to(torch.int32)
     H_kv, NK = k_cache.shape[2], indices.shape[-1]
     ns = nsplit or decode_splits(B, H_kv, NK, q.device)
-    po, pl, ns = _fwd(q4, k_cache, v_cache, idx3, scale, ns, pdl=pdl)
+    merged = None
+    if merge == "fused" and ns > 1:
+        out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
+        lse = torch.empty(B, H, device=q.device, dtype=torch.float32)
+        merged = (out[:, None], lse[:, None], _merge_counters(q.device, B * H_kv))
+    po, pl, ns = _fwd(q4, k_cache, v_cache, idx3, scale, ns, pdl=pdl, merged=merged)
     if ns == 1:
         return po[:, 0], pl[:, 0]
+    if merged is not None:
+        return out, lse
     out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, H, device=q.device, dtype=torch.float32)
     _merge_kernel[(H, B)](po, pl, out, lse, H, D, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),

@@ -1,0 +1,55 @@
+"""The decode attention (`sparse_attention/triton.py:_fwd_kernel`) compiled for sm_90a on a CPU host (no GPU), with
+and without the fused merge (MERGE: the last program of each (row, kv head) merges the split partials): registers
+/ stack (cuobjdump), shared memory, the atomics. Qwen3-4B's decode shape: G = 4 heads a KV head (BLOCK_H 16), D 128,
+128-key blocks, 4 warps, 2 stages; NSPLIT 8 (batch 1 at 2K keys: 8 splits).
+
+    PYTHONPATH=$PWD /tmp/t36/bin/python benchmarks/sm90_decode_merge.py        (Triton 3.6.0, the H200's)
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from sparse_rl.sparse.ops.sparse_attention import triton as SA
+
+PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "IDX": "*i32", "O": "*fp32", "LSE": "*fp32", "CNT": "*i32",
+        "OF": "*bf16", "LF": "*fp32"}
+UNIT = ("sqd", "skd", "svd", "sik", "sod")  # unit strides: specialized to 1 by a real launch
+
+
+def compile_fwd(merge: bool, nsplit: int = 8) -> dict:
+    names = list(inspect.signature(SA._fwd_kernel.fn).parameters)
+    cx = dict(NSPLIT=nsplit, BLOCK_H=16, BLOCK_K=128, BLOCK_D=128, PREC=0, PDL=1, MERGE=merge,
+              NSP2=max(2, triton.next_power_of_2(nsplit)), **{n: 1 for n in UNIT})
+    if not merge:
+        cx.update(CNT=None, OF=None, LF=None)
+    sig = {n: "constexpr" if n in cx else PTRS.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in cx and n not in ("qk_scale",)}
+    k = triton.compile(ASTSource(SA._fwd_kernel, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, num_stages=2))
+    cubin = "/tmp/_sm90_decode.cubin"
+    with open(cubin, "wb") as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    res = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True).stdout
+    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", res)
+    return {"regs": int(m.group(1)), "stack": int(m.group(2)), "smem": k.metadata.shared,
+            "ATOM": len(re.findall(r"\bATOM", sass)) + len(re.findall(r"\bRED\b", sass)),
+            "LDG": len(re.findall(r"LDG\.", sass))}
+
+
+def main():
+    for merge in (False, True):
+        print(f"triton {triton.__version__} _fwd_kernel MERGE {merge:d}: {compile_fwd(merge)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
