@@ -167,3 +167,23 @@ def test_auto_halves_the_tiles_under_keyq_only():
     assert p.union[0].shape[1] == -(-T // 16)  # the handed-over bitmaps are the 16-query tiles'
     assert paths.plan(by16, S, 8, 32, bwd="tile", is_cuda=True, small_tiles=True, grad=True).bt == 32
     assert paths.plan(by16, S, 8, 32, bwd="keyq", is_cuda=True, small_tiles=False, grad=True).bt == 32
+
+
+@pytest.mark.parametrize("H,H_kv", [(8, 4), (6, 6)])
+def test_keyq_program_order_changes_nothing(H, H_kv):
+    """`keyq_dkdv(heads_together=)`: the KV heads interleaved in the program order (all, some, one: key tiles
+    fastest) give bitwise the same dk / dv (each program's work is the same, only when it runs changes); a count
+    that does not divide the heads is refused."""
+    g = torch.Generator().manual_seed(H)
+    B, T, S, D, K = 2, 30, 70, 16, 12
+    q, k, v = (torch.randn(B, n, h, D, generator=g) for n, h in ((T, H), (S, H_kv), (S, H_kv)))
+    idx = _random_rows(B, T, S, K, H)
+    o, lse = sparse_attention_naive(q, k, v, idx)
+    do = torch.randn(q.shape, generator=g)
+    delta = (o * do).sum(-1)
+    outs = [keyq.keyq_dkdv(q, k, v, idx, do, lse, delta, D ** -0.5, 0, tune=(32, 32, 4, 1, 0, gh))
+            for gh in (None, H_kv // 2 if H_kv % 2 == 0 else H_kv, 1)]
+    for dk, dv in outs[1:]:
+        assert torch.equal(dk, outs[0][0]) and torch.equal(dv, outs[0][1])
+    with pytest.raises(ValueError, match="heads_together"):
+        keyq.keyq_dkdv(q, k, v, idx, do, lse, delta, D ** -0.5, 0, tune=(32, 32, 4, 1), heads_together=5)

@@ -118,20 +118,31 @@ def key_query_lists(indices: torch.Tensor, S: int, BN: int):
 
 
 @triton.jit
+def _tile_of(pid, NKT, GH: tl.constexpr):
+    """Program pid's (KV head, key tile): groups of GH heads, within a group the heads fastest, then the tiles.
+    Why GH < H_kv can matter: the programs running at once gather the q / dO rows of the queries in their tiles'
+    lists; with fewer heads a wave spans more consecutive key tiles of each head, and a query that selected several
+    of them has its rows fetched by programs running together (L2 hits: 26% at GH = 8, 32K, session 20's ncu)."""
+    grp = pid // (GH * NKT)
+    r = pid % (GH * NKT)
+    return grp * GH + r % GH, r // GH
+
+
+@triton.jit
 def _kq_dkdv_kernel(Q, K, V, DO, LSE, DELTA, OFF, LIST, MSK, DK, DV,
                     sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                     sdob, sdot, sdoh, sdod, slb, slt, slh, sdkb, sdks, sdkh, sdkd,
                     S, G, D, NKT, scale, qk_scale,
                     BQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PREC: tl.constexpr):
+                    PREC: tl.constexpr, GH: tl.constexpr = 1):
     """dk/dv of one (key tile j, KV head) over its listed queries, BQ queries (BQ G rows) a step.
-    dk^T / dv^T `[BLOCK_D, BLOCK_N]` in registers (keymajor.py's "dt" form), written once. The KV head is
-    the grid's fastest dimension, so the key tiles start in ascending order, longest lists first on a
-    causal selection: the sink tile's list holds every query (1,024 128-row chunks at 32K, ~7x the mean)
-    and starting it last would leave it running alone at the end."""
-    kvh = tl.program_id(0)
-    j = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    dk^T / dv^T `[BLOCK_D, BLOCK_N]` in registers (keymajor.py's "dt" form), written once. Program order
+    (`_tile_of`): GH KV heads interleaved, the key tiles ascending within a group of heads; GH = H_kv (the
+    default) makes the KV head the fastest dimension, so the key tiles start in ascending order, longest lists
+    first on a causal selection: the sink tile's list holds every query (1,024 128-row chunks at 32K, ~7x the
+    mean) and starting it last would leave it running alone at the end."""
+    kvh, j = _tile_of(tl.program_id(0), NKT, GH)
+    b = tl.program_id(1).to(tl.int64)
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < S
     offs_d = tl.arange(0, BLOCK_D)
@@ -183,15 +194,21 @@ def default_tune(cuda: bool) -> tuple[int, int, int, int]:
     return (64, 128, 8, 3) if cuda else (32, 64, 4, 1)
 
 
-def keyq_dkdv(q, k, v, indices, do, lse, delta, scale: float, prec: int, tune: tuple | None = None, lists=None):
+def keyq_dkdv(q, k, v, indices, do, lse, delta, scale: float, prec: int, tune: tuple | None = None, lists=None,
+              heads_together: int | None = None):
     """dk, dv `[B, S, H_kv, D]` (k's dtype) of per-query `indices` `[B, T, K]` from the key tiles' query lists,
     one write per element. q/do `[B, T, H, D]`, lse/delta `[B, T, H]` fp32 with equal strides.
-    `tune=(BLOCK_N, rows, num_warps, num_stages[, maxnreg])`: BLOCK_N in 16/32/64, rows (BQ G rounded up to a
-    power of 2) 64 or 128; `lists`: a prebuilt `key_query_lists(indices, S, BLOCK_N)` (benchmarks)."""
+    `tune=(BLOCK_N, rows, num_warps, num_stages[, maxnreg[, heads_together]])`: BLOCK_N in 16/32/64, rows (BQ G
+    rounded up to a power of 2) 64 or 128; `lists`: a prebuilt `key_query_lists(indices, S, BLOCK_N)` (benchmarks).
+    heads_together (or tune's sixth entry): the KV heads interleaved in the program order (`_tile_of`; a divisor of
+    H_kv; None: all of them)."""
     B, T, H, D = q.shape
     S, H_kv = k.shape[1], k.shape[2]
     G = H // H_kv
-    BN, rows, warps, stages, cap = (*(tune or default_tune(q.is_cuda)), 0)[:5]
+    t = tuple(tune or default_tune(q.is_cuda))
+    BN, rows, warps, stages = t[:4]
+    cap = t[4] if len(t) > 4 else 0
+    heads_together = heads_together if heads_together is not None else (t[5] if len(t) > 5 else None)
     if BN not in KEY_TILES or rows not in (16, 32, 64, 128, 256):
         raise ValueError(f"keyq_dkdv: BLOCK_N {BN} (one of {KEY_TILES}), rows {rows}")
     BM = max(16, triton.next_power_of_2(G), rows)
@@ -199,11 +216,14 @@ def keyq_dkdv(q, k, v, indices, do, lse, delta, scale: float, prec: int, tune: t
     BD = max(16, triton.next_power_of_2(D))
     off, lst, msk = lists if lists is not None else key_query_lists(indices, S, BN)
     NKT = triton.cdiv(S, BN)
+    GH = H_kv if heads_together is None else int(heads_together)
+    if GH < 1 or H_kv % GH:
+        raise ValueError(f"keyq_dkdv: heads_together {heads_together} must divide the {H_kv} KV heads")
     dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
     dv = torch.empty_like(dk)
-    _kq_dkdv_kernel[(H_kv, NKT, B)](
+    _kq_dkdv_kernel[(H_kv * NKT, B)](
         q, k, v, do, lse, delta, off, lst, msk, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
         *lse.stride(), *dk.stride(), S, G, D, NKT, scale, scale * LOG2E,
-        BQ=BQ, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=prec, num_warps=warps, num_stages=stages,
+        BQ=BQ, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, PREC=prec, GH=GH, num_warps=warps, num_stages=stages,
         **maxnreg_option(cap, q))
     return dk, dv
