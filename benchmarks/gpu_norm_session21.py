@@ -15,9 +15,11 @@ kernel still runs (the attention streams at ~81% of DRAM, the select at ~34%), s
 bandwidth those kernels leave and the loop after the wait hit L2. o_proj (21 MB) and q/k/v (33 MB) fit the 50 MB L2;
 down (50 MB) barely; gate/up (100 MB, all 152 programs resident at once) would thrash: not prefetched here.
 
-The TMA loads (`skinny_tiles` keyword "loads": "tma"; q/k/v, o_proj, down): the weight tiles through a host tensor
-descriptor, one thread's bulk copy a tile instead of 128 threads' cp.async (sm_90a: 77 registers against 86-91, the
-x tile still cp.async); bitwise the pointer loads (interpreter test).
+The TMA loads (`skinny_tiles` keyword "loads": "tma"; "tma" at all four sites, "tma_split" at q/k/v, o_proj,
+down): the weight tiles through a host tensor descriptor, one thread's bulk copy a tile instead of 128 threads'
+cp.async (sm_90a: 77 registers against 86-91 at the split-K sites, the x tile still cp.async; the fused gate/up
+reads its weight as `[2, N, K]`, one `[2, 64, 64]` box a step, 90 registers against 80, the tile to registers by
+ldmatrix for a register-A wgmma); bitwise the pointer loads (interpreter tests).
 
 The fused merge (`ModelRunner(fuse_merge=True)`): where the decode attention splits a row's index list (batch 1: 8
 splits at 2K keys), the last program of each (row, kv head) merges the partials instead of `_merge_kernel`, 36
@@ -33,8 +35,9 @@ changes at batch 32 (one split).
 Predictions (before call 2): norm within bf16 rounding (relative max |diff| <= 2e-2, argmax >= 0.9), pf bitwise.
 Steps: norm -0.05 to -0.2 ms (71 launches fewer, ~2-3 us each under PDL, less the hn stores); batch 1 dense 2K
 ~3.05 -> ~2.9. pf_small (q/k/v + o_proj): -0.05 to -0.25 at batch 32 (a few us a site a layer), nothing if the
-programs only become resident after the previous kernel ends; pf_split (+ down) within +-0.1 of pf_small; tma 0 to
--0.15 (the split-K sites are ramp- and tail-bound more than issue-bound); merge -0.05 to -0.1 at batch 1 only (36
+programs only become resident after the previous kernel ends; pf_split (+ down) within +-0.1 of pf_small; tma_split 0
+to -0.15 (the split-K sites are ramp- and tail-bound more than issue-bound), tma -0.05 to -0.2 (gate/up, 100 MB
+of a layer's 204 at 3.3 TB/s, is the one site a TMA stream could move); merge -0.05 to -0.1 at batch 1 only (36
 launches of ~2-3 us), equal at batch 32; norm_pf about the sum of its parts. Whole 16K b32 ratio 1.73 -> 1.74-1.78.
 
     PYTHONPATH=$PWD python benchmarks/gpu_norm_session21.py --budget 420 --out $OUT/norm21b
@@ -63,10 +66,11 @@ def _tiles(sites, **extra) -> tuple:
 
 
 def variants() -> dict:
-    small, split = ("qkv", "o_proj"), ("qkv", "o_proj", "down_proj")
+    small, split, every = ("qkv", "o_proj"), ("qkv", "o_proj", "down_proj"), ("qkv", "o_proj", "gate_up", "down_proj")
     return {"base": {}, "norm": {"fuse_norm": True}, "pf_small": {"skinny_tiles": _tiles(small, prefetch=True)},
             "pf_split": {"skinny_tiles": _tiles(split, prefetch=True)},
-            "tma": {"skinny_tiles": _tiles(split, loads="tma")}, "merge": {"fuse_merge": True},
+            "tma": {"skinny_tiles": _tiles(every, loads="tma")}, "tma_split": {"skinny_tiles": _tiles(split, loads="tma")},
+            "merge": {"fuse_merge": True},
             "norm_pf": {"fuse_norm": True, "skinny_tiles": _tiles(small, prefetch=True)}}
 
 
@@ -77,7 +81,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--parts", default="proof,steps,gen")
     ap.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU (checks the parts run)")
-    ap.add_argument("--variants", default="base,norm,pf_small,pf_split,tma,merge,norm_pf")
+    ap.add_argument("--variants", default="base,norm,pf_small,pf_split,tma,tma_split,merge,norm_pf")
     ap.add_argument("--gen-variants", default="base,norm_pf")
     ap.add_argument("--tol", type=float, default=0.02, help="proof: logits within tol x the largest (0: bitwise)")
     a = ap.parse_args()

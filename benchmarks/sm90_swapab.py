@@ -37,7 +37,8 @@ def compile_swapab(BW, BX, BK, ONE, PDL, num_warps=4, num_stages=4, SPLIT=13, **
     cx.update(forms)
     if not cx["TMA"]:
         cx["WD"] = None
-    sig = {n: "constexpr" if n in cx else f"tensordesc<bf16[{BW}, {BK}]>" if n == "WD"
+    box = f"2, {BW // 2}, {BK}" if cx["GLU"] else f"{BW}, {BK}"
+    sig = {n: "constexpr" if n in cx else f"tensordesc<bf16[{box}]>" if n == "WD"
            else "*bf16" if n in ("X", "W", "OUT", "RES", "HN", "SC")
            else "*fp32" if n in ("PART", "PS", "PSIN") else "*i32" if n == "CNT" else "fp32" if n == "eps" else "i32"
            for n in names}
@@ -85,6 +86,8 @@ def main():
             ("tma split", (64, 32, 128, 3, False, 6), dict(TMA=True)),
             ("tma split bk64 4 stages", (64, 32, 64, 4, False, 6), dict(TMA=True)),
             ("tma one", (128, 32, 64, 4, True, 1), dict(TMA=True)),
+            ("glu + tma", (128, 32, 64, 4, True, 1), dict(GLU=True, TMA=True)),
+            ("glu + tma bk128 3 stages", (128, 32, 128, 3, True, 1), dict(GLU=True, TMA=True)),
             ("norm", (64, 32, 128, 3, False, 2), dict(NORM=True))]:
         try:
             r = compile_swapab(bw, bx, bk, one, 2, num_stages=st, SPLIT=split, **forms)

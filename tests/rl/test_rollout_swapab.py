@@ -162,8 +162,8 @@ def test_fused_post_norm_gives_the_logits_of_add_rmsnorm(llama_sw, monkeypatch, 
 
 def test_tma_and_prefetch_tiles_give_the_default_logits(llama_sw, monkeypatch, random_cache):
     """`skinny_tiles` keywords "loads" ("tma": the weight through a tensor descriptor) and "prefetch" (its K slice into
-    L2 before the PDL wait) at the split-K sites: one eager sparse step (bf16, interpreter) gives bitwise the default
-    tiles' logits; a gate/up tile asking for TMA is refused (its rows are two runs)."""
+    L2 before the PDL wait) at every site (the fused gate/up with SiLU * up too): one eager sparse step (bf16,
+    interpreter) gives bitwise the default tiles' logits."""
     from sparse_rl.rl.rollout import forward
 
     model = load_model(llama_sw, attention="sparse").bfloat16()
@@ -173,14 +173,12 @@ def test_tma_and_prefetch_tiles_give_the_default_logits(llama_sw, monkeypatch, r
     monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
     cache = random_cache(eng, 32, 5)
     tok, pos = torch.tensor([7, 99]), torch.tensor([19, 13])
-    tiles = {s: {**forward.SKINNY_TILES[s], "loads": "tma", "prefetch": True} for s in ("qkv", "o_proj", "down_proj")}
+    tiles = {s: {**forward.SKINNY_TILES.get(s, {}), "loads": "tma", "prefetch": True} for s in forward.SKINNY}
+    assert r.fuse_silu  # the gate/up site runs `skinny_silu_mul`
     with torch.inference_mode():
         base = r.decode_eager(cache, tok, pos, 20, "sparse")
         r.set_skinny_gemm(True, "swapab", tiles)
         assert torch.equal(r.decode_eager(cache, tok, pos, 20, "sparse"), base)
-        r.set_skinny_gemm(True, "swapab", {"gate_up": {"loads": "tma"}})
-        with pytest.raises(ValueError, match="only 'ptr'"):
-            r.decode_eager(cache, tok, pos, 20, "sparse")
 
 
 def test_fuse_merge_reaches_the_decode_attention(llama_sw, monkeypatch, random_cache):

@@ -140,8 +140,9 @@ def test_residual_epilogue_and_norm_epilogue_are_add_rmsnorm(M, K, N, NI, split)
 def test_tma_weight_loads_equal_pointer_loads(M, N, K, split):
     """`swapab_linear(loads="tma")`: the weight tiles through a host tensor descriptor (rows past N and columns past K
     zero-filled by the copy, every K slice whole BK steps so none reads into the next) give bitwise the pointer
-    loads' result, split over K or not, with the residual epilogue too; the L2 prefetch keyword runs (a no-op off
-    the GPU). Rows the descriptor cannot take (not 16-byte aligned) and the fused gate/up's two row runs are refused."""
+    loads' result, split over K or not, with the residual epilogue too, and the fused gate/up (its weight as `[2, N,
+    K]`, one box the gate's and the up's rows of a program's columns); the L2 prefetch keyword runs (a no-op off the
+    GPU). Rows the descriptor cannot take (not 16-byte aligned) are refused."""
     from sparse_rl.sparse.ops.skinny_gemm.swapab import swapab_silu_mul
 
     g = torch.Generator().manual_seed(M + N + K)
@@ -157,5 +158,5 @@ def test_tma_weight_loads_equal_pointer_loads(M, N, K, split):
         swapab_linear(x[:, 1:], w[:, 1:], loads="tma")
     with pytest.raises(ValueError, match="ptr or tma"):
         swapab_linear(x, w, loads="bulk")
-    with pytest.raises(ValueError, match="only 'ptr'"):
-        swapab_silu_mul(x, torch.randn(2 * N, K, generator=g), loads="tma")
+    wg = torch.randn(2 * N, K, generator=g)
+    assert torch.equal(swapab_silu_mul(x, wg, loads="tma", prefetch=True), swapab_silu_mul(x, wg))

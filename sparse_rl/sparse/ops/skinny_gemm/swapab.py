@@ -59,13 +59,19 @@ def _prefetch_l2(rows, nbytes):
 
 
 @triton.jit
-def _w_tile(wp, WD, row0, k, m, TMA: tl.constexpr):
-    """The weight tile `[BW, BK]` at K offset k: pointer loads under the mask m (cp.async in the pipeline), or with TMA
-    one bulk tensor copy from the descriptor WD (Hopper's TMA: no address registers or per-thread load issue; rows past
-    N and columns past K read as zero, and a K slice is whole BK steps, so no step reads into the next slice)."""
-    if TMA:
-        return WD.load([row0, k])
-    return tl.load(wp + k, mask=m, other=0.0)
+def _w_tile(wp, WD, pn, k, m, BW: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, GLU: tl.constexpr):
+    """Program pn's weight tile `[BW, BK]` at K offset k: pointer loads under the mask m (cp.async in the pipeline), or
+    with TMA one bulk tensor copy from the descriptor WD (Hopper's TMA: no address registers or per-thread load issue;
+    rows past N and columns past K read as zero, and a K slice is whole BK steps, so no step reads into the next
+    slice). GLU: WD is the fused weight as `[2, N, K]` (gate, up) and one `[2, BW / 2, BK]` box holds the gate's and
+    the up's rows of the program's columns, in the pointer path's row order."""
+    if not TMA:
+        w = tl.load(wp + k, mask=m, other=0.0)
+    elif GLU:
+        w = tl.reshape(WD.load([0, pn * (BW // 2), k]), [BW, BK])
+    else:
+        w = WD.load([pn * BW, k])
+    return w
 
 
 @triton.jit
@@ -97,7 +103,7 @@ def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.c
     # would wait for their data to arrive)
     if PREFETCH:
         _prefetch_l2(W + tl.where(mw, offs_w, 0).to(tl.int64) * swn + k0 + BK, (k_end - k0 - BK) * 2)
-    w = _w_tile(wp, WD, pn * BW, k0, mw[:, None] & (kk[None, :] < k_end), TMA)
+    w = _w_tile(wp, WD, pn, k0, mw[:, None] & (kk[None, :] < k_end), BW, BK, TMA, GLU)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if PDL == 2:
@@ -107,7 +113,7 @@ def _swapab_kernel(X, W, OUT, PART, CNT, M, N, K, sxm, swn, som, KS, SPLIT: tl.c
     for k in range(k0 + BK, k_end, BK):
         kk = k + offs_k
         mk = kk < k_end
-        w = _w_tile(wp, WD, pn * BW, k, mw[:, None] & mk[None, :], TMA)
+        w = _w_tile(wp, WD, pn, k, mw[:, None] & mk[None, :], BW, BK, TMA, GLU)
         x = tl.load(xp + k, mask=mk[:, None] & mx[None, :], other=0.0)
         acc += dot(w, x, PREC)
     omask = mw[:, None] & mx[None, :]
@@ -170,9 +176,10 @@ def _stages(num_stages: int, BW: int, BX: int, BK: int, itemsize: int) -> int:
     return num_stages
 
 
-def _tma_args(loads: str, w: torch.Tensor, BW: int, BK: int) -> dict:
-    """The kernel's descriptor arguments for loads = "tma": w's `[N, K]` tensor descriptor of `[BW, BK]` boxes (unit
-    stride along K, 16-byte aligned rows and base; a CUDA device of sm_90+, or the interpreter), none for "ptr"."""
+def _tma_args(loads: str, w: torch.Tensor, BW: int, BK: int, glu: bool = False) -> dict:
+    """The kernel's descriptor arguments for loads = "tma": w's `[N, K]` tensor descriptor of `[BW, BK]` boxes (glu:
+    the fused gate/up `[2N, K]` as `[2, N, K]` with `[2, BW / 2, BK]` boxes; unit stride along K, 16-byte aligned
+    rows and base; a CUDA device of sm_90+, or the interpreter), none for "ptr"."""
     if loads not in ("ptr", "tma"):
         raise ValueError(f"swapab: loads {loads!r} (ptr or tma)")
     if loads == "ptr":
@@ -184,6 +191,10 @@ def _tma_args(loads: str, w: torch.Tensor, BW: int, BK: int) -> dict:
                          "and an sm_90+ GPU")
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    if glu:
+        n = w.shape[0] // 2
+        return dict(WD=TensorDescriptor(w, [2, n, w.shape[1]], [n * w.stride(0), w.stride(0), 1], [2, BW // 2, BK]),
+                    TMA=True)
     return dict(WD=TensorDescriptor(w, list(w.shape), list(w.stride()), [BW, BK]), TMA=True)
 
 
@@ -276,9 +287,7 @@ def swapab_silu_mul(x: torch.Tensor, w: torch.Tensor, *, bw: int = 128, bk: int 
     (each program's BW rows are BW / 2 gate rows and the same columns' up rows, so the accumulators are the plain
     kernel's and the epilogue applies silu_mul's arithmetic; one K slice a program: gate/up's shapes need no split).
     programs: ignored (the plain kernel's split-K knob). norm, prefetch: as `swapab_linear`'s (x then hn = h * the
-    norm's weight). loads: "ptr" only (a program's rows are two runs, the gate's and the up's: not one TMA box)."""
-    if loads != "ptr":
-        raise ValueError(f"swapab_silu_mul: loads {loads!r} (only 'ptr': the gate and up rows are two boxes)")
+    norm's weight). loads: as `swapab_linear`'s ("tma": one `[2, BW / 2, BK]` box of the weight as `[2, N, K]`)."""
     M, K = x.shape
     N2 = w.shape[0]
     if M > 64 or w.shape[1] != K or N2 % 2:
@@ -299,5 +308,6 @@ def swapab_silu_mul(x: torch.Tensor, w: torch.Tensor, *, bw: int = 128, bk: int 
                                                  PREC=dot_precision(x.dtype), GLU=True,
                                                  num_warps=1 if interp else num_warps,
                                                  num_stages=1 if interp else num_stages, **_norm_args(norm, BX),
-                                                 PREFETCH=_prefetch_ok(prefetch, w, K), **kw)
+                                                 PREFETCH=_prefetch_ok(prefetch, w, K),
+                                                 **_tma_args(loads, w, bw, bk, glu=True), **kw)
     return out
