@@ -46,15 +46,12 @@ launches of ~2-3 us), equal at batch 32; norm_pf about the sum of its parts. Who
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from granular_harness import Run, log  # noqa: E402
 import gpu_streams_session20 as g20  # noqa: E402
-from gpu_silu_session20 import steps_part  # noqa: E402
 
 
 def _tiles(sites, **extra) -> tuple:
@@ -85,43 +82,10 @@ def main() -> None:
     ap.add_argument("--gen-variants", default="base,norm_pf")
     ap.add_argument("--tol", type=float, default=0.02, help="proof: logits within tol x the largest (0: bitwise)")
     a = ap.parse_args()
-    names = a.variants.split(",")
-    import torch
-
     import gpu_silu_session20 as s20
-    import rollout_harness as rh
 
     g20.VARIANTS.update(variants())
-    s20.NAMES[:] = names
-    run = Run(a.out, "norm21.json", a.budget, {"torch": torch.__version__, "variants": names})
-    b = g20._bench(a.smoke)
-    if a.smoke:  # no swapab GEMMs off sm_90: ask for them, so the fused path runs under the interpreter
-        for n in names:
-            g20.VARIANTS[n] = {**g20.VARIANTS[n], "skinny_gemm": True, "skinny_impl": "swapab"}
-    ok = True
-    if "proof" in a.parts:
-        ok = bool(run.guarded("proof sparse", g20.proof_part, run, b, [(3, 40)] if a.smoke else [(32, 16384)], names,
-                              "sparse", a.tol))
-        ok &= bool(run.guarded("proof dense", g20.proof_part, run, b, [(3, 40)] if a.smoke else [(32, 2048)], names,
-                               "dense", a.tol))
-        run.res["proof_equal"] = ok
-        run.save()
-    if ok and "steps" in a.parts:
-        plan = ({3: (64, [40], {"sparse": [40], "dense": [40]})} if a.smoke else
-                {32: (16640, [16384, 2304, 2048], {"sparse": [16384, 2304], "dense": [16384, 2048]}),
-                 1: (16640, [2048, 16384], {"dense": [2048, 16384], "sparse": [16384]})})
-        run.guarded("steps", steps_part, run, b, plan, a.reps)
-        run.save()
-    if ok and "gen" in a.parts:
-        new, batch, prompt = (24, 2, 8) if a.smoke else (16384, 32, 128)
-        v = g20._variants(a.gen_variants.split(","))
-        plan = [(m, n, v[n]) for n in v for m in ("dense", "sparse")]
-        run.guarded("gen", rh.whole, run, b, new, batch, prompt, plan, "gen", {"dense": 40, "sparse": 40})
-    run.save()
-    for r in run.res.get("steps", []):
-        print(r["rep"], r["mode"], r["batch"], r["context"], r["variant"], r["ms"], r["floor_ms"], r["x_floor"])
-    print(json.dumps([{k: r.get(k) for k in ("mode", "variant", "tokens_per_s", "sparse_over_dense", "floors_ratio")}
-                      for r in run.res.get("gen", [])]))
+    s20.call(a, a.variants.split(","), a.gen_variants.split(","), "norm21.json")
 
 
 if __name__ == "__main__":

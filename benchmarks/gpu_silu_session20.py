@@ -39,7 +39,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from granular_harness import Run, log  # noqa: E402
+from granular_harness import Run  # noqa: E402
 from gpu_streams_session20 import _bench, _variants, proof_part  # noqa: E402
 
 NAMES = ["base", "silu"]  # call 7's; `--variants` for the next
@@ -63,33 +63,26 @@ def steps_part(run, b, plan, reps: int) -> None:
         rh.free()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "silu20"))
-    ap.add_argument("--budget", type=float, default=420.0)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--parts", default="proof,steps,gen")
-    ap.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU (checks the parts run)")
-    ap.add_argument("--variants", default=",".join(NAMES))
-    ap.add_argument("--tol", type=float, default=0.0, help="proof: logits within tol x the largest (0: bitwise)")
-    a = ap.parse_args()
-    NAMES[:] = a.variants.split(",")
+def call(a, names: list, gen_names: list, json_name: str) -> None:
+    """One device call's parts (a: the parsed arguments: out, budget, reps, parts, smoke, tol): proof of every
+    variant of names against the first, interleaved steps, the whole 16K generation of gen_names; printed at the end.
+    Session 21's `gpu_norm_session21.py` runs its variants through it too."""
     import torch
 
+    import gpu_streams_session20 as g20
     import rollout_harness as rh
 
-    run = Run(a.out, "silu20.json", a.budget, {"torch": torch.__version__, "variants": NAMES})
+    NAMES[:] = names
+    run = Run(a.out, json_name, a.budget, {"torch": torch.__version__, "variants": names})
     b = _bench(a.smoke)
     if a.smoke:  # no swapab GEMMs off sm_90: ask for them, so the fused path runs under the interpreter
-        import gpu_streams_session20 as g20
-
-        for n in NAMES:
+        for n in names:
             g20.VARIANTS[n] = {**g20.VARIANTS[n], "skinny_gemm": True, "skinny_impl": "swapab"}
     ok = True
     if "proof" in a.parts:
-        ok = bool(run.guarded("proof sparse", proof_part, run, b, [(3, 40)] if a.smoke else [(32, 16384)], NAMES,
+        ok = bool(run.guarded("proof sparse", proof_part, run, b, [(3, 40)] if a.smoke else [(32, 16384)], names,
                               "sparse", a.tol))
-        ok &= bool(run.guarded("proof dense", proof_part, run, b, [(3, 40)] if a.smoke else [(32, 2048)], NAMES,
+        ok &= bool(run.guarded("proof dense", proof_part, run, b, [(3, 40)] if a.smoke else [(32, 2048)], names,
                                "dense", a.tol))
         run.res["proof_equal"] = ok
         run.save()
@@ -101,14 +94,28 @@ def main() -> None:
         run.save()
     if ok and "gen" in a.parts:
         new, batch, prompt = (24, 2, 8) if a.smoke else (16384, 32, 128)
-        v = _variants(NAMES)
-        plan = [(m, n, v[n]) for n in NAMES for m in ("dense", "sparse")]
+        v = _variants(gen_names)
+        plan = [(m, n, v[n]) for n in gen_names for m in ("dense", "sparse")]
         run.guarded("gen", rh.whole, run, b, new, batch, prompt, plan, "gen", {"dense": 40, "sparse": 40})
     run.save()
     for r in run.res.get("steps", []):
         print(r["rep"], r["mode"], r["batch"], r["context"], r["variant"], r["ms"], r["floor_ms"], r["x_floor"])
     print(json.dumps([{k: r.get(k) for k in ("mode", "variant", "tokens_per_s", "sparse_over_dense", "floors_ratio")}
                       for r in run.res.get("gen", [])]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "silu20"))
+    ap.add_argument("--budget", type=float, default=420.0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--parts", default="proof,steps,gen")
+    ap.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU (checks the parts run)")
+    ap.add_argument("--variants", default=",".join(NAMES))
+    ap.add_argument("--tol", type=float, default=0.0, help="proof: logits within tol x the largest (0: bitwise)")
+    a = ap.parse_args()
+    names = a.variants.split(",")
+    call(a, names, names, "silu20.json")
 
 
 if __name__ == "__main__":

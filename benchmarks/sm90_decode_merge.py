@@ -11,13 +11,16 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import subprocess
+import sys
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from sparse_rl.sparse.ops.sparse_attention import triton as SA
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sm90_swapab import cubin_usage  # noqa: E402
 
 PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "IDX": "*i32", "O": "*fp32", "LSE": "*fp32", "CNT": "*i32",
         "OF": "*bf16", "LF": "*fp32"}
@@ -34,14 +37,8 @@ def compile_fwd(merge: bool, nsplit: int = 8) -> dict:
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in cx and n not in ("qk_scale",)}
     k = triton.compile(ASTSource(SA._fwd_kernel, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=4, num_stages=2))
-    cubin = "/tmp/_sm90_decode.cubin"
-    with open(cubin, "wb") as f:
-        f.write(k.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    res = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True).stdout
-    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+).*?STACK:(\d+)", res)
-    return {"regs": int(m.group(1)), "stack": int(m.group(2)), "smem": k.metadata.shared,
+    regs, stack, sass = cubin_usage(k)
+    return {"regs": regs, "stack": stack, "smem": k.metadata.shared,
             "ATOM": len(re.findall(r"\bATOM", sass)) + len(re.findall(r"\bRED\b", sass)),
             "LDG": len(re.findall(r"LDG\.", sass))}
 

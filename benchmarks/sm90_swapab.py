@@ -27,6 +27,17 @@ DIV = ("X", "W", "OUT", "PART", "CNT", "K", "sxm", "swn", "som", "KS", "RES", "P
 SMEM_MAX = 232448  # bytes a program may take on an H100 / H200 (227 KB)
 
 
+def cubin_usage(k, path: str = "/tmp/_sm90.cubin") -> tuple[int, int, str]:
+    """(registers, stack bytes, SASS text) of a compiled Triton kernel k, by the cuobjdump Triton ships."""
+    with open(path, "wb") as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+    sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", res)
+    return int(m.group(1)), int(m.group(2)), sass
+
+
 def compile_swapab(BW, BX, BK, ONE, PDL, num_warps=4, num_stages=4, SPLIT=13, **forms) -> dict:
     """forms: GLU / RESID / NORM (session 20: SiLU * up, the residual-add epilogue, the RMSNorm prologue; session 21:
     SCALE, hn from the residual epilogue, NORM as the consumer's 1 / rms epilogue), PREFETCH (the L2 prefetch), TMA
@@ -45,15 +56,9 @@ def compile_swapab(BW, BX, BK, ONE, PDL, num_warps=4, num_stages=4, SPLIT=13, **
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIV}
     k = triton.compile(ASTSource(S._swapab_kernel, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages))
-    cubin = "/tmp/_sm90_swapab.cubin"
-    with open(cubin, "wb") as f:
-        f.write(k.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    res = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True).stdout
-    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+).*?STACK:(\d+)", res)
+    regs, stack, sass = cubin_usage(k)
     ptx = k.asm["ptx"]
-    return {"regs": int(m.group(1)), "stack": int(m.group(2)), "smem": k.metadata.shared,
+    return {"regs": regs, "stack": stack, "smem": k.metadata.shared,
             "HGMMA": len(re.findall(r"HGMMA", sass)), "LDGSTS": len(re.findall(r"LDGSTS", sass)),
             "LDG": len(re.findall(r"LDG\.", sass)), "griddep": len(re.findall("griddepcontrol", ptx)),
             "prefetch": len(re.findall("prefetch.L2", ptx)), "UTMALDG": len(re.findall("UTMALDG", sass))}
