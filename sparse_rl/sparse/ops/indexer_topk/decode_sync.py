@@ -267,12 +267,18 @@ _COUNTERS: dict = {}  # device -> zeroed int32 `[2, rows]` (arrivals, departures
 _RESIDENT: dict = {}  # (device, CMAX, BR, KEEP, launch options) -> programs an SM holds of that compiled kernel
 
 
+_RETIRED: list = []  # outgrown counter buffers, kept alive: a CUDA graph captured with one still writes to it
+
+
 def _counters(dev: torch.device, B: int) -> torch.Tensor:
-    """The row counters of the barriers: one buffer per device, grown by doubling (a new zeroed buffer; the
-    kernels run in stream order, so a launch never shares its rows' counters with another)."""
+    """The row counters of the barriers: one buffer per device, grown by doubling (a new zeroed buffer, the old one
+    kept alive for the graphs that hold it; the kernels run in stream order, so a launch never shares its rows'
+    counters with another)."""
     key = (dev.type, dev.index)
     buf = _COUNTERS.get(key)
     if buf is None or buf.shape[1] < B:
+        if buf is not None:
+            _RETIRED.append(buf)
         buf = _COUNTERS[key] = torch.zeros(2, max(64, triton.next_power_of_2(B)), device=dev, dtype=torch.int32)
     return buf
 

@@ -487,12 +487,18 @@ _MERGE_COUNTERS: dict = {}  # device -> zeroed int32 counters of the fused merge
 MERGES = ("kernel", "fused")  # `sparse_decode(merge=)`
 
 
+_RETIRED: list = []  # outgrown counter buffers, kept alive: a CUDA graph captured with one still writes to it
+
+
 def _merge_counters(dev: torch.device, n: int) -> torch.Tensor:
-    """The fused merge's counters: one zeroed buffer per device, grown by doubling. Launches in one stream's order
-    share it; two at once (side streams) must not (`sparse_decode(merge=)`)."""
+    """The fused merge's counters: one zeroed buffer per device, grown by doubling (the old one kept alive for the
+    graphs that hold it). Launches in one stream's order share it; two at once (side streams) must not
+    (`sparse_decode(merge=)`)."""
     key = (dev.type, dev.index)
     buf = _MERGE_COUNTERS.get(key)
     if buf is None or buf.numel() < n:
+        if buf is not None:
+            _RETIRED.append(buf)
         buf = _MERGE_COUNTERS[key] = torch.zeros(max(256, triton.next_power_of_2(n)), device=dev, dtype=torch.int32)
     return buf
 
