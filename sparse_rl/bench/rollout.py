@@ -69,6 +69,7 @@ class BenchRolloutConfig:
     topk: int = 2048
     index_heads: int = 4
     index_dim: int = 64
+    index_dtype: str = "bf16"  # the decode cache's index keys (SparseConfig.index_dtype): bf16 | fp8
     dtype: str = "bfloat16"
     device: str = "auto"
     seed: int = 0
@@ -99,6 +100,10 @@ class BenchRolloutConfig:
             raise UsageError(f"--decode-select / --decode-long / --score-block / --sync-min-batch: {e}") from None
         if self.qkv_pad < 1:
             raise UsageError("--qkv-pad must be >= 1")
+        from sparse_rl.sparse.config import INDEX_DTYPES
+
+        if self.index_dtype not in INDEX_DTYPES:
+            raise UsageError(f"--index-dtype {self.index_dtype}: expected one of {', '.join(INDEX_DTYPES)}")
         if self.select_streams < 1:
             raise UsageError("--select-streams must be >= 1")
         if self.step_timing not in STEP_TIMINGS:
@@ -178,17 +183,23 @@ class _Bench:
             c = self.cfg
             attach_sparse(self.model, SparseConfig(topk=c.topk, index_heads=c.index_heads, index_dim=c.index_dim,
                                                    rope_dim=min(32, c.index_dim), dense_layers=list(DENSE_LAYERS),
-                                                   sink=min(4, c.topk // 4), window=min(64, c.topk // 4)))
+                                                   sink=min(4, c.topk // 4), window=min(64, c.topk // 4),
+                                                   index_dtype=c.index_dtype))
             self.model.to(self.dtype)
             self.sparse_attached = True
 
     def floor_bytes(self, B, ctx, mode) -> int:
-        return step_bytes(self.shape, weight_bytes(self.model, mode), B, ctx, mode, topk=self.cfg.topk,
-                          index_dim=self.cfg.index_dim, dense_layers=DENSE_LAYERS)["total"]
+        return step_bytes(self.shape, weight_bytes(self.model, mode), B, ctx, mode, **self._floor_kw())["total"]
 
     def floor_gen_s(self, B, prompt, new, mode) -> float:
         return generation_floor_s(self.shape, weight_bytes(self.model, mode), B, prompt, new, mode, self.bw,
-                                  topk=self.cfg.topk, index_dim=self.cfg.index_dim, dense_layers=DENSE_LAYERS)
+                                  **self._floor_kw())
+
+    def _floor_kw(self) -> dict:
+        """The floor's selection and index-key terms (fp8 keys: the e4m3 values and an fp32 scale a key)."""
+        c = self.cfg
+        return dict(topk=c.topk, index_dim=c.index_dim, dense_layers=DENSE_LAYERS,
+                    index_bytes_per_key=c.index_dim + 4 if c.index_dtype == "fp8" else None)
 
     def engine(self, B, max_len, **kw):
         from sparse_rl.rl.rollout import RolloutEngine
@@ -214,9 +225,17 @@ class _Bench:
             finally:
                 eng.set_attention(mode)
             g = torch.Generator(device=self.dev).manual_seed(self.cfg.seed)
-            for t in (cache.k, cache.v, cache.idx):
-                if t is not None:
-                    t.normal_(generator=g)
+            for t in (cache.k, cache.v):
+                t.normal_(generator=g)
+            if cache.idx is not None and cache.idx_scale is None:
+                cache.idx.normal_(generator=g)
+            elif cache.idx is not None:  # fp8 keys: random keys quantized as the engine stores them, with scales
+                from sparse_rl.sparse.ops import quantize_index_keys
+
+                for i in range(cache.idx.shape[0]):  # a layer at a time: no fp32 copy of the whole cache
+                    k8, sc = quantize_index_keys(torch.randn(cache.idx[i].shape, device=self.dev, generator=g))
+                    cache.idx[i].copy_(k8)
+                    cache.idx_scale[i].copy_(sc)
 
     def time_generate(self, eng, ids, new, mode, warm=True) -> tuple[float, int]:
         from sparse_rl.rl.rollout import SamplingParams

@@ -158,6 +158,8 @@ def rollout(
                                                          "steps back to back, as a generation runs them) "
                                                          "[default: synced]"),
     index_heads: Optional[int] = _common["index_heads"], index_dim: Optional[int] = _common["index_dim"],
+    index_dtype: Optional[str] = typer.Option(None, help="The decode cache's index keys: bf16 | fp8 (e4m3, a scale "
+                                                         "per token) [default: bf16]"),
     dtype: Optional[str] = typer.Option(None, help="bfloat16 | float16 | float32 [default: bfloat16]"),
     device: Optional[str] = device_option(),
     config: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET,
@@ -179,7 +181,8 @@ def rollout(
             long_prompt_len=long_prompt_len, whole=whole, whole_budget_s=whole_budget_s,
             step_contexts=ints("--step-contexts", step_contexts), step_batch=step_batch,
             latency_contexts=ints("--latency-contexts", latency_contexts), topk=index_topk, index_heads=index_heads,
-            index_dim=index_dim, dtype=dtype, device=device, compile=compile, decode_select=decode_select,
+            index_dim=index_dim, index_dtype=index_dtype, dtype=dtype, device=device, compile=compile,
+            decode_select=decode_select,
             decode_long=decode_long, score_block=score_block, sync_min_batch=sync_min_batch, qkv_pad=qkv_pad, pdl=pdl,
             select_streams=select_streams, step_timing=step_timing), sets=set_)
         res = run_rollout_bench(cfg, log=lambda m: console.print(f"[dim]{m}[/]"))

@@ -72,3 +72,36 @@ def test_bench_fill_gives_index_keys_whatever_the_mode():
     cache = eng.cache
     assert eng.mode == "dense" and cache.idx is not None
     assert all(float(t.abs().sum()) > 0 for t in (cache.k, cache.v, cache.idx))
+
+
+def test_bench_rollout_fp8_index_keys_cpu(tmp_path):
+    """`--index-dtype fp8`: the sparse layers cache e4m3 index keys with a scale a token, filled quantized (not zero),
+    the floor counts d_I + 4 bytes a stored key instead of 2 d_I, the CLI's step rows run, and a bad dtype is a usage
+    error."""
+    import torch
+
+    from sparse_rl.bench.rollout import DENSE_LAYERS, BenchRolloutConfig, _Bench
+
+    kw = dict(shape="tiny-qwen3", hf=False, device="cpu", dtype="float32", topk=16, index_dim=16)
+    b8, b16 = (_Bench(BenchRolloutConfig(index_dtype=dt, **kw), print, None) for dt in ("fp8", "bf16"))
+    for b in (b8, b16):
+        b.attach_sparse()
+    eng = b8.engine(2, 48)
+    b8.fill(eng, 48)
+    cache = eng._ensure_cache(48)
+    assert cache.idx.dtype == torch.float8_e4m3fn and bool((cache.idx_scale[2] > 0).all())
+    assert cache.idx[2].float().abs().amax() > 0
+    sparse_layers = b8.shape.layers - len(DENSE_LAYERS)
+    assert b16.floor_bytes(2, 40, "sparse") - b8.floor_bytes(2, 40, "sparse") == 2 * 40 * sparse_layers * (32 - 20)
+    assert b16.floor_bytes(2, 40, "dense") == b8.floor_bytes(2, 40, "dense")
+    out = tmp_path / "fp8.json"
+    res = CliRunner().invoke(app, ["bench", "rollout", "--shape", "tiny-qwen3", "--no-hf", "--step-contexts", "40",
+                                   "--step-batch", "2", "--long-new-tokens", "none", "--topk", "16", "--index-dim",
+                                   "16", "--index-dtype", "fp8", "--dtype", "float32", "--device", "cpu",
+                                   "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert not r["errors"] and r["config"]["index_dtype"] == "fp8"
+    assert [x["mode"] for x in r["rows"] if x["run"] == "step"] == ["dense", "sparse"]
+    res = CliRunner().invoke(app, ["bench", "rollout", "--shape", "tiny", "--index-dtype", "int4", "--device", "cpu"])
+    assert res.exit_code == 2 and "--index-dtype int4" in res.output
