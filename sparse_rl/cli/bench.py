@@ -11,8 +11,8 @@ from typing import Optional
 
 import typer
 
-from sparse_rl.cli.common import (CONFIG, FORCE, INDEX_DIM, INDEX_HEADS, SET, cli_errors, compile_option, console,
-                                  device_option, group, ints, old_spelling, refuse_existing, renamed)
+from sparse_rl.cli.common import (CONFIG, FORCE, INDEX_DIM, INDEX_DTYPE, INDEX_HEADS, SET, cli_errors, compile_option,
+                                  console, device_option, group, ints, old_spelling, refuse_existing, renamed)
 
 app = group("Speed benchmarks (markdown table to stdout, JSON with --out).")
 
@@ -158,8 +158,7 @@ def rollout(
                                                          "steps back to back, as a generation runs them) "
                                                          "[default: synced]"),
     index_heads: Optional[int] = _common["index_heads"], index_dim: Optional[int] = _common["index_dim"],
-    index_dtype: Optional[str] = typer.Option(None, help="The decode cache's index keys: bf16 | fp8 (e4m3, a scale "
-                                                         "per token) [default: bf16]"),
+    index_dtype: Optional[str] = INDEX_DTYPE,
     dtype: Optional[str] = typer.Option(None, help="bfloat16 | float16 | float32 [default: bfloat16]"),
     device: Optional[str] = device_option(),
     config: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET,

@@ -22,7 +22,7 @@ from sparse_rl.errors import SparseRLError, UsageError
 
 __all__ = ["console", "cli_errors", "debug", "UsageError", "SparseRLError", "resolve_device", "group", "ints", "floats",
            "strs", "refuse_existing", "deprecated", "old_spelling", "renamed", "CONFIG", "SET", "FORCE", "RESUME",
-           "INDEX_HEADS", "INDEX_DIM", "LR_WARMUP", "GRAD_CLIP", "LOG_EVERY", "SAVE_EVERY", "KEEP_CHECKPOINTS", "BATCH_SIZE_OLD"]
+           "INDEX_HEADS", "INDEX_DIM", "INDEX_DTYPE", "LR_WARMUP", "GRAD_CLIP", "LOG_EVERY", "SAVE_EVERY", "KEEP_CHECKPOINTS", "BATCH_SIZE_OLD"]
 
 
 def group(help: str) -> typer.Typer:
@@ -59,6 +59,8 @@ LOG_EVERY = typer.Option(None, "--log-every", help="Metrics line every N steps [
 SAVE_EVERY = typer.Option(None, "--save-every", help="Checkpoint every N steps [default: 100]")
 KEEP_CHECKPOINTS = typer.Option(None, "--keep-checkpoints", help="Newest checkpoints kept, 0 = all [default: 2]")
 INDEX_DIM = typer.Option(None, "--index-dim", help="Indexer dim d_I [default: 64]")
+INDEX_DTYPE = typer.Option(None, "--index-dtype", help="Indexer: the decode cache's index keys, bf16 | fp8 (e4m3, a "
+                                                      "scale per token) [default: bf16]")
 
 
 # Options several stages share, where only the default differs by stage.

@@ -8,8 +8,8 @@ from typing import Optional
 
 import typer
 
-from sparse_rl.cli.common import (CONFIG, FORCE, INDEX_DIM, INDEX_HEADS, SET, cli_errors, console, ints, old_spelling,
-                                  renamed, seed_option)
+from sparse_rl.cli.common import (CONFIG, FORCE, INDEX_DIM, INDEX_DTYPE, INDEX_HEADS, SET, cli_errors, console, ints,
+                                  old_spelling, renamed, seed_option)
 
 
 def command(
@@ -32,7 +32,7 @@ def command(
     key_block: Optional[int] = typer.Option(None, help="Indexer: select keys in aligned blocks of N tokens (1 = token-level; 4, 16, 64 = page-level) [default: 1]"),
     query_group: Optional[int] = typer.Option(None, help="Indexer: G consecutive queries share one selection (1 = per query) [default: 1]"),
     block_score: Optional[str] = typer.Option(None, help="Indexer: a key block's score, max | mean over its tokens [default: max]"),
-    index_dtype: Optional[str] = typer.Option(None, help="Indexer: the decode cache's index keys, bf16 | fp8 (e4m3, a scale per token) [default: bf16]"),
+    index_dtype: Optional[str] = INDEX_DTYPE,
     seed: Optional[int] = seed_option(),
     config: Optional[Path] = CONFIG,
     set_: Optional[list[str]] = SET,
