@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from sparse_rl.sparse.ops.decode_fused.triton import silu_mul_rounded
-from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
+from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision, tma_capable
 
 
 @triton.jit
@@ -184,9 +184,7 @@ def _tma_args(loads: str, w: torch.Tensor, BW: int, BK: int, glu: bool = False) 
         raise ValueError(f"swapab: loads {loads!r} (ptr or tma)")
     if loads == "ptr":
         return {}
-    es = w.element_size()
-    if (w.stride(1) != 1 or (w.stride(0) * es) % 16 or w.data_ptr() % 16
-            or (w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9)):
+    if not tma_capable(w):
         raise ValueError("swapab (loads='tma'): the weight needs unit stride along K, 16-byte aligned rows and base, "
                          "and an sm_90+ GPU")
     from triton.tools.tensor_descriptor import TensorDescriptor

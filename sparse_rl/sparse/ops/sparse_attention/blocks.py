@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot
+from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, tma_capable
 from sparse_rl.sparse.ops.sparse_attention.union import LOG2E, TileSelection, _common, _popc, _tile_bwd_rows, _tile_rows
 
 BLOCKS = (16, 32, 64, 128)
@@ -271,15 +271,6 @@ def _tma_alloc(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _tma_capable(x) -> bool:
-    """Tensor-descriptor loads of x's `[S, D]` rows per (batch row, head): unit stride along D, 16-byte aligned
-    row / head / batch strides and base; on CUDA a Hopper-class GPU (sm_90+: the bulk tensor copies)."""
-    es = x.element_size()
-    if x.stride(-1) != 1 or any((x.stride(i) * es) % 16 for i in range(3)) or x.data_ptr() % 16:
-        return False
-    return not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
-
-
 def _use_tma(loads: str, explicit: bool, *xs) -> bool:
     """Whether a block kernel takes tensor-descriptor loads: asked for ("tma") and possible for every tensor
     xs; a launch given explicitly (`tune`) that cannot raises, the default falls back to pointer loads. Sets the
@@ -288,7 +279,7 @@ def _use_tma(loads: str, explicit: bool, *xs) -> bool:
         raise ValueError(f"block kernels: loads {loads!r} (ptr or tma)")
     if loads == "ptr":
         return False
-    if not all(_tma_capable(x) for x in xs):
+    if not all(tma_capable(x) for x in xs):
         if explicit:
             raise ValueError("block kernels (loads='tma'): rows need unit stride along D, 16-byte aligned strides "
                              "and bases, and an sm_90+ GPU")

@@ -24,6 +24,16 @@ def maxnreg_option(cap: int, t: torch.Tensor) -> dict:
     return {"maxnreg": cap} if cap and t.is_cuda else {}
 
 
+def tma_capable(x: torch.Tensor) -> bool:
+    """Whether x's rows can load through tensor descriptors (Hopper's TMA): unit stride along the last dim, every
+    other stride and the base 16-byte aligned; on CUDA a GPU of sm_90+ (the bulk tensor copies; the interpreter runs
+    descriptors on the CPU). The block kernels' K / V `[B, S, H, D]` and the swap-AB GEMM's weight `[N, K]`."""
+    es = x.element_size()
+    if x.stride(-1) != 1 or any((x.stride(i) * es) % 16 for i in range(x.dim() - 1)) or x.data_ptr() % 16:
+        return False
+    return not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
 @triton.jit
 def dot(a, b, PREC: tl.constexpr):
     if PREC == 2:
