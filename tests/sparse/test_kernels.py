@@ -132,15 +132,16 @@ def test_fused_merge_equals_the_merge_kernel(B, H, H_kv, D, S, K, nsplit):
 def test_outgrown_counter_buffers_stay_alive(monkeypatch):
     """The fused merge's and the sync select's counters grow by a new buffer; the old one stays referenced (a CUDA
     graph captured with it keeps writing to it: freed, its memory could be handed to another tensor)."""
+    from sparse_rl.sparse.ops import _backend
     from sparse_rl.sparse.ops.indexer_topk import decode_sync
 
     for mod, get, small, big in ((sa, sa._merge_counters, 1, 1000), (decode_sync, decode_sync._counters, 1, 1000)):
-        monkeypatch.setattr(mod, "_RETIRED", [])
+        monkeypatch.setattr(_backend, "_RETIRED", [])
         cache = {}
         monkeypatch.setattr(mod, "_MERGE_COUNTERS" if mod is sa else "_COUNTERS", cache)
         old = get(torch.device("cpu"), small)
         new = get(torch.device("cpu"), big)
-        assert new.numel() > old.numel() and mod._RETIRED == [old] and get(torch.device("cpu"), small) is new
+        assert new.numel() > old.numel() and _backend._RETIRED == [old] and get(torch.device("cpu"), small) is new
 
 
 def test_environment_variable_selects_the_kernel(monkeypatch):

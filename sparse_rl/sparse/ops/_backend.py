@@ -101,3 +101,21 @@ def resolve_pdl(pdl: bool | int | None, device, default: int) -> int:
     if want not in PDL_LEVELS:
         raise ValueError(f"pdl {pdl!r}: expected one of {PDL_LEVELS} (False / True are 0 / 1)")
     return want if want and pdl_supported(device) else 0
+
+
+_RETIRED: list = []  # outgrown counter buffers, kept alive: a CUDA graph captured with one still writes to it
+
+
+def grown_counters(table: dict, dev: torch.device, n: int, least: int, lead: tuple = ()) -> torch.Tensor:
+    """A zeroed int32 buffer `[*lead, >= n]` held per device in `table` (at least `least` entries, grown by doubling)
+    for kernels that leave their counters zeroed (the decode select's barriers, the decode attention's fused merge).
+    An outgrown buffer is kept alive (`_RETIRED`): a CUDA graph captured with it still writes to it, and freed, its
+    memory could be handed to another tensor."""
+    key = (dev.type, dev.index)
+    buf = table.get(key)
+    if buf is None or buf.shape[-1] < n:
+        if buf is not None:
+            _RETIRED.append(buf)
+        size = max(least, 1 << max(0, n - 1).bit_length())
+        buf = table[key] = torch.zeros(*lead, size, device=dev, dtype=torch.int32)
+    return buf

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from sparse_rl.sparse.ops.indexer_topk.decode_steps import _emit, _key_tile, _pad_rest, _query_of, _tile_scores
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import _okey
+from sparse_rl.sparse.ops._backend import grown_counters
 
 NR = 256  # bins of a radix level (8 bits)
 MAX_CHUNKS = 32  # a row's chunks at most: each program sums `[CMAX, NR]` histograms in registers
@@ -267,20 +268,10 @@ _COUNTERS: dict = {}  # device -> zeroed int32 `[2, rows]` (arrivals, departures
 _RESIDENT: dict = {}  # (device, CMAX, BR, KEEP, launch options) -> programs an SM holds of that compiled kernel
 
 
-_RETIRED: list = []  # outgrown counter buffers, kept alive: a CUDA graph captured with one still writes to it
-
-
 def _counters(dev: torch.device, B: int) -> torch.Tensor:
-    """The row counters of the barriers: one buffer per device, grown by doubling (a new zeroed buffer, the old one
-    kept alive for the graphs that hold it; the kernels run in stream order, so a launch never shares its rows'
-    counters with another)."""
-    key = (dev.type, dev.index)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.shape[1] < B:
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = _COUNTERS[key] = torch.zeros(2, max(64, triton.next_power_of_2(B)), device=dev, dtype=torch.int32)
-    return buf
+    """The row counters of the barriers `[2, >= B]`: one buffer per device (`_backend.grown_counters`; the kernels run
+    in stream order, so a launch never shares its rows' counters with another)."""
+    return grown_counters(_COUNTERS, dev, B, 64, lead=(2,))
 
 
 def _occupancy(kernel, num_warps: int, dev: torch.device) -> int:

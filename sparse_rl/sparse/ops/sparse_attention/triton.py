@@ -45,6 +45,7 @@ from sparse_rl.sparse.ops.sparse_attention import blocks, keymajor, keyq, paths,
 from sparse_rl.sparse.ops.sparse_attention.naive import shared_to_per_query, sparse_attention_naive
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 from sparse_rl.sparse.ops.pdl import pdl_enter
+from sparse_rl.sparse.ops._backend import grown_counters
 
 LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -487,20 +488,10 @@ _MERGE_COUNTERS: dict = {}  # device -> zeroed int32 counters of the fused merge
 MERGES = ("kernel", "fused")  # `sparse_decode(merge=)`
 
 
-_RETIRED: list = []  # outgrown counter buffers, kept alive: a CUDA graph captured with one still writes to it
-
-
 def _merge_counters(dev: torch.device, n: int) -> torch.Tensor:
-    """The fused merge's counters: one zeroed buffer per device, grown by doubling (the old one kept alive for the
-    graphs that hold it). Launches in one stream's order share it; two at once (side streams) must not
-    (`sparse_decode(merge=)`)."""
-    key = (dev.type, dev.index)
-    buf = _MERGE_COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = _MERGE_COUNTERS[key] = torch.zeros(max(256, triton.next_power_of_2(n)), device=dev, dtype=torch.int32)
-    return buf
+    """The fused merge's counters `[>= n]`: one buffer per device (`_backend.grown_counters`). Launches in one stream's
+    order share it; two at once (side streams) must not (`sparse_decode(merge=)`)."""
+    return grown_counters(_MERGE_COUNTERS, dev, n, 256)
 
 
 def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor,
