@@ -520,17 +520,16 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     H_kv, NK = k_cache.shape[2], indices.shape[-1]
     ns = nsplit or decode_splits(B, H_kv, NK, q.device)
     merged = None
-    if merge == "fused" and ns > 1:
+    if ns > 1:  # the merged result's buffers (unused where `_fwd` rounds the split down to one)
         out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
         lse = torch.empty(B, H, device=q.device, dtype=torch.float32)
-        merged = (out[:, None], lse[:, None], _merge_counters(q.device, B * H_kv))
+        if merge == "fused":
+            merged = (out[:, None], lse[:, None], _merge_counters(q.device, B * H_kv))
     po, pl, ns = _fwd(q4, k_cache, v_cache, idx3, scale, ns, pdl=pdl, merged=merged)
     if ns == 1:
         return po[:, 0], pl[:, 0]
     if merged is not None:
         return out, lse
-    out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
-    lse = torch.empty(B, H, device=q.device, dtype=torch.float32)
     _merge_kernel[(H, B)](po, pl, out, lse, H, D, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
                           NSPLIT=ns, BLOCK_S=max(2, triton.next_power_of_2(ns)),
                           BLOCK_D=triton.next_power_of_2(D), PDL=pdl, launch_pdl=bool(pdl), num_warps=1)
