@@ -726,9 +726,7 @@ class ModelRunner:
     def set_fuse_norm(self, on: bool) -> None:
         """The residual adds + RMSNorms inside the swap-AB GEMMs (True) or `add_rmsnorm`'s launches from the next step
         (the CUDA graphs hold the old launches: dropped when the choice changes)."""
-        if bool(on) != self.fuse_norm:
-            self.fuse_norm = bool(on)
-            self.drop_graphs()
+        self._set_launch_flag("fuse_norm", on)
 
     @staticmethod
     def _indexer_step(ix, x, cos, sin, pos, k_cache, backend, z=None, k_scale=None, pdl: bool = False):
@@ -974,23 +972,24 @@ class ModelRunner:
     def set_fuse_silu(self, on: bool) -> None:
         """SiLU(gate) * up in the swap-AB gate/up GEMM (True) or its own launch from the next step (the CUDA graphs
         hold the old launches: dropped when the choice changes)."""
-        if bool(on) != self.fuse_silu:
-            self.fuse_silu = bool(on)
+        self._set_launch_flag("fuse_silu", on)
+
+    def _set_launch_flag(self, name: str, on: bool) -> None:
+        """Set one of the step's launch choices (a bool attribute), dropping the CUDA graphs, which hold the old
+        launches, when it changes."""
+        if bool(on) != getattr(self, name):
+            setattr(self, name, bool(on))
             self.drop_graphs()
 
     def set_fuse_merge(self, on: bool) -> None:
         """The split decode attention's merge inside the attention kernel (True) or as its own launch from the next
         step (the CUDA graphs hold the old launches: dropped when the choice changes)."""
-        if bool(on) != self.fuse_merge:
-            self.fuse_merge = bool(on)
-            self.drop_graphs()
+        self._set_launch_flag("fuse_merge", on)
 
     def set_fuse_indexer(self, on: bool) -> None:
         """One launch (True) or two for a sparse layer's q/k RoPE and its indexer from the next step (the CUDA
         graphs hold the old launches: dropped when the choice changes)."""
-        if bool(on) != self.fuse_indexer:
-            self.fuse_indexer = bool(on)
-            self.drop_graphs()
+        self._set_launch_flag("fuse_indexer", on)
 
     def set_decode_select(self, decode_select: DecodeSelect) -> None:
         """Run `decode_select` from the next step on, dropping the CUDA graphs (they hold the old kernels;
