@@ -171,7 +171,7 @@ def test_auto_halves_the_tiles_under_keyq_only():
 
 @pytest.mark.parametrize("H,H_kv", [(8, 4), (6, 6)])
 def test_keyq_program_order_changes_nothing(H, H_kv):
-    """`keyq_dkdv(heads_together=)`: the KV heads interleaved in the program order (all, some, one: key tiles
+    """`keyq_dkdv`'s heads_together (its tune's sixth entry): the KV heads interleaved in the program order (all, some, one: key tiles
     fastest) give bitwise the same dk / dv (each program's work is the same, only when it runs changes); a count
     that does not divide the heads is refused."""
     g = torch.Generator().manual_seed(H)
@@ -186,4 +186,4 @@ def test_keyq_program_order_changes_nothing(H, H_kv):
     for dk, dv in outs[1:]:
         assert torch.equal(dk, outs[0][0]) and torch.equal(dv, outs[0][1])
     with pytest.raises(ValueError, match="heads_together"):
-        keyq.keyq_dkdv(q, k, v, idx, do, lse, delta, D ** -0.5, 0, tune=(32, 32, 4, 1), heads_together=5)
+        keyq.keyq_dkdv(q, k, v, idx, do, lse, delta, D ** -0.5, 0, tune=(32, 32, 4, 1, 0, 5))

@@ -194,31 +194,30 @@ def default_tune(cuda: bool) -> tuple[int, int, int, int]:
     return (64, 128, 8, 3) if cuda else (32, 64, 4, 1)
 
 
-def keyq_dkdv(q, k, v, indices, do, lse, delta, scale: float, prec: int, tune: tuple | None = None, lists=None,
-              heads_together: int | None = None):
+def keyq_dkdv(q, k, v, indices, do, lse, delta, scale: float, prec: int, tune: tuple | None = None, lists=None):
     """dk, dv `[B, S, H_kv, D]` (k's dtype) of per-query `indices` `[B, T, K]` from the key tiles' query lists,
     one write per element. q/do `[B, T, H, D]`, lse/delta `[B, T, H]` fp32 with equal strides.
     `tune=(BLOCK_N, rows, num_warps, num_stages[, maxnreg[, heads_together]])`: BLOCK_N in 16/32/64, rows (BQ G
     rounded up to a power of 2) 64 or 128; `lists`: a prebuilt `key_query_lists(indices, S, BLOCK_N)` (benchmarks).
-    heads_together (or tune's sixth entry): the KV heads interleaved in the program order (`_tile_of`; a divisor of
-    H_kv; None: all of them)."""
+    heads_together: the KV heads interleaved in the program order (`_tile_of`; a divisor of H_kv; None or absent: all
+    of them)."""
     B, T, H, D = q.shape
     S, H_kv = k.shape[1], k.shape[2]
     G = H // H_kv
     t = tuple(tune or default_tune(q.is_cuda))
     BN, rows, warps, stages = t[:4]
     cap = t[4] if len(t) > 4 else 0
-    heads_together = heads_together if heads_together is not None else (t[5] if len(t) > 5 else None)
+    heads_together = t[5] if len(t) > 5 else None
     if BN not in KEY_TILES or rows not in (16, 32, 64, 128, 256):
         raise ValueError(f"keyq_dkdv: BLOCK_N {BN} (one of {KEY_TILES}), rows {rows}")
+    GH = H_kv if heads_together is None else int(heads_together)
+    if GH < 1 or H_kv % GH:
+        raise ValueError(f"keyq_dkdv: heads_together {heads_together} must divide the {H_kv} KV heads")
     BM = max(16, triton.next_power_of_2(G), rows)
     BQ = max(1, BM // G)  # whole queries per chunk (G = 7, 128 rows: 18 queries, 126 live rows)
     BD = max(16, triton.next_power_of_2(D))
     off, lst, msk = lists if lists is not None else key_query_lists(indices, S, BN)
     NKT = triton.cdiv(S, BN)
-    GH = H_kv if heads_together is None else int(heads_together)
-    if GH < 1 or H_kv % GH:
-        raise ValueError(f"keyq_dkdv: heads_together {heads_together} must divide the {H_kv} KV heads")
     dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
     dv = torch.empty_like(dk)
     _kq_dkdv_kernel[(H_kv * NKT, B)](
