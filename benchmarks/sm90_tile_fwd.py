@@ -32,9 +32,10 @@ PTR = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32",
        "UKEY": "*i32", "QMASK": "*i32", "ULEN": "*i32"}
 
 
-def compile_fwd(BT: int, BK: int, warps: int, stages: int, kt: int = 0, lz: int = 0, ma: int = 0):
+def compile_fwd(BT: int, BK: int, warps: int, stages: int, kt: int = 0, lz: int = 0, ma: int = 0, cap: int = 0,
+                pf: int = 0):
     cx = dict(BT=BT, BLOCK_M=BT * 4, BLOCK_K=BK, BLOCK_D=128, SHARED=False, PREC=0, KT_LOAD=bool(kt),
-              LAZY=bool(lz), MASK_AND=bool(ma), **{n: 1 for n in UNIT})
+              LAZY=bool(lz), MASK_AND=bool(ma), PREFETCH=bool(pf), **{n: 1 for n in UNIT})
     sig, attrs = {}, {}
     for i, n in enumerate(inspect.signature(union._tile_fwd_kernel.fn).parameters):
         if n in cx:
@@ -48,7 +49,7 @@ def compile_fwd(BT: int, BK: int, warps: int, stages: int, kt: int = 0, lz: int 
             if n not in INTS:  # the other strides: multiples of 16 at the bench's shapes
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(union._tile_fwd_kernel, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=stages))
+                          options=dict(num_warps=warps, num_stages=stages, **({"maxnreg": cap} if cap else {})))
 
 
 KINDS = {"mma": r"HGMMA|HMMA", "ldg": r"\bLDG", "ldgsts": r"LDGSTS", "sts": r"\bSTS", "lds": r"\bLDS",
@@ -63,11 +64,28 @@ def cuobjdump(k, flag: str) -> str:
     return subprocess.run([tool, flag, cubin], capture_output=True, text=True).stdout
 
 
+def key_loop(lines: list) -> list:
+    """The SASS lines of the longest loop (a backward branch's range): the key loop."""
+    offs = [int(re.match(r"\s*/\*([0-9a-f]+)\*/", ln).group(1), 16) for ln in lines]
+    best = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ln)
+        if m and int(m.group(1), 16) < offs[i]:
+            body = [x for x, o in zip(lines, offs) if int(m.group(1), 16) <= o <= offs[i]]
+            best = body if len(body) > len(best) else best
+    return best
+
+
 def sass_counts(sass: str) -> dict:
+    """Instructions by kind, the whole kernel's and the key loop's (`loop`, a key block's work a warp)."""
     lines = [ln for ln in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", ln)]
     res = {"instr": len(lines)}
     for name, pat in KINDS.items():
         res[name] = sum(1 for ln in lines if re.search(pat, ln))
+    loop = key_loop(lines)
+    res["loop"] = len(loop)
+    res["loop_mma"] = sum(1 for ln in loop if re.search(KINDS["mma"], ln))
+    res["loop_ldg"] = sum(1 for ln in loop if re.search(KINDS["ldg"], ln) and not re.search("LDGSTS", ln))
     return res
 
 
@@ -82,7 +100,15 @@ def main():
              ("BT32 (16,4,4)", 32, 16, 4, 4), ("BT32 (32,4,4)", 32, 32, 4, 4),
              ("BT16 (64,4,2) default", 16, 64, 4, 2), ("BT16 (32,4,3)", 16, 32, 4, 3),
              ("BT16 (64,4,2) lazy+and", 16, 64, 4, 2, 0, 1, 1),
-             ("BT16 (64,4,2) mask_and", 16, 64, 4, 2, 0, 0, 1)]
+             ("BT16 (64,4,2) mask_and", 16, 64, 4, 2, 0, 0, 1),
+             # session 22: the default of per-query tiles since session 19 (cap 128), and the prefetching loop
+             ("BT16 (32,4,2) and cap128", 16, 32, 4, 2, 0, 0, 1, 128), ("BT16 (32,4,2) and", 16, 32, 4, 2, 0, 0, 1),
+             ("BT16 pf 32 keys", 16, 32, 4, 1, 0, 0, 1, 0, 1), ("BT16 pf 32 keys cap168", 16, 32, 4, 1, 0, 0, 1, 168, 1),
+             ("BT16 pf 16 keys", 16, 16, 4, 1, 0, 0, 1, 0, 1), ("BT16 pf 16 keys cap168", 16, 16, 4, 1, 0, 0, 1, 168, 1),
+             ("BT32 pf 32 keys 8 warps", 32, 32, 8, 1, 0, 0, 1, 0, 1),
+             ("BT32 pf 16 keys 8 warps", 32, 16, 8, 1, 0, 0, 1, 0, 1),
+             ("BT32 pf 16 keys 8 warps cap128", 32, 16, 8, 1, 0, 0, 1, 128, 1),
+             ("BT32 pf 32 keys 8 warps cap128", 32, 32, 8, 1, 0, 0, 1, 128, 1)]
     errors = 0
     for name, *args in cases:
         try:

@@ -232,6 +232,30 @@ def time_pattern(q, k, v, idx, dev, W, prefix: str, **kw) -> dict:
     return res
 
 
+def tile_floor(indices, S: int, H: int, H_kv: int, D: int, BT: int, dense_ms: float, dense_tflops: float,
+               scores_ms: float | None) -> dict:
+    """What the GQA-packed forward's design allows on one selection, from numbers of the same run: the tiles' MMA
+    work (each (tile of BT queries, KV head) multiplies its BM = next_pow2(BT * G) rows by every key of its union,
+    selected or masked) over the selected pairs' work, that work at dense SDPA's measured TF/s (the attention's
+    time if the tile kernel ran as fast per MMA FLOP as dense), plus the streamed score sweep alone (the top-k at
+    no cost beyond its scores): a floor for this tiling, not for the card (a tiling with less masked work, or a
+    kernel faster per FLOP than cuDNN, would go below it). indices `[B, T, K]` per-query rows."""
+    import triton
+
+    from sparse_rl.sparse.ops.sparse_attention import union
+
+    n = pairs(indices)
+    ukeys = float(union.union_sizes(indices, S, BT).sum())
+    BM = max(16, triton.next_power_of_2(BT * (H // H_kv)))
+    waste = ukeys * BM * H_kv / max(1, n * H)
+    attn = waste * 4.0 * n * H * D / (dense_tflops * 1e9)
+    res = {"tile_queries": BT, "union_ratio": ukeys / max(1, n), "mma_over_pairs": waste, "attn_floor_ms": attn}
+    if scores_ms is not None:
+        res["prefill_floor_ms"] = scores_ms + attn
+        res["floor_speedup"] = dense_ms / res["prefill_floor_ms"]
+    return res
+
+
 def time_fwdbwd(q, k, v, idx, g, dev, W, prefix: str, **kw) -> dict:
     """Forward + backward time with each backward path (the forward as `auto` picks it)."""
     from sparse_rl.sparse.ops import sparse_attention
@@ -433,10 +457,16 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
             row["trained_prefill_ms"] = bench_ms(
                 lambda: sparse_attention(q, k, v, indexer_topk(*tix, K, **tkw), backend="triton"), dev, **W)
             row["trained_prefill_speedup"] = row["dense_ms"] / row["trained_prefill_ms"]
-            from sparse_rl.sparse.ops.sparse_attention import union as _union  # (time_pattern reports it on CUDA too)
+            # the tiles the forward runs on (auto may halve the default's queries; the default where it takes
+            # another path, e.g. on the CPU), their union/pairs and what this tiling allows (tile_floor)
+            from sparse_rl.sparse.ops.sparse_attention import union as _union
+            from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention_forward
 
-            BT = _union.tile_queries(H // Hkv)
-            row["trained_union_ratio"] = float(_union.union_sizes(tsel, L, BT).sum()) / max(1, pairs(tsel))
+            plan = sparse_attention_forward(q, k, v, tsel)[2]
+            BT = (plan.bt or _union.tile_queries(H // Hkv)) if plan.fwd == "tile" else _union.tile_queries(H // Hkv)
+            fl = tile_floor(tsel, L, H, Hkv, D, BT, row["dense_ms"], row["dense_tflops"], row["indexer_rowmax_ms"])
+            row.update({f"trained_{a}": b for a, b in fl.items()})
+            row["trained_fwd_path"] = plan.fwd
             del tix, tsel
         for pre, ix, kw in pats:
             if dev.type == "cuda":
@@ -544,13 +574,20 @@ def markdown_attention(res: dict) -> str:
     tp = [r for r in res["rows"] if "trained_prefill_ms" in r]
     if tp:
         lines += ["", "Token-level prefill on the trained indexer's selection (its scores -> the default top-k -> "
-                  "`auto` sparse attention; sink 4, window 64), end to end vs dense; union/pairs of 32-query tiles",
-                  "", "| L | dense ms | idx+top-k ms | attn ms (auto) | prefill ms | speedup vs dense | union/pairs |",
-                  "|---|---|---|---|---|---|---|"]
+                  "`auto` sparse attention; sink 4, window 64), end to end vs dense. Tiles: the queries of the "
+                  "forward's tiles (path: auto's forward); union/pairs at those tiles; MMA/pairs: the tiles' MMA "
+                  "work (rows x union keys) over the selected pairs'; floor: that work at dense's TF/s of this run "
+                  "plus the score sweep alone (the top-k free), what this tiling allows, not the card", "",
+                  "| L | dense ms | idx+top-k ms | attn ms (auto) | prefill ms | speedup vs dense | path | tiles "
+                  "| union/pairs | MMA/pairs | attn floor ms | prefill floor ms | floor speedup |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in tp:
             lines.append("| " + " | ".join(fmt(x) for x in (
                 r["seqlen"], r.get("dense_ms"), r.get("trained_indexer_topk_ms"), r.get("trained_auto_ms"),
-                r["trained_prefill_ms"], r.get("trained_prefill_speedup"), r.get("trained_union_ratio"))) + " |")
+                r["trained_prefill_ms"], r.get("trained_prefill_speedup"), r.get("trained_fwd_path"),
+                r.get("trained_tile_queries"), r.get("trained_union_ratio"), r.get("trained_mma_over_pairs"),
+                r.get("trained_attn_floor_ms"), r.get("trained_prefill_floor_ms"), r.get("trained_floor_speedup")))
+                + " |")
     bw = [r for r in res["rows"] if "dense_fwdbwd_ms" in r]
     if bw:
         lines += ["", "Forward + backward (ms): backward `atomic` (per query, fp32 atomics) vs `tile` (dq per tile, "

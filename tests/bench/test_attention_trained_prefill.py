@@ -21,7 +21,11 @@ def test_trained_prefill_row_and_its_union_ratio():
     table = markdown_attention(res)
     section = table.split("Token-level prefill on the trained indexer's selection")[1].split("\n\n")[1]
     line = [x for x in section.splitlines() if x.startswith("| 40 |")][0]
-    assert len(line.strip("|").split("|")) == 7 and fmt(row["trained_prefill_ms"]) in line
+    assert len(line.strip("|").split("|")) == 13 and fmt(row["trained_prefill_ms"]) in line
+    # the CPU plan takes the per-query path: the floor is at the default tiles (128 rows: 32 queries at G 4)
+    assert row["trained_fwd_path"] == "query" and row["trained_tile_queries"] == 32
+    assert abs(row["trained_floor_speedup"] - row["dense_ms"] / (row["indexer_rowmax_ms"]
+                                                                 + row["trained_attn_floor_ms"])) < 1e-9
     # the ratio is the one of the selection the bench drew: redraw it from the same generator state
     dev = torch.device("cpu")
     gen = torch.Generator(device=dev).manual_seed(cfg.seed)
@@ -35,3 +39,27 @@ def test_trained_prefill_row_and_its_union_ratio():
 
     want = float(union.union_sizes(sel, L, union.tile_queries(H // Hkv)).sum()) / int((sel >= 0).sum())
     assert abs(row["trained_union_ratio"] - want) < 1e-12
+
+
+def test_tile_floor_counts_masked_mma_work():
+    """tile_floor against the tiles' unions counted in Python: queries t select keys t-7..t (a sliding window of 8,
+    fewer at the start); with tiles of 4 queries a tile's union is 11 keys (8 at the first tile), and G = 4 puts
+    16 rows in the MMA, so the masked work over the selected pairs' is (sum of 16 x |U| over tiles) / (4 x pairs)."""
+    from sparse_rl.bench.attention import tile_floor
+
+    L, K, BT, H, Hkv, D = 32, 8, 4, 4, 1, 16
+    rows = [[s for s in range(t - K + 1, t + 1) if s >= 0] for t in range(L)]
+    idx = torch.full((1, L, K), -1, dtype=torch.int32)
+    for t, r in enumerate(rows):
+        idx[0, t, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    unions = [len(set().union(*rows[i:i + BT])) for i in range(0, L, BT)]
+    n = sum(len(r) for r in rows)
+    assert unions[0] == 4 and unions[2] == 11
+    res = tile_floor(idx, L, H, Hkv, D, BT, dense_ms=2.0, dense_tflops=5.0, scores_ms=0.5)
+    want = sum(unions) * 16 * Hkv / (n * H)
+    assert abs(res["union_ratio"] - sum(unions) / n) < 1e-12
+    assert abs(res["mma_over_pairs"] - want) < 1e-12
+    attn = want * 4.0 * n * H * D / 5e9
+    assert abs(res["attn_floor_ms"] - attn) < 1e-15
+    assert abs(res["floor_speedup"] - 2.0 / (0.5 + attn)) < 1e-9
+    assert "prefill_floor_ms" not in tile_floor(idx, L, H, Hkv, D, BT, 2.0, 5.0, None)

@@ -1,6 +1,6 @@
 """`auto`'s full statistics (paths.full_stats: every tile's bitmap and |U|, one host sync, handed to the union
 build) against the sampled ones and a plain build, and the tile forward's variants (the lazy rescale, the AND
-bit test; 16- and 32-query tiles) against the float32 reference and the default kernel, on the CPU
+bit test, the prefetching loop; 16- and 32-query tiles) against the float32 reference and the default kernel, on the CPU
 (TRITON_INTERPRET=1, tests/conftest.py), odd sizes."""
 
 import pytest
@@ -96,6 +96,40 @@ def test_tile_fwd_variants_match_reference_and_the_default(BT, H, H_kv, D, T):
             base = (o, lse)
         elif not lazy:  # the AND test selects the same pairs, the same arithmetic: the default's bits
             assert torch.equal(o, base[0]) and torch.equal(lse, base[1])
+
+
+@pytest.mark.parametrize("BT,BK,warps", [(16, 32, 4), (16, 16, 4), (32, 16, 8)])
+@pytest.mark.parametrize("H,H_kv,D,T", [(8, 2, 64, 71), (14, 2, 32, 37)])
+def test_tile_fwd_prefetch_is_the_default_loop_bitwise(BT, BK, warps, H, H_kv, D, T):
+    """The prefetching key loop (tune's 8th entry) against the default loop with the AND bit test at the same key
+    block: the same blocks in the same order, the same arithmetic, so the same bits; per-query unions (empty
+    rows, -1 holes, out-of-range keys; a tile whose union is empty; G 7 pads the MMA rows) and shared rows (query
+    groups, q_offset)."""
+    g = torch.Generator().manual_seed(T + BT + BK)
+    B, S, K = 2, 83, 28
+    q = torch.randn(B, T, H, D, generator=g)
+    k, v = torch.randn(B, S, H_kv, D, generator=g), torch.randn(B, S, H_kv, D, generator=g)
+    idx = _clustered(B, T, S, K, g)
+    idx[1, :BT] = -1  # batch 1's first tile: an empty union (left padding)
+    sel = union.build_union(idx, S, BT)
+    prec, scale = dot_precision(q.dtype), D ** -0.5
+    base = union.tile_fwd(q, k, v, sel, scale, prec, tune=(BK, warps, 1, 0, 0, 1))
+    pf = union.tile_fwd(q, k, v, sel, scale, prec, tune=(BK, warps, 1, 0, 0, 1, 0, 1))
+    assert torch.equal(pf[0], base[0]) and torch.equal(pf[1], base[1])
+    ref, rl = sparse_attention_naive(q, k, v, idx, scale)
+    torch.testing.assert_close(pf[0], ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isinf(pf[1]), torch.isinf(rl)) and bool((pf[0][1, :BT] == 0).all())
+    # shared rows: groups of 2 * BT queries share one row (causality masked per query)
+    grp, q_off = 2 * BT, 5
+    ng = -(-T // grp)
+    rows = _clustered(B, max(6, ng), S + q_off, K, g)[:, :ng].contiguous()
+    shr = union.shared_tiles(rows, S + q_off, grp, BT, q_offset=q_off, bits=False)
+    k2, v2 = torch.randn(B, S + q_off, H_kv, D, generator=g), torch.randn(B, S + q_off, H_kv, D, generator=g)
+    a = union.tile_fwd(q, k2, v2, shr, scale, prec, tune=(BK, warps, 1, 0, 0, 1))
+    b = union.tile_fwd(q, k2, v2, shr, scale, prec, tune=(BK, warps, 1, 0, 0, 1, 0, 1))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    with pytest.raises(ValueError, match="prefetch"):
+        union.tile_fwd(q, k, v, sel, scale, prec, tune=(BK, warps, 1, 0, 1, 1, 0, 1))
 
 
 def test_lazy_rescale_survives_a_max_that_grows_late_and_rows_that_start_empty():

@@ -276,16 +276,103 @@ def _tile_slots(UKEY, QMASK, urow, qrow, suk, u0, n, S, q_off, qi, t, rmask,
 
 
 @triton.jit
+def _slot_keys(UKEY, urow, suk, u0, n, S, BLOCK_K: tl.constexpr, SHARED: tl.constexpr):
+    """Key positions `[BLOCK_K]` int64 of the tile's slots u0.. (0 where unused) and their validity, as
+    `_tile_slots` reads them, without the pair mask (the prefetching loop builds that a block later)."""
+    offs = u0 + tl.arange(0, BLOCK_K)
+    um = offs < n
+    key = tl.load(UKEY + urow + offs * suk, mask=um, other=-1).to(tl.int64)
+    if SHARED:
+        ok = um & (key >= 0) & (key < S)  # out-of-range keys are treated as -1, never read
+    else:
+        ok = um
+    return tl.where(ok, key, 0), ok
+
+
+@triton.jit
+def _slot_pairs(key, ok, qm, qi, t, rmask, q_off, SHARED: tl.constexpr):
+    """The `[BLOCK_M, BLOCK_K]` selected (row, key) pairs of one key block (`_tile_slots`' sel, the AND bit test)."""
+    if SHARED:
+        sel = ok[None, :] & (key[None, :] <= t[:, None] + q_off) & rmask[:, None]
+    else:
+        sel = ((qm[None, :] & (tl.full(qi.shape, 1, tl.int32) << qi)[:, None]) != 0) & rmask[:, None]
+    return sel
+
+
+@triton.jit
+def _slot_masks(QMASK, qrow, offs, n, SHARED: tl.constexpr):
+    """The query masks `[BLOCK_K]` int32 of slots offs (0 where unused; shared selections have none: zeros)."""
+    if SHARED:
+        qm = tl.zeros(offs.shape, tl.int32)
+    else:
+        qm = tl.load(QMASK + qrow + offs, mask=offs < n, other=0)
+    return qm
+
+
+@triton.jit
+def _gather_rows(base, key, ok, sks, skd, offs_d, dmask):
+    """Rows key of K or V `[BLOCK_K, BLOCK_D]` (256 contiguous bytes each at D = 128; 0 where not ok)."""
+    return tl.load(base + key[:, None] * sks + offs_d[None, :] * skd, mask=ok[:, None] & dmask[None, :], other=0.0)
+
+
+@triton.jit
+def _online_step(s, sel, v, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
+    """One key block of the online softmax: scores s `[BLOCK_M, BLOCK_K]` (unscaled), sel the pairs kept, v the
+    block's rows `[BLOCK_K, BLOCK_D]` -> (m_i, l_i, acc) after it (base-2 running max, sum, unnormalised output)."""
+    s = tl.where(sel, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tile_fwd_prefetch(q, K, V, UKEY, QMASK, urow, qrow, kbase, vbase, sks, skd, svs, svd, suk, n, S, q_off,
+                       qk_scale, qi, t, rmask, offs_d, dmask, m_i, l_i, acc, BLOCK_K: tl.constexpr,
+                       SHARED: tl.constexpr, PREC: tl.constexpr):
+    """The key loop with its gathers issued one block ahead into registers (`tile_fwd(tune=...)`'s 8th entry).
+    Why: Triton 3.6's pipeliner gives the cp.async gathers of the default loop a distance of one iteration
+    whatever num_stages says (their addresses come from the key list, loaded in the loop) and waits for all of
+    them at the top of the next (sm_90a TTGIR: `async_wait {num = 0}` before the QK dot; benchmarks/
+    sm90_tile_fwd.py), so each block waits a gather's latency (L2, ~1 us) that only other programs can hide (ncu,
+    session 19: 0.97 eligible warps a scheduler). Here block i+1's K / V rows and query masks are plain loads
+    issued before block i's dots (and block i+2's keys before them), so a whole block's work covers them; the
+    cost is their registers (32 at (32 keys, 4 warps): 207 a thread, 2 programs an SM, against 152 / 3). Same
+    blocks, order and arithmetic as the default loop: bitwise its result."""
+    key_c, ok_c = _slot_keys(UKEY, urow, suk, 0, n, S, BLOCK_K, SHARED)
+    kt_n = _gather_rows(kbase, key_c, ok_c, sks, skd, offs_d, dmask)
+    v_n = _gather_rows(vbase, key_c, ok_c, svs, svd, offs_d, dmask)
+    offs_k = tl.arange(0, BLOCK_K)
+    qm_n = _slot_masks(QMASK, qrow, offs_k, n, SHARED)
+    key_n, ok_n = _slot_keys(UKEY, urow, suk, BLOCK_K, n, S, BLOCK_K, SHARED)
+    for u0 in tl.range(0, n, BLOCK_K, num_stages=1):
+        kt, v, qm, key, ok = kt_n, v_n, qm_n, key_c, ok_c
+        kt_n = _gather_rows(kbase, key_n, ok_n, sks, skd, offs_d, dmask)
+        v_n = _gather_rows(vbase, key_n, ok_n, svs, svd, offs_d, dmask)
+        qm_n = _slot_masks(QMASK, qrow, u0 + BLOCK_K + offs_k, n, SHARED)
+        key_c, ok_c = key_n, ok_n
+        key_n, ok_n = _slot_keys(UKEY, urow, suk, u0 + 2 * BLOCK_K, n, S, BLOCK_K, SHARED)
+        sel = _slot_pairs(key, ok, qm, qi, t, rmask, q_off, SHARED)
+        s = dot(q, tl.trans(kt), PREC)
+        m_i, l_i, acc = _online_step(s, sel, v, m_i, l_i, acc, qk_scale, PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _tile_fwd_kernel(Q, K, V, UKEY, QMASK, ULEN, O, LSE,
                      sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                      sob, sot, soh, sod, slb, slt, slh, sub, sur, suk,
                      T, S, G, D, NT, UMAX, QG, NKEYS, q_off, qk_scale,
                      BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                      SHARED: tl.constexpr, PREC: tl.constexpr, KT_LOAD: tl.constexpr, LAZY: tl.constexpr,
-                     MASK_AND: tl.constexpr):
+                     MASK_AND: tl.constexpr, PREFETCH: tl.constexpr = False):
     """LAZY: rescale acc / l only when a row's running max grew by more than 8 (log2 units) in a key block
     (one tile-wide max and a uniform branch a block instead of BLOCK_M * BLOCK_D multiplies a thread's share;
-    not bit-equal to the default, equal within rounding). MASK_AND: see _tile_slots."""
+    not bit-equal to the default, equal within rounding). MASK_AND: see _tile_slots. PREFETCH: the key loop of
+    `_tile_fwd_prefetch` (the AND bit test, no LAZY, rows gathered row-major)."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -307,41 +394,41 @@ def _tile_fwd_kernel(Q, K, V, UKEY, QMASK, ULEN, O, LSE,
     qrow = (b * NT + tile) * UMAX
     kbase = K + b * skb + kvh * skh
     vbase = V + b * svb + kvh * svh
-    for u0 in range(0, n, BLOCK_K):
-        key, ok, sel = _tile_slots(UKEY, QMASK, urow, qrow, suk, u0, n, S, q_off, qi, t, rmask, BLOCK_K, SHARED,
-                                   MASK_AND)
-        if KT_LOAD:  # gathered as [BLOCK_D, BLOCK_K] (run 1's layout: 4.7 ms on the 32K block pattern)
-            kt = tl.load(kbase + key[None, :] * sks + offs_d[:, None] * skd, mask=ok[None, :] & dmask[:, None],
-                         other=0.0)
-        else:  # rows gathered as [BLOCK_K, BLOCK_D], 256 contiguous bytes each, transposed in registers
-            kt = tl.trans(tl.load(kbase + key[:, None] * sks + offs_d[None, :] * skd,
-                                  mask=ok[:, None] & dmask[None, :], other=0.0))
-        s = dot(q, kt, PREC)
-        s = tl.where(sel, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # (V's load sits here or after the softmax: the same SASS, the pipeliner issues both gathers ahead)
-        v = tl.load(vbase + key[:, None] * svs + offs_d[None, :] * svd, mask=ok[:, None] & dmask[None, :], other=0.0)
-        if LAZY:
-            # the running max moves (and acc, l are rescaled) only when some row's max grew by more than 2^8:
-            # p = exp2(s - m) <= 256 otherwise, exact in fp32 and within bf16's range, and the final
-            # acc / l and lse = m + log2(l) do not depend on which reference m was used
-            if tl.max((m_new > m_i + 8.0).to(tl.int32), 0) > 0:
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha
-                acc = acc * alpha[:, None]
-                m_i = m_new
-            m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
-            p = tl.exp2(s - m_ref[:, None])
-            l_i = l_i + tl.sum(p, 1)
-            acc = acc + dot(p.to(v.dtype), v, PREC)
-        else:
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PREC)
-            m_i = m_new
+    if PREFETCH:
+        m_i, l_i, acc = _tile_fwd_prefetch(q, K, V, UKEY, QMASK, urow, qrow, kbase, vbase, sks, skd, svs, svd, suk, n,
+                                           S, q_off, qk_scale, qi, t, rmask, offs_d, dmask, m_i, l_i, acc, BLOCK_K,
+                                           SHARED, PREC)
+    else:
+        for u0 in range(0, n, BLOCK_K):
+            key, ok, sel = _tile_slots(UKEY, QMASK, urow, qrow, suk, u0, n, S, q_off, qi, t, rmask, BLOCK_K,
+                                       SHARED, MASK_AND)
+            if KT_LOAD:  # gathered as [BLOCK_D, BLOCK_K] (run 1's layout: 4.7 ms on the 32K block pattern)
+                kt = tl.load(kbase + key[None, :] * sks + offs_d[:, None] * skd,
+                             mask=ok[None, :] & dmask[:, None], other=0.0)
+            else:  # rows gathered as [BLOCK_K, BLOCK_D], 256 contiguous bytes each, transposed in registers
+                kt = tl.trans(_gather_rows(kbase, key, ok, sks, skd, offs_d, dmask))
+            s = dot(q, kt, PREC)
+            # (V's load sits before or after the softmax: the same SASS, the pipeliner issues both gathers ahead)
+            v = tl.load(vbase + key[:, None] * svs + offs_d[None, :] * svd, mask=ok[:, None] & dmask[None, :],
+                        other=0.0)
+            if LAZY:
+                s = tl.where(sel, s * qk_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # the running max moves (and acc, l are rescaled) only when some row's max grew by more than 2^8:
+                # p = exp2(s - m) <= 256 otherwise, exact in fp32 and within bf16's range, and the final
+                # acc / l and lse = m + log2(l) do not depend on which reference m was used
+                if tl.max((m_new > m_i + 8.0).to(tl.int32), 0) > 0:
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(m_i - m_safe)
+                    l_i = l_i * alpha
+                    acc = acc * alpha[:, None]
+                    m_i = m_new
+                m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
+                p = tl.exp2(s - m_ref[:, None])
+                l_i = l_i + tl.sum(p, 1)
+                acc = acc + dot(p.to(v.dtype), v, PREC)
+            else:
+                m_i, l_i, acc = _online_step(s, sel, v, m_i, l_i, acc, qk_scale, PREC)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
@@ -385,24 +472,30 @@ def _default_tune(BM: int, cuda: bool, shared: bool = True) -> tuple:
 
 def tile_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tune: tuple | None = None):
     """Forward over tiles: q `[B, T, H, D]` -> out `[B, T, H, D]`, lse `[B, T, H]` fp32.
-    `tune=(BLOCK_K, num_warps, num_stages[, kt_load[, lazy[, mask_and[, maxnreg]]]])` overrides the launch config
-    (the flags default to 0, K rows gathered row-major and a rescale every key block; mask_and, the AND bit test,
-    is on in the default launches of per-query tiles: `_default_tune`)."""
+    `tune=(BLOCK_K, num_warps, num_stages[, kt_load[, lazy[, mask_and[, maxnreg[, prefetch]]]]])` overrides the
+    launch config (the flags default to 0, K rows gathered row-major and a rescale every key block; mask_and, the
+    AND bit test, is on in the default launches of per-query tiles: `_default_tune`; prefetch: the key loop of
+    `_tile_fwd_prefetch`, its gathers a block ahead in registers, num_stages ignored, with the AND bit test and
+    neither kt_load nor lazy: a ValueError)."""
     B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
     if out is None:
         o = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
         lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     else:
         o, lse = out
-    BK, warps, stages, kt_load, lazy, mask_and, cap = (*(tune or _default_tune(BM, q.is_cuda, sel.shared)), 0, 0, 0,
-                                                       0)[:7]
+    BK, warps, stages, kt_load, lazy, mask_and, cap, pf = (*(tune or _default_tune(BM, q.is_cuda, sel.shared)), 0, 0,
+                                                           0, 0, 0)[:8]
+    if pf and (kt_load or lazy):
+        raise ValueError(f"tile_fwd: tune {tune}: prefetch gathers K row-major and rescales every block "
+                         "(kt_load and lazy must be 0)")
     ulen = sel.ulen if sel.ulen is not None else sel.ukey
     qmask = sel.qmask if sel.qmask is not None else sel.ukey
     _tile_fwd_kernel[(NT, k.shape[2], B)](
         q, k, v, sel.ukey, qmask, ulen, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
         *sel.ukey.stride(), T, k.shape[1], G, D, NT, umax, sel.group, sel.ukey.shape[2], sel.q_offset,
         scale * LOG2E, BT=sel.BT, BLOCK_M=BM, BLOCK_K=BK, BLOCK_D=BD, SHARED=sel.shared, PREC=prec,
-        KT_LOAD=bool(kt_load), LAZY=bool(lazy), MASK_AND=bool(mask_and), num_warps=warps, num_stages=stages,
+        KT_LOAD=bool(kt_load), LAZY=bool(lazy), MASK_AND=bool(mask_and), PREFETCH=bool(pf), num_warps=warps,
+        num_stages=1 if pf else stages,
         **maxnreg_option(cap, q))
     return o, lse
 
