@@ -8,7 +8,7 @@ copies a distance of ONE key block whatever num_stages says (their addresses com
 loop), issued after the block's PV dot and waited for in full (`async_wait {num = 0}`) at the top of the next
 block: each block waits a gather's latency, hidden only by the SM's other programs (session 19's ncu: 54% issue,
 0.97 eligible warps a scheduler). A loop of ~485 SASS instructions a warp per 32-key block puts the kernel's issue
-floor at ~3.5 ms at 32K (its 16-query tiles' MMA work is 1.74x the selected pairs' on this selection), so the
+floor at ~3.5 ms at 32K (its 16-query tiles' MMA work is 1.72x the selected pairs' on this selection), so the
 stalls are ~45% of its time. The prefetching loop issues block i+1's rows (and block i+2's keys) as plain loads
 before block i's dots; the price is registers:
 
@@ -28,7 +28,7 @@ before block i's dots; the price is registers:
 
 Predictions (before the call): proof as above. Alone (base ~6.7 ms): pf32 5.0-6.5 (stalls halved at 2 programs an
 SM), pf16 5.5-7.0 (27% more instructions a key, 3 programs), pf16_bt32 5.5-7.5 (43% more instructions in all but
-fewer gathers: the 32-query unions are 4,140 keys against 2 x 3,329), pf32_bt32 6.5-9 (one program an SM). Prefill
+fewer gathers: the 32-query unions are 4,229 keys against 2 x 3,407), pf32_bt32 6.5-9 (one program an SM). Prefill
 32K: attention 7.42 -> 6.0-7.0 ms, prefill vs dense 1.25x -> 1.3-1.4x.
 
     PYTHONPATH=$PWD python benchmarks/gpu_tilefwd_session22.py --budget 240 --out $OUT/tilefwd22
