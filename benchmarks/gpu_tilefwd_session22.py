@@ -15,10 +15,10 @@ before block i's dots; the price is registers:
 | variant | tiles | keys a block | warps | regs (sm_90a) | programs an SM | loop instructions a warp |
 |---|---|---|---|---|---|---|
 | base (auto's default) | 16 queries | 32 | 4 | 128 (capped, 64 B stack) | 4 | 486 |
-| pf32 | 16 | 32 | 4 | 212 | 2 | 480 |
-| pf16 | 16 | 16 | 4 | 165 | 3 | 307 |
-| pf16_bt32 | 32 queries (128 rows) | 16 | 8 | 128 (capped, 8 B stack) | 2 | 278 |
-| pf32_bt32 | 32 | 32 | 8 | 179 | 1 | 408 |
+| pf32 | 16 | 32 | 4 | 214 | 2 | 453 |
+| pf16 | 16 | 16 | 4 | 157 | 3 | 297 |
+| pf16_bt32 | 32 queries (128 rows) | 16 | 8 | 128 (capped, 8 B stack) | 2 | 263 |
+| pf32_bt32 | 32 | 32 | 8 | 183 | 1 | 381 |
 
 1. proof: each variant's output against base (pf32: bitwise, the same blocks; the others within bf16 rounding).
 2. alone: the tile kernel on prebuilt unions (16- and 32-query tiles built once), interleaved --reps times; the
@@ -27,7 +27,7 @@ before block i's dots; the price is registers:
    against the default, and dense cuDNN SDPA's forward, interleaved.
 
 Predictions (before the call): proof as above. Alone (base ~6.7 ms): pf32 5.0-6.5 (stalls halved at 2 programs an
-SM), pf16 5.5-7.0 (27% more instructions a key, 3 programs), pf16_bt32 5.5-7.5 (43% more instructions in all but
+SM), pf16 5.5-7.0 (31% more instructions a key, 3 programs), pf16_bt32 5.5-7.5 (~35% more instructions in all but
 fewer gathers: the 32-query unions are 4,229 keys against 2 x 3,407), pf32_bt32 6.5-9 (one program an SM). Prefill
 32K: attention 7.42 -> 6.0-7.0 ms, prefill vs dense 1.25x -> 1.3-1.4x.
 

@@ -27,7 +27,7 @@ from triton.compiler import ASTSource
 from sparse_rl.sparse.ops.sparse_attention import union
 
 UNIT = ("sqd", "skd", "svd", "sod", "slh", "suk", "QG")  # 1 at the launch: specialised as constants
-INTS = ("G", "UMAX")  # not multiples of 16 at the bench's shapes (G = 4, |U|max arbitrary); the rest are
+INTS = ("G",)  # not a multiple of 16 at the bench's shapes (G = 4; UMAX is, union.SLOT_PAD); the rest are
 PTR = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32",
        "UKEY": "*i32", "QMASK": "*i32", "ULEN": "*i32"}
 

@@ -130,6 +130,14 @@ def test_tile_fwd_prefetch_is_the_default_loop_bitwise(BT, BK, warps, H, H_kv, D
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     with pytest.raises(ValueError, match="prefetch"):
         union.tile_fwd(q, k, v, sel, scale, prec, tune=(BK, warps, 1, 0, 1, 1, 0, 1))
+    # the prefetching loop reads the key lists in whole blocks: build_union pads them, a hand-cut one is refused
+    assert sel.ukey.shape[2] % union.SLOT_PAD == 0 and bool((sel.qmask[..., int(sel.ulen.max()):] == 0).all())
+    cut = int(sel.ulen.max())
+    if cut % BK:
+        short = union.TileSelection(BT, 1, 0, sel.ukey[..., :cut].contiguous(), sel.bits, sel.ulen,
+                                    sel.qmask[..., :cut].contiguous(), sel.pref)
+        with pytest.raises(ValueError, match="whole"):
+            union.tile_fwd(q, k, v, short, scale, prec, tune=(BK, warps, 1, 0, 0, 1, 0, 1))
 
 
 def test_lazy_rescale_survives_a_max_that_grows_late_and_rows_that_start_empty():
