@@ -23,15 +23,20 @@ before block i's dots; the price is registers:
 1. proof: each variant's output against base (pf32: bitwise, the same blocks; the others within bf16 rounding).
 2. alone: the tile kernel on prebuilt unions (16- and 32-query tiles built once), interleaved --reps times; the
    union build of each tile size timed beside.
-3. prefill: `sparse_attention_forward` (plan, build, kernel) with the best variant forced (tune "fwd" and "bt")
+3. dq: the tile dq pass on the 16-query tiles (the trained backward's dq under keyq, 8.4 ms in session 20's
+   profile): default (64, 4, 2) (241 registers, 2 programs an SM, 851 loop instructions a warp a 64-key block),
+   its loop at 32 keys (181, 2; 453 a 32-key block) and the prefetching loop at 32 keys (232, 2; 382), bitwise
+   the 32-key default loop.
+4. prefill: `sparse_attention_forward` (plan, build, kernel) with the best variant forced (tune "fwd" and "bt")
    against the default, and dense cuDNN SDPA's forward, interleaved.
 
-Predictions (before the call): proof as above. Alone (base ~6.7 ms): pf32 5.0-6.5 (stalls halved at 2 programs an
+Predictions (before the call): proof as above. dq (base ~7.9-8.4 ms): dq 32 within +-10% of base, dq pf32 6-7.5
+(fewer instructions a key than either, the same occupancy, the gathers covered). Alone (base ~6.7 ms): pf32 5.0-6.5 (stalls halved at 2 programs an
 SM), pf16 5.5-7.0 (31% more instructions a key, 3 programs), pf16_bt32 5.5-7.5 (~35% more instructions in all but
 fewer gathers: the 32-query unions are 4,229 keys against 2 x 3,407), pf32_bt32 6.5-9 (one program an SM). Prefill
 32K: attention 7.42 -> 6.0-7.0 ms, prefill vs dense 1.25x -> 1.3-1.4x.
 
-    PYTHONPATH=$PWD python benchmarks/gpu_tilefwd_session22.py --budget 240 --out $OUT/tilefwd22
+    PYTHONPATH=$PWD python benchmarks/gpu_tilefwd_session22.py --budget 300 --out $OUT/tilefwd22
 """
 
 from __future__ import annotations
@@ -114,6 +119,30 @@ def main() -> None:
         ms = sorted(r["ms"] for r in alone if r["variant"] == name)
         return ms[len(ms) // 2] if ms else float("inf")
 
+    # the tile dq pass on the same 16-query tiles (auto's dq for trained rows under keyq): default (64, 4, 2),
+    # its loop at 32 keys, and the prefetching loop at 32 keys (bitwise the 32-key default loop)
+    sel16 = sels[16]
+    o, lse = fwd(16, variants[0][2])
+    do = torch.randn_like(q)
+    delta = (o.float() * do.float()).sum(-1)
+    dqv = [("dq base", (64, 4, 2)), ("dq 32", (32, 4, 2)), ("dq pf32", (32, 4, 1, 0, 1))]
+    if a.smoke:
+        dqv = [("dq base", (32, 4, 1)), ("dq 32", (32, 4, 1)), ("dq pf32", (32, 4, 1, 0, 1))]
+    dqs = {n: union.tile_dq(q, k, v, sel16, do, lse, delta, scale, prec, tune=t) for n, t in dqv}
+    run.res["dq_proof"] = {"pf32_bitwise_32": bool(torch.equal(dqs["dq pf32"], dqs["dq 32"])),
+                           "max_rel_vs_base": float((dqs["dq pf32"].float() - dqs["dq base"].float()).abs().max()
+                                                    / dqs["dq base"].float().abs().max())}
+    log(f"dq proof: {run.res['dq_proof']}")
+    del dqs
+    for rep in range(a.reps if run.res["dq_proof"]["pf32_bitwise_32"] else 0):
+        if not run.gate(20, f"dq rep {rep}"):
+            break
+        for name, tune in dqv:
+            ms = bench_ms(lambda: union.tile_dq(q, k, v, sel16, do, lse, delta, scale, prec, tune=tune), dev, **W)
+            alone.append({"rep": rep, "variant": name, "ms": ms})
+            log(f"dq rep {rep} {name}: {ms:.3f} ms")
+        run.save()
+
     best = min(variants[1:], key=lambda x: median(x[0]))
     qd, kd, vd = (t.transpose(1, 2) for t in (q, k, v))
     prefill = run.res.setdefault("prefill", [])
@@ -130,7 +159,8 @@ def main() -> None:
             log(f"prefill rep {rep} {name}: {ms:.3f} ms")
         run.save()
     run.save()
-    print(json.dumps({k: run.res.get(k) for k in ("union", "proof", "alone", "prefill", "errors", "skipped")}))
+    print(json.dumps({k: run.res.get(k) for k in ("union", "proof", "dq_proof", "alone", "prefill", "errors",
+                                                  "skipped")}))
 
 
 if __name__ == "__main__":

@@ -140,6 +140,38 @@ def test_tile_fwd_prefetch_is_the_default_loop_bitwise(BT, BK, warps, H, H_kv, D
             union.tile_fwd(q, k, v, short, scale, prec, tune=(BK, warps, 1, 0, 0, 1, 0, 1))
 
 
+@pytest.mark.parametrize("BT,BK", [(16, 32), (32, 16)])
+@pytest.mark.parametrize("shared", [False, True])
+def test_tile_dq_prefetch_is_the_default_loop_bitwise(BT, BK, shared):
+    """The dq pass's prefetching loop (tune's 5th entry) against its default loop at the same key block, per-query
+    unions (an empty tile, G 7) and shared rows; and dq against autograd through the float32 reference."""
+    g = torch.Generator().manual_seed(BT + BK + shared)
+    B, T, S, K, H, H_kv, D = 2, 53, 83, 28, 14, 2, 32
+    q = torch.randn(B, T, H, D, generator=g)
+    k, v = torch.randn(B, S, H_kv, D, generator=g), torch.randn(B, S, H_kv, D, generator=g)
+    do = torch.randn(B, T, H, D, generator=g)
+    if shared:
+        grp = 2 * BT
+        rows = _clustered(B, 6, S, K, g)[:, :-(-T // grp)].contiguous()
+        sel = union.shared_tiles(rows, S, grp, BT)
+        idx = rows.repeat_interleave(grp, 1)[:, :T]
+        idx = torch.where(idx <= torch.arange(T)[None, :, None], idx, -1)  # the shared row, causal per query
+    else:
+        idx = _clustered(B, T, S, K, g)
+        idx[1, :BT] = -1
+        sel = union.build_union(idx, S, BT)
+    prec, scale = dot_precision(q.dtype), D ** -0.5
+    o, lse = union.tile_fwd(q, k, v, sel, scale, prec)
+    delta = (o * do).sum(-1)
+    base = union.tile_dq(q, k, v, sel, do, lse, delta, scale, prec, tune=(BK, 4, 1))
+    pf = union.tile_dq(q, k, v, sel, do, lse, delta, scale, prec, tune=(BK, 4, 1, 0, 1))
+    assert torch.equal(pf, base)
+    qr = q.clone().requires_grad_()
+    ref, _ = sparse_attention_naive(qr, k, v, idx, scale)
+    ref.backward(do)
+    torch.testing.assert_close(pf, qr.grad, atol=1e-4, rtol=1e-4)
+
+
 def test_lazy_rescale_survives_a_max_that_grows_late_and_rows_that_start_empty():
     """Scores that rise by far more than 2^8 (log2) along the union (each later key block holds a larger
     score) and rows whose first keys come late: the lazy rescale must move the max then, never overflow."""

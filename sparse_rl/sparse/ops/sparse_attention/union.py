@@ -335,6 +335,30 @@ def _online_step(s, sel, v, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_first(UKEY, QMASK, urow, qrow, suk, kbase, vbase, sks, skd, svs, svd, offs_d, dmask, n, S,
+                    BLOCK_K: tl.constexpr, SHARED: tl.constexpr):
+    """The prefetching loops' start: key block 0's K / V rows, masks and keys (loaded), block 1's keys."""
+    key_c, ok_c = _slot_keys(UKEY, urow, suk, 0, n, S, BLOCK_K, SHARED)
+    kt_n = _gather_rows(kbase, key_c, ok_c, sks, skd, offs_d, dmask)
+    v_n = _gather_rows(vbase, key_c, ok_c, svs, svd, offs_d, dmask)
+    qm_n = _slot_masks(QMASK, qrow, tl.arange(0, BLOCK_K), SHARED)
+    key_n, ok_n = _slot_keys(UKEY, urow, suk, BLOCK_K, n, S, BLOCK_K, SHARED)
+    return kt_n, v_n, qm_n, key_c, ok_c, key_n, ok_n
+
+
+@triton.jit
+def _prefetch_next(UKEY, QMASK, urow, qrow, suk, kbase, vbase, sks, skd, svs, svd, offs_d, dmask, u0, n, S, key_n,
+                   ok_n, BLOCK_K: tl.constexpr, SHARED: tl.constexpr):
+    """In key block u0 of a prefetching loop: block u0 + BK's rows and masks issued on the keys loaded a block ago,
+    block u0 + 2 BK's keys issued; -> (its rows, masks, keys, validity; the next keys, validity)."""
+    kt_n = _gather_rows(kbase, key_n, ok_n, sks, skd, offs_d, dmask)
+    v_n = _gather_rows(vbase, key_n, ok_n, svs, svd, offs_d, dmask)
+    qm_n = _slot_masks(QMASK, qrow, u0 + BLOCK_K + tl.arange(0, BLOCK_K), SHARED)
+    key2, ok2 = _slot_keys(UKEY, urow, suk, u0 + 2 * BLOCK_K, n, S, BLOCK_K, SHARED)
+    return kt_n, v_n, qm_n, key_n, ok_n, key2, ok2
+
+
+@triton.jit
 def _tile_fwd_prefetch(q, K, V, UKEY, QMASK, urow, qrow, kbase, vbase, sks, skd, svs, svd, suk, n, S, q_off,
                        qk_scale, qi, t, rmask, offs_d, dmask, m_i, l_i, acc, BLOCK_K: tl.constexpr,
                        SHARED: tl.constexpr, PREC: tl.constexpr):
@@ -347,19 +371,13 @@ def _tile_fwd_prefetch(q, K, V, UKEY, QMASK, urow, qrow, kbase, vbase, sks, skd,
     issued before block i's dots (and block i+2's keys before them), so a whole block's work covers them; the
     cost is their registers (32 at (32 keys, 4 warps): 214 a thread, 2 programs an SM, against 149 / 3). Same
     blocks, order and arithmetic as the default loop: bitwise its result."""
-    key_c, ok_c = _slot_keys(UKEY, urow, suk, 0, n, S, BLOCK_K, SHARED)
-    kt_n = _gather_rows(kbase, key_c, ok_c, sks, skd, offs_d, dmask)
-    v_n = _gather_rows(vbase, key_c, ok_c, svs, svd, offs_d, dmask)
-    offs_k = tl.arange(0, BLOCK_K)
-    qm_n = _slot_masks(QMASK, qrow, offs_k, SHARED)
-    key_n, ok_n = _slot_keys(UKEY, urow, suk, BLOCK_K, n, S, BLOCK_K, SHARED)
+    kt_n, v_n, qm_n, key_c, ok_c, key_n, ok_n = _prefetch_first(UKEY, QMASK, urow, qrow, suk, kbase, vbase, sks, skd,
+                                                                svs, svd, offs_d, dmask, n, S, BLOCK_K, SHARED)
     for u0 in tl.range(0, n, BLOCK_K, num_stages=1):
         kt, v, qm, key, ok = kt_n, v_n, qm_n, key_c, ok_c
-        kt_n = _gather_rows(kbase, key_n, ok_n, sks, skd, offs_d, dmask)
-        v_n = _gather_rows(vbase, key_n, ok_n, svs, svd, offs_d, dmask)
-        qm_n = _slot_masks(QMASK, qrow, u0 + BLOCK_K + offs_k, SHARED)
-        key_c, ok_c = key_n, ok_n
-        key_n, ok_n = _slot_keys(UKEY, urow, suk, u0 + 2 * BLOCK_K, n, S, BLOCK_K, SHARED)
+        kt_n, v_n, qm_n, key_c, ok_c, key_n, ok_n = _prefetch_next(UKEY, QMASK, urow, qrow, suk, kbase, vbase, sks, skd,
+                                                                   svs, svd, offs_d, dmask, u0, n, S, key_n, ok_n,
+                                                                   BLOCK_K, SHARED)
         sel = _slot_pairs(key, ok, qm, qi, t, rmask, q_off, SHARED)
         s = dot(q, tl.trans(kt), PREC)
         m_i, l_i, acc = _online_step(s, sel, v, m_i, l_i, acc, qk_scale, PREC)
@@ -475,6 +493,13 @@ def _default_tune(BM: int, cuda: bool, shared: bool = True) -> tuple:
     return (32, 4, 2, 0, 0, 1, 128) if BM <= 64 else (32, 4, 3, 0, 0, 1)
 
 
+def _check_slots(pf, sel: TileSelection, umax: int, BK: int, tune, who: str) -> None:
+    """The prefetching loops read whole BK-slot blocks of the key lists and masks: build_union's padding (SLOT_PAD)."""
+    if pf and not sel.shared and (umax % BK or BK > SLOT_PAD):
+        raise ValueError(f"{who}: tune {tune}: prefetch reads whole {BK}-slot blocks of the key lists "
+                         f"({umax} slots a tile: build them with build_union)")
+
+
 def tile_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tune: tuple | None = None):
     """Forward over tiles: q `[B, T, H, D]` -> out `[B, T, H, D]`, lse `[B, T, H]` fp32.
     `tune=(BLOCK_K, num_warps, num_stages[, kt_load[, lazy[, mask_and[, maxnreg[, prefetch]]]]])` overrides the
@@ -493,9 +518,7 @@ def tile_fwd(q, k, v, sel: TileSelection, scale: float, prec: int, out=None, tun
     if pf and (kt_load or lazy):
         raise ValueError(f"tile_fwd: tune {tune}: prefetch gathers K row-major and rescales every block "
                          "(kt_load and lazy must be 0)")
-    if pf and not sel.shared and (umax % BK or BK > SLOT_PAD):
-        raise ValueError(f"tile_fwd: tune {tune}: prefetch reads whole {BK}-slot blocks of the key lists "
-                         f"({umax} slots a tile: build them with build_union)")
+    _check_slots(pf, sel, umax, BK, tune, "tile_fwd")
     ulen = sel.ulen if sel.ulen is not None else sel.ukey
     qmask = sel.qmask if sel.qmask is not None else sel.ukey
     _tile_fwd_kernel[(NT, k.shape[2], B)](
@@ -528,14 +551,26 @@ def _tile_bwd_rows(Q, DO, LSE, DELTA, b, tile, kvh, sqb, sqt, sqh, sqd, sdob, sd
 
 
 @triton.jit
+def _dq_step(q, do, kk, vv, sel, lse2, delta, dq, qk_scale, PREC: tl.constexpr):
+    """One key block of the tile dq pass: K / V rows kk, vv `[BLOCK_K, BLOCK_D]`, sel the pairs kept -> dq + dS K
+    (unscaled; lse2 the base-2 lse, delta = rowsum(o * dO) - dlse, per row)."""
+    s = dot(q, tl.trans(kk), PREC)
+    dp = dot(do, tl.trans(vv), PREC)
+    p = tl.where(sel, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+    ds = p * (dp - delta[:, None])
+    return dq + dot(ds.to(kk.dtype), kk, PREC)
+
+
+@triton.jit
 def _tile_dq_kernel(Q, K, V, UKEY, QMASK, ULEN, DO, LSE, DELTA, DQ,
                     sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                     sdob, sdot, sdoh, sdod, slb, slt, slh, sdqb, sdqt, sdqh, sdqd, sub, sur, suk,
                     T, S, G, D, NT, UMAX, QG, NKEYS, q_off, scale, qk_scale,
                     BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                    SHARED: tl.constexpr, PREC: tl.constexpr):
+                    SHARED: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr = False):
     """dq of one (tile, kv head), accumulated in registers and stored once. DELTA `[B, T, H]` fp32
-    = rowsum(o * do) - dlse (LSE's strides)."""
+    = rowsum(o * do) - dlse (LSE's strides). PREFETCH: the key loop with its gathers a block ahead in registers
+    (bitwise the default loop at the same key block)."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -554,16 +589,23 @@ def _tile_dq_kernel(Q, K, V, UKEY, QMASK, ULEN, DO, LSE, DELTA, DQ,
     qrow = (b * NT + tile) * UMAX
     kbase = K + b * skb + kvh * skh
     vbase = V + b * svb + kvh * svh
-    for u0 in range(0, n, BLOCK_K):
-        key, ok, sel = _tile_slots(UKEY, QMASK, urow, qrow, suk, u0, n, S, q_off, qi, t, row_ok, BLOCK_K, SHARED,
-                                   False)
-        kk = tl.load(kbase + key[:, None] * sks + offs_d[None, :] * skd, mask=ok[:, None] & dmask[None, :], other=0.0)
-        vv = tl.load(vbase + key[:, None] * svs + offs_d[None, :] * svd, mask=ok[:, None] & dmask[None, :], other=0.0)
-        s = dot(q, tl.trans(kk), PREC)
-        dp = dot(do, tl.trans(vv), PREC)
-        p = tl.where(sel, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
-        ds = p * (dp - delta[:, None])
-        dq += dot(ds.to(kk.dtype), kk, PREC)
+    if PREFETCH:  # as the forward's prefetching loop (`_tile_fwd_prefetch`): block i+1's rows before block i's dots
+        kk_n, vv_n, qm_n, key_c, ok_c, key_n, ok_n = _prefetch_first(UKEY, QMASK, urow, qrow, suk, kbase, vbase, sks,
+                                                                    skd, svs, svd, offs_d, dmask, n, S, BLOCK_K, SHARED)
+        for u0 in tl.range(0, n, BLOCK_K, num_stages=1):
+            kk, vv, qm, key, ok = kk_n, vv_n, qm_n, key_c, ok_c
+            kk_n, vv_n, qm_n, key_c, ok_c, key_n, ok_n = _prefetch_next(UKEY, QMASK, urow, qrow, suk, kbase, vbase, sks,
+                                                                       skd, svs, svd, offs_d, dmask, u0, n, S, key_n,
+                                                                       ok_n, BLOCK_K, SHARED)
+            sel = _slot_pairs(key, ok, qm, qi, t, row_ok, q_off, SHARED)
+            dq = _dq_step(q, do, kk, vv, sel, lse2, delta, dq, qk_scale, PREC)
+    else:
+        for u0 in range(0, n, BLOCK_K):
+            key, ok, sel = _tile_slots(UKEY, QMASK, urow, qrow, suk, u0, n, S, q_off, qi, t, row_ok, BLOCK_K,
+                                       SHARED, False)
+            kk = _gather_rows(kbase, key, ok, sks, skd, offs_d, dmask)
+            vv = _gather_rows(vbase, key, ok, svs, svd, offs_d, dmask)
+            dq = _dq_step(q, do, kk, vv, sel, lse2, delta, dq, qk_scale, PREC)
     tl.store(DQ + b * sdqb + t[:, None] * sdqt + heads[:, None] * sdqh + offs_d[None, :] * sdqd,
              (dq * scale).to(DQ.dtype.element_ty), mask=rd)
 
@@ -584,16 +626,18 @@ def dq_default_tune(BM: int, cuda: bool, shared: bool = True) -> tuple[int, int,
 def tile_dq(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int,
             tune: tuple | None = None):
     """dq `[B, T, H, D]` (q.dtype) over tiles; lse/delta `[B, T, H]` fp32 with equal strides. `tune=(BLOCK_K,
-    num_warps, num_stages[, maxnreg])`."""
+    num_warps, num_stages[, maxnreg[, prefetch]])` (prefetch: the gathers a key block ahead in registers, as
+    `tile_fwd`'s; num_stages ignored)."""
     B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
     dq = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
-    BK, warps, stages, cap = (*(tune or dq_default_tune(BM, q.is_cuda, sel.shared)), 0)[:4]
+    BK, warps, stages, cap, pf = (*(tune or dq_default_tune(BM, q.is_cuda, sel.shared)), 0, 0)[:5]
+    _check_slots(pf, sel, umax, BK, tune, "tile_dq")
     ulen = sel.ulen if sel.ulen is not None else sel.ukey
     qmask = sel.qmask if sel.qmask is not None else sel.ukey
     _tile_dq_kernel[(NT, k.shape[2], B)](
         q, k, v, sel.ukey, qmask, ulen, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
         *lse.stride(), *dq.stride(), *sel.ukey.stride(), T, k.shape[1], G, D, NT, umax, sel.group,
         sel.ukey.shape[2], sel.q_offset, scale, scale * LOG2E,
-        BT=sel.BT, BLOCK_M=BM, BLOCK_K=BK, BLOCK_D=BD, SHARED=sel.shared, PREC=prec,
-        num_warps=warps, num_stages=stages, **maxnreg_option(cap, q))
+        BT=sel.BT, BLOCK_M=BM, BLOCK_K=BK, BLOCK_D=BD, SHARED=sel.shared, PREC=prec, PREFETCH=bool(pf),
+        num_warps=warps, num_stages=1 if pf else stages, **maxnreg_option(cap, q))
     return dq
