@@ -463,7 +463,7 @@ def run_attention_bench(cfg: BenchAttentionConfig, log=print) -> dict:
             from sparse_rl.sparse.ops.sparse_attention.triton import sparse_attention_forward
 
             plan = sparse_attention_forward(q, k, v, tsel)[2]
-            BT = (plan.bt or _union.tile_queries(H // Hkv)) if plan.fwd == "tile" else _union.tile_queries(H // Hkv)
+            BT = (plan.bt if plan.fwd == "tile" else 0) or _union.tile_queries(H // Hkv)
             fl = tile_floor(tsel, L, H, Hkv, D, BT, row["dense_ms"], row["dense_tflops"], row["indexer_rowmax_ms"])
             row.update({f"trained_{a}": b for a, b in fl.items()})
             row["trained_fwd_path"] = plan.fwd

@@ -359,7 +359,7 @@ def _prefetch_next(UKEY, QMASK, urow, qrow, suk, kbase, vbase, sks, skd, svs, sv
 
 
 @triton.jit
-def _tile_fwd_prefetch(q, K, V, UKEY, QMASK, urow, qrow, kbase, vbase, sks, skd, svs, svd, suk, n, S, q_off,
+def _tile_fwd_prefetch(q, UKEY, QMASK, urow, qrow, kbase, vbase, sks, skd, svs, svd, suk, n, S, q_off,
                        qk_scale, qi, t, rmask, offs_d, dmask, m_i, l_i, acc, BLOCK_K: tl.constexpr,
                        SHARED: tl.constexpr, PREC: tl.constexpr):
     """The key loop with its gathers issued one block ahead into registers (`tile_fwd(tune=...)`'s 8th entry).
@@ -418,8 +418,8 @@ def _tile_fwd_kernel(Q, K, V, UKEY, QMASK, ULEN, O, LSE,
     kbase = K + b * skb + kvh * skh
     vbase = V + b * svb + kvh * svh
     if PREFETCH:
-        m_i, l_i, acc = _tile_fwd_prefetch(q, K, V, UKEY, QMASK, urow, qrow, kbase, vbase, sks, skd, svs, svd, suk, n,
-                                           S, q_off, qk_scale, qi, t, rmask, offs_d, dmask, m_i, l_i, acc, BLOCK_K,
+        m_i, l_i, acc = _tile_fwd_prefetch(q, UKEY, QMASK, urow, qrow, kbase, vbase, sks, skd, svs, svd, suk, n, S,
+                                           q_off, qk_scale, qi, t, rmask, offs_d, dmask, m_i, l_i, acc, BLOCK_K,
                                            SHARED, PREC)
     else:
         for u0 in range(0, n, BLOCK_K):
@@ -432,8 +432,7 @@ def _tile_fwd_kernel(Q, K, V, UKEY, QMASK, ULEN, O, LSE,
                 kt = tl.trans(_gather_rows(kbase, key, ok, sks, skd, offs_d, dmask))
             s = dot(q, kt, PREC)
             # (V's load sits before or after the softmax: the same SASS, the pipeliner issues both gathers ahead)
-            v = tl.load(vbase + key[:, None] * svs + offs_d[None, :] * svd, mask=ok[:, None] & dmask[None, :],
-                        other=0.0)
+            v = _gather_rows(vbase, key, ok, svs, svd, offs_d, dmask)
             if LAZY:
                 s = tl.where(sel, s * qk_scale, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
