@@ -69,6 +69,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
+    from sparse_rl.bench.attention import mma_over_pairs
     from sparse_rl.bench.timing import bench_ms
     from sparse_rl.sparse.ops.sparse_attention import union
     from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
@@ -86,7 +87,8 @@ def main() -> None:
     sels = {bt: union.build_union(rows, S, bt) for bt in sorted({bt for _, bt, _ in variants})}
     n_pairs = int(((rows >= 0) & (rows < S)).sum())
     run.res["union"] = {bt: {"keys": sel.union_size(), "over_pairs": sel.union_size() / n_pairs,
-                             "mma_over_pairs": sel.union_size() * bt / n_pairs} for bt, sel in sels.items()}
+                             "mma_over_pairs": mma_over_pairs(sel.union_size(), n_pairs, bt, q.shape[2], k.shape[2])}
+                      for bt, sel in sels.items()}
 
     def fwd(bt, tune):
         return union.tile_fwd(q, k, v, sels[bt], scale, prec, tune=tune)

@@ -20,6 +20,7 @@ import json
 import torch
 
 from sparse_rl.bench import patterns
+from sparse_rl.bench.attention import mma_over_pairs
 
 
 def exact_rows(qi, w, ki, K: int, sink: int, window: int, chunk: int = 1024) -> torch.Tensor:
@@ -39,13 +40,14 @@ def exact_rows(qi, w, ki, K: int, sink: int, window: int, chunk: int = 1024) -> 
 
 
 def tile_stats(rows: torch.Tensor, BT: int, step: int) -> dict:
-    """union/pairs, MMA work over pairs and the keys every query chose, over every `step`-th tile of BT queries."""
+    """union/pairs, MMA work over pairs (the bench's 32 / 8 heads) and the keys every query chose, over every
+    `step`-th tile of BT queries."""
     u = c = p = 0
     for tile in range(0, rows.shape[0] // BT, step):
         r = rows[tile * BT:(tile + 1) * BT]
         keys, cnt = r[r >= 0].unique(return_counts=True)
         u, c, p = u + keys.numel(), c + int((cnt == BT).sum()), p + int((r >= 0).sum())
-    return {"union_over_pairs": u / p, "mma_over_pairs": u * BT / p, "common_over_union": c / u}
+    return {"union_over_pairs": u / p, "mma_over_pairs": mma_over_pairs(u, p, BT, 32, 8), "common_over_union": c / u}
 
 
 def grouping(rows: torch.Tensor, L: int, W: int, BT: int = 16, windows: int = 16) -> dict:
@@ -67,7 +69,8 @@ def grouping(rows: torch.Tensor, L: int, W: int, BT: int = 16, windows: int = 16
                 j = int((m[left] * (1 - grp_u)).sum(1).argmin())
                 grp_u = torch.maximum(grp_u, m[left.pop(j)])
             greedy += float(grp_u.sum())
-    return {"window": W, "consecutive": cons * BT / pairs, "greedy": greedy * BT / pairs}
+    return {"window": W, "consecutive": mma_over_pairs(cons, pairs, BT, 32, 8),
+            "greedy": mma_over_pairs(greedy, pairs, BT, 32, 8)}
 
 
 def main() -> None:

@@ -232,6 +232,16 @@ def time_pattern(q, k, v, idx, dev, W, prefix: str, **kw) -> dict:
     return res
 
 
+def mma_over_pairs(ukeys: float, n_pairs: int, BT: int, H: int, H_kv: int) -> float:
+    """The union tiles' MMA work over the selected pairs': each (tile of BT queries, KV head) multiplies its
+    BM = next_pow2(BT * G) rows (G = H / H_kv) by every key of its union, selected or masked; ukeys: the unions'
+    sizes summed over tiles, n_pairs: the selected (query, key) pairs."""
+    import triton
+
+    BM = max(16, triton.next_power_of_2(BT * (H // H_kv)))
+    return ukeys * BM * H_kv / max(1, n_pairs * H)
+
+
 def tile_floor(indices, S: int, H: int, H_kv: int, D: int, BT: int, dense_ms: float, dense_tflops: float,
                scores_ms: float | None) -> dict:
     """What the GQA-packed forward's design allows on one selection, from numbers of the same run: the tiles' MMA
@@ -240,14 +250,11 @@ def tile_floor(indices, S: int, H: int, H_kv: int, D: int, BT: int, dense_ms: fl
     time if the tile kernel ran as fast per MMA FLOP as dense), plus the streamed score sweep alone (the top-k at
     no cost beyond its scores): a floor for this tiling, not for the card (a tiling with less masked work, or a
     kernel faster per FLOP than cuDNN, would go below it). indices `[B, T, K]` per-query rows."""
-    import triton
-
     from sparse_rl.sparse.ops.sparse_attention import union
 
     n = pairs(indices)
     ukeys = float(union.union_sizes(indices, S, BT).sum())
-    BM = max(16, triton.next_power_of_2(BT * (H // H_kv)))
-    waste = ukeys * BM * H_kv / max(1, n * H)
+    waste = mma_over_pairs(ukeys, n, BT, H, H_kv)
     attn = waste * 4.0 * n * H * D / (dense_tflops * 1e9)
     res = {"tile_queries": BT, "union_ratio": ukeys / max(1, n), "mma_over_pairs": waste, "attn_floor_ms": attn}
     if scores_ms is not None:
