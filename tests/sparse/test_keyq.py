@@ -187,3 +187,25 @@ def test_keyq_program_order_changes_nothing(H, H_kv):
         assert torch.equal(dk, outs[0][0]) and torch.equal(dv, outs[0][1])
     with pytest.raises(ValueError, match="heads_together"):
         keyq.keyq_dkdv(q, k, v, idx, do, lse, delta, D ** -0.5, 0, tune=(32, 32, 4, 1, 0, 5))
+
+
+def test_keyq_default_order_pairs_the_kv_heads_where_they_pair():
+    """The GPU default runs two KV heads together (session 25's fastest order) where two divide H_kv and all of
+    them otherwise (Mistral-like 8, Qwen 2 / 4; an odd count such as 7 or 1); the CPU default is unchanged. With
+    H_kv odd, the default tune must run, not raise the divisibility error."""
+    assert keyq.default_tune(True, 8)[5] == 2 and keyq.default_tune(True, 2)[5] == 2
+    for odd in (1, 7):
+        t = keyq.default_tune(True, odd)
+        assert len(t) < 6 or t[5] is None
+    assert keyq.default_tune(False, 7) == (32, 64, 4, 1)
+    g = torch.Generator().manual_seed(3)
+    B, T, S, D, K, H, H_kv = 1, 20, 40, 16, 8, 7, 7
+    q, k, v = (torch.randn(B, n, h, D, generator=g) for n, h in ((T, H), (S, H_kv), (S, H_kv)))
+    idx = _random_rows(B, T, S, K, H)
+    o, lse = sparse_attention_naive(q, k, v, idx)
+    do = torch.randn(q.shape, generator=g)
+    delta = (o * do).sum(-1)
+    base = keyq.keyq_dkdv(q, k, v, idx, do, lse, delta, D ** -0.5, 0, tune=(64, 128, 8, 3, 0, 1))
+    dflt = keyq.keyq_dkdv(q, k, v, idx, do, lse, delta, D ** -0.5, 0, tune=keyq.default_tune(True, H_kv))
+    assert torch.equal(base[0], dflt[0]) and torch.equal(base[1], dflt[1])
+

@@ -172,6 +172,32 @@ def test_tile_dq_prefetch_is_the_default_loop_bitwise(BT, BK, shared):
     torch.testing.assert_close(pf, qr.grad, atol=1e-4, rtol=1e-4)
 
 
+def test_dq_default_prefetches_only_padded_per_query_lists():
+    """The GPU's dq default for 16-query (64-row) tiles is the prefetching loop at 32 keys, on build_union's padded
+    lists only: a hand-cut list whose slots are not whole 32-key blocks takes the plain loop rather than the
+    prefetch's refusal. Both defaults, run here under the interpreter, give the same dq as the plain 32-key loop."""
+    g = torch.Generator().manual_seed(7)
+    B, T, S, K, H, H_kv, D, BT = 1, 40, 90, 20, 8, 2, 32, 16
+    q, do = torch.randn(B, T, H, D, generator=g), torch.randn(B, T, H, D, generator=g)
+    k, v = torch.randn(B, S, H_kv, D, generator=g), torch.randn(B, S, H_kv, D, generator=g)
+    sel = union.build_union(_clustered(B, T, S, K, g), S, BT)
+    BM = max(16, BT * H // H_kv)
+    assert BM == 64 and union.dq_default_tune(BM, True, sel.shared, sel.ukey.shape[2]) == (32, 4, 1, 0, 1)
+    assert union.dq_default_tune(BM, True, True) == (64, 4, 2)
+    assert union.dq_default_tune(2 * BM, True, False) == (128, 8, 2)
+    cut = int(sel.ulen.max()) | 1  # odd: never whole 32-key blocks
+    short = union.TileSelection(BT, 1, 0, sel.ukey[..., :cut].contiguous(), sel.bits, sel.ulen,
+                                sel.qmask[..., :cut].contiguous(), sel.pref)
+    assert union.dq_default_tune(BM, True, False, cut) == (64, 4, 2)
+    prec, scale = dot_precision(q.dtype), D ** -0.5
+    o, lse = union.tile_fwd(q, k, v, sel, scale, prec)
+    delta = (o * do).sum(-1)
+    plain = union.tile_dq(q, k, v, sel, do, lse, delta, scale, prec, tune=(32, 4, 1))
+    for s_, umax in ((sel, sel.ukey.shape[2]), (short, cut)):
+        dq = union.tile_dq(q, k, v, s_, do, lse, delta, scale, prec, tune=union.dq_default_tune(BM, True, False, umax))
+        torch.testing.assert_close(dq, plain, atol=1e-5, rtol=1e-5)
+
+
 def test_lazy_rescale_survives_a_max_that_grows_late_and_rows_that_start_empty():
     """Scores that rise by far more than 2^8 (log2) along the union (each later key block holds a larger
     score) and rows whose first keys come late: the lazy rescale must move the max then, never overflow."""

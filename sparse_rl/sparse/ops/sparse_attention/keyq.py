@@ -187,11 +187,16 @@ def _kq_dkdv_kernel(Q, K, V, DO, LSE, DELTA, OFF, LIST, MSK, DK, DV,
     tl.store(DV + base, dv.to(DV.dtype.element_ty), mask=m)
 
 
-def default_tune(cuda: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, rows, num_warps, num_stages). H200, 32K, trained-indexer rows, G 4, the kernel alone on prebuilt
-    lists (session 12 call 1, NOTES.md; keymajor "dt" (64, 8, 2) 30.16 ms in the same run): (64, 128, 8, 3) 15.44 ms,
-    (32, 64, 4, 2) 16.47, (64, 128, 8, 2) 16.79, (32, 128, 8, 3) 18.98, (32, 128, 8, 2) 21.13, (16, 128, 8, 2) 30.76."""
-    return (64, 128, 8, 3) if cuda else (32, 64, 4, 1)
+def default_tune(cuda: bool, H_kv: int = 8) -> tuple:
+    """(BLOCK_N, rows, num_warps, num_stages[, maxnreg, heads_together]). H200, 32K, trained-indexer rows, G 4, the kernel
+    alone on prebuilt lists (session 12 call 1, NOTES.md; keymajor "dt" (64, 8, 2) 30.16 ms in the same run):
+    (64, 128, 8, 3) 15.44 ms, (32, 64, 4, 2) 16.47, (64, 128, 8, 2) 16.79, (32, 128, 8, 3) 18.98, (32, 128, 8, 2) 21.13,
+    (16, 128, 8, 2) 30.76. The program order (session 25 call 1, H100, results/2026-12-07-h100-session25.md, same rows):
+    two KV heads together 15.16-15.23 ms, all eight 15.90-15.95, one 16.64 (bitwise equal); where two do not divide
+    H_kv (GQA with an odd number of KV heads), all of them."""
+    if not cuda:
+        return (32, 64, 4, 1)
+    return (64, 128, 8, 3, 0, 2) if H_kv % 2 == 0 else (64, 128, 8, 3)
 
 
 def keyq_dkdv(q, k, v, indices, do, lse, delta, scale: float, prec: int, tune: tuple | None = None, lists=None):
@@ -204,7 +209,7 @@ def keyq_dkdv(q, k, v, indices, do, lse, delta, scale: float, prec: int, tune: t
     B, T, H, D = q.shape
     S, H_kv = k.shape[1], k.shape[2]
     G = H // H_kv
-    t = tuple(tune or default_tune(q.is_cuda))
+    t = tuple(tune or default_tune(q.is_cuda, H_kv))
     BN, rows, warps, stages = t[:4]
     cap = t[4] if len(t) > 4 else 0
     heads_together = t[5] if len(t) > 5 else None

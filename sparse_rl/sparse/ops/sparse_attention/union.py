@@ -609,16 +609,24 @@ def _tile_dq_kernel(Q, K, V, UKEY, QMASK, ULEN, DO, LSE, DELTA, DQ,
              (dq * scale).to(DQ.dtype.element_ty), mask=rd)
 
 
-def dq_default_tune(BM: int, cuda: bool, shared: bool = True) -> tuple[int, int, int]:
+def dq_default_tune(BM: int, cuda: bool, shared: bool = True, umax: int = SLOT_PAD) -> tuple:
+    """(BLOCK_K, num_warps, num_stages[, maxnreg, prefetch]) of `tile_dq` for BM-row tiles; umax: the tiles' key-list
+    slots (the prefetching loop reads whole blocks of them: build_union pads to SLOT_PAD, a hand-cut list takes the
+    plain loop)."""
     # query groups on the trained pattern, 32K, H200 (session 8, NOTES.md item 15): 64-row tiles (64, 4, 2)
     # 4.60 ms, (32, 4, 2) 4.97, (32, 4, 3) 5.70, (16, 4, 2) 6.89, (64, 8, 2) 10.4; 128-row tiles (64, 8, 2)
     # 4.77, (32, 4, 2) 4.81, (16, 4, 2) 6.23, (32, 8, 2) 7.22. Block pattern, 128 rows (run 1): (32, 4, 2) 4.5
     # Per-query union tiles (128 rows, the trained indexer's token rows at 32K; session 12 call 2, NOTES.md): (128, 8, 2)
     # 9.32 ms, (32, 4, 2) 9.75, (64, 8, 2) 10.18, (64, 8, 3) 10.43; shared rows not timed at (128, 8, 2): unchanged
+    # 64-row per-query tiles (16 queries, auto's on trained rows; session 25 call 1, H100,
+    # results/2026-12-07-h100-session25.md): the prefetching loop at 32 keys (32, 4, 1, 0, 1) 7.85-8.23 ms against
+    # (64, 4, 2) 8.24-8.41 and the plain 32-key loop (32, 4, 2) 10.72-10.73, bitwise the latter
     if not cuda:
         return (32, 4, 1)
     if BM <= 64:
-        return (64, 4, 2)
+        if shared or umax % 32:
+            return (64, 4, 2)
+        return (32, 4, 1, 0, 1)
     return (64, 8, 2) if shared else (128, 8, 2)
 
 
@@ -629,7 +637,7 @@ def tile_dq(q, k, v, sel: TileSelection, do, lse, delta, scale: float, prec: int
     `tile_fwd`'s; num_stages ignored)."""
     B, T, H, D, G, BM, BD, NT, umax = _common(q, k, sel)
     dq = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
-    BK, warps, stages, cap, pf = (*(tune or dq_default_tune(BM, q.is_cuda, sel.shared)), 0, 0)[:5]
+    BK, warps, stages, cap, pf = (*(tune or dq_default_tune(BM, q.is_cuda, sel.shared, umax)), 0, 0)[:5]
     _check_slots(pf, sel, umax, BK, tune, "tile_dq")
     ulen = sel.ulen if sel.ulen is not None else sel.ukey
     qmask = sel.qmask if sel.qmask is not None else sel.ukey
