@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--variants", default="base,norm,pf_small,pf_split,tma,tma_split,merge,norm_pf")
     ap.add_argument("--gen-variants", default="base,norm_pf")
     ap.add_argument("--tol", type=float, default=0.02, help="proof: logits within tol x the largest (0: bitwise)")
+    ap.add_argument("--batch", type=int, default=32, help="the large batch (16 on an 80 GB H100)")
     a = ap.parse_args()
     import gpu_silu_session20 as s20
 

@@ -64,9 +64,10 @@ def steps_part(run, b, plan, reps: int) -> None:
 
 
 def call(a, names: list, gen_names: list, json_name: str) -> None:
-    """One device call's parts (a: the parsed arguments: out, budget, reps, parts, smoke, tol): proof of every
+    """One device call's parts (a: the parsed arguments: out, budget, reps, parts, smoke, tol, batch): proof of every
     variant of names against the first, interleaved steps, the whole 16K generation of gen_names; printed at the end.
-    Session 21's `gpu_norm_session21.py` runs its variants through it too."""
+    Session 21's `gpu_norm_session21.py` runs its variants through it too. a.batch (default 32): the large batch of
+    every part (16 on an 80 GB H100, where 32 x 16K of the Qwen3-4B shape's K/V, 77 GB, does not fit)."""
     import torch
 
     import gpu_streams_session20 as g20
@@ -78,22 +79,23 @@ def call(a, names: list, gen_names: list, json_name: str) -> None:
     if a.smoke:  # no swapab GEMMs off sm_90: ask for them, so the fused path runs under the interpreter
         for n in names:
             g20.VARIANTS[n] = {**g20.VARIANTS[n], "skinny_gemm": True, "skinny_impl": "swapab"}
-    ok = True
+    ok, BB = True, getattr(a, "batch", 32)
+    run.res["batch"] = BB
     if "proof" in a.parts:
-        ok = bool(run.guarded("proof sparse", proof_part, run, b, [(3, 40)] if a.smoke else [(32, 16384)], names,
+        ok = bool(run.guarded("proof sparse", proof_part, run, b, [(3, 40)] if a.smoke else [(BB, 16384)], names,
                               "sparse", a.tol))
-        ok &= bool(run.guarded("proof dense", proof_part, run, b, [(3, 40)] if a.smoke else [(32, 2048)], names,
+        ok &= bool(run.guarded("proof dense", proof_part, run, b, [(3, 40)] if a.smoke else [(BB, 2048)], names,
                                "dense", a.tol))
         run.res["proof_equal"] = ok
         run.save()
     if ok and "steps" in a.parts:
         plan = ({3: (64, [40], {"sparse": [40], "dense": [40]})} if a.smoke else
-                {32: (16640, [16384, 2304, 2048], {"sparse": [16384, 2304], "dense": [16384, 2048]}),
+                {BB: (16640, [16384, 2304, 2048], {"sparse": [16384, 2304], "dense": [16384, 2048]}),
                  1: (16640, [2048, 16384], {"dense": [2048, 16384], "sparse": [16384]})})
         run.guarded("steps", steps_part, run, b, plan, a.reps)
         run.save()
     if ok and "gen" in a.parts:
-        new, batch, prompt = (24, 2, 8) if a.smoke else (16384, 32, 128)
+        new, batch, prompt = (24, 2, 8) if a.smoke else (16384, BB, 128)
         v = _variants(gen_names)
         plan = [(m, n, v[n]) for n in gen_names for m in ("dense", "sparse")]
         run.guarded("gen", rh.whole, run, b, new, batch, prompt, plan, "gen", {"dense": 40, "sparse": 40})
@@ -113,6 +115,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU (checks the parts run)")
     ap.add_argument("--variants", default=",".join(NAMES))
     ap.add_argument("--tol", type=float, default=0.0, help="proof: logits within tol x the largest (0: bitwise)")
+    ap.add_argument("--batch", type=int, default=32, help="the large batch (16 on an 80 GB H100)")
     a = ap.parse_args()
     names = a.variants.split(",")
     call(a, names, names, "silu20.json")
