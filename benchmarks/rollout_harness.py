@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -55,20 +55,17 @@ class Variant:
     fuse_norm: bool = False  # ModelRunner.fuse_norm: the post-attention add + RMSNorm inside the swap-AB GEMMs
     fuse_merge: bool = False  # ModelRunner.fuse_merge: the split decode attention's merge inside its kernel
 
-    def describe(self) -> dict:
-        return {"select": self.select.as_kwargs(), "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
-                "blas": self.blas, "pdl": self.pdl, "skinny_impl": self.skinny_impl,
-                "skinny_tiles": None if self.skinny_tiles is None else {k: dict(v) for k, v in self.skinny_tiles},
-                "fuse_indexer": self.fuse_indexer, "select_streams": self.select_streams,
-                "fuse_silu": self.fuse_silu, "fuse_norm": self.fuse_norm,
-                "fuse_merge": self.fuse_merge}
-
     def runner_options(self) -> dict:
-        return {"decode_select": self.select, "qkv_pad": self.qkv_pad, "skinny_gemm": self.skinny_gemm,
-                "blas": self.blas, "pdl": self.pdl, "skinny_impl": self.skinny_impl, "skinny_tiles": self.skinny_tiles,
-                "fuse_indexer": self.fuse_indexer, "select_streams": self.select_streams,
-                "fuse_silu": self.fuse_silu, "fuse_norm": self.fuse_norm,
-                "fuse_merge": self.fuse_merge}
+        """The ModelRunner keywords of this variant: every field under its own name, the select as decode_select."""
+        opts = {f.name: getattr(self, f.name) for f in fields(self)}
+        opts["decode_select"] = opts.pop("select")
+        return opts
+
+    def describe(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["select"] = self.select.as_kwargs()
+        d["skinny_tiles"] = None if self.skinny_tiles is None else {k: dict(v) for k, v in self.skinny_tiles}
+        return d
 
 
 def apply(eng, v: Variant) -> None:
