@@ -270,10 +270,12 @@ class ModelRunner:
     the next norm's weight; gate/up and the next layer's q/k/v multiply hn and scale their fp32 sums by 1 / rms(h)
     (`_fused_post_norm`, `_pre_norm_ok`, `set_fuse_norm`; values within bf16 rounding of the unfused ones). Opt-in:
     its first form (each x tile normalized inside the GEMM loop) measured +2.0 ms a step at batch 32 on the H200
-    (session 21, results/2026-12-04-h200-session21.md); this form is not yet timed. fuse_merge: where the decode
+    (session 21, results/2026-12-04-h200-session21.md); this form +0.01 to +1.0 ms on an H100 at batch 16 (session
+    25, results/2026-12-07-h100-session25.md). fuse_merge: where the decode
     attention splits a row's index list (small batches: about one program an SM), the last program of each (row, kv
     head) merges the partials (`ops.sparse_decode(merge="fused")`) instead of a `_merge_kernel` launch a layer (36 a
-    step at batch 1); the same values up to the fp32 order over the splits; opt-in, not yet timed; `set_fuse_merge`."""
+    step at batch 1); the same values up to the fp32 order over the splits; opt-in: +0.05 to +0.23 ms a step at
+    batch 1 on an H100 (session 25: the last program's serial merge outlasts the merge launch); `set_fuse_merge`."""
 
     def __init__(self, model, device, use_graphs: bool | None = None, compile: bool | None = None,
                  compile_backend="inductor", fuse_projections: bool | None = None, qkv_pad: int = QKV_PAD,
@@ -335,7 +337,7 @@ class ModelRunner:
         # the residual adds + RMSNorms inside the swap-AB GEMMs: o_proj / down epilogues (h, sums of h^2, hn), gate/up /
         # next q/k/v epilogues (1 / rms) (`_fused_post_norm`, `_Resid`, `_pre_norm_ok`; opt-in, see the docstring)
         self.fuse_norm = bool(fuse_norm)
-        self.fuse_merge = bool(fuse_merge)  # the split decode attention's merge inside its kernel (opt-in, untimed)
+        self.fuse_merge = bool(fuse_merge)  # the split decode attention's merge inside its kernel (opt-in, slower)
         self.select_streams = 1
         self._side_streams: list = []  # the CUDA streams beside the current one (`set_select_streams`)
         self._pdl_asked = pdl  # the request: the compiled step's inductor PDL only when asked for (never timed)
