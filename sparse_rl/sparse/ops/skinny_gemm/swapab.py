@@ -233,6 +233,18 @@ def _resid_args(residual, scale, M: int, N: int, BW: int, BX: int, x: torch.Tens
     return out
 
 
+def _operands(x: torch.Tensor, w: torch.Tensor, who: str, even_rows: bool = False):
+    """Both forms' operand checks (M <= 64, a shared K; the fused gate/up's weight rows even) and their last dims
+    made contiguous -> (x, w, whether the interpreter runs it)."""
+    M, K = x.shape
+    if M > 64 or w.shape[1] != K or (even_rows and w.shape[0] % 2):
+        raise ValueError(f"{who}: x {tuple(x.shape)}, w {tuple(w.shape)} (needs M <= 64, a shared K"
+                         + (", an even number of weight rows)" if even_rows else ")"))
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    return x, w, not x.is_cuda
+
+
 def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = None, *, bw: int = 128, bk: int = 64,
                   programs: int = 264, num_warps: int = 4, num_stages: int = 4, pdl: int = 0,
                   residual: torch.Tensor | None = None, scale: torch.Tensor | None = None,
@@ -250,13 +262,9 @@ def swapab_linear(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor | None = N
     interpreter, 16-byte aligned rows, else a ValueError)."""
     from sparse_rl.sparse.ops.skinny_gemm.triton import counters
 
+    x, w, interp = _operands(x, w, "swapab_linear")
     M, K = x.shape
     N = w.shape[0]
-    if M > 64 or w.shape[1] != K:
-        raise ValueError(f"swapab_linear: x {tuple(x.shape)}, w {tuple(w.shape)} (needs M <= 64 and a shared K)")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    w = w if w.stride(-1) == 1 else w.contiguous()
-    interp = not x.is_cuda
     if interp:  # few, small programs (the interpreter runs them one by one); still split over K
         bw, bk, programs, pdl = 16, 16, 3 * triton.cdiv(N, 16), 0
     BX, BW, BK, SPLIT, KS = plan(M, N, K, bw, bk, programs)
@@ -286,14 +294,9 @@ def swapab_silu_mul(x: torch.Tensor, w: torch.Tensor, *, bw: int = 128, bk: int 
     kernel's and the epilogue applies silu_mul's arithmetic; one K slice a program: gate/up's shapes need no split).
     programs: ignored (the plain kernel's split-K knob). norm, prefetch: as `swapab_linear`'s (x then hn = h * the
     norm's weight). loads: as `swapab_linear`'s ("tma": one `[2, BW / 2, BK]` box of the weight as `[2, N, K]`)."""
+    x, w, interp = _operands(x, w, "swapab_silu_mul", even_rows=True)
     M, K = x.shape
     N2 = w.shape[0]
-    if M > 64 or w.shape[1] != K or N2 % 2:
-        raise ValueError(f"swapab_silu_mul: x {tuple(x.shape)}, w {tuple(w.shape)} (needs M <= 64, a shared K, "
-                         "an even number of weight rows)")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    w = w if w.stride(-1) == 1 else w.contiguous()
-    interp = not x.is_cuda
     if interp:
         bw, bk, pdl = 16, 16, 0
     N = N2 // 2
