@@ -19,7 +19,7 @@ from sparse_rl.sparse.ops.indexer_kl.naive import warmup_kl as warmup_kl_naive
 from sparse_rl.sparse.ops.indexer_topk.naive import (granular_topk_decode_naive, granular_topk_naive,
                                                      indexer_scores_naive, indexer_topk_decode_naive, indexer_topk_naive,
                                                      quantize_index_keys, shared_rows_ok, visible_mask)
-from sparse_rl.sparse.ops.sparse_attention.naive import (dense_attention_naive, shared_to_per_query,
+from sparse_rl.sparse.ops.sparse_attention.naive import (MERGES, dense_attention_naive, shared_to_per_query,
                                                          sparse_attention_naive)
 
 __all__ = ["sparse_attention", "sparse_decode", "indexer_topk", "indexer_topk_decode", "indexer_scores", "indexer_decode",
@@ -65,8 +65,8 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     so do the decode ops below). nsplit: the kernel's split of each index list (None: its heuristic, about one
     program an SM). merge: "kernel" (the splits' partials merged by a second launch) or "fused" (by the last
     program of each (row, kv head) inside the forward; never two such launches at once on two streams)."""
-    if merge not in ("kernel", "fused"):
-        raise ValueError(f"sparse_decode: merge {merge!r} (kernel or fused)")
+    if merge not in MERGES:  # checked here too: the reference path takes no merge
+        raise ValueError(f"sparse_decode: merge {merge!r} not among {MERGES}")
     fn = kernel("sparse_attention", "sparse_decode")
     if resolve_backend(backend, q, fn is not None) == "triton":
         return fn(q, k_cache, v_cache, indices, scale, nsplit=nsplit, pdl=pdl, merge=merge)

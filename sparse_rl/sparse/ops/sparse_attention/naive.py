@@ -18,6 +18,9 @@ import torch
 # Elements of one gathered K (or V) chunk; the forward holds ~3 and the backward ~5 such blocks
 # (fp32: 32 MB each), so the reference's working memory stays below ~200 MB at any context length.
 GATHER_BUDGET = 1 << 23
+# the ways `ops.sparse_decode(merge=)` may merge a split index list's partials: a second launch or the last program
+# of each (row, kv head) inside the forward (the reference never splits; the Triton kernel does both)
+MERGES = ("kernel", "fused")
 
 
 def _chunks(B: int, T: int, K: int, H_kv: int, D: int, budget: int):

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from sparse_rl.sparse.ops.sparse_attention import blocks, keymajor, keyq, paths, union
-from sparse_rl.sparse.ops.sparse_attention.naive import shared_to_per_query, sparse_attention_naive
+from sparse_rl.sparse.ops.sparse_attention.naive import MERGES, shared_to_per_query, sparse_attention_naive
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 from sparse_rl.sparse.ops.pdl import pdl_enter
 from sparse_rl.sparse.ops._backend import grown_counters
@@ -485,7 +485,6 @@ def decode_splits(B: int, H_kv: int, NK: int, device) -> int:
 
 
 _MERGE_COUNTERS: dict = {}  # device -> zeroed int32 counters of the fused merge (every launch leaves them zeroed)
-MERGES = ("kernel", "fused")  # `sparse_decode(merge=)`
 
 
 def _merge_counters(dev: torch.device, n: int) -> torch.Tensor:
