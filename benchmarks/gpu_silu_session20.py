@@ -79,7 +79,7 @@ def call(a, names: list, gen_names: list, json_name: str) -> None:
     if a.smoke:  # no swapab GEMMs off sm_90: ask for them, so the fused path runs under the interpreter
         for n in names:
             g20.VARIANTS[n] = {**g20.VARIANTS[n], "skinny_gemm": True, "skinny_impl": "swapab"}
-    ok, BB = True, getattr(a, "batch", 32)
+    ok, BB = True, a.batch
     run.res["batch"] = BB
     if "proof" in a.parts:
         ok = bool(run.guarded("proof sparse", proof_part, run, b, [(3, 40)] if a.smoke else [(BB, 16384)], names,

@@ -208,4 +208,3 @@ def test_keyq_default_order_pairs_the_kv_heads_where_they_pair():
     base = keyq.keyq_dkdv(q, k, v, idx, do, lse, delta, D ** -0.5, 0, tune=(64, 128, 8, 3, 0, 1))
     dflt = keyq.keyq_dkdv(q, k, v, idx, do, lse, delta, D ** -0.5, 0, tune=keyq.default_tune(True, H_kv))
     assert torch.equal(base[0], dflt[0]) and torch.equal(base[1], dflt[1])
-
