@@ -1,7 +1,8 @@
 """The decode select's threshold by one in-register sort of the candidates (`sort`, opt-in) and by four
 radix passes (sort=0, the default, and rows with more candidates than `sort`): the same keys as the reference
 (TRITON_INTERPRET=1 on the CPU), with heavy ties (integer scores, ReLU zeros) and without; and the
-implementations after the score pass (`impl`: chunked, row, split, fine, bits, bsearch, auto) likewise."""
+implementations after the score pass (`impl`: chunked, row, split, fine, bits, bsearch, cuda, auto) likewise
+(cuda: its PyTorch reference over the interpreted score pass; the kernel itself in test_decode_cuda.py)."""
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ def test_sort_and_radix_thresholds_pick_the_reference_keys(ints, B, S, K, sink, 
         itd.indexer_topk_decode(q, w, k, pos, K, sort=48)
 
 
-@pytest.mark.parametrize("impl", ["row", "split", "fine", "bits", "bsearch", "auto"])
+@pytest.mark.parametrize("impl", ["row", "split", "fine", "bits", "bsearch", "cuda", "auto"])
 @pytest.mark.parametrize("ints", [True, False])
 def test_row_and_split_selects_pick_the_reference_keys(impl, ints):
     """impl="row" (the score pass, then one program per row: decode_row.py) and "split" (then three
@@ -54,7 +55,7 @@ def test_row_and_split_selects_pick_the_reference_keys(impl, ints):
     pos = torch.tensor([S - 1, 70, 12, 100])
     kvs = torch.tensor([0, 3, 0, 40])
     ref = indexer_topk_decode_naive(q, w, k, pos, K, sink=2, window=3, kv_start=kvs)
-    for sort in (2, 64) if impl not in ("auto", "bits", "bsearch") else (0,):  # 2: most rows overflow to the radix levels; 64: all sort
+    for sort in (2, 64) if impl not in ("auto", "bits", "bsearch", "cuda") else (0,):  # 2: most rows overflow to the radix levels; 64: all sort
         got = itd.indexer_topk_decode(q, w, k, pos, K, sink=2, window=3, kv_start=kvs, chunk=32, impl=impl, sort=sort,
                                       row_max_keys=100)  # auto: this S takes the chunked passes
         assert torch.equal(got, ref), sort
@@ -69,7 +70,7 @@ def test_row_and_split_selects_pick_the_reference_keys(impl, ints):
     assert itd.DecodeSelect(num_warps=2).as_kwargs()["num_warps"] == 2 and itd.DecodeSelect().as_kwargs()["num_warps"] is None
 
 
-@pytest.mark.parametrize("impl", ["chunked", "split", "fine", "bits", "bsearch"])
+@pytest.mark.parametrize("impl", ["chunked", "split", "fine", "bits", "bsearch", "cuda"])
 def test_chunked_and_split_select_edge_distributions(impl):
     """Forced keys filling the budget, all-equal scores, a span set by a few huge keys (nearly every key
     a candidate), negative weights against the reference (the default, row at these sizes, is held to

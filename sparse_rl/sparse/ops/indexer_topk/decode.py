@@ -264,7 +264,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     `decode_row.py`, two launches, `row_block` keys a step in `row_warps` warps), "split" (the score
     pass, then three (chunk, row) launches: `decode_split.py`), "fine" (the score pass, then three (chunk,
     row) launches with a second level of bins: `decode_fine.py`; fine_cap: its most sub-bin keys ranked in
-    registers) or "auto" (the default: row for S <= row_max_keys, else auto_long; `DecodeSelect` holds these
+    registers), "cuda" (the score pass, then one CUDA block a row: `decode_cuda.py`; on a CPU its PyTorch
+    reference over the interpreted score pass's scores) or "auto" (the default: row for S <= row_max_keys, else auto_long; `DecodeSelect` holds these
     three). score_block: the score pass's keys a step (0: the passes' common step). fine_resolve: where the fine
     select resolves its row's threshold: "each" (every (chunk, row) program of its last pass, decode_fine.py),
     "arrive" (the row's last program of its gather pass) or "pass" (a [B]-program pass; both
@@ -324,7 +325,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
 
         if triton.next_power_of_2(S) > BSEARCH_MAX_KEYS:  # the row would not fit one program's registers
             impl = "fine"
-    if impl in ("fine", "bits", "bsearch"):
+    if impl in ("fine", "bits", "bsearch", "cuda"):
         from sparse_rl.sparse.ops.indexer_topk.decode_fine import fine_chunk
 
         CH = chunk or fine_chunk(B, S, interpret)
@@ -365,6 +366,12 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
             from sparse_rl.sparse.ops.indexer_topk.decode_bsearch import bsearch_select
 
             out, n_c = bsearch_select(sc, pos, topk, interpret=interpret), None
+        elif impl == "cuda":  # one CUDA block a row (decode_cuda.py); its reference on a CPU
+            from sparse_rl.sparse.ops.indexer_topk import decode_cuda
+
+            out = (decode_cuda.row_select_naive(sc, pos, topk) if interpret
+                   else decode_cuda.row_select(sc, pos, topk, pdl=pdl))
+            n_c = None
         elif impl == "row":
             out, n_c = row_select(sc, pos, span, topk, CH, sort=sort, block=row_block, num_warps=row_warps,
                                   interpret=interpret)

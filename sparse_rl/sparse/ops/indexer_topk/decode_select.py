@@ -28,7 +28,7 @@ from dataclasses import dataclass
 # launched as a cooperative grid (sync_coop, CUDA's guarantee of that, also beside other streams' kernels), which
 # cost nothing measurable in the step (session 17: 8.33 vs 8.33 ms at 32 x 16K, 6.45 vs 6.45 at 32 x 2304).
 # The engine runs it for batches of at least 32 rows (ENGINE_SELECT.sync_min_batch), fine below.
-IMPLS = ("auto", "chunked", "row", "split", "fine", "bits", "bsearch", "sync")
+IMPLS = ("auto", "chunked", "row", "split", "fine", "bits", "bsearch", "sync", "cuda")
 # where the fine select resolves a row's threshold (`DecodeSelect.fine_resolve`): "each" (decode_fine.py: every
 # (chunk, row) program of its last pass repeats it), "arrive" (decode_fine_once.py: once, by the row's last
 # program of the gather pass), "pass" (decode_fine_once.py: once, by a [B]-program pass of its own); "arrive" /

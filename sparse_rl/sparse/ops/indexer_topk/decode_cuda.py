@@ -1,0 +1,309 @@
+"""The decode select after the score pass as ONE CUDA block per row (`indexer_topk_decode(impl="cuda")`).
+
+Why CUDA C++ here, where the rest of the ops are Triton: after the score pass the select is a chain of small
+block-wide steps over one row (histogram a radix digit, find the bin holding the k-th key, repeat; then write
+the kept positions in order). Each step is a reduction or a scan across the block. Triton has no block-wide
+primitive cheaper than a `tl.sum` / `tl.cumsum` through shared memory, measured at ~1 us each on the H200
+(session 10's bit search: 32 steps, 65 us at 16K), so the Triton forms either split the row over many programs
+and pay launches or in-kernel barriers between the levels (fine, sync: ~30 us of chain a layer at 32 x 16K on
+top of a ~16 us score pass) or walk it in one program and pay the reductions (row, bsearch). In CUDA a level
+is shared-memory atomics (aggregated per warp by `__match_any_sync`) and a 32-warp scan: a few hundred
+nanoseconds. vLLM, SGLang and TensorRT-LLM run the DSA decode top-k the same way (a logits kernel, then one
+CTA per row); this kernel is written from the algorithm, not from theirs.
+
+`row_select(sc [B, S] fp32, pos [B] int32, topk)` -> `[B, topk]` int32 ascending, -1 padded. The scores are the
+score pass's (`decode._score_max`: +inf forced, -inf not visible, only columns <= pos written), so the kept
+keys are the reference's (`naive.indexer_topk_decode_naive`): every +inf key, then the highest finite scores,
+ties between equal scores to the later key (-0.0 equals +0.0).
+
+One block of 1024 threads per row; warp w walks its own contiguous segment of the row, 32 keys a step:
+1. the row's keys as order-preserving uint32 (larger score, larger key) into dynamic shared memory (rows of at
+   most `CACHE_KEYS` keys; longer rows are re-read from L2 each pass), and the count of visible keys;
+2. if at most `topk` keys are visible, all are kept; else three radix levels of 11 / 11 / 10 bits: a 2048-bin
+   shared histogram of the digit over the keys matching the prefix found so far, then one scan finds the bin
+   holding the rem-th largest; a level ends the search early when that bin holds exactly the keys still wanted;
+3. the write: each warp counts its segment's keys above the threshold and equal to it, one scan over the
+   warps gives every warp its offsets, and the warp walks its segment again, placing each kept key at
+   (keys above before it) + (ties before it past the first `ties - rem`, the earlier ties being the dropped ones).
+
+Compiled at first use by NVRTC (`torch.cuda._compile_kernel`: no C++ toolchain needed, only the NVRTC library
+of PyTorch's CUDA build), cached per device; launched through the driver's `cuLaunchKernelEx`, with
+programmatic dependent launch where the caller's `pdl` asks for it (the kernel's first statement waits for the
+previous kernel, then lets the next one launch, as `pdl.pdl_enter` at level 2). CUDA-graph capturable: `pos`
+is read on the device, the grid depends on B only. There is no CPU form: on a CPU `indexer_topk_decode` runs
+the reference, and the tests check this kernel against the reference on a GPU (tests/sparse/test_decode_cuda.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+THREADS = 1024
+# rows of at most this many keys keep their keys in shared memory between the passes (4 bytes a key, plus the
+# 8 KB histogram, within the 227 KB a block may have on sm_90); longer rows re-read the scores from L2 each pass
+CACHE_KEYS = 53248
+
+SOURCE = r"""
+#define NT 1024
+#define NW 32
+#define UNEG 0x007FFFFFu  /* okey(-inf): keys at or below it are not visible */
+
+__device__ __forceinline__ unsigned okey(float x) {
+    unsigned u = __float_as_uint(x == 0.0f ? 0.0f : x);  /* -0.0 equals +0.0 */
+    return (u >> 31) ? ~u : (u | 0x80000000u);
+}
+
+/* inclusive scan over the 32 lanes */
+__device__ __forceinline__ int warp_incl(int x, int lane) {
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    return x;
+}
+
+/* exclusive block scan of one int per thread, in thread order; *tot gets the block's total */
+__device__ __forceinline__ int block_excl(int v, int* wsum, int* tot) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    int x = warp_incl(v, lane);
+    if (lane == 31) wsum[wid] = x;
+    __syncthreads();
+    if (wid == 0) {
+        int s = wsum[lane];
+        int t = warp_incl(s, lane);
+        wsum[lane] = t - s;
+        if (lane == 31) *tot = t;
+    }
+    __syncthreads();
+    int r = x - v + wsum[wid];
+    __syncthreads();  /* wsum may be reused */
+    return r;
+}
+
+__device__ __forceinline__ unsigned key_at(const float* row, const unsigned* cache, bool cached, int i, int n) {
+    if (i >= n) return 0u;  /* past the row: below every visible key */
+    return cached ? cache[i] : okey(row[i]);
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1)
+row_topk(const float* __restrict__ sc, const int* __restrict__ pos_p, int* __restrict__ out,
+         int S, int K, int sob, int cache_keys, int pdl) {
+    extern __shared__ unsigned cache[];
+    __shared__ int hist[2048];
+    __shared__ int wsum[NW], wa[NW], wq[NW];
+    __shared__ int sh[4];
+#if __CUDA_ARCH__ >= 900
+    if (pdl) {
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    }
+#endif
+    const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+    const int n = min(pos_p[b] + 1, S);
+    const float* row = sc + (size_t)b * S;
+    int* orow = out + (size_t)b * sob;
+    const bool cached = n <= cache_keys;
+    /* warp wid's segment: [seg0, seg0 + seg), 32 keys a step */
+    const int seg = ((n + NT - 1) / NT) * 32;
+    const int seg0 = wid * seg;
+    if (tid == 0) sh[0] = 0;
+    __syncthreads();
+
+    /* 1. keys to the cache, visible count */
+    int nv = 0;
+    for (int j = 0; j < seg; j += 128) {
+        float x[4];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            int i = seg0 + j + q * 32 + lane;
+            x[q] = (j + q * 32 < seg && i < n) ? row[i] : __int_as_float(0xff800000);
+        }
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            int i = seg0 + j + q * 32 + lane;
+            unsigned u = okey(x[q]);
+            if (cached && j + q * 32 < seg && i < n) cache[i] = u;
+            nv += u > UNEG;
+        }
+    }
+    nv = __reduce_add_sync(0xffffffffu, nv);
+    if (lane == 0) atomicAdd(&sh[0], nv);
+    __syncthreads();
+    const int nvis = sh[0];
+
+    /* 2. the threshold: prefix pfx of the top (32 - s) bits, rem keys still wanted among the cnteq keys that
+       share it; all = every visible key kept */
+    const bool all = nvis <= K;
+    unsigned pfx = 0u;
+    int s = 32, rem = K, cnteq = 0;
+    if (!all) {
+        for (int lv = 0; lv < 3; lv++) {
+            const int shift = lv == 0 ? 21 : (lv == 1 ? 10 : 0);
+            const int nb = lv == 2 ? 1024 : 2048;
+            for (int j = tid; j < 2048; j += NT) hist[j] = 0;
+            __syncthreads();
+            for (int j = 0; j < seg; j += 32) {
+                unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
+                bool m = u > UNEG && (s == 32 || (u >> s) == (pfx >> s));
+                unsigned d = m ? ((u >> shift) & (unsigned)(nb - 1)) : 0xffffffffu;
+                unsigned peers = __match_any_sync(0xffffffffu, d);
+                if (m && lane == __ffs(peers) - 1) atomicAdd(&hist[d], __popc(peers));
+            }
+            __syncthreads();
+            /* thread t holds the bins nb-1-2t (hi) and nb-2-2t (lo): an exclusive scan in thread order counts
+               the keys in higher bins */
+            int hi = nb - 1 - 2 * tid, lo = nb - 2 - 2 * tid;
+            int chi = hi >= 0 ? hist[hi] : 0, clo = lo >= 0 ? hist[lo] : 0;
+            int tot;
+            int above = block_excl(chi + clo, wsum, &tot);
+            if (hi >= 0 && above < rem && rem <= above + chi) {
+                sh[1] = hi; sh[2] = rem - above; sh[3] = chi;
+            } else if (lo >= 0 && above + chi < rem && rem <= above + chi + clo) {
+                sh[1] = lo; sh[2] = rem - above - chi; sh[3] = clo;
+            }
+            __syncthreads();
+            pfx |= (unsigned)sh[1] << shift;
+            rem = sh[2];
+            cnteq = sh[3];
+            s = shift;
+            __syncthreads();  /* sh is rewritten by the next level */
+            if (cnteq == rem) break;  /* the bin holds exactly the keys still wanted: all of them are kept */
+        }
+    }
+
+    /* 3. the write: per key, above = kept whatever, eq = shares the threshold's prefix (the later rem kept) */
+    const unsigned P = all ? 0u : (pfx >> s);
+    int ca = 0, cq = 0;  /* the warp's keys above / equal (warp-uniform: ballot counts) */
+    for (int j = 0; j < seg; j += 32) {
+        unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
+        bool vis = u > UNEG;
+        ca += __popc(__ballot_sync(0xffffffffu, vis && (all || (u >> s) > P)));
+        cq += __popc(__ballot_sync(0xffffffffu, vis && !all && (u >> s) == P));
+    }
+    if (lane == 0) { wa[wid] = ca; wq[wid] = cq; }
+    __syncthreads();
+    if (wid == 0) {  /* exclusive scans over the warps, in row order */
+        int a = wa[lane], q = wq[lane];
+        wa[lane] = warp_incl(a, lane) - a;
+        wq[lane] = warp_incl(q, lane) - q;
+    }
+    __syncthreads();
+    int a_before = wa[wid], q_before = wq[wid];
+    const int drop = all ? 0 : cnteq - rem;  /* the earliest ties are the ones not kept */
+    const unsigned lt = (1u << lane) - 1u;
+    for (int j = 0; j < seg; j += 32) {
+        const int i = seg0 + j + lane;
+        unsigned u = key_at(row, cache, cached, i, n);
+        bool vis = u > UNEG;
+        bool ab = vis && (all || (u >> s) > P);
+        bool eq = vis && !all && (u >> s) == P;
+        unsigned mab = __ballot_sync(0xffffffffu, ab), meq = __ballot_sync(0xffffffffu, eq);
+        int qa = q_before + __popc(meq & lt);
+        if (ab || (eq && qa >= drop)) {
+            int qk = qa - drop;
+            orow[a_before + __popc(mab & lt) + (qk > 0 ? qk : 0)] = i;
+        }
+        a_before += __popc(mab);
+        q_before += __popc(meq);
+    }
+    const int kept = all ? nvis : K;
+    for (int j = kept + tid; j < K; j += NT) orow[j] = -1;
+}
+"""
+
+
+class _LaunchAttr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("numAttrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_void_p]
+    lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"decode_cuda: {what} failed with CUDA driver error {rc}")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device: int):
+    """The compiled `row_topk` for cuda:`device` (its func handle), with the dynamic shared memory limit
+    raised to what `CACHE_KEYS` needs."""
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        raise RuntimeError("impl='cuda' needs torch.cuda._compile_kernel (PyTorch >= 2.8 with CUDA)")
+    with torch.cuda.device(device):
+        k = torch.cuda._compile_kernel(SOURCE, "row_topk", nvcc_options=["-std=c++17"])
+    _check(_libcuda().cuFuncSetAttribute(k.func, _MAX_DYNAMIC_SHARED, CACHE_KEYS * 4), "cuFuncSetAttribute")
+    return k
+
+
+def row_select(sc: torch.Tensor, pos: torch.Tensor, topk: int, *, pdl: int = 0,
+               cache_keys: int = CACHE_KEYS) -> torch.Tensor:
+    """sc `[B, S]` fp32 scores of the score pass (+inf forced, -inf not visible; columns past pos unread),
+    pos `[B]` int32 on sc's device -> `[B, topk]` int32 ascending, -1 padded. pdl: launched with programmatic
+    dependent launch (any nonzero level). cache_keys: rows of at most this many keys are held in shared
+    memory between the passes (at most `CACHE_KEYS`; 0 re-reads every pass, for tests of that path)."""
+    if not sc.is_cuda or sc.dtype != torch.float32 or sc.dim() != 2 or sc.stride(1) != 1:
+        raise ValueError("decode_cuda.row_select: sc must be a CUDA [B, S] fp32 tensor with contiguous rows")
+    if not 0 <= cache_keys <= CACHE_KEYS:
+        raise ValueError(f"cache_keys {cache_keys}: must be within 0-{CACHE_KEYS}")
+    B, S = sc.shape
+    pos = pos.to(device=sc.device, dtype=torch.int32).contiguous()
+    out = torch.empty(B, topk, device=sc.device, dtype=torch.int32)
+    if sc.stride(0) != S:
+        sc = sc.contiguous()
+    k = _kernel(sc.device.index if sc.device.index is not None else torch.cuda.current_device())
+    ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (sc, pos, out)]
+    ints = [ctypes.c_int(v) for v in (S, topk, out.stride(0), min(cache_keys, S), 1 if pdl else 0)]
+    params = (ctypes.c_void_p * 8)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in ptrs + ints])
+    shared = min(cache_keys, S) * 4
+    attr = _LaunchAttr()
+    attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
+    ctypes.memmove(attr.value, ctypes.byref(ctypes.c_int(1)), 4)
+    cfg = _LaunchConfig(B, 1, 1, THREADS, 1, 1, shared, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+                        ctypes.pointer(attr) if pdl else None, 1 if pdl else 0)
+    _check(_libcuda().cuLaunchKernelEx(ctypes.byref(cfg), k.func, params, None), "cuLaunchKernelEx")
+    return out
+
+
+def okey_torch(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's order-preserving key of fp32 x as int64 in [0, 2^32) (-0.0 as +0.0)."""
+    u = torch.where(x == 0, torch.zeros_like(x), x).contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(u >= 2 ** 31, u ^ 0xFFFFFFFF, u | 2 ** 31)
+
+
+def row_select_naive(sc: torch.Tensor, pos: torch.Tensor, topk: int) -> torch.Tensor:
+    """`row_select` in PyTorch (any device): each row's columns 0..pos ranked by (score, position) as one int64
+    (the later key wins a tie), -inf never kept; `[B, topk]` int32 ascending, -1 padded."""
+    B, S = sc.shape
+    cols = torch.arange(S, device=sc.device)
+    u = okey_torch(sc.float())
+    vis = (cols[None, :] <= pos.to(sc.device).long()[:, None]) & (u > 0x007FFFFF)
+    rank = torch.where(vis, ((u - 2 ** 31) << 32) | cols[None, :], torch.iinfo(torch.int64).min)
+    k = min(topk, S)
+    top = rank.topk(k, dim=-1).values
+    idx = torch.where(top > torch.iinfo(torch.int64).min, top & 0xFFFFFFFF, S).sort(-1).values
+    idx = torch.where(idx == S, -1, idx).to(torch.int32)
+    if k < topk:
+        idx = torch.cat([idx, idx.new_full((B, topk - k), -1)], dim=-1)
+    return idx

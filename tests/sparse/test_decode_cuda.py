@@ -1,0 +1,84 @@
+"""The decode select's CUDA block-per-row kernel (`decode_cuda.row_select`) against its PyTorch reference
+(`row_select_naive`) on the same scores, and that reference against the decode reference's rule. The kernel
+has no CPU form (CUDA C++ compiled by NVRTC): its tests run where a GPU is, the reference's everywhere."""
+
+import pytest
+import torch
+
+from sparse_rl.sparse.ops.indexer_topk import decode_cuda as dc
+
+GPU = torch.cuda.is_available()
+
+
+def _rows(B, S, g, kind, device="cpu"):
+    """Scores as the score pass writes them: -inf before a row's first key (left padding), +inf on forced
+    keys at the row's end, finite in between; kind picks ties (integers, ReLU zeros of either sign) or not."""
+    if kind == "ints":
+        x = torch.randint(-3, 3, (B, S), generator=g).float()
+    elif kind == "zeros":
+        x = torch.randn(B, S, generator=g).clamp(min=0) * torch.where(torch.rand(B, 1, generator=g) < 0.5, -1.0, 1.0)
+    elif kind == "narrow":  # one exponent: the first radix level cannot split it
+        x = 5 + 1e-3 * torch.randn(B, S, generator=g)
+    else:
+        x = torch.randn(B, S, generator=g)
+    pos = torch.randint(0, S, (B,), generator=g)
+    pos[0] = S - 1
+    for b in range(B):
+        x[b, : int(torch.randint(0, max(1, S // 4), (1,), generator=g))] = float("-inf")
+        nf = int(torch.randint(0, 8, (1,), generator=g))
+        p = int(pos[b])
+        x[b, max(0, p - nf + 1): p + 1] = float("inf")
+    return x.to(device), pos.to(device)
+
+
+def _brute(x, pos, K):
+    """Each row's keys ranked by (score, position) in Python: larger score first, the later key first on a tie."""
+    out = torch.full((x.shape[0], K), -1, dtype=torch.int32)
+    for b in range(x.shape[0]):
+        vals = [(0.0 if v == 0 else v, i) for i, v in enumerate(x[b, : int(pos[b]) + 1].tolist()) if v != float("-inf")]
+        keep = sorted(i for _, i in sorted(vals, reverse=True)[:K])
+        out[b, : len(keep)] = torch.tensor(keep, dtype=torch.int32)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["randn", "ints", "zeros", "narrow"])
+def test_reference_keeps_the_rule(kind):
+    g = torch.Generator().manual_seed(len(kind))
+    x, pos = _rows(5, 300, g, kind)
+    for K in (1, 17, 64, 400):
+        assert torch.equal(dc.row_select_naive(x, pos, K), _brute(x, pos, K)), K
+
+
+@pytest.mark.skipif(not GPU, reason="the CUDA kernel needs a GPU")
+@pytest.mark.parametrize("kind", ["randn", "ints", "zeros", "narrow"])
+@pytest.mark.parametrize("B,S,K", [(3, 1, 4), (5, 300, 64), (4, 2304, 2048), (3, 16411, 2048), (2, 70001, 2048)])
+def test_kernel_equals_reference(kind, B, S, K):
+    """Rows shorter than K, a row of one key, odd lengths, rows longer than the shared-memory cache (70001),
+    and the re-read path (cache_keys=0) on every shape; PDL launches alike."""
+    g = torch.Generator().manual_seed(B * S + K)
+    x, pos = _rows(B, S, g, kind, "cuda")
+    ref = dc.row_select_naive(x, pos, K)
+    for cache in (dc.CACHE_KEYS, 0):
+        for pdl in (0, 2):
+            got = dc.row_select(x, pos, K, pdl=pdl, cache_keys=cache)
+            assert torch.equal(got, ref), (cache, pdl)
+
+
+@pytest.mark.skipif(not GPU, reason="the CUDA kernel needs a GPU")
+def test_kernel_in_a_cuda_graph_reads_pos_on_the_device():
+    g = torch.Generator().manual_seed(4)
+    x, pos = _rows(4, 5000, g, "randn", "cuda")
+    static_pos = pos.clone()
+    dc.row_select(x, static_pos, 256)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dc.row_select(x, static_pos, 256, pdl=2)
+    for shift in (0, 7, 1000):
+        static_pos.copy_((pos - shift).clamp(min=0))
+        graph.replay()
+        assert torch.equal(out, dc.row_select_naive(x, static_pos, 256)), shift
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="CUDA"):
+        dc.row_select(torch.zeros(2, 8), torch.zeros(2, dtype=torch.int32), 4)
