@@ -138,7 +138,8 @@ def rollout(
     step_batch: Optional[int] = typer.Option(None, help="Sequences in the one-step rows [default: 32]"),
     latency_contexts: Optional[str] = typer.Option(None, help="One-step rows at batch 1, e.g. 2K [default: none]"),
     decode_select: Optional[str] = typer.Option(None, help="Indexer decode select after the score pass: fine | auto | "
-                                                           "chunked | row | split | bits | bsearch | sync (same keys) [default: fine]"),
+                                                           "chunked | row | split | bits | bsearch | sync | cuda (same keys; cuda: one CUDA "
+                                                           "block a row, NVRTC-compiled) [default: fine]"),
     score_block: Optional[int] = typer.Option(None, help="Keys a step of the decode score pass, a power of two (0: the "
                                                          "select's own; sync has no separate pass and keeps its "
                                                          "own) [default: 64]"),

@@ -82,3 +82,18 @@ def test_kernel_in_a_cuda_graph_reads_pos_on_the_device():
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="CUDA"):
         dc.row_select(torch.zeros(2, 8), torch.zeros(2, dtype=torch.int32), 4)
+
+
+@pytest.mark.skipif(not GPU, reason="the CUDA kernel needs a GPU")
+def test_indexer_topk_decode_cuda_equals_fine_on_the_same_scores():
+    """impl="cuda" after the shared score pass selects exactly fine's keys (bf16 inputs, sink and window)."""
+    from sparse_rl.sparse.ops.indexer_topk import decode as itd
+
+    g = torch.Generator().manual_seed(9)
+    B, S, K = 6, 5000, 2048
+    q, w, k = torch.randn(B, 4, 64, generator=g), torch.randn(B, 4, generator=g), torch.randn(B, S, 64, generator=g)
+    q, w, k = (t.cuda().bfloat16() for t in (q, w, k))
+    pos = torch.randint(S // 3, S, (B,), generator=g).cuda().int()
+    kw = dict(sink=4, window=64, score_block=64)
+    assert torch.equal(itd.indexer_topk_decode(q, w, k, pos, K, impl="cuda", **kw),
+                       itd.indexer_topk_decode(q, w, k, pos, K, impl="fine", **kw))

@@ -325,6 +325,11 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
 
         if triton.next_power_of_2(S) > BSEARCH_MAX_KEYS:  # the row would not fit one program's registers
             impl = "fine"
+    if impl == "cuda" and not interpret:
+        from sparse_rl.sparse.ops.indexer_topk import decode_cuda
+
+        if not decode_cuda.available(dev.index if dev.index is not None else torch.cuda.current_device()):
+            impl = "fine"  # no NVRTC / an older GPU: the Triton select of the same keys (warned once)
     if impl in ("fine", "bits", "bsearch", "cuda"):
         from sparse_rl.sparse.ops.indexer_topk.decode_fine import fine_chunk
 

@@ -329,6 +329,27 @@ def _kernel(device: int):
     return k
 
 
+@functools.lru_cache(maxsize=None)
+def available(device: int) -> bool:
+    """Whether `row_topk` compiles and loads on cuda:`device` (NVRTC present, a GPU of compute capability 8.0+
+    for the warp reductions); the reason is logged once where not."""
+    try:
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            raise RuntimeError("compute capability below 8.0")
+        _kernel(device)
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure to build means the Triton selects run instead
+        _warn_once(f"decode select 'cuda' unavailable on cuda:{device} ({e}); the fine select runs instead")
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(msg: str) -> None:
+    import warnings
+
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
 def row_select(sc: torch.Tensor, pos: torch.Tensor, topk: int, *, pdl: int = 0,
                cache_keys: int = CACHE_KEYS) -> torch.Tensor:
     """sc `[B, S]` fp32 scores of the score pass (+inf forced, -inf not visible; columns past pos unread),
