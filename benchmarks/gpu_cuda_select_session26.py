@@ -113,12 +113,13 @@ def main() -> None:
     import gpu_streams_session20 as g20
     from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
-    g20.VARIANTS.update({"base": {}, "cuda": {"select": DecodeSelect("cuda", score_block=64)}})
+    g20.VARIANTS.update({"base": {}, "cuda": {"select": DecodeSelect("cuda", score_block=64)},
+                         "cuda_sb0": {"select": DecodeSelect("cuda")}})
     gen = "gen" in a.parts
     a.parts = ",".join(p for p in a.parts.split(",") if p not in ("kernel", "gen"))
     a.budget = a.budget - (time.time() - t0)
     if a.parts:
-        s20.call(a, ["base", "cuda"], [], "engine26.json")
+        s20.call(a, ["base", "cuda", "cuda_sb0"], [], "engine26.json")
     if gen:  # dense once, sparse with each select, on one engine
         import rollout_harness as rh
 
