@@ -78,9 +78,25 @@ def kernel_part(run, names) -> bool:
         row["select_alone_equal"] = bool(torch.equal(dc.row_select(sc, pos, K), dc.row_select_naive(sc, pos, K)))
         ok &= row["select_alone_equal"]
         row["select_alone"] = run.guarded(f"select alone {B}x{S}", _graph_us, lambda: dc.row_select(sc, pos, K, pdl=2))
+        # the same on the scores of the engine's inputs (the reference's formula, forced / unseen keys as the
+        # score pass writes them), alone, without PDL, and the split of the cuda path's kernels (profiler)
+        q, w, k = (t.float() for t in a[:3])
+        se = (torch.relu(torch.einsum("bhd,bsd->bhs", q, k)) * w[:, :, None]).sum(1)
+        vis = cols[None] <= pos[:, None]
+        se = torch.where((cols[None] < SINK) | ((cols[None] > pos[:, None] - WINDOW) & vis), float("inf"), se)
+        se = torch.where(vis, se, float("-inf")).contiguous()
+        row["engine_scores_equal"] = bool(torch.equal(dc.row_select(se, pos, K), dc.row_select_naive(se, pos, K)))
+        row["select_engine_scores"] = run.guarded(f"select eng {B}x{S}", _graph_us, lambda: dc.row_select(se, pos, K, pdl=2))
+        row["select_engine_scores_nopdl"] = run.guarded(f"select eng0 {B}x{S}", _graph_us,
+                                                        lambda: dc.row_select(se, pos, K, pdl=0))
+        from granular_harness import kernel_profile
+
+        row["cuda_profile"] = run.guarded(f"profile {B}x{S}", kernel_profile, lambda: itd.indexer_topk_decode(
+            *a, K, sink=SINK, window=WINDOW, **{**sel["cuda"].as_kwargs(), "pdl": 2}), torch.device("cuda"), 4)
         rows.append(row)
         log(f"kernel {B}x{S}: equal {row['equal_fine']} alone-eq {row['select_alone_equal']} "
-            + ", ".join(f"{n} {row.get(n)}" for n in list(sel) + ["select_alone"]))
+            + ", ".join(f"{n} {row.get(n)}" for n in list(sel) + ["select_alone", "select_engine_scores",
+                                                                 "select_engine_scores_nopdl", "cuda_profile"]))
         run.save()
     return ok
 

@@ -61,6 +61,7 @@ SOURCE = r"""
 #define CMAX 1024 /* candidates ranked one a thread; more take the radix levels */
 #define UNEG 0x007FFFFFu /* okey(-inf): keys at or below it are not visible */
 #define UPOS 0xFF800000u /* okey(+inf): the forced keys */
+#define UZERO 0x80000000u /* okey(0.0) */
 
 __device__ __forceinline__ unsigned okey(float x) {
     unsigned u = __float_as_uint(x == 0.0f ? 0.0f : x);  /* -0.0 equals +0.0 */
@@ -147,7 +148,6 @@ row_topk(const float* __restrict__ sc, const int* __restrict__ pos_p, int* __res
     const int seg = ((n + NT - 1) / NT) * 32;  /* warp wid walks [seg0, seg0 + seg), 32 keys a step */
     const int seg0 = wid * seg;
     if (tid < 4) red[tid] = 0u;
-    if (tid == 0) sh[4] = 0;
     __syncthreads();
 
     /* 1. keys to the cache; visible and forced counts, the largest and smallest finite unforced key */
@@ -192,22 +192,34 @@ row_topk(const float* __restrict__ sc, const int* __restrict__ pos_p, int* __res
         if (!(scale < 3.0e38f)) scale = 0.0f;  /* a span too narrow or too wide for fp32: one bin, the radix decides */
         for (int j = tid; j < NB; j += NT) hist[j] = 0;
         __syncthreads();
+        int zc = 0;  /* exact zeros (ReLU: ~6% of a row) counted by ballot: one hot shared word serializes */
         for (int j = 0; j < seg; j += 32) {
             unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
-            if (u > UNEG && u < UPOS) atomicAdd(&hist[lin_bin(u, mn, scale)], 1);
+            bool fin = u > UNEG && u < UPOS;
+            if (fin && u != UZERO) atomicAdd(&hist[lin_bin(u, mn, scale)], 1);
+            zc += __popc(__ballot_sync(0xffffffffu, fin && u == UZERO));
         }
+        if (lane == 0 && zc) atomicAdd(&hist[lin_bin(UZERO, mn, scale)], zc);
         __syncthreads();
         pick_bin(hist, NB, rem, wsum, sh);
         const int dstar = sh[0], rem2 = sh[1], c = sh[2];
         if (c <= CMAX) {  /* the bin's keys to a list, each ranked against the others by one thread */
+            int cw = 0;
+            for (int j = 0; j < seg; j += 32) {
+                unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
+                cw += __popc(__ballot_sync(0xffffffffu, u > UNEG && u < UPOS && lin_bin(u, mn, scale) == dstar));
+            }
+            if (lane == 0) wa[wid] = cw;
+            __syncthreads();
+            if (wid == 0) { int v = wa[lane]; wa[lane] = warp_incl(v, lane) - v; }
+            __syncthreads();
+            int base = wa[wid];
             for (int j = 0; j < seg; j += 32) {
                 unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
                 bool m = u > UNEG && u < UPOS && lin_bin(u, mn, scale) == dstar;
                 unsigned bal = __ballot_sync(0xffffffffu, m);
-                int base = 0;
-                if (lane == 0 && bal) base = atomicAdd(&sh[4], __popc(bal));
-                base = __shfl_sync(0xffffffffu, base, 0);
                 if (m) cand[base + __popc(bal & ((1u << lane) - 1u))] = u;
+                base += __popc(bal);
             }
             __syncthreads();
             if (tid < c) {
@@ -228,11 +240,14 @@ row_topk(const float* __restrict__ sc, const int* __restrict__ pos_p, int* __res
                 const int shift = lv == 0 ? 21 : (lv == 1 ? 10 : 0), nb = lv == 2 ? 1024 : 2048;
                 for (int j = tid; j < NB; j += NT) hist[j] = 0;
                 __syncthreads();
+                int zc = 0;
                 for (int j = 0; j < seg; j += 32) {
                     unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
-                    if (u > UNEG && u < UPOS && lin_bin(u, mn, scale) == dstar && (s == 32 || (u >> s) == (pfx >> s)))
-                        atomicAdd(&hist[(u >> shift) & (unsigned)(nb - 1)], 1);
+                    bool m = u > UNEG && u < UPOS && lin_bin(u, mn, scale) == dstar && (s == 32 || (u >> s) == (pfx >> s));
+                    if (m && u != UZERO) atomicAdd(&hist[(u >> shift) & (unsigned)(nb - 1)], 1);
+                    zc += __popc(__ballot_sync(0xffffffffu, m && u == UZERO));
                 }
+                if (lane == 0 && zc) atomicAdd(&hist[(UZERO >> shift) & (unsigned)(nb - 1)], zc);
                 __syncthreads();
                 pick_bin(hist, nb, r, wsum, sh);
                 pfx |= (unsigned)sh[0] << shift;
