@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from sparse_rl.bench.floor import SHAPES, build_model as _build, copy_bandwidth, generation_floor_s, \
     integrate_steps, step_bytes, weight_bytes
 from sparse_rl.errors import UsageError
+from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT
 
 WHOLE = ("auto", "measure", "integrate")
 STEP_TIMINGS = ("synced", "queued")  # RolloutEngine.time_step: each step on an idle device (median) | back to back (mean)
@@ -74,10 +75,10 @@ class BenchRolloutConfig:
     device: str = "auto"
     seed: int = 0
     compile: bool | None = None  # torch.compile the engine's decode step; None = the engine's default (off; SPARSE_RL_COMPILE)
-    decode_select: str = "fine"  # the indexer's decode select after the score pass (DecodeSelect.impl)
-    decode_long: str = "chunked"  # what auto runs past 8192 keys (DecodeSelect.long)
-    score_block: int = 64  # the score pass's keys a step (DecodeSelect.score_block; 0: the select's own)
-    sync_min_batch: int = 32  # batches of at least this many rows take the sync select (DecodeSelect; 0: never)
+    decode_select: str = ENGINE_SELECT.impl  # the indexer's decode select after the score pass (DecodeSelect.impl)
+    decode_long: str = ENGINE_SELECT.long  # what auto runs past 8192 keys (DecodeSelect.long)
+    score_block: int = ENGINE_SELECT.score_block  # the score pass's keys a step (DecodeSelect.score_block; 0: its own)
+    sync_min_batch: int = ENGINE_SELECT.sync_min_batch  # batches of at least this many rows take the sync select (0: never)
     qkv_pad: int = 64  # the fused q/k/v(+indexer) weight padded with zero rows to a multiple of this
     pdl: int | None = None  # PDL in the step (ModelRunner.pdl: 0-2 or a bool; None: its default)
     select_streams: int = 1  # row groups, one CUDA stream each, for the sparse layers' select + attention

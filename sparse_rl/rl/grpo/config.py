@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from sparse_rl.errors import UsageError
+from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT
 
 MODES = ("dense", "sparse", "sparse+distill")
 
@@ -41,13 +42,13 @@ class RolloutConfig:
     compile: bool | None = None  # torch.compile the engine's decode step (None: SPARSE_RL_COMPILE, else off)
     backend: str | None = None  # sparse kernels: auto | torch | triton (None: the model's default)
     # the engine's kernel choices (same outputs): the indexer's decode select after the score pass (fine |
-    # auto | chunked | row | split | bits | bsearch; auto: row up to 8192 keys, decode_long beyond), its score pass's key step
+    # auto | chunked | row | split | bits | bsearch | sync | cuda; auto: row up to 8192 keys, decode_long beyond), its score pass's key step
     # (0: the select's own; defaults: decode_select.ENGINE_SELECT) and the fused q/k/v weight's zero-row padding
-    decode_select: str = "fine"
-    decode_long: str = "chunked"
-    score_block: int = 64
+    decode_select: str = ENGINE_SELECT.impl
+    decode_long: str = ENGINE_SELECT.long
+    score_block: int = ENGINE_SELECT.score_block
     # batches of at least this many rows take the one-launch sync select instead (0: never; DecodeSelect.sync_min_batch)
-    sync_min_batch: int = 32
+    sync_min_batch: int = ENGINE_SELECT.sync_min_batch
     qkv_pad: int = 64
     # programmatic dependent launch of the decode step's Triton kernels (ModelRunner.pdl: 0 / 1 / 2, False / True;
     # None: the engine's default; off wherever the GPU / Triton cannot)
