@@ -267,8 +267,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     registers), "cuda" (the score pass, then one CUDA block a row: `decode_cuda.py`; on a CPU its PyTorch
     reference over the interpreted score pass's scores) or "auto" (the default: row for S <= row_max_keys, else
     auto_long; `DecodeSelect` holds these three). score_block: the score pass's keys a step (0: the passes'
-    common step). fine_resolve: where the fine select resolves its row's threshold: "each" (every (chunk, row) program of its last pass, decode_fine.py),
-    "arrive" (the row's last program of its gather pass) or "pass" (a [B]-program pass; both
+    common step). fine_resolve: where the fine select resolves its row's threshold: "each" (every (chunk, row)
+    program of its last pass, decode_fine.py), "arrive" (the row's last program of its gather pass) or "pass" (a [B]-program pass; both
     decode_fine_once.py); fine_block: the keys a step of the fine select's (chunk, row) loops (0: the passes'
     common step, 256 on a GPU; capped at the chunk); fine_prefetch: with "arrive" / "pass", the histogram and
     gather passes load their chunk's first scores before the row's tiles; fine_maxnreg: a register cap for the fine
