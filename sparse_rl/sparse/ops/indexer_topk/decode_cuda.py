@@ -394,24 +394,12 @@ def row_select(sc: torch.Tensor, pos: torch.Tensor, topk: int, *, pdl: int = 0,
     return out
 
 
-def okey_torch(x: torch.Tensor) -> torch.Tensor:
-    """The kernel's order-preserving key of fp32 x as int64 in [0, 2^32) (-0.0 as +0.0)."""
-    u = torch.where(x == 0, torch.zeros_like(x), x).contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    return torch.where(u >= 2 ** 31, u ^ 0xFFFFFFFF, u | 2 ** 31)
-
 
 def row_select_naive(sc: torch.Tensor, pos: torch.Tensor, topk: int) -> torch.Tensor:
-    """`row_select` in PyTorch (any device): each row's columns 0..pos ranked by (score, position) as one int64
-    (the later key wins a tie), -inf never kept; `[B, topk]` int32 ascending, -1 padded."""
-    B, S = sc.shape
-    cols = torch.arange(S, device=sc.device)
-    u = okey_torch(sc.float())
-    vis = (cols[None, :] <= pos.to(sc.device).long()[:, None]) & (u > 0x007FFFFF)
-    rank = torch.where(vis, ((u - 2 ** 31) << 32) | cols[None, :], torch.iinfo(torch.int64).min)
-    k = min(topk, S)
-    top = rank.topk(k, dim=-1).values
-    idx = torch.where(top > torch.iinfo(torch.int64).min, top & 0xFFFFFFFF, S).sort(-1).values
-    idx = torch.where(idx == S, -1, idx).to(torch.int32)
-    if k < topk:
-        idx = torch.cat([idx, idx.new_full((B, topk - k), -1)], dim=-1)
-    return idx
+    """`row_select` in PyTorch (any device), by the reference's own rule (`naive.select_topk`): each row's columns
+    0..pos, +inf keys forced, -inf never kept, ties to the later key; `[B, topk]` int32 ascending, -1 padded."""
+    from sparse_rl.sparse.ops.indexer_topk.naive import select_topk
+
+    cols = torch.arange(sc.shape[1], device=sc.device)
+    visible = (cols[None, :] <= pos.to(sc.device).long()[:, None]) & (sc > float("-inf"))
+    return select_topk(sc[:, None], visible[:, None], (sc == float("inf"))[:, None], topk)[:, 0]
