@@ -10,6 +10,11 @@ from sparse_rl.sparse.ops.indexer_topk import decode_cuda as dc
 GPU = torch.cuda.is_available()
 
 
+def _clusters():
+    """The one-block kernel, and the cluster kernel at every size where the GPU has clusters (sm_90+)."""
+    return (1, 2, 4, 8) if torch.cuda.get_device_capability() >= (9, 0) else (1,)
+
+
 def _rows(B, S, g, kind, device="cpu"):
     """Scores as the score pass writes them: -inf before a row's first key (left padding), +inf on forced
     keys at the row's end, finite in between; kind picks ties (integers, ReLU zeros of either sign) or not."""
@@ -58,10 +63,11 @@ def test_kernel_equals_reference(kind, B, S, K):
     g = torch.Generator().manual_seed(B * S + K)
     x, pos = _rows(B, S, g, kind, "cuda")
     ref = dc.row_select_naive(x, pos, K)
-    for cache in (dc.CACHE_KEYS, 0):
-        for pdl in (0, 2):
-            got = dc.row_select(x, pos, K, pdl=pdl, cache_keys=cache)
-            assert torch.equal(got, ref), (cache, pdl)
+    for cluster in _clusters():
+        for cache in (dc.CACHE_KEYS, 0):
+            for pdl in (0, 2):
+                got = dc.row_select(x, pos, K, pdl=pdl, cache_keys=cache, cluster=cluster)
+                assert torch.equal(got, ref), (cluster, cache, pdl)
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA kernel needs a GPU")
@@ -79,9 +85,53 @@ def test_kernel_in_a_cuda_graph_reads_pos_on_the_device():
         assert torch.equal(out, dc.row_select_naive(x, static_pos, 256)), shift
 
 
+@pytest.mark.skipif(not GPU, reason="the CUDA kernel needs a GPU")
+def test_cluster_kernel_in_a_cuda_graph_with_pdl_behind_a_writer():
+    """The cluster form captured with PDL right after the kernel that writes its scores: it waits for them."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("thread-block clusters need sm_90")
+    g = torch.Generator().manual_seed(5)
+    x, pos = _rows(8, 9000, g, "zeros", "cuda")
+    buf = torch.empty_like(x)
+    buf.copy_(x)
+    dc.row_select(buf, pos, 2048, cluster=4, pdl=2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        buf.copy_(x)
+        out = dc.row_select(buf, pos, 2048, cluster=4, pdl=2)
+    x.neg_()
+    graph.replay()
+    assert torch.equal(out, dc.row_select_naive(x, pos, 2048))
+
+
+def test_launch_attributes_carry_their_values():
+    """The driver reads an attribute's value from the struct's own bytes (a c_char field read back is a copy)."""
+    import ctypes
+
+    a = dc._attr(dc._CLUSTER_DIMENSION, 4, 1, 1)
+    raw = ctypes.string_at(ctypes.addressof(a), ctypes.sizeof(a))
+    assert raw[:4] == (4).to_bytes(4, "little") and raw[8:20] == b"".join(v.to_bytes(4, "little") for v in (4, 1, 1))
+    b = dc._attr(dc._PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+    assert ctypes.string_at(ctypes.addressof(b), 12)[8:12] == (1).to_bytes(4, "little")
+
+
+def test_auto_cluster_fills_one_wave():
+    """8 blocks a row while the rows' clusters fit the SMs, fewer for more rows or short rows, 1 before sm_90."""
+    assert dc.auto_cluster(16, 16384, 132, (9, 0)) == 8
+    assert dc.auto_cluster(32, 16384, 132, (9, 0)) == 4
+    assert dc.auto_cluster(64, 16384, 132, (9, 0)) == 2
+    assert dc.auto_cluster(200, 16384, 132, (9, 0)) == 1
+    assert dc.auto_cluster(1, 2304, 132, (9, 0)) == 2
+    assert dc.auto_cluster(1, 16384, 108, (8, 0)) == 1
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="CUDA"):
         dc.row_select(torch.zeros(2, 8), torch.zeros(2, dtype=torch.int32), 4)
+    from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
+
+    with pytest.raises(ValueError, match="cuda_cluster 3"):
+        DecodeSelect("cuda", cuda_cluster=3)
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA kernel needs a GPU")

@@ -54,12 +54,12 @@ def _indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tens
                          fine_resolve: str = "each", fine_block: int = 0, fine_prefetch: bool = False,
                          fine_maxnreg: int = 0, sync_per_sm: int = 0, sync_keep: bool = True,
                          sync_split: int = 0, sync_max_chunks: int = 0, sync_block: int = 0,
-                         sync_coop: bool = True, sync_min_batch: int = 0) -> torch.Tensor:
+                         sync_coop: bool = True, sync_min_batch: int = 0, cuda_cluster: int = 0) -> torch.Tensor:
     from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
     sel = DecodeSelect(impl, row_max_keys, auto_long, fine_cap, score_block, num_warps, fine_resolve, fine_block,
                        fine_prefetch, fine_maxnreg, sync_per_sm, sync_keep, sync_split, sync_max_chunks, sync_block,
-                       sync_coop, sync_min_batch)
+                       sync_coop, sync_min_batch, cuda_cluster)
     return ops.indexer_topk_decode(q_idx, w, k_idx[:, :S], pos, topk, sink=sink, window=window,
                                    k_scale=None if k_scale is None else k_scale[:, :S], select=sel,
                                    backend=backend).contiguous()
@@ -69,7 +69,7 @@ def _indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tens
 def _(q_idx, w, k_idx, pos, S, topk, sink, window, backend, k_scale=None, impl="auto", row_max_keys=8192,
       auto_long="chunked", fine_cap=32, score_block=0, num_warps=0, fine_resolve="each",
       fine_block=0, fine_prefetch=False, fine_maxnreg=0, sync_per_sm=0, sync_keep=True, sync_split=0,
-      sync_max_chunks=0, sync_block=0, sync_coop=True, sync_min_batch=0):
+      sync_max_chunks=0, sync_block=0, sync_coop=True, sync_min_batch=0, cuda_cluster=0):
     return q_idx.new_empty(q_idx.shape[0], topk, dtype=torch.int32)
 
 

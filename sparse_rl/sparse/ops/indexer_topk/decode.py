@@ -250,7 +250,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
                         fine_resolve: str = "each", fine_block: int = 0, fine_prefetch: bool = False,
                         fine_maxnreg: int = 0, sync_per_sm: int = 0, sync_keep: bool = True,
                         sync_split: int = 0, sync_max_chunks: int = 0, sync_block: int = 0, sync_coop: bool = False,
-                        sync_min_batch: int = 0, pdl: bool = False):
+                        sync_min_batch: int = 0, cuda_cluster: int = 0, pdl: bool = False):
     """See the module docstring. q_idx `[B, H_I, D_I]`, w `[B, H_I]`, k_idx `[B, S, D_I]` (last dim
     contiguous), pos `[B]` -> `[B, topk]` int32. Index dims above 128, more than 64 index heads or
     float64 take the reference. candidates=True also returns each row's number of second-level
@@ -276,7 +276,8 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     and the write in one launch, the row's programs meeting at in-kernel barriers (`decode_sync.py`; sync_block
     its keys a step, 0 = its own; sync_per_sm its most programs an SM, 0 = as many as fit; sync_keep / sync_split
     its keep / split forms, sync_max_chunks a row's most chunks, 0 = its own; sync_coop a cooperative launch;
-    sync_min_batch: batches of at least this many rows take "sync" whatever impl says, 0 = never). Every impl
+    sync_min_batch: batches of at least this many rows take "sync" whatever impl says, 0 = never; cuda_cluster:
+    the "cuda" select's blocks a row, 0 = `decode_cuda.auto_cluster`'s). Every impl
     selects the same keys. pdl: the score pass and the fine / split passes launched with programmatic dependent
     launch (`DecodeSelect.pdl`, set by the rollout runner from `ModelRunner.pdl`; the other impls' passes launch
     plainly: any mix is safe, since every PDL kernel waits before its first load)."""
@@ -375,7 +376,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
             from sparse_rl.sparse.ops.indexer_topk import decode_cuda
 
             out = (decode_cuda.row_select_naive(sc, pos, topk) if interpret
-                   else decode_cuda.row_select(sc, pos, topk, pdl=pdl))
+                   else decode_cuda.row_select(sc, pos, topk, pdl=pdl, cluster=cuda_cluster))
             n_c = None
         elif impl == "row":
             out, n_c = row_select(sc, pos, span, topk, CH, sort=sort, block=row_block, num_warps=row_warps,

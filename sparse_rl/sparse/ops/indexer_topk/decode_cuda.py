@@ -112,10 +112,9 @@ __device__ __forceinline__ int lin_bin(unsigned u, float mn, float scale) {
 
 /* Find the bin (of nb, thread t holding bins nb-1-2t and nb-2-2t) holding the rem-th largest counted key:
    sh[0] = the bin, sh[1] = the rank left inside it, sh[2] = its count. */
-__device__ __forceinline__ void pick_bin(const int* hist, int nb, int rem, int* wsum, int* sh) {
+__device__ __forceinline__ void pick_bin_counts(int chi, int clo, int nb, int rem, int* wsum, int* sh) {
     const int tid = threadIdx.x;
     int hi = nb - 1 - 2 * tid, lo = nb - 2 - 2 * tid;
-    int chi = hi >= 0 ? hist[hi] : 0, clo = lo >= 0 ? hist[lo] : 0;
     int above = block_excl(chi + clo, wsum);
     if (hi >= 0 && above < rem && rem <= above + chi) {
         sh[0] = hi; sh[1] = rem - above; sh[2] = chi;
@@ -123,6 +122,11 @@ __device__ __forceinline__ void pick_bin(const int* hist, int nb, int rem, int* 
         sh[0] = lo; sh[1] = rem - above - chi; sh[2] = clo;
     }
     __syncthreads();
+}
+
+__device__ __forceinline__ void pick_bin(const int* hist, int nb, int rem, int* wsum, int* sh) {
+    int hi = nb - 1 - 2 * (int)threadIdx.x, lo = hi - 1;
+    pick_bin_counts(hi >= 0 ? hist[hi] : 0, lo >= 0 ? hist[lo] : 0, nb, rem, wsum, sh);
 }
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
@@ -300,6 +304,271 @@ row_topk(const float* __restrict__ sc, const int* __restrict__ pos_p, int* __res
     const int kept = all ? nvis : K;
     for (int j = kept + tid; j < K; j += NT) orow[j] = -1;
 }
+/* ---- the same select over a CLUSTER of C blocks a row (sm_90+): block rank r holds the row's r-th part in its
+   shared memory; the counts, histograms, candidates and write offsets are exchanged through distributed shared
+   memory at cluster barriers. Why: one block a row is issue-bound on one SM (~80 instructions a key over the
+   passes), and a decode batch of 16-32 rows leaves most of the 132 SMs idle. ---- */
+#define MAXC 8
+
+__device__ __forceinline__ void cl_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __syncthreads();  /* below sm_90 the kernel runs as a cluster of one */
+#endif
+}
+
+/* the address of the shared variable p in the block of cluster rank q */
+__device__ __forceinline__ unsigned cl_addr(const void* p, unsigned q) {
+    unsigned r;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("{\n\t.reg .u64 g;\n\t.reg .u32 l;\n\tcvta.to.shared.u64 g, %1;\n\tcvt.u32.u64 l, g;\n\t"
+                 "mapa.shared::cluster.u32 %0, l, %2;\n\t}" : "=r"(r) : "l"(p), "r"(q));
+#else
+    asm volatile("{\n\t.reg .u64 g;\n\tcvta.to.shared.u64 g, %1;\n\tcvt.u32.u64 %0, g;\n\t}" : "=r"(r) : "l"(p));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ unsigned cl_ld(unsigned a) {
+    unsigned v;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+#else
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+#endif
+    return v;
+}
+
+__device__ __forceinline__ void cl_st(unsigned a, unsigned v) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("st.shared::cluster.u32 [%0], %1;" :: "r"(a), "r"(v) : "memory");
+#else
+    asm volatile("st.shared.u32 [%0], %1;" :: "r"(a), "r"(v) : "memory");
+#endif
+}
+
+/* every rank's hist (nb bins) summed, for this thread's two bins of pick_bin_counts; then the pick */
+__device__ __forceinline__ void cl_pick(const int* hist, int nb, int rem, unsigned C, int* wsum, int* sh) {
+    int hi = nb - 1 - 2 * (int)threadIdx.x, lo = hi - 1, chi = 0, clo = 0;
+    for (unsigned q = 0; q < C; q++) {
+        if (hi >= 0) chi += (int)cl_ld(cl_addr(&hist[hi], q));
+        if (lo >= 0) clo += (int)cl_ld(cl_addr(&hist[lo], q));
+    }
+    pick_bin_counts(chi, clo, nb, rem, wsum, sh);
+}
+
+/* block total v (known to thread 0 after a block scan) to slot[r] of every rank; after the next cl_sync, slot[q]
+   holds rank q's total in every block */
+__device__ __forceinline__ void cl_publish(int* slot, int v, unsigned r, unsigned C) {
+    if (threadIdx.x < C) cl_st(cl_addr(&slot[r], threadIdx.x), (unsigned)v);
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1)
+row_topk_cluster(const float* __restrict__ sc, const int* __restrict__ pos_p, int* __restrict__ out,
+                 int S, int K, int sob, int cache_keys, int pdl) {
+    extern __shared__ unsigned cache[];
+    __shared__ int hist[NB];
+    __shared__ unsigned cand[CMAX];
+    __shared__ int wsum[NW], wa[NW], wq[NW];
+    __shared__ unsigned red[4], gred[4];
+    __shared__ int sh[8], xa[MAXC], xq[MAXC], tot[2];
+#if __CUDA_ARCH__ >= 900
+    if (pdl) {
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    }
+    unsigned C, r;
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(C));
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#else
+    const unsigned C = 1, r = 0;
+#endif
+    const int b = blockIdx.x / C, tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+    const int nrow = min(pos_p[b] + 1, S);
+    const int part = ((nrow + (int)C * 32 - 1) / ((int)C * 32)) * 32;  /* rank r holds [b0, b0 + n) */
+    const int b0 = (int)r * part, n = max(0, min(part, nrow - b0));
+    const float* row = sc + (size_t)b * S + b0;
+    int* orow = out + (size_t)b * sob;
+    const bool cached = n <= cache_keys;
+    const int seg = ((n + NT - 1) / NT) * 32;
+    const int seg0 = wid * seg;
+    if (tid < 4) red[tid] = 0u;
+    for (int j = tid; j < NB; j += NT) hist[j] = 0;
+    __syncthreads();
+
+    /* 1. this part's keys to the cache and its counts / extremes; then the row's, over the ranks */
+    unsigned nv = 0, nf = 0, kmx = 0, knmn = 0;
+    for (int j = 0; j < seg; j += 256) {
+        float x[8];
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            int i = seg0 + j + q * 32 + lane;
+            x[q] = (j + q * 32 < seg && i < n) ? row[i] : __int_as_float(0xff800000);
+        }
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            int i = seg0 + j + q * 32 + lane;
+            unsigned u = okey(x[q]);
+            if (cached && j + q * 32 < seg && i < n) cache[i] = u;
+            bool vis = u > UNEG, forced = u >= UPOS;
+            nv += vis;
+            nf += forced;
+            if (vis && !forced) { kmx = max(kmx, u); knmn = max(knmn, ~u); }
+        }
+    }
+    nv = __reduce_add_sync(0xffffffffu, nv);
+    nf = __reduce_add_sync(0xffffffffu, nf);
+    kmx = __reduce_max_sync(0xffffffffu, kmx);
+    knmn = __reduce_max_sync(0xffffffffu, knmn);
+    if (lane == 0) {
+        atomicAdd(&red[0], nv); atomicAdd(&red[1], nf); atomicMax(&red[2], kmx); atomicMax(&red[3], knmn);
+    }
+    cl_sync();  /* also: every block of the cluster is running before the first remote access */
+    if (tid < 4) {
+        unsigned v = 0u;
+        for (unsigned q = 0; q < C; q++) {
+            unsigned x = cl_ld(cl_addr(&red[tid], q));
+            v = tid < 2 ? v + x : max(v, x);
+        }
+        gred[tid] = v;
+    }
+    __syncthreads();
+    const unsigned g[4] = {gred[0], gred[1], gred[2], gred[3]};
+    const int nvis = (int)g[0], nforced = (int)g[1];
+
+    /* 2. the threshold key T over the whole row: the pass of row_topk on this part, the bins summed over ranks */
+    const bool all = nvis <= K;
+    unsigned T = UPOS;
+    int remT = K, cnteq = nforced;
+    if (!all && K - nforced > 0) {
+        const int rem = K - nforced;
+        const float mn = okey_inv(~g[3]), mx = okey_inv(g[2]);
+        float scale = mx > mn ? (float)NB / (mx - mn) : 0.0f;
+        if (!(scale < 3.0e38f)) scale = 0.0f;
+        int zc = 0;
+        for (int j = 0; j < seg; j += 32) {
+            unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
+            bool fin = u > UNEG && u < UPOS;
+            if (fin && u != UZERO) atomicAdd(&hist[lin_bin(u, mn, scale)], 1);
+            zc += __popc(__ballot_sync(0xffffffffu, fin && u == UZERO));
+        }
+        if (lane == 0 && zc) atomicAdd(&hist[lin_bin(UZERO, mn, scale)], zc);
+        cl_sync();
+        cl_pick(hist, NB, rem, C, wsum, sh);
+        const int dstar = sh[0], rem2 = sh[1], c = sh[2];
+        if (c <= CMAX) {  /* the bin's keys of every part to every rank's list; each rank ranks the list */
+            int cw = 0;
+            for (int j = 0; j < seg; j += 32) {
+                unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
+                cw += __popc(__ballot_sync(0xffffffffu, u > UNEG && u < UPOS && lin_bin(u, mn, scale) == dstar));
+            }
+            if (lane == 0) wa[wid] = cw;
+            __syncthreads();
+            if (wid == 0) {
+                int v = wa[lane], x = warp_incl(v, lane);
+                wa[lane] = x - v;
+                if (lane == 31) tot[0] = x;
+            }
+            __syncthreads();
+            cl_publish(xa, tot[0], r, C);
+            cl_sync();
+            int base = wa[wid];
+            for (unsigned q = 0; q < r; q++) base += xa[q];
+            for (int j = 0; j < seg; j += 32) {
+                unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
+                bool m = u > UNEG && u < UPOS && lin_bin(u, mn, scale) == dstar;
+                unsigned bal = __ballot_sync(0xffffffffu, m);
+                if (m) {
+                    unsigned at = base + __popc(bal & ((1u << lane) - 1u));
+                    for (unsigned q = 0; q < C; q++) cl_st(cl_addr(&cand[at], q), u);
+                }
+                base += __popc(bal);
+            }
+            cl_sync();
+            if (tid < c) {
+                unsigned me = cand[tid];
+                int gt = 0, eq = 0;
+                for (int i = 0; i < c; i++) {
+                    unsigned v = cand[i];
+                    gt += v > me;
+                    eq += v == me;
+                }
+                if (gt < rem2 && rem2 <= gt + eq) { sh[5] = (int)me; sh[6] = rem2 - gt; sh[7] = eq; }
+            }
+            __syncthreads();
+        } else {  /* three radix levels over the bin's keys, each level's histogram summed over the ranks */
+            unsigned pfx = 0u;
+            int rr = rem2, s = 32;
+            for (int lv = 0; lv < 3; lv++) {
+                const int shift = lv == 0 ? 21 : (lv == 1 ? 10 : 0), nb = lv == 2 ? 1024 : 2048;
+                cl_sync();  /* no rank still reads this block's previous histogram */
+                for (int j = tid; j < NB; j += NT) hist[j] = 0;
+                __syncthreads();
+                int zc = 0;
+                for (int j = 0; j < seg; j += 32) {
+                    unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
+                    bool m = u > UNEG && u < UPOS && lin_bin(u, mn, scale) == dstar && (s == 32 || (u >> s) == (pfx >> s));
+                    if (m && u != UZERO) atomicAdd(&hist[(u >> shift) & (unsigned)(nb - 1)], 1);
+                    zc += __popc(__ballot_sync(0xffffffffu, m && u == UZERO));
+                }
+                if (lane == 0 && zc) atomicAdd(&hist[(UZERO >> shift) & (unsigned)(nb - 1)], zc);
+                cl_sync();
+                cl_pick(hist, nb, rr, C, wsum, sh);
+                pfx |= (unsigned)sh[0] << shift;
+                rr = sh[1];
+                s = shift;
+                if (tid == 0) { sh[5] = (int)pfx; sh[6] = rr; sh[7] = sh[2]; }
+                __syncthreads();
+            }
+        }
+        T = (unsigned)sh[5];
+        remT = sh[6];
+        cnteq = sh[7];
+    }
+
+    /* 3. the write: this part's counts above / equal to T, offset by the lower ranks' */
+    int ca = 0, cq = 0;
+    for (int j = 0; j < seg; j += 32) {
+        unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
+        bool vis = u > UNEG;
+        ca += __popc(__ballot_sync(0xffffffffu, vis && (all || u > T)));
+        cq += __popc(__ballot_sync(0xffffffffu, vis && !all && u == T));
+    }
+    if (lane == 0) { wa[wid] = ca; wq[wid] = cq; }
+    __syncthreads();
+    if (wid == 0) {
+        int a = wa[lane], q = wq[lane], xa_ = warp_incl(a, lane), xq_ = warp_incl(q, lane);
+        wa[lane] = xa_ - a;
+        wq[lane] = xq_ - q;
+        if (lane == 31) { tot[0] = xa_; tot[1] = xq_; }
+    }
+    __syncthreads();
+    cl_publish(xa, tot[0], r, C);
+    cl_publish(xq, tot[1], r, C);
+    cl_sync();  /* the last remote access: after it a block may exit */
+    int a_before = wa[wid], q_before = wq[wid];
+    for (unsigned q = 0; q < r; q++) { a_before += xa[q]; q_before += xq[q]; }
+    const int drop = all ? 0 : cnteq - remT;
+    const unsigned lt = (1u << lane) - 1u;
+    for (int j = 0; j < seg; j += 32) {
+        const int i = seg0 + j + lane;
+        unsigned u = key_at(row, cache, cached, i, n);
+        bool vis = u > UNEG;
+        bool ab = vis && (all || u > T);
+        bool eq = vis && !all && u == T;
+        unsigned mab = __ballot_sync(0xffffffffu, ab), meq = __ballot_sync(0xffffffffu, eq);
+        int qa = q_before + __popc(meq & lt);
+        if (ab || (eq && qa >= drop)) {
+            int qk = qa - drop;
+            orow[a_before + __popc(mab & lt) + (qk > 0 ? qk : 0)] = b0 + i;
+        }
+        a_before += __popc(mab);
+        q_before += __popc(meq);
+    }
+    const int kept = all ? nvis : K;
+    for (int j = kept + (int)r * NT + tid; j < K; j += (int)C * NT) orow[j] = -1;
+}
 """
 
 
@@ -314,6 +583,7 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttr)), ("numAttrs", ctypes.c_uint)]
 
 
+_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
@@ -333,13 +603,13 @@ def _check(rc: int, what: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device: int):
-    """The compiled `row_topk` for cuda:`device` (its func handle), with the dynamic shared memory limit
-    raised to what `CACHE_KEYS` needs."""
+def _kernel(device: int, name: str = "row_topk"):
+    """The compiled `name` (row_topk or row_topk_cluster) for cuda:`device` (its func handle), with the dynamic
+    shared memory limit raised to what `CACHE_KEYS` needs."""
     if not hasattr(torch.cuda, "_compile_kernel"):
         raise RuntimeError("impl='cuda' needs torch.cuda._compile_kernel (PyTorch >= 2.8 with CUDA)")
     with torch.cuda.device(device):
-        k = torch.cuda._compile_kernel(SOURCE, "row_topk", nvcc_options=["-std=c++17"])
+        k = torch.cuda._compile_kernel(SOURCE, name, nvcc_options=["-std=c++17"])
     _check(_libcuda().cuFuncSetAttribute(k.func, _MAX_DYNAMIC_SHARED, CACHE_KEYS * 4), "cuFuncSetAttribute")
     return k
 
@@ -365,31 +635,69 @@ def _warn_once(msg: str) -> None:
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
+CLUSTERS = (0, 1, 2, 4, 8)  # 0: auto_cluster's choice; at most 8, the portable cluster size
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def auto_cluster(B: int, S: int, sms: int, capability: tuple[int, int]) -> int:
+    """The blocks a row of `row_select`'s cluster form on a GPU of `sms` SMs: the most (up to 8) that keep the B
+    rows' clusters in one wave (one 1024-thread block an SM) with at least 1024 keys a block; 1 (the one-block
+    kernel) below compute capability 9.0, where there are no clusters."""
+    if tuple(capability) < (9, 0):
+        return 1
+    c = 8
+    while c > 1 and (B * c > sms or S < c * THREADS):
+        c //= 2
+    return c
+
+
+def _attr(id_: int, *values: int) -> _LaunchAttr:
+    a = _LaunchAttr()
+    a.id = id_
+    vals = (ctypes.c_uint * len(values))(*values)
+    # into the struct's own bytes: `a.value` would be a bytes copy (ctypes turns a c_char array field into bytes)
+    ctypes.memmove(ctypes.addressof(a) + _LaunchAttr.value.offset, vals, ctypes.sizeof(vals))
+    return a
+
+
 def row_select(sc: torch.Tensor, pos: torch.Tensor, topk: int, *, pdl: int = 0,
-               cache_keys: int = CACHE_KEYS) -> torch.Tensor:
+               cache_keys: int = CACHE_KEYS, cluster: int = 0) -> torch.Tensor:
     """sc `[B, S]` fp32 scores of the score pass (+inf forced, -inf not visible; columns past pos unread),
     pos `[B]` int32 on sc's device -> `[B, topk]` int32 ascending, -1 padded. pdl: launched with programmatic
-    dependent launch (any nonzero level). cache_keys: rows of at most this many keys are held in shared
-    memory between the passes (at most `CACHE_KEYS`; 0 re-reads every pass, for tests of that path)."""
+    dependent launch (any nonzero level). cache_keys: a block holds its keys in shared memory between the passes
+    when they are at most this many (at most `CACHE_KEYS`; 0 re-reads every pass, for tests of that path).
+    cluster: the blocks a row (`row_topk_cluster`, a thread-block cluster exchanging through distributed shared
+    memory, compute capability 9.0+); 1 the one-block kernel `row_topk`; 0 `auto_cluster`'s choice."""
     if not sc.is_cuda or sc.dtype != torch.float32 or sc.dim() != 2 or sc.stride(1) != 1:
         raise ValueError("decode_cuda.row_select: sc must be a CUDA [B, S] fp32 tensor with contiguous rows")
     if not 0 <= cache_keys <= CACHE_KEYS:
         raise ValueError(f"cache_keys {cache_keys}: must be within 0-{CACHE_KEYS}")
+    if cluster not in CLUSTERS:
+        raise ValueError(f"cluster {cluster}: expected one of {', '.join(map(str, CLUSTERS))}")
     B, S = sc.shape
+    dev = sc.device.index if sc.device.index is not None else torch.cuda.current_device()
+    C = cluster or auto_cluster(B, S, _sm_count(dev), torch.cuda.get_device_capability(dev))
+    if C > 1 and torch.cuda.get_device_capability(dev) < (9, 0):
+        raise ValueError(f"cluster {C}: thread-block clusters need compute capability 9.0+")
     pos = pos.to(device=sc.device, dtype=torch.int32).contiguous()
     out = torch.empty(B, topk, device=sc.device, dtype=torch.int32)
     if sc.stride(0) != S:
         sc = sc.contiguous()
-    k = _kernel(sc.device.index if sc.device.index is not None else torch.cuda.current_device())
+    k = _kernel(dev, "row_topk" if C == 1 else "row_topk_cluster")
+    part = -(-S // (C * 32)) * 32  # a block's most keys (the kernel's part of a row of S keys)
+    keys = min(cache_keys, part)
     ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (sc, pos, out)]
-    ints = [ctypes.c_int(v) for v in (S, topk, out.stride(0), min(cache_keys, S), 1 if pdl else 0)]
+    ints = [ctypes.c_int(v) for v in (S, topk, out.stride(0), keys, 1 if pdl else 0)]
     params = (ctypes.c_void_p * 8)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in ptrs + ints])
-    shared = min(cache_keys, S) * 4
-    attr = _LaunchAttr()
-    attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
-    ctypes.memmove(attr.value, ctypes.byref(ctypes.c_int(1)), 4)
-    cfg = _LaunchConfig(B, 1, 1, THREADS, 1, 1, shared, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
-                        ctypes.pointer(attr) if pdl else None, 1 if pdl else 0)
+    attrs = ([_attr(_PROGRAMMATIC_STREAM_SERIALIZATION, 1)] if pdl else []) + (
+        [_attr(_CLUSTER_DIMENSION, C, 1, 1)] if C > 1 else [])
+    arr = (_LaunchAttr * max(1, len(attrs)))(*attrs)
+    cfg = _LaunchConfig(B * C, 1, 1, THREADS, 1, 1, keys * 4, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+                        arr if attrs else None, len(attrs))
     _check(_libcuda().cuLaunchKernelEx(ctypes.byref(cfg), k.func, params, None), "cuLaunchKernelEx")
     return out
 

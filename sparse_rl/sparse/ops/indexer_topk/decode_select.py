@@ -56,7 +56,8 @@ class DecodeSelect:
     score pass, so score_block does not reach it: its own measured step, 128 keys, unless sync_block);
     sync_min_batch: batches of at least this many rows run "sync" instead of impl (0: never; on the H200, 32
     rows fill its 4 programs an SM at 16 chunks a row: the step -0.34 ms at 32 x 16K, while batch 16 is equal
-    and batch 1 slower, session 16; ENGINE_SELECT's rule);
+    and batch 1 slower, session 16; ENGINE_SELECT's rule); cuda_cluster: the "cuda" select's blocks a row (1, 2,
+    4 or 8: a thread-block cluster, `decode_cuda.row_select`; 0: `decode_cuda.auto_cluster`'s choice);
     pdl: the score pass and the fine / split passes launched with programmatic dependent launch at this level
     (`_backend.PDL_LEVELS`; only where `_backend.pdl_supported`: the rollout runner sets it from its own
     `ModelRunner.pdl`, the one owner; 0 launches plainly). pdl stays the last field: the compiled step's op
@@ -79,6 +80,7 @@ class DecodeSelect:
     sync_block: int = 0
     sync_coop: bool = True
     sync_min_batch: int = 0
+    cuda_cluster: int = 0
     pdl: int = 0
 
     def __post_init__(self):
@@ -104,6 +106,8 @@ class DecodeSelect:
             raise ValueError(f"sync_max_chunks {self.sync_max_chunks}: must be 0 (the kernel's default, 16) or 1-32")
         if self.num_warps not in (0, 1, 2, 4, 8, 16):
             raise ValueError(f"num_warps {self.num_warps}: must be 0 (the default) or a power of two up to 16")
+        if self.cuda_cluster not in (0, 1, 2, 4, 8):  # decode_cuda.CLUSTERS (no torch here)
+            raise ValueError(f"cuda_cluster {self.cuda_cluster}: must be 0 (auto), 1, 2, 4 or 8")
         if self.pdl not in (0, 1, 2):  # ops/_backend.PDL_LEVELS (not imported here: this module has no torch)
             raise ValueError(f"pdl {self.pdl!r}: must be 0, 1 or 2 (False / True are 0 / 1)")
 
@@ -114,7 +118,7 @@ class DecodeSelect:
                 "fine_maxnreg": self.fine_maxnreg, "sync_per_sm": self.sync_per_sm,
                 "sync_keep": self.sync_keep, "sync_split": self.sync_split, "sync_max_chunks": self.sync_max_chunks,
                 "sync_block": self.sync_block, "sync_coop": self.sync_coop, "sync_min_batch": self.sync_min_batch,
-                "pdl": self.pdl}
+                "cuda_cluster": self.cuda_cluster, "pdl": self.pdl}
 
 
 # The rollout engine's default (`ModelRunner(decode_select=None)`, the GRPO and `bench rollout` defaults):
