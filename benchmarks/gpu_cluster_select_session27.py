@@ -24,6 +24,11 @@ the passes' keys, plus five cluster barriers of ~1 us); C = 8 at 16 x 16K ~4-6; 
 engine's ~45; the step at 16 x 16K -0.4 to -0.7 ms, batch 1 16K -0.2 to -0.4; the whole 16K generation ratio
 +0.03 to +0.08.
 
+Call 1 (H100): every form exact, but the select alone on the engine formula's scores 50 us at 32 x 16K at every
+cluster size: rows whose k-th largest score is an exact ReLU zero (head weights mostly negative) put ~900 equal
+keys in the threshold's bin, ranked one a thread (c^2 / 32 warp iterations). Call 2: the zeros in a slot of their
+own (resolved at once), lists over 128 keys by a bitonic sort, clusters only where a block keeps 8K keys.
+
     PYTHONPATH=$PWD python3 benchmarks/gpu_cluster_select_session27.py --budget 430 --batch 16 --out $OUT/cl27
 """
 
@@ -143,9 +148,10 @@ def main() -> None:
 
         run = Run(a.out, "gen27.json", a.budget - (time.time() - t0), {"torch": torch.__version__})
         b = s20._bench(a.smoke)
-        v = g20._variants(["base", "cuda"])
+        v = g20._variants(["base", "cuda", "cuda1"])
         new, batch, prompt = (24, 2, 8) if a.smoke else (16384, a.batch, 128)
-        plan = [("dense", "base", v["base"]), ("sparse", "base", v["base"]), ("sparse", "cuda", v["cuda"])]
+        plan = [("dense", "base", v["base"]), ("sparse", "base", v["base"]), ("sparse", "cuda", v["cuda"]),
+                ("sparse", "cuda1", v["cuda1"])]
         run.guarded("gen", rh.whole, run, b, new, batch, prompt, plan, "gen", {"dense": 60, "sparse": 45})
         run.save()
         print(json.dumps([{k: r.get(k) for k in ("mode", "variant", "tokens_per_s", "sparse_over_dense", "floors_ratio")}

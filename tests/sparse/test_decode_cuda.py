@@ -116,13 +116,14 @@ def test_launch_attributes_carry_their_values():
 
 
 def test_auto_cluster_fills_one_wave():
-    """8 blocks a row while the rows' clusters fit the SMs, fewer for more rows or short rows, 1 before sm_90."""
-    assert dc.auto_cluster(16, 16384, 132, (9, 0)) == 8
-    assert dc.auto_cluster(32, 16384, 132, (9, 0)) == 4
-    assert dc.auto_cluster(64, 16384, 132, (9, 0)) == 2
-    assert dc.auto_cluster(200, 16384, 132, (9, 0)) == 1
-    assert dc.auto_cluster(1, 2304, 132, (9, 0)) == 2
-    assert dc.auto_cluster(1, 16384, 108, (8, 0)) == 1
+    """Up to 4 blocks a row while the rows' clusters fit the SMs and each block keeps 8K keys; 1 before sm_90."""
+    assert dc.auto_cluster(16, 32768, 132, (9, 0)) == 4
+    assert dc.auto_cluster(16, 65536, 132, (9, 0)) == 4
+    assert dc.auto_cluster(32, 16384, 132, (9, 0)) == 2
+    assert dc.auto_cluster(48, 32768, 132, (9, 0)) == 2
+    assert dc.auto_cluster(200, 32768, 132, (9, 0)) == 1
+    assert dc.auto_cluster(1, 8192, 132, (9, 0)) == 1
+    assert dc.auto_cluster(1, 32768, 108, (8, 0)) == 1
 
 
 def test_bad_input_is_refused():

@@ -57,8 +57,10 @@ CACHE_KEYS = 53248
 SOURCE = r"""
 #define NT 1024
 #define NW 32
-#define NB 2048   /* linear bins of the first level */
-#define CMAX 1024 /* candidates ranked one a thread; more take the radix levels */
+#define NB 2048   /* the first level's slots: NL linear bins and two slots at the bin holding 0 (xbin) */
+#define NL (NB - 2)
+#define CMAX 1024 /* candidates ranked in shared memory; more take the radix levels */
+#define RANK_DIRECT 128 /* lists of at most this many: each key ranked by one thread; longer: a bitonic sort */
 #define UNEG 0x007FFFFFu /* okey(-inf): keys at or below it are not visible */
 #define UPOS 0xFF800000u /* okey(+inf): the forced keys */
 #define UZERO 0x80000000u /* okey(0.0) */
@@ -103,11 +105,63 @@ __device__ __forceinline__ unsigned key_at(const float* row, const unsigned* cac
     return cached ? cache[i] : okey(row[i]);
 }
 
-/* the first level's bin of a finite key: linear in the score over [mn, mn + NB / scale] (monotone: a larger
-   score never takes a lower bin) */
+/* the linear bin of a finite key: linear in the score over [mn, mn + NL / scale] (monotone: a larger score
+   never takes a lower bin) */
 __device__ __forceinline__ int lin_bin(unsigned u, float mn, float scale) {
     float t = (okey_inv(u) - mn) * scale;
-    return t >= (float)(NB - 1) ? NB - 1 : (int)t;
+    return t >= (float)(NL - 1) ? NL - 1 : (int)t;
+}
+
+/* the first level's slot of a finite key: its linear bin, past two slots inserted at the bin z0 holding 0.0
+   (z0: that bin's negative keys, z0 + 1: the exact zeros, z0 + 2: its positive keys); monotone. Why: ~6% of a
+   ReLU row's scores are exact zeros, and when the k-th largest is one of them (rows whose head weights are
+   mostly negative) a bin holding them would make a list of ~1,000 equal keys to rank; their own slot is
+   resolved at once (every key in it equals 0). */
+__device__ __forceinline__ int xbin(unsigned u, float mn, float scale, int z0) {
+    int b = lin_bin(u, mn, scale);
+    return b < z0 ? b : (b > z0 ? b + 2 : (u > UZERO ? z0 + 2 : (u == UZERO ? z0 + 1 : z0)));
+}
+
+/* the rem-th largest of the c keys in cand (c <= CMAX; cand has room for the power of two above c):
+   sh[5] = that key T, sh[6] = rem - (keys above T), sh[7] = keys equal to T. Every thread calls it. */
+__device__ __forceinline__ void rank_list(unsigned* cand, int c, int rem, int* sh) {
+    const int tid = threadIdx.x;
+    if (c <= RANK_DIRECT) {
+        if (tid < c) {
+            unsigned me = cand[tid];
+            int gt = 0, eq = 0;
+            for (int i = 0; i < c; i++) {
+                unsigned v = cand[i];
+                gt += v > me;
+                eq += v == me;
+            }
+            if (gt < rem && rem <= gt + eq) { sh[5] = (int)me; sh[6] = rem - gt; sh[7] = eq; }
+        }
+        __syncthreads();
+        return;
+    }
+    int P = RANK_DIRECT;
+    while (P < c) P <<= 1;
+    for (int i = c + tid; i < P; i += NT) cand[i] = 0u;  /* below every visible key */
+    __syncthreads();
+    for (int k = 2; k <= P; k <<= 1) {  /* bitonic sort, descending */
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            int x = tid ^ j;
+            if (tid < P && x > tid) {
+                unsigned a = cand[tid], b = cand[x];
+                if ((tid & k) == 0 ? a < b : a > b) { cand[tid] = b; cand[x] = a; }
+            }
+            __syncthreads();
+        }
+    }
+    const unsigned T = cand[rem - 1];
+    if (tid < c && cand[tid] == T) {
+        if (tid == 0 || cand[tid - 1] != T) sh[3] = tid;      /* the first key equal to T */
+        if (tid == c - 1 || cand[tid + 1] != T) sh[4] = tid;  /* the last */
+    }
+    __syncthreads();
+    if (tid == 0) { sh[5] = (int)T; sh[6] = rem - sh[3]; sh[7] = sh[4] - sh[3] + 1; }
+    __syncthreads();
 }
 
 /* Find the bin (of nb, thread t holding bins nb-1-2t and nb-2-2t) holding the rem-th largest counted key:
@@ -192,26 +246,30 @@ row_topk(const float* __restrict__ sc, const int* __restrict__ pos_p, int* __res
     if (!all && K - nforced > 0) {
         const int rem = K - nforced;  /* finite keys wanted; more than rem are visible */
         const float mn = okey_inv(~red[3]), mx = okey_inv(red[2]);
-        float scale = mx > mn ? (float)NB / (mx - mn) : 0.0f;
+        float scale = mx > mn ? (float)NL / (mx - mn) : 0.0f;
         if (!(scale < 3.0e38f)) scale = 0.0f;  /* a span too narrow or too wide for fp32: one bin, the radix decides */
+        const int z0 = lin_bin(UZERO, mn, scale);  /* in [0, NL) wherever the row holds a zero */
         for (int j = tid; j < NB; j += NT) hist[j] = 0;
         __syncthreads();
         int zc = 0;  /* exact zeros (ReLU: ~6% of a row) counted by ballot: one hot shared word serializes */
         for (int j = 0; j < seg; j += 32) {
             unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
             bool fin = u > UNEG && u < UPOS;
-            if (fin && u != UZERO) atomicAdd(&hist[lin_bin(u, mn, scale)], 1);
+            if (fin && u != UZERO) atomicAdd(&hist[xbin(u, mn, scale, z0)], 1);
             zc += __popc(__ballot_sync(0xffffffffu, fin && u == UZERO));
         }
-        if (lane == 0 && zc) atomicAdd(&hist[lin_bin(UZERO, mn, scale)], zc);
+        if (lane == 0 && zc) atomicAdd(&hist[z0 + 1], zc);
         __syncthreads();
         pick_bin(hist, NB, rem, wsum, sh);
         const int dstar = sh[0], rem2 = sh[1], c = sh[2];
-        if (c <= CMAX) {  /* the bin's keys to a list, each ranked against the others by one thread */
+        if (dstar == z0 + 1) {  /* the exact zeros' slot: T = 0 */
+            if (tid == 0) { sh[5] = (int)UZERO; sh[6] = rem2; sh[7] = c; }
+            __syncthreads();
+        } else if (c <= CMAX) {  /* the bin's keys to a list, ranked in shared memory */
             int cw = 0;
             for (int j = 0; j < seg; j += 32) {
                 unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
-                cw += __popc(__ballot_sync(0xffffffffu, u > UNEG && u < UPOS && lin_bin(u, mn, scale) == dstar));
+                cw += __popc(__ballot_sync(0xffffffffu, u > UNEG && u < UPOS && xbin(u, mn, scale, z0) == dstar));
             }
             if (lane == 0) wa[wid] = cw;
             __syncthreads();
@@ -220,23 +278,13 @@ row_topk(const float* __restrict__ sc, const int* __restrict__ pos_p, int* __res
             int base = wa[wid];
             for (int j = 0; j < seg; j += 32) {
                 unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
-                bool m = u > UNEG && u < UPOS && lin_bin(u, mn, scale) == dstar;
+                bool m = u > UNEG && u < UPOS && xbin(u, mn, scale, z0) == dstar;
                 unsigned bal = __ballot_sync(0xffffffffu, m);
                 if (m) cand[base + __popc(bal & ((1u << lane) - 1u))] = u;
                 base += __popc(bal);
             }
             __syncthreads();
-            if (tid < c) {
-                unsigned me = cand[tid];
-                int gt = 0, eq = 0;
-                for (int i = 0; i < c; i++) {
-                    unsigned v = cand[i];
-                    gt += v > me;
-                    eq += v == me;
-                }
-                if (gt < rem2 && rem2 <= gt + eq) { sh[5] = (int)me; sh[6] = rem2 - gt; sh[7] = eq; }
-            }
-            __syncthreads();
+            rank_list(cand, c, rem2, sh);
         } else {  /* three radix levels (11 / 11 / 10 bits of the key) over the bin's keys */
             unsigned pfx = 0u;
             int r = rem2, s = 32;
@@ -247,7 +295,7 @@ row_topk(const float* __restrict__ sc, const int* __restrict__ pos_p, int* __res
                 int zc = 0;
                 for (int j = 0; j < seg; j += 32) {
                     unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
-                    bool m = u > UNEG && u < UPOS && lin_bin(u, mn, scale) == dstar && (s == 32 || (u >> s) == (pfx >> s));
+                    bool m = u > UNEG && u < UPOS && xbin(u, mn, scale, z0) == dstar && (s == 32 || (u >> s) == (pfx >> s));
                     if (m && u != UZERO) atomicAdd(&hist[(u >> shift) & (unsigned)(nb - 1)], 1);
                     zc += __popc(__ballot_sync(0xffffffffu, m && u == UZERO));
                 }
@@ -444,24 +492,28 @@ row_topk_cluster(const float* __restrict__ sc, const int* __restrict__ pos_p, in
     if (!all && K - nforced > 0) {
         const int rem = K - nforced;
         const float mn = okey_inv(~g[3]), mx = okey_inv(g[2]);
-        float scale = mx > mn ? (float)NB / (mx - mn) : 0.0f;
+        float scale = mx > mn ? (float)NL / (mx - mn) : 0.0f;
         if (!(scale < 3.0e38f)) scale = 0.0f;
+        const int z0 = lin_bin(UZERO, mn, scale);  /* in [0, NL) wherever the row holds a zero */
         int zc = 0;
         for (int j = 0; j < seg; j += 32) {
             unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
             bool fin = u > UNEG && u < UPOS;
-            if (fin && u != UZERO) atomicAdd(&hist[lin_bin(u, mn, scale)], 1);
+            if (fin && u != UZERO) atomicAdd(&hist[xbin(u, mn, scale, z0)], 1);
             zc += __popc(__ballot_sync(0xffffffffu, fin && u == UZERO));
         }
-        if (lane == 0 && zc) atomicAdd(&hist[lin_bin(UZERO, mn, scale)], zc);
+        if (lane == 0 && zc) atomicAdd(&hist[z0 + 1], zc);
         cl_sync();
         cl_pick(hist, NB, rem, C, wsum, sh);
         const int dstar = sh[0], rem2 = sh[1], c = sh[2];
-        if (c <= CMAX) {  /* the bin's keys of every part to every rank's list; each rank ranks the list */
+        if (dstar == z0 + 1) {  /* the exact zeros' slot: T = 0 */
+            if (tid == 0) { sh[5] = (int)UZERO; sh[6] = rem2; sh[7] = c; }
+            __syncthreads();
+        } else if (c <= CMAX) {  /* the slot's keys of every part to every rank's list; each rank ranks it */
             int cw = 0;
             for (int j = 0; j < seg; j += 32) {
                 unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
-                cw += __popc(__ballot_sync(0xffffffffu, u > UNEG && u < UPOS && lin_bin(u, mn, scale) == dstar));
+                cw += __popc(__ballot_sync(0xffffffffu, u > UNEG && u < UPOS && xbin(u, mn, scale, z0) == dstar));
             }
             if (lane == 0) wa[wid] = cw;
             __syncthreads();
@@ -477,7 +529,7 @@ row_topk_cluster(const float* __restrict__ sc, const int* __restrict__ pos_p, in
             for (unsigned q = 0; q < r; q++) base += xa[q];
             for (int j = 0; j < seg; j += 32) {
                 unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
-                bool m = u > UNEG && u < UPOS && lin_bin(u, mn, scale) == dstar;
+                bool m = u > UNEG && u < UPOS && xbin(u, mn, scale, z0) == dstar;
                 unsigned bal = __ballot_sync(0xffffffffu, m);
                 if (m) {
                     unsigned at = base + __popc(bal & ((1u << lane) - 1u));
@@ -486,17 +538,7 @@ row_topk_cluster(const float* __restrict__ sc, const int* __restrict__ pos_p, in
                 base += __popc(bal);
             }
             cl_sync();
-            if (tid < c) {
-                unsigned me = cand[tid];
-                int gt = 0, eq = 0;
-                for (int i = 0; i < c; i++) {
-                    unsigned v = cand[i];
-                    gt += v > me;
-                    eq += v == me;
-                }
-                if (gt < rem2 && rem2 <= gt + eq) { sh[5] = (int)me; sh[6] = rem2 - gt; sh[7] = eq; }
-            }
-            __syncthreads();
+            rank_list(cand, c, rem2, sh);
         } else {  /* three radix levels over the bin's keys, each level's histogram summed over the ranks */
             unsigned pfx = 0u;
             int rr = rem2, s = 32;
@@ -508,7 +550,7 @@ row_topk_cluster(const float* __restrict__ sc, const int* __restrict__ pos_p, in
                 int zc = 0;
                 for (int j = 0; j < seg; j += 32) {
                     unsigned u = key_at(row, cache, cached, seg0 + j + lane, n);
-                    bool m = u > UNEG && u < UPOS && lin_bin(u, mn, scale) == dstar && (s == 32 || (u >> s) == (pfx >> s));
+                    bool m = u > UNEG && u < UPOS && xbin(u, mn, scale, z0) == dstar && (s == 32 || (u >> s) == (pfx >> s));
                     if (m && u != UZERO) atomicAdd(&hist[(u >> shift) & (unsigned)(nb - 1)], 1);
                     zc += __popc(__ballot_sync(0xffffffffu, m && u == UZERO));
                 }
@@ -636,6 +678,7 @@ def _warn_once(msg: str) -> None:
 
 
 CLUSTERS = (0, 1, 2, 4, 8)  # 0: auto_cluster's choice; at most 8, the portable cluster size
+CLUSTER_MIN_KEYS = 8192  # auto_cluster: a cluster's blocks hold at least this many keys each
 
 
 @functools.lru_cache(maxsize=None)
@@ -644,13 +687,17 @@ def _sm_count(device: int) -> int:
 
 
 def auto_cluster(B: int, S: int, sms: int, capability: tuple[int, int]) -> int:
-    """The blocks a row of `row_select`'s cluster form on a GPU of `sms` SMs: the most (up to 8) that keep the B
-    rows' clusters in one wave (one 1024-thread block an SM) with at least 1024 keys a block; 1 (the one-block
-    kernel) below compute capability 9.0, where there are no clusters."""
+    """The blocks a row of `row_select`'s cluster form on a GPU of `sms` SMs: the most (up to 4) that keep the B
+    rows' clusters in one wave (one 1024-thread block an SM) with at least CLUSTER_MIN_KEYS keys a block; 1 (the
+    one-block kernel) below compute capability 9.0, where there are no clusters. Measured on the H100 (session 27,
+    the select alone, us): 16 x 32K 27.1 / 20.3 / 15.4 / 32.3 at 1 / 2 / 4 / 8 blocks a row, 32 x 8192 16.9 /
+    19.2 / 22.6 / 43.8, 32 x 2304 6.7 / 10.0 / 15.0 / 28.1: a cluster's exchanges cost ~3 us, so it pays only where
+    a block keeps ~8K keys; 8 blocks a row lose even there (16 clusters of 8 need more than one wave of the H100's
+    GPCs)."""
     if tuple(capability) < (9, 0):
         return 1
-    c = 8
-    while c > 1 and (B * c > sms or S < c * THREADS):
+    c = 4
+    while c > 1 and (B * c > sms or S < c * CLUSTER_MIN_KEYS):
         c //= 2
     return c
 
