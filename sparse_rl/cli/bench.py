@@ -138,8 +138,9 @@ def rollout(
     step_batch: Optional[int] = typer.Option(None, help="Sequences in the one-step rows [default: 32]"),
     latency_contexts: Optional[str] = typer.Option(None, help="One-step rows at batch 1, e.g. 2K [default: none]"),
     decode_select: Optional[str] = typer.Option(None, help="Indexer decode select after the score pass: fine | auto | "
-                                                           "chunked | row | split | bits | bsearch | sync | cuda (same keys; cuda: one CUDA "
-                                                           "block a row, NVRTC-compiled) [default: fine]"),
+                                                           "chunked | row | split | bits | bsearch | sync | cuda (same keys; cuda: a CUDA "
+                                                           "block or cluster a row, NVRTC-compiled; fine where it "
+                                                           "cannot build) [default: cuda]"),
     score_block: Optional[int] = typer.Option(None, help="Keys a step of the decode score pass, a power of two (0: the "
                                                          "select's own; sync has no separate pass and keeps its "
                                                          "own) [default: 64]"),
@@ -147,7 +148,7 @@ def rollout(
                                                          "fine | bits | bsearch [default: chunked]"),
     sync_min_batch: Optional[int] = typer.Option(None, help="Batches of at least this many sequences take the sync "
                                                             "select whatever --decode-select says (0: never) "
-                                                            "[default: 32]"),
+                                                            "[default: 0]"),
     qkv_pad: Optional[int] = typer.Option(None, help="Fused q/k/v(+indexer) weight padded to a multiple of this many "
                                                      "output columns [default: 64]"),
     pdl: Optional[bool] = typer.Option(None, "--pdl/--no-pdl", help="Programmatic dependent launch of the decode "

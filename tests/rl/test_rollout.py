@@ -94,11 +94,12 @@ def test_sparse_engine_on_triton_kernels_equals_reference_forward(llama_dir, mon
     per-token step (`ops.indexer_decode`), the decode select and the sparse decode attention give
     the log-probs of a teacher-forced forward on the PyTorch reference ops. With fused projections, the
     CUDA default: the kernels read q/k/v and the indexer's inputs as column views of one GEMM's output,
-    and `ops.silu_mul` runs the MLP. The engine's default select (ENGINE_SELECT: fine) and, as engine options
-    (`runner_options`), the kernel's auto (row at these sizes: no fine select runs) with `skinny_gemm`
-    (down_proj and the fused q/k/v as `ops.skinny_linear`)."""
+    and `ops.silu_mul` runs the MLP. The engine's default select (ENGINE_SELECT: cuda, whose CPU form is its
+    PyTorch reference after the interpreted score pass) and, as engine options (`runner_options`), the kernel's auto
+    (row at these sizes: no cuda select runs) with `skinny_gemm` (down_proj and the fused q/k/v as
+    `ops.skinny_linear`)."""
     from sparse_rl.rl.rollout import forward
-    from sparse_rl.sparse.ops.indexer_topk import decode_fine
+    from sparse_rl.sparse.ops.indexer_topk import decode_cuda
     from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
 
     model = load_model(llama_dir, attention="sparse")
@@ -106,8 +107,8 @@ def test_sparse_engine_on_triton_kernels_equals_reference_forward(llama_dir, mon
     # under the interpreter
     params = SamplingParams(temperature=0.7, max_new_tokens=6, seed=5)
     calls, gemms = [], []
-    real, real_gemm = decode_fine.fine_select, forward.skinny_linear
-    monkeypatch.setattr(decode_fine, "fine_select", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real, real_gemm = decode_cuda.row_select_naive, forward.skinny_linear
+    monkeypatch.setattr(decode_cuda, "row_select_naive", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(forward, "skinny_linear", lambda *a, **k: gemms.append(1) or real_gemm(*a, **k))
     monkeypatch.setenv("SPARSE_RL_BACKEND", "triton")
     opts = {} if select is None else {"decode_select": DecodeSelect(select), "skinny_gemm": ("down_proj", "qkv")}

@@ -121,8 +121,8 @@ class DecodeSelect:
                 "cuda_cluster": self.cuda_cluster, "pdl": self.pdl}
 
 
-# The rollout engine's default (`ModelRunner(decode_select=None)`, the GRPO and `bench rollout` defaults):
-# the fine select at every context, its score pass stepping 64 keys (80 registers on sm_90a against 172 at
+# The rollout engine's default (`ModelRunner(decode_select=None)`, the GRPO and `bench rollout` defaults). Until
+# session 26: the fine select at every context, its score pass stepping 64 keys (80 registers on sm_90a against 172 at
 # 256: 6 programs an SM, 32 x 16K's 512 programs in one wave). On the H200 (Qwen3-4B shape, batch 32, random
 # caches; benchmarks/results/2026-12-02-h200-rollout-session9.md, call 2) its step took 6.52 / 7.47 / 8.71 ms
 # at 2304 / 8192 / 16384 context against auto's 6.80 / 7.67 / 8.88, and the whole 16K generation 4,269 tok/s
@@ -133,4 +133,10 @@ class DecodeSelect:
 # most 16 chunks a row, a cooperative launch): session 17 (results/2026-12-03-h200-session17.md) measured the
 # step at 32 x 16K 8.32 vs fine 8.68 ms and the whole 16K batch-32 generation 1.70x dense against 1.66x with fine
 # alone in one run; batches 16 and 1 run fine as before (sync: +0.03 ms at 16 x 32K, +0.2 at batch 1).
-ENGINE_SELECT = DecodeSelect("fine", score_block=64, sync_min_batch=32)
+# Since session 27 the engine runs "cuda" (decode_cuda.py: the same score pass, then a CUDA block or a cluster of
+# blocks a row) at every batch; where it cannot build (no NVRTC, compute capability below 8.0) the fine select runs
+# the same keys. On the H100 (results/2026-12-07-h100-session27.md, call 2; us a layer, the whole select) 16 x 16K
+# 25.4 against the rule above's 45.9, 32 x 16K 42.0 / 45.4, 32 x 2304 12.4 / 17.2, 32 x 8192 21.9 / 31.7, 16 x 32K
+# 42.8 / 63.5, 1 x 16K 21.7 / 30.4; the step at 16 x 16K 7.39-7.45 / 7.81-7.85 ms, 16 x 2304 6.10-6.13 / 6.25-6.27;
+# the whole 16K generation at batch 16 1.588x dense against 1.537x.
+ENGINE_SELECT = DecodeSelect("cuda", score_block=64)
