@@ -24,6 +24,12 @@ the passes' keys, plus five cluster barriers of ~1 us); C = 8 at 16 x 16K ~4-6; 
 engine's ~45; the step at 16 x 16K -0.4 to -0.7 ms, batch 1 16K -0.2 to -0.4; the whole 16K generation ratio
 +0.03 to +0.08.
 
+Call 3: one kernel for every cluster size, three passes instead of five (the row's extremes from the score pass's
+per-chunk span, the histogram in the load pass, the candidates listed by a cluster-wide counter with rank / warp
+tags so the write's offsets need no counting pass, 2 cluster barriers instead of 5); the previous kernel timed
+beside it (benchmarks/old_decode_cuda_27b.py, carried untracked). Predicted: alone at 16 x 16K (C2) 15.7 -> 9-11 us,
+32 x 2304 7.6 -> 5-6; the step at 16 x 16K -0.1 to -0.2 ms against call 2's cuda.
+
 Call 1 (H100): every form exact, but the select alone on the engine formula's scores 50 us at 32 x 16K at every
 cluster size: rows whose k-th largest score is an exact ReLU zero (head weights mostly negative) put ~900 equal
 keys in the threshold's bin, ranked one a thread (c^2 / 32 warp iterations). Call 2: the zeros in a slot of their
@@ -98,6 +104,14 @@ def kernel_part(run, sel) -> bool:
                 *a, K, sink=SINK, window=WINDOW, **{**s.as_kwargs(), "pdl": 2}))
         se, pos = _engine_scores(a), a[3]
         ref = dc.row_select_naive(se, pos, K)
+        try:  # call 3: the previous kernel (commit bdee591), carried untracked beside this script, for the baseline
+            import old_decode_cuda_27b as old
+
+            row["prev_alone_equal"] = bool(torch.equal(old.row_select(se, pos, K), ref))
+            row["prev_alone_auto"] = run.guarded(f"prev {B}x{S}", _graph_us, lambda: old.row_select(se, pos, K, pdl=2))
+            row["new_alone_auto"] = run.guarded(f"new {B}x{S}", _graph_us, lambda: dc.row_select(se, pos, K, pdl=2))
+        except ImportError:
+            pass
         for c in CLUSTERS:
             eq = run.guarded(f"alone eq C{c} {B}x{S}", lambda c=c: bool(torch.equal(dc.row_select(se, pos, K, cluster=c), ref)))
             row[f"alone_equal_C{c}"] = bool(eq)

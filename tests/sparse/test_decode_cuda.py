@@ -148,3 +148,25 @@ def test_indexer_topk_decode_cuda_equals_fine_on_the_same_scores():
     kw = dict(sink=4, window=64, score_block=64)
     assert torch.equal(itd.indexer_topk_decode(q, w, k, pos, K, impl="cuda", **kw),
                        itd.indexer_topk_decode(q, w, k, pos, K, impl="fine", **kw))
+
+
+@pytest.mark.skipif(not GPU, reason="the CUDA kernel needs a GPU")
+def test_kernel_reads_the_score_pass_span_of_visible_chunks_only():
+    """span `[B, P, 2]` per `chunk` keys as the score pass writes it: chunks past a row's pos hold garbage (never
+    written), which must not reach the row's extremes."""
+    g = torch.Generator().manual_seed(6)
+    B, S, CH = 5, 9000, 1024
+    x, pos = _rows(B, S, g, "zeros", "cuda")
+    P = -(-S // CH)
+    span = torch.full((B, P, 2), 1e30, device="cuda")
+    span[..., 1] = -1e30
+    for b in range(B):
+        for p in range(P):
+            if p * CH <= int(pos[b]):
+                blk = x[b, p * CH: min((p + 1) * CH, int(pos[b]) + 1)]
+                fin = blk[torch.isfinite(blk)]
+                span[b, p] = torch.stack([fin.max(), fin.min()]) if fin.numel() else torch.tensor(
+                    [float("-inf"), float("inf")], device="cuda")
+    for cluster in _clusters():
+        got = dc.row_select(x, pos, 2048, span=span, chunk=CH, cluster=cluster, pdl=2)
+        assert torch.equal(got, dc.row_select_naive(x, pos, 2048)), cluster

@@ -376,7 +376,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
             from sparse_rl.sparse.ops.indexer_topk import decode_cuda
 
             out = (decode_cuda.row_select_naive(sc, pos, topk) if interpret
-                   else decode_cuda.row_select(sc, pos, topk, pdl=pdl, cluster=cuda_cluster))
+                   else decode_cuda.row_select(sc, pos, topk, span=span, chunk=CH, pdl=pdl, cluster=cuda_cluster))
             n_c = None
         elif impl == "row":
             out, n_c = row_select(sc, pos, span, topk, CH, sort=sort, block=row_block, num_warps=row_warps,
