@@ -6,7 +6,7 @@ import pytest
 
 from sparse_rl.bench.rollout import BenchRolloutConfig, _Bench
 from sparse_rl.errors import UsageError
-from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
+from sparse_rl.sparse.ops.indexer_topk.decode_select import ENGINE_SELECT, DecodeSelect
 
 
 @pytest.mark.parametrize("bad", [{"decode_select": "rows"}, {"decode_long": "auto"}, {"qkv_pad": 0}, {"score_block": 48},
@@ -20,10 +20,12 @@ def test_kernel_choices_reach_the_runner():
     cfg = BenchRolloutConfig(shape="tiny", device="cpu", dtype="float32", long_new_tokens=[16], decode_select="fine",
                              decode_long="row", qkv_pad=8)
     eng = _Bench(cfg, lambda m: None, None).engine(2, 64)
-    assert eng.runner.decode_select == DecodeSelect("fine", long="row", score_block=64, sync_min_batch=32)
+    assert eng.runner.decode_select == DecodeSelect("fine", long="row", score_block=64, sync_min_batch=0)
     assert eng.runner.qkv_pad == 8
-    never = BenchRolloutConfig(shape="tiny", device="cpu", dtype="float32", long_new_tokens=[16], sync_min_batch=0)
-    assert _Bench(never, lambda m: None, None).engine(2, 64).runner.decode_select.sync_min_batch == 0
+    sync = BenchRolloutConfig(shape="tiny", device="cpu", dtype="float32", long_new_tokens=[16], sync_min_batch=32)
+    assert _Bench(sync, lambda m: None, None).engine(2, 64).runner.decode_select.sync_min_batch == 32
+    assert _Bench(BenchRolloutConfig(shape="tiny", device="cpu", dtype="float32", long_new_tokens=[16]),
+                  lambda m: None, None).engine(2, 64).runner.decode_select == ENGINE_SELECT
 
 
 def test_pdl_option_reaches_the_runner_and_resolves_off_on_the_cpu():

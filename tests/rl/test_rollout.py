@@ -604,8 +604,12 @@ def test_pdl_resolves_off_on_the_cpu_and_is_threaded_to_every_step_kernel(llama_
 
     from sparse_rl.rl.rollout import forward
 
+    from sparse_rl.sparse.ops.indexer_topk.decode_select import DecodeSelect
+
     model = load_model(llama_dir, attention="sparse")
-    eng = _engine(model, max_batch=2, fuse_projections=True, runner_options={"pdl": True})
+    # the fine select (the engine's default until session 27): its three Triton passes take the runner's PDL too
+    eng = _engine(model, max_batch=2, fuse_projections=True,
+                  runner_options={"pdl": True, "decode_select": DecodeSelect("fine", score_block=64)})
     assert eng.runner.pdl == 0
     eng.runner.set_pdl(None)
     assert eng.runner.pdl == 0  # nothing resolves on on a CPU, whatever PDL_DEFAULT says
