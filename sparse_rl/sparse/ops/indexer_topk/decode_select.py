@@ -135,8 +135,9 @@ class DecodeSelect:
 # alone in one run; batches 16 and 1 run fine as before (sync: +0.03 ms at 16 x 32K, +0.2 at batch 1).
 # Since session 27 the engine runs "cuda" (decode_cuda.py: the same score pass, then a CUDA block or a cluster of
 # blocks a row) at every batch; where it cannot build (no NVRTC, compute capability below 8.0) the fine select runs
-# the same keys. On the H100 (results/2026-12-07-h100-session27.md, call 2; us a layer, the whole select) 16 x 16K
-# 25.4 against the rule above's 45.9, 32 x 16K 42.0 / 45.4, 32 x 2304 12.4 / 17.2, 32 x 8192 21.9 / 31.7, 16 x 32K
-# 42.8 / 63.5, 1 x 16K 21.7 / 30.4; the step at 16 x 16K 7.39-7.45 / 7.81-7.85 ms, 16 x 2304 6.10-6.13 / 6.25-6.27;
-# the whole 16K generation at batch 16 1.588x dense against 1.537x.
+# the same keys. On the H100 (results/2026-12-07-h100-session27.md; call 2, us a layer, the whole select, its
+# first cluster form) 16 x 16K 25.4 against the rule above's 45.9, 32 x 16K 42.0 / 45.4, 32 x 2304 12.4 / 17.2,
+# 32 x 8192 21.9 / 31.7, 16 x 32K 42.8 / 63.5, 1 x 16K 21.7 / 30.4; with the three-pass kernel (calls 5-7, the CLI
+# alternating on one machine) the step at 16 x 16K 7.10-7.13 / 7.73-7.84 ms, 16 x 2304 5.94-5.95 / 6.07-6.08,
+# 1 x 16K 4.48 / 4.66, and the whole 16K generation at batch 16 1.58x dense against 1.51x.
 ENGINE_SELECT = DecodeSelect("cuda", score_block=64)
