@@ -170,3 +170,21 @@ def test_kernel_reads_the_score_pass_span_of_visible_chunks_only():
     for cluster in _clusters():
         got = dc.row_select(x, pos, 2048, span=span, chunk=CH, cluster=cluster, pdl=2)
         assert torch.equal(got, dc.row_select_naive(x, pos, 2048)), cluster
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="needs the CUDA toolkit's nvcc")
+def test_source_compiles_for_sm90_in_64_registers_without_spills(tmp_path):
+    """The kernel runs 1024 threads a block, so it must fit 64 registers a thread; more would spill (the
+    launch bound caps it). Compiled by nvcc on a host without a GPU, as NVRTC compiles it on one."""
+    import re
+    import subprocess
+
+    src = tmp_path / "k.cu"
+    src.write_text(dc.SOURCE)
+    res = subprocess.run(["nvcc", "-cubin", "-gencode=arch=compute_90,code=sm_90", "-Xptxas", "-v", str(src),
+                          "-o", str(tmp_path / "k.cubin")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", res.stderr)]
+    assert regs and max(regs) <= 64, res.stderr
+    assert "0 bytes spill stores" in res.stderr and "bytes spill stores" not in res.stderr.replace(
+        "0 bytes spill stores", ""), res.stderr
