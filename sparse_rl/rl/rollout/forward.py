@@ -240,7 +240,7 @@ class ModelRunner:
     CUDA; the modules' parameters become views of the concatenated weights, see fused_weights.py).
     qkv_pad: zero rows after the fused q/k/v(+indexer) weight up to a multiple of this (`set_qkv_pad`).
     decode_select: the indexer's decode select after the score pass (`DecodeSelect`; None: `ENGINE_SELECT`,
-    the fine select with a 64-key score step; `set_decode_select` changes it later). skinny_gemm: which of the eager step's GEMMs run as
+    the CUDA select after a 64-key score step; `set_decode_select` changes it later). skinny_gemm: which of the eager step's GEMMs run as
     `ops.skinny_linear` (split-K in one launch; at most SKINNY_MAX_ROWS = 32 rows, no bias) instead of F.linear
     (cuBLAS: split-K + a reduce kernel for o_proj / down_proj at M = 32): names among SKINNY ("o_proj",
     "down_proj", "qkv", "gate_up"), True for all, () for none; None: `skinny_default(device, dtype)`, all four

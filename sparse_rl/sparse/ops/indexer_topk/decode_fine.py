@@ -37,9 +37,9 @@ noise in the step, `_resolve_write` 31 us a layer, each program walking the row'
 (results/2026-12-02-h200-rollout-session8.md). Session 9 (results/2026-12-02-h200-rollout-session9.md): the
 compaction reads only the list regions of the chunks that hold the sub-bin's keys (28.4 us a layer; the
 walk was not the main term) and steps 32 slots (128 registers on sm_90a instead of 168: 4 programs an SM,
-32 x 16K's 512 programs in one wave; 22.8 us a layer). With a 64-key score step it is the rollout engine's
-default select at every context (`decode_select.ENGINE_SELECT`: the step 0.17-0.28 ms faster than auto's
-at 2.3K-16K).
+32 x 16K's 512 programs in one wave; 22.8 us a layer). With a 64-key score step it was the rollout engine's
+default select at every context from session 9 to 26 (the step 0.17-0.28 ms faster than auto's at 2.3K-16K);
+since session 27 the CUDA select (decode_cuda.py) is, and this one runs where that cannot build.
 
 Bins: t = (max - x) * NB / span (`decode._block`), first level d = min(floor(t), NB - 1), fine level
 f = min(floor(t * NB2), NB * NB2 - 1), sub-bin d2 = f - d * NB2 (NB2 a power of two, so t * NB2 is
