@@ -139,10 +139,10 @@ def auto_cluster(B: int, S: int, sms: int, capability: tuple[int, int]) -> int:
     """The blocks a row of `row_select`'s cluster form on a GPU of `sms` SMs: the most (up to 4) that keep the B
     rows' clusters in one wave (one 1024-thread block an SM) with at least CLUSTER_MIN_KEYS keys a block; 1 (the
     one-block kernel) below compute capability 9.0, where there are no clusters. Measured on the H100 (session 27,
-    the select alone, us): 16 x 32K 27.1 / 20.3 / 15.4 / 32.3 at 1 / 2 / 4 / 8 blocks a row, 32 x 8192 16.9 /
-    19.2 / 22.6 / 43.8, 32 x 2304 6.7 / 10.0 / 15.0 / 28.1: a cluster's exchanges cost ~3 us, so it pays only where
-    a block keeps ~8K keys; 8 blocks a row lose even there (16 clusters of 8 need more than one wave of the H100's
-    GPCs)."""
+    call 2, the five-pass form of the select alone, us): 16 x 32K 34.2 / 23.2 / 16.7 / 33.3 at 1 / 2 / 4 / 8
+    blocks a row, 16 x 16K 19.5 / 15.7 / 13.5 / 27.8, 32 x 8192 11.6 / 12.3 / 20.3 / 41.8, 32 x 2304 7.6 / 10.5 /
+    15.2 / 28.6: a cluster's exchanges cost ~3 us, so it pays only where a block keeps ~8K keys; 8 blocks a row
+    lose everywhere (16 clusters of 8 need more than one wave of the H100's GPCs)."""
     if tuple(capability) < (9, 0):
         return 1
     c = 4
@@ -199,23 +199,28 @@ def row_select(sc: torch.Tensor, pos: torch.Tensor, topk: int, *, span: torch.Te
     out = torch.empty(B, topk, device=sc.device, dtype=torch.int32)
     if sc.stride(0) != S:
         sc = sc.contiguous()
-    k = _kernel(dev)
     part = -(-S // (C * 32)) * 32  # a block's most keys (the kernel's part of a row of S keys)
     keys = min(cache_keys, part)
-    ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (sc, span, pos, out)]
-    ints = [ctypes.c_int(v) for v in (S, topk, out.stride(0), keys, chunk, span.shape[1], 1 if pdl else 0)]
-    params = (ctypes.c_void_p * 11)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in ptrs + ints])
+    _launch(dev, B, C, keys * 4, [sc, span, pos, out],
+            [S, topk, out.stride(0), keys, chunk, span.shape[1], 1 if pdl else 0], pdl)
+    return out
+
+
+def _launch(dev: int, B: int, C: int, smem: int, tensors: list, ints: list, pdl: int) -> None:
+    """`row_topk` on the current stream: B clusters of C blocks of THREADS threads, smem bytes of dynamic shared
+    memory, the kernel's parameters (tensor pointers, then ints) in its order; PDL where asked."""
+    k = _kernel(dev)
+    args = [ctypes.c_void_p(t.data_ptr()) for t in tensors] + [ctypes.c_int(v) for v in ints]
+    params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
     # on sm_90+ even one block a row launches as a cluster (of one): the kernel's cluster barriers and
     # distributed-shared-memory accesses then address a launch of the kind they were written for
     clusters = torch.cuda.get_device_capability(dev) >= (9, 0)
     attrs = ([_attr(_PROGRAMMATIC_STREAM_SERIALIZATION, 1)] if pdl else []) + (
         [_attr(_CLUSTER_DIMENSION, C, 1, 1)] if clusters else [])
     arr = (_LaunchAttr * max(1, len(attrs)))(*attrs)
-    cfg = _LaunchConfig(B * C, 1, 1, THREADS, 1, 1, keys * 4, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+    cfg = _LaunchConfig(B * C, 1, 1, THREADS, 1, 1, smem, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
                         arr if attrs else None, len(attrs))
     _check(_libcuda().cuLaunchKernelEx(ctypes.byref(cfg), k.func, params, None), "cuLaunchKernelEx")
-    return out
-
 
 
 def row_select_naive(sc: torch.Tensor, pos: torch.Tensor, topk: int) -> torch.Tensor:
