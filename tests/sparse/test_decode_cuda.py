@@ -188,3 +188,43 @@ def test_source_compiles_for_sm90_in_64_registers_without_spills(tmp_path):
     assert regs and max(regs) <= 64, res.stderr
     assert "0 bytes spill stores" in res.stderr and "bytes spill stores" not in res.stderr.replace(
         "0 bytes spill stores", ""), res.stderr
+
+
+def test_launch_packs_the_kernel_signature(monkeypatch):
+    """The host side of a launch, on a CPU: `_launch` hands the driver the kernel's parameters in the order and
+    kinds its CUDA signature declares (pointers, then ints), the grid of B clusters of C blocks, the shared
+    memory, and the PDL / cluster attributes (the driver call itself recorded instead of made)."""
+    import ctypes
+    import re
+
+    sig = re.search(r"row_topk\((.*?)\)\s*\{", dc.SOURCE, re.S).group(1)
+    kinds = ["ptr" if "*" in p else "int" for p in sig.split(",")]
+    seen = {}
+
+    class Driver:
+        def cuLaunchKernelEx(self, cfgp, func, params, extra):
+            cfg = ctypes.cast(cfgp, ctypes.POINTER(dc._LaunchConfig)).contents
+            p = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p * len(kinds))).contents
+            seen["args"] = [ctypes.cast(p[i], ctypes.POINTER(ctypes.c_void_p if k == "ptr" else ctypes.c_int))
+                            .contents.value for i, k in enumerate(kinds)]
+            seen["grid"] = (cfg.gridDimX, cfg.blockDimX, cfg.sharedMemBytes)
+            seen["attrs"] = {cfg.attrs[i].id: ctypes.string_at(ctypes.addressof(cfg.attrs[i]) + 8, 12)
+                             for i in range(cfg.numAttrs)}
+            return 0
+
+    class Stream:
+        cuda_stream = 0
+
+    monkeypatch.setattr(dc, "_kernel", lambda dev: type("K", (), {"func": None})())
+    monkeypatch.setattr(dc, "_libcuda", lambda: Driver())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    t = [torch.zeros(3, 64), torch.zeros(3, 2, 2), torch.zeros(3, dtype=torch.int32), torch.zeros(3, 16)]
+    ints = [64, 16, 16, 32, 32, 2, 1]
+    assert kinds == ["ptr"] * 4 + ["int"] * 7
+    dc._launch(0, 3, 2, 128, t, ints, pdl=2)
+    assert seen["args"] == [x.data_ptr() for x in t] + ints
+    assert seen["grid"] == (6, dc.THREADS, 128)
+    le = b"".join(v.to_bytes(4, "little") for v in (2, 1, 1))
+    assert seen["attrs"] == {dc._PROGRAMMATIC_STREAM_SERIALIZATION: (1).to_bytes(4, "little") + bytes(8),
+                             dc._CLUSTER_DIMENSION: le}
