@@ -1,6 +1,6 @@
-"""The decode select's CUDA block-per-row kernel (`decode_cuda.row_select`) against its PyTorch reference
-(`row_select_naive`) on the same scores, and that reference against the decode reference's rule. The kernel
-has no CPU form (CUDA C++ compiled by NVRTC): its tests run where a GPU is, the reference's everywhere."""
+"""The decode select's CUDA kernel, a block or a cluster of blocks a row (`decode_cuda.row_select`), against its
+PyTorch reference (`row_select_naive`) on the same scores, and that reference against the decode reference's rule.
+The kernel has no CPU form (CUDA C++ compiled by NVRTC): its tests run where a GPU is, the reference's everywhere."""
 
 import pytest
 import torch
@@ -217,12 +217,11 @@ def test_launch_packs_the_kernel_signature(monkeypatch):
 
     monkeypatch.setattr(dc, "_kernel", lambda dev: type("K", (), {"func": None})())
     monkeypatch.setattr(dc, "_libcuda", lambda: Driver())
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
     t = [torch.zeros(3, 64), torch.zeros(3, 2, 2), torch.zeros(3, dtype=torch.int32), torch.zeros(3, 16)]
     ints = [64, 16, 16, 32, 32, 2, 1]
     assert kinds == ["ptr"] * 4 + ["int"] * 7
-    dc._launch(0, 3, 2, 128, t, ints, pdl=2)
+    dc._launch(0, 3, 2, 128, t, ints, pdl=2, clusters=True)
     assert seen["args"] == [x.data_ptr() for x in t] + ints
     assert seen["grid"] == (6, dc.THREADS, 128)
     le = b"".join(v.to_bytes(4, "little") for v in (2, 1, 1))

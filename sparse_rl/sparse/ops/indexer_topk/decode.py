@@ -264,7 +264,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     `decode_row.py`, two launches, `row_block` keys a step in `row_warps` warps), "split" (the score
     pass, then three (chunk, row) launches: `decode_split.py`), "fine" (the score pass, then three (chunk,
     row) launches with a second level of bins: `decode_fine.py`; fine_cap: its most sub-bin keys ranked in
-    registers), "cuda" (the score pass, then one CUDA block a row: `decode_cuda.py`; on a CPU its PyTorch
+    registers), "cuda" (the score pass, then a CUDA block or a cluster of blocks a row: `decode_cuda.py`; on a CPU its PyTorch
     reference over the interpreted score pass's scores) or "auto" (the default: row for S <= row_max_keys, else
     auto_long; `DecodeSelect` holds these three). score_block: the score pass's keys a step (0: the passes'
     common step). fine_resolve: where the fine select resolves its row's threshold: "each" (every (chunk, row)
@@ -372,7 +372,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
             from sparse_rl.sparse.ops.indexer_topk.decode_bsearch import bsearch_select
 
             out, n_c = bsearch_select(sc, pos, topk, interpret=interpret), None
-        elif impl == "cuda":  # one CUDA block a row (decode_cuda.py); its reference on a CPU
+        elif impl == "cuda":  # a CUDA block or cluster a row (decode_cuda.py); its reference on a CPU
             from sparse_rl.sparse.ops.indexer_topk import decode_cuda
 
             out = (decode_cuda.row_select_naive(sc, pos, topk) if interpret

@@ -54,6 +54,8 @@ from pathlib import Path
 
 import torch
 
+from sparse_rl.sparse.ops.indexer_topk.decode_select import CUDA_CLUSTERS
+
 THREADS = 1024
 # rows of at most this many keys keep their keys in shared memory between the passes (4 bytes a key, plus the
 # 8 KB histogram, within the 227 KB a block may have on sm_90); longer rows re-read the scores from L2 each pass
@@ -126,7 +128,7 @@ def _warn_once(msg: str) -> None:
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
-CLUSTERS = (0, 1, 2, 4, 8)  # 0: auto_cluster's choice; at most 8, the portable cluster size
+CLUSTERS = CUDA_CLUSTERS  # 0: auto_cluster's choice; at most 8, the portable cluster size
 CLUSTER_MIN_KEYS = 8192  # auto_cluster: a cluster's blocks hold at least this many keys each
 
 
@@ -192,8 +194,9 @@ def row_select(sc: torch.Tensor, pos: torch.Tensor, topk: int, *, span: torch.Te
         raise ValueError("decode_cuda.row_select: span must be [B, P, 2] fp32 with a chunk of at least 1 key")
     span = span.contiguous()
     dev = sc.device.index if sc.device.index is not None else torch.cuda.current_device()
-    C = cluster or auto_cluster(B, S, _sm_count(dev), torch.cuda.get_device_capability(dev))
-    if C > 1 and torch.cuda.get_device_capability(dev) < (9, 0):
+    cap = torch.cuda.get_device_capability(dev)
+    C = cluster or auto_cluster(B, S, _sm_count(dev), cap)
+    if C > 1 and cap < (9, 0):
         raise ValueError(f"cluster {C}: thread-block clusters need compute capability 9.0+")
     pos = pos.to(device=sc.device, dtype=torch.int32).contiguous()
     out = torch.empty(B, topk, device=sc.device, dtype=torch.int32)
@@ -201,25 +204,25 @@ def row_select(sc: torch.Tensor, pos: torch.Tensor, topk: int, *, span: torch.Te
         sc = sc.contiguous()
     part = -(-S // (C * 32)) * 32  # a block's most keys (the kernel's part of a row of S keys)
     keys = min(cache_keys, part)
+    # on sm_90+ even one block a row launches as a cluster (of one): the kernel's cluster barriers and
+    # distributed-shared-memory accesses then address a launch of the kind they were written for
     _launch(dev, B, C, keys * 4, [sc, span, pos, out],
-            [S, topk, out.stride(0), keys, chunk, span.shape[1], 1 if pdl else 0], pdl)
+            [S, topk, out.stride(0), keys, chunk, span.shape[1], 1 if pdl else 0], pdl, clusters=cap >= (9, 0))
     return out
 
 
-def _launch(dev: int, B: int, C: int, smem: int, tensors: list, ints: list, pdl: int) -> None:
-    """`row_topk` on the current stream: B clusters of C blocks of THREADS threads, smem bytes of dynamic shared
-    memory, the kernel's parameters (tensor pointers, then ints) in its order; PDL where asked."""
+def _launch(dev: int, B: int, C: int, smem: int, tensors: list, ints: list, pdl: int, clusters: bool) -> None:
+    """`row_topk` on the current stream: B rows of C blocks of THREADS threads, as clusters of C where `clusters`
+    (sm_90+), smem bytes of dynamic shared memory, the kernel's parameters (tensor pointers, then ints) in its
+    order; PDL where asked."""
     k = _kernel(dev)
     args = [ctypes.c_void_p(t.data_ptr()) for t in tensors] + [ctypes.c_int(v) for v in ints]
     params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
-    # on sm_90+ even one block a row launches as a cluster (of one): the kernel's cluster barriers and
-    # distributed-shared-memory accesses then address a launch of the kind they were written for
-    clusters = torch.cuda.get_device_capability(dev) >= (9, 0)
     attrs = ([_attr(_PROGRAMMATIC_STREAM_SERIALIZATION, 1)] if pdl else []) + (
         [_attr(_CLUSTER_DIMENSION, C, 1, 1)] if clusters else [])
     arr = (_LaunchAttr * max(1, len(attrs)))(*attrs)
-    cfg = _LaunchConfig(B * C, 1, 1, THREADS, 1, 1, smem, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
-                        arr if attrs else None, len(attrs))
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    cfg = _LaunchConfig(B * C, 1, 1, THREADS, 1, 1, smem, stream, arr if attrs else None, len(attrs))
     _check(_libcuda().cuLaunchKernelEx(ctypes.byref(cfg), k.func, params, None), "cuLaunchKernelEx")
 
 

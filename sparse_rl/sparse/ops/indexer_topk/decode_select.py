@@ -29,6 +29,9 @@ from dataclasses import dataclass
 # cost nothing measurable in the step (session 17: 8.33 vs 8.33 ms at 32 x 16K, 6.45 vs 6.45 at 32 x 2304).
 # The engine runs it for batches of at least 32 rows (ENGINE_SELECT.sync_min_batch), fine below.
 IMPLS = ("auto", "chunked", "row", "split", "fine", "bits", "bsearch", "sync", "cuda")
+# the "cuda" select's blocks a row (`DecodeSelect.cuda_cluster`, `decode_cuda.row_select(cluster=)`): 0 for
+# `decode_cuda.auto_cluster`'s choice, at most 8 (the portable cluster size)
+CUDA_CLUSTERS = (0, 1, 2, 4, 8)
 # where the fine select resolves a row's threshold (`DecodeSelect.fine_resolve`): "each" (decode_fine.py: every
 # (chunk, row) program of its last pass repeats it), "arrive" (decode_fine_once.py: once, by the row's last
 # program of the gather pass), "pass" (decode_fine_once.py: once, by a [B]-program pass of its own); "arrive" /
@@ -106,7 +109,7 @@ class DecodeSelect:
             raise ValueError(f"sync_max_chunks {self.sync_max_chunks}: must be 0 (the kernel's default, 16) or 1-32")
         if self.num_warps not in (0, 1, 2, 4, 8, 16):
             raise ValueError(f"num_warps {self.num_warps}: must be 0 (the default) or a power of two up to 16")
-        if self.cuda_cluster not in (0, 1, 2, 4, 8):  # decode_cuda.CLUSTERS (no torch here)
+        if self.cuda_cluster not in CUDA_CLUSTERS:
             raise ValueError(f"cuda_cluster {self.cuda_cluster}: must be 0 (auto), 1, 2, 4 or 8")
         if self.pdl not in (0, 1, 2):  # ops/_backend.PDL_LEVELS (not imported here: this module has no torch)
             raise ValueError(f"pdl {self.pdl!r}: must be 0, 1 or 2 (False / True are 0 / 1)")
