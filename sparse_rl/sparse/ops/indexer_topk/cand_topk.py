@@ -328,6 +328,9 @@ def _select_kernel(VAL, IDX, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.c
         _write_selected(_okey(x), idx, live, n, K, OUT + b * sob + t * sot, KB, STEP2)
 
 
+SELECT_IMPLS = ("triton", "cuda")  # `CandConfig.select_impl`
+
+
 @dataclass(frozen=True)
 class CandConfig:
     """Launch shapes, threshold and redo. The defaults are the H200's fastest form measured exact at 32K and
@@ -402,6 +405,9 @@ class CandConfig:
     ties: bool = True
     tie_min_work: int = 1 << 26
     tie_splits: int = 0  # spans a flagged row's keys are split into for the tie path (0: ~2 programs an SM)
+    # the buffer select's kernel (packed buffers on a CUDA device): "cuda" (cand_cuda.py, one CUDA block a row;
+    # the Triton form where NVRTC or compute capability 8.0 is missing) or "triton" (`_select_packed_kernel`)
+    select_impl: str = "triton"
 
 
 INTERPRET_CAND = CandConfig(block_m=16, block_n=32, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
@@ -494,6 +500,15 @@ def cand_select(val, idx, nrow, out, topk, cfg: CandConfig):
     """Phase 4: one program a row, the exact top-k of its buffer into out `[B, Tc, topk]` (rows < 0 skipped)."""
     B, Tc = out.shape[:2]
     CB = triton.next_power_of_2(val.shape[2])
+    if cfg.select_impl not in SELECT_IMPLS:
+        raise ValueError(f"select_impl {cfg.select_impl!r}: expected one of {', '.join(SELECT_IMPLS)}")
+    if cfg.select_impl == "cuda" and cfg.packed and val.is_cuda:
+        from sparse_rl.sparse.ops.indexer_topk import cand_cuda
+
+        dev = val.device.index if val.device.index is not None else torch.cuda.current_device()
+        if val.shape[2] <= cand_cuda.MAX_SLOTS and cand_cuda.available(dev):
+            cand_cuda.buffer_select(val, nrow, out, topk, raw=cfg.gather == "words")
+            return
     if cfg.packed:
         _select_packed_kernel[(B * Tc,)](val, nrow, out, Tc, val.stride(0), val.stride(1), nrow.stride(0),
                                          out.stride(0), out.stride(1), topk, CB=CB, KB=min(1024, CB),

@@ -1,0 +1,114 @@
+"""Session 28 (lead), issue 15: the prefill top-k's buffer select as one CUDA block a row (`cand_cuda.buffer_topk`,
+`CandConfig(select_impl="cuda")`) against the Triton select (`_select_packed_kernel`, the default), in one call.
+
+Why: at 32K the token-level prefill spends ~3.5 ms in indexer + top-k against a 0.77 ms score sweep; the buffer
+select was 1.21 ms of it (H200, session 19): a bit search of ~28 dependent block-wide `tl.sum`s a row at ~2
+programs an SM. The CUDA form's steps are a compare per register slot, a `redux.sync` and one barrier, the last 32
+open keys ranked by shuffles, and one ballot scan for the write.
+
+1. select alone on the default's buffers (threshold + gather of the whole 32K rows at once), trained and random
+   inputs: rows equal (served rows), ms of each;
+2. whole top-k (`indexer_topk_cand`), default vs select_impl="cuda": rows equal, ms;
+3. prefill (top-k + `sparse_attention`), both, and dense cuDNN SDPA in the same run.
+
+Predictions (before the call, H100): the select alone ~0.2-0.4 ms at 32K (from 1.0-1.3), the whole top-k -0.8 to
+-1.0 ms, the 32K prefill 10.7 -> ~9.8 ms (1.35x -> ~1.47x dense); at 128K random the select ~1.5 ms from ~4.8.
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu_cand_select_session28.py --budget 300 --out $OUT/cs28
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from granular_harness import Run, log, trained_indexer  # noqa: E402
+from gpu_select_session18 import buffers  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cs28"))
+    ap.add_argument("--budget", type=float, default=300.0)
+    ap.add_argument("--seqlens", default="32768,131072")
+    ap.add_argument("--reps", type=int, default=2)
+    a = ap.parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    from sparse_rl.bench import patterns
+    from sparse_rl.bench.timing import bench_ms
+    from sparse_rl.sparse.ops import sparse_attention
+    from sparse_rl.sparse.ops.indexer_topk import cand_topk as ct
+
+    os.makedirs(a.out, exist_ok=True)
+    dev = torch.device("cuda")
+    K, H, H_kv, D, sink, window = 2048, 32, 8, 128, 4, 64
+    run = Run(a.out, "cs28.json", a.budget, {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()})
+    ix, _, gen = trained_indexer(dev, 0, 4, 64, 150)
+    W = dict(rep_ms=200)
+    cuda_cfg = dataclasses.replace(ct.CandConfig(), select_impl="cuda")
+    for L in [int(x) for x in a.seqlens.split(",")]:
+        for kind in ("trained", "random"):
+            if not run.gate(60 if L <= 32768 else 120, f"{kind} {L}"):
+                continue
+            if kind == "trained":
+                qi, wi, ki = patterns.trained_index(ix, L, dev, gen)
+            else:
+                g = torch.Generator(device=dev).manual_seed(L)
+                qi = torch.randn(1, L, 4, 64, device=dev, generator=g).bfloat16()
+                wi = torch.randn(1, L, 4, device=dev, generator=g).bfloat16()
+                ki = torch.randn(1, L, 64, device=dev, generator=g).bfloat16()
+            row = {"L": L, "kind": kind}
+            try:
+                th, smp, val, nrow, kvs, C = buffers(qi, wi, ki, K, sink, window, dev)
+                served = (nrow >= 0)[..., None]
+                outs = {}
+                for lab, cfg in (("triton", ct.CandConfig()), ("cuda", cuda_cfg)):
+                    out = torch.full((1, L, K), -7, device=dev, dtype=torch.int32)
+                    ct.cand_select(val, val, nrow, out, K, cfg)
+                    torch.cuda.synchronize()
+                    outs[lab] = out
+                    row[f"select_{lab}_ms"] = [bench_ms(lambda: ct.cand_select(val, val, nrow, out, K, cfg), dev, **W)
+                                               for _ in range(a.reps)]
+                row["select_equal"] = bool(torch.equal(torch.where(served, outs["cuda"], 0),
+                                                       torch.where(served, outs["triton"], 0)))
+                row["rows_flagged"] = int((nrow < 0).sum())
+                row["mean_entries"] = float(nrow[nrow >= 0].float().mean())
+                del val, smp, outs
+                torch.cuda.empty_cache()
+                tk = {lab: (lambda cfg=cfg: ct.indexer_topk_cand(qi, wi, ki, K, sink=sink, window=window, config=cfg))
+                      for lab, cfg in (("triton", ct.CandConfig()), ("cuda", cuda_cfg))}
+                r_t, r_c = tk["triton"](), tk["cuda"]()
+                row["topk_equal"] = bool(torch.equal(r_t, r_c))
+                for lab, fn in tk.items():
+                    row[f"topk_{lab}_ms"] = [bench_ms(fn, dev, **W) for _ in range(a.reps)]
+                log(f"{kind} {L}: {row}")
+                if kind == "trained":
+                    gq = torch.Generator(device=dev).manual_seed(7)
+                    q, k, v = (torch.randn(1, L, h, D, device=dev, generator=gq).bfloat16() for h in (H, H_kv, H_kv))
+                    qd, kd, vd = (t.transpose(1, 2) for t in (q, k, v))
+                    pf = {lab: (lambda fn=fn: sparse_attention(q, k, v, fn(), backend="triton")[0])
+                          for lab, fn in tk.items()}
+                    pf["dense"] = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+                    for rep in range(a.reps):
+                        for lab, fn in pf.items():
+                            row.setdefault(f"prefill_{lab}_ms", []).append(bench_ms(fn, dev, **W))
+                    del q, k, v, qd, kd, vd
+            except Exception as e:  # noqa: BLE001 (a failure is a result)
+                row["error"] = repr(e)[:400]
+            log(f"{kind} {L}: {row}")
+            run.res.setdefault("rows", []).append(row)
+            run.save()
+            torch.cuda.empty_cache()
+    run.save()
+    print(json.dumps(run.res.get("rows")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The prefill top-k's buffer select (phase 4 of `cand_topk`) as one CUDA block a row (`CandConfig(select_impl=
+"cuda")`).
+
+Why CUDA: the select finds the k-th largest of a row's ~3K buffered candidates, then writes the kept positions in
+order. The Triton form (`cand_topk._select_packed_kernel`) does it by a bit search whose every step is a block-wide
+`tl.sum` through shared memory, ~1 us each at ~2 programs an SM (1.21 ms for the 32K rows of a 32K prefill on the
+H200, session 19). Here a step is a compare per register slot, one `redux.sync` a warp and one barrier (the warps'
+sums in a double-buffered shared array), the last <= 32 open keys are ranked in one warp by shuffles, and the write
+takes one ballot scan: the kept lanes' offsets from per-(slot, warp) counts of the keys above and equal to the k-th.
+
+`buffer_select(val [B, R, C] int64, nrow [B, R] int32, out [B, Tc, K] int32, K)`: val holds each row's entries in
+key order (high word the score's fp32 bits, `raw`, or its order-preserving key; low word the position), nrow
+their count (-1: a flagged row, left for the redo). Out: the positions of the K largest (among equal scores the
+later key; -0.0 equals +0.0), ascending; a row of at most K entries keeps them all, then -1. The same keys as the
+Triton select (`buffer_select_naive` is its rule in PyTorch; tests/sparse/test_cand_cuda.py checks both on a GPU and
+replays the kernel's bit search on the CPU).
+
+Compiled at first use by NVRTC (`torch.cuda._compile_kernel`), cached per device; a plain launch (the prefill's
+select needs neither PDL nor clusters). On a CPU, or where it does not build, `cand_select` runs the Triton form.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+LPT = 16  # the kernel's register slots a thread (cand_cuda.cu)
+MAX_SLOTS = LPT * 1024  # a row's buffer entries a 1024-thread block holds
+SOURCE = (Path(__file__).parent / "cand_cuda.cu").read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device: int):
+    with torch.cuda.device(device):
+        return torch.cuda._compile_kernel(SOURCE, "buffer_topk", nvcc_options=["-std=c++17"])
+
+
+@functools.lru_cache(maxsize=None)
+def available(device: int) -> bool:
+    """Whether `buffer_topk` builds and loads on cuda:`device` (NVRTC present, compute capability 8.0+ for the
+    warp reductions); warned once where not."""
+    try:
+        if not hasattr(torch.cuda, "_compile_kernel"):
+            raise RuntimeError("torch.cuda._compile_kernel is missing (PyTorch >= 2.8 with CUDA)")
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            raise RuntimeError("compute capability below 8.0")
+        _kernel(device)
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure to build means the Triton select runs instead
+        import warnings
+
+        warnings.warn(f"cand select 'cuda' unavailable on cuda:{device} ({e}); the Triton select runs instead",
+                      RuntimeWarning, stacklevel=2)
+        return False
+
+
+def threads(slots: int) -> int:
+    """The block size for rows of `slots` buffer entries: LPT entries a thread, whole warps, at least one."""
+    return max(32, -(-slots // (LPT * 32)) * 32)
+
+
+def buffer_select(val: torch.Tensor, nrow: torch.Tensor, out: torch.Tensor, topk: int, raw: bool = True) -> None:
+    """See the module docstring: val `[B, R, C]` int64 (contiguous entries), nrow `[B, R]` int32, out `[B, Tc,
+    topk]` int32 (Tc <= R, contiguous rows), all on one CUDA device; rows with nrow < 0 are not written."""
+    B, Tc = out.shape[:2]
+    C = val.shape[2]
+    if not (val.is_cuda and val.dtype == torch.int64 and nrow.dtype == torch.int32 and out.dtype == torch.int32):
+        raise ValueError("cand_cuda.buffer_select: val int64, nrow / out int32, on a CUDA device")
+    if C > MAX_SLOTS or val.stride(2) != 1 or out.stride(2) != 1 or out.shape[2] != topk or val.shape[1] < Tc:
+        raise ValueError(f"cand_cuda.buffer_select: val {tuple(val.shape)} (at most {MAX_SLOTS} contiguous entries a "
+                         f"row), out {tuple(out.shape)} (contiguous rows of {topk})")
+    strides = (val.stride(0), val.stride(1), nrow.stride(0), out.stride(0), out.stride(1))
+    if max(strides) >= 2 ** 31 or Tc == 0 or B == 0:
+        if Tc and B:
+            raise ValueError("cand_cuda.buffer_select: strides past int32")
+        return
+    dev = val.device.index if val.device.index is not None else torch.cuda.current_device()
+    _kernel(dev)((B * Tc, 1, 1), (threads(C), 1, 1), [val, nrow, out, Tc, *strides, topk, int(raw)])
+
+
+def buffer_select_naive(val: torch.Tensor, nrow: torch.Tensor, topk: int, raw: bool = True) -> torch.Tensor:
+    """`buffer_select`'s rule in PyTorch (any device): `[B, R, topk]` int32, rows with nrow < 0 all -1."""
+    from sparse_rl.sparse.ops.indexer_topk.naive import select_topk
+
+    hi = (val >> 32).to(torch.int32)
+    score = hi.view(torch.float32) if raw else _okey_inv(hi)
+    lanes = torch.arange(val.shape[2], device=val.device)
+    live = lanes[None, None, :] < nrow[..., None].long()
+    sel = select_topk(score, live, torch.zeros_like(live), topk)  # lanes, ascending = key order
+    pos = torch.gather((val & 0xFFFFFFFF).to(torch.int32), 2, sel.clamp(min=0).long())
+    return torch.where((sel >= 0) & (nrow[..., None] >= 0), pos, -1).to(torch.int32)
+
+
+def _okey_inv(k: torch.Tensor) -> torch.Tensor:
+    """fp32 scores of order-preserving uint32 keys held in int32 (the packed scan gather's high words)."""
+    u = k.long() & 0xFFFFFFFF
+    bits = torch.where(u >= 0x80000000, u & 0x7FFFFFFF, (~u) & 0xFFFFFFFF)
+    return bits.to(torch.int32).view(torch.float32)

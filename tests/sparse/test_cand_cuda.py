@@ -1,0 +1,186 @@
+"""The prefill top-k's CUDA buffer select (cand_cuda.py): its rule against the Triton select on the CPU, the
+kernel's bit search and write replayed in Python on the CPU, and the kernel itself against both on a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from sparse_rl.sparse.ops.indexer_topk import cand_cuda
+from sparse_rl.sparse.ops.indexer_topk import cand_topk as ct
+from sparse_rl.sparse.ops.indexer_topk.naive import indexer_topk_naive
+
+GPU = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+
+
+def _buffers(B, R, C, kind, seed=0, device="cpu"):
+    """Packed buffers as the words gather writes them (high word the score's fp32 bits, low word the position,
+    positions increasing along the row) with varied entry counts: -1 (flagged), <= K, and up to C."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "randn":
+        s = torch.randn(B, R, C, generator=g)
+    elif kind == "ties":  # few distinct values: masses of equal scores at the k-th
+        s = torch.randint(0, 6, (B, R, C), generator=g).float() * 0.25
+    elif kind == "zeros":  # a ReLU indexer's scores: exact zeros of either sign beside positives
+        s = torch.relu(torch.randn(B, R, C, generator=g))
+        s = torch.where(torch.rand(B, R, C, generator=g) < 0.3, -s * 0.0, s)
+    else:  # "forced": +inf sinks / window among them
+        s = torch.randn(B, R, C, generator=g)
+        s[..., :5] = float("inf")
+        s[..., -40:] = float("inf")
+    pos = torch.cumsum(torch.randint(1, 4, (B, R, C), generator=g), -1).to(torch.int32)
+    val = (s.view(torch.int32).long() << 32) | pos.long()
+    nrow = torch.randint(0, C + 1, (B, R), generator=g).to(torch.int32)
+    nrow[:, 0], nrow[:, 1 % R] = C, -1
+    return val.to(device), nrow.to(device)
+
+
+def _okey(hi: int) -> int:
+    u = 0 if hi == 0x80000000 else hi
+    return (~u & 0xFFFFFFFF) if u >> 31 else (u | 0x80000000)
+
+
+def _replay_row(words: list, n: int, K: int, CM: int = 32) -> list:
+    """The kernel's algorithm for one row, step by step (bit search from the highest differing bit, stopped at
+    <= CM open keys and ranked, then the write's offsets from the counts above / equal before each lane)."""
+    if n <= K:
+        return [w & 0xFFFFFFFF for w in words[:n]] + [-1] * (K - n)
+    key = [_okey((w >> 32) & 0xFFFFFFFF) for w in words[:n]]
+    lo, hi = min(key), max(key)
+    smear = lo ^ hi
+    for sh in (1, 2, 4, 8, 16):
+        smear |= smear >> sh
+    tau, low, c_lo, c_up = lo & ~smear, smear, n, 0
+    bit = ((smear + 1) >> 1) | (smear & 0x80000000)
+    while bit and c_lo - c_up > CM:
+        c = sum(k >= (tau | bit) for k in key)
+        if c >= K:
+            tau, c_lo = tau | bit, c
+        else:
+            c_up = c
+        low, bit = bit - 1, bit >> 1
+    n_gt, n_eq = c_up, c_lo - c_up
+    if c_lo - c_up <= CM:
+        open_ = [k for k in key if (k & ~low) == tau]
+        want = K - c_up
+        for v in open_:
+            gt, ge = sum(u > v for u in open_), sum(u >= v for u in open_)
+            if gt < want <= ge:
+                tau, n_gt, n_eq = v, c_up + gt, ge - gt
+    drop = n_eq - (K - n_gt)
+    out, above, eq = [0] * K, 0, 0
+    for k, w in zip(key, words):
+        if k > tau or (k == tau and eq >= drop):
+            out[above + max(0, eq - drop)] = w & 0xFFFFFFFF
+        above += k > tau
+        eq += k == tau
+    return out
+
+
+@pytest.mark.parametrize("kind", ["randn", "ties", "zeros", "forced"])
+def test_replayed_kernel_and_naive_rule_equal_the_triton_select(kind):
+    """On the CPU: the Triton select (interpreter), `buffer_select_naive` and the kernel's algorithm replayed in
+    Python give the same positions on every served row."""
+    B, R, C, K = 2, 5, 96, 40
+    val, nrow = _buffers(B, R, C, kind, seed=3)
+    out = torch.full((B, R, K), -7, dtype=torch.int32)
+    ct.cand_select(val, val, nrow, out, K, dataclasses.replace(ct.INTERPRET_CAND, packed=True, gather="words"))
+    ref = cand_cuda.buffer_select_naive(val, nrow, K)
+    served = nrow >= 0
+    assert torch.equal(out[served], ref[served])
+    assert (ref[~served] == -1).all()
+    for b in range(B):
+        for r in range(R):
+            if nrow[b, r] >= 0:
+                got = _replay_row(val[b, r].tolist(), int(nrow[b, r]), K)
+                assert got == ref[b, r].tolist(), (kind, b, r)
+
+
+def test_replay_of_a_large_equal_mass_runs_the_search_to_its_last_bit():
+    """More than CM keys equal at the k-th: the search ends on its last bit and drops the earliest of them."""
+    words = [(0x3F800000 << 32) | p for p in range(100)]  # 100 scores of 1.0
+    words[7] = (0x40000000 << 32) | 7  # one 2.0
+    got = _replay_row(words, 100, 50)
+    assert got == [7] + list(range(51, 100))
+
+
+def test_okey_inverse_round_trips_the_packed_scan_keys():
+    x = torch.tensor([-3.5, -0.0, 0.0, 1e-30, 2.0, float("inf"), float("-inf")])
+    keys = torch.tensor([_okey(v) for v in x.view(torch.int32).tolist()], dtype=torch.int64).to(torch.int32)
+    back = cand_cuda._okey_inv(keys)
+    assert torch.equal(back, torch.where(x == 0, torch.zeros_like(x), x))
+
+
+def test_threads_and_bad_input():
+    assert cand_cuda.threads(4096) == 256 and cand_cuda.threads(100) == 32 and cand_cuda.threads(16384) == 1024
+    with pytest.raises(ValueError, match="select_impl"):
+        ct.cand_select(*([torch.zeros(1, 1, 4, dtype=torch.int64)] * 2), torch.zeros(1, 1, dtype=torch.int32),
+                       torch.zeros(1, 1, 2, dtype=torch.int32), 2, dataclasses.replace(ct.CandConfig(), select_impl="x"))
+    with pytest.raises(ValueError, match="CUDA"):
+        cand_cuda.buffer_select(torch.zeros(1, 1, 4, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),
+                                torch.zeros(1, 1, 2, dtype=torch.int32), 2)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA toolkit's nvcc")
+def test_source_compiles_for_sm90_without_spills(tmp_path):
+    src = tmp_path / "cand_cuda.cu"
+    src.write_text(cand_cuda.SOURCE)
+    res = subprocess.run(["nvcc", "-cubin", "-gencode=arch=compute_90,code=sm_90", "-Xptxas", "-v", str(src),
+                          "-o", str(tmp_path / "k.cubin")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "0 bytes spill stores" in res.stderr, res.stderr
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind", ["randn", "ties", "zeros", "forced"])
+@pytest.mark.parametrize("C,K", [(4096, 2048), (1000, 333), (64, 7), (16384, 5000)])
+def test_kernel_equals_naive_and_triton(kind, C, K):
+    B, R = 2, 37
+    val, nrow = _buffers(B, R, C, kind, seed=C + K, device="cuda")
+    ref = cand_cuda.buffer_select_naive(val, nrow, K)
+    out = torch.full((B, R, K), -7, dtype=torch.int32, device="cuda")
+    cand_cuda.buffer_select(val, nrow, out, K)
+    served = nrow >= 0
+    assert torch.equal(out[served], ref[served])
+    assert (out[~served] == -7).all()  # flagged rows are left for the redo
+    if C <= 4096:
+        tri = torch.full_like(out, -7)
+        ct.cand_select(val, val, nrow, tri, K, ct.CandConfig())
+        assert torch.equal(out[served], tri[served])
+
+
+@needs_gpu
+def test_kernel_on_order_preserving_keys_and_a_row_slice():
+    """raw=False (the scan gather's packed keys) and an out slice of a longer output (the chunk loop's view)."""
+    B, R, C, K = 1, 50, 512, 100
+    val, nrow = _buffers(B, R, C, "zeros", seed=9, device="cuda")
+    hi = (val >> 32).to(torch.int32).cpu()
+    keys = torch.tensor([_okey(v & 0xFFFFFFFF) for v in hi.flatten().tolist()], dtype=torch.int64)
+    kval = ((keys.view(hi.shape).to("cuda") & 0xFFFFFFFF) << 32) | (val & 0xFFFFFFFF)
+    full = torch.full((B, R + 10, K), -7, dtype=torch.int32, device="cuda")
+    cand_cuda.buffer_select(kval, nrow, full[:, 5:5 + R], K, raw=False)
+    ref = cand_cuda.buffer_select_naive(val, nrow, K)
+    served = nrow >= 0
+    assert torch.equal(full[:, 5:5 + R][served], ref[served])
+    assert (full[:, :5] == -7).all() and (full[:, 5 + R:] == -7).all()
+
+
+@needs_gpu
+@pytest.mark.parametrize("S", [3000, 9000])
+def test_cand_topk_with_the_cuda_select_equals_the_reference(S):
+    g = torch.Generator(device="cuda").manual_seed(S)
+    T, HI, DI, K = S, 4, 64, 512
+    q = torch.randn(1, T, HI, DI, device="cuda", generator=g).bfloat16()
+    w = torch.randn(1, T, HI, device="cuda", generator=g).bfloat16()
+    k = torch.randn(1, S, DI, device="cuda", generator=g).bfloat16()
+    cfg = dataclasses.replace(ct.CandConfig(), select_impl="cuda")
+    got = ct.indexer_topk_cand(q, w, k, K, sink=4, window=64, config=cfg)
+    ref = indexer_topk_naive(q.float(), w.float(), k.float(), K, sink=4, window=64)
+    tri = ct.indexer_topk_cand(q, w, k, K, sink=4, window=64, config=dataclasses.replace(cfg, select_impl="triton"))
+    assert torch.equal(got, tri)
+    assert (got != ref).any(-1).float().mean() < 0.01  # bf16 inputs scored in fp32 by two summation orders
