@@ -11,8 +11,13 @@ open keys ranked by shuffles, and one ballot scan for the write.
 2. whole top-k (`indexer_topk_cand`), default vs select_impl="cuda": rows equal, ms;
 3. prefill (top-k + `sparse_attention`), both, and dense cuDNN SDPA in the same run.
 
-Predictions (before the call, H100): the select alone ~0.2-0.4 ms at 32K (from 1.0-1.3), the whole top-k -0.8 to
+Predictions (before call 1, H100): the select alone ~0.2-0.4 ms at 32K (from 1.0-1.3), the whole top-k -0.8 to
 -1.0 ms, the 32K prefill 10.7 -> ~9.8 ms (1.35x -> ~1.47x dense); at 128K random the select ~1.5 ms from ~4.8.
+Call 1 (bit steps, H100): select 1.22 -> 0.87 ms at 32K trained, 4.84 -> 3.56 at 128K; rows equal everywhere;
+whole top-k 3.90 -> 3.50. Wrong by ~2.5x: ~25 dependent bit steps a row (one barrier each), 4 blocks an SM.
+Call 2: 4-bit digits a step (16 bins counted in per-thread byte counters, summed as 16-bit pairs by `redux.sync`),
+so ~4-6 barriers a row instead of ~25; and 8 entries a thread (512-thread blocks, 56 registers) beside 16.
+Predicted: select ~0.4-0.5 ms at 32K, ~2 at 128K.
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_cand_select_session28.py --budget 300 --out $OUT/cs28
 """
@@ -44,6 +49,7 @@ def main() -> None:
     from sparse_rl.bench import patterns
     from sparse_rl.bench.timing import bench_ms
     from sparse_rl.sparse.ops import sparse_attention
+    from sparse_rl.sparse.ops.indexer_topk import cand_cuda
     from sparse_rl.sparse.ops.indexer_topk import cand_topk as ct
 
     os.makedirs(a.out, exist_ok=True)
@@ -69,15 +75,18 @@ def main() -> None:
                 th, smp, val, nrow, kvs, C = buffers(qi, wi, ki, K, sink, window, dev)
                 served = (nrow >= 0)[..., None]
                 outs = {}
-                for lab, cfg in (("triton", ct.CandConfig()), ("cuda", cuda_cfg)):
+                sels = {"triton": lambda o: ct.cand_select(val, val, nrow, o, K, ct.CandConfig()),
+                        "cuda": lambda o: ct.cand_select(val, val, nrow, o, K, cuda_cfg),
+                        "cuda_lpt8": lambda o: cand_cuda.buffer_select(val, nrow, o, K, lpt=8)}
+                for lab, sel in sels.items():
                     out = torch.full((1, L, K), -7, device=dev, dtype=torch.int32)
-                    ct.cand_select(val, val, nrow, out, K, cfg)
+                    sel(out)
                     torch.cuda.synchronize()
                     outs[lab] = out
-                    row[f"select_{lab}_ms"] = [bench_ms(lambda: ct.cand_select(val, val, nrow, out, K, cfg), dev, **W)
-                                               for _ in range(a.reps)]
-                row["select_equal"] = bool(torch.equal(torch.where(served, outs["cuda"], 0),
-                                                       torch.where(served, outs["triton"], 0)))
+                    row[f"select_{lab}_ms"] = [bench_ms(lambda: sel(out), dev, **W) for _ in range(a.reps)]
+                for lab in ("cuda", "cuda_lpt8"):
+                    row[f"select_{lab}_equal"] = bool(torch.equal(torch.where(served, outs[lab], 0),
+                                                                  torch.where(served, outs["triton"], 0)))
                 row["rows_flagged"] = int((nrow < 0).sum())
                 row["mean_entries"] = float(nrow[nrow >= 0].float().mean())
                 del val, smp, outs

@@ -2,24 +2,16 @@
    what it does and why. One block a row; lane L of the row's buffer lives in thread L % blockDim.x, register slot
    L / blockDim.x, so one slot's loads are coalesced across a warp and the lanes' order is (slot, warp, lane). */
 
-#define LPT 16  /* register slots a thread: a row of up to 16 x blockDim.x buffer entries */
+#ifndef LPT
+#define LPT 16  /* register slots a thread: a row of up to LPT x blockDim.x buffer entries */
+#endif
+#define DB 4    /* bits of the key a search step decides */
 #define CM 32   /* the bit search stops once at most this many keys are open; one warp ranks them */
 #define MAXW 32 /* warps a block, at most */
 
 __device__ __forceinline__ unsigned okey_bits(unsigned u) {
     if (u == 0x80000000u) u = 0u; /* -0.0 equals +0.0 */
     return (u >> 31) ? ~u : (u | 0x80000000u);
-}
-
-/* the sum of one int per thread over the block; red is a [2][MAXW] pair used alternately (one barrier a call) */
-__device__ __forceinline__ int block_sum(int v, int (*red)[MAXW], int& rb, int nw) {
-    v = __reduce_add_sync(0xffffffffu, (unsigned)v);
-    if ((threadIdx.x & 31) == 0) red[rb][threadIdx.x >> 5] = v;
-    __syncthreads();
-    int t = 0;
-    for (int w = 0; w < nw; ++w) t += red[rb][w];
-    rb ^= 1;
-    return t;
 }
 
 /* buf [B, *, C] int64 entries in key order (high word: the score's fp32 bits when raw, else its order-preserving
@@ -29,7 +21,7 @@ __device__ __forceinline__ int block_sum(int v, int (*red)[MAXW], int& rb, int n
 extern "C" __global__ void __launch_bounds__(1024) buffer_topk(
         const unsigned* __restrict__ buf, const int* __restrict__ nrow, int* __restrict__ out, int Tc, int svb,
         int svt, int snb, int sob, int sot, int K, int raw) {
-    __shared__ int red[2][MAXW];
+    __shared__ unsigned hred[2][MAXW][8];
     __shared__ unsigned mn[MAXW], mx[MAXW];
     __shared__ unsigned list[CM];
     __shared__ int nlist;
@@ -66,24 +58,58 @@ extern "C" __global__ void __launch_bounds__(1024) buffer_topk(
     if (tid == 0) nlist = 0;
     __syncthreads();
     for (int w = 0; w < nw; ++w) { lo = min(lo, mn[w]); hi = max(hi, mx[w]); }
-    /* the K-th largest key by its bits, from the highest one where the live keys differ: [tau, tau | low] holds
-       it, c_lo keys are >= tau (>= K), c_up are above the interval (< K) */
+    /* the K-th largest key, DB bits a step from the highest bit where the live keys differ: [tau, tau | low]
+       holds it and `open` keys, c_up keys are above it (< K); each step counts the open keys' next digit in
+       per-thread byte counters (two 64-bit words, 16 bins), sums them as 16-bit pairs over the warp and the block,
+       and keeps the digit holding the K-th */
     unsigned smear = lo ^ hi;
     smear |= smear >> 1; smear |= smear >> 2; smear |= smear >> 4; smear |= smear >> 8; smear |= smear >> 16;
     unsigned tau = lo & ~smear, low = smear;
-    int c_lo = n, c_up = 0, rb = 0;
-    for (unsigned bit = (smear + 1u) >> 1 | (smear & 0x80000000u); bit && (smear & bit) && c_lo - c_up > CM;
-         bit >>= 1) {
-        const unsigned cand = tau | bit;
-        int c = 0;
+    int c_up = 0, open = n, rb = 0;
+    while (low && open > CM) {
+        const int sh = max(0, 31 - __clz(low) - (DB - 1)); /* the digit: bits sh.. of the undecided ones */
+        const unsigned dm = low >> sh;
+        unsigned long long c0 = 0ull, c1 = 0ull;
 #pragma unroll
-        for (int j = 0; j < LPT; ++j) c += key[j] >= cand;
-        c = block_sum(c, red, rb, nw);
-        if (c >= K) { tau = cand; c_lo = c; } else { c_up = c; }
-        low = bit - 1u;
+        for (int j = 0; j < LPT; ++j) {
+            const unsigned d = (key[j] >> sh) & dm;
+            const unsigned long long inc = (key[j] && (key[j] & ~low) == tau) ? 1ull << ((d & 7u) * 8u) : 0ull;
+            c0 += d < 8u ? inc : 0ull;
+            c1 += d < 8u ? 0ull : inc;
+        }
+        unsigned wv[8];
+        wv[0] = (unsigned)c0 & 0x00FF00FFu; wv[1] = ((unsigned)c0 >> 8) & 0x00FF00FFu;
+        wv[2] = (unsigned)(c0 >> 32) & 0x00FF00FFu; wv[3] = ((unsigned)(c0 >> 32) >> 8) & 0x00FF00FFu;
+        wv[4] = (unsigned)c1 & 0x00FF00FFu; wv[5] = ((unsigned)c1 >> 8) & 0x00FF00FFu;
+        wv[6] = (unsigned)(c1 >> 32) & 0x00FF00FFu; wv[7] = ((unsigned)(c1 >> 32) >> 8) & 0x00FF00FFu;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) wv[i] = __reduce_add_sync(0xffffffffu, wv[i]);
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) hred[rb][warp][i] = wv[i];
+        }
+        __syncthreads();
+        unsigned sw[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+        for (int w = 0; w < nw; ++w) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) sw[i] += hred[rb][w][i];
+        }
+        rb ^= 1;
+        int acc = c_up, dstar = -1, cnt = 0;
+#pragma unroll
+        for (int bb = 15; bb >= 0; --bb) { /* bin bb: word (bb / 8) * 4 + (bb % 8 / 4) * 2 + bb % 2, half bb / 2 % 2 */
+            const int c = (int)((sw[(bb >> 3) * 4 + ((bb & 7) >> 2) * 2 + (bb & 1)] >> (16 * ((bb >> 1) & 1))) & 0xFFFFu);
+            if (dstar < 0) {
+                if (acc + c >= K) { dstar = bb; cnt = c; } else { acc += c; }
+            }
+        }
+        c_up = acc;
+        open = cnt;
+        tau |= (unsigned)dstar << sh;
+        low = sh ? (1u << sh) - 1u : 0u;
     }
-    int n_gt = c_up, n_eq = c_lo - c_up; /* the search ran to its last bit: the open keys all equal tau */
-    if (c_lo - c_up <= CM) { /* rank the open keys in one warp */
+    int n_gt = c_up, n_eq = open; /* the search ran to its last bit: the open keys all equal tau */
+    if (open <= CM) { /* rank the open keys in one warp */
 #pragma unroll
         for (int j = 0; j < LPT; ++j)
             if (key[j] && (key[j] & ~low) == tau) list[atomicAdd(&nlist, 1)] = key[j];

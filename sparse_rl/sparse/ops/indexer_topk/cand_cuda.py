@@ -26,15 +26,15 @@ from pathlib import Path
 
 import torch
 
-LPT = 16  # the kernel's register slots a thread (cand_cuda.cu)
+LPT = 16  # the kernel's register slots a thread (cand_cuda.cu's LPT, set at compile time)
 MAX_SLOTS = LPT * 1024  # a row's buffer entries a 1024-thread block holds
 SOURCE = (Path(__file__).parent / "cand_cuda.cu").read_text()
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device: int):
+def _kernel(device: int, lpt: int = LPT):
     with torch.cuda.device(device):
-        return torch.cuda._compile_kernel(SOURCE, "buffer_topk", nvcc_options=["-std=c++17"])
+        return torch.cuda._compile_kernel(SOURCE, "buffer_topk", nvcc_options=["-std=c++17", f"-DLPT={lpt}"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,20 +56,22 @@ def available(device: int) -> bool:
         return False
 
 
-def threads(slots: int) -> int:
-    """The block size for rows of `slots` buffer entries: LPT entries a thread, whole warps, at least one."""
-    return max(32, -(-slots // (LPT * 32)) * 32)
+def threads(slots: int, lpt: int = LPT) -> int:
+    """The block size for rows of `slots` buffer entries: lpt entries a thread, whole warps, at least one."""
+    return max(32, -(-slots // (lpt * 32)) * 32)
 
 
-def buffer_select(val: torch.Tensor, nrow: torch.Tensor, out: torch.Tensor, topk: int, raw: bool = True) -> None:
+def buffer_select(val: torch.Tensor, nrow: torch.Tensor, out: torch.Tensor, topk: int, raw: bool = True,
+                  lpt: int = LPT) -> None:
     """See the module docstring: val `[B, R, C]` int64 (contiguous entries), nrow `[B, R]` int32, out `[B, Tc,
-    topk]` int32 (Tc <= R, contiguous rows), all on one CUDA device; rows with nrow < 0 are not written."""
+    topk]` int32 (Tc <= R, contiguous rows), all on one CUDA device; rows with nrow < 0 are not written. lpt: the
+    buffer entries a thread holds (the block is C / lpt threads, at most 1024)."""
     B, Tc = out.shape[:2]
     C = val.shape[2]
     if not (val.is_cuda and val.dtype == torch.int64 and nrow.dtype == torch.int32 and out.dtype == torch.int32):
         raise ValueError("cand_cuda.buffer_select: val int64, nrow / out int32, on a CUDA device")
-    if C > MAX_SLOTS or val.stride(2) != 1 or out.stride(2) != 1 or out.shape[2] != topk or val.shape[1] < Tc:
-        raise ValueError(f"cand_cuda.buffer_select: val {tuple(val.shape)} (at most {MAX_SLOTS} contiguous entries a "
+    if C > lpt * 1024 or val.stride(2) != 1 or out.stride(2) != 1 or out.shape[2] != topk or val.shape[1] < Tc:
+        raise ValueError(f"cand_cuda.buffer_select: val {tuple(val.shape)} (at most {lpt * 1024} contiguous entries a "
                          f"row), out {tuple(out.shape)} (contiguous rows of {topk})")
     strides = (val.stride(0), val.stride(1), nrow.stride(0), out.stride(0), out.stride(1))
     if max(strides) >= 2 ** 31 or Tc == 0 or B == 0:
@@ -77,7 +79,7 @@ def buffer_select(val: torch.Tensor, nrow: torch.Tensor, out: torch.Tensor, topk
             raise ValueError("cand_cuda.buffer_select: strides past int32")
         return
     dev = val.device.index if val.device.index is not None else torch.cuda.current_device()
-    _kernel(dev)((B * Tc, 1, 1), (threads(C), 1, 1), [val, nrow, out, Tc, *strides, topk, int(raw)])
+    _kernel(dev, lpt)((B * Tc, 1, 1), (threads(C, lpt), 1, 1), [val, nrow, out, Tc, *strides, topk, int(raw)])
 
 
 def buffer_select_naive(val: torch.Tensor, nrow: torch.Tensor, topk: int, raw: bool = True) -> torch.Tensor:
