@@ -15,7 +15,7 @@ Predictions (before call 1, H100): the select alone ~0.2-0.4 ms at 32K (from 1.0
 -1.0 ms, the 32K prefill 10.7 -> ~9.8 ms (1.35x -> ~1.47x dense); at 128K random the select ~1.5 ms from ~4.8.
 Call 1 (bit steps, H100): select 1.22 -> 0.87 ms at 32K trained, 4.84 -> 3.56 at 128K; rows equal everywhere;
 whole top-k 3.90 -> 3.50. Wrong by ~2.5x: ~25 dependent bit steps a row (one barrier each), 4 blocks an SM.
-Call 2: 4-bit digits a step (16 bins counted in per-thread byte counters, summed as 16-bit pairs by `redux.sync`),
+Call 2 (3c8f...): 4-bit digits a step (16 bins counted in per-thread byte counters, summed as 16-bit pairs by `redux.sync`),
 so ~4-6 barriers a row instead of ~25; and 8 entries a thread (512-thread blocks, 56 registers) beside 16.
 Predicted: select ~0.4-0.5 ms at 32K, ~2 at 128K.
 

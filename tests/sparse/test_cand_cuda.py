@@ -30,6 +30,9 @@ def _buffers(B, R, C, kind, seed=0, device="cpu"):
     elif kind == "zeros":  # a ReLU indexer's scores: exact zeros of either sign beside positives
         s = torch.relu(torch.randn(B, R, C, generator=g))
         s = torch.where(torch.rand(B, R, C, generator=g) < 0.3, -s * 0.0, s)
+    elif kind == "dense":  # one far outlier: the rest share one histogram bin (the kernel's bit steps)
+        s = 1.0 + torch.randint(0, 5000, (B, R, C), generator=g).float() * 1e-6
+        s[..., 3] = 1e30
     else:  # "forced": +inf sinks / window among them
         s = torch.randn(B, R, C, generator=g)
         s[..., :5] = float("inf")
@@ -47,8 +50,8 @@ def _okey(hi: int) -> int:
 
 
 def _replay_row(words: list, n: int, K: int, CM: int = 32) -> list:
-    """The kernel's algorithm for one row, step by step (4-bit digits from the highest differing bit, stopped at
-    <= CM open keys and ranked, then the write's offsets from the counts above / equal before each lane)."""
+    """The kernel's algorithm for one row, step by step (a histogram of 11 bits below the highest differing one,
+    bit steps in a bin of more than CM keys, the last <= CM ranked, then the write's offsets from the counts above / equal before each lane)."""
     if n <= K:
         return [w & 0xFFFFFFFF for w in words[:n]] + [-1] * (K - n)
     key = [_okey((w >> 32) & 0xFFFFFFFF) for w in words[:n]]
@@ -57,19 +60,24 @@ def _replay_row(words: list, n: int, K: int, CM: int = 32) -> list:
     for sh in (1, 2, 4, 8, 16):
         smear |= smear >> sh
     tau, low, c_up, open_n = lo & ~smear, smear, 0, n
-    while low and open_n > CM:  # DB = 4 bits a step: count the open keys' next digit, keep the K-th's
-        sh = max(0, low.bit_length() - 1 - 3)
-        dm = low >> sh
-        cnt = [0] * 16
+    if smear:  # one histogram of the 11 bits below the highest differing one, the bin holding the K-th
+        sh = max(0, smear.bit_length() - 1 - 10)
+        hist = [0] * 2048
         for k in key:
-            if (k & ~low) == tau:
-                cnt[(k >> sh) & dm] += 1
-        acc = c_up
-        for d in range(15, -1, -1):
-            if acc + cnt[d] >= K:
-                break
-            acc += cnt[d]
-        c_up, open_n, tau, low = acc, cnt[d], tau | (d << sh), (1 << sh) - 1
+            hist[(k & smear) >> sh] += 1
+        acc, d = 0, 2047
+        while acc + hist[d] < K:
+            acc += hist[d]
+            d -= 1
+        tau, c_up, open_n, low = tau | (d << sh), acc, hist[d], (1 << sh) - 1
+    bit = (low + 1) >> 1
+    while bit and open_n > CM:  # a dense bin: one bit a step
+        tot = sum(k >= (tau | bit) for k in key)
+        if tot >= K:
+            tau, open_n = tau | bit, tot - c_up
+        else:
+            c_up, open_n = tot, open_n - (tot - c_up)
+        low, bit = bit - 1, bit >> 1
     n_gt, n_eq = c_up, open_n
     if open_n <= CM:
         open_ = [k for k in key if (k & ~low) == tau]
@@ -88,7 +96,7 @@ def _replay_row(words: list, n: int, K: int, CM: int = 32) -> list:
     return out
 
 
-@pytest.mark.parametrize("kind", ["randn", "ties", "zeros", "forced"])
+@pytest.mark.parametrize("kind", ["randn", "ties", "zeros", "forced", "dense"])
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton select on CPU tensors needs the "
                     "interpreter (conftest sets it unless the environment says otherwise)")
 def test_replayed_kernel_and_naive_rule_equal_the_triton_select(kind):
@@ -117,6 +125,16 @@ def test_replay_of_a_large_equal_mass_runs_the_search_to_its_last_bit():
     assert got == [7] + list(range(51, 100))
 
 
+def test_replay_of_a_dense_bin_of_distinct_keys_takes_bit_steps():
+    """One far outlier spreads the histogram's bits so the other 199 distinct keys share one bin: the bit steps
+    and the rank still give the reference's positions."""
+    x = torch.cat([torch.tensor([1e30]), 1.0 + torch.arange(199) * 1e-6])
+    val = ((x.view(torch.int32).long() << 32) | torch.arange(200)).view(1, 1, 200)
+    nrow = torch.tensor([[200]], dtype=torch.int32)
+    ref = cand_cuda.buffer_select_naive(val, nrow, 60)
+    assert _replay_row(val[0, 0].tolist(), 200, 60) == ref[0, 0].tolist() == [0] + list(range(141, 200))
+
+
 def test_okey_inverse_round_trips_the_packed_scan_keys():
     x = torch.tensor([-3.5, -0.0, 0.0, 1e-30, 2.0, float("inf"), float("-inf")])
     keys = torch.tensor([_okey(v) for v in x.view(torch.int32).tolist()], dtype=torch.int64).to(torch.int32)
@@ -126,6 +144,7 @@ def test_okey_inverse_round_trips_the_packed_scan_keys():
 
 def test_threads_and_bad_input():
     assert cand_cuda.threads(4096) == 256 and cand_cuda.threads(100) == 32 and cand_cuda.threads(16384) == 1024
+    assert cand_cuda.threads(5000) == 512  # a power of two: the histogram's bins split evenly
     with pytest.raises(ValueError, match="select_impl"):
         ct.cand_select(*([torch.zeros(1, 1, 4, dtype=torch.int64)] * 2), torch.zeros(1, 1, dtype=torch.int32),
                        torch.zeros(1, 1, 2, dtype=torch.int32), 2, dataclasses.replace(ct.CandConfig(), select_impl="x"))
@@ -145,7 +164,7 @@ def test_source_compiles_for_sm90_without_spills(tmp_path):
 
 
 @needs_gpu
-@pytest.mark.parametrize("kind", ["randn", "ties", "zeros", "forced"])
+@pytest.mark.parametrize("kind", ["randn", "ties", "zeros", "forced", "dense"])
 @pytest.mark.parametrize("C,K", [(4096, 2048), (1000, 333), (64, 7), (16384, 5000)])
 def test_kernel_equals_naive_and_triton(kind, C, K):
     B, R = 2, 37

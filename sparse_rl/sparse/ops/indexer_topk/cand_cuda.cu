@@ -3,15 +3,25 @@
    L / blockDim.x, so one slot's loads are coalesced across a warp and the lanes' order is (slot, warp, lane). */
 
 #ifndef LPT
-#define LPT 16  /* register slots a thread: a row of up to LPT x blockDim.x buffer entries */
+#define LPT 16   /* register slots a thread: a row of up to LPT x blockDim.x buffer entries */
 #endif
-#define DB 4    /* bits of the key a search step decides */
-#define CM 32   /* the bit search stops once at most this many keys are open; one warp ranks them */
-#define MAXW 32 /* warps a block, at most */
+#define NB 2048  /* the histogram's bins: the 11 key bits below the highest one where the row's keys differ */
+#define CM 32    /* a bin of at most this many keys is ranked in one warp; more take bit steps first */
+#define MAXW 32  /* warps a block, at most */
 
 __device__ __forceinline__ unsigned okey_bits(unsigned u) {
     if (u == 0x80000000u) u = 0u; /* -0.0 equals +0.0 */
     return (u >> 31) ? ~u : (u | 0x80000000u);
+}
+
+/* inclusive scan over the 32 lanes */
+__device__ __forceinline__ int warp_incl(int x, int lane) {
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    return x;
 }
 
 /* buf [B, *, C] int64 entries in key order (high word: the score's fp32 bits when raw, else its order-preserving
@@ -21,7 +31,8 @@ __device__ __forceinline__ unsigned okey_bits(unsigned u) {
 extern "C" __global__ void __launch_bounds__(1024) buffer_topk(
         const unsigned* __restrict__ buf, const int* __restrict__ nrow, int* __restrict__ out, int Tc, int svb,
         int svt, int snb, int sob, int sot, int K, int raw) {
-    __shared__ unsigned hred[2][MAXW][8];
+    __shared__ int hist[NB];
+    __shared__ int wsum[2][MAXW];
     __shared__ unsigned mn[MAXW], mx[MAXW];
     __shared__ unsigned list[CM];
     __shared__ int nlist;
@@ -39,6 +50,7 @@ extern "C" __global__ void __launch_bounds__(1024) buffer_topk(
         for (int L = n + tid; L < K; L += T) obase[L] = -1;
         return;
     }
+    /* 1. the keys into registers, the row's smallest and largest */
     unsigned key[LPT];
     unsigned lo = 0xFFFFFFFFu, hi = 0u;
 #pragma unroll
@@ -52,64 +64,63 @@ extern "C" __global__ void __launch_bounds__(1024) buffer_topk(
             hi = max(hi, key[j]);
         }
     }
+    for (int i = tid; i < NB; i += T) hist[i] = 0;
     lo = __reduce_min_sync(0xffffffffu, lo);
     hi = __reduce_max_sync(0xffffffffu, hi);
     if (lane == 0) { mn[warp] = lo; mx[warp] = hi; }
     if (tid == 0) nlist = 0;
     __syncthreads();
     for (int w = 0; w < nw; ++w) { lo = min(lo, mn[w]); hi = max(hi, mx[w]); }
-    /* the K-th largest key, DB bits a step from the highest bit where the live keys differ: [tau, tau | low]
-       holds it and `open` keys, c_up keys are above it (< K); each step counts the open keys' next digit in
-       per-thread byte counters (two 64-bit words, 16 bins), sums them as 16-bit pairs over the warp and the block,
-       and keeps the digit holding the K-th */
+    /* [tau, tau | low] holds the K-th largest key and `open` keys; c_up keys are above it (< K) */
     unsigned smear = lo ^ hi;
     smear |= smear >> 1; smear |= smear >> 2; smear |= smear >> 4; smear |= smear >> 8; smear |= smear >> 16;
     unsigned tau = lo & ~smear, low = smear;
-    int c_up = 0, open = n, rb = 0;
-    while (low && open > CM) {
-        const int sh = max(0, 31 - __clz(low) - (DB - 1)); /* the digit: bits sh.. of the undecided ones */
-        const unsigned dm = low >> sh;
-        unsigned long long c0 = 0ull, c1 = 0ull;
+    int c_up = 0, open = n;
+    if (smear) {
+        /* 2. one histogram of the next 11 bits (every live key shares the bits above them), then the bin holding
+           the K-th: each thread sums its run of NB / T bins, a block suffix scan over the runs */
+        const int sh = max(0, 31 - __clz(smear) - 10);
 #pragma unroll
-        for (int j = 0; j < LPT; ++j) {
-            const unsigned d = (key[j] >> sh) & dm;
-            const unsigned long long inc = (key[j] && (key[j] & ~low) == tau) ? 1ull << ((d & 7u) * 8u) : 0ull;
-            c0 += d < 8u ? inc : 0ull;
-            c1 += d < 8u ? 0ull : inc;
-        }
-        unsigned wv[8];
-        wv[0] = (unsigned)c0 & 0x00FF00FFu; wv[1] = ((unsigned)c0 >> 8) & 0x00FF00FFu;
-        wv[2] = (unsigned)(c0 >> 32) & 0x00FF00FFu; wv[3] = ((unsigned)(c0 >> 32) >> 8) & 0x00FF00FFu;
-        wv[4] = (unsigned)c1 & 0x00FF00FFu; wv[5] = ((unsigned)c1 >> 8) & 0x00FF00FFu;
-        wv[6] = (unsigned)(c1 >> 32) & 0x00FF00FFu; wv[7] = ((unsigned)(c1 >> 32) >> 8) & 0x00FF00FFu;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) wv[i] = __reduce_add_sync(0xffffffffu, wv[i]);
-        if (lane == 0) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) hred[rb][warp][i] = wv[i];
+        for (int j = 0; j < LPT; ++j)
+            if (key[j]) atomicAdd(&hist[(key[j] & smear) >> sh], 1);
+        __syncthreads();
+        const int per = NB / T, b0 = NB - (tid + 1) * per; /* thread 0 the top run */
+        int s = 0;
+        for (int i = 0; i < per; ++i) s += hist[b0 + i];
+        const int x = warp_incl(s, lane);
+        if (lane == 31) wsum[0][warp] = x;
+        __syncthreads();
+        int before = x - s; /* keys in the runs above this thread's */
+        for (int w = 0; w < warp; ++w) before += wsum[0][w];
+        if (before < K && K <= before + s) { /* this run holds the K-th: find its bin, from the top */
+            int acc = before, bin = b0 + per - 1;
+            while (acc + hist[bin] < K) acc += hist[bin--];
+            res[0] = (unsigned)bin; res[1] = (unsigned)acc; res[2] = (unsigned)hist[bin];
         }
         __syncthreads();
-        unsigned sw[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
-        for (int w = 0; w < nw; ++w) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) sw[i] += hred[rb][w][i];
-        }
-        rb ^= 1;
-        int acc = c_up, dstar = -1, cnt = 0;
-#pragma unroll
-        for (int bb = 15; bb >= 0; --bb) { /* bin bb: word (bb / 8) * 4 + (bb % 8 / 4) * 2 + bb % 2, half bb / 2 % 2 */
-            const int c = (int)((sw[(bb >> 3) * 4 + ((bb & 7) >> 2) * 2 + (bb & 1)] >> (16 * ((bb >> 1) & 1))) & 0xFFFFu);
-            if (dstar < 0) {
-                if (acc + c >= K) { dstar = bb; cnt = c; } else { acc += c; }
-            }
-        }
-        c_up = acc;
-        open = cnt;
-        tau |= (unsigned)dstar << sh;
+        tau |= res[0] << sh;
+        c_up = (int)res[1];
+        open = (int)res[2];
         low = sh ? (1u << sh) - 1u : 0u;
     }
-    int n_gt = c_up, n_eq = open; /* the search ran to its last bit: the open keys all equal tau */
-    if (open <= CM) { /* rank the open keys in one warp */
+    /* 3. a bin of more than CM keys (exact ties, a dense bin): one bit a step over its keys */
+    int rb = 1;
+    for (unsigned bit = (low + 1u) >> 1; bit && open > CM; bit >>= 1) {
+        const unsigned cand = tau | bit;
+        int c = 0;
+#pragma unroll
+        for (int j = 0; j < LPT; ++j) c += key[j] >= cand;
+        c = (int)__reduce_add_sync(0xffffffffu, (unsigned)c);
+        if (lane == 0) wsum[rb][warp] = c;
+        __syncthreads();
+        int tot = 0;
+        for (int w = 0; w < nw; ++w) tot += wsum[rb][w];
+        rb ^= 1;
+        if (tot >= K) { open = tot - c_up; tau = cand; } else { open = c_up + open - tot; c_up = tot; }
+        low = bit - 1u;
+    }
+    int n_gt = c_up, n_eq = open; /* the bits ran out: the open keys all equal tau */
+    if (open <= CM) { /* 4. rank the open keys in one warp */
 #pragma unroll
         for (int j = 0; j < LPT; ++j)
             if (key[j] && (key[j] & ~low) == tau) list[atomicAdd(&nlist, 1)] = key[j];
@@ -128,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(1024) buffer_topk(
         __syncthreads();
         tau = res[0]; n_gt = (int)res[1]; n_eq = (int)res[2];
     }
-    /* the write: keys above tau, and the last K - n_gt of the n_eq keys equal to it (the first `drop` dropped);
+    /* 5. the write: keys above tau, and the last K - n_gt of the n_eq keys equal to it (the first `drop` dropped);
        each (slot, warp) cell's counts packed as (above << 16) | equal, scanned once in lane order */
     const int drop = n_eq - (K - n_gt);
     const unsigned lt = (1u << lane) - 1u;
@@ -142,13 +153,7 @@ extern "C" __global__ void __launch_bounds__(1024) buffer_topk(
         const int nc = LPT * nw, per = (nc + 31) / 32, c0 = lane * per;
         int s = 0;
         for (int c = c0; c < min(nc, c0 + per); ++c) s += cells[c];
-        int x = s;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xffffffffu, x, o);
-            if (lane >= o) x += y;
-        }
-        x -= s;
+        int x = warp_incl(s, lane) - s;
         for (int c = c0; c < min(nc, c0 + per); ++c) { const int v = cells[c]; cells[c] = x; x += v; }
     }
     __syncthreads();

@@ -57,8 +57,12 @@ def available(device: int) -> bool:
 
 
 def threads(slots: int, lpt: int = LPT) -> int:
-    """The block size for rows of `slots` buffer entries: lpt entries a thread, whole warps, at least one."""
-    return max(32, -(-slots // (lpt * 32)) * 32)
+    """The block size for rows of `slots` buffer entries: lpt entries a thread, a power of two of at least one
+    warp (the histogram's 2048 bins are split evenly over the threads)."""
+    t = 32
+    while t * lpt < slots:
+        t *= 2
+    return t
 
 
 def buffer_select(val: torch.Tensor, nrow: torch.Tensor, out: torch.Tensor, topk: int, raw: bool = True,
