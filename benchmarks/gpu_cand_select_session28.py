@@ -15,9 +15,14 @@ Predictions (before call 1, H100): the select alone ~0.2-0.4 ms at 32K (from 1.0
 -1.0 ms, the 32K prefill 10.7 -> ~9.8 ms (1.35x -> ~1.47x dense); at 128K random the select ~1.5 ms from ~4.8.
 Call 1 (bit steps, H100): select 1.22 -> 0.87 ms at 32K trained, 4.84 -> 3.56 at 128K; rows equal everywhere;
 whole top-k 3.90 -> 3.50. Wrong by ~2.5x: ~25 dependent bit steps a row (one barrier each), 4 blocks an SM.
-Call 2 (3c8f...): 4-bit digits a step (16 bins counted in per-thread byte counters, summed as 16-bit pairs by `redux.sync`),
-so ~4-6 barriers a row instead of ~25; and 8 entries a thread (512-thread blocks, 56 registers) beside 16.
-Predicted: select ~0.4-0.5 ms at 32K, ~2 at 128K.
+Call 2: 4-bit digits a step (16 bins counted in per-thread byte counters, summed as 16-bit pairs by `redux.sync`)
+and 8 entries a thread (512-thread blocks) beside 16. Measured: SLOWER, 1.24 ms at 32K trained (bit steps 0.87),
+8 entries a thread 1.87; 128K 5.07 / 7.66. Predicted 0.4-0.5: wrong. So the kernel is bound by instructions a key
+(each step visits all 16 slots of every thread), not by its barriers; more threads a row only add per-row work.
+Call 3: every key visited a fixed number of times: one 2048-bin shared histogram of the 11 bits below the row's
+highest differing bit (one atomic a key), a block suffix scan over per-thread runs of bins for the K-th's bin,
+bit steps only where that bin holds more than 32 keys, then the rank and the write. Predicted: select ~0.35-0.5
+ms at 32K (from 0.87 / 1.22), ~1.5-2 at 128K.
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_cand_select_session28.py --budget 300 --out $OUT/cs28
 """
