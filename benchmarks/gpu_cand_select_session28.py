@@ -22,7 +22,11 @@ and 8 entries a thread (512-thread blocks) beside 16. Measured: SLOWER, 1.24 ms 
 Call 3: every key visited a fixed number of times: one 2048-bin shared histogram of the 11 bits below the row's
 highest differing bit (one atomic a key), a block suffix scan over per-thread runs of bins for the K-th's bin,
 bit steps only where that bin holds more than 32 keys, then the rank and the write. Predicted: select ~0.35-0.5
-ms at 32K (from 0.87 / 1.22), ~1.5-2 at 128K.
+ms at 32K (from 0.87 / 1.22), ~1.5-2 at 128K. Measured: 0.755 ms at 32K trained (Triton 1.22), 3.11 at 128K
+trained (4.84); rows equal; whole top-k 3.45-3.66 -> 2.96-2.98 ms at 32K. Its DRAM floor: the buffer's 786 MB
+(int64 entries, ~2.9K a row) + 268 MB of output, ~0.35 ms at the H100's copy rate.
+Call 4: the keys in shared memory (32 registers: 8 blocks of 256 an SM instead of 4, so one block's loads overlap
+another's compute), at 16 and 8 entries a thread. Predicted: 0.45-0.55 ms at 32K.
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_cand_select_session28.py --budget 300 --out $OUT/cs28
 """
@@ -80,16 +84,18 @@ def main() -> None:
                 th, smp, val, nrow, kvs, C = buffers(qi, wi, ki, K, sink, window, dev)
                 served = (nrow >= 0)[..., None]
                 outs = {}
-                sels = {"triton": lambda o: ct.cand_select(val, val, nrow, o, K, ct.CandConfig()),
+                tri_cfg = dataclasses.replace(ct.CandConfig(), select_impl="triton")
+                sels = {"triton": lambda o: ct.cand_select(val, val, nrow, o, K, tri_cfg),
                         "cuda": lambda o: ct.cand_select(val, val, nrow, o, K, cuda_cfg),
-                        "cuda_lpt8": lambda o: cand_cuda.buffer_select(val, nrow, o, K, lpt=8)}
+                        "cuda_smem": lambda o: cand_cuda.buffer_select(val, nrow, o, K, keys="smem"),
+                        "cuda_smem8": lambda o: cand_cuda.buffer_select(val, nrow, o, K, lpt=8, keys="smem")}
                 for lab, sel in sels.items():
                     out = torch.full((1, L, K), -7, device=dev, dtype=torch.int32)
                     sel(out)
                     torch.cuda.synchronize()
                     outs[lab] = out
                     row[f"select_{lab}_ms"] = [bench_ms(lambda: sel(out), dev, **W) for _ in range(a.reps)]
-                for lab in ("cuda", "cuda_lpt8"):
+                for lab in ("cuda", "cuda_smem", "cuda_smem8"):
                     row[f"select_{lab}_equal"] = bool(torch.equal(torch.where(served, outs[lab], 0),
                                                                   torch.where(served, outs["triton"], 0)))
                 row["rows_flagged"] = int((nrow < 0).sum())
@@ -97,7 +103,7 @@ def main() -> None:
                 del val, smp, outs
                 torch.cuda.empty_cache()
                 tk = {lab: (lambda cfg=cfg: ct.indexer_topk_cand(qi, wi, ki, K, sink=sink, window=window, config=cfg))
-                      for lab, cfg in (("triton", ct.CandConfig()), ("cuda", cuda_cfg))}
+                      for lab, cfg in (("triton", tri_cfg), ("cuda", cuda_cfg))}
                 r_t, r_c = tk["triton"](), tk["cuda"]()
                 row["topk_equal"] = bool(torch.equal(r_t, r_c))
                 for lab, fn in tk.items():

@@ -166,18 +166,19 @@ def test_source_compiles_for_sm90_without_spills(tmp_path):
 @needs_gpu
 @pytest.mark.parametrize("kind", ["randn", "ties", "zeros", "forced", "dense"])
 @pytest.mark.parametrize("C,K", [(4096, 2048), (1000, 333), (64, 7), (16384, 5000)])
-def test_kernel_equals_naive_and_triton(kind, C, K):
+@pytest.mark.parametrize("keys", ["regs", "smem"])
+def test_kernel_equals_naive_and_triton(kind, C, K, keys):
     B, R = 2, 37
     val, nrow = _buffers(B, R, C, kind, seed=C + K, device="cuda")
     ref = cand_cuda.buffer_select_naive(val, nrow, K)
     out = torch.full((B, R, K), -7, dtype=torch.int32, device="cuda")
-    cand_cuda.buffer_select(val, nrow, out, K)
+    cand_cuda.buffer_select(val, nrow, out, K, keys=keys)
     served = nrow >= 0
     assert torch.equal(out[served], ref[served])
     assert (out[~served] == -7).all()  # flagged rows are left for the redo
     if C <= 4096:
         tri = torch.full_like(out, -7)
-        ct.cand_select(val, val, nrow, tri, K, ct.CandConfig())
+        ct.cand_select(val, val, nrow, tri, K, dataclasses.replace(ct.CandConfig(), select_impl="triton"))
         assert torch.equal(out[served], tri[served])
 
 

@@ -8,6 +8,13 @@
 #define NB 2048  /* the histogram's bins: the 11 key bits below the highest one where the row's keys differ */
 #define CM 32    /* a bin of at most this many keys is ranked in one warp; more take bit steps first */
 #define MAXW 32  /* warps a block, at most */
+#ifdef KEYS_SMEM /* the keys in dynamic shared memory (LPT x blockDim.x words): fewer registers, more blocks an SM */
+#define KEY(j) skey[(j) * T + tid]
+#define MINB 2   /* 32 registers a thread: 2048 threads an SM */
+#else
+#define KEY(j) key[j]
+#define MINB 1
+#endif
 
 __device__ __forceinline__ unsigned okey_bits(unsigned u) {
     if (u == 0x80000000u) u = 0u; /* -0.0 equals +0.0 */
@@ -28,7 +35,7 @@ __device__ __forceinline__ int warp_incl(int x, int lane) {
    key; low word: the key's position), nrow [B, *] entries a row (-1: not served, skipped) -> out [B, Tc, K] int32:
    the positions of the row's K largest entries (later lanes win ties), ascending, or every entry and -1 after
    them where a row holds at most K. Strides in elements. */
-extern "C" __global__ void __launch_bounds__(1024) buffer_topk(
+extern "C" __global__ void __launch_bounds__(1024, MINB) buffer_topk(
         const unsigned* __restrict__ buf, const int* __restrict__ nrow, int* __restrict__ out, int Tc, int svb,
         int svt, int snb, int sob, int sot, int K, int raw) {
     __shared__ int hist[NB];
@@ -50,18 +57,22 @@ extern "C" __global__ void __launch_bounds__(1024) buffer_topk(
         for (int L = n + tid; L < K; L += T) obase[L] = -1;
         return;
     }
-    /* 1. the keys into registers, the row's smallest and largest */
+    /* 1. the keys into registers (or shared memory), the row's smallest and largest */
+#ifdef KEYS_SMEM
+    extern __shared__ unsigned skey[];
+#else
     unsigned key[LPT];
+#endif
     unsigned lo = 0xFFFFFFFFu, hi = 0u;
 #pragma unroll
     for (int j = 0; j < LPT; ++j) {
         const int L = j * T + tid;
-        key[j] = 0u; /* a dead lane: below every live key (okey of a score is > 0) */
+        KEY(j) = 0u; /* a dead lane: below every live key (okey of a score is > 0) */
         if (L < n) {
             const unsigned h = base[2 * L + 1];
-            key[j] = raw ? okey_bits(h) : h;
-            lo = min(lo, key[j]);
-            hi = max(hi, key[j]);
+            KEY(j) = raw ? okey_bits(h) : h;
+            lo = min(lo, KEY(j));
+            hi = max(hi, KEY(j));
         }
     }
     for (int i = tid; i < NB; i += T) hist[i] = 0;
@@ -82,7 +93,7 @@ extern "C" __global__ void __launch_bounds__(1024) buffer_topk(
         const int sh = max(0, 31 - __clz(smear) - 10);
 #pragma unroll
         for (int j = 0; j < LPT; ++j)
-            if (key[j]) atomicAdd(&hist[(key[j] & smear) >> sh], 1);
+            if (KEY(j)) atomicAdd(&hist[(KEY(j) & smear) >> sh], 1);
         __syncthreads();
         const int per = NB / T, b0 = NB - (tid + 1) * per; /* thread 0 the top run */
         int s = 0;
@@ -109,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(1024) buffer_topk(
         const unsigned cand = tau | bit;
         int c = 0;
 #pragma unroll
-        for (int j = 0; j < LPT; ++j) c += key[j] >= cand;
+        for (int j = 0; j < LPT; ++j) c += KEY(j) >= cand;
         c = (int)__reduce_add_sync(0xffffffffu, (unsigned)c);
         if (lane == 0) wsum[rb][warp] = c;
         __syncthreads();
@@ -123,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(1024) buffer_topk(
     if (open <= CM) { /* 4. rank the open keys in one warp */
 #pragma unroll
         for (int j = 0; j < LPT; ++j)
-            if (key[j] && (key[j] & ~low) == tau) list[atomicAdd(&nlist, 1)] = key[j];
+            if (KEY(j) && (KEY(j) & ~low) == tau) list[atomicAdd(&nlist, 1)] = KEY(j);
         __syncthreads();
         if (warp == 0) {
             const int m = nlist, want = K - c_up; /* the want-th largest of the m open keys */
@@ -145,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(1024) buffer_topk(
     const unsigned lt = (1u << lane) - 1u;
 #pragma unroll
     for (int j = 0; j < LPT; ++j) {
-        const unsigned bg = __ballot_sync(0xffffffffu, key[j] > tau), be = __ballot_sync(0xffffffffu, key[j] == tau);
+        const unsigned bg = __ballot_sync(0xffffffffu, KEY(j) > tau), be = __ballot_sync(0xffffffffu, KEY(j) == tau);
         if (lane == 0) cells[j * nw + warp] = (__popc(bg) << 16) | __popc(be);
     }
     __syncthreads();
@@ -159,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(1024) buffer_topk(
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < LPT; ++j) {
-        const bool g = key[j] > tau, e = key[j] == tau;
+        const bool g = KEY(j) > tau, e = KEY(j) == tau;
         const unsigned bg = __ballot_sync(0xffffffffu, g), be = __ballot_sync(0xffffffffu, e);
         const int off = cells[j * nw + warp];
         const int above = (off >> 16) + __popc(bg & lt), eq = (off & 0xFFFF) + __popc(be & lt);

@@ -31,10 +31,17 @@ MAX_SLOTS = LPT * 1024  # a row's buffer entries a 1024-thread block holds
 SOURCE = (Path(__file__).parent / "cand_cuda.cu").read_text()
 
 
+KEYS = "regs"  # where a block keeps its row's keys: "regs" (registers) or "smem" (shared memory, 32 registers)
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(device: int, lpt: int = LPT):
+def _kernel(device: int, lpt: int = LPT, keys: str = KEYS):
+    opts = ["-std=c++17", f"-DLPT={lpt}"] + (["-DKEYS_SMEM"] if keys == "smem" else [])
     with torch.cuda.device(device):
-        return torch.cuda._compile_kernel(SOURCE, "buffer_topk", nvcc_options=["-std=c++17", f"-DLPT={lpt}"])
+        k = torch.cuda._compile_kernel(SOURCE, "buffer_topk", nvcc_options=opts)
+    if keys == "smem" and lpt * 1024 * 4 >= 48 * 1024 and hasattr(k, "set_shared_memory_config"):
+        k.set_shared_memory_config(lpt * 1024 * 4)  # the largest block's keys, past the 48 KB default
+    return k
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,10 +73,12 @@ def threads(slots: int, lpt: int = LPT) -> int:
 
 
 def buffer_select(val: torch.Tensor, nrow: torch.Tensor, out: torch.Tensor, topk: int, raw: bool = True,
-                  lpt: int = LPT) -> None:
+                  lpt: int = LPT, keys: str = KEYS) -> None:
     """See the module docstring: val `[B, R, C]` int64 (contiguous entries), nrow `[B, R]` int32, out `[B, Tc,
     topk]` int32 (Tc <= R, contiguous rows), all on one CUDA device; rows with nrow < 0 are not written. lpt: the
-    buffer entries a thread holds (the block is C / lpt threads, at most 1024)."""
+    buffer entries a thread holds (the block is C / lpt threads, at most 1024); keys: `KEYS`'s choices."""
+    if keys not in ("regs", "smem"):
+        raise ValueError(f"cand_cuda.buffer_select: keys {keys!r} (regs or smem)")
     B, Tc = out.shape[:2]
     C = val.shape[2]
     if not (val.is_cuda and val.dtype == torch.int64 and nrow.dtype == torch.int32 and out.dtype == torch.int32):
@@ -83,7 +92,9 @@ def buffer_select(val: torch.Tensor, nrow: torch.Tensor, out: torch.Tensor, topk
             raise ValueError("cand_cuda.buffer_select: strides past int32")
         return
     dev = val.device.index if val.device.index is not None else torch.cuda.current_device()
-    _kernel(dev, lpt)((B * Tc, 1, 1), (threads(C, lpt), 1, 1), [val, nrow, out, Tc, *strides, topk, int(raw)])
+    T = threads(C, lpt)
+    _kernel(dev, lpt, keys)((B * Tc, 1, 1), (T, 1, 1), [val, nrow, out, Tc, *strides, topk, int(raw)],
+                            shared_mem=T * lpt * 4 if keys == "smem" else 0)
 
 
 def buffer_select_naive(val: torch.Tensor, nrow: torch.Tensor, topk: int, raw: bool = True) -> torch.Tensor:

@@ -406,8 +406,10 @@ class CandConfig:
     tie_min_work: int = 1 << 26
     tie_splits: int = 0  # spans a flagged row's keys are split into for the tie path (0: ~2 programs an SM)
     # the buffer select's kernel (packed buffers on a CUDA device): "cuda" (cand_cuda.py, one CUDA block a row;
-    # the Triton form where NVRTC or compute capability 8.0 is missing) or "triton" (`_select_packed_kernel`)
-    select_impl: str = "triton"
+    # the Triton form where NVRTC or compute capability 8.0 is missing) or "triton" (`_select_packed_kernel`).
+    # H100, session 28 (results/2026-12-07-h100-session28.md), rows equal: 32K trained 1.22 -> 0.755 ms, 128K
+    # trained 4.84 -> 3.11; whole top-k at 32K 3.45-3.66 -> 2.96-2.98
+    select_impl: str = "cuda"
 
 
 INTERPRET_CAND = CandConfig(block_m=16, block_n=32, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
