@@ -1,19 +1,25 @@
-"""The prefill top-k's buffer select (phase 4 of `cand_topk`) as one CUDA block a row (`CandConfig(select_impl=
-"cuda")`).
+"""The prefill top-k's buffer select (phase 4 of `cand_topk`) as one CUDA block a row (`CandConfig.select_impl`,
+"cuda" by default on a GPU since session 28).
 
 Why CUDA: the select finds the k-th largest of a row's ~3K buffered candidates, then writes the kept positions in
 order. The Triton form (`cand_topk._select_packed_kernel`) does it by a bit search whose every step is a block-wide
-`tl.sum` through shared memory, ~1 us each at ~2 programs an SM (1.21 ms for the 32K rows of a 32K prefill on the
-H200, session 19). Here a step is a compare per register slot, one `redux.sync` a warp and one barrier (the warps'
-sums in a double-buffered shared array), the last <= 32 open keys are ranked in one warp by shuffles, and the write
-takes one ballot scan: the kept lanes' offsets from per-(slot, warp) counts of the keys above and equal to the k-th.
+`tl.sum` over every lane (1.22 ms for the 32K rows of a 32K prefill on the H100). Here each key is visited a fixed
+number of times: the row's smallest and largest key (`redux.sync`, one barrier); one shared 2048-bin histogram of
+the 11 key bits below the highest bit where they differ (one atomic a key) and a block suffix scan over per-thread
+runs of bins, which gives the bin holding the k-th; the <= 32 keys of that bin ranked in one warp by shuffles (a bin
+of more keys, exact ties or a far outlier's spread, first takes one-bit steps over its keys); then one ballot scan
+over per-(slot, warp) counts of the keys above and equal to the k-th gives every kept lane its place. H100 (session
+28, results/2026-12-07-h100-session28.md): 0.73 ms at 32K, 3.1 at 128K, rows equal to the Triton select's. What
+was tried first: the bit search in CUDA (0.87 ms: ~25 steps, each visiting every slot) and 4-bit digits a step
+(1.24: more instructions a key; the kernel is bound by instructions, not by its barriers). Its DRAM floor is the
+buffer's int64 entries and the output, ~0.35 ms at 32K.
 
 `buffer_select(val [B, R, C] int64, nrow [B, R] int32, out [B, Tc, K] int32, K)`: val holds each row's entries in
 key order (high word the score's fp32 bits, `raw`, or its order-preserving key; low word the position), nrow
 their count (-1: a flagged row, left for the redo). Out: the positions of the K largest (among equal scores the
 later key; -0.0 equals +0.0), ascending; a row of at most K entries keeps them all, then -1. The same keys as the
 Triton select (`buffer_select_naive` is its rule in PyTorch; tests/sparse/test_cand_cuda.py checks both on a GPU and
-replays the kernel's bit search on the CPU).
+replays the kernel's steps in Python on the CPU).
 
 Compiled at first use by NVRTC (`torch.cuda._compile_kernel`), cached per device; a plain launch (the prefill's
 select needs neither PDL nor clusters). On a CPU, or where it does not build, `cand_select` runs the Triton form.
@@ -31,7 +37,9 @@ MAX_SLOTS = LPT * 1024  # a row's buffer entries a 1024-thread block holds
 SOURCE = (Path(__file__).parent / "cand_cuda.cu").read_text()
 
 
-KEYS = "regs"  # where a block keeps its row's keys: "regs" (registers) or "smem" (shared memory, 32 registers)
+# where a block keeps its row's keys: "smem" (shared memory, 32 registers, 8 blocks of 256 an SM) or "regs" (64
+# registers, 4 an SM); H100, session 28 call 8, 32K trained: 0.732 vs 0.754 ms
+KEYS = "smem"
 
 
 @functools.lru_cache(maxsize=None)
