@@ -11,6 +11,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_runtest_setup(item):
+    """Tests marked `interpreter` run Triton kernels on CPU tensors, which only the interpreter can: skipped where
+    the environment turned it off (a GPU run with TRITON_INTERPRET=0)."""
+    if item.get_closest_marker("interpreter") and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs the interpreter (TRITON_INTERPRET=1; conftest sets it unless the "
+                    "environment says otherwise)")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny llama model dir built once per session by the real CLI (`sparse-rl model init`)."""

@@ -3,8 +3,6 @@ continuous batching, sparse mode, stop handling, seeds and weight refresh (CPU, 
 
 import copy
 
-import os
-
 import pytest
 import torch
 
@@ -550,8 +548,7 @@ def test_fused_indexer_launch_gives_the_logits_of_two_launches(llama_dir, monkey
     assert all(torch.equal(a, b) for a, b in zip(out[True], out[False]))
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU tensors needs the interpreter "
-                    "(conftest sets it unless the environment says otherwise, as a GPU run with TRITON_INTERPRET=0 does)")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_select_streams_give_the_logits_of_one_stream(llama_dir, monkeypatch, backend, random_cache):
     """`ModelRunner(select_streams=n)`: the sparse layers' select + attention in n row groups (one CUDA stream each
@@ -596,8 +593,7 @@ def test_select_streams_give_the_logits_of_one_stream(llama_dir, monkeypatch, ba
             torch.testing.assert_close(out[n], out[1], atol=1e-6, rtol=0)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU tensors needs the interpreter "
-                    "(conftest sets it unless the environment says otherwise, as a GPU run with TRITON_INTERPRET=0 does)")
+@pytest.mark.interpreter
 def test_pdl_resolves_off_on_the_cpu_and_is_threaded_to_every_step_kernel(llama_dir, monkeypatch, pdl_kernel_name,
                                                                            random_cache):
     """`ModelRunner(pdl=True)` on a CPU is no error and resolves off (`_backend.resolve_pdl`); with the choice

@@ -1,10 +1,10 @@
 """The prefill top-k's CUDA buffer select (cand_cuda.py): its rule against the Triton select on the CPU, the
-kernel's bit search and write replayed in Python on the CPU, and the kernel itself against both on a GPU."""
+kernel's search (histogram, bit steps, rank) and write replayed in Python on the CPU, and the kernel itself
+against both on a GPU."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import subprocess
 
@@ -51,7 +51,8 @@ def _okey(hi: int) -> int:
 
 def _replay_row(words: list, n: int, K: int, CM: int = 32) -> list:
     """The kernel's algorithm for one row, step by step (a histogram of 11 bits below the highest differing one,
-    bit steps in a bin of more than CM keys, the last <= CM ranked, then the write's offsets from the counts above / equal before each lane)."""
+    bit steps in a bin of more than CM keys, the last <= CM ranked, then the write's offsets from the counts
+    above / equal before each lane)."""
     if n <= K:
         return [w & 0xFFFFFFFF for w in words[:n]] + [-1] * (K - n)
     key = [_okey((w >> 32) & 0xFFFFFFFF) for w in words[:n]]
@@ -97,8 +98,7 @@ def _replay_row(words: list, n: int, K: int, CM: int = 32) -> list:
 
 
 @pytest.mark.parametrize("kind", ["randn", "ties", "zeros", "forced", "dense"])
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton select on CPU tensors needs the "
-                    "interpreter (conftest sets it unless the environment says otherwise)")
+@pytest.mark.interpreter
 def test_replayed_kernel_and_naive_rule_equal_the_triton_select(kind):
     """On the CPU: the Triton select (interpreter), `buffer_select_naive` and the kernel's algorithm replayed in
     Python give the same positions on every served row."""
@@ -147,7 +147,8 @@ def test_threads_and_bad_input():
     assert cand_cuda.threads(5000) == 512  # a power of two: the histogram's bins split evenly
     with pytest.raises(ValueError, match="select_impl"):
         ct.cand_select(*([torch.zeros(1, 1, 4, dtype=torch.int64)] * 2), torch.zeros(1, 1, dtype=torch.int32),
-                       torch.zeros(1, 1, 2, dtype=torch.int32), 2, dataclasses.replace(ct.CandConfig(), select_impl="x"))
+                       torch.zeros(1, 1, 2, dtype=torch.int32), 2,
+                       dataclasses.replace(ct.CandConfig(), select_impl="x"))
     with pytest.raises(ValueError, match="CUDA"):
         cand_cuda.buffer_select(torch.zeros(1, 1, 4, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),
                                 torch.zeros(1, 1, 2, dtype=torch.int32), 2)

@@ -94,11 +94,11 @@ def buffer_select(val: torch.Tensor, nrow: torch.Tensor, out: torch.Tensor, topk
     if C > lpt * 1024 or val.stride(2) != 1 or out.stride(2) != 1 or out.shape[2] != topk or val.shape[1] < Tc:
         raise ValueError(f"cand_cuda.buffer_select: val {tuple(val.shape)} (at most {lpt * 1024} contiguous entries a "
                          f"row), out {tuple(out.shape)} (contiguous rows of {topk})")
-    strides = (val.stride(0), val.stride(1), nrow.stride(0), out.stride(0), out.stride(1))
-    if max(strides) >= 2 ** 31 or Tc == 0 or B == 0:
-        if Tc and B:
-            raise ValueError("cand_cuda.buffer_select: strides past int32")
+    if Tc == 0 or B == 0:
         return
+    strides = (val.stride(0), val.stride(1), nrow.stride(0), out.stride(0), out.stride(1))
+    if max(strides) >= 2 ** 31:
+        raise ValueError("cand_cuda.buffer_select: strides past int32")
     dev = val.device.index if val.device.index is not None else torch.cuda.current_device()
     T = threads(C, lpt)
     _kernel(dev, lpt, keys)((B * Tc, 1, 1), (T, 1, 1), [val, nrow, out, Tc, *strides, topk, int(raw)],
