@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from sparse_rl.sparse.ops._backend import cuda_index
+
 LPT = 16  # the kernel's register slots a thread (cand_cuda.cu's LPT, set at compile time)
 MAX_SLOTS = LPT * 1024  # a row's buffer entries a 1024-thread block holds
 SOURCE = (Path(__file__).parent / "cand_cuda.cu").read_text()
@@ -99,10 +101,10 @@ def buffer_select(val: torch.Tensor, nrow: torch.Tensor, out: torch.Tensor, topk
     strides = (val.stride(0), val.stride(1), nrow.stride(0), out.stride(0), out.stride(1))
     if max(strides) >= 2 ** 31:
         raise ValueError("cand_cuda.buffer_select: strides past int32")
-    dev = val.device.index if val.device.index is not None else torch.cuda.current_device()
     T = threads(C, lpt)
-    _kernel(dev, lpt, keys)((B * Tc, 1, 1), (T, 1, 1), [val, nrow, out, Tc, *strides, topk, int(raw)],
-                            shared_mem=T * lpt * 4 if keys == "smem" else 0)
+    _kernel(cuda_index(val.device), lpt, keys)((B * Tc, 1, 1), (T, 1, 1),
+                                               [val, nrow, out, Tc, *strides, topk, int(raw)],
+                                               shared_mem=T * lpt * 4 if keys == "smem" else 0)
 
 
 def buffer_select_naive(val: torch.Tensor, nrow: torch.Tensor, topk: int, raw: bool = True) -> torch.Tensor:

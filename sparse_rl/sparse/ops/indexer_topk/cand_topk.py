@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_rl.sparse.ops._backend import cuda_index
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import (_okey, _select_lanes, _store_lanes, _write_selected, kth_key,
                                                           kth_key2, kth_key_counts)
 from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
@@ -507,8 +508,7 @@ def cand_select(val, idx, nrow, out, topk, cfg: CandConfig):
     if cfg.select_impl == "cuda" and cfg.packed and val.is_cuda:
         from sparse_rl.sparse.ops.indexer_topk import cand_cuda
 
-        dev = val.device.index if val.device.index is not None else torch.cuda.current_device()
-        if val.shape[2] <= cand_cuda.MAX_SLOTS and cand_cuda.available(dev):
+        if val.shape[2] <= cand_cuda.MAX_SLOTS and cand_cuda.available(cuda_index(val.device)):
             cand_cuda.buffer_select(val, nrow, out, topk, raw=cfg.gather == "words")
             return
     if cfg.packed:
