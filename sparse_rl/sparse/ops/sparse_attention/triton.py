@@ -358,30 +358,33 @@ def _forward(q, k, v, indices, call: _Call, out=None):
 KERNEL_IMPLS = ("auto", "triton", "gluon")
 
 
-def _use_gluon(q, call: _Call, key: str, fits: bool) -> bool:
+def _use_gluon(q, call: _Call, key: str, fits: bool, auto: bool) -> bool:
     """Whether the kernels of tune key `key` ("fwd_impl": the per-query tile forward; "bwd_impl": the tile dq and
     the keyq dk/dv) run their Gluon forms (`union_gluon`, `keyq_gluon`: cp.async rings + warpgroup MMAs) instead of
-    Triton's: auto / triton / gluon. auto keeps Triton until the Gluon kernels are timed on a GPU; "gluon" where
-    they cannot run (`fits`: the shapes they take) is an error naming the key."""
+    Triton's: auto / triton / gluon. `auto`: what "auto" picks where Gluon runs and the shapes fit (`fits`), from
+    the H100 timings of session 30 (32K, trained selections): the Gluon tile dq 6.60 ms against Triton's 7.84 and
+    the Gluon dk/dv 14.81 against 15.02 (so the backward's on), the Gluon forward 6.42 against 6.34 (so off).
+    "gluon" where they cannot run is an error naming the key."""
     impl = call.tune.get(key, "auto")
     if impl not in KERNEL_IMPLS:
         raise ValueError(f"{key} {impl!r}: expected one of {KERNEL_IMPLS}")
-    if impl == "gluon" and not (union_gluon.available(q) and fits):
+    runs = union_gluon.available(q) and fits
+    if impl == "gluon" and not runs:
         raise ValueError(f"{key} 'gluon' needs an sm_90 GPU, Gluon and the kernels' shapes (64-row per-query tiles "
                          "of bf16 / fp16; D 128 for dk/dv)")
-    return impl == "gluon"
+    return impl == "gluon" or (impl == "auto" and auto and runs)
 
 
 def _tile_forward(q, k, v, sel: union.TileSelection, call: _Call, prec: int, out=None):
     """The per-query tile forward (tune "fwd": the Triton launch; "fwd_gluon": the Gluon kernel's)."""
-    if _use_gluon(q, call, "fwd_impl", union_gluon.supports(q, k, sel)):
+    if _use_gluon(q, call, "fwd_impl", union_gluon.supports(q, k, sel), auto=False):
         return union_gluon.tile_fwd_gluon(q, k, v, sel, call.scale, out=out, tune=call.tune.get("fwd_gluon"))
     return union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
 
 
 def _tile_dq(q, k, v, sel: union.TileSelection, do, lse, delta, call: _Call, prec: int):
     """The tile dq pass (tune "dq": the Triton launch; "dq_gluon": the Gluon kernel's)."""
-    if _use_gluon(q, call, "bwd_impl", union_gluon.supports(q, k, sel)):
+    if _use_gluon(q, call, "bwd_impl", union_gluon.supports(q, k, sel), auto="dq" not in call.tune):
         return union_gluon.tile_dq_gluon(q, k, v, sel, do, lse, delta, call.scale, tune=call.tune.get("dq_gluon"))
     return union.tile_dq(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dq"))
 
@@ -432,7 +435,7 @@ class _SparseAttention(torch.autograd.Function):
             else:
                 dq = _query_bwd(q, k, v, per_query, o, lse, do, dlse, call.scale, dkdv=False,
                                 tune=call.tune.get("bwd"))[0]
-            if _use_gluon(q, call, "bwd_impl", keyq_gluon.supports(q, k)):
+            if _use_gluon(q, call, "bwd_impl", keyq_gluon.supports(q, k), auto="keyq" not in call.tune):
                 dk, dv = keyq_gluon.keyq_dkdv_gluon(q, k, v, per_query, do, lse, delta, call.scale,
                                                     tune=call.tune.get("keyq_gluon"))
             else:
