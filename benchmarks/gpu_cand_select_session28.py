@@ -72,6 +72,8 @@ def main() -> None:
     ix, _, gen = trained_indexer(dev, 0, 4, 64, 150)
     W = dict(rep_ms=200)
     cuda_cfg = dataclasses.replace(ct.CandConfig(), select_impl="cuda", quantile_impl="cuda")
+    # main's default before this branch: the CUDA select, the Triton quantile
+    sel_cfg = dataclasses.replace(ct.CandConfig(), select_impl="cuda", quantile_impl="triton")
     for L in [int(x) for x in a.seqlens.split(",")]:
         for kind in ("trained", "random"):
             if not run.gate(60 if L <= 32768 else 120, f"{kind} {L}"):
@@ -114,9 +116,9 @@ def main() -> None:
                 del val, smp, outs
                 torch.cuda.empty_cache()
                 tk = {lab: (lambda cfg=cfg: ct.indexer_topk_cand(qi, wi, ki, K, sink=sink, window=window, config=cfg))
-                      for lab, cfg in (("triton", tri_cfg), ("cuda", cuda_cfg))}
-                r_t, r_c = tk["triton"](), tk["cuda"]()
-                row["topk_equal"] = bool(torch.equal(r_t, r_c))
+                      for lab, cfg in (("triton", tri_cfg), ("cuda", cuda_cfg), ("selcuda", sel_cfg))}
+                r_t, r_c, r_s = tk["triton"](), tk["cuda"](), tk["selcuda"]()
+                row["topk_equal"] = bool(torch.equal(r_t, r_c)) and bool(torch.equal(r_t, r_s))
                 for lab, fn in tk.items():
                     row[f"topk_{lab}_ms"] = [bench_ms(fn, dev, **W) for _ in range(a.reps)]
                 log(f"{kind} {L}: {row}")
