@@ -1,0 +1,61 @@
+"""The Gluon union-tile forward (`union_gluon._tile_fwd_gluon_kernel`) compiled for sm_90a on a CPU host (no GPU):
+registers, spills, shared memory and the SASS of its key loop by kind (`sm90_tile_fwd.sass_counts`), at the
+launch's specialisations (pointers and the strides of K / V / Q 16-divisible; G = 4, D = 128, bf16).
+
+    PYTHONPATH=/tmp/t36:$PWD python benchmarks/sm90_tile_fwd_gluon.py     # the GPU machine's Triton (3.6.0)
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from sparse_rl.sparse.ops.sparse_attention import union_gluon
+
+PTR = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "UKEY": "*i32", "QMASK": "*i32",
+       "ULEN": "*i32"}
+INTS = ("G", "T", "NT", "slh")  # not multiples of 16 at the bench's shapes
+
+
+def compile_fwd(BK: int = 64, stages: int = 2, D: int = 128):
+    cx = dict(BT=16, BK=BK, D=D, STAGES=stages)
+    sig, attrs = {}, {}
+    for i, n in enumerate(inspect.signature(union_gluon._tile_fwd_gluon_kernel.fn).parameters):
+        if n in cx:
+            sig[n] = "constexpr"
+        elif n in PTR:
+            sig[n], attrs[(i,)] = PTR[n], [["tt.divisibility", 16]]
+        elif n == "qk_scale":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+            if n not in INTS:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(GluonASTSource(union_gluon._tile_fwd_gluon_kernel, sig, cx, attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=union_gluon.WARPS))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tunes", default="64x2,64x3,32x3,32x4")
+    a = ap.parse_args()
+    from sm90_tile_fwd import cuobjdump, sass_counts
+    for tn in a.tunes.split(","):
+        bk, st = (int(x) for x in tn.split("x"))
+        k = compile_fwd(bk, st)
+        m = re.search(r"REG:(\d+).*?STACK:(\d+)", cuobjdump(k, "-res-usage"))
+        counts = sass_counts(cuobjdump(k, "-sass"))
+        print(f"triton {triton.__version__} BK {bk} stages {st}: regs {m.group(1)} stack {m.group(2)} "
+              f"shared {k.metadata.shared} B; {counts}", flush=True)
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()

@@ -1,0 +1,184 @@
+"""The union-tile sparse attention forward in Gluon (Hopper): the key rows gathered by cp.async into a ring of
+shared-memory stages, QK^T and PV on warpgroup MMAs. Same tiles, masks and result as `union.tile_fwd` (within
+rounding: 64-key blocks instead of 32, so another fp32 summation order).
+
+Why: the Triton tile forward runs its MMA work at ~290 TFLOP/s (32K, trained selections, H100) against dense
+attention's ~600, because Triton 3.6's pipeliner issues the row gathers of a key block only one iteration ahead
+and waits for all of them before the QK dot (the gathers' addresses come from the key list loaded in the loop;
+session 22's TTGIR), and a register prefetch costs the occupancy that hides the rest (session 25). Gluon states
+the pipeline: block j + STAGES - 1's K / V rows are in flight (cp.async, 16 bytes a thread and row chunk,
+no registers held) while block j's two MMAs and its online softmax run.
+
+One program per (tile of BT queries, KV head): the tile's BT * G query rows are the MMA's M = 64 (one warpgroup);
+the tile's union of selected keys (`union.build_union`, ascending, padded with zeroed masks to whole
+`SLOT_PAD` blocks) is read BK keys at a time; row r = (query r // G, head r % G) keeps key slot u where bit r // G
+of qmask[u] is set. Per-query selections only (shared `query_group` rows keep the Triton kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+try:  # Gluon ships with Triton >= 3.5; the CPU / interpreter paths never reach it
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    # Triton 3.6 (the GPU machine's) names the cp.async gather `async_copy_global_to_shared`; later ones `async_load`
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed `barrier` after 3.6
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - older Triton
+    HAVE_GLUON = False
+
+from sparse_rl.sparse.ops.sparse_attention.union import LOG2E, SLOT_PAD, TileSelection
+
+ROWS = 64  # one warpgroup's MMA rows
+WARPS = 4
+
+
+def available(q: torch.Tensor) -> bool:
+    """Whether `tile_fwd_gluon` can run on q's device: Gluon, a CUDA GPU of sm_90 (warpgroup MMA)."""
+    return HAVE_GLUON and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, sel: TileSelection) -> bool:
+    """The shapes this kernel takes: per-query tiles of 64 rows (BT * G == 64), D 64 or 128, bf16 / fp16, unit
+    stride along D, key lists padded to whole 64-slot blocks."""
+    G = q.shape[2] // k.shape[2]
+    return (not sel.shared and sel.BT * G == ROWS and q.shape[3] in (64, 128)
+            and q.dtype in (torch.bfloat16, torch.float16) and all(x.stride(3) == 1 for x in (q, k))
+            and sel.ukey.shape[2] % 64 == 0 and sel.ukey.stride(2) == 1)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, u0, n, sks, svs, stage,
+                     BK: gl.constexpr, D: gl.constexpr, LOAD: gl.constexpr):
+        """cp.async block u0's K / V rows `[BK, D]` into ring stage `stage` (slots past n read key 0: their masks
+        are zero) and commit them as one group."""
+        offs_u = u0 + gl.arange(0, BK, layout=gl.SliceLayout(1, LOAD))
+        key = gl.load(UKEY + urow + offs_u, mask=offs_u < n, other=0).to(gl.int64)
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
+        _cp_async(k_smem.index(stage), kbase + key[:, None] * sks + offs_d[None, :])
+        _cp_async(v_smem.index(stage), vbase + key[:, None] * svs + offs_d[None, :])
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _tile_fwd_gluon_kernel(Q, K, V, UKEY, QMASK, ULEN, O, LSE,
+                               sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh, slb, slt, slh, sub, sur,
+                               T, G, NT, UMAX, qk_scale,
+                               BT: gl.constexpr, BK: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+        M: gl.constexpr = 64
+        tile = gl.program_id(0)
+        kvh = gl.program_id(1)
+        b = gl.program_id(2).to(gl.int64)
+        dt: gl.constexpr = Q.dtype.element_ty
+        # register layouts: the gathers (16 bytes a thread along D), the two MMA accumulators, P as MMA operand A
+        LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        QS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], dt)
+        KS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, D], dt)
+
+        q_smem = gl.allocate_shared_memory(dt, [M, D], QS)
+        k_smem = gl.allocate_shared_memory(dt, [STAGES, BK, D], KS)
+        v_smem = gl.allocate_shared_memory(dt, [STAGES, BK, D], KS)
+
+        urow = b * sub + tile * sur
+        n = gl.load(ULEN + b * NT + tile)
+        kbase = K + b * skb + kvh * skh
+        vbase = V + b * svb + kvh * svh
+        for i in gl.static_range(STAGES - 1):  # the ring's first blocks in flight before Q is even read
+            _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, i * BK, n, sks, svs, i, BK, D, LOAD)
+
+        r_l = gl.arange(0, M, layout=gl.SliceLayout(1, LOAD))
+        t_l = tile * BT + r_l // G
+        ok_l = (r_l // G < BT) & (t_l < T)
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
+        heads_l = kvh * G + r_l % G
+        q = gl.load(Q + b * sqb + t_l[:, None] * sqt + heads_l[:, None] * sqh + offs_d[None, :],
+                    mask=ok_l[:, None], other=0.0)
+        q_smem.store(q)
+
+        r = gl.arange(0, M, layout=gl.SliceLayout(1, S_L))
+        t = tile * BT + r // G
+        rmask = (r // G < BT) & (t < T)
+        rbit = gl.where(rmask, gl.full([M], 1, gl.int32, gl.SliceLayout(1, S_L)) << (r // G), 0)
+        m_i = gl.full([M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+        l_i = gl.zeros([M], gl.float32, gl.SliceLayout(1, S_L))
+        acc = gl.zeros([M, D], gl.float32, O_L)
+        s0 = gl.zeros([M, BK], gl.float32, S_L)
+        qrow = (b * NT + tile) * UMAX
+        offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, S_L))
+        nb = gl.cdiv(n, BK)
+        for j in range(nb):
+            async_copy.wait_group(STAGES - 2)  # this thread's copies of block j landed
+            fence_async_shared()  # generic-proxy writes (cp.async, q's store) before the MMAs' async-proxy reads
+            # every thread's copies of block j landed, and every warp waited for block j - 1's MMAs, so its stage
+            # takes block j + STAGES - 1
+            _cta_barrier()
+            nxt = j + STAGES - 1
+            _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, nxt * BK, n, sks, svs, nxt % STAGES, BK, D, LOAD)
+            st = j % STAGES
+            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
+            qm = gl.load(QMASK + qrow + j * BK + offs_k)  # zero past |U| (SLOT_PAD)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            sel = (qm[None, :] & rbit[:, None]) != 0
+            s = gl.where(sel, s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s - m_safe[:, None])
+            alpha = gl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            pa = gl.convert_layout(p.to(dt), P_L)
+            acc = warpgroup_mma(pa, v_smem.index(st), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        async_copy.wait_group(0)  # no copy left in flight at exit
+
+        ro = gl.arange(0, M, layout=gl.SliceLayout(1, O_L))
+        to = tile * BT + ro // G
+        ok_o = (ro // G < BT) & (to < T)
+        heads_o = kvh * G + ro % G
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+        empty = l_o == 0.0
+        out = acc / gl.where(empty, 1.0, l_o)[:, None]
+        od = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
+        gl.store(O + b * sob + to[:, None] * sot + heads_o[:, None] * soh + od[None, :], out.to(dt),
+                 mask=ok_o[:, None])
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
+        lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) / 1.4426950408889634)
+        gl.store(LSE + b * slb + to * slt + heads_o * slh, lse, mask=ok_o)
+
+
+def tile_fwd_gluon(q, k, v, sel: TileSelection, scale: float, out=None, tune: tuple | None = None):
+    """`union.tile_fwd` for per-query 64-row tiles on an sm_90 GPU: q `[B, T, H, D]`, k / v `[B, S, H_kv, D]`
+    -> out `[B, T, H, D]`, lse `[B, T, H]` fp32. tune = (BK, STAGES): keys a block (64) and ring stages (2)."""
+    if not supports(q, k, sel):
+        raise ValueError(f"tile_fwd_gluon: per-query 64-row tiles, D 64 / 128, bf16 / fp16 only (q {tuple(q.shape)} "
+                         f"{q.dtype}, BT {sel.BT}, group {sel.group})")
+    B, T, H, D = q.shape
+    G = H // k.shape[2]
+    NT = triton.cdiv(T, sel.BT)
+    if out is None:
+        o = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
+        lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
+    else:
+        o, lse = out
+    if v.stride(3) != 1 or o.stride(3) != 1:
+        raise ValueError("tile_fwd_gluon: v and out need unit stride along D")
+    BK, stages = tune or (64, 2)
+    if sel.ukey.shape[2] % BK or BK > SLOT_PAD:
+        raise ValueError(f"tile_fwd_gluon: {BK}-key blocks over key lists of {sel.ukey.shape[2]} slots")
+    _tile_fwd_gluon_kernel[(NT, k.shape[2], B)](
+        q, k, v, sel.ukey, sel.qmask, sel.ulen, o, lse, q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
+        sel.ukey.stride(0), sel.ukey.stride(1), T, G, NT, sel.ukey.shape[2], scale * LOG2E,
+        BT=sel.BT, BK=BK, D=D, STAGES=stages, num_warps=WARPS)
+    return o, lse

@@ -1,0 +1,87 @@
+"""The Gluon union-tile forward (`union_gluon.tile_fwd_gluon`): compiled for sm_90a on any host (registers, no
+spills), and on a Hopper GPU equal to the reference and to the Triton tile forward on the same tiles."""
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparse_rl.sparse.ops.sparse_attention import union, union_gluon
+from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
+from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+needs_hopper = pytest.mark.skipif(not (HOPPER and union_gluon.HAVE_GLUON), reason="needs an sm_90 GPU and Gluon")
+
+
+def _ptxas() -> bool:
+    import triton
+    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")) \
+        or shutil.which("ptxas") is not None
+
+
+@pytest.mark.skipif(not (union_gluon.HAVE_GLUON and _ptxas()), reason="needs Gluon and ptxas")
+def test_compiles_for_sm90_without_spills():
+    """Each launch form builds for sm_90a with no stack (spills) and at most 200 registers (2 programs an SM with
+    room); compiled in a subprocess with the interpreter off (TRITON_INTERPRET=1 swaps the language's functions)."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.path.abspath(root))
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "sm90_tile_fwd_gluon.py"), "--tunes",
+                        "64x2,64x3,32x3"], capture_output=True, text=True, env=env, timeout=300)
+    rows = re.findall(r"BK (\d+) stages (\d+): regs (\d+) stack (\d+) shared (\d+)", r.stdout)
+    assert len(rows) == 3, r.stdout + r.stderr[-2000:]
+    for bk, st, regs, stack, shared in map(lambda x: [int(y) for y in x], rows):
+        assert stack == 0 and regs <= 200
+        assert shared <= (2 * st * bk + 64) * 128 * 2  # the K / V ring and Q, bf16, D = 128
+
+
+def _case(B, T, S, H, H_kv, D, K, seed, dev):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=g, device=dev).bfloat16()
+    k = torch.randn(B, S, H_kv, D, generator=g, device=dev).bfloat16()
+    v = torch.randn(B, S, H_kv, D, generator=g, device=dev).bfloat16()
+    t = torch.arange(T, device=dev)[:, None] + (S - T)  # causal: query t sees keys <= t + S - T
+    r = torch.rand(B, T, S, generator=g, device=dev).masked_fill(torch.arange(S, device=dev) > t[None], 2.0)
+    idx = r.argsort(-1)[..., :K].to(torch.int32)
+    idx = torch.where(torch.gather(r, -1, idx.long()) > 1.5, -1, idx)  # keys past the query are dropped
+    idx[:, 5] = -1  # an empty row
+    idx[torch.rand(B, T, K, generator=g, device=dev) < 0.2] = -1
+    return q, k, v, idx
+
+
+@needs_hopper
+@pytest.mark.parametrize("H,H_kv,D", [(32, 8, 128), (8, 4, 128), (16, 2, 64)])
+@pytest.mark.parametrize("T,S,K", [(333, 333, 96), (100, 1000, 200), (1031, 1031, 300)])
+@pytest.mark.parametrize("tune", [(64, 2), (64, 3), (32, 3)])
+def test_equals_reference_and_triton_tiles(H, H_kv, D, T, S, K, tune):
+    dev = torch.device("cuda")
+    q, k, v, idx = _case(2, T, S, H, H_kv, D, K, T + S + K, dev)
+    BT = 64 // (H // H_kv)
+    sel = union.build_union(idx, S, BT)
+    scale = 1 / math.sqrt(D)
+    out, lse = union_gluon.tile_fwd_gluon(q, k, v, sel, scale, tune=tune)
+    ref, rl = sparse_attention_naive(q.float(), k.float(), v.float(), idx)
+    tri, tl_ = union.tile_fwd(q, k, v, sel, scale, dot_precision(q.dtype))
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), tri.float(), atol=2e-2, rtol=2e-2)
+    fin = torch.isfinite(rl)
+    assert torch.equal(fin, torch.isfinite(lse))  # empty rows: -inf lse, zero output
+    torch.testing.assert_close(lse[fin], rl[fin], atol=2e-3, rtol=2e-3)
+    assert torch.all(out[:, 5] == 0)
+
+
+@needs_hopper
+def test_rejects_what_it_does_not_take():
+    dev = torch.device("cuda")
+    q, k, v, idx = _case(1, 64, 64, 8, 1, 128, 16, 0, dev)  # G = 8: 8-query tiles of 64 rows are fine
+    sel = union.build_union(idx, 64, 8)
+    union_gluon.tile_fwd_gluon(q, k, v, sel, 0.1)
+    with pytest.raises(ValueError, match="64-row tiles"):
+        union_gluon.tile_fwd_gluon(q, k, v, union.build_union(idx, 64, 4), 0.1)
+    with pytest.raises(ValueError, match="64-row tiles"):
+        union_gluon.tile_fwd_gluon(q.float(), k.float(), v.float(), sel, 0.1)
