@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gf29"))
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--seqlens", default="32768,131072")
-    ap.add_argument("--tunes", default="64x2,64x3,32x3,32x4")
+    ap.add_argument("--tunes", default="64x2,64x3,32x3,32x4,64x3x1,32x4x1", help="BKxSTAGES[xPIPE],...")
     ap.add_argument("--reps", type=int, default=2)
     a = ap.parse_args()
     import torch
@@ -67,9 +67,9 @@ def main() -> None:
             pair_tf = 4 * pairs * H * D
             row.update(union_over_pairs=ulen * 16 / max(pairs, 1), tile_flop=tile_tf, pair_flop=pair_tf)
             fns = {"triton": lambda: union.tile_fwd(q, k, v, sel, scale, prec)}
-            for bk, st in tunes:
-                fns[f"gluon_{bk}x{st}"] = lambda bk=bk, st=st: union_gluon.tile_fwd_gluon(q, k, v, sel, scale,
-                                                                                          tune=(bk, st))
+            for tn in tunes:
+                fns["gluon_" + "x".join(map(str, tn))] = lambda tn=tn: union_gluon.tile_fwd_gluon(q, k, v, sel, scale,
+                                                                                                 tune=tn)
             ref_o, ref_l = fns["triton"]()
             for lab, fn in fns.items():
                 o, lse = fn()

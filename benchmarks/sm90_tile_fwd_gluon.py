@@ -22,8 +22,8 @@ PTR = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "
 INTS = ("G", "T", "NT", "slh")  # not multiples of 16 at the bench's shapes
 
 
-def compile_fwd(BK: int = 64, stages: int = 2, D: int = 128):
-    cx = dict(BT=16, BK=BK, D=D, STAGES=stages)
+def compile_fwd(BK: int = 64, stages: int = 2, pipe: int = 0, D: int = 128):
+    cx = dict(BT=16, BK=BK, D=D, STAGES=stages, PIPE=bool(pipe))
     sig, attrs = {}, {}
     for i, n in enumerate(inspect.signature(union_gluon._tile_fwd_gluon_kernel.fn).parameters):
         if n in cx:
@@ -42,15 +42,15 @@ def compile_fwd(BK: int = 64, stages: int = 2, D: int = 128):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tunes", default="64x2,64x3,32x3,32x4")
+    ap.add_argument("--tunes", default="64x2,64x3,32x3,32x4,64x3x1,32x4x1", help="BKxSTAGES[xPIPE],...")
     a = ap.parse_args()
     from sm90_tile_fwd import cuobjdump, sass_counts
     for tn in a.tunes.split(","):
-        bk, st = (int(x) for x in tn.split("x"))
-        k = compile_fwd(bk, st)
+        bk, st, pipe = (*(int(x) for x in tn.split("x")), 0)[:3]
+        k = compile_fwd(bk, st, pipe)
         m = re.search(r"REG:(\d+).*?STACK:(\d+)", cuobjdump(k, "-res-usage"))
         counts = sass_counts(cuobjdump(k, "-sass"))
-        print(f"triton {triton.__version__} BK {bk} stages {st}: regs {m.group(1)} stack {m.group(2)} "
+        print(f"triton {triton.__version__} BK {bk} stages {st} pipe {pipe}: regs {m.group(1)} stack {m.group(2)} "
               f"shared {k.metadata.shared} B; {counts}", flush=True)
 
 

@@ -32,9 +32,9 @@ def test_compiles_for_sm90_without_spills():
     root = os.path.join(os.path.dirname(__file__), "..", "..")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.path.abspath(root))
     r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "sm90_tile_fwd_gluon.py"), "--tunes",
-                        "64x2,64x3,32x3"], capture_output=True, text=True, env=env, timeout=300)
-    rows = re.findall(r"BK (\d+) stages (\d+): regs (\d+) stack (\d+) shared (\d+)", r.stdout)
-    assert len(rows) == 3, r.stdout + r.stderr[-2000:]
+                        "64x2,64x3,32x3,64x3x1"], capture_output=True, text=True, env=env, timeout=300)
+    rows = re.findall(r"BK (\d+) stages (\d+) pipe \d: regs (\d+) stack (\d+) shared (\d+)", r.stdout)
+    assert len(rows) == 4, r.stdout + r.stderr[-2000:]
     for bk, st, regs, stack, shared in map(lambda x: [int(y) for y in x], rows):
         assert stack == 0 and regs <= 200
         assert shared <= (2 * st * bk + 64) * 128 * 2  # the K / V ring and Q, bf16, D = 128
@@ -57,7 +57,7 @@ def _case(B, T, S, H, H_kv, D, K, seed, dev):
 @needs_hopper
 @pytest.mark.parametrize("H,H_kv,D", [(32, 8, 128), (8, 4, 128), (16, 2, 64)])
 @pytest.mark.parametrize("T,S,K", [(333, 333, 96), (100, 1000, 200), (1031, 1031, 300)])
-@pytest.mark.parametrize("tune", [(64, 2), (64, 3), (32, 3)])
+@pytest.mark.parametrize("tune", [(64, 2), (64, 3), (32, 3), (64, 3, 1), (32, 4, 1)])
 def test_equals_reference_and_triton_tiles(H, H_kv, D, T, S, K, tune):
     dev = torch.device("cuda")
     q, k, v, idx = _case(2, T, S, H, H_kv, D, K, T + S + K, dev)

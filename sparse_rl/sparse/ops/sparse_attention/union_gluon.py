@@ -67,10 +67,27 @@ if HAVE_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
+    def _online_pv(s, qm, rbit, m_i, l_i, acc, v_st, qk_scale, dt: gl.constexpr, O_L: gl.constexpr,
+                   P_L: gl.constexpr):
+        """One key block's online softmax on its scores s `[M, BK]` (rows keep the slots whose query mask qm has
+        their bit rbit) and its PV MMA issued (async: the caller waits) -> (m_i, l_i, acc)."""
+        sel = (qm[None, :] & rbit[:, None]) != 0
+        s = gl.where(sel, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_safe[:, None])
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        acc = warpgroup_mma(gl.convert_layout(p.to(dt), P_L), v_st, acc, is_async=True)
+        return m_new, l_i, acc
+
+    @gluon.jit
     def _tile_fwd_gluon_kernel(Q, K, V, UKEY, QMASK, ULEN, O, LSE,
                                sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh, slb, slt, slh, sub, sur,
                                T, G, NT, UMAX, qk_scale,
-                               BT: gl.constexpr, BK: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+                               BT: gl.constexpr, BK: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                               PIPE: gl.constexpr):
         M: gl.constexpr = 64
         tile = gl.program_id(0)
         kvh = gl.program_id(1)
@@ -115,30 +132,42 @@ if HAVE_GLUON:
         qrow = (b * NT + tile) * UMAX
         offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, S_L))
         nb = gl.cdiv(n, BK)
-        for j in range(nb):
-            async_copy.wait_group(STAGES - 2)  # this thread's copies of block j landed
-            fence_async_shared()  # generic-proxy writes (cp.async, q's store) before the MMAs' async-proxy reads
-            # every thread's copies of block j landed, and every warp waited for block j - 1's MMAs, so its stage
-            # takes block j + STAGES - 1
+        if PIPE:  # S of block j + 1 on the tensor cores while block j's softmax runs (FA3's in-warpgroup overlap)
+            async_copy.wait_group(STAGES - 2)
+            fence_async_shared()
             _cta_barrier()
-            nxt = j + STAGES - 1
-            _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, nxt * BK, n, sks, svs, nxt % STAGES, BK, D, LOAD)
-            st = j % STAGES
-            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
-            qm = gl.load(QMASK + qrow + j * BK + offs_k)  # zero past |U| (SLOT_PAD)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            sel = (qm[None, :] & rbit[:, None]) != 0
-            s = gl.where(sel, s * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s - m_safe[:, None])
-            alpha = gl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-            pa = gl.convert_layout(p.to(dt), P_L)
-            acc = warpgroup_mma(pa, v_smem.index(st), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
+            s_cur = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
+            s_cur = warpgroup_mma_wait(0, deps=(s_cur,))
+            for j in range(nb):
+                async_copy.wait_group(STAGES - 3)  # block j + 1's copies (this thread's) landed
+                fence_async_shared()
+                _cta_barrier()  # ... every thread's; and every warp is past block j - 1's PV: its stage is free
+                nxt = j + STAGES - 1
+                _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, nxt * BK, n, sks, svs, nxt % STAGES, BK, D,
+                             LOAD)
+                # (at j = nb - 1 this scores block nb: key 0 rows, never used)
+                s_nxt = warpgroup_mma(q_smem, k_smem.index((j + 1) % STAGES).permute((1, 0)), s0, use_acc=False,
+                                      is_async=True)
+                qm = gl.load(QMASK + qrow + j * BK + offs_k)
+                m_i, l_i, acc = _online_pv(s_cur, qm, rbit, m_i, l_i, acc, v_smem.index(j % STAGES), qk_scale, dt,
+                                           O_L, P_L)
+                s_cur, acc = warpgroup_mma_wait(0, deps=(s_nxt, acc))
+        else:
+            for j in range(nb):
+                async_copy.wait_group(STAGES - 2)  # this thread's copies of block j landed
+                fence_async_shared()  # generic-proxy writes (cp.async, q's store) before the MMAs' async-proxy reads
+                # every thread's copies of block j landed, and every warp waited for block j - 1's MMAs, so its
+                # stage takes block j + STAGES - 1
+                _cta_barrier()
+                nxt = j + STAGES - 1
+                _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, nxt * BK, n, sks, svs, nxt % STAGES, BK, D,
+                             LOAD)
+                st = j % STAGES
+                s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
+                qm = gl.load(QMASK + qrow + j * BK + offs_k)  # zero past |U| (SLOT_PAD)
+                s = warpgroup_mma_wait(0, deps=(s,))
+                m_i, l_i, acc = _online_pv(s, qm, rbit, m_i, l_i, acc, v_smem.index(st), qk_scale, dt, O_L, P_L)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
         async_copy.wait_group(0)  # no copy left in flight at exit
 
         ro = gl.arange(0, M, layout=gl.SliceLayout(1, O_L))
@@ -158,7 +187,8 @@ if HAVE_GLUON:
 
 def tile_fwd_gluon(q, k, v, sel: TileSelection, scale: float, out=None, tune: tuple | None = None):
     """`union.tile_fwd` for per-query 64-row tiles on an sm_90 GPU: q `[B, T, H, D]`, k / v `[B, S, H_kv, D]`
-    -> out `[B, T, H, D]`, lse `[B, T, H]` fp32. tune = (BK, STAGES): keys a block (64) and ring stages (2)."""
+    -> out `[B, T, H, D]`, lse `[B, T, H]` fp32. tune = (BK, STAGES[, PIPE]): keys a block (64), ring stages (2),
+    and PIPE 1 = the next block's QK^T issued before this block's softmax (needs 3 stages or more)."""
     if not supports(q, k, sel):
         raise ValueError(f"tile_fwd_gluon: per-query 64-row tiles, D 64 / 128, bf16 / fp16 only (q {tuple(q.shape)} "
                          f"{q.dtype}, BT {sel.BT}, group {sel.group})")
@@ -172,7 +202,9 @@ def tile_fwd_gluon(q, k, v, sel: TileSelection, scale: float, out=None, tune: tu
         o, lse = out
     if v.stride(3) != 1 or o.stride(3) != 1:
         raise ValueError("tile_fwd_gluon: v and out need unit stride along D")
-    BK, stages = tune or (64, 2)
+    BK, stages, pipe = (*(tune or (64, 2)), 0)[:3]
+    if stages < (3 if pipe else 2):
+        raise ValueError(f"tile_fwd_gluon: tune {tune}: at least {3 if pipe else 2} stages")
     if sel.ukey.shape[2] % BK or BK > SLOT_PAD:
         raise ValueError(f"tile_fwd_gluon: {BK}-key blocks over key lists of {sel.ukey.shape[2]} slots")
     _tile_fwd_gluon_kernel[(NT, k.shape[2], B)](
@@ -180,5 +212,5 @@ def tile_fwd_gluon(q, k, v, sel: TileSelection, scale: float, out=None, tune: tu
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         sel.ukey.stride(0), sel.ukey.stride(1), T, G, NT, sel.ukey.shape[2], scale * LOG2E,
-        BT=sel.BT, BK=BK, D=D, STAGES=stages, num_warps=WARPS)
+        BT=sel.BT, BK=BK, D=D, STAGES=stages, PIPE=bool(pipe), num_warps=WARPS)
     return o, lse
