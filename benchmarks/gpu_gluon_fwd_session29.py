@@ -41,6 +41,7 @@ def main() -> None:
     from sparse_rl.bench import patterns
     from sparse_rl.bench.timing import bench_ms
     from sparse_rl.sparse.ops import sparse_attention
+    from sparse_rl.sparse.ops.sparse_attention import triton as sa
     from sparse_rl.sparse.ops.sparse_attention import union, union_gluon
     from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
@@ -88,6 +89,11 @@ def main() -> None:
             row["build_union_ms"] = bench_ms(lambda: union.build_union(idx, L, 16), dev, **W)
             row["sparse_attention_ms"] = bench_ms(lambda: sparse_attention(q, k, v, idx, backend="triton")[0], dev,
                                                   **W)
+            best = min((lab for lab in fns if lab != "triton"), key=lambda lab: min(row[f"{lab}_ms"]))
+            row["best_gluon"] = best
+            tn = {"fwd_impl": "gluon", "fwd": tuple(int(x) for x in best.split("_")[1].split("x"))}
+            row["sparse_attention_gluon_ms"] = bench_ms(lambda: sa.sparse_attention_forward(q, k, v, idx, tune=tn)[0],
+                                                        dev, **W)
             qd, kd, vd = (t.transpose(1, 2) for t in (q, k, v))
             row["dense_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
                                                                               enable_gqa=True), dev, **W)

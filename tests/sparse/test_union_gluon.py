@@ -85,3 +85,23 @@ def test_rejects_what_it_does_not_take():
         union_gluon.tile_fwd_gluon(q, k, v, union.build_union(idx, 64, 4), 0.1)
     with pytest.raises(ValueError, match="64-row tiles"):
         union_gluon.tile_fwd_gluon(q.float(), k.float(), v.float(), sel, 0.1)
+
+
+@pytest.mark.interpreter
+def test_fwd_impl_is_an_argument_checked_where_the_kernel_cannot_run():
+    """`tune={"fwd_impl": ...}` picks the tile forward's kernel; on the CPU "triton" and "auto" run the Triton tiles
+    (equal to each other), "gluon" is refused with a clear error, an unknown name too."""
+    from sparse_rl.sparse.ops.sparse_attention import triton as sa
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 40, 8, 16, generator=g), torch.randn(1, 40, 2, 16, generator=g), torch.randn(
+        1, 40, 2, 16, generator=g)
+    idx = torch.stack([torch.randperm(t + 1, generator=g)[:8].sort().values if t >= 7 else
+                       torch.cat([torch.arange(t + 1), torch.full((7 - t,), -1)]) for t in range(40)])[None].int()
+    a = sa.sparse_attention(q, k, v, idx, fwd_path="tile", tune={"fwd_impl": "auto"})[0]
+    b = sa.sparse_attention(q, k, v, idx, fwd_path="tile", tune={"fwd_impl": "triton"})[0]
+    assert torch.equal(a, b)
+    torch.testing.assert_close(a, sparse_attention_naive(q, k, v, idx)[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="needs an sm_90 GPU"):
+        sa.sparse_attention(q, k, v, idx, fwd_path="tile", tune={"fwd_impl": "gluon"})
+    with pytest.raises(ValueError, match="fwd_impl 'cuda'"):
+        sa.sparse_attention(q, k, v, idx, fwd_path="tile", tune={"fwd_impl": "cuda"})

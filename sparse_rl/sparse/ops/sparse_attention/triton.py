@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.sparse_attention import blocks, keymajor, keyq, paths, union
+from sparse_rl.sparse.ops.sparse_attention import blocks, keymajor, keyq, paths, union, union_gluon
 from sparse_rl.sparse.ops.sparse_attention.naive import MERGES, shared_to_per_query, sparse_attention_naive
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 from sparse_rl.sparse.ops.pdl import pdl_enter
@@ -304,7 +304,8 @@ def _pow2_divisor(n: int) -> int:
 
 class _Call:
     """One call's arguments besides the tensors: scale, sharing, requested paths, launch overrides
-    (`tune`: {"fwd" | "dq" | "dkdv" | "bwd": (block, num_warps, num_stages), "keyq": keyq.keyq_dkdv's tune},
+    (`tune`: {"fwd" | "dq" | "dkdv" | "bwd": (block, num_warps, num_stages), "keyq": keyq.keyq_dkdv's tune,
+    "fwd_impl": the per-query tile forward's kernel, `tile_fwd_impl`},
     benchmarks; "plan": the statistics `auto` estimates from, "full" (default) or "sample", paths.plan's `stats`;
     "small_tiles": whether the union tiles may hold BT/2 queries where `auto` estimates them faster, default True;
     "bt": the per-query union tiles' queries, forced (benchmarks; a forward without a backward, or one whose dk/dv
@@ -347,10 +348,37 @@ def _forward(q, k, v, indices, call: _Call, out=None):
         pl.bt, pl.union = int(call.tune["bt"]), None  # the prebuilt bitmaps are of the plan's tiles
     if pl.fwd == "tile":
         sel = union.build_union(indices, S, pl.bt or BT, prebuilt=pl.union)
-        o, lse = union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
+        o, lse = _tile_forward(q, k, v, sel, call, prec, out)
     else:
         o, lse, _ = _fwd(q, k, v, indices, call.scale, out=out, tune=call.tune.get("fwd"))
     return o, lse, indices, sel, pl
+
+
+FWD_IMPLS = ("auto", "triton", "gluon")
+
+
+def tile_fwd_impl(q, k, sel: union.TileSelection, impl: str = "auto", tuned: bool = False) -> str:
+    """Which kernel runs the per-query tile forward: "gluon" (`union_gluon`, cp.async ring + warpgroup MMAs) or
+    "triton" (`union.tile_fwd`). auto: gluon where it runs (sm_90, 64-row tiles, bf16 / fp16) and no Triton
+    launch config was forced (`tuned`). Until the Gluon kernel has been timed on a GPU, auto keeps Triton."""
+    if impl not in FWD_IMPLS:
+        raise ValueError(f"fwd_impl {impl!r}: expected one of {FWD_IMPLS}")
+    ok = union_gluon.available(q) and union_gluon.supports(q, k, sel)
+    if impl == "gluon" and not ok:
+        raise ValueError("fwd_impl 'gluon' needs an sm_90 GPU, Gluon and 64-row per-query tiles of bf16 / fp16")
+    if impl == "auto":
+        return "triton"
+    return impl
+
+
+def _tile_forward(q, k, v, sel: union.TileSelection, call: _Call, prec: int, out=None):
+    """The per-query tile forward by `tile_fwd_impl` (tune keys "fwd_impl", and "fwd": the Triton launch or
+    the Gluon kernel's (BK, STAGES[, PIPE]))."""
+    impl = tile_fwd_impl(q, k, sel, call.tune.get("fwd_impl", "auto"),
+                         tuned=call.tune.get("fwd") is not None and call.tune.get("fwd_impl") != "gluon")
+    if impl == "gluon":
+        return union_gluon.tile_fwd_gluon(q, k, v, sel, call.scale, out=out, tune=call.tune.get("fwd"))
+    return union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
 
 
 class _SparseAttention(torch.autograd.Function):
