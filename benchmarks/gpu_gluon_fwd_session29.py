@@ -94,6 +94,18 @@ def main() -> None:
             tn = {"fwd_impl": "gluon", "fwd": tuple(int(x) for x in best.split("_")[1].split("x"))}
             row["sparse_attention_gluon_ms"] = bench_ms(lambda: sa.sparse_attention_forward(q, k, v, idx, tune=tn)[0],
                                                         dev, **W)
+            # the tile dq pass (the backward's query-major half), Triton's default launch against the Gluon kernel
+            o, lse = ref_o, ref_l
+            do = torch.randn(o.shape, device=dev, generator=g).bfloat16()
+            delta = (o.float() * do.float()).sum(-1).contiguous()
+            dq_ref = union.tile_dq(q, k, v, sel, do, lse, delta, scale, prec)
+            dqs = {"dq_triton": lambda: union.tile_dq(q, k, v, sel, do, lse, delta, scale, prec)}
+            for tn in ((64, 2), (32, 3), (64, 3)):
+                dqs["dq_gluon_" + "x".join(map(str, tn))] = lambda tn=tn: union_gluon.tile_dq_gluon(
+                    q, k, v, sel, do, lse, delta, scale, tune=tn)
+            for lab, fn in dqs.items():
+                row[f"{lab}_maxdiff"] = float((fn().float() - dq_ref.float()).abs().max())
+                row[f"{lab}_ms"] = bench_ms(fn, dev, **W)
             qd, kd, vd = (t.transpose(1, 2) for t in (q, k, v))
             row["dense_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
                                                                               enable_gqa=True), dev, **W)

@@ -18,39 +18,43 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from sparse_rl.sparse.ops.sparse_attention import union_gluon
 
 PTR = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "UKEY": "*i32", "QMASK": "*i32",
-       "ULEN": "*i32"}
+       "ULEN": "*i32", "DO": "*bf16", "DELTA": "*fp32", "DQ": "*bf16"}
 INTS = ("G", "T", "NT", "slh")  # not multiples of 16 at the bench's shapes
 
 
-def compile_fwd(BK: int = 64, stages: int = 2, pipe: int = 0, D: int = 128):
-    cx = dict(BT=16, BK=BK, D=D, STAGES=stages, PIPE=bool(pipe))
+def compile_fwd(BK: int = 64, stages: int = 2, pipe: int = 0, D: int = 128, dq: bool = False):
+    """The forward kernel (or with dq the tile dq kernel; pipe ignored) for sm_90a."""
+    fn = union_gluon._tile_dq_gluon_kernel if dq else union_gluon._tile_fwd_gluon_kernel
+    cx = dict(BT=16, BK=BK, D=D, STAGES=stages, **({} if dq else {"PIPE": bool(pipe)}))
     sig, attrs = {}, {}
-    for i, n in enumerate(inspect.signature(union_gluon._tile_fwd_gluon_kernel.fn).parameters):
+    for i, n in enumerate(inspect.signature(fn.fn).parameters):
         if n in cx:
             sig[n] = "constexpr"
         elif n in PTR:
             sig[n], attrs[(i,)] = PTR[n], [["tt.divisibility", 16]]
-        elif n == "qk_scale":
+        elif n in ("qk_scale", "scale"):
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
             if n not in INTS:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(GluonASTSource(union_gluon._tile_fwd_gluon_kernel, sig, cx, attrs),
+    return triton.compile(GluonASTSource(fn, sig, cx, attrs),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=union_gluon.WARPS))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tunes", default="64x2,64x3,32x3,32x4,64x3x1,32x4x1", help="BKxSTAGES[xPIPE],...")
+    ap.add_argument("--tunes", default="64x2,64x3,32x3,32x4,64x3x1,32x4x1,dq64x2,dq64x3,dq32x3",
+                    help="[dq]BKxSTAGES[xPIPE],...")
     a = ap.parse_args()
     from sm90_tile_fwd import cuobjdump, sass_counts
     for tn in a.tunes.split(","):
-        bk, st, pipe = (*(int(x) for x in tn.split("x")), 0)[:3]
-        k = compile_fwd(bk, st, pipe)
+        dq = tn.startswith("dq")
+        bk, st, pipe = (*(int(x) for x in tn.removeprefix("dq").split("x")), 0)[:3]
+        k = compile_fwd(bk, st, pipe, dq=dq)
         m = re.search(r"REG:(\d+).*?STACK:(\d+)", cuobjdump(k, "-res-usage"))
         counts = sass_counts(cuobjdump(k, "-sass"))
-        print(f"triton {triton.__version__} BK {bk} stages {st} pipe {pipe}: regs {m.group(1)} stack {m.group(2)} "
+        print(f"triton {triton.__version__} {'dq' if dq else 'fwd'} BK {bk} stages {st} pipe {pipe}: regs {m.group(1)} stack {m.group(2)} "
               f"shared {k.metadata.shared} B; {counts}", flush=True)
 
 

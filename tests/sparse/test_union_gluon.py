@@ -32,12 +32,12 @@ def test_compiles_for_sm90_without_spills():
     root = os.path.join(os.path.dirname(__file__), "..", "..")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.path.abspath(root))
     r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "sm90_tile_fwd_gluon.py"), "--tunes",
-                        "64x2,64x3,32x3,64x3x1"], capture_output=True, text=True, env=env, timeout=300)
-    rows = re.findall(r"BK (\d+) stages (\d+) pipe \d: regs (\d+) stack (\d+) shared (\d+)", r.stdout)
-    assert len(rows) == 4, r.stdout + r.stderr[-2000:]
+                        "64x2,64x3,32x3,64x3x1,dq64x2,dq32x3"], capture_output=True, text=True, env=env, timeout=300)
+    rows = re.findall(r"(?:fwd|dq) BK (\d+) stages (\d+) pipe \d: regs (\d+) stack (\d+) shared (\d+)", r.stdout)
+    assert len(rows) == 6, r.stdout + r.stderr[-2000:]
     for bk, st, regs, stack, shared in map(lambda x: [int(y) for y in x], rows):
         assert stack == 0 and regs <= 232  # no spills, and room below the 255 cap
-        assert shared <= (2 * st * bk + 64) * 128 * 2  # the K / V ring and Q, bf16, D = 128
+        assert shared <= (2 * st * bk + 128) * 128 * 2  # the K / V ring, Q (and dO), bf16, D = 128
 
 
 def _case(B, T, S, H, H_kv, D, K, seed, dev):
@@ -73,6 +73,30 @@ def test_equals_reference_and_triton_tiles(H, H_kv, D, T, S, K, tune):
     assert torch.equal(fin, torch.isfinite(lse))  # empty rows: -inf lse, zero output
     torch.testing.assert_close(lse[fin], rl[fin], atol=2e-3, rtol=2e-3)
     assert torch.all(out[:, 5] == 0)
+
+
+@needs_hopper
+@pytest.mark.parametrize("H,H_kv,D", [(32, 8, 128), (16, 2, 64)])
+@pytest.mark.parametrize("T,S,K", [(333, 333, 96), (1031, 1031, 300)])
+@pytest.mark.parametrize("tune", [(64, 2), (32, 3)])
+def test_dq_equals_the_triton_tiles_and_autograd(H, H_kv, D, T, S, K, tune):
+    dev = torch.device("cuda")
+    q, k, v, idx = _case(2, T, S, H, H_kv, D, K, T + K, dev)
+    BT = 64 // (H // H_kv)
+    sel = union.build_union(idx, S, BT)
+    scale = 1 / math.sqrt(D)
+    prec = dot_precision(q.dtype)
+    o, lse = union.tile_fwd(q, k, v, sel, scale, prec)
+    g = torch.Generator(device=dev).manual_seed(1)
+    do = torch.randn(o.shape, generator=g, device=dev).bfloat16()
+    delta = (o.float() * do.float()).sum(-1).contiguous()
+    got = union_gluon.tile_dq_gluon(q, k, v, sel, do, lse, delta, scale, tune=tune)
+    tri = union.tile_dq(q, k, v, sel, do, lse, delta, scale, prec)
+    torch.testing.assert_close(got.float(), tri.float(), atol=3e-2, rtol=3e-2)
+    qr = q.float().requires_grad_()
+    ref, _ = sparse_attention_naive(qr, k.float(), v.float(), idx)
+    (ref * do.float()).sum().backward()
+    torch.testing.assert_close(got.float(), qr.grad, atol=5e-2, rtol=5e-2)
 
 
 @needs_hopper

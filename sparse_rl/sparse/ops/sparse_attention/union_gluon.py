@@ -185,6 +185,87 @@ if HAVE_GLUON:
         gl.store(LSE + b * slb + to * slt + heads_o * slh, lse, mask=ok_o)
 
 
+    @gluon.jit
+    def _tile_dq_gluon_kernel(Q, K, V, UKEY, QMASK, ULEN, DO, LSE, DELTA, DQ,
+                              sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sdob, sdot, sdoh, slb, slt, slh,
+                              sdqb, sdqt, sdqh, sub, sur, T, G, NT, UMAX, scale, qk_scale,
+                              BT: gl.constexpr, BK: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+        """dq of one (tile, KV head) as `union._tile_dq_kernel`: per key block S = q K^T and dP = dO V^T (two
+        warpgroup MMAs on the gathered rows), dS = P (dP - delta), dq += dS K (dS from registers); stored once."""
+        M: gl.constexpr = 64
+        tile = gl.program_id(0)
+        kvh = gl.program_id(1)
+        b = gl.program_id(2).to(gl.int64)
+        dt: gl.constexpr = Q.dtype.element_ty
+        LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        QS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], dt)
+        KS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, D], dt)
+
+        q_smem = gl.allocate_shared_memory(dt, [M, D], QS)
+        do_smem = gl.allocate_shared_memory(dt, [M, D], QS)
+        k_smem = gl.allocate_shared_memory(dt, [STAGES, BK, D], KS)
+        v_smem = gl.allocate_shared_memory(dt, [STAGES, BK, D], KS)
+
+        urow = b * sub + tile * sur
+        n = gl.load(ULEN + b * NT + tile)
+        kbase = K + b * skb + kvh * skh
+        vbase = V + b * svb + kvh * svh
+        for i in gl.static_range(STAGES - 1):
+            _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, i * BK, n, sks, svs, i, BK, D, LOAD)
+
+        r_l = gl.arange(0, M, layout=gl.SliceLayout(1, LOAD))
+        t_l = tile * BT + r_l // G
+        ok_l = (r_l // G < BT) & (t_l < T)
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
+        heads_l = kvh * G + r_l % G
+        q_smem.store(gl.load(Q + b * sqb + t_l[:, None] * sqt + heads_l[:, None] * sqh + offs_d[None, :],
+                             mask=ok_l[:, None], other=0.0))
+        do_smem.store(gl.load(DO + b * sdob + t_l[:, None] * sdot + heads_l[:, None] * sdoh + offs_d[None, :],
+                              mask=ok_l[:, None], other=0.0))
+
+        r = gl.arange(0, M, layout=gl.SliceLayout(1, S_L))
+        t = tile * BT + r // G
+        heads = kvh * G + r % G
+        rmask = (r // G < BT) & (t < T)
+        lse = gl.load(LSE + b * slb + t * slt + heads * slh, mask=rmask, other=float("-inf"))
+        delta = gl.load(DELTA + b * slb + t * slt + heads * slh, mask=rmask, other=0.0)
+        row_ok = (lse != float("-inf")) & rmask
+        lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
+        rbit = gl.where(row_ok, gl.full([M], 1, gl.int32, gl.SliceLayout(1, S_L)) << (r // G), 0)
+        dq = gl.zeros([M, D], gl.float32, O_L)
+        s0 = gl.zeros([M, BK], gl.float32, S_L)
+        qrow = (b * NT + tile) * UMAX
+        offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, S_L))
+        for j in range(gl.cdiv(n, BK)):
+            async_copy.wait_group(STAGES - 2)
+            fence_async_shared()
+            _cta_barrier()  # block j landed everywhere; every warp is past block j - 1's MMAs
+            nxt = j + STAGES - 1
+            _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, nxt * BK, n, sks, svs, nxt % STAGES, BK, D, LOAD)
+            st = j % STAGES
+            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do_smem, v_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
+            qm = gl.load(QMASK + qrow + j * BK + offs_k)
+            s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+            sel = (qm[None, :] & rbit[:, None]) != 0
+            p = gl.where(sel, gl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+            ds = p * (dp - delta[:, None])
+            dq = warpgroup_mma(gl.convert_layout(ds.to(dt), P_L), k_smem.index(st), dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+        async_copy.wait_group(0)
+
+        ro = gl.arange(0, M, layout=gl.SliceLayout(1, O_L))
+        to = tile * BT + ro // G
+        ok_o = (ro // G < BT) & (to < T)
+        heads_o = kvh * G + ro % G
+        od = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
+        gl.store(DQ + b * sdqb + to[:, None] * sdqt + heads_o[:, None] * sdqh + od[None, :], (dq * scale).to(dt),
+                 mask=ok_o[:, None])
+
+
 def tile_fwd_gluon(q, k, v, sel: TileSelection, scale: float, out=None, tune: tuple | None = None):
     """`union.tile_fwd` for per-query 64-row tiles on an sm_90 GPU: q `[B, T, H, D]`, k / v `[B, S, H_kv, D]`
     -> out `[B, T, H, D]`, lse `[B, T, H]` fp32. tune = (BK, STAGES[, PIPE]): keys a block (64), ring stages (2),
@@ -214,3 +295,24 @@ def tile_fwd_gluon(q, k, v, sel: TileSelection, scale: float, out=None, tune: tu
         sel.ukey.stride(0), sel.ukey.stride(1), T, G, NT, sel.ukey.shape[2], scale * LOG2E,
         BT=sel.BT, BK=BK, D=D, STAGES=stages, PIPE=bool(pipe), num_warps=WARPS)
     return o, lse
+
+
+def tile_dq_gluon(q, k, v, sel: TileSelection, do, lse, delta, scale: float, tune: tuple | None = None):
+    """`union.tile_dq` for per-query 64-row tiles on an sm_90 GPU: dq `[B, T, H, D]` (q.dtype); lse / delta
+    `[B, T, H]` fp32 with equal strides (delta = rowsum(o * dO) - dlse). tune = (BK, STAGES), default (64, 2)."""
+    if not supports(q, k, sel) or do.stride(3) != 1 or v.stride(3) != 1 or lse.stride() != delta.stride():
+        raise ValueError(f"tile_dq_gluon: per-query 64-row tiles, D 64 / 128, bf16 / fp16 only (q {tuple(q.shape)} "
+                         f"{q.dtype}, BT {sel.BT}, group {sel.group})")
+    B, T, H, D = q.shape
+    NT = triton.cdiv(T, sel.BT)
+    BK, stages = tune or (64, 2)
+    if sel.ukey.shape[2] % BK or BK > SLOT_PAD or stages < 2:
+        raise ValueError(f"tile_dq_gluon: tune {tune} over key lists of {sel.ukey.shape[2]} slots")
+    dq = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
+    _tile_dq_gluon_kernel[(NT, k.shape[2], B)](
+        q, k, v, sel.ukey, sel.qmask, sel.ulen, do, lse, delta, dq, q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2), sel.ukey.stride(0), sel.ukey.stride(1), T, H // k.shape[2], NT,
+        sel.ukey.shape[2], scale, scale * LOG2E, BT=sel.BT, BK=BK, D=D, STAGES=stages, num_warps=WARPS)
+    return dq
