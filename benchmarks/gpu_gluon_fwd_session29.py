@@ -5,11 +5,15 @@ the same tiles of a trained indexer's selections, B 1, 32 / 8 heads, D 128, k 20
 
 Rows: outputs against the Triton tile forward (max abs diff, lse diff), ms of each form, TFLOP/s on the tiles'
 MMA work (4 * rows * |U| * D a tile) and on the selected pairs, the whole `sparse_attention` forward (what the CLI
-times: union build + tile forward) and dense cuDNN SDPA in the same run.
+times: union build + tile forward) and dense cuDNN SDPA in the same run; the backward's two passes (tile dq,
+key-major dk/dv on prebuilt lists), Triton against Gluon; forward + backward with every kernel of either kind
+against dense's.
 
 Predictions (before the first call, H100): Triton 6.4-6.5 ms at 32K (session 28's 7.22 for the CLI's whole
 attention); Gluon (64 keys, 2-3 stages) 4.0-5.0 ms (~380-470 TF/s on the tiles' work: the gathers in flight a
 block or two ahead, 2 programs an SM at 80-112 KB of shared memory and ~160 registers); 128K 36 -> ~25 ms.
+Tile dq 8.2 -> 5-6 ms; keyq dk/dv 15.2 -> 9-12 ms (still one program an SM, 192 KB shared, but the next chunk's
+gathers in flight); fwd + bwd 34 -> ~25-28 ms (1.6x -> ~2x dense).
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_gluon_fwd_session29.py --budget 300 --out $OUT/gf29
 """
@@ -42,7 +46,7 @@ def main() -> None:
     from sparse_rl.bench.timing import bench_ms
     from sparse_rl.sparse.ops import sparse_attention
     from sparse_rl.sparse.ops.sparse_attention import triton as sa
-    from sparse_rl.sparse.ops.sparse_attention import union, union_gluon
+    from sparse_rl.sparse.ops.sparse_attention import keyq, keyq_gluon, union, union_gluon
     from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
     os.makedirs(a.out, exist_ok=True)
@@ -106,9 +110,29 @@ def main() -> None:
             for lab, fn in dqs.items():
                 row[f"{lab}_maxdiff"] = float((fn().float() - dq_ref.float()).abs().max())
                 row[f"{lab}_ms"] = bench_ms(fn, dev, **W)
+            # the key-major dk/dv pass on prebuilt lists, Triton's default launch against the Gluon kernel
+            lists = keyq.key_query_lists(idx, L, 64)
+            dk_ref, dv_ref = keyq.keyq_dkdv(q, k, v, idx, do, lse, delta, scale, prec, lists=lists)
+            kqs = {"keyq_triton": lambda: keyq.keyq_dkdv(q, k, v, idx, do, lse, delta, scale, prec, lists=lists),
+                   "keyq_gluon": lambda: keyq_gluon.keyq_dkdv_gluon(q, k, v, idx, do, lse, delta, scale, lists=lists)}
+            for lab, fn in kqs.items():
+                dk_, dv_ = fn()
+                row[f"{lab}_maxdiff"] = max(float((dk_.float() - dk_ref.float()).abs().max()),
+                                            float((dv_.float() - dv_ref.float()).abs().max()))
+                row[f"{lab}_ms"] = bench_ms(fn, dev, **W)
+            del lists
+            # forward + backward through the autograd function, every kernel Triton (default) or Gluon
+            qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+            for lab, tn in (("fwdbwd_triton", None), ("fwdbwd_gluon", {"fwd_impl": "gluon", "bwd_impl": "gluon"})):
+                fb = lambda tn=tn: sa.sparse_attention(qg, kg, vg, idx, tune=tn)[0].backward(do)  # noqa: E731
+                row[f"{lab}_ms"] = bench_ms(fb, dev, grad_to_none=[qg, kg, vg], **W)
             qd, kd, vd = (t.transpose(1, 2) for t in (q, k, v))
             row["dense_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
                                                                               enable_gqa=True), dev, **W)
+            qd2, kd2, vd2 = (x.detach().requires_grad_() for x in (qd, kd, vd))
+            dod = do.transpose(1, 2)
+            row["dense_fwdbwd_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(
+                qd2, kd2, vd2, is_causal=True, enable_gqa=True).backward(dod), dev, grad_to_none=[qd2, kd2, vd2], **W)
         except Exception as e:  # noqa: BLE001 (a failure is a result)
             row["error"] = repr(e)[:600]
         log(f"trained {L}: {row}")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 29 (lead), issues 14 and 15, one device call on whichever Hopper card comes, in TOTAL seconds:
 #   1. tests/sparse/test_union_gluon.py (the Gluon tile forward / dq against the reference and the Triton tiles);
-#   2. benchmarks/gpu_gluon_fwd_session29.py (#15: Gluon vs Triton tile forward and dq, trained 32K; 128K on an H100);
+#   2. benchmarks/gpu_gluon_fwd_session29.py (#15: Gluon vs Triton tile forward, tile dq, keyq dk/dv, fwd + bwd;
+#      trained 32K; 128K on an H100);
 #   3. on an H200 (> 100 GB): the #14 rows at the target's shape, `bench rollout` b32 16K (the cuda decode select's
 #      first H200 run); on an H100: the CUDA sampled quantile of branch cuda-quantile (its tests and select script).
 # Usage (device machine, repository root): TOTAL=520 bash benchmarks/gpu_session29.sh   (writes under $OUT)

@@ -1,4 +1,4 @@
-"""The Gluon union-tile forward (`union_gluon._tile_fwd_gluon_kernel`) compiled for sm_90a on a CPU host (no GPU):
+"""The Gluon kernels (`union_gluon`'s tile forward and dq, `keyq_gluon`'s dk/dv) compiled for sm_90a on a CPU host:
 registers, spills, shared memory and the SASS of its key loop by kind (`sm90_tile_fwd.sass_counts`), at the
 launch's specialisations (pointers and the strides of K / V / Q 16-divisible; G = 4, D = 128, bf16).
 
@@ -15,17 +15,21 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from sparse_rl.sparse.ops.sparse_attention import union_gluon
+from sparse_rl.sparse.ops.sparse_attention import keyq_gluon, union_gluon
 
 PTR = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "UKEY": "*i32", "QMASK": "*i32",
-       "ULEN": "*i32", "DO": "*bf16", "DELTA": "*fp32", "DQ": "*bf16"}
-INTS = ("G", "T", "NT", "slh")  # not multiples of 16 at the bench's shapes
+       "ULEN": "*i32", "DO": "*bf16", "DELTA": "*fp32", "DQ": "*bf16", "OFF": "*i32", "LIST": "*i32", "MSK": "*i64",
+       "DK": "*bf16", "DV": "*bf16"}
+INTS = ("G", "T", "NT", "slh", "S", "NKT")  # not multiples of 16 at the bench's shapes
 
 
-def compile_fwd(BK: int = 64, stages: int = 2, pipe: int = 0, D: int = 128, dq: bool = False):
-    """The forward kernel (or with dq the tile dq kernel; pipe ignored) for sm_90a."""
-    fn = union_gluon._tile_dq_gluon_kernel if dq else union_gluon._tile_fwd_gluon_kernel
-    cx = dict(BT=16, BK=BK, D=D, STAGES=stages, **({} if dq else {"PIPE": bool(pipe)}))
+def compile_fwd(BK: int = 64, stages: int = 2, pipe: int = 0, D: int = 128, dq: bool = False, kq: bool = False):
+    """The forward kernel (with dq the tile dq kernel, with kq the key-major dk/dv; pipe ignored there) for sm_90a."""
+    if kq:
+        fn, cx = keyq_gluon._kq_dkdv_gluon_kernel, dict(BQ=32, D=D, STAGES=stages, GH=2)
+    else:
+        fn = union_gluon._tile_dq_gluon_kernel if dq else union_gluon._tile_fwd_gluon_kernel
+        cx = dict(BT=16, BK=BK, D=D, STAGES=stages, **({} if dq else {"PIPE": bool(pipe)}))
     sig, attrs = {}, {}
     for i, n in enumerate(inspect.signature(fn.fn).parameters):
         if n in cx:
@@ -38,24 +42,24 @@ def compile_fwd(BK: int = 64, stages: int = 2, pipe: int = 0, D: int = 128, dq: 
             sig[n] = "i32"
             if n not in INTS:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(GluonASTSource(fn, sig, cx, attrs),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=union_gluon.WARPS))
+    return triton.compile(GluonASTSource(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=keyq_gluon.WARPS if kq else union_gluon.WARPS))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tunes", default="64x2,64x3,32x3,32x4,64x3x1,32x4x1,dq64x2,dq64x3,dq32x3",
-                    help="[dq]BKxSTAGES[xPIPE],...")
+    ap.add_argument("--tunes", default="64x2,64x3,32x3,32x4,64x3x1,32x4x1,dq64x2,dq64x3,dq32x3,kq64x2",
+                    help="[dq|kq]BKxSTAGES[xPIPE],... (kq: 64-key tiles, BK ignored)")
     a = ap.parse_args()
     from sm90_tile_fwd import cuobjdump, sass_counts
     for tn in a.tunes.split(","):
-        dq = tn.startswith("dq")
-        bk, st, pipe = (*(int(x) for x in tn.removeprefix("dq").split("x")), 0)[:3]
-        k = compile_fwd(bk, st, pipe, dq=dq)
+        kind = tn[:2] if tn[:2] in ("dq", "kq") else "fwd"
+        bk, st, pipe = (*(int(x) for x in tn.removeprefix(kind).split("x")), 0)[:3]
+        k = compile_fwd(bk, st, pipe, dq=kind == "dq", kq=kind == "kq")
         m = re.search(r"REG:(\d+).*?STACK:(\d+)", cuobjdump(k, "-res-usage"))
         counts = sass_counts(cuobjdump(k, "-sass"))
-        print(f"triton {triton.__version__} {'dq' if dq else 'fwd'} BK {bk} stages {st} pipe {pipe}: regs {m.group(1)} stack {m.group(2)} "
-              f"shared {k.metadata.shared} B; {counts}", flush=True)
+        print(f"triton {triton.__version__} {kind} BK {bk} stages {st} pipe {pipe}: regs {m.group(1)} "
+              f"stack {m.group(2)} shared {k.metadata.shared} B; {counts}", flush=True)
 
 
 if __name__ == "__main__":

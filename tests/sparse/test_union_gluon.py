@@ -1,5 +1,6 @@
-"""The Gluon union-tile forward (`union_gluon.tile_fwd_gluon`): compiled for sm_90a on any host (registers, no
-spills), and on a Hopper GPU equal to the reference and to the Triton tile forward on the same tiles."""
+"""The Gluon kernels (`union_gluon`: the union-tile forward and dq; `keyq_gluon`: the key-major dk/dv): compiled
+for sm_90a on any host (registers, no spills), and on a Hopper GPU equal to the reference and to the Triton kernels
+on the same tiles / lists."""
 
 import math
 import os
@@ -11,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from sparse_rl.sparse.ops.sparse_attention import union, union_gluon
+from sparse_rl.sparse.ops.sparse_attention import keyq, keyq_gluon, union, union_gluon
+from sparse_rl.sparse.ops.sparse_attention.keymajor import bwd_delta
 from sparse_rl.sparse.ops.sparse_attention.naive import sparse_attention_naive
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot_precision
 
@@ -27,17 +29,23 @@ def _ptxas() -> bool:
 
 @pytest.mark.skipif(not (union_gluon.HAVE_GLUON and _ptxas()), reason="needs Gluon and ptxas")
 def test_compiles_for_sm90_without_spills():
-    """Each launch form builds for sm_90a with no stack (spills) and at most 232 registers (Triton 3.6 gives
-    121-168, 3.9 up to 204); compiled in a subprocess with the interpreter off (TRITON_INTERPRET=1 swaps the language's functions)."""
+    """Each launch form builds for sm_90a with no stack (spills), the tile kernels at most 232 registers (Triton
+    3.6 gives 121-216, 3.9 up to 204), the dk/dv kernel within one SM's shared memory; compiled in a subprocess with
+    the interpreter off (TRITON_INTERPRET=1 swaps the language's functions)."""
     root = os.path.join(os.path.dirname(__file__), "..", "..")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.path.abspath(root))
     r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "sm90_tile_fwd_gluon.py"), "--tunes",
-                        "64x2,64x3,32x3,64x3x1,dq64x2,dq32x3"], capture_output=True, text=True, env=env, timeout=300)
-    rows = re.findall(r"(?:fwd|dq) BK (\d+) stages (\d+) pipe \d: regs (\d+) stack (\d+) shared (\d+)", r.stdout)
-    assert len(rows) == 6, r.stdout + r.stderr[-2000:]
-    for bk, st, regs, stack, shared in map(lambda x: [int(y) for y in x], rows):
-        assert stack == 0 and regs <= 232  # no spills, and room below the 255 cap
-        assert shared <= (2 * st * bk + 128) * 128 * 2  # the K / V ring, Q (and dO), bf16, D = 128
+                        "64x2,64x3,32x3,64x3x1,dq64x2,dq32x3,kq64x2"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    rows = re.findall(r"(fwd|dq|kq) BK (\d+) stages (\d+) pipe \d: regs (\d+) stack (\d+) shared (\d+)", r.stdout)
+    assert len(rows) == 7, r.stdout + r.stderr[-2000:]
+    for kind, *nums in rows:
+        bk, st, regs, stack, shared = map(int, nums)
+        assert stack == 0  # no spills
+        if kind == "kq":  # 128-row q / dO ring + K / V + P / dS: one program an SM, within the 227 KB
+            assert shared <= 227 * 1024
+        else:
+            assert regs <= 232 and shared <= (2 * st * bk + 128) * 128 * 2  # the K / V ring, Q (and dO), D = 128
 
 
 def _case(B, T, S, H, H_kv, D, K, seed, dev):
@@ -113,8 +121,9 @@ def test_rejects_what_it_does_not_take():
 
 @pytest.mark.interpreter
 def test_fwd_impl_is_an_argument_checked_where_the_kernel_cannot_run():
-    """`tune={"fwd_impl": ...}` picks the tile forward's kernel; on the CPU "triton" and "auto" run the Triton tiles
-    (equal to each other), "gluon" is refused with a clear error, an unknown name too."""
+    """`tune={"fwd_impl": ...}` / `{"bwd_impl": ...}` pick the tile forward's / backward's kernels; on the CPU "triton"
+    and "auto" run the Triton kernels (equal to each other), "gluon" is refused with a clear error, an unknown name
+    too."""
     from sparse_rl.sparse.ops.sparse_attention import triton as sa
     g = torch.Generator().manual_seed(3)
     q, k, v = torch.randn(1, 40, 8, 16, generator=g), torch.randn(1, 40, 2, 16, generator=g), torch.randn(
@@ -129,3 +138,48 @@ def test_fwd_impl_is_an_argument_checked_where_the_kernel_cannot_run():
         sa.sparse_attention(q, k, v, idx, fwd_path="tile", tune={"fwd_impl": "gluon"})
     with pytest.raises(ValueError, match="fwd_impl 'cuda'"):
         sa.sparse_attention(q, k, v, idx, fwd_path="tile", tune={"fwd_impl": "cuda"})
+    grads = {}
+    for bwd in ("tile", "keyq"):  # the backward kernels likewise (tune "bwd_impl")
+        for impl in ("auto", "triton", "gluon", "cuda"):
+            qq = q.clone().requires_grad_()
+            out = sa.sparse_attention(qq, k, v, idx, fwd_path="tile", bwd_path=bwd, tune={"bwd_impl": impl})[0]
+            if impl in ("gluon", "cuda"):
+                with pytest.raises(ValueError, match=f"bwd_impl '{impl}'"):
+                    out.sum().backward()
+            else:
+                out.sum().backward()
+                grads[bwd, impl] = qq.grad
+        assert torch.equal(grads[bwd, "auto"], grads[bwd, "triton"])
+
+
+@needs_hopper
+@pytest.mark.parametrize("H,H_kv", [(32, 8), (8, 4), (16, 2)])
+@pytest.mark.parametrize("T,S,K", [(333, 333, 96), (100, 1000, 200), (1031, 1031, 300)])
+def test_dkdv_equals_the_triton_kernel_and_autograd(H, H_kv, T, S, K):
+    dev = torch.device("cuda")
+    q, k, v, idx = _case(2, T, S, H, H_kv, 128, K, T + S + K + H, dev)
+    scale = 1 / math.sqrt(128)
+    qf, kf, vf = (x.float().requires_grad_() for x in (q, k, v))
+    ref, lse = sparse_attention_naive(qf, kf, vf, idx)
+    g = torch.Generator(device=dev).manual_seed(2)
+    do = torch.randn(ref.shape, generator=g, device=dev).bfloat16()
+    (ref * do.float()).sum().backward()
+    o = ref.detach().bfloat16()
+    delta = bwd_delta(o, do, torch.zeros_like(lse))
+    lse = lse.detach().contiguous()
+    dk, dv = keyq_gluon.keyq_dkdv_gluon(q, k, v, idx, do, lse, delta, scale)
+    tk, tv = keyq.keyq_dkdv(q, k, v, idx, do, lse, delta, scale, dot_precision(q.dtype))
+    torch.testing.assert_close(dk.float(), tk.float(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(dv.float(), tv.float(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(dk.float(), kf.grad, atol=6e-2, rtol=6e-2)
+    torch.testing.assert_close(dv.float(), vf.grad, atol=6e-2, rtol=6e-2)
+
+
+@needs_hopper
+def test_keyq_rejects_what_it_does_not_take():
+    dev = torch.device("cuda")
+    q, k, v, idx = _case(1, 64, 64, 8, 1, 64, 16, 0, dev)  # D 64
+    lse = torch.zeros(1, 64, 8, device=dev)
+    with pytest.raises(ValueError, match="D 128"):
+        keyq_gluon.keyq_dkdv_gluon(q, k, v, idx, q, lse, lse, 0.1)
+    assert union_gluon.available(q)

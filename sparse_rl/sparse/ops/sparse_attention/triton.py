@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_rl.sparse.ops.sparse_attention import blocks, keymajor, keyq, paths, union, union_gluon
+from sparse_rl.sparse.ops.sparse_attention import blocks, keymajor, keyq, keyq_gluon, paths, union, union_gluon
 from sparse_rl.sparse.ops.sparse_attention.naive import MERGES, shared_to_per_query, sparse_attention_naive
 from sparse_rl.sparse.ops.sparse_attention.tl_utils import dot, dot_precision
 from sparse_rl.sparse.ops.pdl import pdl_enter
@@ -305,7 +305,8 @@ def _pow2_divisor(n: int) -> int:
 class _Call:
     """One call's arguments besides the tensors: scale, sharing, requested paths, launch overrides
     (`tune`: {"fwd" | "dq" | "dkdv" | "bwd": (block, num_warps, num_stages), "keyq": keyq.keyq_dkdv's tune,
-    "fwd_impl": the per-query tile forward's kernel, `tile_fwd_impl`},
+    "fwd_impl": the per-query tile forward's kernel, `tile_fwd_impl`; "bwd_impl": the tile dq's and keyq dk/dv's,
+    `_bwd_gluon`},
     benchmarks; "plan": the statistics `auto` estimates from, "full" (default) or "sample", paths.plan's `stats`;
     "small_tiles": whether the union tiles may hold BT/2 queries where `auto` estimates them faster, default True;
     "bt": the per-query union tiles' queries, forced (benchmarks; a forward without a backward, or one whose dk/dv
@@ -381,6 +382,25 @@ def _tile_forward(q, k, v, sel: union.TileSelection, call: _Call, prec: int, out
     return union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
 
 
+def _bwd_gluon(q, k, call: _Call, fits: bool) -> bool:
+    """Whether a backward kernel runs its Gluon form (tune key "bwd_impl": auto / triton / gluon; auto keeps Triton
+    until the Gluon kernels are timed on a GPU); "gluon" where it cannot run is an error."""
+    impl = call.tune.get("bwd_impl", "auto")
+    if impl not in FWD_IMPLS:
+        raise ValueError(f"bwd_impl {impl!r}: expected one of {FWD_IMPLS}")
+    if impl == "gluon" and not (union_gluon.available(q) and fits):
+        raise ValueError("bwd_impl 'gluon' needs an sm_90 GPU, Gluon and the kernels' shapes (64-row per-query "
+                         "tiles; D 128 for dk/dv)")
+    return impl == "gluon"
+
+
+def _tile_dq(q, k, v, sel: union.TileSelection, do, lse, delta, call: _Call, prec: int):
+    """The tile dq pass by `_bwd_gluon` (tune "dq": the Triton launch, or the Gluon kernel's (BK, STAGES))."""
+    if _bwd_gluon(q, k, call, union_gluon.supports(q, k, sel)):
+        return union_gluon.tile_dq_gluon(q, k, v, sel, do, lse, delta, call.scale, tune=call.tune.get("dq"))
+    return union.tile_dq(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dq"))
+
+
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, indices, call):
@@ -420,14 +440,19 @@ class _SparseAttention(torch.autograd.Function):
                 if sel is None:
                     sel = union.build_union(per_query, k.shape[1], union.tile_queries(q.shape[2] // k.shape[2]),
                                             prebuilt=pl.union)
-                dq = union.tile_dq(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dq"))
+                dq = _tile_dq(q, k, v, sel, do, lse, delta, call, prec)
             elif pl.dq == "block":
                 dq = blocks.block_dq(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dq"),
                                      cache=call.lists, key_block=call.key_block)
             else:
                 dq = _query_bwd(q, k, v, per_query, o, lse, do, dlse, call.scale, dkdv=False,
                                 tune=call.tune.get("bwd"))[0]
-            dk, dv = keyq.keyq_dkdv(q, k, v, per_query, do, lse, delta, call.scale, prec, tune=call.tune.get("keyq"))
+            if _bwd_gluon(q, k, call, keyq_gluon.supports(q, k)):
+                dk, dv = keyq_gluon.keyq_dkdv_gluon(q, k, v, per_query, do, lse, delta, call.scale,
+                                                    tune=call.tune.get("keyq"))
+            else:
+                dk, dv = keyq.keyq_dkdv(q, k, v, per_query, do, lse, delta, call.scale, prec,
+                                        tune=call.tune.get("keyq"))
             return dq, dk, dv, None, None
         if sel is None:
             sel = union.build_union(per_query, k.shape[1], union.tile_queries(q.shape[2] // k.shape[2]),
@@ -437,7 +462,7 @@ class _SparseAttention(torch.autograd.Function):
             dq = blocks.block_dq(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dq"),
                                  cache=call.lists, key_block=call.key_block)
         elif pl.dq == "tile" or per_query is None:
-            dq = union.tile_dq(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dq"))
+            dq = _tile_dq(q, k, v, sel, do, lse, delta, call, prec)
         else:
             dq = _query_bwd(q, k, v, per_query, o, lse, do, dlse, call.scale, dkdv=False, tune=call.tune.get("bwd"))[0]
         dk, dv = keymajor.key_major_dkdv(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dkdv"),

@@ -67,6 +67,22 @@ if HAVE_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
+    def _tile_rows(tile, kvh, G, T, BT: gl.constexpr, layout: gl.constexpr):
+        """The tile's 64 MMA rows in `layout` (a slice along rows): query-in-tile, query position, head, valid."""
+        r = gl.arange(0, 64, layout=layout)
+        t = tile * BT + r // G
+        return r // G, t, kvh * G + r % G, (r // G < BT) & (t < T)
+
+    @gluon.jit
+    def _rows_to_smem(smem, X, b, sxb, sxt, sxh, tile, kvh, G, T, BT: gl.constexpr, D: gl.constexpr,
+                      LOAD: gl.constexpr):
+        """The tile's rows of X `[B, T, H, D]` (q or dO; zero past T) into smem `[64, D]`."""
+        _, t, heads, ok = _tile_rows(tile, kvh, G, T, BT, gl.SliceLayout(1, LOAD))
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
+        smem.store(gl.load(X + b * sxb + t[:, None] * sxt + heads[:, None] * sxh + offs_d[None, :], mask=ok[:, None],
+                           other=0.0))
+
+    @gluon.jit
     def _online_pv(s, qm, rbit, m_i, l_i, acc, v_st, qk_scale, dt: gl.constexpr, O_L: gl.constexpr,
                    P_L: gl.constexpr):
         """One key block's online softmax on its scores s `[M, BK]` (rows keep the slots whose query mask qm has
@@ -112,19 +128,9 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES - 1):  # the ring's first blocks in flight before Q is even read
             _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, i * BK, n, sks, svs, i, BK, D, LOAD)
 
-        r_l = gl.arange(0, M, layout=gl.SliceLayout(1, LOAD))
-        t_l = tile * BT + r_l // G
-        ok_l = (r_l // G < BT) & (t_l < T)
-        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
-        heads_l = kvh * G + r_l % G
-        q = gl.load(Q + b * sqb + t_l[:, None] * sqt + heads_l[:, None] * sqh + offs_d[None, :],
-                    mask=ok_l[:, None], other=0.0)
-        q_smem.store(q)
-
-        r = gl.arange(0, M, layout=gl.SliceLayout(1, S_L))
-        t = tile * BT + r // G
-        rmask = (r // G < BT) & (t < T)
-        rbit = gl.where(rmask, gl.full([M], 1, gl.int32, gl.SliceLayout(1, S_L)) << (r // G), 0)
+        _rows_to_smem(q_smem, Q, b, sqb, sqt, sqh, tile, kvh, G, T, BT, D, LOAD)
+        qi, _, _, rmask = _tile_rows(tile, kvh, G, T, BT, gl.SliceLayout(1, S_L))
+        rbit = gl.where(rmask, gl.full([M], 1, gl.int32, gl.SliceLayout(1, S_L)) << qi, 0)
         m_i = gl.full([M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
         l_i = gl.zeros([M], gl.float32, gl.SliceLayout(1, S_L))
         acc = gl.zeros([M, D], gl.float32, O_L)
@@ -170,10 +176,7 @@ if HAVE_GLUON:
                 acc = warpgroup_mma_wait(0, deps=(acc,))
         async_copy.wait_group(0)  # no copy left in flight at exit
 
-        ro = gl.arange(0, M, layout=gl.SliceLayout(1, O_L))
-        to = tile * BT + ro // G
-        ok_o = (ro // G < BT) & (to < T)
-        heads_o = kvh * G + ro % G
+        _, to, heads_o, ok_o = _tile_rows(tile, kvh, G, T, BT, gl.SliceLayout(1, O_L))
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
         empty = l_o == 0.0
         out = acc / gl.where(empty, 1.0, l_o)[:, None]
@@ -216,25 +219,14 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES - 1):
             _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, i * BK, n, sks, svs, i, BK, D, LOAD)
 
-        r_l = gl.arange(0, M, layout=gl.SliceLayout(1, LOAD))
-        t_l = tile * BT + r_l // G
-        ok_l = (r_l // G < BT) & (t_l < T)
-        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
-        heads_l = kvh * G + r_l % G
-        q_smem.store(gl.load(Q + b * sqb + t_l[:, None] * sqt + heads_l[:, None] * sqh + offs_d[None, :],
-                             mask=ok_l[:, None], other=0.0))
-        do_smem.store(gl.load(DO + b * sdob + t_l[:, None] * sdot + heads_l[:, None] * sdoh + offs_d[None, :],
-                              mask=ok_l[:, None], other=0.0))
-
-        r = gl.arange(0, M, layout=gl.SliceLayout(1, S_L))
-        t = tile * BT + r // G
-        heads = kvh * G + r % G
-        rmask = (r // G < BT) & (t < T)
+        _rows_to_smem(q_smem, Q, b, sqb, sqt, sqh, tile, kvh, G, T, BT, D, LOAD)
+        _rows_to_smem(do_smem, DO, b, sdob, sdot, sdoh, tile, kvh, G, T, BT, D, LOAD)
+        qi, t, heads, rmask = _tile_rows(tile, kvh, G, T, BT, gl.SliceLayout(1, S_L))
         lse = gl.load(LSE + b * slb + t * slt + heads * slh, mask=rmask, other=float("-inf"))
         delta = gl.load(DELTA + b * slb + t * slt + heads * slh, mask=rmask, other=0.0)
         row_ok = (lse != float("-inf")) & rmask
         lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
-        rbit = gl.where(row_ok, gl.full([M], 1, gl.int32, gl.SliceLayout(1, S_L)) << (r // G), 0)
+        rbit = gl.where(row_ok, gl.full([M], 1, gl.int32, gl.SliceLayout(1, S_L)) << qi, 0)
         dq = gl.zeros([M, D], gl.float32, O_L)
         s0 = gl.zeros([M, BK], gl.float32, S_L)
         qrow = (b * NT + tile) * UMAX
@@ -257,10 +249,7 @@ if HAVE_GLUON:
             dq = warpgroup_mma_wait(0, deps=(dq,))
         async_copy.wait_group(0)
 
-        ro = gl.arange(0, M, layout=gl.SliceLayout(1, O_L))
-        to = tile * BT + ro // G
-        ok_o = (ro // G < BT) & (to < T)
-        heads_o = kvh * G + ro % G
+        _, to, heads_o, ok_o = _tile_rows(tile, kvh, G, T, BT, gl.SliceLayout(1, O_L))
         od = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
         gl.store(DQ + b * sdqb + to[:, None] * sdqt + heads_o[:, None] * sdqh + od[None, :], (dq * scale).to(dt),
                  mask=ok_o[:, None])

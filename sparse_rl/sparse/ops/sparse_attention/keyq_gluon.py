@@ -1,0 +1,173 @@
+"""The key-major dk/dv pass over each key tile's query list (`keyq.keyq_dkdv`) in Gluon (Hopper): the listed
+queries' q / dO rows cp.async-gathered into a ring of shared-memory stages, the four products on warpgroup MMAs.
+Same lists (`keyq.key_query_lists`, 64-key tiles), masks and result as the Triton kernel, within rounding.
+
+Why: the Triton kernel (64 keys, 128 rows, 8 warps, 3 stages) is 15.6 ms of the 32K trained backward at ONE
+program an SM (255 registers, 183 KB shared), latency-bound (ncu, session 20: 0.39 eligible warps a scheduler,
+DRAM 34%): each 128-row chunk's q / dO gathers are waited for before its first dot. Here chunk i + STAGES - 1's
+rows are in flight (no registers held) while chunk i's MMAs run.
+
+One program per (key tile j of 64 keys, KV head), 8 warps (two warpgroups): K / V `[64, D]` in shared memory; per
+chunk of 128 / G queries (their G head rows each, 128 rows): S = q K^T and dP = dO V^T (M = 128 rows), P and
+dS = P (dP - delta) written to shared memory as bf16, then dV^T += dO^T P and dK^T += q^T dS (M = D: the "dt"
+form, both operands from shared memory); dk / dv written once, no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from sparse_rl.sparse.ops.sparse_attention import keyq
+from sparse_rl.sparse.ops.sparse_attention.union import LOG2E
+from sparse_rl.sparse.ops.sparse_attention.union_gluon import HAVE_GLUON
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+
+    from sparse_rl.sparse.ops.sparse_attention.union_gluon import _cp_async, _cta_barrier
+
+BN = 64  # keys a tile (int64 masks)
+ROWS = 128  # MMA rows a chunk: 128 / G queries
+WARPS = 8
+
+
+def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The shapes this kernel takes: G dividing 128, D 128 (dK^T / dV^T share the 128-row MMA layout of S), bf16 /
+    fp16, unit stride along D."""
+    G = q.shape[2] // k.shape[2]
+    return (ROWS % G == 0 and q.shape[3] == ROWS and q.dtype in (torch.bfloat16, torch.float16)
+            and k.dtype == q.dtype and all(x.stride(3) == 1 for x in (q, k)))
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _issue_chunk(q_smem, do_smem, Q, DO, LIST, b, c, hi, kvh, G, sqb, sqt, sqh, sdob, sdot, sdoh, stage,
+                     BQ: gl.constexpr, D: gl.constexpr, LOAD: gl.constexpr):
+        """cp.async the q / dO rows `[ROWS, D]` of list entries c .. c + BQ (entries past hi read query 0: their
+        rows are masked out) into ring stage `stage`, one commit group."""
+        ROWS: gl.constexpr = 128
+        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LOAD))
+        e = c + r // G
+        t = gl.load(LIST + e, mask=(r // G < BQ) & (e < hi), other=0).to(gl.int64)
+        heads = kvh * G + r % G
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
+        _cp_async(q_smem.index(stage), Q + b * sqb + t[:, None] * sqt + heads[:, None] * sqh + offs_d[None, :])
+        _cp_async(do_smem.index(stage), DO + b * sdob + t[:, None] * sdot + heads[:, None] * sdoh + offs_d[None, :])
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _kq_dkdv_gluon_kernel(Q, K, V, DO, LSE, DELTA, OFF, LIST, MSK, DK, DV,
+                              sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sdob, sdot, sdoh, slb, slt, slh,
+                              sdkb, sdks, sdkh, S, G, NKT, scale, qk_scale,
+                              BQ: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, GH: gl.constexpr):
+        BN: gl.constexpr = 64  # the module's BN / ROWS (globals are not constexpr inside a kernel)
+        ROWS: gl.constexpr = 128
+        pid = gl.program_id(0)
+        grp = pid // (GH * NKT)  # `keyq._tile_of`'s program order
+        rr = pid % (GH * NKT)
+        kvh = grp * GH + rr % GH
+        j = rr // GH
+        b = gl.program_id(1).to(gl.int64)
+        dt: gl.constexpr = Q.dtype.element_ty
+        LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [8, 1], [1, 0])
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16])
+        RS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], dt)
+        KS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
+        PS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BN], dt)
+
+        q_smem = gl.allocate_shared_memory(dt, [STAGES, ROWS, D], RS)
+        do_smem = gl.allocate_shared_memory(dt, [STAGES, ROWS, D], RS)
+        k_smem = gl.allocate_shared_memory(dt, [BN, D], KS)
+        v_smem = gl.allocate_shared_memory(dt, [BN, D], KS)
+        p_smem = gl.allocate_shared_memory(dt, [ROWS, BN], PS)
+        ds_smem = gl.allocate_shared_memory(dt, [ROWS, BN], PS)
+
+        lo = gl.load(OFF + b * NKT + j)
+        hi = gl.load(OFF + b * NKT + j + 1)
+        for i in gl.static_range(STAGES - 1):
+            _issue_chunk(q_smem, do_smem, Q, DO, LIST, b, lo + i * BQ, hi, kvh, G, sqb, sqt, sqh, sdob, sdot, sdoh,
+                         i, BQ, D, LOAD)
+        n_l = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LOAD))
+        d_l = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
+        k_smem.store(gl.load(K + b * skb + n_l[:, None] * sks + kvh * skh + d_l[None, :], mask=(n_l < S)[:, None],
+                             other=0.0))
+        v_smem.store(gl.load(V + b * svb + n_l[:, None] * svs + kvh * svh + d_l[None, :], mask=(n_l < S)[:, None],
+                             other=0.0))
+
+        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ACC))
+        nbit = gl.arange(0, BN, layout=gl.SliceLayout(0, ACC)).to(gl.int64)
+        z = gl.zeros([ROWS, BN], gl.float32, ACC)
+        dk = gl.zeros([D, BN], gl.float32, ACC)
+        dv = gl.zeros([D, BN], gl.float32, ACC)
+        nchunks = gl.cdiv(hi - lo, BQ)
+        for i in range(nchunks):
+            c = lo + i * BQ
+            e = c + r // G
+            ok = (r // G < BQ) & (e < hi)
+            t = gl.load(LIST + e, mask=ok, other=0).to(gl.int64)
+            w = gl.load(MSK + e, mask=ok, other=0)
+            heads = kvh * G + r % G
+            lse = gl.load(LSE + b * slb + t * slt + heads * slh, mask=ok, other=float("-inf"))
+            delta = gl.load(DELTA + b * slb + t * slt + heads * slh, mask=ok, other=0.0)
+            async_copy.wait_group(STAGES - 2)  # chunk i's rows (this thread's copies)
+            fence_async_shared()
+            # every thread's copies of chunk i landed; every warp is past chunk i - 1's MMAs (its stage, P, dS free)
+            _cta_barrier()
+            nxt = i + STAGES - 1
+            _issue_chunk(q_smem, do_smem, Q, DO, LIST, b, lo + nxt * BQ, hi, kvh, G, sqb, sqt, sqh, sdob, sdot, sdoh,
+                         nxt % STAGES, BQ, D, LOAD)
+            st = i % STAGES
+            s = warpgroup_mma(q_smem.index(st), k_smem.permute((1, 0)), z, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do_smem.index(st), v_smem.permute((1, 0)), z, use_acc=False, is_async=True)
+            row_ok = (lse != float("-inf")) & ok
+            lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
+            sel = (((w[:, None] >> nbit[None, :]) & 1) == 1) & row_ok[:, None]
+            s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+            p = gl.where(sel, gl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+            p_smem.store(p.to(dt))
+            ds_smem.store((p * (dp - delta[:, None])).to(dt))
+            fence_async_shared()
+            _cta_barrier()  # both warpgroups' P / dS rows before MMAs that read all of them
+            dv = warpgroup_mma(do_smem.index(st).permute((1, 0)), p_smem, dv, is_async=True)
+            dk = warpgroup_mma(q_smem.index(st).permute((1, 0)), ds_smem, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        async_copy.wait_group(0)
+        d_o = gl.arange(0, D, layout=gl.SliceLayout(1, ACC))
+        n_o = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, ACC))
+        m = (n_o < S)[None, :]
+        base = b * sdkb + n_o[None, :] * sdks + kvh * sdkh + d_o[:, None]
+        gl.store(DK + base, (dk * scale).to(dt), mask=m)
+        gl.store(DV + base, dv.to(dt), mask=m)
+
+
+def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple | None = None, lists=None):
+    """`keyq.keyq_dkdv` on an sm_90 GPU: dk, dv `[B, S, H_kv, D]` of per-query `indices` `[B, T, K]`; q / do
+    `[B, T, H, D]`, lse / delta `[B, T, H]` fp32 with equal strides. tune = (STAGES, heads_together): 2 stages
+    (192 KB of shared memory, one program an SM), the KV heads interleaved in the program order (2 where 2 divides
+    H_kv, else all); `lists`: a prebuilt `keyq.key_query_lists(indices, S, 64)`."""
+    if not supports(q, k) or do.stride(3) != 1 or v.stride(3) != 1 or lse.stride() != delta.stride():
+        raise ValueError(f"keyq_dkdv_gluon: G dividing 128, D 128, bf16 / fp16 only (q {tuple(q.shape)} "
+                         f"{q.dtype}, k {tuple(k.shape)})")
+    B, T, H, D = q.shape
+    S, H_kv = k.shape[1], k.shape[2]
+    G = H // H_kv
+    stages, gh = (*(tune or (2,)), None)[:2]
+    gh = (2 if H_kv % 2 == 0 else H_kv) if gh is None else int(gh)
+    if stages != 2 or gh < 1 or H_kv % gh:  # 3 stages of 128-row q / dO need 256 KB of shared memory
+        raise ValueError(f"keyq_dkdv_gluon: tune {tune}: 2 stages, heads_together dividing {H_kv}")
+    off, lst, msk = lists if lists is not None else keyq.key_query_lists(indices, S, BN)
+    NKT = triton.cdiv(S, BN)
+    dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
+    dv = torch.empty_like(dk)
+    _kq_dkdv_gluon_kernel[(H_kv * NKT, B)](
+        q, k, v, do, lse, delta, off, lst, msk, dk, dv, q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2), S, G, NKT, scale, scale * LOG2E,
+        BQ=ROWS // G, D=D, STAGES=stages, GH=gh, num_warps=WARPS)
+    return dk, dv
