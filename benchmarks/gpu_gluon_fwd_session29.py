@@ -12,7 +12,9 @@ against dense's.
 Predictions (before the first call, H100): Triton 6.4-6.5 ms at 32K (session 28's 7.22 for the CLI's whole
 attention); Gluon (64 keys, 2-3 stages) 4.0-5.0 ms (~380-470 TF/s on the tiles' work: the gathers in flight a
 block or two ahead, 2 programs an SM at 80-112 KB of shared memory and ~160 registers); 128K 36 -> ~25 ms.
-Tile dq 8.2 -> 5-6 ms; keyq dk/dv 15.2 -> 9-12 ms (still one program an SM, 192 KB shared, but the next chunk's
+Session 25's lesson (occupancy beat a register prefetch) is why the launches span 2-4 programs an SM: 64 keys x 2
+stages 165 registers / 80 KB (2 an SM), 32 x 2 48 KB (4), 32 x 3 121 registers / 64 KB (3); cp.async holds no
+registers. Tile dq 8.2 -> 5-6 ms; keyq dk/dv 15.2 -> 9-12 ms (still one program an SM, 192 KB shared, but the next chunk's
 gathers in flight); fwd + bwd 34 -> ~25-28 ms (1.6x -> ~2x dense).
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_gluon_fwd_session29.py --budget 300 --out $OUT/gf29
@@ -36,7 +38,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gf29"))
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--seqlens", default="32768,131072")
-    ap.add_argument("--tunes", default="64x2,64x3,32x3,32x4,64x3x1,32x4x1", help="BKxSTAGES[xPIPE],...")
+    ap.add_argument("--tunes", default="64x2,64x3,32x2,32x3,32x4,64x3x1,32x4x1", help="BKxSTAGES[xPIPE],...")
     ap.add_argument("--reps", type=int, default=2)
     a = ap.parse_args()
     import torch

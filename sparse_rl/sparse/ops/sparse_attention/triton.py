@@ -305,8 +305,7 @@ def _pow2_divisor(n: int) -> int:
 class _Call:
     """One call's arguments besides the tensors: scale, sharing, requested paths, launch overrides
     (`tune`: {"fwd" | "dq" | "dkdv" | "bwd": (block, num_warps, num_stages), "keyq": keyq.keyq_dkdv's tune,
-    "fwd_impl": the per-query tile forward's kernel, `tile_fwd_impl`; "bwd_impl": the tile dq's and keyq dk/dv's,
-    `_bwd_gluon`},
+    "fwd_impl" / "bwd_impl": the tile kernels' Triton or Gluon forms, `_use_gluon`},
     benchmarks; "plan": the statistics `auto` estimates from, "full" (default) or "sample", paths.plan's `stats`;
     "small_tiles": whether the union tiles may hold BT/2 queries where `auto` estimates them faster, default True;
     "bt": the per-query union tiles' queries, forced (benchmarks; a forward without a backward, or one whose dk/dv
@@ -355,48 +354,33 @@ def _forward(q, k, v, indices, call: _Call, out=None):
     return o, lse, indices, sel, pl
 
 
-FWD_IMPLS = ("auto", "triton", "gluon")
+KERNEL_IMPLS = ("auto", "triton", "gluon")
 
 
-def tile_fwd_impl(q, k, sel: union.TileSelection, impl: str = "auto", tuned: bool = False) -> str:
-    """Which kernel runs the per-query tile forward: "gluon" (`union_gluon`, cp.async ring + warpgroup MMAs) or
-    "triton" (`union.tile_fwd`). auto: gluon where it runs (sm_90, 64-row tiles, bf16 / fp16) and no Triton
-    launch config was forced (`tuned`). Until the Gluon kernel has been timed on a GPU, auto keeps Triton."""
-    if impl not in FWD_IMPLS:
-        raise ValueError(f"fwd_impl {impl!r}: expected one of {FWD_IMPLS}")
-    ok = union_gluon.available(q) and union_gluon.supports(q, k, sel)
-    if impl == "gluon" and not ok:
-        raise ValueError("fwd_impl 'gluon' needs an sm_90 GPU, Gluon and 64-row per-query tiles of bf16 / fp16")
-    if impl == "auto":
-        return "triton"
-    return impl
+def _use_gluon(q, call: _Call, key: str, fits: bool) -> bool:
+    """Whether the kernels of tune key `key` ("fwd_impl": the per-query tile forward; "bwd_impl": the tile dq and
+    the keyq dk/dv) run their Gluon forms (`union_gluon`, `keyq_gluon`: cp.async rings + warpgroup MMAs) instead of
+    Triton's: auto / triton / gluon. auto keeps Triton until the Gluon kernels are timed on a GPU; "gluon" where
+    they cannot run (`fits`: the shapes they take) is an error naming the key."""
+    impl = call.tune.get(key, "auto")
+    if impl not in KERNEL_IMPLS:
+        raise ValueError(f"{key} {impl!r}: expected one of {KERNEL_IMPLS}")
+    if impl == "gluon" and not (union_gluon.available(q) and fits):
+        raise ValueError(f"{key} 'gluon' needs an sm_90 GPU, Gluon and the kernels' shapes (64-row per-query tiles "
+                         "of bf16 / fp16; D 128 for dk/dv)")
+    return impl == "gluon"
 
 
 def _tile_forward(q, k, v, sel: union.TileSelection, call: _Call, prec: int, out=None):
-    """The per-query tile forward by `tile_fwd_impl` (tune keys "fwd_impl", and "fwd": the Triton launch or
-    the Gluon kernel's (BK, STAGES[, PIPE]))."""
-    impl = tile_fwd_impl(q, k, sel, call.tune.get("fwd_impl", "auto"),
-                         tuned=call.tune.get("fwd") is not None and call.tune.get("fwd_impl") != "gluon")
-    if impl == "gluon":
+    """The per-query tile forward (tune "fwd": the Triton launch, or the Gluon kernel's (BK, STAGES[, PIPE]))."""
+    if _use_gluon(q, call, "fwd_impl", union_gluon.supports(q, k, sel)):
         return union_gluon.tile_fwd_gluon(q, k, v, sel, call.scale, out=out, tune=call.tune.get("fwd"))
     return union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
 
 
-def _bwd_gluon(q, k, call: _Call, fits: bool) -> bool:
-    """Whether a backward kernel runs its Gluon form (tune key "bwd_impl": auto / triton / gluon; auto keeps Triton
-    until the Gluon kernels are timed on a GPU); "gluon" where it cannot run is an error."""
-    impl = call.tune.get("bwd_impl", "auto")
-    if impl not in FWD_IMPLS:
-        raise ValueError(f"bwd_impl {impl!r}: expected one of {FWD_IMPLS}")
-    if impl == "gluon" and not (union_gluon.available(q) and fits):
-        raise ValueError("bwd_impl 'gluon' needs an sm_90 GPU, Gluon and the kernels' shapes (64-row per-query "
-                         "tiles; D 128 for dk/dv)")
-    return impl == "gluon"
-
-
 def _tile_dq(q, k, v, sel: union.TileSelection, do, lse, delta, call: _Call, prec: int):
-    """The tile dq pass by `_bwd_gluon` (tune "dq": the Triton launch, or the Gluon kernel's (BK, STAGES))."""
-    if _bwd_gluon(q, k, call, union_gluon.supports(q, k, sel)):
+    """The tile dq pass (tune "dq": the Triton launch, or the Gluon kernel's (BK, STAGES))."""
+    if _use_gluon(q, call, "bwd_impl", union_gluon.supports(q, k, sel)):
         return union_gluon.tile_dq_gluon(q, k, v, sel, do, lse, delta, call.scale, tune=call.tune.get("dq"))
     return union.tile_dq(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dq"))
 
@@ -447,7 +431,7 @@ class _SparseAttention(torch.autograd.Function):
             else:
                 dq = _query_bwd(q, k, v, per_query, o, lse, do, dlse, call.scale, dkdv=False,
                                 tune=call.tune.get("bwd"))[0]
-            if _bwd_gluon(q, k, call, keyq_gluon.supports(q, k)):
+            if _use_gluon(q, call, "bwd_impl", keyq_gluon.supports(q, k)):
                 dk, dv = keyq_gluon.keyq_dkdv_gluon(q, k, v, per_query, do, lse, delta, call.scale,
                                                     tune=call.tune.get("keyq"))
             else:
