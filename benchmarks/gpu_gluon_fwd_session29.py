@@ -14,8 +14,8 @@ attention); Gluon (64 keys, 2-3 stages) 4.0-5.0 ms (~380-470 TF/s on the tiles' 
 block or two ahead, 2 programs an SM at 80-112 KB of shared memory and ~160 registers); 128K 36 -> ~25 ms.
 Session 25's lesson (occupancy beat a register prefetch) is why the launches span 2-4 programs an SM: 64 keys x 2
 stages 165 registers / 80 KB (2 an SM), 32 x 2 48 KB (4), 32 x 3 121 registers / 64 KB (3); cp.async holds no
-registers. Tile dq 8.2 -> 5-6 ms; keyq dk/dv 15.2 -> 9-12 ms (still one program an SM, 192 KB shared, but the next chunk's
-gathers in flight); fwd + bwd 34 -> ~25-28 ms (1.6x -> ~2x dense).
+registers. Tile dq 8.2 -> 5-6 ms; keyq dk/dv 15.2 -> 9-12 ms (still one program an SM, 192 KB shared, but the
+next chunk's gathers in flight); fwd + bwd 34 -> ~25-28 ms (1.6x -> ~2x dense).
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_gluon_fwd_session29.py --budget 300 --out $OUT/gf29
 """
@@ -97,7 +97,7 @@ def main() -> None:
                                                   **W)
             best = min((lab for lab in fns if lab != "triton"), key=lambda lab: min(row[f"{lab}_ms"]))
             row["best_gluon"] = best
-            tn = {"fwd_impl": "gluon", "fwd": tuple(int(x) for x in best.split("_")[1].split("x"))}
+            tn = {"fwd_impl": "gluon", "fwd_gluon": tuple(int(x) for x in best.split("_")[1].split("x"))}
             row["sparse_attention_gluon_ms"] = bench_ms(lambda: sa.sparse_attention_forward(q, k, v, idx, tune=tn)[0],
                                                         dev, **W)
             # the tile dq pass (the backward's query-major half), Triton's default launch against the Gluon kernel

@@ -77,6 +77,11 @@ def _pdl_probe(index: int) -> bool:
         return False
 
 
+def cuda_index(device: torch.device) -> int:
+    """The ordinal of a CUDA device (`cuda` without one: the current device), for per-device caches and launches."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def pdl_supported(device) -> bool:
     """Whether kernels on `device` can be launched with programmatic dependent launch (Hopper's PDL: a
     kernel's programs start while the previous kernel drains, then wait in `griddepcontrol.wait`): a CUDA
@@ -88,7 +93,7 @@ def pdl_supported(device) -> bool:
         return False
     if not triton_available() or not _triton_has_pdl():
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     if torch.cuda.get_device_capability(index)[0] < 9:
         return False
     return _pdl_probe(index)

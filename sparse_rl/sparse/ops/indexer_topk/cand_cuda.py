@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from sparse_rl.sparse.ops._backend import cuda_index
+
 LPT = 16  # the kernels' key slots a thread (cand_cuda.cu's LPT, set at compile time)
 MAX_SLOTS = LPT * 1024  # a row's keys a 1024-thread block holds
 SOURCE = (Path(__file__).parent / "cand_cuda.cu").read_text()
@@ -78,10 +80,6 @@ def threads(slots: int, lpt: int = LPT) -> int:
     return t
 
 
-def device_index(t: torch.Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
-
-
 def _int32(*vals: int) -> tuple:
     if max(vals) >= 2 ** 31:
         raise ValueError("cand_cuda: strides past int32")
@@ -104,8 +102,9 @@ def buffer_select(val: torch.Tensor, nrow: torch.Tensor, out: torch.Tensor, topk
         return
     strides = _int32(val.stride(0), val.stride(1), nrow.stride(0), out.stride(0), out.stride(1))
     T = threads(C, lpt)
-    _kernel(device_index(val), "buffer_topk", lpt)((B * Tc, 1, 1), (T, 1, 1), [val, nrow, out, Tc, *strides, topk, int(raw)],
-                                              shared_mem=T * lpt * 4)
+    _kernel(cuda_index(val.device), "buffer_topk", lpt)((B * Tc, 1, 1), (T, 1, 1),
+                                                      [val, nrow, out, Tc, *strides, topk, int(raw)],
+                                                      shared_mem=T * lpt * 4)
 
 
 def sample_threshold(smp: torch.Tensor, kvs: torch.Tensor, th: torch.Tensor, Tc: int, S: int, t0: int, q_offset: int,
@@ -122,9 +121,9 @@ def sample_threshold(smp: torch.Tensor, kvs: torch.Tensor, th: torch.Tensor, Tc:
         return
     strides = _int32(smp.stride(0), smp.stride(1), th.stride(0))
     T = threads(SW)
-    _kernel(device_index(smp), "sample_kth")((B * Tc, 1, 1), (T, 1, 1),
-                                        [smp, kvs, th, *strides, Tc, S, t0, q_offset, sink, window, topk, C,
-                                         float(target), SW, R], shared_mem=T * LPT * 4)
+    _kernel(cuda_index(smp.device), "sample_kth")((B * Tc, 1, 1), (T, 1, 1),
+                                                  [smp, kvs, th, *strides, Tc, S, t0, q_offset, sink, window, topk, C,
+                                                   float(target), SW, R], shared_mem=T * LPT * 4)
 
 
 def buffer_select_naive(val: torch.Tensor, nrow: torch.Tensor, topk: int, raw: bool = True) -> torch.Tensor:

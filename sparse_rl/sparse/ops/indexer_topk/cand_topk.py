@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_rl.sparse.ops._backend import cuda_index
 from sparse_rl.sparse.ops.indexer_topk.radix_topk import (_okey, _select_lanes, _store_lanes, _write_selected, kth_key,
                                                           kth_key2, kth_key_counts)
 from sparse_rl.sparse.ops.indexer_topk.bin_topk import bin_topk
@@ -470,7 +471,7 @@ def cand_threshold(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, C
     if cfg.quantile_impl == "cuda" and cfg.quantile_bits == 32 and smp.is_cuda:
         from sparse_rl.sparse.ops.indexer_topk import cand_cuda
 
-        if SW <= cand_cuda.MAX_SLOTS and cand_cuda.available(cand_cuda.device_index(smp)):
+        if SW <= cand_cuda.MAX_SLOTS and cand_cuda.available(cuda_index(smp.device)):
             cand_cuda.sample_threshold(smp, kvs, th, t1 - t0, S, t0, q_offset, sink, window, topk, C, cfg.target, R)
             return
     _quantile_kernel[(B * (t1 - t0),)](smp, kvs, th, smp.stride(0), smp.stride(1), th.stride(0), t1 - t0, S, t0,
@@ -518,7 +519,7 @@ def cand_select(val, idx, nrow, out, topk, cfg: CandConfig):
     if cfg.select_impl == "cuda" and cfg.packed and val.is_cuda:
         from sparse_rl.sparse.ops.indexer_topk import cand_cuda
 
-        if val.shape[2] <= cand_cuda.MAX_SLOTS and cand_cuda.available(cand_cuda.device_index(val)):
+        if val.shape[2] <= cand_cuda.MAX_SLOTS and cand_cuda.available(cuda_index(val.device)):
             cand_cuda.buffer_select(val, nrow, out, topk, raw=cfg.gather == "words")
             return
     if cfg.packed:

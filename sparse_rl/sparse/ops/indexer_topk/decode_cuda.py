@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from sparse_rl.sparse.ops._backend import cuda_index
 from sparse_rl.sparse.ops.indexer_topk.decode_select import CUDA_CLUSTERS
 
 THREADS = 1024
@@ -193,7 +194,7 @@ def row_select(sc: torch.Tensor, pos: torch.Tensor, topk: int, *, span: torch.Te
     if span.dtype != torch.float32 or span.dim() != 3 or span.shape[0] != B or span.shape[2] != 2 or chunk < 1:
         raise ValueError("decode_cuda.row_select: span must be [B, P, 2] fp32 with a chunk of at least 1 key")
     span = span.contiguous()
-    dev = sc.device.index if sc.device.index is not None else torch.cuda.current_device()
+    dev = cuda_index(sc.device)
     cap = torch.cuda.get_device_capability(dev)
     C = cluster or auto_cluster(B, S, _sm_count(dev), cap)
     if C > 1 and cap < (9, 0):

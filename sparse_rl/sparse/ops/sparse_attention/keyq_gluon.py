@@ -28,7 +28,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from sparse_rl.sparse.ops.sparse_attention.union_gluon import _cp_async, _cta_barrier
+    from sparse_rl.sparse.ops.sparse_attention.union_gluon import _cp_async, _cta_barrier, _ring_landed
 
 BN = 64  # keys a tile (int64 masks)
 ROWS = 128  # MMA rows a chunk: 128 / G queries
@@ -104,6 +104,7 @@ if HAVE_GLUON:
         z = gl.zeros([ROWS, BN], gl.float32, ACC)
         dk = gl.zeros([D, BN], gl.float32, ACC)
         dv = gl.zeros([D, BN], gl.float32, ACC)
+        heads = kvh * G + r % G
         nchunks = gl.cdiv(hi - lo, BQ)
         for i in range(nchunks):
             c = lo + i * BQ
@@ -111,13 +112,10 @@ if HAVE_GLUON:
             ok = (r // G < BQ) & (e < hi)
             t = gl.load(LIST + e, mask=ok, other=0).to(gl.int64)
             w = gl.load(MSK + e, mask=ok, other=0)
-            heads = kvh * G + r % G
             lse = gl.load(LSE + b * slb + t * slt + heads * slh, mask=ok, other=float("-inf"))
             delta = gl.load(DELTA + b * slb + t * slt + heads * slh, mask=ok, other=0.0)
-            async_copy.wait_group(STAGES - 2)  # chunk i's rows (this thread's copies)
-            fence_async_shared()
             # every thread's copies of chunk i landed; every warp is past chunk i - 1's MMAs (its stage, P, dS free)
-            _cta_barrier()
+            _ring_landed(STAGES - 2)
             nxt = i + STAGES - 1
             _issue_chunk(q_smem, do_smem, Q, DO, LIST, b, lo + nxt * BQ, hi, kvh, G, sqb, sqt, sqh, sdob, sdot, sdoh,
                          nxt % STAGES, BQ, D, LOAD)
@@ -148,8 +146,9 @@ if HAVE_GLUON:
 def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple | None = None, lists=None):
     """`keyq.keyq_dkdv` on an sm_90 GPU: dk, dv `[B, S, H_kv, D]` of per-query `indices` `[B, T, K]`; q / do
     `[B, T, H, D]`, lse / delta `[B, T, H]` fp32 with equal strides. tune = (STAGES, heads_together): 2 stages
-    (192 KB of shared memory, one program an SM), the KV heads interleaved in the program order (2 where 2 divides
-    H_kv, else all); `lists`: a prebuilt `keyq.key_query_lists(indices, S, 64)`."""
+    (192 KB of shared memory, one program an SM), the KV heads interleaved in the program order (default: the
+    Triton kernel's, `keyq.default_tune`); through `sparse_attention`, `tune={"keyq_gluon": ...}`; `lists`: a
+    prebuilt `keyq.key_query_lists(indices, S, 64)`."""
     if not supports(q, k) or do.stride(3) != 1 or v.stride(3) != 1 or lse.stride() != delta.stride():
         raise ValueError(f"keyq_dkdv_gluon: G dividing 128, D 128, bf16 / fp16 only (q {tuple(q.shape)} "
                          f"{q.dtype}, k {tuple(k.shape)})")
@@ -157,7 +156,8 @@ def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple 
     S, H_kv = k.shape[1], k.shape[2]
     G = H // H_kv
     stages, gh = (*(tune or (2,)), None)[:2]
-    gh = (2 if H_kv % 2 == 0 else H_kv) if gh is None else int(gh)
+    if gh is None:  # the Triton kernel's program order (its tune's sixth entry; absent: all KV heads)
+        gh = (*keyq.default_tune(True, H_kv), None, None)[5] or H_kv
     if stages != 2 or gh < 1 or H_kv % gh:  # 3 stages of 128-row q / dO need 256 KB of shared memory
         raise ValueError(f"keyq_dkdv_gluon: tune {tune}: 2 stages, heads_together dividing {H_kv}")
     off, lst, msk = lists if lists is not None else keyq.key_query_lists(indices, S, BN)

@@ -305,7 +305,8 @@ def _pow2_divisor(n: int) -> int:
 class _Call:
     """One call's arguments besides the tensors: scale, sharing, requested paths, launch overrides
     (`tune`: {"fwd" | "dq" | "dkdv" | "bwd": (block, num_warps, num_stages), "keyq": keyq.keyq_dkdv's tune,
-    "fwd_impl" / "bwd_impl": the tile kernels' Triton or Gluon forms, `_use_gluon`},
+    "fwd_impl" / "bwd_impl": the tile kernels' Triton or Gluon forms, `_use_gluon`; "fwd_gluon" / "dq_gluon" /
+    "keyq_gluon": the Gluon kernels' tunes, apart from the Triton ones'},
     benchmarks; "plan": the statistics `auto` estimates from, "full" (default) or "sample", paths.plan's `stats`;
     "small_tiles": whether the union tiles may hold BT/2 queries where `auto` estimates them faster, default True;
     "bt": the per-query union tiles' queries, forced (benchmarks; a forward without a backward, or one whose dk/dv
@@ -372,16 +373,16 @@ def _use_gluon(q, call: _Call, key: str, fits: bool) -> bool:
 
 
 def _tile_forward(q, k, v, sel: union.TileSelection, call: _Call, prec: int, out=None):
-    """The per-query tile forward (tune "fwd": the Triton launch, or the Gluon kernel's (BK, STAGES[, PIPE]))."""
+    """The per-query tile forward (tune "fwd": the Triton launch; "fwd_gluon": the Gluon kernel's)."""
     if _use_gluon(q, call, "fwd_impl", union_gluon.supports(q, k, sel)):
-        return union_gluon.tile_fwd_gluon(q, k, v, sel, call.scale, out=out, tune=call.tune.get("fwd"))
+        return union_gluon.tile_fwd_gluon(q, k, v, sel, call.scale, out=out, tune=call.tune.get("fwd_gluon"))
     return union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
 
 
 def _tile_dq(q, k, v, sel: union.TileSelection, do, lse, delta, call: _Call, prec: int):
-    """The tile dq pass (tune "dq": the Triton launch, or the Gluon kernel's (BK, STAGES))."""
+    """The tile dq pass (tune "dq": the Triton launch; "dq_gluon": the Gluon kernel's)."""
     if _use_gluon(q, call, "bwd_impl", union_gluon.supports(q, k, sel)):
-        return union_gluon.tile_dq_gluon(q, k, v, sel, do, lse, delta, call.scale, tune=call.tune.get("dq"))
+        return union_gluon.tile_dq_gluon(q, k, v, sel, do, lse, delta, call.scale, tune=call.tune.get("dq_gluon"))
     return union.tile_dq(q, k, v, sel, do, lse, delta, call.scale, prec, tune=call.tune.get("dq"))
 
 
@@ -433,7 +434,7 @@ class _SparseAttention(torch.autograd.Function):
                                 tune=call.tune.get("bwd"))[0]
             if _use_gluon(q, call, "bwd_impl", keyq_gluon.supports(q, k)):
                 dk, dv = keyq_gluon.keyq_dkdv_gluon(q, k, v, per_query, do, lse, delta, call.scale,
-                                                    tune=call.tune.get("keyq"))
+                                                    tune=call.tune.get("keyq_gluon"))
             else:
                 dk, dv = keyq.keyq_dkdv(q, k, v, per_query, do, lse, delta, call.scale, prec,
                                         tune=call.tune.get("keyq"))

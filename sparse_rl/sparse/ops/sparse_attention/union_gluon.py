@@ -39,7 +39,8 @@ WARPS = 4
 
 
 def available(q: torch.Tensor) -> bool:
-    """Whether `tile_fwd_gluon` can run on q's device: Gluon, a CUDA GPU of sm_90 (warpgroup MMA)."""
+    """Whether the Gluon kernels (here and keyq_gluon.py) can run on q's device: Gluon, a CUDA GPU of sm_90
+    (warpgroup MMA)."""
     return HAVE_GLUON and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
 
 
@@ -65,6 +66,15 @@ if HAVE_GLUON:
         _cp_async(k_smem.index(stage), kbase + key[:, None] * sks + offs_d[None, :])
         _cp_async(v_smem.index(stage), vbase + key[:, None] * svs + offs_d[None, :])
         async_copy.commit_group()
+
+    @gluon.jit
+    def _ring_landed(WAIT: gl.constexpr):
+        """This thread's cp.async groups down to WAIT in flight, its copies fenced for the MMAs' async-proxy reads,
+        then a CTA barrier: every thread's copies have landed, and every warp is past the MMAs it issued before (so
+        the ring stage those read may be refilled)."""
+        async_copy.wait_group(WAIT)
+        fence_async_shared()
+        _cta_barrier()
 
     @gluon.jit
     def _tile_rows(tile, kvh, G, T, BT: gl.constexpr, layout: gl.constexpr):
@@ -139,15 +149,11 @@ if HAVE_GLUON:
         offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, S_L))
         nb = gl.cdiv(n, BK)
         if PIPE:  # S of block j + 1 on the tensor cores while block j's softmax runs (FA3's in-warpgroup overlap)
-            async_copy.wait_group(STAGES - 2)
-            fence_async_shared()
-            _cta_barrier()
+            _ring_landed(STAGES - 2)
             s_cur = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
             s_cur = warpgroup_mma_wait(0, deps=(s_cur,))
             for j in range(nb):
-                async_copy.wait_group(STAGES - 3)  # block j + 1's copies (this thread's) landed
-                fence_async_shared()
-                _cta_barrier()  # ... every thread's; and every warp is past block j - 1's PV: its stage is free
+                _ring_landed(STAGES - 3)  # block j + 1 landed; every warp is past block j - 1's PV: its stage is free
                 nxt = j + STAGES - 1
                 _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, nxt * BK, n, sks, svs, nxt % STAGES, BK, D,
                              LOAD)
@@ -160,11 +166,9 @@ if HAVE_GLUON:
                 s_cur, acc = warpgroup_mma_wait(0, deps=(s_nxt, acc))
         else:
             for j in range(nb):
-                async_copy.wait_group(STAGES - 2)  # this thread's copies of block j landed
-                fence_async_shared()  # generic-proxy writes (cp.async, q's store) before the MMAs' async-proxy reads
-                # every thread's copies of block j landed, and every warp waited for block j - 1's MMAs, so its
-                # stage takes block j + STAGES - 1
-                _cta_barrier()
+                # block j (and q's store) landed; every warp waited for block j - 1's MMAs, so its stage takes block
+                # j + STAGES - 1
+                _ring_landed(STAGES - 2)
                 nxt = j + STAGES - 1
                 _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, nxt * BK, n, sks, svs, nxt % STAGES, BK, D,
                              LOAD)
@@ -232,9 +236,7 @@ if HAVE_GLUON:
         qrow = (b * NT + tile) * UMAX
         offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, S_L))
         for j in range(gl.cdiv(n, BK)):
-            async_copy.wait_group(STAGES - 2)
-            fence_async_shared()
-            _cta_barrier()  # block j landed everywhere; every warp is past block j - 1's MMAs
+            _ring_landed(STAGES - 2)  # block j landed everywhere; every warp is past block j - 1's MMAs
             nxt = j + STAGES - 1
             _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, nxt * BK, n, sks, svs, nxt % STAGES, BK, D, LOAD)
             st = j % STAGES
@@ -258,7 +260,8 @@ if HAVE_GLUON:
 def tile_fwd_gluon(q, k, v, sel: TileSelection, scale: float, out=None, tune: tuple | None = None):
     """`union.tile_fwd` for per-query 64-row tiles on an sm_90 GPU: q `[B, T, H, D]`, k / v `[B, S, H_kv, D]`
     -> out `[B, T, H, D]`, lse `[B, T, H]` fp32. tune = (BK, STAGES[, PIPE]): keys a block (64), ring stages (2),
-    and PIPE 1 = the next block's QK^T issued before this block's softmax (needs 3 stages or more)."""
+    and PIPE 1 = the next block's QK^T issued before this block's softmax (needs 3 stages or more); through
+    `sparse_attention`, `tune={"fwd_gluon": ...}`."""
     if not supports(q, k, sel):
         raise ValueError(f"tile_fwd_gluon: per-query 64-row tiles, D 64 / 128, bf16 / fp16 only (q {tuple(q.shape)} "
                          f"{q.dtype}, BT {sel.BT}, group {sel.group})")
@@ -288,10 +291,13 @@ def tile_fwd_gluon(q, k, v, sel: TileSelection, scale: float, out=None, tune: tu
 
 def tile_dq_gluon(q, k, v, sel: TileSelection, do, lse, delta, scale: float, tune: tuple | None = None):
     """`union.tile_dq` for per-query 64-row tiles on an sm_90 GPU: dq `[B, T, H, D]` (q.dtype); lse / delta
-    `[B, T, H]` fp32 with equal strides (delta = rowsum(o * dO) - dlse). tune = (BK, STAGES), default (64, 2)."""
-    if not supports(q, k, sel) or do.stride(3) != 1 or v.stride(3) != 1 or lse.stride() != delta.stride():
+    `[B, T, H]` fp32 with equal strides (delta = rowsum(o * dO) - dlse). tune = (BK, STAGES), default (64, 2);
+    through `sparse_attention`, `tune={"dq_gluon": ...}`."""
+    if not supports(q, k, sel):
         raise ValueError(f"tile_dq_gluon: per-query 64-row tiles, D 64 / 128, bf16 / fp16 only (q {tuple(q.shape)} "
                          f"{q.dtype}, BT {sel.BT}, group {sel.group})")
+    if do.stride(3) != 1 or v.stride(3) != 1 or lse.stride() != delta.stride():
+        raise ValueError("tile_dq_gluon: do and v need unit stride along D, lse and delta equal strides")
     B, T, H, D = q.shape
     NT = triton.cdiv(T, sel.BT)
     BK, stages = tune or (64, 2)
