@@ -27,8 +27,10 @@ trained (4.84); rows equal; whole top-k 3.45-3.66 -> 2.96-2.98 ms at 32K. Its DR
 (int64 entries, ~2.9K a row) + 268 MB of output, ~0.35 ms at the H100's copy rate.
 Call 4: the keys in shared memory (32 registers: 8 blocks of 256 an SM instead of 4, so one block's loads overlap
 another's compute), at 16 and 8 entries a thread. Predicted: 0.45-0.55 ms at 32K. Measured 0.732 (16) / 0.926 (8)
-against 0.754 in registers; the CLI's 32K prefill 1.40x (idx + top-k 3.09 ms). A fifth form (the same search for
-the sampled quantile, commit 952f5c0) was built but never ran: no device time was left; it is not in main.
+against 0.754 in registers; the CLI's 32K prefill 1.40x (idx + top-k 3.09 ms).
+Call 5 (branch cuda-quantile, not yet run): the same k-th search for the sampled quantile (`sample_kth`,
+`CandConfig.quantile_impl`), the threshold phase timed with either quantile (the thresholds bitwise equal). Predicted: threshold phase -0.25 to -0.35 ms at
+32K (the Triton quantile ~0.47 of it, session 19).
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_cand_select_session28.py --budget 300 --out $OUT/cs28
 """
@@ -69,7 +71,9 @@ def main() -> None:
     run = Run(a.out, "cs28.json", a.budget, {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()})
     ix, _, gen = trained_indexer(dev, 0, 4, 64, 150)
     W = dict(rep_ms=200)
-    cuda_cfg = dataclasses.replace(ct.CandConfig(), select_impl="cuda")
+    cuda_cfg = dataclasses.replace(ct.CandConfig(), select_impl="cuda", quantile_impl="cuda")
+    # main's default before this branch: the CUDA select, the Triton quantile
+    sel_cfg = dataclasses.replace(ct.CandConfig(), select_impl="cuda", quantile_impl="triton")
     for L in [int(x) for x in a.seqlens.split(",")]:
         for kind in ("trained", "random"):
             if not run.gate(60 if L <= 32768 else 120, f"{kind} {L}"):
@@ -86,28 +90,35 @@ def main() -> None:
                 th, smp, val, nrow, kvs, C = buffers(qi, wi, ki, K, sink, window, dev)
                 served = (nrow >= 0)[..., None]
                 outs = {}
-                tri_cfg = dataclasses.replace(ct.CandConfig(), select_impl="triton")
+                tri_cfg = dataclasses.replace(ct.CandConfig(), select_impl="triton", quantile_impl="triton")
                 sels = {"triton": lambda o: ct.cand_select(val, val, nrow, o, K, tri_cfg),
                         "cuda": lambda o: ct.cand_select(val, val, nrow, o, K, cuda_cfg),
-                        "cuda_smem": lambda o: cand_cuda.buffer_select(val, nrow, o, K, keys="smem"),
-                        "cuda_smem8": lambda o: cand_cuda.buffer_select(val, nrow, o, K, lpt=8, keys="smem")}
+                        "cuda8": lambda o: cand_cuda.buffer_select(val, nrow, o, K, lpt=8)}
                 for lab, sel in sels.items():
                     out = torch.full((1, L, K), -7, device=dev, dtype=torch.int32)
                     sel(out)
                     torch.cuda.synchronize()
                     outs[lab] = out
                     row[f"select_{lab}_ms"] = [bench_ms(lambda: sel(out), dev, **W) for _ in range(a.reps)]
-                for lab in ("cuda", "cuda_smem", "cuda_smem8"):
+                for lab in ("cuda", "cuda8"):
                     row[f"select_{lab}_equal"] = bool(torch.equal(torch.where(served, outs[lab], 0),
                                                                   torch.where(served, outs["triton"], 0)))
+                for lab in ("triton", "cuda"):  # the threshold phase (sample + quantile), each quantile kernel
+                    qcfg = dataclasses.replace(ct.CandConfig(), quantile_impl=lab)
+                    th2 = torch.empty_like(th)
+                    qfn = lambda: ct.cand_threshold(qi, wi, ki, kvs, 0, L, 0, sink, window, K, C, th2, smp, qcfg)  # noqa: E731
+                    qfn()
+                    torch.cuda.synchronize()
+                    row[f"threshold_{lab}_equal"] = bool(torch.equal(th2.view(torch.int32), th.view(torch.int32)))
+                    row[f"threshold_{lab}_ms"] = [bench_ms(qfn, dev, **W) for _ in range(a.reps)]
                 row["rows_flagged"] = int((nrow < 0).sum())
                 row["mean_entries"] = float(nrow[nrow >= 0].float().mean())
                 del val, smp, outs
                 torch.cuda.empty_cache()
                 tk = {lab: (lambda cfg=cfg: ct.indexer_topk_cand(qi, wi, ki, K, sink=sink, window=window, config=cfg))
-                      for lab, cfg in (("triton", tri_cfg), ("cuda", cuda_cfg))}
-                r_t, r_c = tk["triton"](), tk["cuda"]()
-                row["topk_equal"] = bool(torch.equal(r_t, r_c))
+                      for lab, cfg in (("triton", tri_cfg), ("cuda", cuda_cfg), ("selcuda", sel_cfg))}
+                r_t, r_c, r_s = tk["triton"](), tk["cuda"](), tk["selcuda"]()
+                row["topk_equal"] = bool(torch.equal(r_t, r_c)) and bool(torch.equal(r_t, r_s))
                 for lab, fn in tk.items():
                     row[f"topk_{lab}_ms"] = [bench_ms(fn, dev, **W) for _ in range(a.reps)]
                 log(f"{kind} {L}: {row}")

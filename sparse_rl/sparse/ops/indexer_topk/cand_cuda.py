@@ -34,61 +34,63 @@ import torch
 
 from sparse_rl.sparse.ops._backend import cuda_index
 
-LPT = 16  # the kernel's register slots a thread (cand_cuda.cu's LPT, set at compile time)
-MAX_SLOTS = LPT * 1024  # a row's buffer entries a 1024-thread block holds
+LPT = 16  # the kernels' key slots a thread (cand_cuda.cu's LPT, set at compile time)
+MAX_SLOTS = LPT * 1024  # a row's keys a 1024-thread block holds
 SOURCE = (Path(__file__).parent / "cand_cuda.cu").read_text()
-
-
-# where a block keeps its row's keys: "smem" (shared memory, 32 registers, 8 blocks of 256 an SM) or "regs" (64
-# registers, 4 an SM); H100, session 28 call 8, 32K trained: 0.732 vs 0.754 ms
-KEYS = "smem"
+KERNELS = ("buffer_topk", "sample_kth")
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device: int, lpt: int = LPT, keys: str = KEYS):
-    opts = ["-std=c++17", f"-DLPT={lpt}"] + (["-DKEYS_SMEM"] if keys == "smem" else [])
+def _kernel(device: int, name: str, lpt: int = LPT):
+    """The compiled kernel `name` of cand_cuda.cu for cuda:`device`; the keys sit in dynamic shared memory (4 bytes
+    a slot), raised past the 48 KB default where a 1024-thread block needs it."""
     with torch.cuda.device(device):
-        k = torch.cuda._compile_kernel(SOURCE, "buffer_topk", nvcc_options=opts)
-    if keys == "smem" and lpt * 1024 * 4 >= 48 * 1024 and hasattr(k, "set_shared_memory_config"):
-        k.set_shared_memory_config(lpt * 1024 * 4)  # the largest block's keys, past the 48 KB default
+        k = torch.cuda._compile_kernel(SOURCE, name, nvcc_options=["-std=c++17", f"-DLPT={lpt}"])
+    if lpt * 1024 * 4 >= 48 * 1024 and hasattr(k, "set_shared_memory_config"):
+        k.set_shared_memory_config(lpt * 1024 * 4)
     return k
 
 
 @functools.lru_cache(maxsize=None)
 def available(device: int) -> bool:
-    """Whether `buffer_topk` builds and loads on cuda:`device` (NVRTC present, compute capability 8.0+ for the
-    warp reductions); warned once where not."""
+    """Whether both kernels build and load on cuda:`device` (NVRTC present, compute capability 8.0+ for the warp
+    reductions); warned once where not."""
     try:
         if not hasattr(torch.cuda, "_compile_kernel"):
             raise RuntimeError("torch.cuda._compile_kernel is missing (PyTorch >= 2.8 with CUDA)")
         if torch.cuda.get_device_capability(device) < (8, 0):
             raise RuntimeError("compute capability below 8.0")
-        _kernel(device)
+        for name in KERNELS:
+            _kernel(device, name)
         return True
-    except Exception as e:  # noqa: BLE001 - any failure to build means the Triton select runs instead
+    except Exception as e:  # noqa: BLE001 - any failure to build means the Triton kernels run instead
         import warnings
 
-        warnings.warn(f"cand select 'cuda' unavailable on cuda:{device} ({e}); the Triton select runs instead",
+        warnings.warn(f"cand top-k 'cuda' kernels unavailable on cuda:{device} ({e}); the Triton ones run instead",
                       RuntimeWarning, stacklevel=2)
         return False
 
 
 def threads(slots: int, lpt: int = LPT) -> int:
-    """The block size for rows of `slots` buffer entries: lpt entries a thread, a power of two of at least one
-    warp (the histogram's 2048 bins are split evenly over the threads)."""
+    """The block size for rows of `slots` keys: lpt keys a thread, a power of two of at least one warp (the
+    histogram's 2048 bins are split evenly over the threads)."""
     t = 32
     while t * lpt < slots:
         t *= 2
     return t
 
 
+def _int32(*vals: int) -> tuple:
+    if max(vals) >= 2 ** 31:
+        raise ValueError("cand_cuda: strides past int32")
+    return vals
+
+
 def buffer_select(val: torch.Tensor, nrow: torch.Tensor, out: torch.Tensor, topk: int, raw: bool = True,
-                  lpt: int = LPT, keys: str = KEYS) -> None:
+                  lpt: int = LPT) -> None:
     """See the module docstring: val `[B, R, C]` int64 (contiguous entries), nrow `[B, R]` int32, out `[B, Tc,
     topk]` int32 (Tc <= R, contiguous rows), all on one CUDA device; rows with nrow < 0 are not written. lpt: the
-    buffer entries a thread holds (the block is C / lpt threads, at most 1024); keys: `KEYS`'s choices."""
-    if keys not in ("regs", "smem"):
-        raise ValueError(f"cand_cuda.buffer_select: keys {keys!r} (regs or smem)")
+    buffer entries a thread holds (the block is C / lpt threads, a power of two, at most 1024)."""
     B, Tc = out.shape[:2]
     C = val.shape[2]
     if not (val.is_cuda and val.dtype == torch.int64 and nrow.dtype == torch.int32 and out.dtype == torch.int32):
@@ -98,13 +100,30 @@ def buffer_select(val: torch.Tensor, nrow: torch.Tensor, out: torch.Tensor, topk
                          f"row), out {tuple(out.shape)} (contiguous rows of {topk})")
     if Tc == 0 or B == 0:
         return
-    strides = (val.stride(0), val.stride(1), nrow.stride(0), out.stride(0), out.stride(1))
-    if max(strides) >= 2 ** 31:
-        raise ValueError("cand_cuda.buffer_select: strides past int32")
+    strides = _int32(val.stride(0), val.stride(1), nrow.stride(0), out.stride(0), out.stride(1))
     T = threads(C, lpt)
-    _kernel(cuda_index(val.device), lpt, keys)((B * Tc, 1, 1), (T, 1, 1),
-                                               [val, nrow, out, Tc, *strides, topk, int(raw)],
-                                               shared_mem=T * lpt * 4 if keys == "smem" else 0)
+    _kernel(cuda_index(val.device), "buffer_topk", lpt)((B * Tc, 1, 1), (T, 1, 1),
+                                                      [val, nrow, out, Tc, *strides, topk, int(raw)],
+                                                      shared_mem=T * lpt * 4)
+
+
+def sample_threshold(smp: torch.Tensor, kvs: torch.Tensor, th: torch.Tensor, Tc: int, S: int, t0: int, q_offset: int,
+                     sink: int, window: int, topk: int, C: int, target: float, R: int) -> None:
+    """`cand_topk._quantile_kernel` (phase 2, 32-bit keys) as `sample_kth`: th `[B, Tc]` fp32 from the sampled
+    scores smp `[B, *, SW]` fp32 (stride R keys) of the chunk's rows t0.. and kvs `[B]` int32, the same thresholds
+    (the m-th largest sample, m in the Triton kernel's fp32 arithmetic)."""
+    B, SW = smp.shape[0], smp.shape[2]
+    if not (smp.is_cuda and smp.dtype == torch.float32 and th.dtype == torch.float32 and kvs.dtype == torch.int32):
+        raise ValueError("cand_cuda.sample_threshold: smp / th fp32, kvs int32, on a CUDA device")
+    if SW > MAX_SLOTS or smp.stride(2) != 1:
+        raise ValueError(f"cand_cuda.sample_threshold: smp {tuple(smp.shape)} (at most {MAX_SLOTS} contiguous samples)")
+    if Tc == 0 or B == 0:
+        return
+    strides = _int32(smp.stride(0), smp.stride(1), th.stride(0))
+    T = threads(SW)
+    _kernel(cuda_index(smp.device), "sample_kth")((B * Tc, 1, 1), (T, 1, 1),
+                                                  [smp, kvs, th, *strides, Tc, S, t0, q_offset, sink, window, topk, C,
+                                                   float(target), SW, R], shared_mem=T * LPT * 4)
 
 
 def buffer_select_naive(val: torch.Tensor, nrow: torch.Tensor, topk: int, raw: bool = True) -> torch.Tensor:

@@ -329,7 +329,7 @@ def _select_kernel(VAL, IDX, NROW, OUT, Tc, svb, svt, snb, sob, sot, K, CB: tl.c
         _write_selected(_okey(x), idx, live, n, K, OUT + b * sob + t * sot, KB, STEP2)
 
 
-SELECT_IMPLS = ("triton", "cuda")  # `CandConfig.select_impl`
+SELECT_IMPLS = ("triton", "cuda")  # `CandConfig.select_impl` and `.quantile_impl`
 
 
 @dataclass(frozen=True)
@@ -411,6 +411,9 @@ class CandConfig:
     # H100, session 28 (results/2026-12-07-h100-session28.md), rows equal: 32K trained 1.22 -> 0.755 ms, 128K
     # trained 4.84 -> 3.11; whole top-k at 32K 3.45-3.66 -> 2.96-2.98
     select_impl: str = "cuda"
+    # the quantile's kernel (32-bit keys, "sample" threshold, on a CUDA device): "cuda" (cand_cuda.sample_kth, the
+    # same thresholds) or "triton" (`_quantile_kernel`, the default until the CUDA form is timed on a GPU)
+    quantile_impl: str = "triton"
 
 
 INTERPRET_CAND = CandConfig(block_m=16, block_n=32, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
@@ -463,6 +466,14 @@ def cand_threshold(q_idx, w, k_idx, kvs, t0, t1, q_offset, sink, window, topk, C
     _sample_kernel[grid](*args, smp, *strides, smp.stride(0), smp.stride(1), t1, S, t0, q_offset, sink, window, C,
                          SW, R=R, BM=cfg.block_m, BN=cfg.sample_block_n, **meta, num_warps=cfg.warps,
                          num_stages=stages)
+    if cfg.quantile_impl not in SELECT_IMPLS:
+        raise ValueError(f"quantile_impl {cfg.quantile_impl!r}: expected one of {', '.join(SELECT_IMPLS)}")
+    if cfg.quantile_impl == "cuda" and cfg.quantile_bits == 32 and smp.is_cuda:
+        from sparse_rl.sparse.ops.indexer_topk import cand_cuda
+
+        if SW <= cand_cuda.MAX_SLOTS and cand_cuda.available(cuda_index(smp.device)):
+            cand_cuda.sample_threshold(smp, kvs, th, t1 - t0, S, t0, q_offset, sink, window, topk, C, cfg.target, R)
+            return
     _quantile_kernel[(B * (t1 - t0),)](smp, kvs, th, smp.stride(0), smp.stride(1), th.stride(0), t1 - t0, S, t0,
                                        q_offset, sink, window, topk, C, cfg.target, SW, R=R,
                                        CB=triton.next_power_of_2(SW), QBITS=cfg.quantile_bits,
