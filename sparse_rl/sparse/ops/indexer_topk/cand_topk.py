@@ -412,8 +412,9 @@ class CandConfig:
     # trained 4.84 -> 3.11; whole top-k at 32K 3.45-3.66 -> 2.96-2.98
     select_impl: str = "cuda"
     # the quantile's kernel (32-bit keys, "sample" threshold, on a CUDA device): "cuda" (cand_cuda.sample_kth, the
-    # same thresholds) or "triton" (`_quantile_kernel`, the default until the CUDA form is timed on a GPU)
-    quantile_impl: str = "triton"
+    # same thresholds) or "triton" (`_quantile_kernel`). H100, session 30 (results/2026-12-07-h100-session30.md),
+    # thresholds bitwise equal: the threshold phase at 32K 0.474 -> 0.369 ms (trained and random)
+    quantile_impl: str = "cuda"
 
 
 INTERPRET_CAND = CandConfig(block_m=16, block_n=32, sample_block_n=16, sample_stride=2, sample_lanes=64, target=1.3,
