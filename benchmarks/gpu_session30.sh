@@ -2,7 +2,7 @@
 # Session 30 (lead), issues 14 and 15, one device call, TOTAL seconds:
 #   1. the new "auto" backward (Gluon tile dq + keyq dk/dv on sm_90) against "gluon" / "triton" (its GPU test);
 #   2. on an H200 (> 100 GB): #14 at the target's shape, `bench rollout` b32 16K whole generation (the cuda decode
-#      select's first H200 run), after #15's CLI row; on an H100: #15's CLI row
+#      select's first H200 run), then #15's CLI row if time is left; on an H100: #15's CLI row
 #      (`bench attention --seqlens 32K --backward-seqlens 32K`: prefill with the CUDA quantile, fwd + bwd with the
 #      Gluon backward).
 # Usage (device machine, repository root): TOTAL=520 bash benchmarks/gpu_session30.sh   (writes under $OUT)
@@ -21,11 +21,11 @@ attention() {
   echo "attention rc=$? at ${SECONDS}s"; grep -v "^- " "$OUT/attn32k.log" | tail -30
 }
 if [ "$mem" -gt 100000 ]; then
-  attention 200
   timeout $((TOTAL - SECONDS - 5)) $SRL bench rollout --config recipes/rollout_bench_qwen3_4b.yaml \
     --long-new-tokens 16K --long-batches 32 --latency-contexts none --whole integrate -o "$OUT/ro_b32.json" \
     > "$OUT/ro_b32.log" 2>&1
   echo "rollout rc=$? at ${SECONDS}s"; grep -v "^- " "$OUT/ro_b32.log" | tail -25
+  left=$((TOTAL - SECONDS)); [ $left -gt 100 ] && attention $((left - 5))
 else
   attention $((TOTAL - SECONDS - 5))
 fi
