@@ -14,6 +14,14 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 timeout 60 python3 -m pytest -q tests/sparse/test_union_gluon.py -k auto > "$OUT/t_auto.log" 2>&1
 echo "auto tests rc=$? at ${SECONDS}s"; tail -2 "$OUT/t_auto.log"
+ncu_fwd() {  # the tile forward / dq kernels, Triton against Gluon, by counters (benchmarks/gpu_ncu_session30.py)
+  timeout "$1" ncu --clock-control none --profile-from-start off -k regex:'_tile_(fwd|dq)' --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis -o "$OUT/ncu30" python3 benchmarks/gpu_ncu_session30.py > "$OUT/ncu30.log" 2>&1
+  echo "ncu rc=$? at ${SECONDS}s"; tail -3 "$OUT/ncu30.log"
+  ncu --import "$OUT/ncu30.ncu-rep" --page details > "$OUT/ncu30.txt" 2>&1
+  grep -E "^  _|Duration|Registers Per|Achieved Occupancy|Eligible Warps|Issued Warp|No Eligible|L2 Hit|Memory Throughput|Compute \(SM\)|Stall|Block Limit" "$OUT/ncu30.txt" | head -90
+}
 attention() {
   timeout "$1" $SRL bench attention --seqlens 32K --backward-seqlens 32K --granular none --no-flex \
     --set "patterns=[indexer,trained]" -o "$OUT/attn32k.json" \
@@ -27,5 +35,6 @@ if [ "$mem" -gt 100000 ]; then
   echo "rollout rc=$? at ${SECONDS}s"; grep -v "^- " "$OUT/ro_b32.log" | tail -25
   left=$((TOTAL - SECONDS)); [ $left -gt 100 ] && attention $((left - 5))
 else
-  attention $((TOTAL - SECONDS - 5))
+  attention $((TOTAL - SECONDS - 70))
+  left=$((TOTAL - SECONDS)); [ "${NCU:-0}" = 1 ] && [ $left -gt 60 ] && ncu_fwd $((left - 10))
 fi
