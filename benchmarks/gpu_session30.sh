@@ -28,7 +28,7 @@ attention() {
     > "$OUT/attn32k.log" 2>&1
   echo "attention rc=$? at ${SECONDS}s"; grep -v "^- " "$OUT/attn32k.log" | tail -30
 }
-if [ "$mem" -gt 100000 ]; then
+if [ "$mem" -gt 100000 ] && [ "${ROLLOUT:-1}" = 1 ]; then
   timeout $((TOTAL - SECONDS - 5)) $SRL bench rollout --config recipes/rollout_bench_qwen3_4b.yaml \
     --long-new-tokens 16K --long-batches 32 --latency-contexts none --whole integrate -o "$OUT/ro_b32.json" \
     > "$OUT/ro_b32.log" 2>&1
