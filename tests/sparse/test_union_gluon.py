@@ -186,27 +186,29 @@ def test_keyq_rejects_what_it_does_not_take():
 
 
 @needs_hopper
-@pytest.mark.parametrize("bwd", ["tile", "keyq"])
-def test_auto_backward_runs_the_gluon_kernels(bwd):
-    """On sm_90 the default ("auto") backward is the Gluon tile dq and dk/dv (timed faster, session 30): bitwise
-    the "gluon" run, close to the Triton one; a Triton launch tune given for the pass keeps that pass Triton. The
-    tiles are forced to 16 queries (64 rows, what the Gluon kernels take): on this short selection `auto` would
-    plan 8-query tiles, whose backward stays Triton (a GPU run of session 30 showed it)."""
+def test_auto_backward_runs_the_gluon_kernels():
+    """On sm_90 the default ("auto") backward runs the Gluon tile dq and dk/dv where they fit (timed faster, session
+    30): the keyq backward on 16-query tiles (64 rows; the dq reuses the forward's tiles) is bitwise the "gluon" run
+    and close to the Triton one; a Triton launch tune given for the dq keeps it Triton. The key-major backward
+    rebuilds 32-query tiles (128 rows) for its dq, which the Gluon kernel does not take, so there "auto" is Triton
+    and "gluon" a clear error (a GPU run of session 30 showed both)."""
     from sparse_rl.sparse.ops.sparse_attention import triton as sa
     dev = torch.device("cuda")
     q, k, v, idx = _case(1, 515, 515, 32, 8, 128, 128, 7, dev)
     do = torch.randn(q.shape, generator=torch.Generator(device=dev).manual_seed(4), device=dev).bfloat16()
-    grads = {}
-    for impl in ("auto", "gluon", "triton"):
+
+    def grads(bwd, **tune):
         qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-        sa.sparse_attention(qq, kk, vv, idx, fwd_path="tile", bwd_path=bwd, tune={"bwd_impl": impl, "bt": 16})[0].backward(do)
-        grads[impl] = (qq.grad, kk.grad, vv.grad)
-    for a, b, c in zip(grads["auto"], grads["gluon"], grads["triton"]):
+        sa.sparse_attention(qq, kk, vv, idx, fwd_path="tile", bwd_path=bwd, tune=tune)[0].backward(do)
+        return qq.grad, kk.grad, vv.grad
+
+    auto, glu, tri = (grads("keyq", bt=16, **({"bwd_impl": i} if i else {})) for i in (None, "gluon", "triton"))
+    for a, b, c in zip(auto, glu, tri):
         assert torch.equal(a, b)
         torch.testing.assert_close(a.float(), c.float(), atol=3e-2, rtol=3e-2)
-    qq = q.clone().requires_grad_()
-    sa.sparse_attention(qq, k, v, idx, fwd_path="tile", bwd_path=bwd, tune={"dq": (32, 4, 2), "bt": 16})[0].backward(do)
-    qt = q.clone().requires_grad_()
-    sa.sparse_attention(qt, k, v, idx, fwd_path="tile", bwd_path=bwd,
-                        tune={"dq": (32, 4, 2), "bt": 16, "bwd_impl": "triton"})[0].backward(do)
-    assert torch.equal(qq.grad, qt.grad)
+    forced = grads("keyq", bt=16, dq=(32, 4, 2))[0]
+    assert torch.equal(forced, grads("keyq", bt=16, dq=(32, 4, 2), bwd_impl="triton")[0])
+    for a, c in zip(grads("tile", bt=16), grads("tile", bt=16, bwd_impl="triton")):
+        assert torch.equal(a, c)
+    with pytest.raises(ValueError, match="bwd_impl 'gluon' needs"):
+        grads("tile", bt=16, bwd_impl="gluon")
