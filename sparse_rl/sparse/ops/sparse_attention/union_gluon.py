@@ -20,7 +20,13 @@ from __future__ import annotations
 import torch
 import triton
 
-try:  # Gluon ships with Triton >= 3.5; the CPU / interpreter paths never reach it
+# Gluon's API moved between releases (names, layouts): these kernels are run on Triton 3.6 (the GPU machine's) and
+# compiled for sm_90a under 3.9; an older Triton with a partial Gluon keeps the Triton kernels rather than failing
+# to compile the default backward
+MIN_TRITON = (3, 6)
+try:  # the CPU / interpreter paths never reach it
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < MIN_TRITON:
+        raise ImportError(f"Triton {triton.__version__}: the Gluon kernels need >= 3.6")
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
@@ -39,8 +45,8 @@ WARPS = 4
 
 
 def available(q: torch.Tensor) -> bool:
-    """Whether the Gluon kernels (here and keyq_gluon.py) can run on q's device: Gluon, a CUDA GPU of sm_90
-    (warpgroup MMA)."""
+    """Whether the Gluon kernels (here and keyq_gluon.py) can run on q's device: Gluon of Triton >= MIN_TRITON, a
+    CUDA GPU of sm_90 (warpgroup MMA)."""
     return HAVE_GLUON and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
 
 
