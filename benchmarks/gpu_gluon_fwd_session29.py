@@ -40,6 +40,9 @@ def main() -> None:
     ap.add_argument("--seqlens", default="32768,131072")
     ap.add_argument("--tunes", default="64x2,64x3,32x2,32x3,32x4,64x3x1,32x4x1", help="BKxSTAGES[xPIPE],...")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--keyq-tunes", default="", help="keyq_gluon tunes STAGESxHEADS_TOGETHER,... beside its default "
+                    "(session 30: the default alone was timed)")
+    ap.add_argument("--dq-tunes", default="64x2,32x3,64x3", help="tile_dq_gluon tunes BKxSTAGES,...")
     a = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -106,7 +109,7 @@ def main() -> None:
             delta = (o.float() * do.float()).sum(-1).contiguous()
             dq_ref = union.tile_dq(q, k, v, sel, do, lse, delta, scale, prec)
             dqs = {"dq_triton": lambda: union.tile_dq(q, k, v, sel, do, lse, delta, scale, prec)}
-            for tn in ((64, 2), (32, 3), (64, 3)):
+            for tn in [tuple(int(x) for x in t.split("x")) for t in a.dq_tunes.split(",") if t]:
                 dqs["dq_gluon_" + "x".join(map(str, tn))] = lambda tn=tn: union_gluon.tile_dq_gluon(
                     q, k, v, sel, do, lse, delta, scale, tune=tn)
             for lab, fn in dqs.items():
@@ -117,6 +120,9 @@ def main() -> None:
             dk_ref, dv_ref = keyq.keyq_dkdv(q, k, v, idx, do, lse, delta, scale, prec, lists=lists)
             kqs = {"keyq_triton": lambda: keyq.keyq_dkdv(q, k, v, idx, do, lse, delta, scale, prec, lists=lists),
                    "keyq_gluon": lambda: keyq_gluon.keyq_dkdv_gluon(q, k, v, idx, do, lse, delta, scale, lists=lists)}
+            for tn in [tuple(int(x) for x in t.split("x")) for t in a.keyq_tunes.split(",") if t]:
+                kqs["keyq_gluon_" + "x".join(map(str, tn))] = lambda tn=tn: keyq_gluon.keyq_dkdv_gluon(
+                    q, k, v, idx, do, lse, delta, scale, tune=tn, lists=lists)
             for lab, fn in kqs.items():
                 dk_, dv_ = fn()
                 row[f"{lab}_maxdiff"] = max(float((dk_.float() - dk_ref.float()).abs().max()),

@@ -6,6 +6,8 @@
 #      (`bench attention --seqlens 32K --backward-seqlens 32K`: prefill with the CUDA quantile, fwd + bwd with the
 #      Gluon backward).
 # Usage (device machine, repository root): TOTAL=520 bash benchmarks/gpu_session30.sh   (writes under $OUT)
+# Options: ROLLOUT=0 (skip the H200 rollout), NCU=1 (H100: ncu of the tile forward / dq), GF=1 (H100: keyq_gluon's
+# program orders and the Gluon dq at 32K / 128K).
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 TOTAL=${TOTAL:-520}
@@ -22,6 +24,11 @@ ncu_fwd() {  # the tile forward / dq kernels, Triton against Gluon, by counters 
   ncu --import "$OUT/ncu30.ncu-rep" --page details > "$OUT/ncu30.txt" 2>&1
   grep -E "^  _|Duration|Registers Per|Achieved Occupancy|Eligible Warps|Issued Warp|No Eligible|L2 Hit|Memory Throughput|Compute \(SM\)|Stall|Block Limit" "$OUT/ncu30.txt" | head -90
 }
+gluon_sweep() {  # GF=1: keyq_gluon's program orders and the Gluon dq at 32K / 128K (benchmarks/gpu_gluon_fwd_session29.py)
+  timeout "$1" python3 benchmarks/gpu_gluon_fwd_session29.py --seqlens 32768,131072 --budget $(($1 - 15)) --tunes 32x2 \
+    --dq-tunes 64x2 --keyq-tunes 2x1,2x4,2x8 --reps 1 --out "$OUT/gf30" > "$OUT/gf30.log" 2>&1
+  echo "gluon sweep rc=$? at ${SECONDS}s"; tail -c 2500 "$OUT/gf30.log"
+}
 attention() {
   timeout "$1" $SRL bench attention --seqlens 32K --backward-seqlens 32K --granular none --no-flex \
     --set "patterns=[indexer,trained]" -o "$OUT/attn32k.json" \
@@ -37,4 +44,5 @@ if [ "$mem" -gt 100000 ] && [ "${ROLLOUT:-1}" = 1 ]; then
 else
   attention $((TOTAL - SECONDS - 70))
   left=$((TOTAL - SECONDS)); [ "${NCU:-0}" = 1 ] && [ $left -gt 60 ] && ncu_fwd $((left - 10))
+  left=$((TOTAL - SECONDS)); [ "${GF:-0}" = 1 ] && [ $left -gt 80 ] && gluon_sweep $((left - 10))
 fi
