@@ -22,9 +22,10 @@ ncu_fwd() {  # the tile forward / dq kernels, Triton against Gluon, by counters 
     --section MemoryWorkloadAnalysis -o "$OUT/ncu30" python3 benchmarks/gpu_ncu_session30.py > "$OUT/ncu30.log" 2>&1
   echo "ncu rc=$? at ${SECONDS}s"; tail -3 "$OUT/ncu30.log"
   ncu --import "$OUT/ncu30.ncu-rep" --page details > "$OUT/ncu30.txt" 2>&1
-  grep -E "^  _|Duration|Registers Per|Achieved Occupancy|Eligible Warps|Issued Warp|No Eligible|L2 Hit|Memory Throughput|Compute \(SM\)|Stall|Block Limit" "$OUT/ncu30.txt" | head -90
+  keep="^  _|Duration|Registers Per|Achieved Occupancy|Eligible Warps|Issued Warp|No Eligible|L2 Hit"
+  grep -E "$keep|Memory Throughput|Compute \(SM\)|Stall|Block Limit" "$OUT/ncu30.txt" | head -90
 }
-gluon_sweep() {  # GF=1: keyq_gluon's program orders and the Gluon dq at 32K / 128K (benchmarks/gpu_gluon_fwd_session29.py)
+gluon_sweep() {  # GF=1: keyq_gluon's program orders, the Gluon dq at 32K / 128K (gpu_gluon_fwd_session29.py)
   timeout "$1" python3 benchmarks/gpu_gluon_fwd_session29.py --seqlens 32768,131072 --budget $(($1 - 15)) --tunes 32x2 \
     --dq-tunes 64x2 --keyq-tunes 2x1,2x4,2x8 --reps 1 --out "$OUT/gf30" > "$OUT/gf30.log" 2>&1
   echo "gluon sweep rc=$? at ${SECONDS}s"; tail -c 2500 "$OUT/gf30.log"
