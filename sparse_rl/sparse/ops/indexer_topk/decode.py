@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_rl.sparse.ops._backend import cuda_index
 from sparse_rl.sparse.ops.indexer_topk.decode_steps import (NB, _append, _block, _bstar_of, _emit,  # noqa: F401
                                                            _okey_inv, _pad_rest, _query_of, _radix_level,
                                                            _radix_threshold, _score_tile, _sort_threshold)
@@ -329,7 +330,7 @@ def indexer_topk_decode(q_idx: torch.Tensor, w: torch.Tensor, k_idx: torch.Tenso
     if impl == "cuda" and not interpret:
         from sparse_rl.sparse.ops.indexer_topk import decode_cuda
 
-        if not decode_cuda.available(dev.index if dev.index is not None else torch.cuda.current_device()):
+        if not decode_cuda.available(cuda_index(dev)):
             impl = "fine"  # no NVRTC / an older GPU: the Triton select of the same keys (warned once)
     if impl in ("fine", "bits", "bsearch", "cuda"):
         from sparse_rl.sparse.ops.indexer_topk.decode_fine import fine_chunk

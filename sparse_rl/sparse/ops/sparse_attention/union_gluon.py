@@ -59,6 +59,12 @@ def supports(q: torch.Tensor, k: torch.Tensor, sel: TileSelection) -> bool:
             and sel.ukey.shape[2] % 64 == 0 and sel.ukey.stride(2) == 1)
 
 
+def _require_supported(name: str, q: torch.Tensor, k: torch.Tensor, sel: TileSelection) -> None:
+    if not supports(q, k, sel):
+        raise ValueError(f"{name}: per-query 64-row tiles, D 64 / 128, bf16 / fp16 only (q {tuple(q.shape)} "
+                         f"{q.dtype}, BT {sel.BT}, group {sel.group})")
+
+
 if HAVE_GLUON:
 
     @gluon.jit
@@ -268,9 +274,7 @@ def tile_fwd_gluon(q, k, v, sel: TileSelection, scale: float, out=None, tune: tu
     -> out `[B, T, H, D]`, lse `[B, T, H]` fp32. tune = (BK, STAGES[, PIPE]): keys a block (64), ring stages (2),
     and PIPE 1 = the next block's QK^T issued before this block's softmax (needs 3 stages or more); through
     `sparse_attention`, `tune={"fwd_gluon": ...}`."""
-    if not supports(q, k, sel):
-        raise ValueError(f"tile_fwd_gluon: per-query 64-row tiles, D 64 / 128, bf16 / fp16 only (q {tuple(q.shape)} "
-                         f"{q.dtype}, BT {sel.BT}, group {sel.group})")
+    _require_supported("tile_fwd_gluon", q, k, sel)
     B, T, H, D = q.shape
     G = H // k.shape[2]
     NT = triton.cdiv(T, sel.BT)
@@ -299,9 +303,7 @@ def tile_dq_gluon(q, k, v, sel: TileSelection, do, lse, delta, scale: float, tun
     """`union.tile_dq` for per-query 64-row tiles on an sm_90 GPU: dq `[B, T, H, D]` (q.dtype); lse / delta
     `[B, T, H]` fp32 with equal strides (delta = rowsum(o * dO) - dlse). tune = (BK, STAGES), default (64, 2);
     through `sparse_attention`, `tune={"dq_gluon": ...}`."""
-    if not supports(q, k, sel):
-        raise ValueError(f"tile_dq_gluon: per-query 64-row tiles, D 64 / 128, bf16 / fp16 only (q {tuple(q.shape)} "
-                         f"{q.dtype}, BT {sel.BT}, group {sel.group})")
+    _require_supported("tile_dq_gluon", q, k, sel)
     if do.stride(3) != 1 or v.stride(3) != 1 or lse.stride() != delta.stride():
         raise ValueError("tile_dq_gluon: do and v need unit stride along D, lse and delta equal strides")
     B, T, H, D = q.shape
