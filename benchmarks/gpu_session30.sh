@@ -17,13 +17,13 @@ mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -
 timeout 60 python3 -m pytest -q tests/sparse/test_union_gluon.py -k auto > "$OUT/t_auto.log" 2>&1
 echo "auto tests rc=$? at ${SECONDS}s"; tail -2 "$OUT/t_auto.log"
 ncu_fwd() {  # the tile forward / dq kernels, Triton against Gluon, by counters (benchmarks/gpu_ncu_session30.py)
-  timeout "$1" ncu --clock-control none --profile-from-start off -k regex:'_tile_(fwd|dq)' --section SpeedOfLight \
-    --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+  timeout "$1" ncu --clock-control none --profile-from-start off -k regex:'_tile_(fwd|dq)|_kq_dkdv' \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
     --section MemoryWorkloadAnalysis -o "$OUT/ncu30" python3 benchmarks/gpu_ncu_session30.py > "$OUT/ncu30.log" 2>&1
   echo "ncu rc=$? at ${SECONDS}s"; tail -3 "$OUT/ncu30.log"
   ncu --import "$OUT/ncu30.ncu-rep" --page details > "$OUT/ncu30.txt" 2>&1
   keep="^  _|Duration|Registers Per|Achieved Occupancy|Eligible Warps|Issued Warp|No Eligible|L2 Hit"
-  grep -E "$keep|Memory Throughput|Compute \(SM\)|Stall|Block Limit" "$OUT/ncu30.txt" | head -90
+  grep -E "$keep|Memory Throughput|DRAM Throughput|Compute \(SM\)|Stall|Block Limit" "$OUT/ncu30.txt" | head -120
 }
 gluon_sweep() {  # GF=1: keyq_gluon's program orders, the Gluon dq at 32K / 128K (gpu_gluon_fwd_session29.py)
   timeout "$1" python3 benchmarks/gpu_gluon_fwd_session29.py --seqlens 32768,131072 --budget $(($1 - 15)) --tunes 32x2 \
