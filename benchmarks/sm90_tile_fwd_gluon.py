@@ -23,13 +23,14 @@ PTR = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "
 INTS = ("G", "T", "NT", "slh", "S", "NKT")  # not multiples of 16 at the bench's shapes
 
 
-def compile_fwd(BK: int = 64, stages: int = 2, pipe: int = 0, D: int = 128, dq: bool = False, kq: bool = False):
+def compile_fwd(BK: int = 64, stages: int = 2, pipe: int = 0, D: int = 128, dq: bool = False, kq: bool = False,
+                prefetch: int = 0):
     """The forward kernel (with dq the tile dq kernel, with kq the key-major dk/dv; pipe ignored there) for sm_90a."""
     if kq:
-        fn, cx = keyq_gluon._kq_dkdv_gluon_kernel, dict(BQ=32, D=D, STAGES=stages, GH=2)
+        fn, cx = keyq_gluon._kq_dkdv_gluon_kernel, dict(BQ=32, D=D, STAGES=stages, GH=2, PREFETCH=bool(prefetch))
     else:
         fn = union_gluon._tile_dq_gluon_kernel if dq else union_gluon._tile_fwd_gluon_kernel
-        cx = dict(BT=16, BK=BK, D=D, STAGES=stages, **({} if dq else {"PIPE": bool(pipe)}))
+        cx = dict(BT=16, BK=BK, D=D, STAGES=stages, PREFETCH=bool(prefetch), **({} if dq else {"PIPE": bool(pipe)}))
     sig, attrs = {}, {}
     for i, n in enumerate(inspect.signature(fn.fn).parameters):
         if n in cx:
@@ -49,16 +50,16 @@ def compile_fwd(BK: int = 64, stages: int = 2, pipe: int = 0, D: int = 128, dq: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tunes", default="64x2,64x3,32x3,32x4,64x3x1,32x4x1,dq64x2,dq64x3,dq32x3,kq64x2",
-                    help="[dq|kq]BKxSTAGES[xPIPE],... (kq: 64-key tiles, BK ignored)")
+                    help="[dq|kq]BKxSTAGES[xPIPE[xPREFETCH]],... (kq: 64-key tiles, BK and PIPE ignored)")
     a = ap.parse_args()
     from sm90_tile_fwd import cuobjdump, sass_counts
     for tn in a.tunes.split(","):
         kind = tn[:2] if tn[:2] in ("dq", "kq") else "fwd"
-        bk, st, pipe = (*(int(x) for x in tn.removeprefix(kind).split("x")), 0)[:3]
-        k = compile_fwd(bk, st, pipe, dq=kind == "dq", kq=kind == "kq")
+        bk, st, pipe, pf = (*(int(x) for x in tn.removeprefix(kind).split("x")), 0, 0)[:4]
+        k = compile_fwd(bk, st, pipe, dq=kind == "dq", kq=kind == "kq", prefetch=pf)
         m = re.search(r"REG:(\d+).*?STACK:(\d+)", cuobjdump(k, "-res-usage"))
         counts = sass_counts(cuobjdump(k, "-sass"))
-        print(f"triton {triton.__version__} {kind} BK {bk} stages {st} pipe {pipe}: regs {m.group(1)} "
+        print(f"triton {triton.__version__} {kind} BK {bk} stages {st} pipe {pipe} prefetch {pf}: regs {m.group(1)} "
               f"stack {m.group(2)} shared {k.metadata.shared} B; {counts}", flush=True)
 
 

@@ -46,14 +46,23 @@ def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
 if HAVE_GLUON:
 
     @gluon.jit
-    def _issue_chunk(q_smem, do_smem, Q, DO, LIST, b, c, hi, kvh, G, sqb, sqt, sqh, sdob, sdot, sdoh, stage,
-                     BQ: gl.constexpr, D: gl.constexpr, LOAD: gl.constexpr):
-        """cp.async the q / dO rows `[ROWS, D]` of list entries c .. c + BQ (entries past hi read query 0: their
-        rows are masked out) into ring stage `stage`, one commit group."""
+    def _chunk_list(LIST, c, hi, G, BQ: gl.constexpr, layout: gl.constexpr):
+        """The query of each of the chunk's 128 rows (list entries c .. c + BQ, G rows each; entries past hi read
+        query 0, their rows masked out later) `[128]` int32 in `layout`, and whether the row is live."""
+        ROWS: gl.constexpr = 128
+        r = gl.arange(0, ROWS, layout=layout)
+        e = c + r // G
+        ok = (r // G < BQ) & (e < hi)
+        return gl.load(LIST + e, mask=ok, other=0), ok
+
+    @gluon.jit
+    def _issue_rows(q_smem, do_smem, Q, DO, t, b, kvh, G, sqb, sqt, sqh, sdob, sdot, sdoh, stage,
+                    D: gl.constexpr, LOAD: gl.constexpr):
+        """cp.async the q / dO rows `[128, D]` of queries t (`_chunk_list` in SliceLayout(1, LOAD)) into ring stage
+        `stage`, one commit group."""
         ROWS: gl.constexpr = 128
         r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LOAD))
-        e = c + r // G
-        t = gl.load(LIST + e, mask=(r // G < BQ) & (e < hi), other=0).to(gl.int64)
+        t = t.to(gl.int64)
         heads = kvh * G + r % G
         offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
         _cp_async(q_smem.index(stage), Q + b * sqb + t[:, None] * sqt + heads[:, None] * sqh + offs_d[None, :])
@@ -61,10 +70,52 @@ if HAVE_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
+    def _issue_chunk(q_smem, do_smem, Q, DO, LIST, b, c, hi, kvh, G, sqb, sqt, sqh, sdob, sdot, sdoh, stage,
+                     BQ: gl.constexpr, D: gl.constexpr, LOAD: gl.constexpr):
+        """`_issue_rows` of list entries c .. c + BQ (the list read here: its latency is the caller's stall)."""
+        t, _ = _chunk_list(LIST, c, hi, G, BQ, gl.SliceLayout(1, LOAD))
+        _issue_rows(q_smem, do_smem, Q, DO, t, b, kvh, G, sqb, sqt, sqh, sdob, sdot, sdoh, stage, D, LOAD)
+
+    @gluon.jit
+    def _row_stats(LSE, DELTA, t, ok, b, heads, slb, slt, slh):
+        """lse / delta `[128]` of the chunk's rows (queries t, live rows ok)."""
+        t = t.to(gl.int64)
+        lse = gl.load(LSE + b * slb + t * slt + heads * slh, mask=ok, other=float("-inf"))
+        delta = gl.load(DELTA + b * slb + t * slt + heads * slh, mask=ok, other=0.0)
+        return lse, delta
+
+    @gluon.jit
+    def _chunk_scores(q_st, do_st, k_smem, v_smem, z):
+        """S = q K^T and dP = dO V^T on a chunk's 128 rows (ring stage q_st / do_st), issued (async: `_chunk_grads`
+        waits)."""
+        s = warpgroup_mma(q_st, k_smem.permute((1, 0)), z, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_st, v_smem.permute((1, 0)), z, use_acc=False, is_async=True)
+        return s, dp
+
+    @gluon.jit
+    def _chunk_grads(s, dp, q_st, do_st, p_smem, ds_smem, dk, dv, lse, delta, w, ok, nbit, qk_scale,
+                     dt: gl.constexpr):
+        """The rest of a chunk once S / dP are issued: P and dS = P (dP - delta) to shared memory (w: each row's key
+        bits), dV^T += dO^T P and dK^T += q^T dS -> (dk, dv)."""
+        row_ok = (lse != float("-inf")) & ok
+        lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
+        sel = (((w[:, None] >> nbit[None, :]) & 1) == 1) & row_ok[:, None]
+        s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+        p = gl.where(sel, gl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+        p_smem.store(p.to(dt))
+        ds_smem.store((p * (dp - delta[:, None])).to(dt))
+        fence_async_shared()
+        _cta_barrier()  # both warpgroups' P / dS rows before MMAs that read all of them
+        dv = warpgroup_mma(do_st.permute((1, 0)), p_smem, dv, is_async=True)
+        dk = warpgroup_mma(q_st.permute((1, 0)), ds_smem, dk, is_async=True)
+        return warpgroup_mma_wait(0, deps=(dk, dv))
+
+    @gluon.jit
     def _kq_dkdv_gluon_kernel(Q, K, V, DO, LSE, DELTA, OFF, LIST, MSK, DK, DV,
                               sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sdob, sdot, sdoh, slb, slt, slh,
                               sdkb, sdks, sdkh, S, G, NKT, scale, qk_scale,
-                              BQ: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, GH: gl.constexpr):
+                              BQ: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, GH: gl.constexpr,
+                              PREFETCH: gl.constexpr):
         BN: gl.constexpr = 64  # the module's BN / ROWS (globals are not constexpr inside a kernel)
         ROWS: gl.constexpr = 128
         pid = gl.program_id(0)
@@ -106,34 +157,41 @@ if HAVE_GLUON:
         dv = gl.zeros([D, BN], gl.float32, ACC)
         heads = kvh * G + r % G
         nchunks = gl.cdiv(hi - lo, BQ)
-        for i in range(nchunks):
-            c = lo + i * BQ
-            e = c + r // G
-            ok = (r // G < BQ) & (e < hi)
-            t = gl.load(LIST + e, mask=ok, other=0).to(gl.int64)
-            w = gl.load(MSK + e, mask=ok, other=0)
-            lse = gl.load(LSE + b * slb + t * slt + heads * slh, mask=ok, other=float("-inf"))
-            delta = gl.load(DELTA + b * slb + t * slt + heads * slh, mask=ok, other=0.0)
-            # every thread's copies of chunk i landed; every warp is past chunk i - 1's MMAs (its stage, P, dS free)
-            _ring_landed(STAGES - 2)
-            nxt = i + STAGES - 1
-            _issue_chunk(q_smem, do_smem, Q, DO, LIST, b, lo + nxt * BQ, hi, kvh, G, sqb, sqt, sqh, sdob, sdot, sdoh,
-                         nxt % STAGES, BQ, D, LOAD)
-            st = i % STAGES
-            s = warpgroup_mma(q_smem.index(st), k_smem.permute((1, 0)), z, use_acc=False, is_async=True)
-            dp = warpgroup_mma(do_smem.index(st), v_smem.permute((1, 0)), z, use_acc=False, is_async=True)
-            row_ok = (lse != float("-inf")) & ok
-            lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
-            sel = (((w[:, None] >> nbit[None, :]) & 1) == 1) & row_ok[:, None]
-            s, dp = warpgroup_mma_wait(0, deps=(s, dp))
-            p = gl.where(sel, gl.exp2(s * qk_scale - lse2[:, None]), 0.0)
-            p_smem.store(p.to(dt))
-            ds_smem.store((p * (dp - delta[:, None])).to(dt))
-            fence_async_shared()
-            _cta_barrier()  # both warpgroups' P / dS rows before MMAs that read all of them
-            dv = warpgroup_mma(do_smem.index(st).permute((1, 0)), p_smem, dv, is_async=True)
-            dk = warpgroup_mma(q_smem.index(st).permute((1, 0)), ds_smem, dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        if PREFETCH:  # the list entries one chunk ahead; the key bits, lse and delta loaded under the S / dP MMAs
+            tc, _ = _chunk_list(LIST, lo + (STAGES - 1) * BQ, hi, G, BQ, gl.SliceLayout(1, LOAD))
+            t, ok = _chunk_list(LIST, lo, hi, G, BQ, gl.SliceLayout(1, ACC))
+            for i in range(nchunks):
+                _ring_landed(STAGES - 2)
+                nxt = i + STAGES - 1
+                _issue_rows(q_smem, do_smem, Q, DO, tc, b, kvh, G, sqb, sqt, sqh, sdob, sdot, sdoh, nxt % STAGES, D,
+                            LOAD)
+                tc, _ = _chunk_list(LIST, lo + (nxt + 1) * BQ, hi, G, BQ, gl.SliceLayout(1, LOAD))
+                st = i % STAGES
+                s, dp = _chunk_scores(q_smem.index(st), do_smem.index(st), k_smem, v_smem, z)
+                w = gl.load(MSK + lo + i * BQ + r // G, mask=ok, other=0)
+                lse, delta = _row_stats(LSE, DELTA, t, ok, b, heads, slb, slt, slh)
+                t_n, ok_n = _chunk_list(LIST, lo + (i + 1) * BQ, hi, G, BQ, gl.SliceLayout(1, ACC))
+                dk, dv = _chunk_grads(s, dp, q_smem.index(st), do_smem.index(st), p_smem, ds_smem, dk, dv, lse, delta,
+                                      w, ok, nbit, qk_scale, dt)
+                t, ok = t_n, ok_n
+        else:
+            for i in range(nchunks):
+                e = lo + i * BQ + r // G
+                ok = (r // G < BQ) & (e < hi)
+                t = gl.load(LIST + e, mask=ok, other=0).to(gl.int64)
+                w = gl.load(MSK + e, mask=ok, other=0)
+                lse = gl.load(LSE + b * slb + t * slt + heads * slh, mask=ok, other=float("-inf"))
+                delta = gl.load(DELTA + b * slb + t * slt + heads * slh, mask=ok, other=0.0)
+                # every thread's copies of chunk i landed; every warp is past chunk i - 1's MMAs (its stage, P, dS
+                # free)
+                _ring_landed(STAGES - 2)
+                nxt = i + STAGES - 1
+                _issue_chunk(q_smem, do_smem, Q, DO, LIST, b, lo + nxt * BQ, hi, kvh, G, sqb, sqt, sqh, sdob, sdot,
+                             sdoh, nxt % STAGES, BQ, D, LOAD)
+                st = i % STAGES
+                s, dp = _chunk_scores(q_smem.index(st), do_smem.index(st), k_smem, v_smem, z)
+                dk, dv = _chunk_grads(s, dp, q_smem.index(st), do_smem.index(st), p_smem, ds_smem, dk, dv, lse, delta,
+                                      w, ok, nbit, qk_scale, dt)
         async_copy.wait_group(0)
         d_o = gl.arange(0, D, layout=gl.SliceLayout(1, ACC))
         n_o = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, ACC))
@@ -145,17 +203,19 @@ if HAVE_GLUON:
 
 def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple | None = None, lists=None):
     """`keyq.keyq_dkdv` on an sm_90 GPU: dk, dv `[B, S, H_kv, D]` of per-query `indices` `[B, T, K]`; q / do
-    `[B, T, H, D]`, lse / delta `[B, T, H]` fp32 with equal strides. tune = (STAGES, heads_together): 2 stages
-    (192 KB of shared memory, one program an SM), the KV heads interleaved in the program order (default: the
-    Triton kernel's, `keyq.default_tune`); through `sparse_attention`, `tune={"keyq_gluon": ...}`; `lists`: a
-    prebuilt `keyq.key_query_lists(indices, S, 64)`."""
+    `[B, T, H, D]`, lse / delta `[B, T, H]` fp32 with equal strides. tune = (STAGES, heads_together, prefetch): 2
+    stages (192 KB of shared memory, one program an SM), the KV heads interleaved in the program order (default:
+    the Triton kernel's, `keyq.default_tune`), prefetch 1 = the list entries read a chunk ahead and the key bits,
+    lse and delta under the S / dP MMAs (default 0: all read before the MMAs, two dependent loads' latency a
+    chunk); through `sparse_attention`, `tune={"keyq_gluon": ...}`; `lists`: a prebuilt
+    `keyq.key_query_lists(indices, S, 64)`."""
     if not supports(q, k) or do.stride(3) != 1 or v.stride(3) != 1 or lse.stride() != delta.stride():
         raise ValueError(f"keyq_dkdv_gluon: G dividing 128, D 128, bf16 / fp16 only (q {tuple(q.shape)} "
                          f"{q.dtype}, k {tuple(k.shape)})")
     B, T, H, D = q.shape
     S, H_kv = k.shape[1], k.shape[2]
     G = H // H_kv
-    stages, gh = (*(tune or (2,)), None)[:2]
+    stages, gh, prefetch = (*(tune or (2,)), None, 0)[:3]
     if gh is None:  # the Triton kernel's program order (its tune's sixth entry; absent: all KV heads)
         gh = (*keyq.default_tune(True, H_kv), None, None)[5] or H_kv
     if stages != 2 or gh < 1 or H_kv % gh:  # 3 stages of 128-row q / dO need 256 KB of shared memory
@@ -169,5 +229,5 @@ def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple 
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), S, G, NKT, scale, scale * LOG2E,
-        BQ=ROWS // G, D=D, STAGES=stages, GH=gh, num_warps=WARPS)
+        BQ=ROWS // G, D=D, STAGES=stages, GH=gh, PREFETCH=bool(prefetch), num_warps=WARPS)
     return dk, dv

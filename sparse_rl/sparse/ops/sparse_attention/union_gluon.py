@@ -68,16 +68,27 @@ def _require_supported(name: str, q: torch.Tensor, k: torch.Tensor, sel: TileSel
 if HAVE_GLUON:
 
     @gluon.jit
-    def _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, u0, n, sks, svs, stage,
-                     BK: gl.constexpr, D: gl.constexpr, LOAD: gl.constexpr):
-        """cp.async block u0's K / V rows `[BK, D]` into ring stage `stage` (slots past n read key 0: their masks
-        are zero) and commit them as one group."""
+    def _block_keys(UKEY, urow, u0, n, BK: gl.constexpr, LOAD: gl.constexpr):
+        """Block u0's key positions `[BK]` int32 in SliceLayout(1, LOAD) (slots past n read key 0: their masks are
+        zero)."""
         offs_u = u0 + gl.arange(0, BK, layout=gl.SliceLayout(1, LOAD))
-        key = gl.load(UKEY + urow + offs_u, mask=offs_u < n, other=0).to(gl.int64)
+        return gl.load(UKEY + urow + offs_u, mask=offs_u < n, other=0)
+
+    @gluon.jit
+    def _issue_keys(k_smem, v_smem, kbase, vbase, key, sks, svs, stage, D: gl.constexpr, LOAD: gl.constexpr):
+        """cp.async the K / V rows `[BK, D]` of positions key (`_block_keys`) into ring stage `stage`, one commit
+        group."""
+        key = key.to(gl.int64)
         offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
         _cp_async(k_smem.index(stage), kbase + key[:, None] * sks + offs_d[None, :])
         _cp_async(v_smem.index(stage), vbase + key[:, None] * svs + offs_d[None, :])
         async_copy.commit_group()
+
+    @gluon.jit
+    def _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, u0, n, sks, svs, stage,
+                     BK: gl.constexpr, D: gl.constexpr, LOAD: gl.constexpr):
+        """`_issue_keys` of block u0, its key list read here (the load's latency stalls the caller)."""
+        _issue_keys(k_smem, v_smem, kbase, vbase, _block_keys(UKEY, urow, u0, n, BK, LOAD), sks, svs, stage, D, LOAD)
 
     @gluon.jit
     def _ring_landed(WAIT: gl.constexpr):
@@ -125,7 +136,7 @@ if HAVE_GLUON:
                                sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh, slb, slt, slh, sub, sur,
                                T, G, NT, UMAX, qk_scale,
                                BT: gl.constexpr, BK: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                               PIPE: gl.constexpr):
+                               PIPE: gl.constexpr, PREFETCH: gl.constexpr):
         M: gl.constexpr = 64
         tile = gl.program_id(0)
         kvh = gl.program_id(1)
@@ -177,13 +188,18 @@ if HAVE_GLUON:
                                            O_L, P_L)
                 s_cur, acc = warpgroup_mma_wait(0, deps=(s_nxt, acc))
         else:
+            key_n = _block_keys(UKEY, urow, (STAGES - 1) * BK, n, BK, LOAD)  # PREFETCH: the next block's keys
             for j in range(nb):
                 # block j (and q's store) landed; every warp waited for block j - 1's MMAs, so its stage takes block
                 # j + STAGES - 1
                 _ring_landed(STAGES - 2)
                 nxt = j + STAGES - 1
-                _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, nxt * BK, n, sks, svs, nxt % STAGES, BK, D,
-                             LOAD)
+                if PREFETCH:  # keys read a block ahead: no dependent load between the ring's wait and the MMA
+                    _issue_keys(k_smem, v_smem, kbase, vbase, key_n, sks, svs, nxt % STAGES, D, LOAD)
+                    key_n = _block_keys(UKEY, urow, (nxt + 1) * BK, n, BK, LOAD)
+                else:
+                    _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, nxt * BK, n, sks, svs, nxt % STAGES, BK,
+                                 D, LOAD)
                 st = j % STAGES
                 s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
                 qm = gl.load(QMASK + qrow + j * BK + offs_k)  # zero past |U| (SLOT_PAD)
@@ -208,7 +224,8 @@ if HAVE_GLUON:
     def _tile_dq_gluon_kernel(Q, K, V, UKEY, QMASK, ULEN, DO, LSE, DELTA, DQ,
                               sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sdob, sdot, sdoh, slb, slt, slh,
                               sdqb, sdqt, sdqh, sub, sur, T, G, NT, UMAX, scale, qk_scale,
-                              BT: gl.constexpr, BK: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+                              BT: gl.constexpr, BK: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                              PREFETCH: gl.constexpr):
         """dq of one (tile, KV head) as `union._tile_dq_kernel`: per key block S = q K^T and dP = dO V^T (two
         warpgroup MMAs on the gathered rows), dS = P (dP - delta), dq += dS K (dS from registers); stored once."""
         M: gl.constexpr = 64
@@ -247,10 +264,16 @@ if HAVE_GLUON:
         s0 = gl.zeros([M, BK], gl.float32, S_L)
         qrow = (b * NT + tile) * UMAX
         offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, S_L))
+        key_n = _block_keys(UKEY, urow, (STAGES - 1) * BK, n, BK, LOAD)  # PREFETCH: the next block's keys
         for j in range(gl.cdiv(n, BK)):
             _ring_landed(STAGES - 2)  # block j landed everywhere; every warp is past block j - 1's MMAs
             nxt = j + STAGES - 1
-            _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, nxt * BK, n, sks, svs, nxt % STAGES, BK, D, LOAD)
+            if PREFETCH:  # as in the forward
+                _issue_keys(k_smem, v_smem, kbase, vbase, key_n, sks, svs, nxt % STAGES, D, LOAD)
+                key_n = _block_keys(UKEY, urow, (nxt + 1) * BK, n, BK, LOAD)
+            else:
+                _issue_block(k_smem, v_smem, kbase, vbase, UKEY, urow, nxt * BK, n, sks, svs, nxt % STAGES, BK, D,
+                             LOAD)
             st = j % STAGES
             s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
             dp = warpgroup_mma(do_smem, v_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
@@ -271,8 +294,10 @@ if HAVE_GLUON:
 
 def tile_fwd_gluon(q, k, v, sel: TileSelection, scale: float, out=None, tune: tuple | None = None):
     """`union.tile_fwd` for per-query 64-row tiles on an sm_90 GPU: q `[B, T, H, D]`, k / v `[B, S, H_kv, D]`
-    -> out `[B, T, H, D]`, lse `[B, T, H]` fp32. tune = (BK, STAGES[, PIPE]): keys a block (64), ring stages (2),
-    and PIPE 1 = the next block's QK^T issued before this block's softmax (needs 3 stages or more); through
+    -> out `[B, T, H, D]`, lse `[B, T, H]` fp32. tune = (BK, STAGES[, PIPE[, PREFETCH]]): keys a block (64), ring
+    stages (2), PIPE 1 = the next block's QK^T issued before this block's softmax (needs 3 stages or more),
+    PREFETCH 1 = each block's key list read a block ahead (without PIPE; default 0: read just before its copies,
+    the load's latency exposed every block); through
     `sparse_attention`, `tune={"fwd_gluon": ...}`."""
     _require_supported("tile_fwd_gluon", q, k, sel)
     B, T, H, D = q.shape
@@ -285,7 +310,7 @@ def tile_fwd_gluon(q, k, v, sel: TileSelection, scale: float, out=None, tune: tu
         o, lse = out
     if v.stride(3) != 1 or o.stride(3) != 1:
         raise ValueError("tile_fwd_gluon: v and out need unit stride along D")
-    BK, stages, pipe = (*(tune or (64, 2)), 0)[:3]
+    BK, stages, pipe, prefetch = (*(tune or (64, 2)), 0, 0)[:4]
     if stages < (3 if pipe else 2):
         raise ValueError(f"tile_fwd_gluon: tune {tune}: at least {3 if pipe else 2} stages")
     if sel.ukey.shape[2] % BK or BK > SLOT_PAD:
@@ -295,20 +320,20 @@ def tile_fwd_gluon(q, k, v, sel: TileSelection, scale: float, out=None, tune: tu
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         sel.ukey.stride(0), sel.ukey.stride(1), T, G, NT, sel.ukey.shape[2], scale * LOG2E,
-        BT=sel.BT, BK=BK, D=D, STAGES=stages, PIPE=bool(pipe), num_warps=WARPS)
+        BT=sel.BT, BK=BK, D=D, STAGES=stages, PIPE=bool(pipe), PREFETCH=bool(prefetch), num_warps=WARPS)
     return o, lse
 
 
 def tile_dq_gluon(q, k, v, sel: TileSelection, do, lse, delta, scale: float, tune: tuple | None = None):
     """`union.tile_dq` for per-query 64-row tiles on an sm_90 GPU: dq `[B, T, H, D]` (q.dtype); lse / delta
-    `[B, T, H]` fp32 with equal strides (delta = rowsum(o * dO) - dlse). tune = (BK, STAGES), default (64, 2);
-    through `sparse_attention`, `tune={"dq_gluon": ...}`."""
+    `[B, T, H]` fp32 with equal strides (delta = rowsum(o * dO) - dlse). tune = (BK, STAGES[, PREFETCH]), default
+    (64, 2, 0) (PREFETCH as the forward's); through `sparse_attention`, `tune={"dq_gluon": ...}`."""
     _require_supported("tile_dq_gluon", q, k, sel)
     if do.stride(3) != 1 or v.stride(3) != 1 or lse.stride() != delta.stride():
         raise ValueError("tile_dq_gluon: do and v need unit stride along D, lse and delta equal strides")
     B, T, H, D = q.shape
     NT = triton.cdiv(T, sel.BT)
-    BK, stages = tune or (64, 2)
+    BK, stages, prefetch = (*(tune or (64, 2)), 0)[:3]
     if sel.ukey.shape[2] % BK or BK > SLOT_PAD or stages < 2:
         raise ValueError(f"tile_dq_gluon: tune {tune} over key lists of {sel.ukey.shape[2]} slots")
     dq = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
@@ -317,5 +342,6 @@ def tile_dq_gluon(q, k, v, sel: TileSelection, do, lse, delta, scale: float, tun
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2), sel.ukey.stride(0), sel.ukey.stride(1), T, H // k.shape[2], NT,
-        sel.ukey.shape[2], scale, scale * LOG2E, BT=sel.BT, BK=BK, D=D, STAGES=stages, num_warps=WARPS)
+        sel.ukey.shape[2], scale, scale * LOG2E, BT=sel.BT, BK=BK, D=D, STAGES=stages, PREFETCH=bool(prefetch),
+        num_warps=WARPS)
     return dq

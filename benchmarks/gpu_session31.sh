@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Session 31 (lead), issues 14 and 15, one device call, TOTAL seconds:
+#   H200 (> 100 GB): #14's b32 16K rollout first (the CUDA decode select's first H200 run, pending since session 27),
+#     then the Gluon PREFETCH tests and the 32K kernel A/B;
+#   H100: the Gluon tests (PREFETCH forms bitwise the plain ones), the A/B of the three Gluon kernels with their key /
+#     query lists read ahead (PREFETCH) at 32K / 128K trained, then ncu of every tile / dk-dv form
+#     (benchmarks/gpu_ncu_session30.py: counters of the Triton, Gluon and Gluon-PREFETCH kernels).
+# Usage (device machine, repository root): TOTAL=540 bash benchmarks/gpu_session31.sh   (writes under $OUT)
+set -u
+export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+TOTAL=${TOTAL:-540}
+SRL="python3 -m sparse_rl.cli.main"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+git log -1 --format=%h > "$OUT/commit.txt" 2>/dev/null
+tests() {  # $1 seconds, $2 pytest -k expression
+  timeout "$1" python3 -m pytest -q -x tests/sparse/test_union_gluon.py -k "$2" > "$OUT/t_gluon.log" 2>&1
+  echo "gluon tests rc=$? at ${SECONDS}s"; tail -3 "$OUT/t_gluon.log"
+}
+ab() {  # $1 s, $2 seqlens: Triton / Gluon / Gluon PREFETCH, forward, dq, keyq dk-dv (gpu_gluon_fwd_session29.py)
+  timeout "$1" python3 benchmarks/gpu_gluon_fwd_session29.py --seqlens "$2" --budget $(($1 - 15)) \
+    --tunes 32x2,32x2x0x1,64x2,64x2x0x1 --dq-tunes 64x2,64x2x1 --keyq-tunes 2x2x0,2x2x1 --reps 2 \
+    --out "$OUT/pf31" > "$OUT/pf31.log" 2>&1
+  echo "prefetch A/B rc=$? at ${SECONDS}s"; tail -c 3000 "$OUT/pf31.log"
+}
+ncu_all() {
+  timeout "$1" ncu --clock-control none --profile-from-start off -k regex:'_tile_(fwd|dq)|_kq_dkdv' \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis -o "$OUT/ncu31" python3 benchmarks/gpu_ncu_session30.py > "$OUT/ncu31.log" 2>&1
+  echo "ncu rc=$? at ${SECONDS}s"; tail -3 "$OUT/ncu31.log"
+  ncu --import "$OUT/ncu31.ncu-rep" --page details > "$OUT/ncu31.txt" 2>&1
+  keep="^  _|Duration|Registers Per|Achieved Occupancy|Eligible Warps|Issued Warp|No Eligible|L2 Hit"
+  grep -E "$keep|Memory Throughput|DRAM Throughput|Compute \(SM\)" "$OUT/ncu31.txt" | head -150
+}
+if [ "$mem" -gt 100000 ] && [ "${ROLLOUT:-1}" = 1 ]; then
+  timeout $((TOTAL - SECONDS - 150)) $SRL bench rollout --config recipes/rollout_bench_qwen3_4b.yaml \
+    --long-new-tokens 16K --long-batches 32 --latency-contexts none --whole integrate -o "$OUT/ro_b32.json" \
+    > "$OUT/ro_b32.log" 2>&1
+  echo "rollout rc=$? at ${SECONDS}s"; grep -v "^- " "$OUT/ro_b32.log" | tail -25
+  left=$((TOTAL - SECONDS)); [ $left -gt 60 ] && tests 50 "dkdv"
+  left=$((TOTAL - SECONDS)); [ $left -gt 60 ] && ab $((left - 5)) 32768
+else
+  tests 150 "not rejects"
+  ab $((TOTAL - SECONDS - 150)) 32768,131072
+  left=$((TOTAL - SECONDS)); [ $left -gt 60 ] && ncu_all $((left - 10))
+fi
