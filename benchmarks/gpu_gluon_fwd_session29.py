@@ -131,7 +131,10 @@ def main() -> None:
             del lists
             # forward + backward through the autograd function, every kernel Triton (default) or Gluon
             qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-            for lab, tn in (("fwdbwd_triton", None), ("fwdbwd_gluon", {"fwd_impl": "gluon", "bwd_impl": "gluon"})):
+            pf = {"fwd_impl": "gluon", "bwd_impl": "gluon", "fwd_gluon": (32, 2, 0, 1), "dq_gluon": (64, 2, 1),
+                  "keyq_gluon": (2, None, 1)}  # session 31: every Gluon kernel with its lists read ahead
+            for lab, tn in (("fwdbwd_triton", None), ("fwdbwd_gluon", {"fwd_impl": "gluon", "bwd_impl": "gluon"}),
+                            ("fwdbwd_gluon_prefetch", pf)):
                 fb = lambda tn=tn: sa.sparse_attention(qg, kg, vg, idx, tune=tn)[0].backward(do)  # noqa: E731
                 row[f"{lab}_ms"] = bench_ms(fb, dev, grad_to_none=[qg, kg, vg], **W)
             qd, kd, vd = (t.transpose(1, 2) for t in (q, k, v))

@@ -5,7 +5,7 @@ faster, and (session 31) whether the keyq dk / dv (the backward's largest term, 
 gathers' DRAM bytes (38 GB, 2.6 TB/s if none hit L2) or by its MMAs. Under ncu the profiled range holds one call
 of each form on the bench's trained 32K selection (B 1, 32 / 8 heads, D 128, k 2048, bf16, 16-query tiles):
 Triton forward, Gluon forward 32x2 and 64x2, Triton dq, Gluon dq 64x2, Triton keyq dk / dv, Gluon keyq dk / dv,
-then the three Gluon kernels with PREFETCH (forward 32x2, dq 64x2, dk / dv).
+then the three Gluon kernels with PREFETCH (forward 32x2, dq 64x2, dk / dv on 128 and on 64 rows).
 
     ncu --clock-control none --profile-from-start off -k regex:'_tile_(fwd|dq)|_kq_dkdv' --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
@@ -51,7 +51,9 @@ def main():
              # session 31: the same Gluon kernels with their lists read ahead (PREFETCH)
              lambda: union_gluon.tile_fwd_gluon(q, k, v, sel, scale, tune=(32, 2, 0, 1)),
              lambda: union_gluon.tile_dq_gluon(q, k, v, sel, do, lse, delta, scale, tune=(64, 2, 1)),
-             lambda: keyq_gluon.keyq_dkdv_gluon(q, k, v, idx, do, lse, delta, scale, tune=(2, None, 1), lists=lists)]
+             lambda: keyq_gluon.keyq_dkdv_gluon(q, k, v, idx, do, lse, delta, scale, tune=(2, None, 1), lists=lists),
+             lambda: keyq_gluon.keyq_dkdv_gluon(q, k, v, idx, do, lse, delta, scale, tune=(2, None, 1, 64),
+                                                lists=lists)]
     for fn in calls:  # compiled outside the profiled range
         fn()
     torch.cuda.synchronize()

@@ -27,7 +27,9 @@ def compile_fwd(BK: int = 64, stages: int = 2, pipe: int = 0, D: int = 128, dq: 
                 prefetch: int = 0):
     """The forward kernel (with dq the tile dq kernel, with kq the key-major dk/dv; pipe ignored there) for sm_90a."""
     if kq:
-        fn, cx = keyq_gluon._kq_dkdv_gluon_kernel, dict(BQ=32, D=D, STAGES=stages, GH=2, PREFETCH=bool(prefetch))
+        rows = BK if BK in (64, 128) else 128  # kq: BK is the chunk's rows
+        fn, cx = keyq_gluon._kq_dkdv_gluon_kernel, dict(BQ=rows // 4, D=D, STAGES=stages, GH=2, PREFETCH=bool(prefetch),
+                                                        ROWS=rows)
     else:
         fn = union_gluon._tile_dq_gluon_kernel if dq else union_gluon._tile_fwd_gluon_kernel
         cx = dict(BT=16, BK=BK, D=D, STAGES=stages, PREFETCH=bool(prefetch), **({} if dq else {"PIPE": bool(pipe)}))
@@ -44,13 +46,13 @@ def compile_fwd(BK: int = 64, stages: int = 2, pipe: int = 0, D: int = 128, dq: 
             if n not in INTS:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(GluonASTSource(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=keyq_gluon.WARPS if kq else union_gluon.WARPS))
+                          options=dict(num_warps=cx["ROWS"] // 16 if kq else union_gluon.WARPS))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tunes", default="64x2,64x3,32x3,32x4,64x3x1,32x4x1,dq64x2,dq64x3,dq32x3,kq64x2",
-                    help="[dq|kq]BKxSTAGES[xPIPE[xPREFETCH]],... (kq: 64-key tiles, BK and PIPE ignored)")
+                    help="[dq|kq]BKxSTAGES[xPIPE[xPREFETCH]],... (kq: 64-key tiles, BK its chunk's rows, PIPE ignored)")
     a = ap.parse_args()
     from sm90_tile_fwd import cuobjdump, sass_counts
     for tn in a.tunes.split(","):

@@ -31,12 +31,11 @@ if HAVE_GLUON:
     from sparse_rl.sparse.ops.sparse_attention.union_gluon import _cp_async, _cta_barrier, _ring_landed
 
 BN = 64  # keys a tile (int64 masks)
-ROWS = 128  # MMA rows a chunk: 128 / G queries
-WARPS = 8
+ROWS = 128  # MMA rows a chunk by default: 128 / G queries on 8 warps (64 rows: 4 warps, two programs an SM)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """The shapes this kernel takes: G dividing 128, D 128 (dK^T / dV^T share the 128-row MMA layout of S), bf16 /
+    """The shapes this kernel takes: G dividing 128, D 128 (dK^T / dV^T are `[D, 64]` in S's MMA layout), bf16 /
     fp16, unit stride along D."""
     G = q.shape[2] // k.shape[2]
     return (ROWS % G == 0 and q.shape[3] == ROWS and q.dtype in (torch.bfloat16, torch.float16)
@@ -46,10 +45,9 @@ def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
 if HAVE_GLUON:
 
     @gluon.jit
-    def _chunk_list(LIST, c, hi, G, BQ: gl.constexpr, layout: gl.constexpr):
-        """The query of each of the chunk's 128 rows (list entries c .. c + BQ, G rows each; entries past hi read
-        query 0, their rows masked out later) `[128]` int32 in `layout`, and whether the row is live."""
-        ROWS: gl.constexpr = 128
+    def _chunk_list(LIST, c, hi, G, BQ: gl.constexpr, ROWS: gl.constexpr, layout: gl.constexpr):
+        """The query of each of the chunk's ROWS rows (list entries c .. c + BQ, G rows each; entries past hi read
+        query 0, their rows masked out later) `[ROWS]` int32 in `layout`, and whether the row is live."""
         r = gl.arange(0, ROWS, layout=layout)
         e = c + r // G
         ok = (r // G < BQ) & (e < hi)
@@ -57,10 +55,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _issue_rows(q_smem, do_smem, Q, DO, t, b, kvh, G, sqb, sqt, sqh, sdob, sdot, sdoh, stage,
-                    D: gl.constexpr, LOAD: gl.constexpr):
-        """cp.async the q / dO rows `[128, D]` of queries t (`_chunk_list` in SliceLayout(1, LOAD)) into ring stage
+                    D: gl.constexpr, ROWS: gl.constexpr, LOAD: gl.constexpr):
+        """cp.async the q / dO rows `[ROWS, D]` of queries t (`_chunk_list` in SliceLayout(1, LOAD)) into ring stage
         `stage`, one commit group."""
-        ROWS: gl.constexpr = 128
         r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LOAD))
         t = t.to(gl.int64)
         heads = kvh * G + r % G
@@ -71,10 +68,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _issue_chunk(q_smem, do_smem, Q, DO, LIST, b, c, hi, kvh, G, sqb, sqt, sqh, sdob, sdot, sdoh, stage,
-                     BQ: gl.constexpr, D: gl.constexpr, LOAD: gl.constexpr):
+                     BQ: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr, LOAD: gl.constexpr):
         """`_issue_rows` of list entries c .. c + BQ (the list read here: its latency is the caller's stall)."""
-        t, _ = _chunk_list(LIST, c, hi, G, BQ, gl.SliceLayout(1, LOAD))
-        _issue_rows(q_smem, do_smem, Q, DO, t, b, kvh, G, sqb, sqt, sqh, sdob, sdot, sdoh, stage, D, LOAD)
+        t, _ = _chunk_list(LIST, c, hi, G, BQ, ROWS, gl.SliceLayout(1, LOAD))
+        _issue_rows(q_smem, do_smem, Q, DO, t, b, kvh, G, sqb, sqt, sqh, sdob, sdot, sdoh, stage, D, ROWS, LOAD)
 
     @gluon.jit
     def _row_stats(LSE, DELTA, t, ok, b, heads, slb, slt, slh):
@@ -115,9 +112,9 @@ if HAVE_GLUON:
                               sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sdob, sdot, sdoh, slb, slt, slh,
                               sdkb, sdks, sdkh, S, G, NKT, scale, qk_scale,
                               BQ: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, GH: gl.constexpr,
-                              PREFETCH: gl.constexpr):
-        BN: gl.constexpr = 64  # the module's BN / ROWS (globals are not constexpr inside a kernel)
-        ROWS: gl.constexpr = 128
+                              PREFETCH: gl.constexpr, ROWS: gl.constexpr):
+        BN: gl.constexpr = 64  # the module's BN (globals are not constexpr inside a kernel)
+        W: gl.constexpr = ROWS // 16  # warps: 8 (two warpgroups on 128 rows) or 4 (one on 64)
         pid = gl.program_id(0)
         grp = pid // (GH * NKT)  # `keyq._tile_of`'s program order
         rr = pid % (GH * NKT)
@@ -125,8 +122,8 @@ if HAVE_GLUON:
         j = rr // GH
         b = gl.program_id(1).to(gl.int64)
         dt: gl.constexpr = Q.dtype.element_ty
-        LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [8, 1], [1, 0])
-        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16])
+        LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [W, 1], [1, 0])
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BN, 16])
         RS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], dt)
         KS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
         PS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BN], dt)
@@ -142,7 +139,7 @@ if HAVE_GLUON:
         hi = gl.load(OFF + b * NKT + j + 1)
         for i in gl.static_range(STAGES - 1):
             _issue_chunk(q_smem, do_smem, Q, DO, LIST, b, lo + i * BQ, hi, kvh, G, sqb, sqt, sqh, sdob, sdot, sdoh,
-                         i, BQ, D, LOAD)
+                         i, BQ, D, ROWS, LOAD)
         n_l = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LOAD))
         d_l = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
         k_smem.store(gl.load(K + b * skb + n_l[:, None] * sks + kvh * skh + d_l[None, :], mask=(n_l < S)[:, None],
@@ -158,19 +155,19 @@ if HAVE_GLUON:
         heads = kvh * G + r % G
         nchunks = gl.cdiv(hi - lo, BQ)
         if PREFETCH:  # the list entries one chunk ahead; the key bits, lse and delta loaded under the S / dP MMAs
-            tc, _ = _chunk_list(LIST, lo + (STAGES - 1) * BQ, hi, G, BQ, gl.SliceLayout(1, LOAD))
-            t, ok = _chunk_list(LIST, lo, hi, G, BQ, gl.SliceLayout(1, ACC))
+            tc, _ = _chunk_list(LIST, lo + (STAGES - 1) * BQ, hi, G, BQ, ROWS, gl.SliceLayout(1, LOAD))
+            t, ok = _chunk_list(LIST, lo, hi, G, BQ, ROWS, gl.SliceLayout(1, ACC))
             for i in range(nchunks):
                 _ring_landed(STAGES - 2)
                 nxt = i + STAGES - 1
                 _issue_rows(q_smem, do_smem, Q, DO, tc, b, kvh, G, sqb, sqt, sqh, sdob, sdot, sdoh, nxt % STAGES, D,
-                            LOAD)
-                tc, _ = _chunk_list(LIST, lo + (nxt + 1) * BQ, hi, G, BQ, gl.SliceLayout(1, LOAD))
+                            ROWS, LOAD)
+                tc, _ = _chunk_list(LIST, lo + (nxt + 1) * BQ, hi, G, BQ, ROWS, gl.SliceLayout(1, LOAD))
                 st = i % STAGES
                 s, dp = _chunk_scores(q_smem.index(st), do_smem.index(st), k_smem, v_smem, z)
                 w = gl.load(MSK + lo + i * BQ + r // G, mask=ok, other=0)
                 lse, delta = _row_stats(LSE, DELTA, t, ok, b, heads, slb, slt, slh)
-                t_n, ok_n = _chunk_list(LIST, lo + (i + 1) * BQ, hi, G, BQ, gl.SliceLayout(1, ACC))
+                t_n, ok_n = _chunk_list(LIST, lo + (i + 1) * BQ, hi, G, BQ, ROWS, gl.SliceLayout(1, ACC))
                 dk, dv = _chunk_grads(s, dp, q_smem.index(st), do_smem.index(st), p_smem, ds_smem, dk, dv, lse, delta,
                                       w, ok, nbit, qk_scale, dt)
                 t, ok = t_n, ok_n
@@ -187,7 +184,7 @@ if HAVE_GLUON:
                 _ring_landed(STAGES - 2)
                 nxt = i + STAGES - 1
                 _issue_chunk(q_smem, do_smem, Q, DO, LIST, b, lo + nxt * BQ, hi, kvh, G, sqb, sqt, sqh, sdob, sdot,
-                             sdoh, nxt % STAGES, BQ, D, LOAD)
+                             sdoh, nxt % STAGES, BQ, D, ROWS, LOAD)
                 st = i % STAGES
                 s, dp = _chunk_scores(q_smem.index(st), do_smem.index(st), k_smem, v_smem, z)
                 dk, dv = _chunk_grads(s, dp, q_smem.index(st), do_smem.index(st), p_smem, ds_smem, dk, dv, lse, delta,
@@ -203,11 +200,12 @@ if HAVE_GLUON:
 
 def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple | None = None, lists=None):
     """`keyq.keyq_dkdv` on an sm_90 GPU: dk, dv `[B, S, H_kv, D]` of per-query `indices` `[B, T, K]`; q / do
-    `[B, T, H, D]`, lse / delta `[B, T, H]` fp32 with equal strides. tune = (STAGES, heads_together, prefetch): 2
-    stages (192 KB of shared memory, one program an SM), the KV heads interleaved in the program order (default:
-    the Triton kernel's, `keyq.default_tune`), prefetch 1 = the list entries read a chunk ahead and the key bits,
-    lse and delta under the S / dP MMAs (default 0: all read before the MMAs, two dependent loads' latency a
-    chunk); through `sparse_attention`, `tune={"keyq_gluon": ...}`; `lists`: a prebuilt
+    `[B, T, H, D]`, lse / delta `[B, T, H]` fp32 with equal strides. tune = (STAGES, heads_together, prefetch, rows):
+    2 stages, the KV heads interleaved in the program order (default: the Triton kernel's, `keyq.default_tune`),
+    prefetch 1 = the list entries read a chunk ahead and the key bits, lse and delta under the S / dP MMAs
+    (default 0: all read before the MMAs, two dependent loads' latency a chunk), rows 128 (8 warps, 192 KB of
+    shared memory: one program an SM) or 64 (4 warps, 112 KB: two programs an SM, one's softmax under the
+    other's MMAs); through `sparse_attention`, `tune={"keyq_gluon": ...}`; `lists`: a prebuilt
     `keyq.key_query_lists(indices, S, 64)`."""
     if not supports(q, k) or do.stride(3) != 1 or v.stride(3) != 1 or lse.stride() != delta.stride():
         raise ValueError(f"keyq_dkdv_gluon: G dividing 128, D 128, bf16 / fp16 only (q {tuple(q.shape)} "
@@ -215,11 +213,12 @@ def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple 
     B, T, H, D = q.shape
     S, H_kv = k.shape[1], k.shape[2]
     G = H // H_kv
-    stages, gh, prefetch = (*(tune or (2,)), None, 0)[:3]
+    stages, gh, prefetch, rows = (*(tune or (2,)), None, 0, ROWS)[:4]
     if gh is None:  # the Triton kernel's program order (its tune's sixth entry; absent: all KV heads)
         gh = (*keyq.default_tune(True, H_kv), None, None)[5] or H_kv
-    if stages != 2 or gh < 1 or H_kv % gh:  # 3 stages of 128-row q / dO need 256 KB of shared memory
-        raise ValueError(f"keyq_dkdv_gluon: tune {tune}: 2 stages, heads_together dividing {H_kv}")
+    if stages != 2 or gh < 1 or H_kv % gh or rows not in (64, 128) or rows % G:  # 3 stages: > 227 KB shared
+        raise ValueError(f"keyq_dkdv_gluon: tune {tune}: 2 stages, heads_together dividing {H_kv}, rows 64 / 128 "
+                         f"divisible by G {G}")
     off, lst, msk = lists if lists is not None else keyq.key_query_lists(indices, S, BN)
     NKT = triton.cdiv(S, BN)
     dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
@@ -229,5 +228,5 @@ def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple 
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), S, G, NKT, scale, scale * LOG2E,
-        BQ=ROWS // G, D=D, STAGES=stages, GH=gh, PREFETCH=bool(prefetch), num_warps=WARPS)
+        BQ=rows // G, D=D, STAGES=stages, GH=gh, PREFETCH=bool(prefetch), ROWS=rows, num_warps=rows // 16)
     return dk, dv
