@@ -3,7 +3,7 @@
 #   H200 (> 100 GB): #14's b32 16K rollout first (the CUDA decode select's first H200 run, pending since session 27),
 #     then the Gluon PREFETCH tests and the 32K kernel A/B;
 #   H100: the Gluon tests (PREFETCH forms bitwise the plain ones), the A/B of the three Gluon kernels with their key /
-#     query lists read ahead (PREFETCH) at 32K / 128K trained, then ncu of every tile / dk-dv form
+#     query lists read ahead (PREFETCH) at 32K trained, then ncu of every tile / dk-dv form
 #     (benchmarks/gpu_ncu_session30.py: counters of the Triton, Gluon and Gluon-PREFETCH kernels).
 # Usage (device machine, repository root): TOTAL=540 bash benchmarks/gpu_session31.sh   (writes under $OUT)
 set -u
@@ -40,7 +40,7 @@ if [ "$mem" -gt 100000 ] && [ "${ROLLOUT:-1}" = 1 ]; then
   left=$((TOTAL - SECONDS)); [ $left -gt 60 ] && tests 50 "dkdv"
   left=$((TOTAL - SECONDS)); [ $left -gt 60 ] && ab $((left - 5)) 32768
 else
-  tests 150 "not rejects"
-  ab $((TOTAL - SECONDS - 150)) 32768,131072
+  tests 130 "not rejects"
+  ab $((TOTAL - SECONDS - 170)) 32768
   left=$((TOTAL - SECONDS)); [ $left -gt 60 ] && ncu_all $((left - 10))
 fi
