@@ -120,15 +120,16 @@ def main() -> None:
             dk_ref, dv_ref = keyq.keyq_dkdv(q, k, v, idx, do, lse, delta, scale, prec, lists=lists)
             kqs = {"keyq_triton": lambda: keyq.keyq_dkdv(q, k, v, idx, do, lse, delta, scale, prec, lists=lists),
                    "keyq_gluon": lambda: keyq_gluon.keyq_dkdv_gluon(q, k, v, idx, do, lse, delta, scale, lists=lists)}
+            lists32 = keyq.key_query_lists(idx, L, 32)  # session 31: 32-key tiles (tune's 5th entry)
             for tn in [tuple(int(x) for x in t.split("x")) for t in a.keyq_tunes.split(",") if t]:
                 kqs["keyq_gluon_" + "x".join(map(str, tn))] = lambda tn=tn: keyq_gluon.keyq_dkdv_gluon(
-                    q, k, v, idx, do, lse, delta, scale, tune=tn, lists=lists)
+                    q, k, v, idx, do, lse, delta, scale, tune=tn, lists=lists32 if tn[4:5] == (32,) else lists)
             for lab, fn in kqs.items():
                 dk_, dv_ = fn()
                 row[f"{lab}_maxdiff"] = max(float((dk_.float() - dk_ref.float()).abs().max()),
                                             float((dv_.float() - dv_ref.float()).abs().max()))
                 row[f"{lab}_ms"] = bench_ms(fn, dev, **W)
-            del lists
+            del lists, lists32
             # forward + backward through the autograd function, every kernel Triton (default) or Gluon
             qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
             pf = {"fwd_impl": "gluon", "bwd_impl": "gluon", "fwd_gluon": (32, 2, 0, 1), "dq_gluon": (64, 2, 1),

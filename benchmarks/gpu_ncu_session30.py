@@ -5,7 +5,7 @@ faster, and (session 31) whether the keyq dk / dv (the backward's largest term, 
 gathers' DRAM bytes (38 GB, 2.6 TB/s if none hit L2) or by its MMAs. Under ncu the profiled range holds one call
 of each form on the bench's trained 32K selection (B 1, 32 / 8 heads, D 128, k 2048, bf16, 16-query tiles):
 Triton forward, Gluon forward 32x2 and 64x2, Triton dq, Gluon dq 64x2, Triton keyq dk / dv, Gluon keyq dk / dv,
-then the three Gluon kernels with PREFETCH (forward 32x2, dq 64x2, dk / dv on 128 and on 64 rows).
+then the three Gluon kernels with PREFETCH (forward 32x2, dq 64x2, dk / dv on 128 and on 64 rows, and on 64 rows x 32 keys).
 
     ncu --clock-control none --profile-from-start off -k regex:'_tile_(fwd|dq)|_kq_dkdv' --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
@@ -41,6 +41,7 @@ def main():
     do = torch.randn(o.shape, device=dev, generator=g).bfloat16()
     delta = (o.float() * do.float()).sum(-1).contiguous()
     lists = keyq.key_query_lists(idx, L, 64)
+    lists32 = keyq.key_query_lists(idx, L, 32)
     calls = [lambda: union.tile_fwd(q, k, v, sel, scale, prec),
              lambda: union_gluon.tile_fwd_gluon(q, k, v, sel, scale, tune=(32, 2)),
              lambda: union_gluon.tile_fwd_gluon(q, k, v, sel, scale, tune=(64, 2)),
@@ -53,7 +54,9 @@ def main():
              lambda: union_gluon.tile_dq_gluon(q, k, v, sel, do, lse, delta, scale, tune=(64, 2, 1)),
              lambda: keyq_gluon.keyq_dkdv_gluon(q, k, v, idx, do, lse, delta, scale, tune=(2, None, 1), lists=lists),
              lambda: keyq_gluon.keyq_dkdv_gluon(q, k, v, idx, do, lse, delta, scale, tune=(2, None, 1, 64),
-                                                lists=lists)]
+                                                lists=lists),
+             lambda: keyq_gluon.keyq_dkdv_gluon(q, k, v, idx, do, lse, delta, scale, tune=(2, None, 1, 64, 32),
+                                                lists=lists32)]
     for fn in calls:  # compiled outside the profiled range
         fn()
     torch.cuda.synchronize()

@@ -8,7 +8,7 @@
 # Usage (device machine, repository root): TOTAL=540 bash benchmarks/gpu_session31.sh   (writes under $OUT)
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-TOTAL=${TOTAL:-540}
+TOTAL=${TOTAL:-520}
 SRL="python3 -m sparse_rl.cli.main"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
@@ -19,7 +19,7 @@ tests() {  # $1 seconds, $2 pytest -k expression
 }
 ab() {  # $1 s, $2 seqlens: Triton / Gluon / Gluon PREFETCH, forward, dq, keyq dk-dv (gpu_gluon_fwd_session29.py)
   timeout "$1" python3 benchmarks/gpu_gluon_fwd_session29.py --seqlens "$2" --budget $(($1 - 15)) \
-    --tunes 32x2,32x2x0x1,64x2,64x2x0x1 --dq-tunes 64x2,64x2x1 --keyq-tunes 2x2x0,2x2x1,2x2x0x64,2x2x1x64 --reps 2 \
+    --tunes 32x2,32x2x0x1,64x2,64x2x0x1 --dq-tunes 64x2,64x2x1 --keyq-tunes 2x2x0,2x2x1,2x2x1x64,2x2x1x64x32 --reps 2 \
     --out "$OUT/pf31" > "$OUT/pf31.log" 2>&1
   echo "prefetch A/B rc=$? at ${SECONDS}s"; tail -c 3000 "$OUT/pf31.log"
 }

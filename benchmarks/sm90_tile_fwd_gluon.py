@@ -25,11 +25,12 @@ INTS = ("G", "T", "NT", "slh", "S", "NKT")  # not multiples of 16 at the bench's
 
 def compile_fwd(BK: int = 64, stages: int = 2, pipe: int = 0, D: int = 128, dq: bool = False, kq: bool = False,
                 prefetch: int = 0):
-    """The forward kernel (with dq the tile dq kernel, with kq the key-major dk/dv; pipe ignored there) for sm_90a."""
+    """The forward kernel (with dq the tile dq kernel, with kq the key-major dk/dv: BK its rows, pipe its keys a tile)
+    for sm_90a."""
     if kq:
-        rows = BK if BK in (64, 128) else 128  # kq: BK is the chunk's rows
+        rows = BK if BK in (64, 128) else 128  # kq: BK is the chunk's rows, pipe its keys a tile (0: 64)
         fn, cx = keyq_gluon._kq_dkdv_gluon_kernel, dict(BQ=rows // 4, D=D, STAGES=stages, GH=2, PREFETCH=bool(prefetch),
-                                                        ROWS=rows)
+                                                        ROWS=rows, BN=pipe or 64)
     else:
         fn = union_gluon._tile_dq_gluon_kernel if dq else union_gluon._tile_fwd_gluon_kernel
         cx = dict(BT=16, BK=BK, D=D, STAGES=stages, PREFETCH=bool(prefetch), **({} if dq else {"PIPE": bool(pipe)}))
@@ -39,6 +40,8 @@ def compile_fwd(BK: int = 64, stages: int = 2, pipe: int = 0, D: int = 128, dq: 
             sig[n] = "constexpr"
         elif n in PTR:
             sig[n], attrs[(i,)] = PTR[n], [["tt.divisibility", 16]]
+            if n == "MSK" and cx.get("BN") == 32:  # 32-key tiles: int32 key bits
+                sig[n] = "*i32"
         elif n in ("qk_scale", "scale"):
             sig[n] = "fp32"
         else:
@@ -52,7 +55,7 @@ def compile_fwd(BK: int = 64, stages: int = 2, pipe: int = 0, D: int = 128, dq: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tunes", default="64x2,64x3,32x3,32x4,64x3x1,32x4x1,dq64x2,dq64x3,dq32x3,kq64x2",
-                    help="[dq|kq]BKxSTAGES[xPIPE[xPREFETCH]],... (kq: 64-key tiles, BK its chunk's rows, PIPE ignored)")
+                    help="[dq|kq]BKxSTAGES[xPIPE[xPREFETCH]],... (kq: BK its chunk's rows, PIPE its keys a tile)")
     a = ap.parse_args()
     from sm90_tile_fwd import cuobjdump, sass_counts
     for tn in a.tunes.split(","):

@@ -35,13 +35,17 @@ def test_compiles_for_sm90_without_spills():
     root = os.path.join(os.path.dirname(__file__), "..", "..")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.path.abspath(root))
     r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "sm90_tile_fwd_gluon.py"), "--tunes",
-                        "64x2,64x3,32x3,64x3x1,64x2x0x1,dq64x2,dq32x3,dq64x2x1,kq128x2,kq128x2x0x1,kq64x2"],
+                        "64x2,64x3,32x3,64x3x1,64x2x0x1,dq64x2,dq32x3,dq64x2x1,kq128x2,kq128x2x0x1,kq64x2,"
+                        "kq64x2x32x1"],
                        capture_output=True, text=True, env=env, timeout=300)
-    rows = re.findall(r"(fwd|dq|kq) BK (\d+) stages (\d+) pipe \d prefetch (\d): regs (\d+) stack (\d+) shared (\d+)",
-                      r.stdout)
-    assert len(rows) == 11, r.stdout + r.stderr[-2000:]
+    rows = re.findall(r"(fwd|dq|kq) BK (\d+) stages (\d+) pipe (\d+) prefetch (\d): regs (\d+) stack (\d+) shared "
+                      r"(\d+)", r.stdout)
+    assert len(rows) == 12, r.stdout + r.stderr[-2000:]
     for kind, *nums in rows:
-        bk, st, pf, regs, stack, shared = map(int, nums)
+        bk, st, pipe, pf, regs, stack, shared = map(int, nums)
+        if kind == "kq" and pipe == 32:  # 64 rows x 32 keys: half the accumulators, no spills, two programs an SM
+            assert stack == 0 and shared <= 113 * 1024
+            continue
         # no spills; the dk/dv at 255 registers: prefetching on 128 rows spills 72 B of loop invariants, the 64-row
         # form (4 warps hold all of dK^T / dV^T) ~300 B (Triton 3.6)
         assert stack <= (0 if kind != "kq" else 128 if bk == 128 and pf else 0 if bk == 128 else 512)
@@ -163,7 +167,7 @@ def test_fwd_impl_is_an_argument_checked_where_the_kernel_cannot_run():
 @needs_hopper
 @pytest.mark.parametrize("H,H_kv", [(32, 8), (8, 4), (16, 2)])
 @pytest.mark.parametrize("T,S,K", [(333, 333, 96), (100, 1000, 200), (1031, 1031, 300)])
-@pytest.mark.parametrize("tune", [(2, None, 0), (2, None, 1), (2, None, 0, 64), (2, None, 1, 64)])
+@pytest.mark.parametrize("tune", [(2, None, 0), (2, None, 1), (2, None, 0, 64), (2, None, 1, 64), (2, None, 1, 64, 32)])
 def test_dkdv_equals_the_triton_kernel_and_autograd(H, H_kv, T, S, K, tune):
     dev = torch.device("cuda")
     q, k, v, idx = _case(2, T, S, H, H_kv, 128, K, T + S + K + H, dev)

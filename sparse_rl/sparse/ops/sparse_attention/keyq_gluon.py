@@ -30,7 +30,7 @@ if HAVE_GLUON:
 
     from sparse_rl.sparse.ops.sparse_attention.union_gluon import _cp_async, _cta_barrier, _ring_landed
 
-BN = 64  # keys a tile (int64 masks)
+BN = 64  # keys a tile by default (int64 masks; 32: int32)
 ROWS = 128  # MMA rows a chunk by default: 128 / G queries on 8 warps (64 rows: 4 warps, two programs an SM)
 
 
@@ -112,8 +112,7 @@ if HAVE_GLUON:
                               sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sdob, sdot, sdoh, slb, slt, slh,
                               sdkb, sdks, sdkh, S, G, NKT, scale, qk_scale,
                               BQ: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, GH: gl.constexpr,
-                              PREFETCH: gl.constexpr, ROWS: gl.constexpr):
-        BN: gl.constexpr = 64  # the module's BN (globals are not constexpr inside a kernel)
+                              PREFETCH: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr):
         W: gl.constexpr = ROWS // 16  # warps: 8 (two warpgroups on 128 rows) or 4 (one on 64)
         pid = gl.program_id(0)
         grp = pid // (GH * NKT)  # `keyq._tile_of`'s program order
@@ -148,7 +147,7 @@ if HAVE_GLUON:
                              other=0.0))
 
         r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ACC))
-        nbit = gl.arange(0, BN, layout=gl.SliceLayout(0, ACC)).to(gl.int64)
+        nbit = gl.arange(0, BN, layout=gl.SliceLayout(0, ACC)).to(MSK.dtype.element_ty)
         z = gl.zeros([ROWS, BN], gl.float32, ACC)
         dk = gl.zeros([D, BN], gl.float32, ACC)
         dv = gl.zeros([D, BN], gl.float32, ACC)
@@ -200,27 +199,31 @@ if HAVE_GLUON:
 
 def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple | None = None, lists=None):
     """`keyq.keyq_dkdv` on an sm_90 GPU: dk, dv `[B, S, H_kv, D]` of per-query `indices` `[B, T, K]`; q / do
-    `[B, T, H, D]`, lse / delta `[B, T, H]` fp32 with equal strides. tune = (STAGES, heads_together, prefetch, rows):
-    2 stages, the KV heads interleaved in the program order (default: the Triton kernel's, `keyq.default_tune`),
+    `[B, T, H, D]`, lse / delta `[B, T, H]` fp32 with equal strides. tune = (STAGES, heads_together, prefetch, rows,
+    keys): 2 stages, the KV heads interleaved in the program order (default: the Triton kernel's,
+    `keyq.default_tune`),
     prefetch 1 = the list entries read a chunk ahead and the key bits, lse and delta under the S / dP MMAs
     (default 0: all read before the MMAs, two dependent loads' latency a chunk), rows 128 (8 warps, 192 KB of
     shared memory: one program an SM) or 64 (4 warps, 112 KB: two programs an SM, one's softmax under the
-    other's MMAs); through `sparse_attention`, `tune={"keyq_gluon": ...}`; `lists`: a prebuilt
-    `keyq.key_query_lists(indices, S, 64)`."""
+    other's MMAs), keys a tile 64 or 32 (dK^T / dV^T half the registers, more (tile, query) pairs to gather);
+    through `sparse_attention`, `tune={"keyq_gluon": ...}`; `lists`: a prebuilt `keyq.key_query_lists(indices, S,
+    keys)`."""
     if not supports(q, k) or do.stride(3) != 1 or v.stride(3) != 1 or lse.stride() != delta.stride():
         raise ValueError(f"keyq_dkdv_gluon: G dividing 128, D 128, bf16 / fp16 only (q {tuple(q.shape)} "
                          f"{q.dtype}, k {tuple(k.shape)})")
     B, T, H, D = q.shape
     S, H_kv = k.shape[1], k.shape[2]
     G = H // H_kv
-    stages, gh, prefetch, rows = (*(tune or (2,)), None, 0, ROWS)[:4]
+    stages, gh, prefetch, rows, bn = (*(tune or (2,)), None, 0, ROWS, BN)[:5]
     if gh is None:  # the Triton kernel's program order (its tune's sixth entry; absent: all KV heads)
         gh = (*keyq.default_tune(True, H_kv), None, None)[5] or H_kv
-    if stages != 2 or gh < 1 or H_kv % gh or rows not in (64, 128) or rows % G:  # 3 stages: > 227 KB shared
-        raise ValueError(f"keyq_dkdv_gluon: tune {tune}: 2 stages, heads_together dividing {H_kv}, rows 64 / 128 "
-                         f"divisible by G {G}")
-    off, lst, msk = lists if lists is not None else keyq.key_query_lists(indices, S, BN)
-    NKT = triton.cdiv(S, BN)
+    if stages != 2 or gh < 1 or H_kv % gh or rows not in (64, 128) or rows % G or bn not in (32, 64):
+        raise ValueError(f"keyq_dkdv_gluon: tune {tune}: 2 stages (3: > 227 KB shared), heads_together dividing "
+                         f"{H_kv}, rows 64 / 128 divisible by G {G}, keys 32 / 64")
+    off, lst, msk = lists if lists is not None else keyq.key_query_lists(indices, S, bn)
+    if msk.dtype != (torch.int64 if bn == 64 else torch.int32):
+        raise ValueError(f"keyq_dkdv_gluon: lists of {msk.dtype} masks for {bn}-key tiles")
+    NKT = triton.cdiv(S, bn)
     dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
     dv = torch.empty_like(dk)
     _kq_dkdv_gluon_kernel[(H_kv * NKT, B)](
@@ -228,5 +231,6 @@ def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple 
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), S, G, NKT, scale, scale * LOG2E,
-        BQ=rows // G, D=D, STAGES=stages, GH=gh, PREFETCH=bool(prefetch), ROWS=rows, num_warps=rows // 16)
+        BQ=rows // G, D=D, STAGES=stages, GH=gh, PREFETCH=bool(prefetch), ROWS=rows, BN=bn,
+        num_warps=rows // 16)
     return dk, dv
