@@ -214,7 +214,8 @@ def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple 
     B, T, H, D = q.shape
     S, H_kv = k.shape[1], k.shape[2]
     G = H // H_kv
-    stages, gh, prefetch, rows, bn = (*(tune or (2,)), None, 0, ROWS, BN)[:5]
+    given = tuple(tune or ())
+    stages, gh, prefetch, rows, bn = given + (2, None, 0, ROWS, BN)[len(given):]
     if gh is None:  # the Triton kernel's program order (its tune's sixth entry; absent: all KV heads)
         gh = (*keyq.default_tune(True, H_kv), None, None)[5] or H_kv
     if stages != 2 or gh < 1 or H_kv % gh or rows not in (64, 128) or rows % G or bn not in (32, 64):
