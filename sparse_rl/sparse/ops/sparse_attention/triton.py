@@ -377,7 +377,7 @@ def _use_gluon(q, call: _Call, key: str, fits: bool, auto: bool) -> bool:
 
 def _tile_forward(q, k, v, sel: union.TileSelection, call: _Call, prec: int, out=None):
     """The per-query tile forward (tune "fwd": the Triton launch; "fwd_gluon": the Gluon kernel's)."""
-    if _use_gluon(q, call, "fwd_impl", union_gluon.supports(q, k, sel), auto=False):
+    if _use_gluon(q, call, "fwd_impl", union_gluon.supports(q, k, sel), auto="fwd" not in call.tune):
         return union_gluon.tile_fwd_gluon(q, k, v, sel, call.scale, out=out, tune=call.tune.get("fwd_gluon"))
     return union.tile_fwd(q, k, v, sel, call.scale, prec, out=out, tune=call.tune.get("fwd"))
 

@@ -42,6 +42,11 @@ from sparse_rl.sparse.ops.sparse_attention.union import LOG2E, SLOT_PAD, TileSel
 
 ROWS = 64  # one warpgroup's MMA rows
 WARPS = 4
+# Default launches (session 31, H100, 32K trained; results/2026-12-07-h100-session31.md): the forward on 32-key
+# blocks with its key lists read a block ahead, 5.5-6.0 ms against Triton's 6.3-7.4 and 6.2-6.8 without the
+# prefetch; the dq on 64-key blocks with the prefetch, 6.35-6.40 against 7.25-7.40 without and Triton's 7.86-7.92.
+FWD_TUNE = (32, 2, 0, 1)
+DQ_TUNE = (64, 2, 1)
 
 
 def available(q: torch.Tensor) -> bool:
@@ -310,7 +315,7 @@ def tile_fwd_gluon(q, k, v, sel: TileSelection, scale: float, out=None, tune: tu
         o, lse = out
     if v.stride(3) != 1 or o.stride(3) != 1:
         raise ValueError("tile_fwd_gluon: v and out need unit stride along D")
-    BK, stages, pipe, prefetch = (*(tune or (64, 2)), 0, 0)[:4]
+    BK, stages, pipe, prefetch = (*(tune or FWD_TUNE), 0, 0)[:4]
     if stages < (3 if pipe else 2):
         raise ValueError(f"tile_fwd_gluon: tune {tune}: at least {3 if pipe else 2} stages")
     if sel.ukey.shape[2] % BK or BK > SLOT_PAD:
@@ -333,7 +338,7 @@ def tile_dq_gluon(q, k, v, sel: TileSelection, do, lse, delta, scale: float, tun
         raise ValueError("tile_dq_gluon: do and v need unit stride along D, lse and delta equal strides")
     B, T, H, D = q.shape
     NT = triton.cdiv(T, sel.BT)
-    BK, stages, prefetch = (*(tune or (64, 2)), 0)[:3]
+    BK, stages, prefetch = (*(tune or DQ_TUNE), 0)[:3]
     if sel.ukey.shape[2] % BK or BK > SLOT_PAD or stages < 2:
         raise ValueError(f"tile_dq_gluon: tune {tune} over key lists of {sel.ukey.shape[2]} slots")
     dq = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
