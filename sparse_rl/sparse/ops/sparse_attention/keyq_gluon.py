@@ -200,14 +200,18 @@ if HAVE_GLUON:
 def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple | None = None, lists=None):
     """`keyq.keyq_dkdv` on an sm_90 GPU: dk, dv `[B, S, H_kv, D]` of per-query `indices` `[B, T, K]`; q / do
     `[B, T, H, D]`, lse / delta `[B, T, H]` fp32 with equal strides. tune = (STAGES, heads_together, prefetch, rows,
-    keys): 2 stages, the KV heads interleaved in the program order (default: the Triton kernel's,
-    `keyq.default_tune`),
-    prefetch 1 (default; session 31, H100, 32K trained: 14.29 ms against 15.05 without, Triton 15.13) = the list
-    entries read a chunk ahead and the key bits, lse and delta under the S / dP MMAs (0: all read before the MMAs,
-    two dependent loads' latency a chunk), rows 128 (8 warps, 192 KB of
-    shared memory: one program an SM) or 64 (4 warps, 112 KB: two programs an SM, one's softmax under the
-    other's MMAs), keys a tile 64 or 32 (dK^T / dV^T half the registers, more (tile, query) pairs to gather);
-    through `sparse_attention`, `tune={"keyq_gluon": ...}`; `lists`: a prebuilt `keyq.key_query_lists(indices, S,
+    keys), each entry left out taking its default:
+    - STAGES 2 (3 would need more than 227 KB of shared memory);
+    - heads_together: the KV heads interleaved in the program order (default: the Triton kernel's,
+      `keyq.default_tune`);
+    - prefetch 1 (default) = the list entries read a chunk ahead and the key bits, lse and delta under the S / dP
+      MMAs; 0 = all read before the MMAs, two dependent loads' latency a chunk (session 31, H100, 32K trained:
+      14.11-14.30 ms against 14.82-15.06, Triton 15.05-15.14);
+    - rows 128 (default: 8 warps, 192 KB of shared memory, one program an SM) or 64 (4 warps, 112 KB, two programs
+      an SM; holding all of dK^T / dV^T spills, 24.7 ms);
+    - keys a tile 64 (default) or 32 (half the accumulators, no spills on 64 rows, more (tile, query) pairs to
+      gather: 14.5 ms).
+    Through `sparse_attention`, `tune={"keyq_gluon": ...}`; `lists`: a prebuilt `keyq.key_query_lists(indices, S,
     keys)`."""
     if not supports(q, k) or do.stride(3) != 1 or v.stride(3) != 1 or lse.stride() != delta.stride():
         raise ValueError(f"keyq_dkdv_gluon: G dividing 128, D 128, bf16 / fp16 only (q {tuple(q.shape)} "

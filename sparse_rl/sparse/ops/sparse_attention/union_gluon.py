@@ -43,8 +43,9 @@ from sparse_rl.sparse.ops.sparse_attention.union import LOG2E, SLOT_PAD, TileSel
 ROWS = 64  # one warpgroup's MMA rows
 WARPS = 4
 # Default launches (session 31, H100, 32K trained; results/2026-12-07-h100-session31.md): the forward on 32-key
-# blocks with its key lists read a block ahead, 5.5-6.0 ms against Triton's 6.3-7.4 and 6.2-6.8 without the
-# prefetch; the dq on 64-key blocks with the prefetch, 6.35-6.40 against 7.25-7.40 without and Triton's 7.86-7.92.
+# blocks with its key lists read a block ahead, 5.44-6.16 ms (median 5.60) against Triton's 6.33-7.44 (6.41) and
+# 6.15-6.80 (6.17) without the prefetch; the dq on 64-key blocks with the prefetch, 6.35-6.40 against 7.25-7.40
+# without and Triton's 7.85-7.92.
 FWD_TUNE = (32, 2, 0, 1)
 DQ_TUNE = (64, 2, 1)
 
