@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from sparse_rl.sparse.ops.sparse_attention import keyq
+from sparse_rl.sparse.ops.sparse_attention import keyq, keyq_gluon_ws
 from sparse_rl.sparse.ops.sparse_attention.union import LOG2E
 from sparse_rl.sparse.ops.sparse_attention.union_gluon import HAVE_GLUON
 
@@ -210,7 +210,9 @@ def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple 
     - rows 128 (default: 8 warps, 192 KB of shared memory, one program an SM) or 64 (4 warps, 112 KB, two programs
       an SM; holding all of dK^T / dV^T spills, 24.7 ms);
     - keys a tile 64 (default) or 32 (half the accumulators, no spills on 64 rows, more (tile, query) pairs to
-      gather: 14.5 ms).
+      gather: 14.5 ms);
+    - ws 1: `keyq_gluon_ws`, a producer warpgroup and two consumer warpgroups of 32 keys each (FA3's structure;
+      session 31, not yet run on a GPU), default 0.
     Through `sparse_attention`, `tune={"keyq_gluon": ...}`; `lists`: a prebuilt `keyq.key_query_lists(indices, S,
     keys)`."""
     if not supports(q, k) or do.stride(3) != 1 or v.stride(3) != 1 or lse.stride() != delta.stride():
@@ -220,7 +222,7 @@ def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple 
     S, H_kv = k.shape[1], k.shape[2]
     G = H // H_kv
     given = tuple(tune or ())
-    stages, gh, prefetch, rows, bn = given + (2, None, 1, ROWS, BN)[len(given):]
+    stages, gh, prefetch, rows, bn, ws = given + (2, None, 1, ROWS, BN, 0)[len(given):]
     if gh is None:  # the Triton kernel's program order (its tune's sixth entry; absent: all KV heads)
         gh = (*keyq.default_tune(True, H_kv), None, None)[5] or H_kv
     if stages != 2 or gh < 1 or H_kv % gh or rows not in (64, 128) or rows % G or bn not in (32, 64):
@@ -229,6 +231,11 @@ def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple 
     off, lst, msk = lists if lists is not None else keyq.key_query_lists(indices, S, bn)
     if msk.dtype != (torch.int64 if bn == 64 else torch.int32):
         raise ValueError(f"keyq_dkdv_gluon: lists of {msk.dtype} masks for {bn}-key tiles")
+    if ws:  # the warp-specialized form: 128 rows, 64-key tiles, 2 stages, its lists read ahead by its producer
+        if rows != 128 or bn != 64 or not keyq_gluon_ws.available():
+            raise ValueError(f"keyq_dkdv_gluon: tune {tune}: ws needs rows 128, 64-key tiles and Gluon's "
+                             "warp_specialize")
+        return keyq_gluon_ws.launch(q, k, v, do, lse, delta, (off, lst, msk), scale, LOG2E, gh)
     NKT = triton.cdiv(S, bn)
     dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
     dv = torch.empty_like(dk)
