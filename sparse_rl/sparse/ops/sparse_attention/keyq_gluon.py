@@ -28,6 +28,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
+    from sparse_rl.sparse.ops.sparse_attention.keyq_gluon_ws import _key_tile_program
     from sparse_rl.sparse.ops.sparse_attention.union_gluon import _cp_async, _cta_barrier, _ring_landed
 
 BN = 64  # keys a tile by default (int64 masks; 32: int32)
@@ -114,12 +115,7 @@ if HAVE_GLUON:
                               BQ: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, GH: gl.constexpr,
                               PREFETCH: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr):
         W: gl.constexpr = ROWS // 16  # warps: 8 (two warpgroups on 128 rows) or 4 (one on 64)
-        pid = gl.program_id(0)
-        grp = pid // (GH * NKT)  # `keyq._tile_of`'s program order
-        rr = pid % (GH * NKT)
-        kvh = grp * GH + rr % GH
-        j = rr // GH
-        b = gl.program_id(1).to(gl.int64)
+        kvh, j, b = _key_tile_program(NKT, GH)
         dt: gl.constexpr = Q.dtype.element_ty
         LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [W, 1], [1, 0])
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BN, 16])
@@ -236,14 +232,7 @@ def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple 
             raise ValueError(f"keyq_dkdv_gluon: tune {tune}: ws needs rows 128, 64-key tiles and Gluon's "
                              "warp_specialize")
         return keyq_gluon_ws.launch(q, k, v, do, lse, delta, (off, lst, msk), scale, LOG2E, gh)
-    NKT = triton.cdiv(S, bn)
-    dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
-    dv = torch.empty_like(dk)
-    _kq_dkdv_gluon_kernel[(H_kv * NKT, B)](
-        q, k, v, do, lse, delta, off, lst, msk, dk, dv, q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2), S, G, NKT, scale, scale * LOG2E,
-        BQ=rows // G, D=D, STAGES=stages, GH=gh, PREFETCH=bool(prefetch), ROWS=rows, BN=bn,
-        num_warps=rows // 16)
+    grid, args, dk, dv = keyq_gluon_ws.kernel_args(q, k, v, do, lse, delta, (off, lst, msk), bn, scale, LOG2E)
+    _kq_dkdv_gluon_kernel[grid](*args, BQ=rows // G, D=D, STAGES=stages, GH=gh, PREFETCH=bool(prefetch), ROWS=rows,
+                                BN=bn, num_warps=rows // 16)
     return dk, dv

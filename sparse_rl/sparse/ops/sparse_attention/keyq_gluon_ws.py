@@ -41,6 +41,14 @@ CONSUMER_REGS = 200  # the consumers' setmaxnreg (dK^T / dV^T / S / dP: 128 of t
 if HAVE_GLUON:
 
     @gluon.jit
+    def _key_tile_program(NKT, GH: gl.constexpr):
+        """This program's (KV head, key tile, batch) in `keyq._tile_of`'s order (both Gluon dk/dv kernels)."""
+        pid = gl.program_id(0)
+        grp = pid // (GH * NKT)
+        rr = pid % (GH * NKT)
+        return grp * GH + rr % GH, rr // GH, gl.program_id(1).to(gl.int64)
+
+    @gluon.jit
     def _producer(bufs, bars, ptrs, scal, G, BQ: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
         """K / V of the tile into shared memory (then `kv`), then each chunk's q / dO rows by cp.async into ring
         stage i % STAGES once both consumers released it; the list entries read a chunk ahead."""
@@ -143,12 +151,7 @@ if HAVE_GLUON:
                            sdkb, sdks, sdkh, S, G, NKT, scale, qk_scale,
                            BQ: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, GH: gl.constexpr,
                            CR: gl.constexpr):
-        pid = gl.program_id(0)
-        grp = pid // (GH * NKT)  # `keyq._tile_of`'s program order
-        rr = pid % (GH * NKT)
-        kvh = grp * GH + rr % GH
-        j = rr // GH
-        b = gl.program_id(1).to(gl.int64)
+        kvh, j, b = _key_tile_program(NKT, GH)
         dt: gl.constexpr = Q.dtype.element_ty
         RS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, D], dt)
         KS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, D], dt)
@@ -184,20 +187,23 @@ def available() -> bool:
     return HAVE_GLUON and hasattr(gl, "warp_specialize")
 
 
+def kernel_args(q, k, v, do, lse, delta, lists, BN: int, scale: float, log2e: float):
+    """(grid, positional arguments, dk, dv) of both Gluon dk/dv kernels (theirs share one signature up to the
+    constexprs): dk / dv `[B, S, H_kv, D]` allocated here, `lists` = `keyq.key_query_lists(indices, S, BN)`."""
+    B, T, H, D = q.shape
+    S, H_kv = k.shape[1], k.shape[2]
+    NKT = triton.cdiv(S, BN)
+    dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
+    dv = torch.empty_like(dk)
+    args = (q, k, v, do, lse, delta, *lists, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *do.stride()[:3], *lse.stride()[:3], *dk.stride()[:3], S, H // H_kv, NKT, scale, scale * log2e)
+    return (H_kv * NKT, B), args, dk, dv
+
+
 def launch(q, k, v, do, lse, delta, lists, scale: float, log2e: float, heads_together: int):
     """dk, dv `[B, S, H_kv, D]` from prebuilt `keyq.key_query_lists(indices, S, 64)`; the caller
     (`keyq_gluon.keyq_dkdv_gluon`, tune entry ws = 1) checks shapes and strides."""
-    B, T, H, D = q.shape
-    S, H_kv = k.shape[1], k.shape[2]
-    G = H // H_kv
-    off, lst, msk = lists
-    NKT = triton.cdiv(S, 64)
-    dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
-    dv = torch.empty_like(dk)
-    _kq_dkdv_ws_kernel[(H_kv * NKT, B)](
-        q, k, v, do, lse, delta, off, lst, msk, dk, dv, q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2), S, G, NKT, scale, scale * log2e,
-        BQ=ROWS // G, D=D, STAGES=STAGES, GH=heads_together, CR=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
+    grid, args, dk, dv = kernel_args(q, k, v, do, lse, delta, lists, 64, scale, log2e)
+    _kq_dkdv_ws_kernel[grid](*args, BQ=ROWS // (q.shape[2] // k.shape[2]), D=q.shape[3], STAGES=STAGES,
+                             GH=heads_together, CR=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
     return dk, dv
