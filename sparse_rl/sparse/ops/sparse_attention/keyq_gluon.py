@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from sparse_rl.sparse.ops.sparse_attention import keyq, keyq_gluon_ws
+from sparse_rl.sparse.ops.sparse_attention import keyq
 from sparse_rl.sparse.ops.sparse_attention.union import LOG2E
 from sparse_rl.sparse.ops.sparse_attention.union_gluon import HAVE_GLUON
 
@@ -28,7 +28,6 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from sparse_rl.sparse.ops.sparse_attention.keyq_gluon_ws import _key_tile_program
     from sparse_rl.sparse.ops.sparse_attention.union_gluon import _cp_async, _cta_barrier, _ring_landed
 
 BN = 64  # keys a tile by default (int64 masks; 32: int32)
@@ -44,6 +43,15 @@ def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 if HAVE_GLUON:
+
+    @gluon.jit
+    def _key_tile_program(NKT, GH: gl.constexpr):
+        """This program's (KV head, key tile, batch) in `keyq._tile_of`'s order (this module's kernel and
+        `keyq_gluon_ws`'s)."""
+        pid = gl.program_id(0)
+        grp = pid // (GH * NKT)
+        rr = pid % (GH * NKT)
+        return grp * GH + rr % GH, rr // GH, gl.program_id(1).to(gl.int64)
 
     @gluon.jit
     def _chunk_list(LIST, c, hi, G, BQ: gl.constexpr, ROWS: gl.constexpr, layout: gl.constexpr):
@@ -76,7 +84,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _row_stats(LSE, DELTA, t, ok, b, heads, slb, slt, slh):
-        """lse / delta `[128]` of the chunk's rows (queries t, live rows ok)."""
+        """lse / delta `[ROWS]` of the chunk's rows (queries t, live rows ok)."""
         t = t.to(gl.int64)
         lse = gl.load(LSE + b * slb + t * slt + heads * slh, mask=ok, other=float("-inf"))
         delta = gl.load(DELTA + b * slb + t * slt + heads * slh, mask=ok, other=0.0)
@@ -84,8 +92,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _chunk_scores(q_st, do_st, k_smem, v_smem, z):
-        """S = q K^T and dP = dO V^T on a chunk's 128 rows (ring stage q_st / do_st), issued (async: `_chunk_grads`
-        waits)."""
+        """S = q K^T and dP = dO V^T on a chunk's rows (ring stage q_st / do_st; the keys of k_smem / v_smem), issued
+        (async: `_chunk_grads` waits)."""
         s = warpgroup_mma(q_st, k_smem.permute((1, 0)), z, use_acc=False, is_async=True)
         dp = warpgroup_mma(do_st, v_smem.permute((1, 0)), z, use_acc=False, is_async=True)
         return s, dp
@@ -103,7 +111,9 @@ if HAVE_GLUON:
         p_smem.store(p.to(dt))
         ds_smem.store((p * (dp - delta[:, None])).to(dt))
         fence_async_shared()
-        _cta_barrier()  # both warpgroups' P / dS rows before MMAs that read all of them
+        # every warp's P / dS rows before MMAs that read all of them (this CTA's, or in `keyq_gluon_ws` the
+        # consumer partition's: Gluon's barrier there syncs that partition's warps)
+        _cta_barrier()
         dv = warpgroup_mma(do_st.permute((1, 0)), p_smem, dv, is_async=True)
         dk = warpgroup_mma(q_st.permute((1, 0)), ds_smem, dk, is_async=True)
         return warpgroup_mma_wait(0, deps=(dk, dv))
@@ -193,6 +203,19 @@ if HAVE_GLUON:
         gl.store(DV + base, dv.to(dt), mask=m)
 
 
+def kernel_args(q, k, v, do, lse, delta, lists, BN: int, scale: float, log2e: float):
+    """(grid, positional arguments, dk, dv) of both Gluon dk/dv kernels (theirs share one signature up to the
+    constexprs): dk / dv `[B, S, H_kv, D]` allocated here, `lists` = `keyq.key_query_lists(indices, S, BN)`."""
+    B, T, H, D = q.shape
+    S, H_kv = k.shape[1], k.shape[2]
+    NKT = triton.cdiv(S, BN)
+    dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
+    dv = torch.empty_like(dk)
+    args = (q, k, v, do, lse, delta, *lists, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *do.stride()[:3], *lse.stride()[:3], *dk.stride()[:3], S, H // H_kv, NKT, scale, scale * log2e)
+    return (H_kv * NKT, B), args, dk, dv
+
+
 def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple | None = None, lists=None):
     """`keyq.keyq_dkdv` on an sm_90 GPU: dk, dv `[B, S, H_kv, D]` of per-query `indices` `[B, T, K]`; q / do
     `[B, T, H, D]`, lse / delta `[B, T, H]` fp32 with equal strides. tune = (STAGES, heads_together, prefetch, rows,
@@ -228,11 +251,13 @@ def keyq_dkdv_gluon(q, k, v, indices, do, lse, delta, scale: float, tune: tuple 
     if msk.dtype != (torch.int64 if bn == 64 else torch.int32):
         raise ValueError(f"keyq_dkdv_gluon: lists of {msk.dtype} masks for {bn}-key tiles")
     if ws:  # the warp-specialized form: 128 rows, 64-key tiles, 2 stages, its lists read ahead by its producer
+        from sparse_rl.sparse.ops.sparse_attention import keyq_gluon_ws  # it imports this module's pieces
+
         if rows != 128 or bn != 64 or not keyq_gluon_ws.available():
             raise ValueError(f"keyq_dkdv_gluon: tune {tune}: ws needs rows 128, 64-key tiles and Gluon's "
                              "warp_specialize")
         return keyq_gluon_ws.launch(q, k, v, do, lse, delta, (off, lst, msk), scale, LOG2E, gh)
-    grid, args, dk, dv = keyq_gluon_ws.kernel_args(q, k, v, do, lse, delta, (off, lst, msk), bn, scale, LOG2E)
+    grid, args, dk, dv = kernel_args(q, k, v, do, lse, delta, (off, lst, msk), bn, scale, LOG2E)
     _kq_dkdv_gluon_kernel[grid](*args, BQ=rows // G, D=D, STAGES=stages, GH=gh, PREFETCH=bool(prefetch), ROWS=rows,
                                 BN=bn, num_warps=rows // 16)
     return dk, dv

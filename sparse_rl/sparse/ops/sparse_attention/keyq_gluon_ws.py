@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from sparse_rl.sparse.ops.sparse_attention.keyq_gluon import kernel_args
 from sparse_rl.sparse.ops.sparse_attention.union_gluon import HAVE_GLUON
 
 if HAVE_GLUON:
@@ -27,7 +28,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                                   warpgroup_mma, warpgroup_mma_wait)
 
-    from sparse_rl.sparse.ops.sparse_attention.union_gluon import _cp_async
+    from sparse_rl.sparse.ops.sparse_attention.keyq_gluon import (_chunk_grads, _chunk_list, _chunk_scores,
+                                                                  _issue_rows, _key_tile_program, _row_stats)
     # inside a warp-specialized partition Gluon's barrier syncs that partition's warps only (a named barrier of its
     # thread count: `BAR.SYNC 0x2, 0x80` in the consumers' SASS)
     from sparse_rl.sparse.ops.sparse_attention.union_gluon import _cta_barrier as _group_barrier
@@ -39,14 +41,6 @@ CONSUMER_REGS = 200  # the consumers' setmaxnreg (dK^T / dV^T / S / dP: 128 of t
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _key_tile_program(NKT, GH: gl.constexpr):
-        """This program's (KV head, key tile, batch) in `keyq._tile_of`'s order (both Gluon dk/dv kernels)."""
-        pid = gl.program_id(0)
-        grp = pid // (GH * NKT)
-        rr = pid % (GH * NKT)
-        return grp * GH + rr % GH, rr // GH, gl.program_id(1).to(gl.int64)
 
     @gluon.jit
     def _producer(bufs, bars, ptrs, scal, G, BQ: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
@@ -70,19 +64,13 @@ if HAVE_GLUON:
         _group_barrier()  # every producer thread's K / V rows before the one arrival
         mbarrier.arrive(kv.index(0))
 
-        r = gl.arange(0, 128, layout=gl.SliceLayout(1, LOAD))
-        heads = kvh * G + r % G
-        tc = gl.load(LIST + lo + r // G, mask=(r // G < BQ) & (lo + r // G < hi), other=0)
+        tc, _ = _chunk_list(LIST, lo, hi, G, BQ, 128, gl.SliceLayout(1, LOAD))
         for i in range(gl.cdiv(hi - lo, BQ)):
             st = i % STAGES
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
-            t = tc.to(gl.int64)
-            _cp_async(q_smem.index(st), Q + b * sqb + t[:, None] * sqt + heads[:, None] * sqh + d_l[None, :])
-            _cp_async(do_smem.index(st), DO + b * sdob + t[:, None] * sdot + heads[:, None] * sdoh + d_l[None, :])
+            _issue_rows(q_smem, do_smem, Q, DO, tc, b, kvh, G, sqb, sqt, sqh, sdob, sdot, sdoh, st, D, 128, LOAD)
             async_copy.mbarrier_arrive(ready.index(st), increment_count=False)  # when this thread's copies land
-            async_copy.commit_group()
-            e = lo + (i + 1) * BQ + r // G
-            tc = gl.load(LIST + e, mask=(r // G < BQ) & (e < hi), other=0)
+            tc, _ = _chunk_list(LIST, lo + (i + 1) * BQ, hi, G, BQ, 128, gl.SliceLayout(1, LOAD))
         async_copy.wait_group(0)
 
     @gluon.jit
@@ -106,35 +94,19 @@ if HAVE_GLUON:
         v_w = v_smem.index(WG)
         p_w = p_smem.index(WG)
         ds_w = ds_smem.index(WG)
-        ok = (r // G < BQ) & (lo + r // G < hi)
-        t = gl.load(LIST + lo + r // G, mask=ok, other=0)
+        t, ok = _chunk_list(LIST, lo, hi, G, BQ, 128, gl.SliceLayout(1, ACC))
         mbarrier.wait(kv.index(0), 0)
         for i in range(gl.cdiv(hi - lo, BQ)):
             st = i % STAGES
             mbarrier.wait(ready.index(st), (i // STAGES) & 1)
             fence_async_shared()  # the cp.async writes before the MMAs' async-proxy reads
-            s = warpgroup_mma(q_smem.index(st), k_w.permute((1, 0)), z, use_acc=False, is_async=True)
-            dp = warpgroup_mma(do_smem.index(st), v_w.permute((1, 0)), z, use_acc=False, is_async=True)
+            s, dp = _chunk_scores(q_smem.index(st), do_smem.index(st), k_w, v_w, z)
             # under the MMAs: this chunk's key bits, lse, delta; the next chunk's list entries
             w = gl.load(MSK + lo + i * BQ + r // G, mask=ok, other=0)
-            t64 = t.to(gl.int64)
-            lse = gl.load(LSE + b * slb + t64 * slt + heads * slh, mask=ok, other=float("-inf"))
-            delta = gl.load(DELTA + b * slb + t64 * slt + heads * slh, mask=ok, other=0.0)
-            e = lo + (i + 1) * BQ + r // G
-            ok_n = (r // G < BQ) & (e < hi)
-            t_n = gl.load(LIST + e, mask=ok_n, other=0)
-            row_ok = (lse != float("-inf")) & ok
-            lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
-            s, dp = warpgroup_mma_wait(0, deps=(s, dp))
-            sel = (((w[:, None] >> nbit[None, :]) & 1) == 1) & row_ok[:, None]
-            p = gl.where(sel, gl.exp2(s * qk_scale - lse2[:, None]), 0.0)
-            p_w.store(p.to(dt))
-            ds_w.store((p * (dp - delta[:, None])).to(dt))
-            fence_async_shared()
-            _group_barrier()  # this warpgroup's P / dS rows before its MMAs read all of them
-            dv = warpgroup_mma(do_smem.index(st).permute((1, 0)), p_w, dv, is_async=True)
-            dk = warpgroup_mma(q_smem.index(st).permute((1, 0)), ds_w, dk, is_async=True)
-            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+            lse, delta = _row_stats(LSE, DELTA, t, ok, b, heads, slb, slt, slh)
+            t_n, ok_n = _chunk_list(LIST, lo + (i + 1) * BQ, hi, G, BQ, 128, gl.SliceLayout(1, ACC))
+            dk, dv = _chunk_grads(s, dp, q_smem.index(st), do_smem.index(st), p_w, ds_w, dk, dv, lse, delta, w, ok,
+                                  nbit, qk_scale, dt)
             _group_barrier()  # every warp past its MMAs' reads of stage st (and of P / dS)
             mbarrier.arrive(empty.index(st))
             t, ok = t_n, ok_n
@@ -185,19 +157,6 @@ if HAVE_GLUON:
 def available() -> bool:
     """Gluon with warp specialization (Triton >= 3.6's `gl.warp_specialize`)."""
     return HAVE_GLUON and hasattr(gl, "warp_specialize")
-
-
-def kernel_args(q, k, v, do, lse, delta, lists, BN: int, scale: float, log2e: float):
-    """(grid, positional arguments, dk, dv) of both Gluon dk/dv kernels (theirs share one signature up to the
-    constexprs): dk / dv `[B, S, H_kv, D]` allocated here, `lists` = `keyq.key_query_lists(indices, S, BN)`."""
-    B, T, H, D = q.shape
-    S, H_kv = k.shape[1], k.shape[2]
-    NKT = triton.cdiv(S, BN)
-    dk = torch.empty(B, S, H_kv, D, device=q.device, dtype=k.dtype)
-    dv = torch.empty_like(dk)
-    args = (q, k, v, do, lse, delta, *lists, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *do.stride()[:3], *lse.stride()[:3], *dk.stride()[:3], S, H // H_kv, NKT, scale, scale * log2e)
-    return (H_kv * NKT, B), args, dk, dv
 
 
 def launch(q, k, v, do, lse, delta, lists, scale: float, log2e: float, heads_together: int):
