@@ -6,12 +6,7 @@
 #   3. on an H200 (> 100 GB): the #14 rows at the target's shape, `bench rollout` b32 16K (the cuda decode select's
 #      first H200 run); on an H100: the CUDA sampled quantile of branch cuda-quantile (its tests and select script).
 # Usage (device machine, repository root): TOTAL=520 bash benchmarks/gpu_session29.sh   (writes under $OUT)
-set -u
-export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-TOTAL=${TOTAL:-520}
-SRL="python3 -m sparse_rl.cli.main"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+source benchmarks/gpu_lib.sh  # set -u, PYTHONPATH, TOTAL, SRL, $mem
 timeout 130 python3 -m pytest -q tests/sparse/test_union_gluon.py > "$OUT/t_gluon.log" 2>&1
 echo "gluon tests rc=$? at ${SECONDS}s"; grep -E "passed|failed|Error|assert" "$OUT/t_gluon.log" | grep -v "^ - " | tail -12
 seq=32768,131072; [ "$mem" -gt 100000 ] && seq=32768

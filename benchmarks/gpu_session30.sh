@@ -8,23 +8,9 @@
 # Usage (device machine, repository root): TOTAL=520 bash benchmarks/gpu_session30.sh   (writes under $OUT)
 # Options: ROLLOUT=0 (skip the H200 rollout), NCU=1 (H100: ncu of the tile forward / dq), GF=1 (H100: keyq_gluon's
 # program orders and the Gluon dq at 32K / 128K).
-set -u
-export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-TOTAL=${TOTAL:-520}
-SRL="python3 -m sparse_rl.cli.main"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+source benchmarks/gpu_lib.sh  # set -u, PYTHONPATH, TOTAL, SRL, $mem
 timeout 60 python3 -m pytest -q tests/sparse/test_union_gluon.py -k auto > "$OUT/t_auto.log" 2>&1
 echo "auto tests rc=$? at ${SECONDS}s"; tail -2 "$OUT/t_auto.log"
-ncu_fwd() {  # the tile forward / dq kernels, Triton against Gluon, by counters (benchmarks/gpu_ncu_session30.py)
-  timeout "$1" ncu --clock-control none --profile-from-start off -k regex:'_tile_(fwd|dq)|_kq_dkdv' \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
-    --section MemoryWorkloadAnalysis -o "$OUT/ncu30" python3 benchmarks/gpu_ncu_session30.py > "$OUT/ncu30.log" 2>&1
-  echo "ncu rc=$? at ${SECONDS}s"; tail -3 "$OUT/ncu30.log"
-  ncu --import "$OUT/ncu30.ncu-rep" --page details > "$OUT/ncu30.txt" 2>&1
-  keep="^  _|Duration|Registers Per|Achieved Occupancy|Eligible Warps|Issued Warp|No Eligible|L2 Hit"
-  grep -E "$keep|Memory Throughput|DRAM Throughput|Compute \(SM\)|Stall|Block Limit" "$OUT/ncu30.txt" | head -120
-}
 gluon_sweep() {  # GF=1: keyq_gluon's program orders, the Gluon dq at 32K / 128K (gpu_gluon_fwd_session29.py)
   timeout "$1" python3 benchmarks/gpu_gluon_fwd_session29.py --seqlens 32768,131072 --budget $(($1 - 15)) --tunes 32x2 \
     --dq-tunes 64x2 --keyq-tunes 2x1,2x4,2x8 --reps 1 --out "$OUT/gf30" > "$OUT/gf30.log" 2>&1
@@ -44,6 +30,6 @@ if [ "$mem" -gt 100000 ] && [ "${ROLLOUT:-1}" = 1 ]; then
   left=$((TOTAL - SECONDS)); [ $left -gt 100 ] && attention $((left - 5))
 else
   attention $((TOTAL - SECONDS - 70))
-  left=$((TOTAL - SECONDS)); [ "${NCU:-0}" = 1 ] && [ $left -gt 60 ] && ncu_fwd $((left - 10))
+  left=$((TOTAL - SECONDS)); [ "${NCU:-0}" = 1 ] && [ $left -gt 60 ] && ncu_tiles $((left - 10)) ncu30
   left=$((TOTAL - SECONDS)); [ "${GF:-0}" = 1 ] && [ $left -gt 80 ] && gluon_sweep $((left - 10))
 fi

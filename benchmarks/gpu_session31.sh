@@ -7,12 +7,7 @@
 #     query lists read ahead (PREFETCH) at 32K trained, then ncu of every tile / dk-dv form
 #     (benchmarks/gpu_ncu_session30.py: counters of the Triton, Gluon and Gluon-PREFETCH kernels).
 # Usage (device machine, repository root): TOTAL=540 bash benchmarks/gpu_session31.sh   (writes under $OUT)
-set -u
-export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-TOTAL=${TOTAL:-520}
-SRL="python3 -m sparse_rl.cli.main"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+source benchmarks/gpu_lib.sh  # set -u, PYTHONPATH, TOTAL, SRL, $mem
 git log -1 --format=%h > "$OUT/commit.txt" 2>/dev/null
 tests() {  # $1 seconds, $2 pytest -k expression
   timeout "$1" python3 -m pytest -q -x tests/sparse/test_union_gluon.py -k "$2" > "$OUT/t_gluon.log" 2>&1
@@ -23,15 +18,6 @@ ab() {  # $1 s, $2 seqlens: Triton / Gluon / Gluon PREFETCH, forward, dq, keyq d
     --tunes 32x2,32x2x0x1,64x2,64x2x0x1 --dq-tunes 64x2,64x2x1 --keyq-tunes 2x2x1,2x2x1x128x64x1 --reps 2 \
     --out "$OUT/pf31" > "$OUT/pf31.log" 2>&1
   echo "prefetch A/B rc=$? at ${SECONDS}s"; tail -c 3000 "$OUT/pf31.log"
-}
-ncu_all() {
-  timeout "$1" ncu --clock-control none --profile-from-start off -k regex:'_tile_(fwd|dq)|_kq_dkdv' \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
-    --section MemoryWorkloadAnalysis -o "$OUT/ncu31" python3 benchmarks/gpu_ncu_session30.py > "$OUT/ncu31.log" 2>&1
-  echo "ncu rc=$? at ${SECONDS}s"; tail -3 "$OUT/ncu31.log"
-  ncu --import "$OUT/ncu31.ncu-rep" --page details > "$OUT/ncu31.txt" 2>&1
-  keep="^  _|Duration|Registers Per|Achieved Occupancy|Eligible Warps|Issued Warp|No Eligible|L2 Hit"
-  grep -E "$keep|Memory Throughput|DRAM Throughput|Compute \(SM\)" "$OUT/ncu31.txt" | head -150
 }
 if [ "$mem" -gt 100000 ] && [ "${ROLLOUT:-1}" = 1 ]; then
   timeout $((TOTAL - SECONDS - 150)) $SRL bench rollout --config recipes/rollout_bench_qwen3_4b.yaml \
@@ -46,5 +32,5 @@ else
   echo "ws tests rc=$? at ${SECONDS}s"; tail -3 "$OUT/t_ws.log"
   ab $((TOTAL - SECONDS - 100)) 32768  # the timings (each row also checks its result against Triton's)
   left=$((TOTAL - SECONDS)); [ $left -gt 40 ] && tests $((left > 230 ? 130 : left - 10)) "not rejects"
-  left=$((TOTAL - SECONDS)); [ $left -gt 90 ] && ncu_all $((left - 10))
+  left=$((TOTAL - SECONDS)); [ $left -gt 90 ] && ncu_tiles $((left - 10)) ncu31
 fi
