@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from sparse_rl.sparse.ops.sparse_attention.keyq_gluon import kernel_args
+from sparse_rl.sparse.ops.sparse_attention.keyq_gluon_chunk import kernel_args
 from sparse_rl.sparse.ops.sparse_attention.union_gluon import HAVE_GLUON
 
 if HAVE_GLUON:
@@ -28,8 +28,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                                   warpgroup_mma, warpgroup_mma_wait)
 
-    from sparse_rl.sparse.ops.sparse_attention.keyq_gluon import (_chunk_grads, _chunk_list, _chunk_scores,
-                                                                  _issue_rows, _key_tile_program, _row_stats)
+    from sparse_rl.sparse.ops.sparse_attention.keyq_gluon_chunk import (_chunk_grads, _chunk_list, _chunk_scores,
+                                                                        _issue_rows, _key_tile_program, _row_stats)
     # inside a warp-specialized partition Gluon's barrier syncs that partition's warps only (a named barrier of its
     # thread count: `BAR.SYNC 0x2, 0x80` in the consumers' SASS)
     from sparse_rl.sparse.ops.sparse_attention.union_gluon import _cta_barrier as _group_barrier
