@@ -66,10 +66,24 @@ def test_keyq_on_shared_rows_with_left_padding(H, H_kv, group, T, left):
         assert _rel(a, b) < 1e-5
 
 
-@pytest.mark.parametrize("BN", [16, 32, 64])
-def test_key_query_lists_are_the_transposed_selection(BN):
-    B, T, S, K = 2, 45, 140, 11
-    idx = _random_rows(B, T, S, K, BN)
+def _ascending_rows(B, T, S, K, seed):
+    """The top-k's order: ascending keys, -1 padding at the end; holes inside runs of one tile, an out-of-range key,
+    K over two of the interpreter's 32-key blocks (runs cut by a block edge), the last bit of a 64-key word."""
+    idx = _random_rows(B, T, S, K, seed)
+    idx[1, 7] = torch.arange(S - K, S)  # consecutive keys to the last one: whole tiles, bits 31 / 63 set
+    idx[1, 8, K // 2:] = -1
+    srt = torch.where(idx < 0, S + 100, idx).sort(-1).values
+    return torch.where(srt == S + 100, -1, srt).to(torch.int32)
+
+
+@pytest.mark.parametrize("BN,K,order", [(16, 11, "random"), (32, 11, "random"), (64, 11, "random"),
+                                        (16, 75, "ascending"), (64, 75, "ascending")])
+def test_key_query_lists_are_the_transposed_selection(BN, K, order):
+    """The bits pass adds each run of a row's keys in one tile at the run's ends (`keyq._kq_bits_kernel`): random
+    rows make runs of one key, ascending rows (the top-k's order) one run a tile, cut by the interpreter's 32-key
+    block edges at K 75; both give the lists read off the rows directly."""
+    B, T, S = 2, 45, 140
+    idx = (_random_rows if order == "random" else _ascending_rows)(B, T, S, K, BN)
     off, lst, msk = keyq.key_query_lists(idx, S, BN)
     NKT = -(-S // BN)
     n = 0
