@@ -64,8 +64,10 @@ def _bits(kernel, idx, S: int, BN: int, cuda: bool):
     B, T, K = idx.shape
     NKT = triton.cdiv(S, BN)
     m = torch.zeros(B, NKT, T, dtype=torch.int64 if BN == 64 else torch.int32, device=idx.device)
-    BQ, BK = ((16, 1024) if kernel is keyq._kq_bits_kernel else (16, 256)) if cuda else (4, 32)
-    kernel[(triton.cdiv(T, BQ), B)](idx, m if kernel is _old_kq_bits_kernel else m.view(torch.int32), T, K, S, NKT, *idx.stride(), BN=BN, BQ=BQ, BLOCK_K=BK, num_warps=4)
+    BK = min(1024, max(32, triton.next_power_of_2(K))) if kernel is keyq._kq_bits_kernel else 256
+    BQ, BK = (16, BK) if cuda else (4, 32)
+    words = m if kernel is _old_kq_bits_kernel else m.view(torch.int32)  # the new pass writes int32 halves
+    kernel[(triton.cdiv(T, BQ), B)](idx, words, T, K, S, NKT, *idx.stride(), BN=BN, BQ=BQ, BLOCK_K=BK, num_warps=4)
     return m
 
 
