@@ -55,25 +55,22 @@ def _old_kq_bits_kernel(IDX, M, T, NK, S, NKT, sib, sit, sik, BN: tl.constexpr, 
                 tl.atomic_or(M + (b * NKT + j) * T + t, one, mask=ok, sem="relaxed")
 
 
-def _bits(kernel, idx, S: int, BN: int, cuda: bool):
-    """keyq's `[B, NKT, T]` words by `kernel` (its launch in `keyq.key_query_lists`; the old kernel's at 256 keys a
-    block)."""
+def _old_bits(idx, S: int, BN: int, cuda: bool):
+    """keyq's `[B, NKT, T]` words by the old kernel at its old launch (256 keys a block)."""
     import torch
-
-    from sparse_rl.sparse.ops.sparse_attention import keyq
 
     B, T, K = idx.shape
     NKT = triton.cdiv(S, BN)
     m = torch.zeros(B, NKT, T, dtype=torch.int64 if BN == 64 else torch.int32, device=idx.device)
-    BK = min(1024, max(32, triton.next_power_of_2(K))) if kernel is keyq._kq_bits_kernel else 256
-    BQ, BK = (16, BK) if cuda else (4, 32)
-    words = m if kernel is _old_kq_bits_kernel else m.view(torch.int32)  # the new pass writes int32 halves
-    kernel[(triton.cdiv(T, BQ), B)](idx, words, T, K, S, NKT, *idx.stride(), BN=BN, BQ=BQ, BLOCK_K=BK, num_warps=4)
+    BQ, BK = (16, 256) if cuda else (4, 32)
+    _old_kq_bits_kernel[(triton.cdiv(T, BQ), B)](idx, m, T, K, S, NKT, *idx.stride(), BN=BN, BQ=BQ, BLOCK_K=BK,
+                                                 num_warps=4)
     return m
 
 
 def _runs(idx, W: int) -> int:
-    """Atomics of the run form on these rows: runs of equal words among a row's valid keys (block edges aside)."""
+    """Runs of equal W-key words among the rows' valid keys (block edges aside): the new pass takes at most two
+    atomics a run."""
     ok = idx >= 0
     w = (idx // W).masked_fill(~ok, -1)
     new = ok.clone()
@@ -115,10 +112,10 @@ def main() -> None:
             idx = patterns.trained_selection(ix, L, K, dev, gen)
             row.update(pairs=int((idx >= 0).sum()), runs_w32=_runs(idx, 32),
                        ascending=bool((idx[..., 1:] >= idx[..., :-1]).logical_or(idx[..., 1:] < 0).all()))
-            fns = {"kq_bits_old": lambda: _bits(_old_kq_bits_kernel, idx, L, 64, cuda),
-                   "kq_bits_new": lambda: _bits(keyq._kq_bits_kernel, idx, L, 64, cuda),
-                   "kq_bits32_old": lambda: _bits(_old_kq_bits_kernel, idx, L, 32, cuda),
-                   "kq_bits32_new": lambda: _bits(keyq._kq_bits_kernel, idx, L, 32, cuda)}
+            fns = {"kq_bits_old": lambda: _old_bits(idx, L, 64, cuda),
+                   "kq_bits_new": lambda: keyq.query_bits(idx, L, 64),
+                   "kq_bits32_old": lambda: _old_bits(idx, L, 32, cuda),
+                   "kq_bits32_new": lambda: keyq.query_bits(idx, L, 32)}
             for bn in ("", "32"):
                 row[f"kq_bits{bn}_equal"] = bool(torch.equal(fns[f"kq_bits{bn}_old"](), fns[f"kq_bits{bn}_new"]()))
             fns["kq_lists"] = lambda: keyq.key_query_lists(idx, L, 64)

@@ -112,22 +112,32 @@ def _kq_compact_kernel(M, OFF, LIST, MSK, T, NKT, CH: tl.constexpr):
         n += tl.sum(nz.to(tl.int32), 0)
 
 
+def query_bits(indices: torch.Tensor, S: int, BN: int) -> torch.Tensor:
+    """The lists' first step: `[B, NKT, T]` words (int32 for BN <= 32, int64 for BN 64), word (j, t) = the BN-bit
+    mask of the keys of tile j that query t selected (`_kq_bits_kernel`)."""
+    B, T, K = indices.shape
+    NKT = triton.cdiv(S, BN)
+    m = torch.zeros(B, NKT, T, dtype=torch.int64 if BN == 64 else torch.int32, device=indices.device)
+    # a row's keys in one block where K <= 1024 (fewer run splits at block edges; 2.4 warp instructions a key at
+    # 1024 vs 4.3 at 256, sm_90a SASS)
+    BQ, BK = (16, min(1024, max(32, triton.next_power_of_2(K)))) if indices.is_cuda else (4, 32)
+    _kq_bits_kernel[(triton.cdiv(T, BQ), B)](indices, m.view(torch.int32), T, K, S, NKT, *indices.stride(), BN=BN,
+                                             BQ=BQ, BLOCK_K=BK, num_warps=4)
+    return m
+
+
 def key_query_lists(indices: torch.Tensor, S: int, BN: int):
     """Per-query indices `[B, T, K]` -> the transposed selection per key tile of BN keys (16/32/64):
     (offsets `[B * NKT + 1]` int32 CSR, queries `[nnz]` int32 ascending per key tile, masks `[nnz]`
     int32 (BN <= 32) / int64 (BN 64): bit n = key j BN + n selected by that query). One host sync."""
     if BN not in KEY_TILES:
         raise ValueError(f"key_query_lists: BN {BN} (one of {KEY_TILES})")
-    B, T, K = indices.shape
+    B, T, _ = indices.shape
     dev = indices.device
     NKT = triton.cdiv(S, BN)
-    wdt = torch.int64 if BN == 64 else torch.int32
-    m = torch.zeros(B, NKT, T, dtype=wdt, device=dev)
-    # a row's keys in one block where K <= 1024 (fewer run splits at block edges; 2.4 warp instructions a key at
-    # 1024 vs 4.3 at 256, sm_90a SASS)
-    BQ, BK, CH = (16, min(1024, max(32, triton.next_power_of_2(K))), 1024) if indices.is_cuda else (4, 32, 32)
-    _kq_bits_kernel[(triton.cdiv(T, BQ), B)](indices, m.view(torch.int32), T, K, S, NKT, *indices.stride(), BN=BN,
-                                             BQ=BQ, BLOCK_K=BK, num_warps=4)
+    m = query_bits(indices, S, BN)
+    wdt = m.dtype
+    CH = 1024 if indices.is_cuda else 32
     cnt = torch.empty(B * NKT, dtype=torch.int32, device=dev)
     _kq_count_kernel[(NKT, B)](m, cnt, T, NKT, CH=CH, num_warps=4)
     off = torch.zeros(B * NKT + 1, dtype=torch.int32, device=dev)
